@@ -1,0 +1,24 @@
+# tunegrid: why does a QLoRA fine-tune fail, and which setting fixes it?
+# This file is a table of contents: stages live in workflow/rules/, logic in src/tunegrid/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "configs/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/environment.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/checkpoint.smk"
+include: "workflow/rules/probe.smk"
+include: "workflow/rules/tracking.smk"
+include: "workflow/rules/finetune.smk"
+include: "workflow/rules/summary.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        get_final_outputs(),

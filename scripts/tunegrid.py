@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""Entry point the Snakemake rules call: `python scripts/tunegrid.py <stage> ...` (see tunegrid.cli)."""
+
+import sys
+from pathlib import Path
+
+# Works from a plain checkout too (a SLURM node without the editable install): the package is in src/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tunegrid.cli import main  # noqa: E402
+
+sys.exit(main())

@@ -1,0 +1,176 @@
+"""Model checkpoints from three sources (hub, local path, synthetic), one folder layout, one manifest.
+
+The folder holds config.json, *.safetensors, the tokenizer files and manifest.json (source, revision or
+config, size and sha256 of every file). Loading is safetensors-only: pickle checkpoints are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from tunegrid.files import read_json, write_json
+
+SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer*", "*.model", "*.txt"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be produced or trusted; the message says why and what to do."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
+    files = {}
+    for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "manifest.json"):
+        real = path.resolve()
+        files[str(path.relative_to(model_dir))] = {"bytes": real.stat().st_size, "sha256": sha256_file(real)}
+    manifest = {"source": source, "files": files}
+    write_json(model_dir / "manifest.json", manifest)
+    return manifest
+
+
+def verify_checkpoint(model_dir: str | Path, *, hashes: bool = False) -> dict[str, Any]:
+    """Check the folder against its manifest before loading; sizes always, sha256 when asked."""
+    model_dir = Path(model_dir)
+    manifest_path = model_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{model_dir}: no manifest.json; rebuild it with the checkpoint rule")
+    manifest = read_json(manifest_path)
+    for name, fact in manifest["files"].items():
+        path = model_dir / name
+        if not path.exists():
+            raise CheckpointError(f"{model_dir}: {name} listed in manifest.json is missing; re-run the checkpoint rule")
+        size = path.resolve().stat().st_size
+        if size != fact["bytes"]:
+            raise CheckpointError(
+                f"{model_dir}: {name} has {size} bytes, manifest says {fact['bytes']} (truncated or replaced?)"
+            )
+        if hashes and sha256_file(path.resolve()) != fact["sha256"]:
+            raise CheckpointError(f"{model_dir}: {name} does not match its sha256 in manifest.json")
+    if not any(name.endswith(".safetensors") for name in manifest["files"]):
+        raise CheckpointError(f"{model_dir}: no *.safetensors weights; tunegrid loads safetensors only")
+    return manifest
+
+
+# --- synthetic ---------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer trained offline on the study's own data."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> dict[str, Any]:
+    """Random-init checkpoint of a real transformers architecture at the size the config gives."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = dict(spec["config"])
+    vocab_size = int(overrides.get("vocab_size", 512))
+    tokenizer = train_tokenizer(texts, vocab_size)
+    overrides.update(
+        vocab_size=vocab_size,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    try:
+        config = AutoConfig.for_model(spec["architecture"], **overrides)
+    except ValueError as exc:
+        raise CheckpointError(f"architecture {spec['architecture']!r}: {exc}") from None
+    torch.manual_seed(spec["seed"])
+    model = AutoModelForCausalLM.from_config(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    return write_manifest(
+        out_dir,
+        {"kind": "synthetic", "architecture": spec["architecture"], "config": overrides, "seed": spec["seed"], "params": n_params},
+    )
+
+
+# --- hub ---------------------------------------------------------------------------------------------
+
+
+def download_hub(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Pinned-revision, safetensors-only snapshot. The token comes from HF_TOKEN, never from config.
+
+    No test reaches a hub (there is no network here); errors are mapped to one actionable sentence.
+    """
+    from huggingface_hub import snapshot_download
+
+    repo_id, revision = spec["repo_id"], spec["revision"]
+    try:
+        snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_dir=out_dir)
+    except Exception as exc:  # the hub library raises many types; the user needs one sentence
+        raise CheckpointError(_hub_error_sentence(repo_id, revision, exc)) from None
+    if not list(out_dir.glob("*.safetensors")):
+        raise CheckpointError(f"{repo_id}@{revision} has no *.safetensors files; tunegrid refuses pickle weights")
+    return write_manifest(out_dir, {"kind": "hub", "repo_id": repo_id, "revision": revision})
+
+
+def _hub_error_sentence(repo_id: str, revision: str, exc: Exception) -> str:
+    name = type(exc).__name__
+    where = f"hub model {repo_id}@{revision[:12]}"
+    if name == "GatedRepoError":
+        return f"{where} is gated: accept its licence on the hub and export HF_TOKEN (never put it in the config)"
+    if name in {"RepositoryNotFoundError", "RevisionNotFoundError"}:
+        return f"{where}: repository or revision not found (check repo_id and the 40-hex revision, or HF_TOKEN for private repos)"
+    if name in {"LocalEntryNotFoundError", "OfflineModeIsEnabled"} or "connect" in str(exc).lower():
+        return f"{where} cannot be downloaded: no network or HF_HUB_OFFLINE is set; download it elsewhere and use source: local"
+    return f"{where} could not be downloaded ({name}); see the rule log"
+
+
+# --- local -------------------------------------------------------------------------------------------
+
+
+def link_local(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """Link a local checkpoint's files into the study (no copy) and record their hashes."""
+    src = Path(spec["path"]).resolve()
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"local checkpoint {src}: no config.json")
+    if not list(src.glob("*.safetensors")):
+        pickles = [p.name for p in src.glob("*.bin")] + [p.name for p in src.glob("*.pt")]
+        hint = f" (found pickle files {pickles}: convert them to safetensors first)" if pickles else ""
+        raise CheckpointError(f"local checkpoint {src}: no *.safetensors weights{hint}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in src.iterdir():
+        if path.is_file() and path.suffix not in {".bin", ".pt", ".pth", ".pkl"} and path.name != "manifest.json":
+            target = out_dir / path.name
+            if not target.exists():
+                os.symlink(path, target)
+    return write_manifest(out_dir, {"kind": "local", "path": str(src)})
+
+
+def produce_checkpoint(spec: dict[str, Any], texts: list[str], out_dir: str | Path) -> dict[str, Any]:
+    out_dir = Path(out_dir)
+    source = spec["source"]
+    if source == "synthetic":
+        return build_synthetic(spec, texts, out_dir)
+    if source == "hub":
+        return download_hub(spec, out_dir)
+    return link_local(spec, out_dir)

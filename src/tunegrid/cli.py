@@ -1,0 +1,166 @@
+"""Command-line entry points the Snakemake rules call; each one can be re-run by hand from its log."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tunegrid.checkpoints import CheckpointError
+from tunegrid.config import ConfigError
+from tunegrid.files import read_json, write_json
+
+
+def _dataset(args: argparse.Namespace) -> None:
+    from tunegrid.data import write_dataset
+
+    write_dataset(args.out, args.examples, args.seed)
+
+
+def _checkpoint(args: argparse.Namespace) -> None:
+    from tunegrid.checkpoints import produce_checkpoint
+    from tunegrid.data import corpus_texts, read_dataset
+
+    spec = json.loads(args.spec)
+    texts = list(corpus_texts(read_dataset(args.data)))
+    manifest = produce_checkpoint(spec, texts, Path(args.out))
+    print(f"checkpoint {args.out}: {len(manifest['files'])} files, source {manifest['source']['kind']}")
+
+
+def _environment(args: argparse.Namespace) -> None:
+    from tunegrid.environment import full_env
+
+    env = full_env()
+    Path(args.freeze).write_text("\n".join(env["all_packages"]) + "\n")
+    write_json(args.out, env)
+
+
+def _probe(args: argparse.Namespace) -> None:
+    from tunegrid.probes import probe
+
+    record = probe(budget_s=args.budget_s)
+    write_json(args.out, record)
+    print(f"probe: device {record['device']}, precision {record['precision']}, {record['probe_seconds']:.1f} s")
+
+
+def _tracking_init(args: argparse.Namespace) -> None:
+    from tunegrid.tracking import init_experiment, redact_uri, resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri)
+    experiment_id = init_experiment(uri, args.experiment, Path(args.artifact_root))
+    write_json(args.out, {"tracking_uri": redact_uri(uri), "experiment_name": args.experiment, "experiment_id": experiment_id})
+    print(f"MLflow experiment {args.experiment!r} (id {experiment_id}) in {redact_uri(uri)}")
+
+
+def _finetune(args: argparse.Namespace) -> None:
+    from tunegrid.supervisor import run_cell
+
+    spec = json.loads(args.spec)
+    result = run_cell(
+        spec=spec,
+        model_dir=Path(args.model_dir),
+        data_path=Path(args.data),
+        run_dir=Path(args.run_dir),
+        result_path=Path(args.result),
+        tracking_path=Path(args.tracking) if args.tracking else None,
+        log_path=Path(args.log) if args.log else None,
+        command=[sys.executable, *sys.argv],
+    )
+    print(f"cell {spec['cell_id']}: {result['outcome']} — {result['reason']}")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from tunegrid.train import run_worker
+
+    run_worker(read_json(args.spec), args.model_dir, args.data, args.run_dir)
+
+
+def _summary(args: argparse.Namespace) -> None:
+    from tunegrid.summary import write_summary
+
+    frame = write_summary(args.results, args.out)
+    print(frame[["cell_id", "outcome", "final_loss", "nan_step", "peak_bytes"]].to_string(index=False))
+    print("outcomes:", frame["outcome"].value_counts().to_dict())
+
+
+def _validate(args: argparse.Namespace) -> None:
+    from tunegrid.config import expand_cells, load_study
+
+    study = load_study(args.config)
+    print(f"study {study['study']!r}: {len(expand_cells(study))} cells")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tunegrid", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("dataset", help="generate the instruction dataset")
+    p.add_argument("--examples", type=int, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_dataset)
+
+    p = sub.add_parser("checkpoint", help="produce a model folder (hub, local or synthetic)")
+    p.add_argument("--spec", required=True, help="the model's config entry as JSON")
+    p.add_argument("--data", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_checkpoint)
+
+    p = sub.add_parser("environment", help="record the software environment")
+    p.add_argument("--out", required=True)
+    p.add_argument("--freeze", required=True)
+    p.set_defaults(func=_environment)
+
+    p = sub.add_parser("probe", help="record hardware capabilities")
+    p.add_argument("--out", required=True)
+    p.add_argument("--budget-s", type=float, default=20.0)
+    p.set_defaults(func=_probe)
+
+    p = sub.add_parser("tracking-init", help="create the MLflow store and the study's experiment once")
+    p.add_argument("--tracking-uri", default="")
+    p.add_argument("--experiment", required=True)
+    p.add_argument("--artifact-root", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_tracking_init)
+
+    p = sub.add_parser("finetune", help="run one grid cell under supervision; always writes result.json")
+    p.add_argument("--spec", required=True, help="the cell's resolved spec as JSON")
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--result", required=True)
+    p.add_argument("--tracking", default="", help="tracking.json from tracking-init; empty: no MLflow")
+    p.add_argument("--log", default="", help="the rule's log, attached to the MLflow run")
+    p.set_defaults(func=_finetune)
+
+    p = sub.add_parser("worker", help="(internal) the training process a finetune job supervises")
+    p.add_argument("--spec", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--run-dir", required=True)
+    p.set_defaults(func=_worker)
+
+    p = sub.add_parser("summary", help="one row per cell as CSV")
+    p.add_argument("--out", required=True)
+    p.add_argument("results", nargs="+")
+    p.set_defaults(func=_summary)
+
+    p = sub.add_parser("validate", help="check a study config and count its cells")
+    p.add_argument("config")
+    p.set_defaults(func=_validate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, CheckpointError) as exc:
+        print(f"tunegrid {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

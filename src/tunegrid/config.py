@@ -1,0 +1,179 @@
+"""Study configuration: schema validation with friendly errors, defaults, and grid-cell expansion.
+
+This module is imported when the Snakefile is parsed, so it must stay light: no torch, no
+transformers at import time.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Quant = Literal["none", "nf4"]
+
+# Order of the axes in a cell id; a later issue appends axes here and nowhere else.
+AXES: tuple[str, ...] = ("model", "precision", "batch_size", "quant", "seed")
+
+
+class ConfigError(ValueError):
+    """A study config that cannot run; the message names the key and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cell:
+    """One point of the grid: the axes only. Everything else comes from the study."""
+
+    model: str
+    precision: Precision
+    batch_size: int
+    quant: Quant
+    seed: int
+
+    @property
+    def cell_id(self) -> str:
+        return f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}"
+
+    def axes(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_schema() -> dict[str, Any]:
+    with open(SCHEMA_PATH) as fh:
+        return yaml.safe_load(fh)
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    parts = [str(p) for p in error.absolute_path]
+    return ".".join(parts) if parts else "<top level>"
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    """One sentence for one schema violation: the key, what was wrong, what is allowed."""
+    key = _key_path(error)
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    hint = schema.get("description", "")
+    if error.validator == "additionalProperties":
+        allowed = sorted((error.schema.get("properties") or {}).keys())
+        unknown = sorted(set(error.instance) - set(allowed)) if isinstance(error.instance, dict) else []
+        return (
+            f"config key '{key}': unknown key(s) {unknown}; allowed keys: {allowed}"
+            if allowed
+            else f"config key '{key}': unknown key(s) {unknown}"
+        )
+    if error.validator == "enum":
+        return f"config key '{key}': {error.instance!r} is not allowed; choose one of {error.validator_value}"
+    if error.validator == "required":
+        return f"config key '{key}': {error.message}"
+    if error.validator == "pattern":
+        return f"config key '{key}': {error.instance!r} does not match {error.validator_value!r} ({hint})"
+    msg = f"config key '{key}': {error.message}"
+    return f"{msg} ({hint})" if hint else msg
+
+
+def _defaulting_validator() -> type[jsonschema.protocols.Validator]:
+    """Draft 2020-12 validator that fills `default`s as it descends (as snakemake's validate does)."""
+    base = jsonschema.Draft202012Validator
+    validate_properties = base.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):  # type: ignore[no-untyped-def]
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if isinstance(sub, dict) and "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(base, {"properties": set_defaults})
+
+
+def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
+    """Validate a study config, fill defaults, and check what the schema cannot say.
+
+    Returns a new dict; raises ConfigError with every problem found, one per line.
+    """
+    config = copy.deepcopy(raw)
+    validator = _defaulting_validator()(load_schema())
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    problems = [_describe(e) for e in errors]
+    if not problems:
+        problems = _semantic_problems(config)
+    if problems:
+        raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
+    return config
+
+
+def _semantic_problems(config: dict[str, Any]) -> list[str]:
+    problems: list[str] = []
+    models = config["models"]
+    for name in config["grid"]["model"]:
+        if name not in models:
+            problems.append(
+                f"config key 'grid.model': {name!r} is not defined under 'models'; defined: {sorted(models)}"
+            )
+    for name, spec in models.items():
+        key = f"models.{name}"
+        if spec["source"] == "hub":
+            if not spec["repo_id"]:
+                problems.append(f"config key '{key}.repo_id': required for source 'hub' (e.g. google/gemma-3-4b-it)")
+            if not spec["revision"]:
+                problems.append(
+                    f"config key '{key}.revision': hub models need a pinned 40-hex commit, not a branch or tag"
+                )
+        elif spec["source"] == "local":
+            path = Path(spec["path"]) if spec["path"] else None
+            if path is None or not path.is_dir():
+                problems.append(f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder")
+    return problems
+
+
+def load_study(path: str | Path) -> dict[str, Any]:
+    """Read a study YAML and resolve it; a missing or unparsable file is a ConfigError too."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        with open(path) as fh:
+            raw = yaml.safe_load(fh) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
+    return resolve_study(raw)
+
+
+def expand_cells(study: dict[str, Any]) -> list[Cell]:
+    """The grid as cells, in a stable order (the product of the axes as listed in the config)."""
+    grid = study["grid"]
+    return [Cell(**dict(zip(AXES, values))) for values in itertools.product(*(grid[a] for a in AXES))]
+
+
+def cells_by_id(study: dict[str, Any]) -> dict[str, Cell]:
+    return {cell.cell_id: cell for cell in expand_cells(study)}
+
+
+def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
+    """Everything one cell needs to train, fully resolved: what result.json records as `cell`."""
+    return {
+        "study": study["study"],
+        "cell_id": cell.cell_id,
+        "axes": cell.axes(),
+        "model": {"name": cell.model, **study["models"][cell.model]},
+        "train": study["train"],
+        "lora": study["lora"],
+        "data": study["data"],
+    }
+
+
+def spec_json(spec: dict[str, Any]) -> str:
+    """Canonical JSON of a spec: identical config gives identical text (Snakemake's params trigger)."""
+    return json.dumps(spec, sort_keys=True, separators=(",", ":"))

@@ -1,0 +1,187 @@
+"""Instruments around the training step: memory peaks, dtypes in effect, non-finite origin.
+
+The normal step pays only for the memory meter (a /proc read on CPU, allocator stats on CUDA);
+hooks are attached on step 0 (dtype census) or on a replay of a failing step (origin), never in steady state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+class MemoryMeter:
+    """Peak memory per step: CUDA allocator stats on GPU; VmHWM (reset via clear_refs) on CPU."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.can_reset_hwm = _CLEAR_REFS.exists()
+
+    def reset(self) -> None:
+        if self.device_type == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        elif self.can_reset_hwm:
+            try:
+                _CLEAR_REFS.write_text("5")  # 5 = reset the peak RSS (VmHWM) to the current RSS
+            except OSError:
+                self.can_reset_hwm = False
+
+    def peak_bytes(self) -> int:
+        if self.device_type == "cuda":
+            import torch
+
+            return int(torch.cuda.max_memory_allocated())
+        return _proc_status_kib("VmHWM") * 1024
+
+    def current_bytes(self) -> int:
+        if self.device_type == "cuda":
+            import torch
+
+            return int(torch.cuda.memory_allocated())
+        return _proc_status_kib("VmRSS") * 1024
+
+
+def _proc_status_kib(field: str) -> int:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _tensors(obj: Any) -> Iterator[Any]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict) or hasattr(obj, "values"):
+        try:
+            values = list(obj.values())
+        except TypeError:
+            return
+        for item in values:
+            yield from _tensors(item)
+
+
+@contextlib.contextmanager
+def _hooks_on(model: Any, forward_hook: Callable[..., None]) -> Iterator[None]:
+    handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class DtypeCensus:
+    """Counts the dtypes of floating outputs of leaf modules in forward, and of their grads in backward."""
+
+    def __init__(self) -> None:
+        self.forward: Counter[str] = Counter()
+        self.backward: Counter[str] = Counter()
+
+    @contextlib.contextmanager
+    def attached(self, model: Any) -> Iterator[None]:
+        def on_forward(module: Any, _inputs: Any, output: Any) -> None:
+            if any(True for _ in module.children()):
+                return
+            for t in _tensors(output):
+                if t.is_floating_point():
+                    self.forward[str(t.dtype).removeprefix("torch.")] += 1
+                    if t.requires_grad:
+                        t.register_hook(self._on_grad)
+
+        with _hooks_on(model, on_forward):
+            yield
+
+    def _on_grad(self, grad: Any) -> None:
+        self.backward[str(grad.dtype).removeprefix("torch.")] += 1
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"forward": dict(self.forward), "backward": dict(self.backward)}
+
+
+def _finite_max_abs(t: Any) -> float | None:
+    import torch
+
+    finite = t[torch.isfinite(t)]
+    return float(finite.abs().max()) if finite.numel() else None
+
+
+def _nonfinite_fact(name: str, t: Any, order: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        "module": name,
+        "order": order,
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "nan": int(torch.isnan(t).sum()),
+        "inf": int(torch.isinf(t).sum()),
+        "numel": int(t.numel()),
+        "finite_max_abs": _finite_max_abs(t),
+    }
+
+
+class OriginTracer:
+    """Replays one step with hooks and records the first non-finite forward output and gradient.
+
+    'First' is in execution order: in forward, leaf modules finish before their parents, so the
+    first output seen non-finite is the innermost module where the overflow appeared; in backward,
+    grads arrive from the loss back towards the input.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+        self.forward_origin: dict[str, Any] | None = None
+        self.backward_origin: dict[str, Any] | None = None
+        self._order = 0
+
+    @contextlib.contextmanager
+    def attached(self) -> Iterator[None]:
+        import torch
+
+        def on_forward(module: Any, _inputs: Any, output: Any) -> None:
+            name = self.names.get(id(module), "?")
+            for t in _tensors(output):
+                if not t.is_floating_point():
+                    continue
+                self._order += 1
+                if self.forward_origin is None and not bool(torch.isfinite(t).all()):
+                    self.forward_origin = _nonfinite_fact(name, t.detach(), self._order)
+                if t.requires_grad:
+                    t.register_hook(self._grad_hook(name))
+
+        with _hooks_on(self.model, on_forward):
+            yield
+
+    def _grad_hook(self, name: str) -> Callable[[Any], None]:
+        import torch
+
+        def on_grad(grad: Any) -> None:
+            self._order += 1
+            if self.backward_origin is None and not bool(torch.isfinite(grad).all()):
+                self.backward_origin = _nonfinite_fact(name, grad.detach(), self._order)
+
+        return on_grad
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"forward": self.forward_origin, "backward": self.backward_origin}
+
+
+def is_finite_number(value: float) -> bool:
+    return math.isfinite(value)

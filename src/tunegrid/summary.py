@@ -1,0 +1,56 @@
+"""One row per cell, built with pandas from the result files: what a reviewer filters and sorts on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from tunegrid.files import read_json
+
+
+def summary_row(result: dict[str, Any]) -> dict[str, Any]:
+    axes = result["cell"]["axes"]
+    nan = (result.get("diagnosis") or {}).get("nan") or {}
+    origin = nan.get("origin") or {}
+    memory = result.get("memory") or {}
+    training = result.get("training") or {}
+    throughput = result.get("throughput") or {}
+    in_effect = result.get("precision_in_effect") or {}
+    return {
+        "cell_id": result["cell_id"],
+        **axes,
+        "outcome": result["outcome"],
+        "reason": result["reason"],
+        "steps_run": training.get("steps_run"),
+        "initial_loss": training.get("initial_loss"),
+        "final_loss": training.get("final_loss"),
+        "skipped_steps": training.get("skipped_steps"),
+        "nan_step": nan.get("step"),
+        "nan_kind": nan.get("kind"),
+        "nan_forward_module": (origin.get("forward") or {}).get("module"),
+        "nan_backward_module": (origin.get("backward") or {}).get("module"),
+        "peak_bytes": memory.get("peak_bytes"),
+        "load_peak_bytes": memory.get("load_peak_bytes"),
+        "steady_peak_bytes": memory.get("steady_peak_bytes"),
+        "tokens_per_s": throughput.get("tokens_per_s_median"),
+        "step_time_s": throughput.get("step_time_s_median"),
+        "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
+        "wall_s": result.get("wall_s"),
+        "mlflow_run_id": (result.get("tracking") or {}).get("run_id"),
+    }
+
+
+def build_summary(result_paths: Iterable[str | Path]) -> Any:
+    import pandas as pd
+
+    rows = [summary_row(read_json(path)) for path in result_paths]
+    return pd.DataFrame(rows)
+
+
+def write_summary(result_paths: Iterable[str | Path], csv_path: str | Path) -> Any:
+    from tunegrid.files import atomic_write_text
+
+    frame = build_summary(result_paths)
+    atomic_write_text(csv_path, frame.to_csv(index=False))
+    return frame

@@ -1,0 +1,241 @@
+"""The finetune job: supervise one cell's training in a child process and always write result.json.
+
+The child (train.py) imports torch and trains; this process stays light. It watches a wall-clock limit
+and a heartbeat, so a hang becomes `timeout`, never a stuck pipeline; it tails metrics.jsonl into MLflow
+so training never blocks on the store; and whatever happens to the child, it writes result.json.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from tunegrid.environment import light_env
+from tunegrid.files import read_json, write_json
+
+POLL_S = 0.5
+FLUSH_EVERY_S = 2.0
+KILL_GRACE_S = 5.0
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "worker.json", "heartbeat")
+
+
+class MetricsTail:
+    """Reads complete new lines of a growing JSONL file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        import json
+
+        if not self.path.exists():
+            return []
+        with open(self.path) as fh:
+            fh.seek(self.offset)
+            chunk = fh.read()
+        end = chunk.rfind("\n") + 1  # a line without its newline is still being written
+        self.offset += len(chunk[:end].encode())
+        records = []
+        for line in chunk[:end].splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the child and everything it started (its own process group): no orphans."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _last_activity(run_dir: Path, started: float) -> float:
+    times = [started]
+    for name in ("heartbeat", "metrics.jsonl"):
+        path = run_dir / name
+        if path.exists():
+            times.append(path.stat().st_mtime)
+    return max(times)
+
+
+def _tags_for(result: dict[str, Any]) -> dict[str, str]:
+    tags = {"outcome": result["outcome"], "outcome.reason": result["reason"], "device": result["env"].get("device", "")}
+    nan = (result.get("diagnosis") or {}).get("nan")
+    if nan:
+        origin = nan.get("origin") or {}
+        tags.update(
+            {
+                "nan.kind": nan["kind"],
+                "nan.step": str(nan["step"]),
+                "nan.forward_module": (origin.get("forward") or {}).get("module", ""),
+                "nan.backward_module": (origin.get("backward") or {}).get("module", ""),
+            }
+        )
+    oom = (result.get("diagnosis") or {}).get("oom")
+    if oom:
+        tags["oom.stage"] = str(oom.get("stage"))
+    return tags
+
+
+def run_cell(
+    *,
+    spec: dict[str, Any],
+    model_dir: Path,
+    data_path: Path,
+    run_dir: Path,
+    result_path: Path,
+    tracking_path: Path | None,
+    log_path: Path | None,
+    command: list[str],
+) -> dict[str, Any]:
+    from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:  # a re-run replaces the earlier attempt's files, never appends to them
+        (run_dir / name).unlink(missing_ok=True)
+    spec_path = run_dir / "cell.json"
+    write_json(spec_path, spec)
+    train = spec["train"]
+    started = time.time()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tunegrid.cli", "worker", "--spec", str(spec_path), "--model-dir", str(model_dir),
+         "--data", str(data_path), "--run-dir", str(run_dir)],
+        start_new_session=True,  # its own process group, so a timeout stops everything it started
+        env=_child_env(),
+    )
+    previous_handler = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum: int, frame: Any) -> None:
+        _stop_group(child)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    tracker = None
+    if tracking_path is not None:
+        tracking = read_json(tracking_path)
+        tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
+        axes = {k: str(v) for k, v in spec["axes"].items()}
+        tracker.start(spec["cell_id"], {**axes, "study": spec["study"], "command": shlex.join(command)}, flatten("", spec, {}))
+
+    tail = MetricsTail(run_dir / "metrics.jsonl")
+    pending: list[dict[str, Any]] = []
+    last_flush = time.monotonic()
+    verdict: tuple[str, str] | None = None
+    try:
+        while child.poll() is None:
+            time.sleep(POLL_S)
+            pending += tail.read_new()
+            if tracker is not None and pending and time.monotonic() - last_flush > FLUSH_EVERY_S:
+                if tracker.log_records(pending):
+                    pending = []
+                last_flush = time.monotonic()
+            now = time.time()
+            if now - started > train["time_limit_s"]:
+                verdict = ("timeout", f"wall-clock limit of {train['time_limit_s']} s reached")
+            elif now - _last_activity(run_dir, started) > train["heartbeat_timeout_s"]:
+                verdict = ("timeout", f"no progress for {train['heartbeat_timeout_s']} s (heartbeat)")
+            if verdict:
+                _stop_group(child)
+                break
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+        if child.poll() is None:
+            _stop_group(child)
+
+    result = _compose_result(spec, run_dir, child.returncode, verdict, started, command)
+    if tracker is not None:
+        pending += tail.read_new()
+        tracker.log_records(pending)
+        from tunegrid.files import read_jsonl
+
+        filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
+        result["tracking"] = {"run_id": tracker.run_id, "points_sent_live": tracker.sent_points, "points_filled": filled, "errors": tracker.errors}
+    write_json(result_path, result)
+    if tracker is not None:
+        artifacts = [result_path, run_dir / "metrics.jsonl", run_dir / "events.jsonl"]
+        if log_path is not None:
+            artifacts.append(log_path)
+        tracker.finish(_tags_for(result), artifacts, failed=result["outcome"] == "error")
+        if tracker.errors:  # the store was unreachable at the end: say so in the file too
+            result["tracking"]["errors"] = tracker.errors
+            write_json(result_path, result)
+    return result
+
+
+def _compose_result(
+    spec: dict[str, Any],
+    run_dir: Path,
+    returncode: int | None,
+    verdict: tuple[str, str] | None,
+    started: float,
+    command: list[str],
+) -> dict[str, Any]:
+    worker_path = run_dir / "worker.json"
+    facts: dict[str, Any] = read_json(worker_path) if worker_path.exists() else {}
+    if verdict is not None:
+        outcome, reason = verdict
+        facts["diagnosis"] = {
+            "timeout": {"stage": facts.get("stage") or _heartbeat_stage(run_dir), "limit_s": spec["train"]["time_limit_s"],
+                        "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"]}
+        }
+    elif facts:
+        outcome, reason = facts["outcome"], facts["reason"]
+    else:
+        signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
+        outcome = "error"
+        reason = (
+            f"worker killed by {signame}" + (" (the kernel's OOM killer sends SIGKILL)" if signame == "SIGKILL" else "")
+            if signame
+            else f"worker exited with code {returncode} before writing its facts"
+        )
+    env = light_env()
+    env["device"] = (facts.get("precision_plan") or {}).get("device_type", "")
+    return {
+        "cell_id": spec["cell_id"],
+        "cell": spec,
+        "env": env,
+        "outcome": outcome,
+        "reason": reason,
+        "diagnosis": facts.get("diagnosis", {}),
+        "memory": facts.get("memory", {}),
+        "precision_in_effect": facts.get("precision_in_effect", {}),
+        "precision_plan": facts.get("precision_plan", {}),
+        "throughput": facts.get("throughput", {}),
+        "training": facts.get("training", {}),
+        "params": facts.get("params", {}),
+        "traceback": facts.get("traceback"),
+        "worker_exit_code": returncode,
+        "wall_s": time.time() - started,
+        "command": shlex.join(command),
+    }
+
+
+def _child_env() -> dict[str, str]:
+    from tunegrid.config import REPO_ROOT
+
+    env = dict(os.environ)
+    src = str(REPO_ROOT / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _heartbeat_stage(run_dir: Path) -> str:
+    path = run_dir / "heartbeat"
+    return path.read_text().strip() if path.exists() else "start"

@@ -1,0 +1,200 @@
+"""MLflow tracking: one experiment per study, one run per cell, metrics.jsonl as the source of truth.
+
+The cell's supervisor (not the training process) talks to MLflow: it tails metrics.jsonl and sends new
+points with log_batch, so training never waits on the store, and a store that was down or locked is
+filled from the file afterwards (`reconcile`). Every call is retried; a store that stays down is
+recorded, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+from tunegrid.config import REPO_ROOT
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+METRIC_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mem_peak_bytes", "loss_scale", "skipped_steps")
+CELL_TAG = "tunegrid.cell_id"
+MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
+
+
+def default_store_uri() -> str:
+    return f"sqlite:///{REPO_ROOT / 'results' / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(configured: str = "") -> str:
+    """Config value, then MLFLOW_TRACKING_URI, then the sqlite store under results/."""
+    return configured or os.environ.get("MLFLOW_TRACKING_URI", "") or default_store_uri()
+
+
+def redact_uri(uri: str) -> str:
+    """A URI fit for logs and files: any user:password part is dropped."""
+    parts = urlsplit(uri)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        if parts.port:
+            host += f":{parts.port}"
+        return urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
+    return uri
+
+
+def tracking_uri_for_cells(tracking: dict[str, Any]) -> str:
+    """The store a cell logs to: the one tracking.json names, unless its credentials were redacted."""
+    uri = tracking["tracking_uri"]
+    return resolve_tracking_uri() if "***@" in uri else uri
+
+
+def experiment_name(study: dict[str, Any]) -> str:
+    return study["tracking"]["experiment"] or f"tunegrid/{study['study']}"
+
+
+def with_retries(call: Callable[[], T], what: str, attempts: int = 6, first_wait_s: float = 0.2) -> T:
+    """Retry a store call with backoff: sqlite says 'database is locked' under concurrent writers."""
+    wait = first_wait_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except Exception as exc:  # MlflowException, sqlalchemy OperationalError, connection errors
+            if attempt == attempts:
+                raise
+            log.debug("%s failed (%s), retry %d in %.1fs", what, exc, attempt, wait)
+            time.sleep(wait)
+            wait = min(wait * 2, 5.0)
+    raise AssertionError("unreachable")
+
+
+def client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def init_experiment(uri: str, name: str, artifact_root: Path | None) -> str:
+    """Create the store and the study's experiment once, before cells fan out.
+
+    Concurrent first writers to a fresh sqlite store crash on table creation, and concurrent
+    set_experiment calls for a new name can put runs into 'Default'; so this runs in one job.
+    """
+    c = client(uri)
+    existing = with_retries(lambda: c.get_experiment_by_name(name), "get_experiment")
+    if existing is not None:
+        if existing.lifecycle_stage == "deleted":
+            c.restore_experiment(existing.experiment_id)
+        return str(existing.experiment_id)
+    location = artifact_root.resolve().as_uri() if artifact_root is not None and uri.startswith("sqlite") else None
+    return str(with_retries(lambda: c.create_experiment(name, artifact_location=location), "create_experiment"))
+
+
+def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
+    else:
+        out[prefix] = str(value)[:6000]
+    return out
+
+
+def metrics_from_records(records: Iterable[dict[str, Any]]) -> list[Any]:
+    """metrics.jsonl lines -> mlflow Metric entities (non-finite values kept: a NaN loss is a fact)."""
+    from mlflow.entities import Metric
+
+    metrics = []
+    for rec in records:
+        step, ts = int(rec["step"]), int(rec["time"] * 1000)
+        for key in METRIC_KEYS:
+            if key in rec and rec[key] is not None:
+                metrics.append(Metric(key=key, value=float(rec[key]), timestamp=ts, step=step))
+    return metrics
+
+
+class CellRun:
+    """The MLflow run of one cell, driven by the supervisor."""
+
+    def __init__(self, uri: str, experiment_id: str) -> None:
+        self.uri = uri
+        self.experiment_id = experiment_id
+        self.client = client(uri)
+        self.run_id: str | None = None
+        self.errors: list[str] = []
+        self.sent_points = 0
+
+    def _try(self, call: Callable[[], T], what: str) -> T | None:
+        try:
+            return with_retries(call, what)
+        except Exception as exc:
+            self.errors.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")
+            log.warning("MLflow %s failed; metrics.jsonl keeps everything (%s)", what, exc)
+            return None
+
+    def start(self, cell_id: str, tags: dict[str, str], params: dict[str, str]) -> None:
+        """Open this cell's run; earlier runs of the same cell are marked superseded and deleted."""
+        from mlflow.entities import Param, RunTag
+
+        previous = self._try(
+            lambda: self.client.search_runs([self.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{cell_id}'"),
+            "search previous runs",
+        )
+        run = self._try(
+            lambda: self.client.create_run(self.experiment_id, run_name=cell_id, tags={CELL_TAG: cell_id, **tags}),
+            "create_run",
+        )
+        if run is None:
+            return
+        self.run_id = run.info.run_id
+        for old in previous or []:
+            self._try(lambda o=old: self.client.set_tag(o.info.run_id, "tunegrid.superseded_by", self.run_id), "tag old run")
+            self._try(lambda o=old: self.client.delete_run(o.info.run_id), "delete superseded run")
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            chunk = items[i : i + 100]
+            self._try(lambda c=chunk: self.client.log_batch(self.run_id, params=c), "log params")
+        self._try(lambda: self.client.log_batch(self.run_id, tags=[RunTag("tunegrid.status", "running")]), "tag")
+
+    def log_records(self, records: list[dict[str, Any]]) -> bool:
+        if self.run_id is None or not records:
+            return self.run_id is not None
+        metrics = metrics_from_records(records)
+        for i in range(0, len(metrics), MAX_BATCH):
+            chunk = metrics[i : i + MAX_BATCH]
+            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "log metrics") is None:
+                return False
+            self.sent_points += len(chunk)
+        return True
+
+    def reconcile(self, records: list[dict[str, Any]]) -> int:
+        """Send every metric point of metrics.jsonl that the store lacks; returns how many were sent."""
+        if self.run_id is None:
+            return 0
+        have: set[tuple[str, int]] = set()
+        for key in METRIC_KEYS:
+            history = self._try(lambda k=key: self.client.get_metric_history(self.run_id, k), "read history")
+            if history is None:
+                return 0
+            have.update((m.key, m.step) for m in history)
+        missing = [m for m in metrics_from_records(records) if (m.key, m.step) not in have]
+        for i in range(0, len(missing), MAX_BATCH):
+            chunk = missing[i : i + MAX_BATCH]
+            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "reconcile metrics") is None:
+                return 0
+        return len(missing)
+
+    def finish(self, tags: dict[str, str], artifacts: list[Path], failed: bool) -> None:
+        from mlflow.entities import RunTag
+
+        if self.run_id is None:
+            return
+        tag_items = [RunTag(k, v[:5000]) for k, v in tags.items()] + [RunTag("tunegrid.status", "done")]
+        self._try(lambda: self.client.log_batch(self.run_id, tags=tag_items), "final tags")
+        for path in artifacts:
+            if path.exists():
+                self._try(lambda p=path: self.client.log_artifact(self.run_id, str(p)), f"artifact {path.name}")
+        status = "FAILED" if failed else "FINISHED"
+        self._try(lambda: self.client.set_terminated(self.run_id, status=status), "set_terminated")

@@ -1,0 +1,347 @@
+"""The training loop of one cell, readable top to bottom: setup -> model -> data -> loop -> record.
+
+Deliberately not HF Trainer (see DESIGN.md): Trainer on CPU ignores fp16 silently, filters NaN losses
+out of its logs and hides the GradScaler. Models, tokenizers, peft and bitsandbytes are used through
+their public APIs; only the loop is ours.
+
+This runs in the worker process the supervisor starts; it writes metrics.jsonl (one line per step),
+events.jsonl (non-finite events) and worker.json (the facts the supervisor turns into result.json).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from tunegrid.files import JsonlAppender, write_json
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
+
+
+def classify_exception(exc: BaseException) -> str:
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return "oom"
+    if any(marker in str(exc).lower() for marker in OOM_MARKERS):
+        return "oom"
+    return "error"
+
+
+class Heartbeat:
+    """A file whose mtime is the last sign of life; the supervisor reads it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def beat(self, stage: str) -> None:
+        self.path.write_text(stage)
+
+
+def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: dict[str, Any] = {"dtype": plan.torch_dtype("storage"), "use_safetensors": True}
+    if spec["axes"]["quant"] == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=plan.torch_dtype("compute"),
+        )
+    if device.type == "cuda":
+        kwargs["device_map"] = {"": device.index or 0}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if device.type != "cuda":
+        model.to(device)
+    return model
+
+
+def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    lora, train = spec["lora"], spec["train"]
+    if spec["axes"]["quant"] == "nf4" and lora["prepare_kbit_training"]:
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=train["gradient_checkpointing"])
+    elif train["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=list(lora["target_modules"]),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def lr_lambda(warmup: int, total: int):  # type: ignore[no-untyped-def]
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+class CellTrainer:
+    def __init__(self, spec: dict[str, Any], model_dir: Path, data_path: Path, run_dir: Path) -> None:
+        self.spec = spec
+        self.model_dir = model_dir
+        self.data_path = data_path
+        self.run_dir = run_dir
+        self.facts: dict[str, Any] = {"outcome": "error", "reason": "did not start", "stage": "setup"}
+        self.heartbeat = Heartbeat(run_dir / "heartbeat")
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> None:
+        import torch
+
+        from tunegrid.instrument import MemoryMeter
+        from tunegrid.precision import plan_precision
+
+        train = self.spec["train"]
+        torch.set_num_threads(train["threads"])
+        torch.manual_seed(self.spec["axes"]["seed"])
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self.plan = plan_precision(self.spec["axes"]["precision"], self.device.type)
+        print(self.plan.describe(), flush=True)
+        self.facts["precision_plan"] = self.plan.__dict__
+        self.meter = MemoryMeter(self.device.type)
+        self.memory: dict[str, Any] = {"device": self.device.type}
+
+    # ---------------------------------------------------------------- model
+    def build_model(self) -> None:
+        from transformers import AutoTokenizer
+
+        from tunegrid.checkpoints import verify_checkpoint
+
+        self.facts["stage"] = "load"
+        self.heartbeat.beat("load")
+        verify_checkpoint(self.model_dir)
+        self.meter.reset()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        base = load_model(self.model_dir, self.spec, self.plan, self.device)
+        self.model = attach_lora(base, self.spec)
+        self.model.train()
+        self.memory["load_peak_bytes"] = self.meter.peak_bytes()
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.facts["params"] = {
+            "total": sum(p.numel() for p in self.model.parameters()),
+            "trainable": sum(p.numel() for p in self.trainable),
+        }
+        self.facts["precision_in_effect"] = {
+            "base_weight_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}),
+            "adapter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.trainable}),
+        }
+
+    # ---------------------------------------------------------------- data
+    def build_data(self) -> None:
+        from tunegrid.data import BatchStream, read_dataset, tokenize_examples
+
+        tensors = tokenize_examples(read_dataset(self.data_path), self.tokenizer, self.spec["train"]["seq_len"])
+        self.stream = BatchStream(tensors, self.spec["axes"]["batch_size"], self.spec["axes"]["seed"])
+
+    # ---------------------------------------------------------------- one step
+    def forward_backward(self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None) -> Any:
+        """Loss and grads; under fp16 the loss is scaled by the GradScaler (or by a fixed scale on replay)."""
+        from tunegrid.precision import autocast_context
+
+        with autocast_context(self.plan):
+            loss = self.model(**batch).loss
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            (loss * scale if scale is not None else loss).backward()
+        return loss
+
+    def replay_origin(self, batch: dict[str, Any], rng_state: Any, scale: float | None) -> dict[str, Any]:
+        """Re-run the failing step from the same state with hooks: which module went non-finite first."""
+        import torch
+
+        from tunegrid.instrument import OriginTracer
+
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.set_rng_state(rng_state)
+        tracer = OriginTracer(self.model)
+        with tracer.attached():
+            self.forward_backward(batch, scale=scale)
+        self.optimizer.zero_grad(set_to_none=True)
+        return tracer.as_dict()
+
+    # ---------------------------------------------------------------- loop
+    def loop(self) -> None:
+        import torch
+
+        from tunegrid.instrument import DtypeCensus
+        from tunegrid.precision import make_grad_scaler
+
+        train = self.spec["train"]
+        steps, policy = train["steps"], train["on_nonfinite"]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train["warmup_steps"], steps))
+        scaler = make_grad_scaler(self.plan)
+        metrics = JsonlAppender(self.run_dir / "metrics.jsonl")
+        events = JsonlAppender(self.run_dir / "events.jsonl")
+        census = DtypeCensus()
+        step_times, tokens_per_s, steady_peaks = [], [], []
+        skipped_total = consecutive_skips = 0
+        first_event: dict[str, Any] | None = None
+        losses: list[float] = []
+        self.facts["stage"] = "step"
+        try:
+            for step in range(steps):
+                batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
+                rng_state = torch.get_rng_state()
+                scale = scaler.get_scale() if scaler is not None else None
+                self.meter.reset()
+                started = time.perf_counter()
+                if step == 0:
+                    with census.attached(self.model):
+                        loss = self.forward_backward(batch, scaler)
+                else:
+                    loss = self.forward_backward(batch, scaler)
+                if scaler is not None:
+                    scaler.unscale_(self.optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, train["max_grad_norm"])
+                # The one host sync of the step: loss and grad norm together (the norm is needed for
+                # clipping anyway, and its finiteness is the NaN check for every gradient at once).
+                loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()
+                loss_finite, grad_finite = math.isfinite(loss_value), math.isfinite(norm_value)
+                if scaler is not None:
+                    scaler.step(self.optimizer)  # skips the update itself when grads are inf/nan
+                    scaler.update()
+                    skipped = scaler.get_scale() < scale
+                elif loss_finite and grad_finite:
+                    self.optimizer.step()
+                    skipped = False
+                else:
+                    skipped = True  # never apply a non-finite update to the weights
+                self.optimizer.zero_grad(set_to_none=True)
+                lr = scheduler.get_last_lr()[0]
+                scheduler.step()
+                elapsed = time.perf_counter() - started
+                peak = self.meter.peak_bytes()
+                tokens = int(batch["attention_mask"].sum())
+                skipped_total += int(skipped)
+                consecutive_skips = consecutive_skips + 1 if skipped else 0
+                if step == 0:
+                    self.memory["first_step_peak_bytes"] = peak
+                else:
+                    step_times.append(elapsed)
+                    tokens_per_s.append(tokens / elapsed)
+                    steady_peaks.append(peak)
+                record = {
+                    "step": step,
+                    "time": time.time(),
+                    "loss": loss_value,
+                    "grad_norm": norm_value,
+                    "lr": lr,
+                    "tokens_per_s": tokens / elapsed,
+                    "step_time_s": elapsed,
+                    "mem_peak_bytes": peak,
+                    "skipped_steps": skipped_total,
+                }
+                if scaler is not None:
+                    record["loss_scale"] = scale
+                metrics.write(record)
+                if loss_finite:
+                    losses.append(loss_value)
+
+                if not (loss_finite and grad_finite):
+                    kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if scaler else "grad_nonfinite_finite_loss")
+                    event = {"step": step, "kind": kind, "loss": loss_value, "grad_norm": norm_value, "loss_scale": scale}
+                    if first_event is None:
+                        event["origin"] = self.replay_origin(batch, rng_state, scale)
+                        first_event = event
+                    events.write(event)
+                    stop = (
+                        policy == "stop"
+                        or (policy == "stop_after_skips" and kind != "scaler_skip")
+                        or (policy == "stop_after_skips" and consecutive_skips >= train["max_consecutive_skips"])
+                    )
+                    if stop:
+                        break
+        finally:
+            metrics.close()
+            events.close()
+
+        self.memory["steady_peak_bytes"] = max(steady_peaks) if steady_peaks else None
+        self.memory["peak_bytes"] = max(
+            v for v in (self.memory.get("load_peak_bytes"), self.memory.get("first_step_peak_bytes"), self.memory["steady_peak_bytes"]) if v
+        )
+        self.facts["precision_in_effect"].update(census.as_dict())
+        self.facts["throughput"] = {
+            "tokens_per_s_median": statistics.median(tokens_per_s) if tokens_per_s else None,
+            "step_time_s_median": statistics.median(step_times) if step_times else None,
+        }
+        self.facts["training"] = {
+            "steps_run": step + 1,
+            "initial_loss": losses[0] if losses else None,
+            "final_loss": losses[-1] if losses else None,
+            "skipped_steps": skipped_total,
+        }
+        self._conclude(first_event, consecutive_skips)
+
+    def _conclude(self, first_event: dict[str, Any] | None, consecutive_skips: int) -> None:
+        """ok, or nan with the first event; scaler skips the scaler recovered from are not failures."""
+        train = self.spec["train"]
+        failing = first_event is not None and (
+            first_event["kind"] != "scaler_skip"
+            or train["on_nonfinite"] == "stop"
+            or consecutive_skips >= train["max_consecutive_skips"]
+        )
+        if failing:
+            assert first_event is not None
+            origin = first_event["origin"]
+            where = (origin.get("forward") or origin.get("backward") or {}).get("module", "unknown module")
+            self.facts.update(
+                outcome="nan",
+                reason=f"{first_event['kind']} at step {first_event['step']}, first non-finite at {where}",
+                diagnosis={"nan": first_event},
+            )
+        else:
+            self.facts.update(outcome="ok", reason="trained all steps with finite loss", diagnosis={})
+            if first_event is not None:
+                self.facts["diagnosis"] = {"recovered_scaler_skips": first_event}
+
+    # ---------------------------------------------------------------- run
+    def run(self) -> dict[str, Any]:
+        started = time.time()
+        try:
+            self.setup()
+            self.build_model()
+            self.build_data()
+            self.loop()
+        except BaseException as exc:  # a failure is a result; only tunegrid bugs should fail the rule
+            kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else "error"
+            stage = self.facts.get("stage", "setup")
+            self.facts.update(outcome=kind, reason=f"{type(exc).__name__} during {stage}: {str(exc)[:300]}")
+            self.facts["traceback"] = traceback.format_exc()[-4000:]
+            if kind == "oom":
+                self.facts["diagnosis"] = {"oom": {"stage": stage, "bytes_at_failure": self.meter_current()}}
+            traceback.print_exc()
+        finally:
+            self.facts["memory"] = getattr(self, "memory", {})
+            self.facts["wall_s"] = time.time() - started
+            write_json(self.run_dir / "worker.json", self.facts)
+        return self.facts
+
+    def meter_current(self) -> int | None:
+        meter = getattr(self, "meter", None)
+        return meter.current_bytes() if meter else None
+
+
+def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run = Path(run_dir)
+    run.mkdir(parents=True, exist_ok=True)
+    CellTrainer(spec, Path(model_dir), Path(data_path), run).run()
+    return 0

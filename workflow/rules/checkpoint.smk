@@ -1,0 +1,18 @@
+# One rule, three sources (synthetic / hub / local); the model's config entry is a param, so editing
+# it rebuilds that model and, through the input, re-runs its cells.
+rule model_checkpoint:
+    input:
+        data=rules.dataset.output.data,
+    output:
+        model=directory(f"{RESULTS}/models/{{model}}"),
+    params:
+        spec=get_model_spec,
+    log:
+        f"{LOGS}/checkpoint/{{model}}.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    resources:
+        mem_mb=8000,
+    shell:
+        "python scripts/tunegrid.py checkpoint --spec {params.spec:q} --data {input.data}"
+        " --out {output.model} > {log} 2>&1"

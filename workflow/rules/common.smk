@@ -1,0 +1,64 @@
+# Config validation, the grid, and the input functions every stage uses. Parsing stays light:
+# tunegrid.config imports no torch, so `snakemake -n` on thousands of cells is quick.
+import json
+import sys
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+from snakemake.utils import validate
+
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+
+from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+
+try:
+    STUDY = resolve_study(config)
+except ConfigError as exc:
+    raise WorkflowError(str(exc)) from None
+# snakemake's own validator fills the schema's defaults into `config` as well.
+validate(config, schema="../schemas/config.schema.yaml")
+
+RESULTS = f"results/{STUDY['study']}"
+LOGS = f"results/logs/{STUDY['study']}"
+CELLS = cells_by_id(STUDY)
+TRACKING = STUDY["tracking"]["enabled"]
+
+
+wildcard_constraints:
+    model="[A-Za-z0-9][A-Za-z0-9.-]*",
+    cell_id="[A-Za-z0-9][A-Za-z0-9.-]*_(fp32|bf16|fp16)_bs[0-9]+_(none|nf4)_s[0-9]+",
+
+
+def get_cell(wildcards):
+    try:
+        return CELLS[wildcards.cell_id]
+    except KeyError:
+        raise WorkflowError(f"{wildcards.cell_id!r} is not a cell of study {STUDY['study']!r}") from None
+
+
+def get_cell_spec(wildcards):
+    return spec_json(cell_spec(STUDY, get_cell(wildcards)))
+
+
+def get_cell_model_dir(wildcards):
+    return f"{RESULTS}/models/{get_cell(wildcards).model}"
+
+
+def get_model_spec(wildcards):
+    return json.dumps(STUDY["models"][wildcards.model], sort_keys=True)
+
+
+def get_tracking_file(wildcards):
+    return [f"{RESULTS}/tracking.json"] if TRACKING else []
+
+
+def get_result_files():
+    return [f"{RESULTS}/runs/{cell_id}/result.json" for cell_id in CELLS]
+
+
+def get_final_outputs():
+    return [
+        f"{RESULTS}/env/environment.json",
+        f"{RESULTS}/probe/capabilities.json",
+        f"{RESULTS}/summary.csv",
+    ]

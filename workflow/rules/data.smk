@@ -1,0 +1,13 @@
+rule dataset:
+    output:
+        data=f"{RESULTS}/data/train.jsonl",
+    params:
+        examples=STUDY["data"]["examples"],
+        seed=STUDY["data"]["seed"],
+    log:
+        f"{LOGS}/dataset.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        "python scripts/tunegrid.py dataset --examples {params.examples} --seed {params.seed}"
+        " --out {output.data} > {log} 2>&1"

@@ -1,0 +1,26 @@
+# One job per grid cell. A failed fine-tune (nan, oom, timeout) is a successful job: the outcome is
+# data in result.json. The shell line is complete, so any cell can be re-run by hand from its log.
+rule finetune:
+    input:
+        model=get_cell_model_dir,
+        data=rules.dataset.output.data,
+        tracking=get_tracking_file,
+    output:
+        result=f"{RESULTS}/runs/{{cell_id}}/result.json",
+    params:
+        spec=get_cell_spec,
+        run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
+    log:
+        f"{LOGS}/finetune/{{cell_id}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/finetune/{{cell_id}}.tsv"
+    conda:
+        "../../envs/tunegrid.yaml"
+    threads: STUDY["train"]["threads"]
+    resources:
+        mem_mb=4000,
+        runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
+    shell:
+        "python scripts/tunegrid.py finetune --spec {params.spec:q} --model-dir {input.model}"
+        " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
+        " --tracking={input.tracking} --log {log} > {log} 2>&1"

@@ -1,0 +1,9 @@
+rule probe:
+    output:
+        capabilities=f"{RESULTS}/probe/capabilities.json",
+    log:
+        f"{LOGS}/probe.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        "python scripts/tunegrid.py probe --out {output.capabilities} > {log} 2>&1"

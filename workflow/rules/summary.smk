@@ -1,0 +1,15 @@
+rule summary:
+    input:
+        results=get_result_files(),
+    output:
+        csv=report(
+            f"{RESULTS}/summary.csv",
+            caption="../report/summary.rst",
+            category="Summary",
+        ),
+    log:
+        f"{LOGS}/summary.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        "python scripts/tunegrid.py summary --out {output.csv} {input.results} > {log} 2>&1"
