@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
-from tunegrid.config import REPO_ROOT
-
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -27,7 +25,8 @@ MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 
 
 def default_store_uri() -> str:
-    return f"sqlite:///{REPO_ROOT / 'results' / 'mlflow.db'}"
+    """results/mlflow.db of the folder the workflow runs in (resolved once, by tracking-init)."""
+    return f"sqlite:///{Path.cwd().resolve() / 'results' / 'mlflow.db'}"
 
 
 def resolve_tracking_uri(configured: str = "") -> str:

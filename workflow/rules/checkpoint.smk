@@ -14,5 +14,6 @@ rule model_checkpoint:
     resources:
         mem_mb=8000,
     shell:
-        "python scripts/tunegrid.py checkpoint --spec {params.spec:q} --data {input.data}"
+        f"python {SCRIPT} checkpoint"
+        " --spec {params.spec:q} --data {input.data}"
         " --out {output.model} > {log} 2>&1"

@@ -18,6 +18,8 @@ except ConfigError as exc:
 # snakemake's own validator fills the schema's defaults into `config` as well.
 validate(config, schema="../schemas/config.schema.yaml")
 
+# Absolute, so `--directory elsewhere` works and the logged command re-runs from any folder.
+SCRIPT = str(Path(workflow.basedir) / "scripts" / "tunegrid.py")
 RESULTS = f"results/{STUDY['study']}"
 LOGS = f"results/logs/{STUDY['study']}"
 CELLS = cells_by_id(STUDY)

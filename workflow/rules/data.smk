@@ -9,5 +9,6 @@ rule dataset:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        "python scripts/tunegrid.py dataset --examples {params.examples} --seed {params.seed}"
+        f"python {SCRIPT} dataset"
+        " --examples {params.examples} --seed {params.seed}"
         " --out {output.data} > {log} 2>&1"

@@ -7,4 +7,5 @@ rule environment:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        "python scripts/tunegrid.py environment --out {output.env} --freeze {output.freeze} > {log} 2>&1"
+        f"python {SCRIPT} environment"
+        " --out {output.env} --freeze {output.freeze} > {log} 2>&1"

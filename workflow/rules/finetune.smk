@@ -21,6 +21,7 @@ rule finetune:
         mem_mb=4000,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     shell:
-        "python scripts/tunegrid.py finetune --spec {params.spec:q} --model-dir {input.model}"
+        f"python {SCRIPT} finetune"
+        " --spec {params.spec:q} --model-dir {input.model}"
         " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
         " --tracking={input.tracking} --log {log} > {log} 2>&1"

@@ -6,4 +6,5 @@ rule probe:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        "python scripts/tunegrid.py probe --out {output.capabilities} > {log} 2>&1"
+        f"python {SCRIPT} probe"
+        " --out {output.capabilities} > {log} 2>&1"

@@ -12,4 +12,5 @@ rule summary:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        "python scripts/tunegrid.py summary --out {output.csv} {input.results} > {log} 2>&1"
+        f"python {SCRIPT} summary"
+        " --out {output.csv} {input.results} > {log} 2>&1"

@@ -13,5 +13,6 @@ rule tracking_init:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        "python scripts/tunegrid.py tracking-init --tracking-uri={params.uri:q} --experiment {params.experiment:q}"
+        f"python {SCRIPT} tracking-init"
+        " --tracking-uri={params.uri:q} --experiment {params.experiment:q}"
         " --artifact-root {params.artifact_root} --out {output.tracking} > {log} 2>&1"

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny studies and synthetic checkpoints built once per test session."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+GEMMA_HOT = {
+    "source": "synthetic",
+    "architecture": "gemma3_text",
+    "seed": 0,
+    "config": {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "initializer_range": 3.0,
+    },
+}
+QWEN_MOE = {
+    "source": "synthetic",
+    "architecture": "qwen3_moe",
+    "seed": 0,
+    "config": {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "initializer_range": 0.2,
+    },
+}
+
+
+def make_study(**overrides: Any) -> dict[str, Any]:
+    """A small valid raw study config; keyword arguments replace top-level sections."""
+    study: dict[str, Any] = {
+        "study": "t",
+        "models": {"gemma3-hot": copy.deepcopy(GEMMA_HOT), "qwen3moe-tiny": copy.deepcopy(QWEN_MOE)},
+        "grid": {"model": ["gemma3-hot"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]},
+        "train": {"steps": 3, "seq_len": 32, "lr": 0.01},
+        "data": {"examples": 64},
+    }
+    study.update(overrides)
+    return study
+
+
+@pytest.fixture(scope="session")
+def dataset_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tunegrid.data import write_dataset
+
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    write_dataset(path, 64, 0)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) -> dict[str, Path]:
+    from tunegrid.checkpoints import produce_checkpoint
+    from tunegrid.data import corpus_texts, read_dataset
+
+    texts = list(corpus_texts(read_dataset(dataset_path)))
+    root = tmp_path_factory.mktemp("models")
+    built = {}
+    for name, spec in (("gemma3-hot", GEMMA_HOT), ("qwen3moe-tiny", QWEN_MOE)):
+        produce_checkpoint(copy.deepcopy(spec), texts, root / name)
+        built[name] = root / name
+    return built

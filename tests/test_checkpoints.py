@@ -1,0 +1,65 @@
+import json
+import shutil
+
+import pytest
+
+from tunegrid.checkpoints import CheckpointError, link_local, verify_checkpoint
+
+
+def test_synthetic_round_trip(checkpoints):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = checkpoints["qwen3moe-tiny"]
+    manifest = verify_checkpoint(model_dir, hashes=True)
+    assert manifest["source"]["kind"] == "synthetic"
+    assert manifest["source"]["architecture"] == "qwen3_moe"
+    assert any(name.endswith(".safetensors") for name in manifest["files"])
+    assert all(len(fact["sha256"]) == 64 for fact in manifest["files"].values())
+    model = AutoModelForCausalLM.from_pretrained(model_dir, use_safetensors=True)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    assert model.config.model_type == "qwen3_moe"
+    assert tok.pad_token == "<pad>" and model.config.pad_token_id == tok.pad_token_id
+    experts = [p for n, p in model.named_parameters() if "experts" in n]
+    assert experts and all(p.dim() == 3 for p in experts)  # v5 fused experts
+
+
+def test_truncated_weights_are_caught(checkpoints, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoints["gemma3-hot"], copy)
+    weights = next(copy.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="truncated or replaced"):
+        verify_checkpoint(copy)
+
+
+def test_wrong_hash_is_caught(checkpoints, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoints["gemma3-hot"], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    name = next(n for n in manifest["files"] if n.endswith(".safetensors"))
+    manifest["files"][name]["sha256"] = "0" * 64
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="sha256"):
+        verify_checkpoint(copy, hashes=True)
+
+
+def test_local_pickle_only_checkpoint_is_refused(tmp_path):
+    src = tmp_path / "pickled"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "pytorch_model.bin").write_bytes(b"not really")
+    with pytest.raises(CheckpointError, match="pickle"):
+        link_local({"path": str(src)}, tmp_path / "out")
+
+
+def test_local_checkpoint_is_linked_with_manifest(checkpoints, tmp_path):
+    manifest = link_local({"path": str(checkpoints["gemma3-hot"])}, tmp_path / "linked")
+    assert manifest["source"]["kind"] == "local"
+    verify_checkpoint(tmp_path / "linked", hashes=True)
+
+
+def test_unknown_architecture_is_a_clear_error(dataset_path, tmp_path):
+    from tunegrid.checkpoints import build_synthetic
+
+    with pytest.raises(CheckpointError, match="not-a-model"):
+        build_synthetic({"architecture": "not-a-model", "config": {}, "seed": 0}, ["hello world"], tmp_path / "m")

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO, make_study
+
+from tunegrid.config import ConfigError, cell_spec, expand_cells, load_study, resolve_study, spec_json
+
+
+def test_defaults_are_filled_from_the_schema():
+    study = resolve_study(make_study())
+    assert study["lora"]["r"] == 8
+    assert study["train"]["on_nonfinite"] == "stop_after_skips"
+    assert study["tracking"]["enabled"] is True
+    assert study["models"]["gemma3-hot"]["revision"] == ""
+
+
+def test_cells_are_the_product_of_the_axes_in_stable_order():
+    grid = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "fp16"], "batch_size": [2, 4], "quant": ["nf4"], "seed": [0]}
+    cells = expand_cells(resolve_study(make_study(grid=grid)))
+    assert len(cells) == 8
+    assert cells[0].cell_id == "gemma3-hot_fp32_bs2_nf4_s0"
+    assert cells[-1].cell_id == "qwen3moe-tiny_fp16_bs4_nf4_s0"
+    assert len({c.cell_id for c in cells}) == 8
+
+
+def test_cell_spec_is_canonical_json():
+    study = resolve_study(make_study())
+    cell = expand_cells(study)[0]
+    a, b = spec_json(cell_spec(study, cell)), spec_json(cell_spec(resolve_study(make_study()), cell))
+    assert a == b
+    assert '"precision":"fp32"' in a
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda s: s.update(unknown_key=1), "unknown key(s) ['unknown_key']"),
+        (lambda s: s["grid"].update(precision=["fp8"]), "grid.precision.0"),
+        (lambda s: s["grid"].update(batch_size=[0]), "grid.batch_size.0"),
+        (lambda s: s["grid"].update(batch_size=["two"]), "grid.batch_size.0"),
+        (lambda s: s["grid"].update(model=[]), "grid.model"),
+        (lambda s: s["grid"].update(model=["nope"]), "'nope' is not defined under 'models'"),
+        (lambda s: s["train"].update(steps=0), "train.steps"),
+        (lambda s: s["models"].update({"hub-model": {"source": "hub", "repo_id": "google/gemma-3-4b-it"}}), "models.hub-model.revision"),
+        (lambda s: s["models"].update({"loc": {"source": "local", "path": "/does/not/exist"}}), "models.loc.path"),
+        (lambda s: s.update(study="../escape"), "config key 'study'"),
+    ],
+)
+def test_invalid_configs_name_the_key(mutate, expected):
+    raw = make_study()
+    mutate(raw)
+    with pytest.raises(ConfigError) as info:
+        resolve_study(raw)
+    assert expected in str(info.value)
+
+
+def test_enum_error_lists_allowed_values():
+    raw = make_study()
+    raw["grid"]["quant"] = ["int3"]
+    with pytest.raises(ConfigError, match=r"choose one of \['none', 'nf4'\]"):
+        resolve_study(raw)
+
+
+def test_missing_config_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_study(tmp_path / "nope.yaml")
+
+
+def test_shipped_default_config_is_valid():
+    study = load_study(REPO / "configs" / "config.yaml")
+    assert len(expand_cells(study)) == 24
+    assert {"gemma3-tiny", "qwen3moe-tiny"} <= set(study["models"])
+
+
+def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
+    raw = make_study()
+    raw["grid"]["precision"] = ["fp8"]
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "-s", str(REPO / "Snakefile"),
+         "--directory", str(tmp_path), "--configfile", str(config)],
+        capture_output=True, text=True, timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "config key 'grid.precision.0'" in out
+    assert "choose one of ['fp32', 'bf16', 'fp16']" in out
+    assert "Traceback" not in out
+
+
+def test_snakefile_parse_does_not_import_torch():
+    code = (
+        "import sys; sys.path.insert(0, 'src'); import tunegrid.config, tunegrid.tracking, tunegrid.summary;"
+        "assert 'torch' not in sys.modules, 'torch imported at parse time'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

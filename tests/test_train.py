@@ -1,0 +1,82 @@
+"""The training loop on tiny synthetic models, in-process (the worker's own entry point)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_study
+
+from tunegrid.config import cell_spec, expand_cells, resolve_study
+from tunegrid.files import read_json, read_jsonl
+from tunegrid.train import run_worker
+
+
+def _run(checkpoints, dataset_path, tmp_path, *, model="gemma3-hot", precision="fp32", quant="none", batch=2, train=None):
+    train = {"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}
+    grid = {"model": [model], "precision": [precision], "batch_size": [batch], "quant": [quant], "seed": [0]}
+    study = resolve_study(make_study(grid=grid, train=train))
+    spec = cell_spec(study, expand_cells(study)[0])
+    run_dir = tmp_path / spec["cell_id"]
+    run_worker(spec, str(checkpoints[model]), str(dataset_path), str(run_dir))
+    return read_json(run_dir / "worker.json"), run_dir
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_gemma_hot_reproduces_fp16_nan_with_origin_in_layer0_mlp(checkpoints, dataset_path, tmp_path, precision):
+    facts, run_dir = _run(checkpoints, dataset_path, tmp_path, precision=precision, batch=8, train={"steps": 12})
+    if precision == "fp16":
+        assert facts["outcome"] == "nan", facts["reason"]
+        nan = facts["diagnosis"]["nan"]
+        assert nan["kind"] == "loss_nonfinite"
+        forward = nan["origin"]["forward"]
+        assert ".layers.0.mlp." in forward["module"] and "proj" in forward["module"]
+        assert forward["dtype"] == "float16"
+        events = read_jsonl(run_dir / "events.jsonl")
+        assert events and events[0]["step"] == nan["step"]
+    else:
+        assert facts["outcome"] == "ok", facts["reason"]
+
+
+def test_same_seed_same_origin(checkpoints, dataset_path, tmp_path):
+    a, _ = _run(checkpoints, dataset_path, tmp_path / "a", precision="fp16", batch=8, train={"steps": 12})
+    b, _ = _run(checkpoints, dataset_path, tmp_path / "b", precision="fp16", batch=8, train={"steps": 12})
+    assert a["diagnosis"]["nan"]["step"] == b["diagnosis"]["nan"]["step"]
+    assert a["diagnosis"]["nan"]["origin"]["forward"]["module"] == b["diagnosis"]["nan"]["origin"]["forward"]["module"]
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16")])
+def test_precision_in_effect_matches_request(checkpoints, dataset_path, tmp_path, precision, dtype):
+    facts, _ = _run(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision=precision, quant="nf4")
+    seen = facts["precision_in_effect"]
+    assert facts["outcome"] == "ok", facts["reason"]
+    assert dtype in seen["forward"]
+    assert seen["adapter_dtypes"] == ["float32"]
+    if precision != "fp32":
+        # under autocast the projections compute in the low dtype, not silently in fp32
+        assert seen["forward"][dtype] >= seen["forward"].get("float32", 0) / 4
+
+
+def test_metrics_every_step_and_loss_falls_in_fp32(checkpoints, dataset_path, tmp_path):
+    facts, run_dir = _run(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", batch=8, train={"steps": 25})
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(25))
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mem_peak_bytes"):
+        assert all(key in r for r in records)
+    first = sum(r["loss"] for r in records[:3]) / 3
+    last = sum(r["loss"] for r in records[-3:]) / 3
+    assert last < first - 0.5, (first, last)
+    assert facts["memory"]["peak_bytes"] > 0 and facts["memory"]["load_peak_bytes"] > 0
+
+
+def test_nf4_quantizes_linear_layers(checkpoints, dataset_path, tmp_path):
+    facts, _ = _run(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", quant="nf4")
+    assert "uint8" in facts["precision_in_effect"]["base_weight_dtypes"]  # Params4bit storage
+
+
+def test_lora_target_matching_nothing_is_an_error_outcome(checkpoints, dataset_path, tmp_path):
+    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
+    study = resolve_study(make_study(grid=grid, lora={"target_modules": ["no_such_module"]}))
+    spec = cell_spec(study, expand_cells(study)[0])
+    run_worker(spec, str(checkpoints["qwen3moe-tiny"]), str(dataset_path), str(tmp_path / "r"))
+    facts = read_json(tmp_path / "r" / "worker.json")
+    assert facts["outcome"] == "error"
+    assert "no_such_module" in facts["reason"]
