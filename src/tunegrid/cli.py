@@ -79,9 +79,26 @@ def _worker(args: argparse.Namespace) -> None:
 def _summary(args: argparse.Namespace) -> None:
     from tunegrid.summary import write_summary
 
-    frame = write_summary(args.results, args.out)
+    frame = write_summary(args.results, args.out, sync_path=args.sync or None)
     print(frame[["cell_id", "outcome", "final_loss", "nan_step", "peak_bytes"]].to_string(index=False))
     print("outcomes:", frame["outcome"].value_counts().to_dict())
+
+
+def _sync(args: argparse.Namespace) -> None:
+    from tunegrid.tracking import sync_cell, tracking_uri_for_cells
+
+    tracking = read_json(args.tracking)
+    uri = tracking_uri_for_cells(tracking)
+    report = {}
+    for path in map(Path, args.results):
+        result = read_json(path)
+        log = Path(args.logs) / f"{result['cell_id']}.log" if args.logs else None
+        report[result["cell_id"]] = sync_cell(uri, tracking["experiment_id"], result, path.parent, log)
+    write_json(args.out, report)
+    created = sum(r["created"] for r in report.values())
+    filled = sum(r["points_filled"] for r in report.values())
+    failed = [cell for cell, r in report.items() if r["errors"]]
+    print(f"MLflow sync: {len(report)} cells, {created} runs created, {filled} metric points filled, {len(failed)} failed")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -143,8 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("summary", help="one row per cell as CSV")
     p.add_argument("--out", required=True)
+    p.add_argument("--sync", default="", help="tracking-sync.json: run ids of runs created after the fact")
     p.add_argument("results", nargs="+")
     p.set_defaults(func=_summary)
+
+    p = sub.add_parser("sync", help="fill MLflow from the result files (runs whose store was down)")
+    p.add_argument("--tracking", required=True)
+    p.add_argument("--logs", default="", help="folder of the cells' rule logs, attached to created runs")
+    p.add_argument("--out", required=True)
+    p.add_argument("results", nargs="+")
+    p.set_defaults(func=_sync)
 
     p = sub.add_parser("validate", help="check a study config and count its cells")
     p.add_argument("config")

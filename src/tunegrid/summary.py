@@ -41,16 +41,21 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def build_summary(result_paths: Iterable[str | Path]) -> Any:
+def build_summary(result_paths: Iterable[str | Path], sync_path: str | Path | None = None) -> Any:
     import pandas as pd
 
-    rows = [summary_row(read_json(path)) for path in result_paths]
+    synced = read_json(sync_path) if sync_path else {}
+    rows = []
+    for path in result_paths:
+        row = summary_row(read_json(path))
+        row["mlflow_run_id"] = (synced.get(row["cell_id"]) or {}).get("run_id") or row["mlflow_run_id"]
+        rows.append(row)
     return pd.DataFrame(rows)
 
 
-def write_summary(result_paths: Iterable[str | Path], csv_path: str | Path) -> Any:
+def write_summary(result_paths: Iterable[str | Path], csv_path: str | Path, sync_path: str | Path | None = None) -> Any:
     from tunegrid.files import atomic_write_text
 
-    frame = build_summary(result_paths)
+    frame = build_summary(result_paths, sync_path)
     atomic_write_text(csv_path, frame.to_csv(index=False))
     return frame

@@ -74,7 +74,7 @@ def _last_activity(run_dir: Path, started: float) -> float:
     return max(times)
 
 
-def _tags_for(result: dict[str, Any]) -> dict[str, str]:
+def run_tags(result: dict[str, Any]) -> dict[str, str]:
     tags = {"outcome": result["outcome"], "outcome.reason": result["reason"], "device": result["env"].get("device", "")}
     nan = (result.get("diagnosis") or {}).get("nan")
     if nan:
@@ -172,7 +172,7 @@ def run_cell(
         artifacts = [result_path, run_dir / "metrics.jsonl", run_dir / "events.jsonl"]
         if log_path is not None:
             artifacts.append(log_path)
-        tracker.finish(_tags_for(result), artifacts, failed=result["outcome"] == "error")
+        tracker.finish(run_tags(result), artifacts, failed=result["outcome"] == "error")
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors
             write_json(result_path, result)

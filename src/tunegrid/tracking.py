@@ -21,6 +21,7 @@ T = TypeVar("T")
 
 METRIC_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mem_peak_bytes", "loss_scale", "skipped_steps")
 CELL_TAG = "tunegrid.cell_id"
+FAILED: Any = object()  # what CellRun._try returns when the store call failed (None is a valid result)
 MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 
 
@@ -71,6 +72,10 @@ def with_retries(call: Callable[[], T], what: str, attempts: int = 6, first_wait
 
 
 def client(uri: str) -> Any:
+    # A tracking server that is down must not stall a cell for minutes inside MLflow's own HTTP
+    # retries: ours (with_retries) are enough. A user's explicit setting wins.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
@@ -124,14 +129,20 @@ class CellRun:
         self.run_id: str | None = None
         self.errors: list[str] = []
         self.sent_points = 0
+        self.down = False
 
-    def _try(self, call: Callable[[], T], what: str) -> T | None:
+    def _try(self, call: Callable[[], T], what: str) -> T:
+        """One store call with retries; once the store is found down, later calls are skipped
+        (the sync rule fills the run from the files afterwards) so training is never slowed by it."""
+        if self.down:
+            return FAILED
         try:
             return with_retries(call, what)
         except Exception as exc:
+            self.down = True
             self.errors.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")
             log.warning("MLflow %s failed; metrics.jsonl keeps everything (%s)", what, exc)
-            return None
+            return FAILED
 
     def start(self, cell_id: str, tags: dict[str, str], params: dict[str, str]) -> None:
         """Open this cell's run; earlier runs of the same cell are marked superseded and deleted."""
@@ -145,10 +156,10 @@ class CellRun:
             lambda: self.client.create_run(self.experiment_id, run_name=cell_id, tags={CELL_TAG: cell_id, **tags}),
             "create_run",
         )
-        if run is None:
+        if run is FAILED:
             return
         self.run_id = run.info.run_id
-        for old in previous or []:
+        for old in [] if previous is FAILED else previous:
             self._try(lambda o=old: self.client.set_tag(o.info.run_id, "tunegrid.superseded_by", self.run_id), "tag old run")
             self._try(lambda o=old: self.client.delete_run(o.info.run_id), "delete superseded run")
         items = [Param(k, v) for k, v in params.items()]
@@ -163,7 +174,7 @@ class CellRun:
         metrics = metrics_from_records(records)
         for i in range(0, len(metrics), MAX_BATCH):
             chunk = metrics[i : i + MAX_BATCH]
-            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "log metrics") is None:
+            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "log metrics") is FAILED:
                 return False
             self.sent_points += len(chunk)
         return True
@@ -175,13 +186,13 @@ class CellRun:
         have: set[tuple[str, int]] = set()
         for key in METRIC_KEYS:
             history = self._try(lambda k=key: self.client.get_metric_history(self.run_id, k), "read history")
-            if history is None:
+            if history is FAILED:
                 return 0
             have.update((m.key, m.step) for m in history)
         missing = [m for m in metrics_from_records(records) if (m.key, m.step) not in have]
         for i in range(0, len(missing), MAX_BATCH):
             chunk = missing[i : i + MAX_BATCH]
-            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "reconcile metrics") is None:
+            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "reconcile metrics") is FAILED:
                 return 0
         return len(missing)
 
@@ -197,3 +208,39 @@ class CellRun:
                 self._try(lambda p=path: self.client.log_artifact(self.run_id, str(p)), f"artifact {path.name}")
         status = "FAILED" if failed else "FINISHED"
         self._try(lambda: self.client.set_terminated(self.run_id, status=status), "set_terminated")
+
+
+def run_exists(c: Any, run_id: str | None) -> bool:
+    if not run_id:
+        return False
+    try:
+        return c.get_run(run_id).info.lifecycle_stage == "active"
+    except Exception:
+        return False
+
+
+def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Path, log_path: Path | None) -> dict[str, Any]:
+    """Make the store hold this cell's run with every metric point of metrics.jsonl.
+
+    For cells whose store was down or locked while they trained: the run is created (or completed)
+    from the files, which are the source of truth.
+    """
+    from tunegrid.files import read_jsonl
+    from tunegrid.supervisor import run_tags
+
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    run = CellRun(uri, experiment_id)
+    run_id = (result.get("tracking") or {}).get("run_id")
+    created = False
+    if run_exists(run.client, run_id):
+        run.run_id = run_id
+    else:
+        spec = result["cell"]
+        axes = {k: str(v) for k, v in spec["axes"].items()}
+        run.start(spec["cell_id"], {**axes, "study": spec["study"], "command": result.get("command", "")}, flatten("", spec, {}))
+        created = run.run_id is not None
+    filled = run.reconcile(records)
+    if created:
+        artifacts = [run_dir / "result.json", run_dir / "metrics.jsonl", run_dir / "events.jsonl"]
+        run.finish(run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == "error")
+    return {"run_id": run.run_id, "created": created, "points_filled": filled, "points_in_file": len(records), "errors": run.errors}

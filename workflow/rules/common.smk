@@ -58,9 +58,14 @@ def get_result_files():
     return [f"{RESULTS}/runs/{cell_id}/result.json" for cell_id in CELLS]
 
 
+def get_sync_file():
+    return [f"{RESULTS}/tracking-sync.json"] if TRACKING else []
+
+
 def get_final_outputs():
     return [
         f"{RESULTS}/env/environment.json",
         f"{RESULTS}/probe/capabilities.json",
         f"{RESULTS}/summary.csv",
+        *get_sync_file(),
     ]

@@ -1,6 +1,7 @@
 rule summary:
     input:
         results=get_result_files(),
+        sync=get_sync_file(),
     output:
         csv=report(
             f"{RESULTS}/summary.csv",
@@ -13,4 +14,4 @@ rule summary:
         "../../envs/tunegrid.yaml"
     shell:
         f"python {SCRIPT} summary"
-        " --out {output.csv} {input.results} > {log} 2>&1"
+        " --out {output.csv} --sync={input.sync} {input.results} > {log} 2>&1"

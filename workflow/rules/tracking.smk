@@ -16,3 +16,22 @@ rule tracking_init:
         f"python {SCRIPT} tracking-init"
         " --tracking-uri={params.uri:q} --experiment {params.experiment:q}"
         " --artifact-root {params.artifact_root} --out {output.tracking} > {log} 2>&1"
+
+
+# metrics.jsonl is the source of truth: any cell whose store was down or locked while it trained
+# gets its run created or completed here, after the grid.
+rule mlflow_sync:
+    input:
+        tracking=rules.tracking_init.output.tracking,
+        results=get_result_files(),
+    output:
+        sync=f"{RESULTS}/tracking-sync.json",
+    params:
+        logs=f"{LOGS}/finetune",
+    log:
+        f"{LOGS}/mlflow_sync.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        f"python {SCRIPT} sync"
+        " --tracking {input.tracking} --logs {params.logs} --out {output.sync} {input.results} > {log} 2>&1"

@@ -1,0 +1,109 @@
+"""The finetune job end to end without Snakemake: child process, timeouts, MLflow, result.json."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+from conftest import make_study
+
+from tunegrid.config import cell_spec, expand_cells, resolve_study
+from tunegrid.files import read_json, read_jsonl, write_json
+from tunegrid.supervisor import _compose_result, run_cell
+from tunegrid.tracking import CELL_TAG, client, init_experiment, metrics_from_records, sync_cell
+
+
+def _spec(model="qwen3moe-tiny", train=None):
+    grid = {"model": [model], "precision": ["fp32"], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
+    study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, **(train or {})}))
+    return cell_spec(study, expand_cells(study)[0])
+
+
+def _store(tmp_path: Path) -> tuple[str, Path]:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment_id = init_experiment(uri, "tunegrid/t", tmp_path / "artifacts")
+    tracking = tmp_path / "tracking.json"
+    write_json(tracking, {"tracking_uri": uri, "experiment_id": experiment_id, "experiment_name": "tunegrid/t"})
+    return uri, tracking
+
+
+def _run(spec, checkpoints, dataset_path, tmp_path, tracking=None):
+    run_dir = tmp_path / "runs" / spec["cell_id"]
+    return run_cell(
+        spec=spec, model_dir=checkpoints[spec["model"]["name"]], data_path=dataset_path, run_dir=run_dir,
+        result_path=run_dir / "result.json", tracking_path=tracking, log_path=None, command=["tunegrid", "finetune"],
+    ), run_dir
+
+
+def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path, tmp_path):
+    uri, tracking = _store(tmp_path)
+    spec = _spec()
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path, tracking)
+    assert result["outcome"] == "ok", result["reason"]
+    assert read_json(run_dir / "result.json")["outcome"] == "ok"
+    c = client(uri)
+    run = c.get_run(result["tracking"]["run_id"])
+    assert run.info.run_name == spec["cell_id"]
+    assert run.data.tags["outcome"] == "ok" and run.data.tags["precision"] == "fp32" and run.data.tags["quant"] == "nf4"
+    assert run.data.params["train.steps"] == "4"
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(c.get_metric_history(run.info.run_id, "loss")) == len(records) == 4
+    assert {a.path for a in c.list_artifacts(run.info.run_id)} >= {"result.json", "metrics.jsonl"}
+
+    # running the same cell again leaves exactly one current run, and says which one replaced it
+    again, _ = _run(spec, checkpoints, dataset_path, tmp_path, tracking)
+    active = c.search_runs([run.info.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{spec['cell_id']}'")
+    assert [r.info.run_id for r in active] == [again["tracking"]["run_id"]]
+    old = c.get_run(run.info.run_id)
+    assert old.info.lifecycle_stage == "deleted"
+    assert old.data.tags["tunegrid.superseded_by"] == again["tracking"]["run_id"]
+
+
+def test_wall_clock_limit_ends_as_timeout_without_orphans(checkpoints, dataset_path, tmp_path):
+    spec = _spec(train={"time_limit_s": 2, "steps": 1000})
+    started = time.time()
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
+    assert result["outcome"] == "timeout"
+    assert "wall-clock limit" in result["reason"]
+    assert time.time() - started < 2 + 20
+    leftovers = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(run_dir) in cmdline:
+                leftovers.append(pid)
+    assert leftovers == []
+
+
+def test_killed_worker_is_an_error_with_the_signal(tmp_path):
+    spec = _spec()
+    result = _compose_result(spec, tmp_path, -9, None, time.time(), ["x"])
+    assert result["outcome"] == "error"
+    assert "SIGKILL" in result["reason"]
+
+
+def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset_path, tmp_path):
+    with socket.socket() as s:  # a loopback port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tracking = tmp_path / "tracking.json"
+    write_json(tracking, {"tracking_uri": f"http://127.0.0.1:{port}", "experiment_id": "1", "experiment_name": "x"})
+    spec = _spec()
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path, tracking)
+    assert result["outcome"] == "ok"
+    assert result["tracking"]["run_id"] is None and result["tracking"]["errors"]
+    uri, _ = _store(tmp_path / "later")
+    experiment_id = client(uri).get_experiment_by_name("tunegrid/t").experiment_id
+    synced = sync_cell(uri, experiment_id, result, run_dir, None)
+    assert synced["created"]
+    assert synced["points_filled"] == len(metrics_from_records(read_jsonl(run_dir / "metrics.jsonl"))) == 4 * 6
+    run = client(uri).get_run(synced["run_id"])
+    assert run.data.tags["outcome"] == "ok"
+    assert len(client(uri).get_metric_history(run.info.run_id, "loss")) == 4
+    # a second sync finds nothing missing
+    assert sync_cell(uri, experiment_id, {**result, "tracking": {"run_id": synced["run_id"]}}, run_dir, None)["points_filled"] == 0
