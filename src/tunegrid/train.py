@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -196,6 +197,9 @@ class CellTrainer:
         first_event: dict[str, Any] | None = None
         losses: list[float] = []
         self.facts["stage"] = "step"
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=steps, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
         try:
             for step in range(steps):
                 batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
@@ -252,6 +256,8 @@ class CellTrainer:
                 if scaler is not None:
                     record["loss_scale"] = scale
                 metrics.write(record)
+                progress.set_postfix(loss=f"{loss_value:.4g}", refresh=False)
+                progress.update()
                 if loss_finite:
                     losses.append(loss_value)
 
@@ -270,6 +276,7 @@ class CellTrainer:
                     if stop:
                         break
         finally:
+            progress.close()
             metrics.close()
             events.close()
 
