@@ -80,3 +80,73 @@ def test_lora_target_matching_nothing_is_an_error_outcome(checkpoints, dataset_p
     facts = read_json(tmp_path / "r" / "worker.json")
     assert facts["outcome"] == "error"
     assert "no_such_module" in facts["reason"]
+
+
+def _run_with(checkpoints, dataset_path, tmp_path, *, model, precision, debug=None, train=None, batch=2):
+    train = {"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}
+    grid = {"model": [model], "precision": [precision], "batch_size": [batch], "quant": ["none"], "seed": [0]}
+    study = resolve_study(make_study(grid=grid, train=train, debug=debug or {}))
+    spec = cell_spec(study, expand_cells(study)[0])
+    run_worker(spec, str(checkpoints[model]), str(dataset_path), str(tmp_path))
+    return read_json(tmp_path / "worker.json"), tmp_path
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_injected_nonfinite_is_found_at_that_module_and_step(checkpoints, dataset_path, tmp_path, phase):
+    target = "model.layers.0.self_attn.o_proj"  # layer 0: the next layer's attention spreads it to scored tokens
+    debug = {"inject_nonfinite": {"module": target, "step": 2, "phase": phase}}
+    facts, run_dir = _run_with(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp32", debug=debug, train={"steps": 5})
+    nan = facts["diagnosis"]["nan"]
+    assert facts["outcome"] == "nan"
+    assert nan["step"] == 2
+    origin = nan["origin"][phase]
+    assert origin["module"].endswith(target)
+    if phase == "forward":
+        assert nan["kind"] == "loss_nonfinite"
+    else:
+        # the loss was finite, only the gradients overflowed
+        assert nan["kind"] == "grad_nonfinite_finite_loss"
+        assert nan["origin"]["forward"] is None
+
+
+def test_fp16_backward_overflow_is_a_scaler_skip_not_ok(checkpoints, dataset_path, tmp_path):
+    debug = {"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "backward"}}
+    facts, run_dir = _run_with(
+        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp16", debug=debug,
+        train={"steps": 4, "on_nonfinite": "stop"},
+    )
+    assert facts["outcome"] == "nan"
+    assert facts["diagnosis"]["nan"]["kind"] == "scaler_skip"
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert records[-1]["skipped_steps"] >= 1 and "loss_scale" in records[-1]
+
+
+def test_scaler_skips_the_scaler_recovers_from_are_counted_not_failed(checkpoints, dataset_path, tmp_path):
+    debug = {"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "backward"}}
+    facts, run_dir = _run_with(
+        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp16", debug=debug, train={"steps": 4},
+    )
+    assert facts["outcome"] == "ok"
+    assert facts["training"]["skipped_steps"] >= 1
+    assert facts["diagnosis"]["recovered_scaler_skips"]["step"] == 1
+    assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")] == ["scaler_skip"]
+
+
+def test_injection_naming_no_module_is_a_clear_error(checkpoints, dataset_path, tmp_path):
+    debug = {"inject_nonfinite": {"module": "no.such.module", "step": 0}}
+    facts, _ = _run_with(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp32", debug=debug)
+    assert facts["outcome"] == "error" and "no.such.module" in facts["reason"]
+
+
+def test_bf16_run_measures_fp16_headroom_before_fp16_is_tried(checkpoints, dataset_path, tmp_path):
+    facts, run_dir = _run_with(
+        checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision="bf16", batch=8, train={"steps": 12, "headroom_every": 3}
+    )
+    assert facts["outcome"] == "ok"
+    lines = read_jsonl(run_dir / "headroom.jsonl")
+    assert [line["step"] for line in lines] == [0, 3, 6, 9]
+    worst = facts["fp16_headroom"]["worst_modules"][0]
+    assert worst["ratio_to_fp16_max"] > 1.0  # this model would overflow fp16: the report can say so up front
+    assert ".mlp." in worst["module"] or "lm_head" in worst["module"]
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert "fp16_headroom_max_ratio" in records[0] and "fp16_headroom_max_ratio" not in records[1]

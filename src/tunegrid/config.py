@@ -171,6 +171,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "train": study["train"],
         "lora": study["lora"],
         "data": study["data"],
+        "debug": study["debug"],
     }
 
 

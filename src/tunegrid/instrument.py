@@ -185,3 +185,104 @@ class OriginTracer:
 
 def is_finite_number(value: float) -> bool:
     return math.isfinite(value)
+
+
+FP16_MAX = 65504.0
+
+
+class HeadroomMeter:
+    """Per-module activation max-abs on measured steps, as a ratio to fp16's largest finite value.
+
+    It runs under any precision, so a bf16 or fp32 run says which modules would overflow in fp16
+    before fp16 is ever tried. The per-module maxima stay on the device until `collect`: one sync.
+    """
+
+    def __init__(self, top: int = 10) -> None:
+        self.top = top
+        self._names: list[str] = []
+        self._maxima: list[Any] = []
+        self.worst_seen: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def attached(self, model: Any) -> Iterator[None]:
+        names = {id(m): n for n, m in model.named_modules()}
+
+        def on_forward(module: Any, _inputs: Any, output: Any) -> None:
+            if any(True for _ in module.children()):
+                return
+            for t in _tensors(output):
+                if t.is_floating_point() and t.numel():
+                    self._names.append(names.get(id(module), "?"))
+                    self._maxima.append(t.detach().abs().amax().float())
+
+        with _hooks_on(model, on_forward):
+            yield
+
+    def collect(self, step: int) -> dict[str, Any]:
+        import torch
+
+        values = torch.stack(self._maxima).tolist() if self._maxima else []
+        per_module: dict[str, float] = {}
+        for name, value in zip(self._names, values):
+            per_module[name] = max(per_module.get(name, 0.0), value)
+        self._names, self._maxima = [], []
+        for name, value in per_module.items():
+            self.worst_seen[name] = max(self.worst_seen.get(name, 0.0), value)
+        worst = sorted(per_module.items(), key=lambda item: -item[1])[: self.top]
+        return {
+            "step": step,
+            "max_ratio": worst[0][1] / FP16_MAX if worst else None,
+            "modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
+        }
+
+    def summary(self) -> dict[str, Any]:
+        worst = sorted(self.worst_seen.items(), key=lambda item: -item[1])[: self.top]
+        return {
+            "fp16_max": FP16_MAX,
+            "worst_modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
+            "modules_over_fp16_max": sum(1 for v in self.worst_seen.values() if v > FP16_MAX),
+        }
+
+
+class NonfiniteInjector:
+    """Fault injection for testing the pipeline: a non-finite value at one module, one step.
+
+    Off unless the study's `debug.inject_nonfinite` asks for it. The module is matched by name suffix
+    (`model.layers.0.mlp.down_proj` matches the peft-wrapped `base_model.model.model.layers.0.mlp.down_proj`).
+    """
+
+    def __init__(self, model: Any, request: dict[str, Any]) -> None:
+        self.step = int(request["step"])
+        self.phase = request.get("phase", "forward")
+        self.value = float(request.get("value", "inf"))
+        wanted = request["module"]
+        matches = [(n, m) for n, m in model.named_modules() if n == wanted or n.endswith("." + wanted)]
+        if not matches:
+            raise ValueError(f"debug.inject_nonfinite.module {wanted!r} matches no module of the model")
+        self.module_name, self.module = min(matches, key=lambda item: len(item[0]))  # the outermost match
+
+    @contextlib.contextmanager
+    def attached(self, step: int) -> Iterator[None]:
+        if step != self.step:
+            yield
+            return
+        handle = self.module.register_forward_hook(self._on_forward)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _on_forward(self, _module: Any, _inputs: Any, output: Any) -> Any:
+        tensor = output[0] if isinstance(output, tuple) else output
+        if self.phase == "forward":
+            poisoned = tensor.clone()
+            poisoned.view(-1)[0] = self.value
+            return (poisoned, *output[1:]) if isinstance(output, tuple) else poisoned
+        if tensor.requires_grad:
+            tensor.register_hook(self._poison_grad)
+        return None
+
+    def _poison_grad(self, grad: Any) -> Any:
+        poisoned = grad.clone()
+        poisoned.view(-1)[0] = self.value
+        return poisoned

@@ -35,10 +35,17 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "steady_peak_bytes": memory.get("steady_peak_bytes"),
         "tokens_per_s": throughput.get("tokens_per_s_median"),
         "step_time_s": throughput.get("step_time_s_median"),
+        "fp16_headroom_worst_module": _worst_headroom(result).get("module"),
+        "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
         "wall_s": result.get("wall_s"),
         "mlflow_run_id": (result.get("tracking") or {}).get("run_id"),
     }
+
+
+def _worst_headroom(result: dict[str, Any]) -> dict[str, Any]:
+    worst = (result.get("fp16_headroom") or {}).get("worst_modules") or [{}]
+    return worst[0]
 
 
 def build_summary(result_paths: Iterable[str | Path], sync_path: str | Path | None = None) -> Any:

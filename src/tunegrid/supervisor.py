@@ -22,7 +22,8 @@ from tunegrid.files import read_json, write_json
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
 KILL_GRACE_S = 5.0
-RUN_FILES = ("metrics.jsonl", "events.jsonl", "worker.json", "heartbeat")
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "worker.json", "heartbeat")
+ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl")
 
 
 class MetricsTail:
@@ -169,7 +170,7 @@ def run_cell(
         result["tracking"] = {"run_id": tracker.run_id, "points_sent_live": tracker.sent_points, "points_filled": filled, "errors": tracker.errors}
     write_json(result_path, result)
     if tracker is not None:
-        artifacts = [result_path, run_dir / "metrics.jsonl", run_dir / "events.jsonl"]
+        artifacts = [result_path.parent / name for name in ARTIFACT_FILES]
         if log_path is not None:
             artifacts.append(log_path)
         tracker.finish(run_tags(result), artifacts, failed=result["outcome"] == "error")
@@ -218,6 +219,7 @@ def _compose_result(
         "precision_in_effect": facts.get("precision_in_effect", {}),
         "precision_plan": facts.get("precision_plan", {}),
         "throughput": facts.get("throughput", {}),
+        "fp16_headroom": facts.get("fp16_headroom", {}),
         "training": facts.get("training", {}),
         "params": facts.get("params", {}),
         "traceback": facts.get("traceback"),

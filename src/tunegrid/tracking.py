@@ -19,7 +19,9 @@ from urllib.parse import urlsplit, urlunsplit
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-METRIC_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "mem_peak_bytes", "loss_scale", "skipped_steps")
+METRIC_KEYS = (
+    "loss", "grad_norm", "lr", "tokens_per_s", "mem_peak_bytes", "loss_scale", "skipped_steps", "fp16_headroom_max_ratio",
+)
 CELL_TAG = "tunegrid.cell_id"
 FAILED: Any = object()  # what CellRun._try returns when the store call failed (None is a valid result)
 MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
@@ -226,7 +228,7 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.supervisor import run_tags
+    from tunegrid.supervisor import ARTIFACT_FILES, run_tags
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
@@ -241,6 +243,6 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
         created = run.run_id is not None
     filled = run.reconcile(records)
     if created:
-        artifacts = [run_dir / "result.json", run_dir / "metrics.jsonl", run_dir / "events.jsonl"]
+        artifacts = [run_dir / name for name in ARTIFACT_FILES]
         run.finish(run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == "error")
     return {"run_id": run.run_id, "created": created, "points_filled": filled, "points_in_file": len(records), "errors": run.errors}

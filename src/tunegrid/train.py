@@ -150,7 +150,7 @@ class CellTrainer:
         tensors = tokenize_examples(read_dataset(self.data_path), self.tokenizer, self.spec["train"]["seq_len"])
         self.stream = BatchStream(tensors, self.spec["axes"]["batch_size"], self.spec["axes"]["seed"])
 
-    # ---------------------------------------------------------------- one step
+    # ---------------------------------------------------------------- forward + backward
     def forward_backward(self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None) -> Any:
         """Loss and grads; under fp16 the loss is scaled by the GradScaler (or by a fixed scale on replay)."""
         from tunegrid.precision import autocast_context
@@ -163,8 +163,68 @@ class CellTrainer:
             (loss * scale if scale is not None else loss).backward()
         return loss
 
-    def replay_origin(self, batch: dict[str, Any], rng_state: Any, scale: float | None) -> dict[str, Any]:
-        """Re-run the failing step from the same state with hooks: which module went non-finite first."""
+    # ---------------------------------------------------------------- optimizer
+    def build_optimizer(self) -> None:
+        import torch
+
+        from tunegrid.instrument import NonfiniteInjector
+        from tunegrid.precision import make_grad_scaler
+
+        train = self.spec["train"]
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train["warmup_steps"], train["steps"]))
+        self.scaler = make_grad_scaler(self.plan)
+        injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
+        self.injector = NonfiniteInjector(self.model, injection) if injection else None
+
+    # ---------------------------------------------------------------- one step
+    def train_step(self, step: int, batch: dict[str, Any], census: Any = None, headroom: Any = None) -> dict[str, Any]:
+        """One optimizer step with the always-on instruments: memory peak and the fused finiteness check."""
+        import contextlib
+
+        import torch
+
+        scaler = self.scaler
+        fact: dict[str, Any] = {"rng_state": torch.get_rng_state(), "scale": scaler.get_scale() if scaler is not None else None}
+        self.meter.reset()
+        started = time.perf_counter()
+        with contextlib.ExitStack() as hooks:
+            for instrument in (census, headroom):
+                if instrument is not None:
+                    hooks.enter_context(instrument.attached(self.model))
+            if self.injector is not None:
+                hooks.enter_context(self.injector.attached(step))
+            loss = self.forward_backward(batch, scaler)
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.spec["train"]["max_grad_norm"])
+        # The one host sync of the step: loss and grad norm together (the norm is needed for clipping
+        # anyway, and its finiteness is the NaN check for every gradient at once).
+        loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()
+        finite = math.isfinite(loss_value) and math.isfinite(norm_value)
+        if scaler is not None:
+            scaler.step(self.optimizer)  # skips the update itself when grads are inf/nan
+            scaler.update()
+            skipped = scaler.get_scale() < fact["scale"]
+        elif finite:
+            self.optimizer.step()
+            skipped = False
+        else:
+            skipped = True  # never apply a non-finite update to the weights
+        self.optimizer.zero_grad(set_to_none=True)
+        fact.update(lr=self.scheduler.get_last_lr()[0], loss=loss_value, grad_norm=norm_value, skipped=skipped)
+        self.scheduler.step()
+        fact["elapsed"] = time.perf_counter() - started
+        fact["peak"] = self.meter.peak_bytes()
+        return fact
+
+    def replay_origin(self, step: int, batch: dict[str, Any], rng_state: Any, scale: float | None) -> dict[str, Any]:
+        """Re-run the failing step from the same state with hooks: which module went non-finite first.
+
+        The weights are as they were before the step: a non-finite step never updates them.
+        """
+        import contextlib
+
         import torch
 
         from tunegrid.instrument import OriginTracer
@@ -172,119 +232,97 @@ class CellTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         torch.set_rng_state(rng_state)
         tracer = OriginTracer(self.model)
-        with tracer.attached():
+        with contextlib.ExitStack() as hooks:
+            if self.injector is not None:  # registered first, so the tracer sees what it injects
+                hooks.enter_context(self.injector.attached(step))
+            hooks.enter_context(tracer.attached())
             self.forward_backward(batch, scale=scale)
         self.optimizer.zero_grad(set_to_none=True)
         return tracer.as_dict()
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
-        import torch
+        from tqdm.auto import tqdm
 
-        from tunegrid.instrument import DtypeCensus
-        from tunegrid.precision import make_grad_scaler
+        from tunegrid.instrument import DtypeCensus, HeadroomMeter
 
         train = self.spec["train"]
-        steps, policy = train["steps"], train["on_nonfinite"]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
-        scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train["warmup_steps"], steps))
-        scaler = make_grad_scaler(self.plan)
+        steps, policy, every = train["steps"], train["on_nonfinite"], train["headroom_every"]
+        self.build_optimizer()
         metrics = JsonlAppender(self.run_dir / "metrics.jsonl")
         events = JsonlAppender(self.run_dir / "events.jsonl")
-        census = DtypeCensus()
+        headroom_log = JsonlAppender(self.run_dir / "headroom.jsonl")
+        census, headroom = DtypeCensus(), HeadroomMeter()
         step_times, tokens_per_s, steady_peaks = [], [], []
         skipped_total = consecutive_skips = 0
         first_event: dict[str, Any] | None = None
         losses: list[float] = []
         self.facts["stage"] = "step"
-        from tqdm.auto import tqdm
-
         progress = tqdm(total=steps, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
         try:
             for step in range(steps):
                 batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
-                rng_state = torch.get_rng_state()
-                scale = scaler.get_scale() if scaler is not None else None
-                self.meter.reset()
-                started = time.perf_counter()
-                if step == 0:
-                    with census.attached(self.model):
-                        loss = self.forward_backward(batch, scaler)
-                else:
-                    loss = self.forward_backward(batch, scaler)
-                if scaler is not None:
-                    scaler.unscale_(self.optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, train["max_grad_norm"])
-                # The one host sync of the step: loss and grad norm together (the norm is needed for
-                # clipping anyway, and its finiteness is the NaN check for every gradient at once).
-                loss_value, norm_value = torch.stack([loss.detach().float(), grad_norm.float()]).tolist()
-                loss_finite, grad_finite = math.isfinite(loss_value), math.isfinite(norm_value)
-                if scaler is not None:
-                    scaler.step(self.optimizer)  # skips the update itself when grads are inf/nan
-                    scaler.update()
-                    skipped = scaler.get_scale() < scale
-                elif loss_finite and grad_finite:
-                    self.optimizer.step()
-                    skipped = False
-                else:
-                    skipped = True  # never apply a non-finite update to the weights
-                self.optimizer.zero_grad(set_to_none=True)
-                lr = scheduler.get_last_lr()[0]
-                scheduler.step()
-                elapsed = time.perf_counter() - started
-                peak = self.meter.peak_bytes()
+                measure_headroom = every > 0 and step % every == 0
+                fact = self.train_step(step, batch, census if step == 0 else None, headroom if measure_headroom else None)
                 tokens = int(batch["attention_mask"].sum())
-                skipped_total += int(skipped)
-                consecutive_skips = consecutive_skips + 1 if skipped else 0
+                skipped_total += int(fact["skipped"])
+                consecutive_skips = consecutive_skips + 1 if fact["skipped"] else 0
                 if step == 0:
-                    self.memory["first_step_peak_bytes"] = peak
+                    self.memory["first_step_peak_bytes"] = fact["peak"]
                 else:
-                    step_times.append(elapsed)
-                    tokens_per_s.append(tokens / elapsed)
-                    steady_peaks.append(peak)
+                    step_times.append(fact["elapsed"])
+                    tokens_per_s.append(tokens / fact["elapsed"])
+                    steady_peaks.append(fact["peak"])
                 record = {
                     "step": step,
                     "time": time.time(),
-                    "loss": loss_value,
-                    "grad_norm": norm_value,
-                    "lr": lr,
-                    "tokens_per_s": tokens / elapsed,
-                    "step_time_s": elapsed,
-                    "mem_peak_bytes": peak,
+                    "loss": fact["loss"],
+                    "grad_norm": fact["grad_norm"],
+                    "lr": fact["lr"],
+                    "tokens_per_s": tokens / fact["elapsed"],
+                    "step_time_s": fact["elapsed"],
+                    "mem_peak_bytes": fact["peak"],
                     "skipped_steps": skipped_total,
                 }
-                if scaler is not None:
-                    record["loss_scale"] = scale
+                if self.scaler is not None:
+                    record["loss_scale"] = fact["scale"]
+                if measure_headroom:
+                    worst = headroom.collect(step)
+                    headroom_log.write(worst)
+                    record["fp16_headroom_max_ratio"] = worst["max_ratio"]
                 metrics.write(record)
-                progress.set_postfix(loss=f"{loss_value:.4g}", refresh=False)
+                progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
                 progress.update()
+                loss_finite, grad_finite = math.isfinite(fact["loss"]), math.isfinite(fact["grad_norm"])
                 if loss_finite:
-                    losses.append(loss_value)
+                    losses.append(fact["loss"])
+                if loss_finite and grad_finite:
+                    continue
 
-                if not (loss_finite and grad_finite):
-                    kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if scaler else "grad_nonfinite_finite_loss")
-                    event = {"step": step, "kind": kind, "loss": loss_value, "grad_norm": norm_value, "loss_scale": scale}
-                    if first_event is None:
-                        event["origin"] = self.replay_origin(batch, rng_state, scale)
-                        first_event = event
-                    events.write(event)
-                    stop = (
-                        policy == "stop"
-                        or (policy == "stop_after_skips" and kind != "scaler_skip")
-                        or (policy == "stop_after_skips" and consecutive_skips >= train["max_consecutive_skips"])
-                    )
-                    if stop:
-                        break
+                kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if self.scaler else "grad_nonfinite_finite_loss")
+                event = {"step": step, "kind": kind, "loss": fact["loss"], "grad_norm": fact["grad_norm"], "loss_scale": fact["scale"]}
+                if first_event is None:
+                    event["origin"] = self.replay_origin(step, batch, fact["rng_state"], fact["scale"])
+                    first_event = event
+                events.write(event)
+                stop = (
+                    policy == "stop"
+                    or (policy == "stop_after_skips" and kind != "scaler_skip")
+                    or (policy == "stop_after_skips" and consecutive_skips >= train["max_consecutive_skips"])
+                )
+                if stop:
+                    break
         finally:
             progress.close()
-            metrics.close()
-            events.close()
+            for log in (metrics, events, headroom_log):
+                log.close()
 
         self.memory["steady_peak_bytes"] = max(steady_peaks) if steady_peaks else None
         self.memory["peak_bytes"] = max(
             v for v in (self.memory.get("load_peak_bytes"), self.memory.get("first_step_peak_bytes"), self.memory["steady_peak_bytes"]) if v
         )
         self.facts["precision_in_effect"].update(census.as_dict())
+        self.facts["fp16_headroom"] = headroom.summary()
         self.facts["throughput"] = {
             "tokens_per_s_median": statistics.median(tokens_per_s) if tokens_per_s else None,
             "step_time_s_median": statistics.median(step_times) if step_times else None,

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Cost of tunegrid's always-on NaN detection, measured side by side in one run.
+
+For each model: median step time of (a) a bare loop (forward, backward, clip, step, loss.item()),
+(b) tunegrid's instrumented step (fused loss/grad-norm finiteness check, memory meter, RNG capture
+for replay), (c) the bare loop under torch.autograd.detect_anomaly. Variants are interleaved in rounds
+so machine drift hits all three alike. Prints b/a and c/a last; writes results/benchmarks/nan_overhead.{json,csv}.
+
+    python benchmarks/nan_overhead.py            # default tiny model + a ~25M-param synthetic model
+    python benchmarks/nan_overhead.py --quick    # fewer steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
+from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
+from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.files import write_json  # noqa: E402
+from tunegrid.train import CellTrainer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LARGER = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
+    "vocab_size": 512, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+}
+
+
+def trainer_for(study: dict, model: str, model_dir: Path, data: Path, run_dir: Path, batch: int) -> CellTrainer:
+    study = copy.deepcopy(study)
+    study["grid"].update(model=[model], precision=["fp32"], batch_size=[batch], quant=["none"], seed=[0])
+    spec = cell_spec(study, expand_cells(study)[0])
+    trainer = CellTrainer(spec, model_dir, data, run_dir)
+    trainer.setup()
+    trainer.build_model()
+    trainer.build_data()
+    trainer.build_optimizer()
+    return trainer
+
+
+def bare_step(trainer: CellTrainer, batch: dict, anomaly: bool) -> None:
+    import torch
+
+    context = torch.autograd.detect_anomaly(check_nan=True) if anomaly else torch.enable_grad()
+    with context:
+        loss = trainer.model(**batch).loss
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(trainer.trainable, 1.0)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss.item()  # every loop logs its loss: the bare loop pays this sync too
+
+
+def measure(trainer: CellTrainer, rounds: int, steps_per_round: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {"bare": [], "tunegrid": [], "detect_anomaly": []}
+    step = 0
+    for _ in range(2):  # warm-up
+        bare_step(trainer, trainer.stream.batch(step), anomaly=False)
+    for _ in range(rounds):
+        for variant in times:
+            for _ in range(steps_per_round):
+                batch = trainer.stream.batch(step)
+                started = time.perf_counter()
+                if variant == "tunegrid":
+                    trainer.train_step(step, batch)
+                else:
+                    bare_step(trainer, batch, anomaly=variant == "detect_anomaly")
+                times[variant].append(time.perf_counter() - started)
+                step += 1
+    return {variant: statistics.median(values) for variant, values in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"))
+    args = parser.parse_args()
+    rounds, per_round = (3, 5) if args.quick else (5, 8)
+
+    study = load_study(REPO / "configs" / "config.yaml")
+    study["train"]["threads"] = 2
+    work = Path(tempfile.mkdtemp(prefix="tunegrid-bench-"))
+    data = work / "train.jsonl"
+    write_dataset(data, 256, 0)
+    texts = list(corpus_texts(read_dataset(data)))
+    study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": LARGER}
+    rows = []
+    for model, batch in (("gemma3-tiny", 8), ("qwen3moe-tiny", 8), ("gemma3-25m", 4)):
+        spec = copy.deepcopy(study["models"][model])
+        if model == "gemma3-25m":
+            spec["config"]["initializer_range"] = 0.02
+        produce_checkpoint(spec, texts, work / model)
+        study["models"][model] = spec
+        trainer = trainer_for(study, model, work / model, data, work / f"run-{model}", batch)
+        medians = measure(trainer, rounds, per_round)
+        params = sum(p.numel() for p in trainer.model.parameters())
+        rows.append(
+            {
+                "model": model,
+                "params": params,
+                "batch_size": batch,
+                "bare_s": medians["bare"],
+                "tunegrid_s": medians["tunegrid"],
+                "detect_anomaly_s": medians["detect_anomaly"],
+                "tunegrid_over_bare": medians["tunegrid"] / medians["bare"],
+                "anomaly_over_bare": medians["detect_anomaly"] / medians["bare"],
+            }
+        )
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "nan_overhead.json", rows)
+    header = list(rows[0])
+    (out / "nan_overhead.csv").write_text(
+        "\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n"
+    )
+    print(f"{'model':<14}{'params':>12}{'bare ms':>10}{'tunegrid ms':>13}{'anomaly ms':>12}{'b/a':>8}{'c/a':>8}")
+    for r in rows:
+        print(
+            f"{r['model']:<14}{r['params']:>12,}{r['bare_s'] * 1e3:>10.1f}{r['tunegrid_s'] * 1e3:>13.1f}"
+            f"{r['detect_anomaly_s'] * 1e3:>12.1f}{r['tunegrid_over_bare']:>8.3f}{r['anomaly_over_bare']:>8.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
