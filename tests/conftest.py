@@ -49,12 +49,33 @@ QWEN_MOE = {
     },
 }
 
+OLMOE = {
+    "source": "synthetic",
+    "architecture": "olmoe",
+    "seed": 0,
+    "config": {
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "initializer_range": 0.2,
+    },
+}
+
 
 def make_study(**overrides: Any) -> dict[str, Any]:
     """A small valid raw study config; keyword arguments replace top-level sections."""
     study: dict[str, Any] = {
         "study": "t",
-        "models": {"gemma3-hot": copy.deepcopy(GEMMA_HOT), "qwen3moe-tiny": copy.deepcopy(QWEN_MOE)},
+        "models": {
+            "gemma3-hot": copy.deepcopy(GEMMA_HOT),
+            "qwen3moe-tiny": copy.deepcopy(QWEN_MOE),
+            "olmoe-tiny": copy.deepcopy(OLMOE),
+        },
         "grid": {"model": ["gemma3-hot"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]},
         "train": {"steps": 3, "seq_len": 32, "lr": 0.01},
         "data": {"examples": 64},
@@ -80,7 +101,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) ->
     texts = list(corpus_texts(read_dataset(dataset_path)))
     root = tmp_path_factory.mktemp("models")
     built = {}
-    for name, spec in (("gemma3-hot", GEMMA_HOT), ("qwen3moe-tiny", QWEN_MOE)):
+    for name, spec in (("gemma3-hot", GEMMA_HOT), ("qwen3moe-tiny", QWEN_MOE), ("olmoe-tiny", OLMOE)):
         produce_checkpoint(copy.deepcopy(spec), texts, root / name)
         built[name] = root / name
     return built

@@ -61,7 +61,7 @@ def test_invalid_configs_name_the_key(mutate, expected):
 def test_enum_error_lists_allowed_values():
     raw = make_study()
     raw["grid"]["quant"] = ["int3"]
-    with pytest.raises(ConfigError, match=r"choose one of \['none', 'nf4'\]"):
+    with pytest.raises(ConfigError, match=r"choose one of \['none', 'nf4', 'nf4-experts'\]"):
         resolve_study(raw)
 
 
@@ -72,7 +72,7 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 def test_shipped_default_config_is_valid():
     study = load_study(REPO / "configs" / "config.yaml")
-    assert len(expand_cells(study)) == 24
+    assert len(expand_cells(study)) == 36
     assert {"gemma3-tiny", "qwen3moe-tiny"} <= set(study["models"])
 
 

@@ -17,6 +17,9 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     training = result.get("training") or {}
     throughput = result.get("throughput") or {}
     in_effect = result.get("precision_in_effect") or {}
+    audit = result.get("quant_audit") or {}
+    final = audit.get("after_adapters") or {}
+    loaded = audit.get("after_load") or {}
     return {
         "cell_id": result["cell_id"],
         **axes,
@@ -35,6 +38,13 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "steady_peak_bytes": memory.get("steady_peak_bytes"),
         "tokens_per_s": throughput.get("tokens_per_s_median"),
         "step_time_s": throughput.get("step_time_s_median"),
+        "weight_bytes_loaded": loaded.get("total_bytes"),
+        "weight_bytes": final.get("total_bytes"),
+        "expert_bytes": (final.get("by_role") or {}).get("experts"),
+        "flagged_bytes": final.get("flagged_bytes"),
+        "flagged_share": final.get("flagged_share"),
+        "flagged_tensors": len(final["flagged"]) if final else None,
+        "lora_unmatched": ",".join((audit.get("lora") or {}).get("unmatched", [])) or None,
         "fp16_headroom_worst_module": _worst_headroom(result).get("module"),
         "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),

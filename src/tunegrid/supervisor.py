@@ -22,8 +22,8 @@ from tunegrid.files import read_json, write_json
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
 KILL_GRACE_S = 5.0
-RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "worker.json", "heartbeat")
-ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl")
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat")
+ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json")
 
 
 class MetricsTail:
@@ -86,6 +86,18 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
                 "nan.step": str(nan["step"]),
                 "nan.forward_module": (origin.get("forward") or {}).get("module", ""),
                 "nan.backward_module": (origin.get("backward") or {}).get("module", ""),
+            }
+        )
+    audit = result.get("quant_audit") or {}
+    if audit.get("after_adapters"):
+        final = audit["after_adapters"]
+        tags.update(
+            {
+                "audit.weight_bytes": str(final["total_bytes"]),
+                "audit.flagged_bytes": str(final["flagged_bytes"]),
+                "audit.flagged_share": f"{final['flagged_share']:.4f}",
+                "audit.flagged_tensors": str(len(final["flagged"])),
+                "lora.unmatched": ",".join(audit["lora"]["unmatched"]),
             }
         )
     oom = (result.get("diagnosis") or {}).get("oom")
@@ -220,6 +232,7 @@ def _compose_result(
         "precision_plan": facts.get("precision_plan", {}),
         "throughput": facts.get("throughput", {}),
         "fp16_headroom": facts.get("fp16_headroom", {}),
+        "quant_audit": facts.get("quant_audit", {}),
         "training": facts.get("training", {}),
         "params": facts.get("params", {}),
         "traceback": facts.get("traceback"),

@@ -49,7 +49,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {"dtype": plan.torch_dtype("storage"), "use_safetensors": True}
-    if spec["axes"]["quant"] == "nf4":
+    if spec["axes"]["quant"] != "none":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
@@ -65,21 +65,29 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
 
 
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from peft import LoraConfig, get_peft_model
 
-    lora, train = spec["lora"], spec["train"]
-    if spec["axes"]["quant"] == "nf4" and lora["prepare_kbit_training"]:
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=train["gradient_checkpointing"])
-    elif train["gradient_checkpointing"]:
+    lora = spec["lora"]
+    if spec["train"]["gradient_checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = LoraConfig(
         r=lora["r"],
         lora_alpha=lora["alpha"],
         lora_dropout=lora["dropout"],
         target_modules=list(lora["target_modules"]),
+        target_parameters=list(lora["target_parameters"]) or None,
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def max_logit_diff(model: Any, before: Any, probe_ids: Any) -> dict[str, float]:
+    import torch
+
+    with torch.no_grad():
+        after = model(input_ids=probe_ids).logits.float()
+    diff = (after - before).abs().max().item()
+    return {"max_abs_logit_diff": diff, "relative_to_max_logit": diff / max(before.abs().max().item(), 1e-12)}
 
 
 def lr_lambda(warmup: int, total: int):  # type: ignore[no-untyped-def]
@@ -129,11 +137,12 @@ class CellTrainer:
         verify_checkpoint(self.model_dir)
         self.meter.reset()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        base = load_model(self.model_dir, self.spec, self.plan, self.device)
-        self.model = attach_lora(base, self.spec)
+        self.model = load_model(self.model_dir, self.spec, self.plan, self.device)
+        self.audit_and_adapt()
         self.model.train()
         self.memory["load_peak_bytes"] = self.meter.peak_bytes()
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.trainable = [p for _, p in self.trainable_named]
         self.facts["params"] = {
             "total": sum(p.numel() for p in self.model.parameters()),
             "trainable": sum(p.numel() for p in self.trainable),
@@ -141,6 +150,51 @@ class CellTrainer:
         self.facts["precision_in_effect"] = {
             "base_weight_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}),
             "adapter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.trainable}),
+        }
+
+    def audit_and_adapt(self) -> None:
+        """Quantization audit after load, optional expert quantization and kbit preparation, LoRA, audit again.
+
+        Writes audit.json; result.json gets its summary.
+        """
+        import torch
+        from peft import prepare_model_for_kbit_training
+
+        from tunegrid import quant_audit
+
+        quant, lora = self.spec["axes"]["quant"], self.spec["lora"]
+        four_bit = quant != "none"
+        report: dict[str, Any] = {"quant": quant, "after_load": quant_audit.audit_model(self.model, four_bit_requested=four_bit)}
+        expert_quant = quant == "nf4-experts"
+        if expert_quant:
+            probe_ids = torch.randint(0, self.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).to(self.device)
+            with torch.no_grad():
+                reference = self.model(input_ids=probe_ids).logits.float()
+        if four_bit and lora["prepare_kbit_training"]:
+            before = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
+            self.model = prepare_model_for_kbit_training(self.model, use_gradient_checkpointing=self.spec["train"]["gradient_checkpointing"])
+            report["prepare_kbit_training"] = quant_audit.growth(before, quant_audit.audit_model(self.model, four_bit_requested=four_bit))
+        # LoRA first, then the experts: peft wraps expert params itself (target_parameters, or its own
+        # v4->v5 conversion of gate_proj/up_proj/down_proj on some MoE families), and wrapping a parameter
+        # that replace_parameter_4bit already quantized either matches nothing or de-quantizes it.
+        self.model = attach_lora(self.model, self.spec)
+        if expert_quant:
+            report["expert_quantization"] = {
+                "order": "lora_then_quantize",
+                **quant_audit.quantize_experts(self.model),
+                "output_change": max_logit_diff(self.model, reference, probe_ids),  # adapters start at zero
+            }
+        report["after_adapters"] = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
+        report["lora"] = quant_audit.lora_attachment(self.model, lora["target_modules"], lora["target_parameters"])
+        if report["lora"]["unmatched"]:
+            print(f"WARNING: LoRA targets matched nothing: {report['lora']['unmatched']} (peft does not warn)", file=sys.stderr)
+        write_json(self.run_dir / "audit.json", report)
+        self.facts["quant_audit"] = {
+            "after_load": quant_audit.summarize(report["after_load"]),
+            "after_adapters": quant_audit.summarize(report["after_adapters"]),
+            "expert_quantization": report.get("expert_quantization"),
+            "prepare_kbit_training": report.get("prepare_kbit_training"),
+            "lora": report["lora"],
         }
 
     # ---------------------------------------------------------------- data
@@ -195,6 +249,8 @@ class CellTrainer:
             if self.injector is not None:
                 hooks.enter_context(self.injector.attached(step))
             loss = self.forward_backward(batch, scaler)
+        if step == 0:  # every adapter asked for must receive a gradient, or we train fewer params than requested
+            fact["params_without_grad"] = [n for n, p in self.trainable_named if p.grad is None]
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.spec["train"]["max_grad_norm"])
@@ -256,6 +312,7 @@ class CellTrainer:
         step_times, tokens_per_s, steady_peaks = [], [], []
         skipped_total = consecutive_skips = 0
         first_event: dict[str, Any] | None = None
+        unsupported: list[str] = []
         losses: list[float] = []
         self.facts["stage"] = "step"
         progress = tqdm(total=steps, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
@@ -269,6 +326,8 @@ class CellTrainer:
                 consecutive_skips = consecutive_skips + 1 if fact["skipped"] else 0
                 if step == 0:
                     self.memory["first_step_peak_bytes"] = fact["peak"]
+                    if fact["params_without_grad"]:
+                        unsupported = fact["params_without_grad"]
                 else:
                     step_times.append(fact["elapsed"])
                     tokens_per_s.append(tokens / fact["elapsed"])
@@ -293,6 +352,8 @@ class CellTrainer:
                 metrics.write(record)
                 progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
                 progress.update()
+                if unsupported:
+                    break
                 loss_finite, grad_finite = math.isfinite(fact["loss"]), math.isfinite(fact["grad_norm"])
                 if loss_finite:
                     losses.append(fact["loss"])
@@ -334,6 +395,13 @@ class CellTrainer:
             "skipped_steps": skipped_total,
         }
         self._conclude(first_event, consecutive_skips)
+        if unsupported:
+            self.facts.update(
+                outcome="unsupported",
+                reason=f"{len(unsupported)} adapter tensors get no gradient with this peft/bitsandbytes combination "
+                f"(e.g. {unsupported[0]}); refusing to train fewer parameters than requested",
+                diagnosis={"params_without_grad": unsupported},
+            )
 
     def _conclude(self, first_event: dict[str, Any] | None, consecutive_skips: int) -> None:
         """ok, or nan with the first event; scaler skips the scaler recovered from are not failures."""

@@ -28,7 +28,7 @@ TRACKING = STUDY["tracking"]["enabled"]
 
 wildcard_constraints:
     model="[A-Za-z0-9][A-Za-z0-9.-]*",
-    cell_id="[A-Za-z0-9][A-Za-z0-9.-]*_(fp32|bf16|fp16)_bs[0-9]+_(none|nf4)_s[0-9]+",
+    cell_id="[A-Za-z0-9][A-Za-z0-9.-]*_(fp32|bf16|fp16)_bs[0-9]+_(none|nf4|nf4-experts)_s[0-9]+",
 
 
 def get_cell(wildcards):

@@ -1,0 +1,187 @@
+"""Quantization coverage audit: what a 4-bit load really quantized, and where LoRA really attached.
+
+In transformers v5 MoE experts are fused 3-D nn.Parameters that bitsandbytes' 4-bit loading skips
+(it only replaces nn.Linear). Everything here is found structurally (parameter rank, module classes,
+the model's own output-embedding accessor), for any architecture, with no list of model or parameter names.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+DEFAULT_FLAG_BYTES = 64 * 2**20  # a 2-D tensor this large left unquantized is worth a line too
+
+
+def _tensor_bytes(t: Any) -> int:
+    return int(t.numel() * t.element_size())
+
+
+def quant_state_bytes(state: Any) -> int:
+    """Bytes of a bitsandbytes QuantState: block absmax (double-quantized or not) plus its code."""
+    total = _tensor_bytes(state.absmax) + _tensor_bytes(state.code)
+    if getattr(state, "nested", False) and state.state2 is not None:
+        total += _tensor_bytes(state.state2.absmax) + _tensor_bytes(state.state2.code) + _tensor_bytes(state.offset)
+    return total
+
+
+def _role(name: str, module: Any, ndim: int, expert_modules: set[int], router_parents: set[str], output_embeddings: Any) -> str:
+    import torch
+
+    if ".lora_" in name:
+        return "lora"
+    if id(module) in expert_modules or ndim >= 3:
+        return "experts"
+    if isinstance(module, torch.nn.Embedding) or module is output_embeddings:
+        return "embeddings_head"
+    if "norm" in type(module).__name__.lower():
+        return "norms"
+    parent = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
+    if isinstance(module, torch.nn.Linear) and parent in router_parents:
+        return "router"
+    return "other"
+
+
+def _logical_params(model: Any) -> list[tuple[str, Any, str, Any, Any]]:
+    """(logical name, owning module, param name, storage tensor, quant_state or None) for every parameter.
+
+    A parametrized parameter (bitsandbytes' replace_parameter_4bit) is reported under its logical name,
+    with the packed `original` as storage; its shape comes from the quant state, so nothing is dequantized.
+    """
+    entries = []
+    for module_name, module in model.named_modules():
+        if type(module).__name__ == "ParametrizationList" or module_name.endswith(".parametrizations"):
+            continue
+        parametrizations = getattr(module, "parametrizations", None)
+        if parametrizations is not None:
+            for param_name, plist in parametrizations.items():
+                state = getattr(plist[0], "quant_state", None)
+                full = f"{module_name}.{param_name}" if module_name else param_name
+                entries.append((full, module, param_name, plist.original, state))
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            entries.append((full, module, param_name, param, getattr(param, "quant_state", None)))
+    return entries
+
+
+def audit_model(model: Any, *, four_bit_requested: bool, flag_bytes: int = DEFAULT_FLAG_BYTES) -> dict[str, Any]:
+    entries = _logical_params(model)
+    expert_modules = {id(m) for _, m, _, t, s in entries if (tuple(s.shape) if s is not None else tuple(t.shape)).__len__() >= 3}
+    router_parents = set()
+    for name, module in model.named_modules():
+        if id(module) in expert_modules and "." in name:
+            router_parents.add(name.rsplit(".", 1)[0])
+    get_out = getattr(model, "get_output_embeddings", None)
+    output_embeddings = get_out() if callable(get_out) else None
+
+    params, by_dtype, by_role = [], defaultdict(int), defaultdict(int)
+    flagged = []
+    for name, module, _param_name, storage, state in entries:
+        quantized = state is not None
+        shape = list(state.shape) if quantized else list(storage.shape)
+        stored = _tensor_bytes(storage) + (quant_state_bytes(state) if quantized else 0)
+        dtype = "nf4" if quantized and getattr(state, "quant_type", "") == "nf4" else str(storage.dtype).removeprefix("torch.")
+        role = _role(name, module, len(shape), expert_modules, router_parents, output_embeddings)
+        entry = {
+            "name": name,
+            "shape": shape,
+            "dtype": dtype,
+            "bytes": stored,
+            "quantized": quantized,
+            "trainable": bool(storage.requires_grad),
+            "module_class": type(module).__name__,
+            "role": role,
+        }
+        params.append(entry)
+        by_dtype[dtype] += stored
+        by_role[role] += stored
+        if four_bit_requested and not quantized and role != "lora" and (len(shape) >= 3 or stored >= flag_bytes):
+            why = "≥3-D parameter left in full precision" if len(shape) >= 3 else "large tensor left in full precision"
+            flagged.append({"name": name, "shape": shape, "dtype": dtype, "bytes": stored, "role": role, "why": why})
+    total = sum(by_dtype.values())
+    flagged_bytes = sum(f["bytes"] for f in flagged)
+    return {
+        "total_bytes": total,
+        "by_dtype": dict(by_dtype),
+        "by_role": dict(by_role),
+        "quantized_bytes": sum(p["bytes"] for p in params if p["quantized"]),
+        "flagged": flagged,
+        "flagged_bytes": flagged_bytes,
+        "flagged_share": flagged_bytes / total if total else 0.0,
+        "params": params,
+    }
+
+
+def growth(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What a preparation step did to memory (prepare_model_for_kbit_training upcasts to fp32)."""
+    dtypes = set(before["by_dtype"]) | set(after["by_dtype"])
+    return {
+        "bytes_before": before["total_bytes"],
+        "bytes_after": after["total_bytes"],
+        "grew_bytes": after["total_bytes"] - before["total_bytes"],
+        "by_dtype_change": {d: after["by_dtype"].get(d, 0) - before["by_dtype"].get(d, 0) for d in sorted(dtypes)},
+    }
+
+
+def lora_attachment(model: Any, target_modules: list[str], target_parameters: list[str]) -> dict[str, Any]:
+    """Targets requested versus adapters peft actually created (peft warns about none of the misses)."""
+    lora_modules = [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A", {}))]
+    modules = {t: sum(1 for n, m in lora_modules if n.endswith("." + t) and not hasattr(m, "parameter_name")) for t in target_modules}
+    parameters = {}
+    for target in target_parameters:
+        owner, _, param = target.rpartition(".")
+        parameters[target] = sum(
+            1 for n, m in lora_modules if getattr(m, "parameter_name", None) == param and (not owner or f".{owner}" in f".{n}")
+        )
+    unmatched = [t for t, count in {**modules, **parameters}.items() if count == 0]
+    # peft may put adapters on fused expert parameters nobody listed (its v4->v5 conversion turns
+    # gate_proj/up_proj/down_proj into expert target_parameters on some MoE families): say so.
+    parameter_adapters: dict[str, int] = defaultdict(int)
+    for _, module in lora_modules:
+        if hasattr(module, "parameter_name"):
+            parameter_adapters[module.parameter_name] += 1
+    implicit = sorted(set(parameter_adapters) - {t.rpartition(".")[2] for t in target_parameters})
+    return {
+        "target_modules": modules,
+        "target_parameters": parameters,
+        "parameter_adapters": dict(parameter_adapters),
+        "implicit_parameter_adapters": implicit,
+        "unmatched": unmatched,
+    }
+
+
+def quantize_experts(model: Any) -> dict[str, Any]:
+    """NF4-quantize every ≥3-D parameter a 4-bit load left in full precision, with bitsandbytes' own API.
+
+    Trainable parameters are never touched, nor expert parameters that carry a LoRA adapter (peft's
+    ParamWrapper): with peft 0.21 / bitsandbytes 0.50 an adapter on a parametrized expert tensor either
+    fails ("only Tensors of floating point dtype can require gradients") or, stacked, gets no gradient.
+    Those stay in full precision and are listed, so the memory cost of that choice is visible.
+    """
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    with_adapter = {
+        (id(m.get_base_layer()), m.parameter_name)
+        for m in model.modules()
+        if hasattr(m, "parameter_name") and hasattr(m, "get_base_layer")
+    }
+    changed, kept = [], []
+    for module_name, module in list(model.named_modules()):
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() < 3 or param.requires_grad or getattr(param, "quant_state", None) is not None:
+                continue
+            name = f"{module_name}.{param_name}"
+            if (id(module), param_name) in with_adapter:
+                kept.append({"name": name, "shape": list(param.shape), "bytes": _tensor_bytes(param), "why": "has a LoRA adapter"})
+                continue
+            before = _tensor_bytes(param)
+            replace_parameter_4bit(module, param_name, quant_type="nf4", compress_statistics=True)
+            plist = module.parametrizations[param_name]
+            after = _tensor_bytes(plist.original) + quant_state_bytes(plist[0].quant_state)
+            changed.append({"name": name, "shape": list(param.shape), "bytes_before": before, "bytes_after": after})
+    return {"changed": changed, "kept_for_lora": kept}
+
+
+def summarize(audit: dict[str, Any]) -> dict[str, Any]:
+    """The audit without its per-parameter table: what result.json and MLflow carry."""
+    return {k: v for k, v in audit.items() if k != "params"}

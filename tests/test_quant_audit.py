@@ -1,0 +1,93 @@
+"""MoE QLoRA: the audit finds the fused experts a 4-bit load leaves in full precision, and nf4-experts fixes it."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_study
+
+from tunegrid.config import cell_spec, expand_cells, resolve_study
+from tunegrid.files import read_json
+from tunegrid.train import run_worker
+
+
+ATTENTION_ONLY = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def _cell(checkpoints, dataset_path, tmp_path, *, model, quant, precision="fp32", lora=None):
+    lora = lora or ATTENTION_ONLY
+    grid = {"model": [model], "precision": [precision], "batch_size": [2], "quant": [quant], "seed": [0]}
+    study = resolve_study(make_study(grid=grid, lora=lora))
+    spec = cell_spec(study, expand_cells(study)[0])
+    run_dir = tmp_path / spec["cell_id"]
+    run_worker(spec, str(checkpoints[model]), str(dataset_path), str(run_dir))
+    return read_json(run_dir / "worker.json"), read_json(run_dir / "audit.json")
+
+
+@pytest.mark.parametrize("model", ["qwen3moe-tiny", "olmoe-tiny"])
+def test_plain_4bit_leaves_experts_in_full_precision_and_nf4_experts_fixes_it(checkpoints, dataset_path, tmp_path, model):
+    plain, plain_audit = _cell(checkpoints, dataset_path, tmp_path, model=model, quant="nf4")
+    fixed, fixed_audit = _cell(checkpoints, dataset_path, tmp_path, model=model, quant="nf4-experts")
+    assert plain["outcome"] == "ok" and fixed["outcome"] == "ok", (plain["reason"], fixed["reason"])
+
+    loaded = plain_audit["after_load"]
+    flagged = loaded["flagged"]
+    assert flagged and all(len(f["shape"]) == 3 and f["role"] == "experts" and f["dtype"] == "float32" for f in flagged)
+    assert {f["name"].rsplit(".", 1)[1] for f in flagged} == {"gate_up_proj", "down_proj"}
+    assert loaded["flagged_share"] > 0.3  # the experts are most of what stayed unquantized
+    assert loaded["by_role"]["experts"] == loaded["flagged_bytes"]
+
+    after = fixed_audit["after_adapters"]
+    assert after["flagged"] == []
+    experts = [p for p in after["params"] if p["role"] == "experts" and len(p["shape"]) == 3]
+    assert experts and all(p["quantized"] and p["dtype"] == "nf4" for p in experts)
+    shrink = loaded["by_role"]["experts"] / after["by_role"]["experts"]
+    assert 5.5 < shrink < 8.0  # fp32 -> NF4 with double-quantized block constants: about 7x
+    assert after["total_bytes"] < plain_audit["after_adapters"]["total_bytes"]
+    change = fixed_audit["expert_quantization"]
+    assert change["order"] == "lora_then_quantize" and len(change["changed"]) == 4
+    assert change["output_change"]["relative_to_max_logit"] < 0.5
+
+
+def test_dense_model_has_no_flagged_expert_tensors(checkpoints, dataset_path, tmp_path):
+    facts, audit = _cell(checkpoints, dataset_path, tmp_path, model="gemma3-hot", quant="nf4")
+    assert audit["after_load"]["flagged"] == []
+    assert "experts" not in audit["after_load"]["by_role"]
+    assert audit["after_load"]["quantized_bytes"] > 0
+
+
+def test_lora_request_that_matches_nothing_is_reported(checkpoints, dataset_path, tmp_path):
+    lora = {"target_modules": ["q_proj", "fc1"]}  # OLMoE has no fc1
+    facts, audit = _cell(checkpoints, dataset_path, tmp_path, model="olmoe-tiny", quant="nf4", lora=lora)
+    assert facts["outcome"] == "ok"
+    assert audit["lora"]["unmatched"] == ["fc1"]
+    assert audit["lora"]["target_modules"]["q_proj"] == 2
+    assert facts["quant_audit"]["lora"]["unmatched"] == ["fc1"]
+
+
+def test_expert_params_with_lora_stay_trainable_and_are_listed(checkpoints, dataset_path, tmp_path):
+    one = {"target_modules": ["q_proj"], "target_parameters": ["mlp.experts.down_proj"]}
+    facts, audit = _cell(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", quant="nf4-experts", lora=one)
+    assert facts["outcome"] == "ok", facts["reason"]
+    change = audit["expert_quantization"]
+    assert change["order"] == "lora_then_quantize"
+    assert audit["lora"]["target_parameters"]["mlp.experts.down_proj"] == 2
+    assert sorted(c["name"].rsplit(".", 1)[1] for c in change["changed"]) == ["gate_up_proj", "gate_up_proj"]
+    assert sorted(k["name"].rsplit(".", 1)[1] for k in change["kept_for_lora"]) == ["down_proj", "down_proj"]
+    assert all(k["bytes"] > 0 for k in change["kept_for_lora"])
+
+
+def test_peft_converting_mlp_names_into_expert_adapters_is_reported(checkpoints, dataset_path, tmp_path):
+    mlp_names = {"target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"]}
+    facts, audit = _cell(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", quant="nf4", lora=mlp_names)
+    assert facts["outcome"] == "ok"
+    assert set(audit["lora"]["implicit_parameter_adapters"]) == {"gate_up_proj", "down_proj"}
+
+
+def test_prepare_kbit_training_growth_is_detected(checkpoints, dataset_path, tmp_path):
+    facts, audit = _cell(
+        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", quant="nf4", precision="bf16",
+        lora={"prepare_kbit_training": True},
+    )
+    growth = audit["prepare_kbit_training"]
+    assert growth["grew_bytes"] > 0
+    assert growth["by_dtype_change"]["float32"] > 0 and growth["by_dtype_change"]["bfloat16"] < 0
