@@ -229,7 +229,7 @@ class CellTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train["warmup_steps"], train["steps"]))
         self.scaler = make_grad_scaler(self.plan)
         injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
-        self.injector = NonfiniteInjector(self.model, injection) if injection else None
+        self.injector = NonfiniteInjector(self.model, injection) if injection and injection.get("module") else None
 
     # ---------------------------------------------------------------- one step
     def train_step(self, step: int, batch: dict[str, Any], census: Any = None, headroom: Any = None) -> dict[str, Any]:
