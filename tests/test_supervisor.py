@@ -48,6 +48,9 @@ def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path
     assert run.info.run_name == spec["cell_id"]
     assert run.data.tags["outcome"] == "ok" and run.data.tags["precision"] == "fp32" and run.data.tags["quant"] == "nf4"
     assert run.data.params["train.steps"] == "4"
+    assert int(run.data.params["audit.after_load.role.experts_bytes"]) > 0  # the audit, as params
+    assert float(run.data.tags["audit.flagged_share"]) > 0
+    assert "audit.json" in {a.path for a in c.list_artifacts(run.info.run_id)}
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert len(c.get_metric_history(run.info.run_id, "loss")) == len(records) == 4
     assert {a.path for a in c.list_artifacts(run.info.run_id)} >= {"result.json", "metrics.jsonl"}

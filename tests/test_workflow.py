@@ -40,7 +40,8 @@ def test_tiny_study_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     results = tmp_path / "results" / "e2e"
-    summary = pd.read_csv(results / "summary.csv")
+    summary = pd.read_parquet(results / "summary.parquet")
+    assert len(pd.read_csv(results / "summary.csv", keep_default_na=False)) == len(summary)
     assert len(summary) == 8
     assert set(summary["outcome"]) <= {"ok", "nan"}
     assert summary.loc[summary.precision == "fp32", "outcome"].eq("ok").all()

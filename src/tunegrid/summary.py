@@ -75,4 +75,10 @@ def write_summary(result_paths: Iterable[str | Path], csv_path: str | Path, sync
 
     frame = build_summary(result_paths, sync_path)
     atomic_write_text(csv_path, frame.to_csv(index=False))
+    # Parquet keeps types, and keeps the outcome "nan" a string (pandas' read_csv turns it into NaN
+    # unless called with keep_default_na=False).
+    parquet = Path(csv_path).with_suffix(".parquet")
+    tmp = parquet.with_name(f".{parquet.name}.tmp")
+    frame.to_parquet(tmp, index=False)
+    tmp.replace(parquet)
     return frame

@@ -106,6 +106,27 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
     return tags
 
 
+def result_params(result: dict[str, Any]) -> dict[str, str]:
+    """The quantization audit's summary as run params (logged once, at the end of the cell)."""
+    audit = result.get("quant_audit") or {}
+    params: dict[str, str] = {}
+    for stage in ("after_load", "after_adapters"):
+        summary = audit.get(stage) or {}
+        for key in ("total_bytes", "quantized_bytes", "flagged_bytes"):
+            if key in summary:
+                params[f"audit.{stage}.{key}"] = str(summary[key])
+        for role, size in (summary.get("by_role") or {}).items():
+            params[f"audit.{stage}.role.{role}_bytes"] = str(size)
+        for dtype, size in (summary.get("by_dtype") or {}).items():
+            params[f"audit.{stage}.dtype.{dtype}_bytes"] = str(size)
+    experts = audit.get("expert_quantization") or {}
+    if experts:
+        params["audit.expert_quantization.changed"] = str(len(experts.get("changed", [])))
+        params["audit.expert_quantization.kept_for_lora"] = str(len(experts.get("kept_for_lora", [])))
+        params["audit.expert_quantization.max_abs_logit_diff"] = str(experts["output_change"]["max_abs_logit_diff"])
+    return params
+
+
 def run_cell(
     *,
     spec: dict[str, Any],
@@ -185,7 +206,7 @@ def run_cell(
         artifacts = [result_path.parent / name for name in ARTIFACT_FILES]
         if log_path is not None:
             artifacts.append(log_path)
-        tracker.finish(run_tags(result), artifacts, failed=result["outcome"] == "error")
+        tracker.finish(run_tags(result), artifacts, failed=result["outcome"] == "error", params=result_params(result))
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors
             write_json(result_path, result)

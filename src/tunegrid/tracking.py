@@ -198,13 +198,17 @@ class CellRun:
                 return 0
         return len(missing)
 
-    def finish(self, tags: dict[str, str], artifacts: list[Path], failed: bool) -> None:
-        from mlflow.entities import RunTag
+    def finish(self, tags: dict[str, str], artifacts: list[Path], failed: bool, params: dict[str, str] | None = None) -> None:
+        """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts."""
+        from mlflow.entities import Param, RunTag
 
         if self.run_id is None:
             return
         tag_items = [RunTag(k, v[:5000]) for k, v in tags.items()] + [RunTag("tunegrid.status", "done")]
         self._try(lambda: self.client.log_batch(self.run_id, tags=tag_items), "final tags")
+        if params:
+            items = [Param(k, v[:6000]) for k, v in params.items()]
+            self._try(lambda: self.client.log_batch(self.run_id, params=items), "final params")
         for path in artifacts:
             if path.exists():
                 self._try(lambda p=path: self.client.log_artifact(self.run_id, str(p)), f"artifact {path.name}")
@@ -228,7 +232,7 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.supervisor import ARTIFACT_FILES, run_tags
+    from tunegrid.supervisor import ARTIFACT_FILES, result_params, run_tags
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
@@ -244,5 +248,8 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     filled = run.reconcile(records)
     if created:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
-        run.finish(run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == "error")
+        run.finish(
+            run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == "error",
+            params=result_params(result),
+        )
     return {"run_id": run.run_id, "created": created, "points_filled": filled, "points_in_file": len(records), "errors": run.errors}

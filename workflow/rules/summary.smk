@@ -8,6 +8,7 @@ rule summary:
             caption="../report/summary.rst",
             category="Summary",
         ),
+        parquet=f"{RESULTS}/summary.parquet",
     log:
         f"{LOGS}/summary.log",
     conda:
