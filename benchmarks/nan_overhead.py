@@ -39,6 +39,7 @@ def trainer_for(study: dict, model: str, model_dir: Path, data: Path, run_dir: P
     study = copy.deepcopy(study)
     study["grid"].update(model=[model], precision=["fp32"], batch_size=[batch], quant=["none"], seed=[0])
     spec = cell_spec(study, expand_cells(study)[0])
+    run_dir.mkdir(parents=True, exist_ok=True)
     trainer = CellTrainer(spec, model_dir, data, run_dir)
     trainer.setup()
     trainer.build_model()
