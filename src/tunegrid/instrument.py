@@ -7,7 +7,6 @@ hooks are attached on step 0 (dtype census) or on a replay of a failing step (or
 from __future__ import annotations
 
 import contextlib
-import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -181,10 +180,6 @@ class OriginTracer:
 
     def as_dict(self) -> dict[str, Any]:
         return {"forward": self.forward_origin, "backward": self.backward_origin}
-
-
-def is_finite_number(value: float) -> bool:
-    return math.isfinite(value)
 
 
 FP16_MAX = 65504.0

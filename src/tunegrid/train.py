@@ -45,7 +45,6 @@ class Heartbeat:
 
 
 def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
-    import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {"dtype": plan.torch_dtype("storage"), "use_safetensors": True}
