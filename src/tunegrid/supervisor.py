@@ -7,6 +7,7 @@ so training never blocks on the store; and whatever happens to the child, it wri
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.environment import light_env
-from tunegrid.files import read_json, write_json
+from tunegrid.files import read_json, read_jsonl, write_json
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
@@ -34,8 +35,6 @@ class MetricsTail:
         self.offset = 0
 
     def read_new(self) -> list[dict[str, Any]]:
-        import json
-
         if not self.path.exists():
             return []
         with open(self.path) as fh:
@@ -175,7 +174,8 @@ def run_cell(
     try:
         while child.poll() is None:
             time.sleep(POLL_S)
-            pending += tail.read_new()
+            if tracker is not None:
+                pending += tail.read_new()
             if tracker is not None and pending and time.monotonic() - last_flush > FLUSH_EVERY_S:
                 if tracker.log_records(pending):
                     pending = []
@@ -197,13 +197,11 @@ def run_cell(
     if tracker is not None:
         pending += tail.read_new()
         tracker.log_records(pending)
-        from tunegrid.files import read_jsonl
-
         filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
         result["tracking"] = {"run_id": tracker.run_id, "points_sent_live": tracker.sent_points, "points_filled": filled, "errors": tracker.errors}
     write_json(result_path, result)
     if tracker is not None:
-        artifacts = [result_path.parent / name for name in ARTIFACT_FILES]
+        artifacts = [run_dir / name for name in ARTIFACT_FILES]
         if log_path is not None:
             artifacts.append(log_path)
         tracker.finish(run_tags(result), artifacts, failed=result["outcome"] == "error", params=result_params(result))

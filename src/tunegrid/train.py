@@ -10,6 +10,7 @@ events.jsonl (non-finite events) and worker.json (the facts the supervisor turns
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -233,8 +234,6 @@ class CellTrainer:
     # ---------------------------------------------------------------- one step
     def train_step(self, step: int, batch: dict[str, Any], census: Any = None, headroom: Any = None) -> dict[str, Any]:
         """One optimizer step with the always-on instruments: memory peak and the fused finiteness check."""
-        import contextlib
-
         import torch
 
         scaler = self.scaler
@@ -278,8 +277,6 @@ class CellTrainer:
 
         The weights are as they were before the step: a non-finite step never updates them.
         """
-        import contextlib
-
         import torch
 
         from tunegrid.instrument import OriginTracer
