@@ -29,11 +29,12 @@ def _store(tmp_path: Path) -> tuple[str, Path]:
     return uri, tracking
 
 
-def _run(spec, checkpoints, dataset_path, tmp_path, tracking=None):
+def _run(spec, checkpoints, dataset_path, tmp_path, tracking=None, capabilities=None):
     run_dir = tmp_path / "runs" / spec["cell_id"]
     return run_cell(
         spec=spec, model_dir=checkpoints[spec["model"]["name"]], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=tracking, log_path=None, command=["tunegrid", "finetune"],
+        result_path=run_dir / "result.json", tracking_path=tracking, capabilities_path=capabilities, log_path=None,
+        command=["tunegrid", "finetune"],
     ), run_dir
 
 
@@ -84,7 +85,7 @@ def test_wall_clock_limit_ends_as_timeout_without_orphans(checkpoints, dataset_p
 
 
 def test_killed_worker_is_an_error_with_the_signal(tmp_path):
-    spec = _spec()
+    spec = {**_spec(), "plan": {"estimate": {"estimate_bytes": 1, "components": {}}, "budget_bytes": None, "target": None}}
     result = _compose_result(spec, tmp_path, -9, None, time.time(), ["x"])
     assert result["outcome"] == "error"
     assert "SIGKILL" in result["reason"]

@@ -39,7 +39,12 @@ def _environment(args: argparse.Namespace) -> None:
 def _probe(args: argparse.Namespace) -> None:
     from tunegrid.probes import probe
 
-    record = probe(budget_s=args.budget_s)
+    record = probe(budget_s=args.budget_s, world_sizes=args.world_sizes)
+    if args.tracking:
+        from tunegrid.tracking import log_probe_run, tracking_uri_for_cells
+
+        tracking = read_json(args.tracking)
+        record["mlflow_run_id"] = log_probe_run(tracking_uri_for_cells(tracking), tracking["experiment_id"], record)
     write_json(args.out, record)
     print(f"probe: device {record['device']}, precision {record['precision']}, {record['probe_seconds']:.1f} s")
 
@@ -64,6 +69,7 @@ def _finetune(args: argparse.Namespace) -> None:
         run_dir=Path(args.run_dir),
         result_path=Path(args.result),
         tracking_path=Path(args.tracking) if args.tracking else None,
+        capabilities_path=Path(args.capabilities) if args.capabilities else None,
         log_path=Path(args.log) if args.log else None,
         command=[sys.executable, *sys.argv],
     )
@@ -131,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("probe", help="record hardware capabilities")
     p.add_argument("--out", required=True)
-    p.add_argument("--budget-s", type=float, default=20.0)
+    p.add_argument("--budget-s", type=float, default=30.0)
+    p.add_argument("--world-sizes", type=int, nargs="*", default=[2])
+    p.add_argument("--tracking", default="", help="tracking.json: also log the probe as an MLflow run (kind=probe)")
     p.set_defaults(func=_probe)
 
     p = sub.add_parser("tracking-init", help="create the MLflow store and the study's experiment once")
@@ -148,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--result", required=True)
     p.add_argument("--tracking", default="", help="tracking.json from tracking-init; empty: no MLflow")
+    p.add_argument("--capabilities", default="", help="the probe's capabilities.json (target, budget, estimate)")
     p.add_argument("--log", default="", help="the rule's log, attached to the MLflow run")
     p.set_defaults(func=_finetune)
 

@@ -172,6 +172,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "lora": study["lora"],
         "data": study["data"],
         "debug": study["debug"],
+        "hardware": study["hardware"],
     }
 
 

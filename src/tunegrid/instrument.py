@@ -281,3 +281,27 @@ class NonfiniteInjector:
         poisoned = grad.clone()
         poisoned.view(-1)[0] = self.value
         return poisoned
+
+
+def apply_memory_budget(device_type: str, budget_bytes: int) -> dict[str, Any]:
+    """Make allocations beyond the budget really fail, so out-of-memory is measured, not guessed.
+
+    CUDA: the caching allocator's per-process fraction. CPU: RLIMIT_AS set to the address space in use
+    now plus the budget (the runtime already mapped is not charged; what the cell allocates is).
+    """
+    if device_type == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, budget_bytes / total)
+        torch.cuda.set_per_process_memory_fraction(fraction)
+        return {"mechanism": "torch.cuda.set_per_process_memory_fraction", "fraction": fraction}
+    import resource
+
+    in_use = _proc_status_kib("VmSize") * 1024
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = in_use + budget_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    return {"mechanism": "RLIMIT_AS", "address_space_at_start": in_use, "limit": limit}

@@ -104,17 +104,130 @@ def matmul_tflops(device: str, dtype_name: str, size: int, budget_s: float) -> f
     return 2 * size**3 / statistics.median(times) / 1e12
 
 
-def probe(budget_s: float = 20.0) -> dict[str, Any]:
+def runtime_baseline_bytes() -> int:
+    """Resident memory of a process holding the training stack, before any model: the calibrated
+    constant of the memory estimate on CPU (on CUDA the allocator's peak excludes it)."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig  # noqa: F401
+
+    from tunegrid.instrument import MemoryMeter
+
+    return MemoryMeter("cpu").current_bytes()
+
+
+def memory_bandwidth_gbs(device: str, budget_s: float) -> float | None:
+    """Median device-memory copy bandwidth (read + write bytes per second)."""
     import torch
 
+    numel = (256 if device == "cuda" else 32) * 2**20 // 4
+    try:
+        src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
+        dst = torch.empty_like(src)
+    except RuntimeError:
+        return None
+    times, deadline = [], time.perf_counter() + budget_s
+    dst.copy_(src)
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 30):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return 2 * numel * 4 / statistics.median(times) / 1e9
+
+
+def _allreduce_rank(rank: int, world: int, port: int, backend: str, sizes: list[int], out: str) -> None:
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=__import__("datetime").timedelta(seconds=60))
+    rows = []
+    for size in sizes:
+        tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
+        for _ in range(2):
+            dist.all_reduce(tensor)
+        times = []
+        for _ in range(5):
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(tensor)
+            if backend == "nccl":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        algbw = size / statistics.median(times) / 1e9
+        rows.append({"bytes": size, "time_s": statistics.median(times), "algbw_gbs": algbw,
+                     "busbw_gbs": algbw * 2 * (world - 1) / world})  # nccl-tests' definition
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def allreduce_busbw(world_sizes: list[int], on_cuda: bool, gpu_count: int) -> dict[str, Any]:
+    """All-reduce bus bandwidth per world size: gloo over loopback on CPU, NCCL across GPUs."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if on_cuda else "gloo"
+    sizes = [2**20, 8 * 2**20] if not on_cuda else [2**20, 64 * 2**20, 256 * 2**20]
+    results: dict[str, Any] = {"backend": backend}
+    for world in world_sizes:
+        if on_cuda and world > gpu_count:
+            results[str(world)] = {"skipped": f"needs {world} GPUs, {gpu_count} present"}
+            continue
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "rows.json")
+            try:
+                mp.start_processes(_allreduce_rank, args=(world, port, backend, sizes, out), nprocs=world,
+                                   start_method="spawn")
+                results[str(world)] = {"sizes": __import__("json").loads(Path(out).read_text())}
+            except Exception as exc:  # a probe that cannot run a collective says so; it does not fail the study
+                results[str(world)] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    return results
+
+
+def driver_version() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+
+
+def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[str, Any]:
+    import torch
+
+    from tunegrid.environment import bitsandbytes_backend
+
     started = time.perf_counter()
+    baseline = runtime_baseline_bytes()  # first, before the benchmarks allocate anything
     cpu = cpu_inventory()
     on_cuda = torch.cuda.is_available()
     gpus = gpu_inventory() if on_cuda else []
     device = "cuda" if on_cuda else "cpu"
     size = 4096 if on_cuda else 512
     dtypes = ("float32", "bfloat16", "float16")
-    per_dtype = budget_s / (2 * len(dtypes))
+    per_dtype = budget_s / (4 * len(dtypes))
     record = {
         "device": device,
         "cpu": cpu,
@@ -123,7 +236,19 @@ def probe(budget_s: float = 20.0) -> dict[str, Any]:
         "precision": gpus[0]["precision"] if gpus else cpu_precision_support(cpu["isa_flags"]),
         "matmul_tflops": {name: matmul_tflops(device, name, size, per_dtype) for name in dtypes},
         "matmul_size": size,
+        "memory_bandwidth_gbs": memory_bandwidth_gbs(device, budget_s / 8),
+        "allreduce": allreduce_busbw(world_sizes or [], on_cuda, len(gpus)),
         "torch_threads": torch.get_num_threads(),
+        "runtime_baseline_bytes": baseline if not on_cuda else 0,
+        "bitsandbytes": bitsandbytes_backend(),
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version() if on_cuda else None,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_cuda else None,
+            "driver": driver_version() if on_cuda else None,
+        },
+        "p2p": [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(len(gpus))] for i in range(len(gpus))],
     }
     record["probe_seconds"] = time.perf_counter() - started
     return record

@@ -102,6 +102,10 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
     oom = (result.get("diagnosis") or {}).get("oom")
     if oom:
         tags["oom.stage"] = str(oom.get("stage"))
+    memory = result.get("memory") or {}
+    if memory.get("estimate_bytes"):
+        tags["memory.estimate_bytes"] = str(memory["estimate_bytes"])
+        tags["memory.estimate_over_measured"] = f"{memory['estimate_over_measured']:.3f}" if memory.get("estimate_over_measured") else ""
     return tags
 
 
@@ -126,24 +130,27 @@ def result_params(result: dict[str, Any]) -> dict[str, str]:
     return params
 
 
-def run_cell(
-    *,
-    spec: dict[str, Any],
-    model_dir: Path,
-    data_path: Path,
-    run_dir: Path,
-    result_path: Path,
-    tracking_path: Path | None,
-    log_path: Path | None,
-    command: list[str],
-) -> dict[str, Any]:
-    from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
+def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> dict[str, Any]:
+    """Before training: the target, its memory budget, the memory estimate and whether to train at all."""
+    from tunegrid.memory_estimate import estimate_cell
+    from tunegrid.targets import feasibility, resolve_target
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in RUN_FILES:  # a re-run replaces the earlier attempt's files, never appends to them
-        (run_dir / name).unlink(missing_ok=True)
-    spec_path = run_dir / "cell.json"
-    write_json(spec_path, spec)
+    hardware = spec["hardware"]
+    target = resolve_target(hardware, capabilities) if capabilities else None
+    estimate = estimate_cell(spec, model_dir, int(capabilities.get("runtime_baseline_bytes") or 0))
+    enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
+    verdict = feasibility(spec["axes"]["precision"], target, hardware, estimate["estimate_bytes"]) if target else None
+    return {
+        "target": target.name if target else None,
+        "budget_bytes": target.memory_bytes if enforced and target else None,
+        "estimate": estimate,
+        "verdict": verdict,
+    }
+
+
+def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
+               tracker: Any, tail: MetricsTail) -> tuple[int | None, tuple[str, str] | None, list[dict[str, Any]]]:
+    """Run the worker to its end, a timeout, or a stall; returns (exit code, verdict, unsent metrics)."""
     train = spec["train"]
     started = time.time()
     child = subprocess.Popen(
@@ -159,15 +166,6 @@ def run_cell(
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
-
-    tracker = None
-    if tracking_path is not None:
-        tracking = read_json(tracking_path)
-        tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
-        axes = {k: str(v) for k, v in spec["axes"].items()}
-        tracker.start(spec["cell_id"], {**axes, "study": spec["study"], "command": shlex.join(command)}, flatten("", spec, {}))
-
-    tail = MetricsTail(run_dir / "metrics.jsonl")
     pending: list[dict[str, Any]] = []
     last_flush = time.monotonic()
     verdict: tuple[str, str] | None = None
@@ -192,8 +190,49 @@ def run_cell(
         signal.signal(signal.SIGTERM, previous_handler)
         if child.poll() is None:
             _stop_group(child)
+    return child.returncode, verdict, pending
 
-    result = _compose_result(spec, run_dir, child.returncode, verdict, started, command)
+
+def run_cell(
+    *,
+    spec: dict[str, Any],
+    model_dir: Path,
+    data_path: Path,
+    run_dir: Path,
+    result_path: Path,
+    tracking_path: Path | None,
+    capabilities_path: Path | None,
+    log_path: Path | None,
+    command: list[str],
+) -> dict[str, Any]:
+    from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
+
+    started = time.time()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:  # a re-run replaces the earlier attempt's files, never appends to them
+        (run_dir / name).unlink(missing_ok=True)
+    capabilities = read_json(capabilities_path) if capabilities_path else {}
+    plan = plan_cell(spec, model_dir, capabilities)
+    verdict = plan.pop("verdict")
+    spec = {**spec, "plan": plan}
+    spec_path = run_dir / "cell.json"
+    write_json(spec_path, spec)
+
+    tracker = None
+    if tracking_path is not None:
+        tracking = read_json(tracking_path)
+        tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
+        tags = {k: str(v) for k, v in spec["axes"].items()}
+        tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
+        if capabilities.get("mlflow_run_id"):
+            tags["probe.run_id"] = capabilities["mlflow_run_id"]
+        tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
+    tail = MetricsTail(run_dir / "metrics.jsonl")
+    returncode, pending = None, []
+    if verdict is None:  # feasible: train
+        returncode, verdict, pending = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail)
+
+    result = _compose_result(spec, run_dir, returncode, verdict, started, command)
     if tracker is not None:
         pending += tail.read_new()
         tracker.log_records(pending)
@@ -221,12 +260,13 @@ def _compose_result(
 ) -> dict[str, Any]:
     worker_path = run_dir / "worker.json"
     facts: dict[str, Any] = read_json(worker_path) if worker_path.exists() else {}
-    if verdict is not None:
+    if verdict is not None:  # decided by the supervisor: infeasible before training, or a timeout
         outcome, reason = verdict
-        facts["diagnosis"] = {
-            "timeout": {"stage": facts.get("stage") or _heartbeat_stage(run_dir), "limit_s": spec["train"]["time_limit_s"],
-                        "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"]}
-        }
+        if outcome == "timeout":
+            facts["diagnosis"] = {
+                "timeout": {"stage": facts.get("stage") or _heartbeat_stage(run_dir), "limit_s": spec["train"]["time_limit_s"],
+                            "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"]}
+            }
     elif facts:
         outcome, reason = facts["outcome"], facts["reason"]
     else:
@@ -246,7 +286,7 @@ def _compose_result(
         "outcome": outcome,
         "reason": reason,
         "diagnosis": facts.get("diagnosis", {}),
-        "memory": facts.get("memory", {}),
+        "memory": _memory(spec, facts.get("memory", {})),
         "precision_in_effect": facts.get("precision_in_effect", {}),
         "precision_plan": facts.get("precision_plan", {}),
         "throughput": facts.get("throughput", {}),
@@ -268,6 +308,17 @@ def _child_env() -> dict[str, str]:
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """Measured peaks by stage beside the estimate made before training (the tracker's accuracy)."""
+    plan = spec["plan"]
+    memory = {**measured, "estimate_bytes": plan["estimate"]["estimate_bytes"],
+              "estimate_components": plan["estimate"]["components"], "budget_bytes": plan["budget_bytes"],
+              "target": plan["target"]}
+    peak = measured.get("peak_bytes")
+    memory["estimate_over_measured"] = plan["estimate"]["estimate_bytes"] / peak if peak else None
+    return memory
 
 
 def _heartbeat_stage(run_dir: Path) -> str:

@@ -132,9 +132,17 @@ class CellTrainer:
 
         from tunegrid.checkpoints import verify_checkpoint
 
+        from tunegrid.instrument import apply_memory_budget
+        from tunegrid.probes import runtime_baseline_bytes
+
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
         verify_checkpoint(self.model_dir)
+        if self.device.type == "cpu":  # what the estimate's calibrated runtime constant stands for
+            self.memory["runtime_bytes_measured"] = runtime_baseline_bytes()
+        budget = (self.spec.get("plan") or {}).get("budget_bytes")
+        if budget:
+            self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget)
         self.meter.reset()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = load_model(self.model_dir, self.spec, self.plan, self.device)

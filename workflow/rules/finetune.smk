@@ -5,6 +5,7 @@ rule finetune:
         model=get_cell_model_dir,
         data=rules.dataset.output.data,
         tracking=get_tracking_file,
+        capabilities=rules.probe.output.capabilities,
     output:
         result=f"{RESULTS}/runs/{{cell_id}}/result.json",
     params:
@@ -24,4 +25,4 @@ rule finetune:
         f"python {SCRIPT} finetune"
         " --spec {params.spec:q} --model-dir {input.model}"
         " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
-        " --tracking={input.tracking} --log {log} > {log} 2>&1"
+        " --tracking={input.tracking} --capabilities {input.capabilities} --log {log} > {log} 2>&1"

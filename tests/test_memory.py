@@ -1,0 +1,118 @@
+"""Hardware probe, named targets, the memory estimate, and out-of-memory as a measured outcome."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import make_study
+
+from tunegrid.config import cell_spec, expand_cells, resolve_study
+from tunegrid.files import write_json
+from tunegrid.memory_estimate import estimate_cell, nf4_bytes
+from tunegrid.probes import cuda_precision_support, probe
+from tunegrid.supervisor import run_cell
+from tunegrid.targets import TARGETS, feasibility, resolve_target
+
+
+@pytest.fixture(scope="module")
+def capabilities(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("probe") / "capabilities.json"
+    write_json(path, probe(budget_s=6, world_sizes=[2]))
+    return path
+
+
+def test_probe_has_every_field_with_sane_values(capabilities):
+    import json
+
+    record = json.loads(capabilities.read_text())
+    assert record["device"] == "cpu" and record["gpus"] == []
+    assert record["cpu"]["cores"] >= 1 and record["cpu"]["ram_bytes"] > 2**30
+    assert record["precision"]["fp32"] == "native"
+    assert record["precision"]["bf16"] in {"native", "emulated"}
+    assert record["matmul_tflops"]["float32"] > 0
+    assert record["memory_bandwidth_gbs"] > 0.1
+    rows = record["allreduce"]["2"]["sizes"]
+    assert record["allreduce"]["backend"] == "gloo" and rows
+    assert all(row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * 2 * 1 / 2) and row["busbw_gbs"] > 0 for row in rows)
+    assert 100 * 2**20 < record["runtime_baseline_bytes"] < 4 * 2**30
+    assert record["bitsandbytes"]["nf4_runs"] is True
+    assert record["probe_seconds"] < 60
+
+
+def test_t4_has_no_native_bf16_whatever_the_flag_says():
+    assert cuda_precision_support((7, 5))["bf16"] == "emulated"
+    assert cuda_precision_support((8, 0))["bf16"] == "native"
+    t4 = TARGETS["t4"]
+    assert t4.memory_bytes == 16 * 2**30 and t4.precision["bf16"] == "emulated" and t4.precision["tf32"] == "absent"
+    hardware = {"target": "t4", "memory_budget_gb": 0, "refuse_emulated": True, "predicted_oom": "run", "oom_margin": 1.0}
+    assert feasibility("bf16", resolve_target(hardware, {}), hardware, 1)[0] == "unsupported"
+    assert feasibility("fp16", resolve_target(hardware, {}), hardware, 1) is None
+    skip = {**hardware, "predicted_oom": "skip"}
+    assert feasibility("fp16", resolve_target(skip, {}), skip, 17 * 2**30)[0] == "predicted_oom"
+
+
+def test_nf4_storage_is_about_half_a_byte_per_param():
+    assert nf4_bytes(64 * 256 * 100) / (64 * 256 * 100) == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+
+
+def _spec(model="gemma3-hot", batch=2, precision="fp32", quant="none", hardware=None, train=None):
+    grid = {"model": [model], "precision": [precision], "batch_size": [batch], "quant": [quant], "seed": [0]}
+    study = resolve_study(make_study(grid=grid, train={"steps": 2, "seq_len": 32, **(train or {})}, hardware=hardware or {}))
+    return cell_spec(study, expand_cells(study)[0])
+
+
+def _run(spec, checkpoints, dataset_path, tmp_path, capabilities):
+    run_dir = tmp_path / spec["cell_id"]
+    return run_cell(
+        spec=spec, model_dir=checkpoints[spec["model"]["name"]], data_path=dataset_path, run_dir=run_dir,
+        result_path=run_dir / "result.json", tracking_path=None, capabilities_path=capabilities, log_path=None,
+        command=["x"],
+    )
+
+
+def test_estimate_grows_with_batch_and_shrinks_with_nf4(checkpoints):
+    small = estimate_cell(_spec(batch=2), checkpoints["qwen3moe-tiny"], 0)
+    large = estimate_cell(_spec(batch=64), checkpoints["qwen3moe-tiny"], 0)
+    assert large["components"]["activations"] > 10 * small["components"]["activations"]
+    plain = estimate_cell(_spec(quant="nf4"), checkpoints["qwen3moe-tiny"], 0)["components"]["weights"]
+    experts = estimate_cell(_spec(quant="nf4-experts"), checkpoints["qwen3moe-tiny"], 0)["components"]["weights"]
+    full = estimate_cell(_spec(quant="none"), checkpoints["qwen3moe-tiny"], 0)["components"]["weights"]
+    assert full > plain > experts  # the experts are what plain nf4 leaves in full precision
+
+
+def test_t4_target_refuses_bf16_without_training(checkpoints, dataset_path, tmp_path, capabilities):
+    spec = _spec(precision="bf16", hardware={"target": "t4", "refuse_emulated": True})
+    result = _run(spec, checkpoints, dataset_path, tmp_path, capabilities)
+    assert result["outcome"] == "unsupported"
+    assert "emulated on target t4" in result["reason"]
+    assert result["training"] == {} and result["memory"]["target"] == "t4"
+    assert result["memory"]["budget_bytes"] == 16 * 2**30
+
+
+def test_too_small_budget_ends_oom_with_stage_while_neighbour_is_ok(checkpoints, dataset_path, tmp_path, capabilities):
+    hardware = {"memory_budget_gb": 0.25}
+    ok = _run(_spec(batch=2, hardware=hardware, train={"seq_len": 256}), checkpoints, dataset_path, tmp_path, capabilities)
+    oom = _run(_spec(batch=256, hardware=hardware, train={"seq_len": 256}), checkpoints, dataset_path, tmp_path, capabilities)
+    assert ok["outcome"] == "ok", ok["reason"]
+    assert oom["outcome"] == "oom", oom["reason"]
+    assert oom["diagnosis"]["oom"]["stage"] == "step"
+    assert oom["diagnosis"]["oom"]["bytes_at_failure"] > 0
+    assert oom["memory"]["budget_enforcement"]["mechanism"] == "RLIMIT_AS"
+    # the estimate saw it coming: with predicted_oom: skip the same cell is not even started
+    skipped = _run(
+        _spec(batch=256, hardware={**hardware, "predicted_oom": "skip"}, train={"seq_len": 256}),
+        checkpoints, dataset_path, tmp_path / "skip", capabilities,
+    )
+    assert skipped["outcome"] == "predicted_oom"
+
+
+def test_estimate_is_close_to_measured_for_ok_cells(checkpoints, dataset_path, tmp_path, capabilities):
+    ratios = []
+    for model, batch, quant in (("gemma3-hot", 2, "none"), ("qwen3moe-tiny", 8, "nf4"), ("qwen3moe-tiny", 8, "nf4-experts")):
+        result = _run(_spec(model=model, batch=batch, quant=quant, train={"seq_len": 64}), checkpoints, dataset_path, tmp_path, capabilities)
+        assert result["outcome"] == "ok"
+        memory = result["memory"]
+        assert memory["load_peak_bytes"] and memory["first_step_peak_bytes"] and memory["steady_peak_bytes"]
+        ratios.append(memory["estimate_over_measured"])
+    assert all(0.85 <= r <= 1.15 for r in ratios), ratios
