@@ -54,7 +54,9 @@ def test_tiny_study_end_to_end(tmp_path):
     c = client(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
     experiment = c.get_experiment_by_name("tunegrid/e2e")
     runs = c.search_runs([experiment.experiment_id], max_results=100)
-    by_cell = {r.data.tags[CELL_TAG]: r for r in runs}
+    by_cell = {r.data.tags[CELL_TAG]: r for r in runs if CELL_TAG in r.data.tags}
+    probe_runs = [r for r in runs if r.data.tags.get("kind") == "probe"]
+    assert len(probe_runs) == 1 and probe["mlflow_run_id"] == probe_runs[0].info.run_id
     assert set(by_cell) == set(summary["cell_id"])
     for cell_id, run in by_cell.items():
         row = summary.set_index("cell_id").loc[cell_id]
@@ -63,6 +65,8 @@ def test_tiny_study_end_to_end(tmp_path):
         for axis in ("model", "precision", "batch_size", "quant", "seed"):
             assert run.data.tags[axis] == str(row[axis])
         assert run.data.params["lora.r"] == "8"
+        assert run.data.tags["probe.run_id"] == probe["mlflow_run_id"]
+        assert 0.85 <= row["estimate_over_measured"] <= 1.15 or row["outcome"] != "ok"
         steps = len(read_jsonl(results / "runs" / cell_id / "metrics.jsonl"))
         assert len(c.get_metric_history(run.info.run_id, "loss")) == steps == row["steps_run"]
         assert row["mlflow_run_id"] == run.info.run_id

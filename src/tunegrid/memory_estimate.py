@@ -49,7 +49,7 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
-def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: int) -> dict[str, Any]:
+def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: int, device: str = "cpu") -> dict[str, Any]:
     config = _text_config(json.loads((Path(model_dir) / "config.json").read_text()))
     shapes = tensor_shapes(model_dir)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
@@ -58,6 +58,8 @@ def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: in
     hidden = int(config["hidden_size"])
 
     weights = 0.0
+    full_width = 0.0  # the same weights at their storage dtype, as they exist while loading
+    quantized_numel = 0
     lora_params = 0
     largest_dequant = 0
     # Checkpoints keep MoE experts per expert on disk (layers.N.mlp.experts.M.*); transformers v5 fuses
@@ -66,14 +68,17 @@ def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: in
     moe = any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     for name, shape in shapes.items():
         numel = _numel(shape)
-        embedding = len(shape) == 2 and vocab in shape  # token embeddings and the LM head stay unquantized
+        # token embeddings and the LM head ([vocab, hidden], outside the indexed layers) stay unquantized
+        embedding = len(shape) == 2 and shape[0] == vocab and not any(part.isdigit() for part in name.split("."))
         expert = len(shape) >= 3 or (moe and sum(part.isdigit() for part in name.split(".")) >= 2)
         if expert:
             quantized = axes["quant"] == "nf4-experts"
         else:
             quantized = axes["quant"] != "none" and not embedding and len(shape) == 2 and name.endswith(".weight")
+        full_width += numel * storage
         if quantized:
             weights += nf4_bytes(numel)
+            quantized_numel += numel
             largest_dequant = max(largest_dequant, numel)
         else:
             weights += numel * storage
@@ -90,18 +95,29 @@ def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: in
     heads = int(config.get("num_attention_heads", 1))
     experts_per_token = int(config.get("num_experts_per_tok") or 1)
     intermediate = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * hidden)
-    per_layer = tokens * (12 * hidden + 3 * intermediate * experts_per_token) * act + batch * heads * seq * seq * act * 2
+    # Saved for backward per token and layer, in units of hidden and intermediate width (norms in and
+    # out, q/k/v/o, gated-MLP gate/up/act/product), fitted on this project's CPU runs (benchmarks/).
+    per_layer = tokens * (24 * hidden + 7 * intermediate * experts_per_token) * act + batch * heads * seq * seq * act * 2
     if train["gradient_checkpointing"]:
         activations = layers * tokens * hidden * act + per_layer  # layer inputs kept, one layer recomputed
     else:
         activations = layers * per_layer
     logits = tokens * vocab * 4 * 3  # fp32 logits, log-softmax and its gradient
-    dequant = largest_dequant * act  # one weight dequantized at a time for the matmul
-
-    runtime_bytes = runtime_bytes + CPU_FRAMEWORK_OVERHEAD_BYTES if runtime_bytes else 0
-    total = runtime_bytes + weights + lora_bytes + activations + logits + dequant
+    # bitsandbytes dequantizes a 4-bit weight for each matmul; its CPU path keeps those copies for backward.
+    dequant = quantized_numel * act if device == "cpu" else largest_dequant * act
+    if runtime_bytes:
+        runtime_bytes += CPU_FRAMEWORK_OVERHEAD_BYTES
+    file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    # Loading: safetensors pages are mapped (counted in RSS on CPU) while the tensors are materialized at
+    # their storage dtype, and a 4-bit load holds both those and the quantized result.
+    load = runtime_bytes + (0.5 * file_bytes if device == "cpu" else 0) + full_width + (weights if quantized_numel else 0)
+    train_peak = runtime_bytes + weights + lora_bytes + activations + logits + dequant
+    total = max(load, train_peak)
     return {
         "estimate_bytes": int(total),
+        "stage": "load" if load > train_peak else "step",
+        "load_bytes": int(load),
+        "step_bytes": int(train_peak),
         "components": {
             "runtime": int(runtime_bytes),
             "weights": int(weights),

@@ -137,7 +137,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
 
     hardware = spec["hardware"]
     target = resolve_target(hardware, capabilities) if capabilities else None
-    estimate = estimate_cell(spec, model_dir, int(capabilities.get("runtime_baseline_bytes") or 0))
+    estimate = estimate_cell(spec, model_dir, int(capabilities.get("runtime_baseline_bytes") or 0), capabilities.get("device", "cpu"))
     enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
     verdict = feasibility(spec["axes"]["precision"], target, hardware, estimate["estimate_bytes"]) if target else None
     return {

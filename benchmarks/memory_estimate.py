@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Accuracy of the memory estimate: estimate / measured peak per cell that ended ok.
+
+Reads the cells of a finished study (default: results/default, from `snakemake --cores 8 all`) and
+trains a few cells of a larger synthetic model (Gemma 3 text, ~25M params) in the same run. Goal:
+0.9-1.1 for >= 90 % of ok cells, never below 0.85. Writes results/benchmarks/memory_estimate.{json,csv}.
+
+    python benchmarks/memory_estimate.py [--study results/default] [--no-larger]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
+from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
+from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.files import read_json, write_json  # noqa: E402
+from tunegrid.memory_estimate import estimate_cell  # noqa: E402
+from tunegrid.probes import probe  # noqa: E402
+from tunegrid.supervisor import run_cell  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+LARGER = {
+    "vocab_size": 512, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "initializer_range": 0.02,
+}
+
+
+def row(result: dict, source: str) -> dict:
+    memory = result["memory"]
+    return {
+        "source": source,
+        "cell_id": result["cell_id"],
+        "estimate_mib": memory["estimate_bytes"] / 2**20,
+        "measured_mib": memory["peak_bytes"] / 2**20,
+        "ratio": memory["estimate_over_measured"],
+    }
+
+
+def larger_cells(work: Path) -> list[dict]:
+    study = load_study(REPO / "configs" / "config.yaml")
+    study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": LARGER}
+    study["grid"].update(model=["gemma3-25m"], precision=["fp32", "bf16"], batch_size=[2, 8], quant=["none", "nf4"], seed=[0])
+    study["train"].update(steps=4, threads=2)
+    data = work / "train.jsonl"
+    write_dataset(data, 256, 0)
+    produce_checkpoint(copy.deepcopy(study["models"]["gemma3-25m"]), list(corpus_texts(read_dataset(data))), work / "gemma3-25m")
+    capabilities = work / "capabilities.json"
+    write_json(capabilities, probe(budget_s=5, world_sizes=[]))
+    rows = []
+    for cell in expand_cells(study):
+        spec = cell_spec(study, cell)
+        run_dir = work / "runs" / cell.cell_id
+        result = run_cell(
+            spec=spec, model_dir=work / "gemma3-25m", data_path=data, run_dir=run_dir, result_path=run_dir / "result.json",
+            tracking_path=None, capabilities_path=capabilities, log_path=None, command=["benchmark"],
+        )
+        if result["outcome"] == "ok":
+            rows.append(row(result, "gemma3-25m"))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--study", default=str(REPO / "results" / "default"))
+    parser.add_argument("--no-larger", action="store_true")
+    parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"))
+    args = parser.parse_args()
+
+    rows = []
+    study_dir = Path(args.study)
+    capabilities = read_json(study_dir / "probe" / "capabilities.json") if (study_dir / "probe").is_dir() else {}
+    for path in sorted(study_dir.glob("runs/*/result.json")):
+        result = read_json(path)
+        if result["outcome"] != "ok" or not result["memory"].get("peak_bytes"):
+            continue
+        # re-estimated with the current model, so an improved estimator is judged on the same runs
+        estimate = estimate_cell(result["cell"], study_dir / "models" / result["cell"]["model"]["name"],
+                                 int(capabilities.get("runtime_baseline_bytes") or 0), capabilities.get("device", "cpu"))
+        result["memory"]["estimate_bytes"] = estimate["estimate_bytes"]
+        result["memory"]["estimate_over_measured"] = estimate["estimate_bytes"] / result["memory"]["peak_bytes"]
+        rows.append(row(result, study_dir.name))
+    if not args.no_larger:
+        with tempfile.TemporaryDirectory(prefix="tunegrid-mem-") as tmp:
+            rows += larger_cells(Path(tmp))
+    if not rows:
+        sys.exit(f"no ok cells with an estimate under {args.study}; run the study first")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "memory_estimate.json", rows)
+    header = list(rows[0])
+    (out / "memory_estimate.csv").write_text("\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n")
+    print(f"{'source':<12}{'cell':<42}{'estimate MiB':>14}{'measured MiB':>14}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['source']:<12}{r['cell_id']:<42}{r['estimate_mib']:>14.1f}{r['measured_mib']:>14.1f}{r['ratio']:>8.3f}")
+    ratios = [r["ratio"] for r in rows]
+    in_band = sum(0.9 <= r <= 1.1 for r in ratios) / len(ratios)
+    print(f"cells: {len(ratios)}  in 0.9-1.1: {in_band:.0%}  min: {min(ratios):.3f}  max: {max(ratios):.3f}  "
+          f"goal (>= 90% in band, none < 0.85): {'met' if in_band >= 0.9 and min(ratios) >= 0.85 else 'missed'}")
+
+
+if __name__ == "__main__":
+    main()
