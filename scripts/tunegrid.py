@@ -9,4 +9,5 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tunegrid.cli import main  # noqa: E402
 
-sys.exit(main())
+if __name__ == "__main__":  # the probe's all-reduce ranks re-import this file (spawn): they must not re-run it
+    sys.exit(main())

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import make_study
+from conftest import REPO, make_study
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
-from tunegrid.files import write_json
 from tunegrid.memory_estimate import estimate_cell, nf4_bytes
-from tunegrid.probes import cuda_precision_support, probe
+from tunegrid.probes import cuda_precision_support
 from tunegrid.supervisor import run_cell
 from tunegrid.targets import TARGETS, feasibility, resolve_target
 
 
 @pytest.fixture(scope="module")
 def capabilities(tmp_path_factory) -> Path:
+    # in a fresh process, as the probe rule runs it: the runtime baseline of this test process (which
+    # has loaded models already) is not what a training process starts with
     path = tmp_path_factory.mktemp("probe") / "capabilities.json"
-    write_json(path, probe(budget_s=6, world_sizes=[2]))
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "tunegrid.py"), "probe", "--budget-s", "6", "--world-sizes", "2", "--out", str(path)],
+        check=True, timeout=120,
+    )
     return path
 
 
