@@ -122,3 +122,22 @@ def test_estimate_is_close_to_measured_for_ok_cells(checkpoints, dataset_path, t
         assert memory["load_peak_bytes"] and memory["first_step_peak_bytes"] and memory["steady_peak_bytes"]
         ratios.append(memory["estimate_over_measured"])
     assert all(0.85 <= r <= 1.15 for r in ratios), ratios
+
+
+def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, capabilities, tmp_path):
+    import json
+
+    import pandas as pd
+
+    from tunegrid.cli import main
+
+    grid = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "bf16", "fp16"], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
+    study = make_study(grid=grid, hardware={"target": "t4", "refuse_emulated": True})
+    models = next(iter(checkpoints.values())).parent
+    out = tmp_path / "plan.csv"
+    assert main(["plan", "--study", json.dumps(study), "--capabilities", str(capabilities), "--models", str(models), "--out", str(out)]) == 0
+    plan = pd.read_csv(out, keep_default_na=False)
+    assert len(plan) == 6
+    assert set(plan.loc[plan.precision == "bf16", "verdict"]) == {"unsupported"}
+    assert set(plan.loc[plan.precision != "bf16", "verdict"]) == {"run"}
+    assert (plan.estimate_bytes > 0).all() and set(plan.target) == {"t4"}

@@ -107,6 +107,29 @@ def _sync(args: argparse.Namespace) -> None:
     print(f"MLflow sync: {len(report)} cells, {created} runs created, {filled} metric points filled, {len(failed)} failed")
 
 
+def _plan(args: argparse.Namespace) -> None:
+    import pandas as pd
+
+    from tunegrid.config import cell_spec, expand_cells, resolve_study
+    from tunegrid.files import atomic_write_text
+    from tunegrid.supervisor import plan_cell
+
+    study = resolve_study(json.loads(args.study))
+    capabilities = read_json(args.capabilities)
+    rows = []
+    for cell in expand_cells(study):
+        plan = plan_cell(cell_spec(study, cell), Path(args.models) / cell.model, capabilities)
+        verdict = plan["verdict"] or ("run", "")
+        rows.append({
+            "cell_id": cell.cell_id, **cell.axes(), "target": plan["target"], "budget_bytes": plan["budget_bytes"],
+            "estimate_bytes": plan["estimate"]["estimate_bytes"], "estimate_stage": plan["estimate"]["stage"],
+            "verdict": verdict[0], "reason": verdict[1],
+        })
+    frame = pd.DataFrame(rows)
+    atomic_write_text(args.out, frame.to_csv(index=False))
+    print(frame[["cell_id", "target", "estimate_bytes", "verdict", "reason"]].to_string(index=False))
+
+
 def _validate(args: argparse.Namespace) -> None:
     from tunegrid.config import expand_cells, load_study
 
@@ -179,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("results", nargs="+")
     p.set_defaults(func=_sync)
+
+    p = sub.add_parser("plan", help="before training: per cell, the target, the memory estimate and the verdict")
+    p.add_argument("--study", required=True, help="the resolved study config as JSON")
+    p.add_argument("--capabilities", required=True)
+    p.add_argument("--models", required=True, help="folder of the study's checkpoints")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("validate", help="check a study config and count its cells")
     p.add_argument("config")

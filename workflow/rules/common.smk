@@ -1,6 +1,7 @@
 # Config validation, the grid, and the input functions every stage uses. Parsing stays light:
 # tunegrid.config imports no torch, so `snakemake -n` on thousands of cells is quick.
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,10 @@ def get_cell_model_dir(wildcards):
 
 def get_model_spec(wildcards):
     return json.dumps(STUDY["models"][wildcards.model], sort_keys=True)
+
+
+def get_model_dirs():
+    return [f"{RESULTS}/models/{model}" for model in STUDY["grid"]["model"]]
 
 
 def get_tracking_file(wildcards):
