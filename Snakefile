@@ -16,9 +16,18 @@ include: "workflow/rules/probe.smk"
 include: "workflow/rules/tracking.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/summary.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     default_target: True
     input:
         get_final_outputs(),
+
+
+onsuccess:
+    close_execution("FINISHED")
+
+
+onerror:
+    close_execution("FAILED")

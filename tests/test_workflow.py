@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -30,47 +32,153 @@ def test_lint_is_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_tiny_study_end_to_end(tmp_path):
-    grid = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "fp16"], "batch_size": [2, 4], "quant": ["nf4"], "seed": [0]}
-    study = make_study(study="e2e", grid=grid, train={"steps": 4, "seq_len": 32, "lr": 0.01})
-    config = tmp_path / "study.yaml"
+E2E_GRID = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "fp16"], "batch_size": [8], "quant": ["none", "nf4", "nf4-experts"], "seed": [0]}
+
+
+@pytest.fixture(scope="module")
+def finished_study(tmp_path_factory):
+    """A real grid through Snakemake with a known fp16 NaN (gemma3-hot, batch 8) and a known MoE expert
+    gap (qwen3moe-tiny under plain nf4); shared by the tracking, report and UI checks below."""
+    workdir = tmp_path_factory.mktemp("e2e")
+    study = make_study(study="e2e", grid=E2E_GRID, train={"steps": 12, "seq_len": 32, "lr": 0.01})
+    config = workdir / "study.yaml"
     config.write_text(yaml.safe_dump(study))
-
-    proc = _snakemake(tmp_path, "all", "--cores", "2", "--configfile", str(config))
+    proc = _snakemake(workdir, "all", "--cores", "2", "--configfile", str(config))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return workdir, config
 
+
+def _experiment(workdir):
+    c = client(f"sqlite:///{workdir / 'results' / 'mlflow.db'}")
+    return c, c.get_experiment_by_name("tunegrid/e2e")
+
+
+def test_tiny_study_end_to_end(finished_study):
+    tmp_path, config = finished_study
     results = tmp_path / "results" / "e2e"
     summary = pd.read_parquet(results / "summary.parquet")
     assert len(pd.read_csv(results / "summary.csv", keep_default_na=False)) == len(summary)
-    assert len(summary) == 8
+    assert len(summary) == 12
     assert set(summary["outcome"]) <= {"ok", "nan"}
     assert summary.loc[summary.precision == "fp32", "outcome"].eq("ok").all()
+    assert summary.set_index("cell_id").loc["gemma3-hot_fp16_bs8_none_s0", "outcome"] == "nan"
     assert (tmp_path / "results" / "logs" / "e2e" / "finetune").is_dir()
     env = read_json(results / "env" / "environment.json")
     assert env["packages"]["torch"] and env["bitsandbytes"]["nf4_runs"] is True
     probe = read_json(results / "probe" / "capabilities.json")
     assert probe["device"] == "cpu" and probe["precision"]["fp32"] == "native"
 
-    c = client(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
-    experiment = c.get_experiment_by_name("tunegrid/e2e")
+    c, experiment = _experiment(tmp_path)
     runs = c.search_runs([experiment.experiment_id], max_results=100)
     by_cell = {r.data.tags[CELL_TAG]: r for r in runs if CELL_TAG in r.data.tags}
     probe_runs = [r for r in runs if r.data.tags.get("kind") == "probe"]
+    parents = [r for r in runs if r.data.tags.get("kind") == "study"]
     assert len(probe_runs) == 1 and probe["mlflow_run_id"] == probe_runs[0].info.run_id
+    assert len(parents) == 1, "one parent run per snakemake invocation"
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["cells.total"] == "12"
+    assert parent.data.tags["cells.nan"] == str((summary.outcome == "nan").sum())
+    assert parent.data.tags["probe.run_id"] == probe["mlflow_run_id"]
+    assert {a.path for a in c.list_artifacts(parent.info.run_id)} >= {"index.html", "summary.csv"}
     assert set(by_cell) == set(summary["cell_id"])
     for cell_id, run in by_cell.items():
         row = summary.set_index("cell_id").loc[cell_id]
         assert run.info.run_name == cell_id
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert run.data.tags["outcome"] == row["outcome"]
         for axis in ("model", "precision", "batch_size", "quant", "seed"):
             assert run.data.tags[axis] == str(row[axis])
+        assert run.data.tags["env.torch"] == env["packages"]["torch"] and run.data.tags["env.device"] == "cpu"
+        assert run.data.tags["snakemake.job"] == f"finetune results/e2e/runs/{cell_id}/result.json"
+        assert run.data.tags["snakemake.rerun"].endswith(f"--forcerun results/e2e/runs/{cell_id}/result.json --configfile {config}")
         assert run.data.params["lora.r"] == "8"
         assert run.data.tags["probe.run_id"] == probe["mlflow_run_id"]
         assert 0.85 <= row["estimate_over_measured"] <= 1.15 or row["outcome"] != "ok"
         steps = len(read_jsonl(results / "runs" / cell_id / "metrics.jsonl"))
         assert len(c.get_metric_history(run.info.run_id, "loss")) == steps == row["steps_run"]
         assert row["mlflow_run_id"] == run.info.run_id
+        if row["outcome"] == "nan":
+            assert run.data.tags["nan.forward_module"] == row["nan_forward_module"]
 
-    # nothing left to do: a second invocation runs no job
+    # nothing left to do: a second invocation runs no job and opens no parent run
     again = _snakemake(tmp_path, "all", "-n", "--cores", "2", "--configfile", str(config))
     assert "Nothing to be done" in again.stdout + again.stderr
+
+
+def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_study):
+    workdir, _ = finished_study
+    report = workdir / "results" / "e2e" / "report"
+    page = (report / "index.html").read_text()
+    summary = pd.read_parquet(workdir / "results" / "e2e" / "summary.parquet")
+    for cell_id in summary["cell_id"]:
+        assert cell_id in page
+    for png in ("outcomes.png", "loss_curves.png", "memory.png"):
+        assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "src=\"data:image/png;base64," in page and "<img alt=\"outcome matrix\"" in page  # opens from disk
+
+    recs = {r["signature"]: r for r in read_json(report / "recommendations.json")}
+    nan = recs["nan:fp16"]
+    assert nan["failing"] == ["gemma3-hot_fp16_bs8_none_s0"]
+    assert "gemma3-hot_fp32_bs8_none_s0" in nan["evidence"]
+    assert nan["fix"]["precision"] == "fp32" and "layers.0.mlp" in nan["text"]
+    gap = recs["moe_expert_gap"]
+    assert gap["failing"] == ["qwen3moe-tiny_fp16_bs8_nf4_s0", "qwen3moe-tiny_fp32_bs8_nf4_s0"]
+    assert gap["evidence"] == ["qwen3moe-tiny_fp16_bs8_nf4-experts_s0", "qwen3moe-tiny_fp32_bs8_nf4-experts_s0"]
+    assert gap["fix"] == {"quant": "nf4-experts"}
+    # every cited cell exists, and evidence cells are ok
+    by_id = summary.set_index("cell_id")
+    for rec in recs.values():
+        assert all(by_id.loc[c, "outcome"] == "ok" for c in rec["evidence"])
+        assert all(c in by_id.index for c in rec["failing"])
+
+
+def test_mlflow_server_rest_api_serves_every_cell(finished_study):
+    from tunegrid.ui import mlflow_server, rest
+
+    workdir, _ = finished_study
+    summary = pd.read_parquet(workdir / "results" / "e2e" / "summary.parquet")
+    with mlflow_server(f"sqlite:///{workdir / 'results' / 'mlflow.db'}") as url:
+        assert url.startswith("http://127.0.0.1:")
+        experiment = rest(url, "experiments/get-by-name?experiment_name=tunegrid/e2e", method="GET")["experiment"]
+        nan_runs = rest(url, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.outcome = 'nan'"})["runs"]
+        assert sorted(r["info"]["run_name"] for r in nan_runs) == sorted(summary.loc[summary.outcome == "nan", "cell_id"])
+        cells = rest(url, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.`tunegrid.cell_id` != ''", "max_results": 100})["runs"]
+        assert len(cells) == len(summary)
+        for run in cells:
+            tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+            assert {"model", "precision", "batch_size", "quant", "outcome", "env.transformers", "mlflow.parentRunId"} <= set(tags)
+            history = rest(url, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=loss", method="GET")["metrics"]
+            assert len(history) == int(summary.set_index("cell_id").loc[run["info"]["run_name"], "steps_run"])
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (.ci/run installs it)")
+def test_mlflow_ui_renders_the_runs_in_headless_chromium(finished_study, tmp_path):
+    from tunegrid.ui import dump_dom, mlflow_server, rest, runs_page, screenshot
+
+    workdir, _ = finished_study
+    with mlflow_server(f"sqlite:///{workdir / 'results' / 'mlflow.db'}") as url:
+        experiment = rest(url, "experiments/get-by-name?experiment_name=tunegrid/e2e", method="GET")["experiment"]
+        page = runs_page(url, experiment["experiment_id"])
+        dom = dump_dom(page)
+        text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
+        assert "e2e @ " in dom, "the parent (study) run is listed"
+        assert "probe" in dom
+        assert "14 matching runs" in text  # 12 cells + the study run + the probe run
+        shot = screenshot(page, tmp_path / "runs.png")
+        assert shot.stat().st_size > 20_000  # a rendered table, not MLflow's blank loading page
+
+
+def test_rerun_of_one_cell_supersedes_its_run(finished_study):
+    workdir, config = finished_study
+    cell = "gemma3-hot_fp32_bs8_nf4_s0"
+    c, experiment = _experiment(workdir)
+    old = c.search_runs([experiment.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{cell}'")[0]
+    proc = _snakemake(workdir, "all", "--cores", "2", "--configfile", str(config), "--forcerun", f"results/e2e/runs/{cell}/result.json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    current = c.search_runs([experiment.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{cell}'")
+    assert len(current) == 1 and current[0].info.run_id != old.info.run_id
+    assert c.get_run(old.info.run_id).info.lifecycle_stage == "deleted"
+    assert c.get_run(old.info.run_id).data.tags["tunegrid.superseded_by"] == current[0].info.run_id
+    parents = c.search_runs([experiment.experiment_id], filter_string="tags.kind = 'study'")
+    assert len(parents) == 2 and parents[0].data.tags["cells.total"] == "1"
+    assert current[0].data.tags["mlflow.parentRunId"] == parents[0].info.run_id

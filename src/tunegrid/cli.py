@@ -72,6 +72,7 @@ def _finetune(args: argparse.Namespace) -> None:
         capabilities_path=Path(args.capabilities) if args.capabilities else None,
         log_path=Path(args.log) if args.log else None,
         command=[sys.executable, *sys.argv],
+        snakemake_job=args.snakemake_job,
     )
     print(f"cell {spec['cell_id']}: {result['outcome']} — {result['reason']}")
 
@@ -130,6 +131,48 @@ def _plan(args: argparse.Namespace) -> None:
     print(frame[["cell_id", "target", "estimate_bytes", "verdict", "reason"]].to_string(index=False))
 
 
+def _report(args: argparse.Namespace) -> None:
+    from tunegrid.report import build_report
+
+    facts = build_report(
+        Path(args.summary), [Path(p) for p in args.results], read_json(args.capabilities),
+        read_json(args.environment), Path(args.out_dir), args.study,
+    )
+    print(f"report {args.out_dir}/index.html: {facts['cells']} cells, {facts['recommendations']} recommendations, {facts['outcomes']}")
+
+
+def _execution_end(args: argparse.Namespace) -> None:
+    from tunegrid.execution import close_execution
+    from tunegrid.tracking import tracking_uri_for_cells
+
+    tracking = read_json(args.tracking)
+    closed = close_execution(
+        tracking_uri_for_cells(tracking), tracking["experiment_id"], Path(args.study_dir), args.status,
+        [Path(p) for p in args.attach],
+    )
+    print("no cell ran in this execution" if closed is None else f"study run {closed['run_id']}: {closed['counts']}")
+
+
+def _screenshots(args: argparse.Namespace) -> None:
+    """The report and MLflow's runs and compare pages as PNGs (docs/), through MLflow's own server."""
+    from tunegrid.tracking import tracking_uri_for_cells
+    from tunegrid.ui import compare_page, mlflow_server, rest, runs_page, screenshot
+
+    study_dir, out = Path(args.study_dir), Path(args.out)
+    tracking = read_json(study_dir / "tracking.json")
+    experiment_id = tracking["experiment_id"]
+    recs = read_json(study_dir / "report" / "recommendations.json")
+    cells = [cell for rec in recs[:1] for cell in (rec["failing"][:2] + rec["evidence"][:2])]
+    screenshot((study_dir / "report" / "index.html").resolve().as_uri(), out / "report.png", size=(1400, 2400))
+    with mlflow_server(tracking_uri_for_cells(tracking)) as url:
+        runs = rest(url, "runs/search", {"experiment_ids": [experiment_id], "max_results": 1000})["runs"]
+        by_name = {r["info"]["run_name"]: r["info"]["run_id"] for r in runs}
+        ids = [by_name[c] for c in cells if c in by_name] or [r["info"]["run_id"] for r in runs[:4]]
+        screenshot(runs_page(url, experiment_id), out / "mlflow_runs.png")
+        screenshot(compare_page(url, experiment_id, ids), out / "mlflow_compare.png", size=(1600, 1400))
+    print(f"screenshots in {out}: report.png, mlflow_runs.png, mlflow_compare.png")
+
+
 def _validate(args: argparse.Namespace) -> None:
     from tunegrid.config import expand_cells, load_study
 
@@ -181,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking", default="", help="tracking.json from tracking-init; empty: no MLflow")
     p.add_argument("--capabilities", default="", help="the probe's capabilities.json (target, budget, estimate)")
     p.add_argument("--log", default="", help="the rule's log, attached to the MLflow run")
+    p.add_argument("--snakemake-job", default="", help="rule and job id, recorded as a run tag")
     p.set_defaults(func=_finetune)
 
     p = sub.add_parser("worker", help="(internal) the training process a finetune job supervises")
@@ -209,6 +253,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", required=True, help="folder of the study's checkpoints")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_plan)
+
+    p = sub.add_parser("report", help="the comparison report: HTML, PNGs and recommendations")
+    p.add_argument("--summary", required=True, help="summary.parquet")
+    p.add_argument("--capabilities", required=True)
+    p.add_argument("--environment", required=True)
+    p.add_argument("--study", required=True)
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("results", nargs="+")
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser("execution-end", help="(Snakefile hook) close this execution's parent MLflow run")
+    p.add_argument("--tracking", required=True)
+    p.add_argument("--study-dir", required=True)
+    p.add_argument("--status", choices=["FINISHED", "FAILED", "KILLED"], required=True)
+    p.add_argument("--attach", nargs="*", default=[])
+    p.set_defaults(func=_execution_end)
+
+    p = sub.add_parser("screenshots", help="PNGs of the report and of the MLflow UI (runs, compare) for docs/")
+    p.add_argument("--study-dir", required=True, help="results/<study> of a finished study")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_screenshots)
 
     p = sub.add_parser("validate", help="check a study config and count its cells")
     p.add_argument("config")

@@ -133,7 +133,16 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             path = Path(spec["path"]) if spec["path"] else None
             if path is None or not path.is_dir():
                 problems.append(f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder")
+    tracking = config["tracking"]
+    if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:
+        problems.append(
+            f"config key 'tracking.ui_host': {tracking['ui_host']!r} exposes the MLflow server beyond this machine; "
+            "also set 'tracking.ui_allowed_hosts' (MLflow's --allowed-hosts), or keep 127.0.0.1"
+        )
     return problems
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def load_study(path: str | Path) -> dict[str, Any]:

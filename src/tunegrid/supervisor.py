@@ -109,6 +109,25 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
     return tags
 
 
+def env_tags(capabilities: dict[str, Any]) -> dict[str, str]:
+    """Versions and device as tags, so the UI can filter and group by them."""
+    from tunegrid.environment import package_version
+
+    tags = {f"env.{name}": package_version(name) or "" for name in ("torch", "transformers", "peft", "bitsandbytes")}
+    gpus = capabilities.get("gpus") or []
+    tags["env.device"] = gpus[0].get("name", "cuda") if gpus else capabilities.get("device", "cpu")
+    return tags
+
+
+def rerun_tags(result_path: Path, snakemake_job: str) -> dict[str, str]:
+    """The Snakemake job that ran the cell and the command that re-runs only this cell."""
+    configfiles = os.environ.get("TUNEGRID_CONFIGFILES", "")
+    rerun = ["snakemake", "--cores", "1", "--forcerun", str(result_path)]
+    for path in filter(None, configfiles.split(os.pathsep)):
+        rerun += ["--configfile", path]
+    return {"snakemake.job": snakemake_job, "snakemake.rerun": shlex.join(rerun)}
+
+
 def result_params(result: dict[str, Any]) -> dict[str, str]:
     """The quantization audit's summary as run params (logged once, at the end of the cell)."""
     audit = result.get("quant_audit") or {}
@@ -204,7 +223,9 @@ def run_cell(
     capabilities_path: Path | None,
     log_path: Path | None,
     command: list[str],
+    snakemake_job: str = "",
 ) -> dict[str, Any]:
+    from tunegrid.execution import parent_run_id
     from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
 
     started = time.time()
@@ -224,8 +245,14 @@ def run_cell(
         tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
         tags = {k: str(v) for k, v in spec["axes"].items()}
         tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
-        if capabilities.get("mlflow_run_id"):
-            tags["probe.run_id"] = capabilities["mlflow_run_id"]
+        tags.update(env_tags(capabilities))
+        tags.update(rerun_tags(result_path, snakemake_job))
+        probe_run = capabilities.get("mlflow_run_id") or ""
+        if probe_run:
+            tags["probe.run_id"] = probe_run
+        parent = parent_run_id(tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run)
+        if parent:
+            tags["mlflow.parentRunId"] = parent
         tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
     tail = MetricsTail(run_dir / "metrics.jsonl")
     returncode, pending = None, []

@@ -241,9 +241,15 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     if run_exists(run.client, run_id):
         run.run_id = run_id
     else:
+        from tunegrid.execution import parent_run_id
+
         spec = result["cell"]
-        axes = {k: str(v) for k, v in spec["axes"].items()}
-        run.start(spec["cell_id"], {**axes, "study": spec["study"], "command": result.get("command", "")}, flatten("", spec, {}))
+        tags = {k: str(v) for k, v in spec["axes"].items()}
+        tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
+        parent = parent_run_id(uri, experiment_id, spec["study"], run_dir.parents[1])
+        if parent:
+            tags["mlflow.parentRunId"] = parent
+        run.start(spec["cell_id"], tags, flatten("", spec, {}))
         created = run.run_id is not None
     filled = run.reconcile(records)
     if created:

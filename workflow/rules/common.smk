@@ -11,6 +11,7 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 
 try:
     STUDY = resolve_study(config)
@@ -25,6 +26,13 @@ RESULTS = f"results/{STUDY['study']}"
 LOGS = f"results/logs/{STUDY['study']}"
 CELLS = cells_by_id(STUDY)
 TRACKING = STUDY["tracking"]["enabled"]
+
+# One MLflow parent run per invocation: jobs (local, or SLURM jobs that inherit the submitting
+# environment) read the id from the environment. setdefault: a SLURM job's own parse keeps the id of
+# the invocation that submitted it. Not a param, so it never triggers a re-run.
+os.environ.setdefault(EXECUTION_ENV, new_execution_id())
+os.environ.setdefault(COMMAND_ENV, " ".join(["snakemake", *sys.argv[1:]]))
+os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.overwrite_configfiles or [])))
 
 
 wildcard_constraints:
@@ -72,5 +80,22 @@ def get_final_outputs():
         f"{RESULTS}/env/environment.json",
         f"{RESULTS}/probe/capabilities.json",
         f"{RESULTS}/summary.csv",
+        f"{RESULTS}/report/index.html",
         *get_sync_file(),
     ]
+
+
+def close_execution(status):
+    """onsuccess/onerror: close this invocation's parent MLflow run, if a cell opened one.
+
+    Never fails the workflow: the files hold everything, MLflow is a view of them."""
+    import subprocess
+
+    record = Path(RESULTS) / "executions" / f"{os.environ[EXECUTION_ENV]}.json"
+    if not TRACKING or not record.exists():
+        return
+    attach = [p for p in (f"{RESULTS}/report/index.html", f"{RESULTS}/summary.csv") if os.path.exists(p)]
+    command = [sys.executable, SCRIPT, "execution-end", "--tracking", f"{RESULTS}/tracking.json",
+               "--study-dir", RESULTS, "--status", status, "--attach", *attach]
+    with open(f"{LOGS}/execution-end.log", "a") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=300)

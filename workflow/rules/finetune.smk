@@ -11,6 +11,8 @@ rule finetune:
     params:
         spec=get_cell_spec,
         run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
+        # rule + output identify the job across invocations (Snakemake's job ids do not)
+        job=lambda wildcards, output: f"finetune {output.result}",
     log:
         f"{LOGS}/finetune/{{cell_id}}.log",
     benchmark:
@@ -25,4 +27,5 @@ rule finetune:
         f"python {SCRIPT} finetune"
         " --spec {params.spec:q} --model-dir {input.model}"
         " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
-        " --tracking={input.tracking} --capabilities {input.capabilities} --log {log} > {log} 2>&1"
+        " --tracking={input.tracking} --capabilities {input.capabilities} --log {log}"
+        " --snakemake-job {params.job:q} > {log} 2>&1"

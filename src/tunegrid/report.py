@@ -1,0 +1,280 @@
+"""The study's comparison report: one self-contained HTML page plus the PNGs it embeds.
+
+Built from the files (summary.parquet, each cell's result.json and metrics.jsonl, the probe record),
+never from MLflow, so it can be rebuilt with the store down. Opens from disk: images are inlined.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+from tunegrid.files import atomic_write_text, read_json, read_jsonl
+from tunegrid.recommend import Recommendation, recommend
+
+OUTCOME_COLOURS = {
+    "ok": "#4caf50",
+    "nan": "#e53935",
+    "oom": "#8e24aa",
+    "predicted_oom": "#ce93d8",
+    "timeout": "#fb8c00",
+    "error": "#424242",
+    "unsupported": "#bdbdbd",
+}
+PRECISION_STYLE = {"fp32": "-", "bf16": "--", "fp16": ":"}
+MIB = 2**20
+
+
+def _matrix_layout(frame: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[str], list[str]]:
+    """Rows: model x quant (x seed, x world size when they vary); columns: precision x batch size."""
+    row_axes = ["model", "quant"] + [a for a in ("world_size", "seed") if a in frame.columns and frame[a].nunique() > 1]
+    col_axes = ["precision", "batch_size"]
+    rows = sorted({tuple(r) for r in frame[row_axes].itertuples(index=False)}, key=str)
+    precisions = [p for p in ("fp32", "bf16", "fp16") if p in set(frame["precision"])]
+    cols = [(p, b) for p in precisions for b in sorted(set(frame["batch_size"]))]
+    return rows, cols, row_axes, col_axes
+
+
+def _cell_label(row: Any) -> str:
+    if row["outcome"] == "nan":
+        return f"nan\n{row['nan_kind'] or ''}".replace("grad_nonfinite_finite_loss", "grad").replace("loss_nonfinite", "loss")
+    if row["outcome"] == "ok" and (row.get("skipped_steps") or 0) > 0:
+        return f"ok\n{int(row['skipped_steps'])} skipped"
+    return str(row["outcome"]).replace("predicted_oom", "pred. oom")
+
+
+def plot_outcomes(frame: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    rows, cols, row_axes, col_axes = _matrix_layout(frame)
+    fig, ax = plt.subplots(figsize=(1.3 * len(cols) + 3.5, 0.55 * len(rows) + 1.8))
+    indexed = {tuple(r[a] for a in row_axes + col_axes): r for _, r in frame.iterrows()}
+    for y, row_key in enumerate(rows):
+        for x, col_key in enumerate(cols):
+            cell = indexed.get(tuple(row_key) + tuple(col_key))
+            colour = OUTCOME_COLOURS.get(cell["outcome"], "#ffffff") if cell is not None else "#ffffff"
+            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
+            if cell is not None:
+                ax.text(x + 0.5, y + 0.5, _cell_label(cell), ha="center", va="center", fontsize=7,
+                        color="white" if cell["outcome"] in ("nan", "error", "oom") else "black")
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(len(rows), 0)
+    ax.set_xticks([x + 0.5 for x in range(len(cols))], [f"{p}\nbs {b}" for p, b in cols], fontsize=8)
+    ax.set_yticks([y + 0.5 for y in range(len(rows))], [" / ".join(map(str, r)) for r in rows], fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    present = [o for o in OUTCOME_COLOURS if o in set(frame["outcome"])]
+    ax.legend(handles=[Patch(color=OUTCOME_COLOURS[o], label=o) for o in present], loc="upper left",
+              bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.set_title(f"Outcome per cell ({' / '.join(row_axes)} x {' / '.join(col_axes)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """One panel per model x batch size; one line per precision (colour) and quant (style)."""
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.model, r.batch_size) for r in frame.itertuples()}, key=str)
+    ncols = min(2, len(panels)) or 1
+    nrows = (len(panels) + ncols - 1) // ncols or 1
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.4 * nrows), squeeze=False)
+    colours = {"fp32": "#1e88e5", "bf16": "#43a047", "fp16": "#e53935"}
+    quant_style = {"none": "-", "nf4": "--", "nf4-experts": ":"}
+    for ax, (model, batch) in zip(axes.flat, panels):
+        sub = frame[(frame["model"] == model) & (frame["batch_size"] == batch)]
+        for _, row in sub.iterrows():
+            points = [r for r in curves.get(row["cell_id"], []) if r.get("loss") is not None]
+            if not points:
+                continue
+            steps = [p["step"] for p in points]
+            losses = [_finite_or_nan(p["loss"]) for p in points]
+            label = f"{row['precision']} {row['quant']}" + (" (nan)" if row["outcome"] == "nan" else "")
+            ax.plot(steps, losses, quant_style.get(row["quant"], "-"), color=colours.get(row["precision"], "grey"),
+                    label=label, linewidth=1.2)
+            if row["outcome"] == "nan" and row["nan_step"] == row["nan_step"]:
+                before = [l for s, l in zip(steps, losses) if s < row["nan_step"] and l == l]
+                ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
+        ax.set_title(f"{model}, batch {batch}", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("loss", fontsize=8)
+        ax.legend(fontsize=6, ncol=2)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("Loss per step (x: first non-finite step)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(frame: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    sub = frame.sort_values("cell_id")
+    fig, ax = plt.subplots(figsize=(8, 0.22 * len(sub) + 1.5))
+    y = range(len(sub))
+    peaks = [(v or 0) / MIB if v == v else 0 for v in sub["peak_bytes"]]
+    estimates = [(v or 0) / MIB if v == v else 0 for v in sub["estimate_bytes"]]
+    ax.barh(list(y), peaks, color=[OUTCOME_COLOURS.get(o, "grey") for o in sub["outcome"]], label="measured peak")
+    ax.plot(estimates, list(y), "k|", markersize=9, label="estimate")
+    if "budget_bytes" in sub and sub["budget_bytes"].notna().any():
+        ax.axvline(float(sub["budget_bytes"].dropna().iloc[0]) / MIB, color="red", linestyle="--", label="budget")
+    ax.set_yticks(list(y), list(sub["cell_id"]), fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB (process peak: host RSS on CPU, allocator peak on GPU)", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("Peak memory per cell, estimate beside it", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _finite_or_nan(value: Any) -> float:
+    number = float(value)  # metrics.jsonl writes non-finite values as the strings "nan"/"inf"
+    return number if abs(number) != float("inf") else float("nan")
+
+
+def _png(path: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    if not rows:
+        return "<p class='none'>none</p>"
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in columns) + "</tr>" for r in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> list[dict[str, Any]]:
+    facts = [
+        {"fact": "device", "value": capabilities.get("device")},
+        {"fact": "precision support", "value": ", ".join(f"{k}: {v}" for k, v in (capabilities.get("precision") or {}).items())},
+        {"fact": "matmul TFLOP/s", "value": ", ".join(f"{k}: {v:.3g}" for k, v in (capabilities.get("matmul_tflops") or {}).items() if v)},
+        {"fact": "memory bandwidth GB/s", "value": capabilities.get("memory_bandwidth_gbs")},
+    ]
+    for world, rec in (capabilities.get("allreduce") or {}).items():
+        if isinstance(rec, dict) and rec.get("sizes"):
+            best = max(rec["sizes"], key=lambda s: s["busbw_gbs"])
+            facts.append({"fact": f"all-reduce bus bandwidth, world {world} ({rec.get('backend', '')})", "value": f"{best['busbw_gbs']:.3g} GB/s at {best['bytes']} B"})
+    for gpu in capabilities.get("gpus") or []:
+        facts.append({"fact": f"GPU {gpu.get('index', '')}", "value": f"{gpu.get('name')} cc {gpu.get('compute_capability')} {gpu.get('total_bytes', 0) / 2**30:.1f} GiB"})
+    packages = environment.get("packages") or {}
+    facts.append({"fact": "versions", "value": ", ".join(f"{k} {v}" for k, v in packages.items() if k in ("torch", "transformers", "peft", "bitsandbytes", "mlflow"))})
+    return facts
+
+
+def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for cell_id, result in sorted(results.items()):
+        final = (result.get("quant_audit") or {}).get("after_adapters") or {}
+        if not (final.get("by_role") or {}).get("experts"):
+            continue
+        flagged = final.get("flagged") or []
+        rows.append(
+            {
+                "cell": cell_id,
+                "outcome": result["outcome"],
+                "weight bytes": final.get("total_bytes"),
+                "by dtype": ", ".join(f"{k}: {v}" for k, v in sorted((final.get("by_dtype") or {}).items())),
+                "expert bytes": final["by_role"]["experts"],
+                "flagged share": final.get("flagged_share"),
+                "flagged tensors": ", ".join(f.get("name", "") if isinstance(f, dict) else str(f) for f in flagged[:4])
+                + (f" (+{len(flagged) - 4})" if len(flagged) > 4 else ""),
+            }
+        )
+    return rows
+
+
+def _recommendation_html(recs: list[Recommendation]) -> str:
+    if not recs:
+        return "<p class='none'>No failure in this grid has a fix that the grid itself shows working.</p>"
+    items = []
+    for rec in recs:
+        items.append(
+            f"<div class='rec'><h3>{html.escape(rec.title)}</h3><p>{html.escape(rec.text)}</p>"
+            f"<p class='cite'>failing: {html.escape(', '.join(rec.failing))}<br>evidence: {html.escape(', '.join(rec.evidence))}</p></div>"
+        )
+    return "".join(items)
+
+
+STYLE = """
+body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
+table{border-collapse:collapse;font-size:12px;margin:.5em 0 1.5em}
+td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
+th{background:#f3f3f3}
+.rec{border-left:4px solid #1e88e5;padding:.2em 1em;margin:.8em 0;background:#f7fbff}
+.cite{font-size:11px;color:#555}
+.none{color:#777}
+img{max-width:100%}
+.counts span{display:inline-block;padding:2px 8px;margin-right:6px;border-radius:3px;color:#fff}
+"""
+
+
+def build_report(
+    summary_path: Path,
+    result_paths: list[Path],
+    capabilities: dict[str, Any],
+    environment: dict[str, Any],
+    out_dir: Path,
+    study: str,
+) -> dict[str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    frame = pd.read_parquet(summary_path)
+    results = {}
+    curves = {}
+    for path in result_paths:
+        result = read_json(path)
+        results[result["cell_id"]] = result
+        curves[result["cell_id"]] = read_jsonl(Path(path).parent / "metrics.jsonl")
+    recs = recommend(frame, capabilities)
+
+    plots = {"outcomes": out_dir / "outcomes.png", "loss": out_dir / "loss_curves.png", "memory": out_dir / "memory.png"}
+    plot_outcomes(frame, plots["outcomes"])
+    plot_losses(frame, curves, plots["loss"])
+    plot_memory(frame, plots["memory"])
+    atomic_write_text(out_dir / "recommendations.json", json.dumps([r.as_dict() for r in recs], indent=2))
+
+    counts = frame["outcome"].value_counts().to_dict()
+    count_html = "".join(
+        f"<span style='background:{OUTCOME_COLOURS.get(k, 'grey')}'>{html.escape(str(k))}: {v}</span>" for k, v in sorted(counts.items())
+    )
+    nan_rows = frame[frame["outcome"] == "nan"].sort_values(["model", "precision", "batch_size"]).to_dict("records")
+    failure_rows = frame[~frame["outcome"].isin(["ok", "nan"])].to_dict("records")
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
+<style>{STYLE}</style></head><body>
+<h1>tunegrid report: {html.escape(study)}</h1>
+<p class="counts">{len(frame)} cells: {count_html}</p>
+<h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
+<h2>Recommendations</h2>{_recommendation_html(recs)}
+<h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots['outcomes'])}">
+<h2>Non-finite events</h2>{_table(nan_rows, ["cell_id", "nan_step", "nan_kind", "nan_forward_module", "nan_backward_module", "fp16_headroom_worst_module", "fp16_headroom_worst_ratio"])}
+<h2>Other failures</h2>{_table(failure_rows, ["cell_id", "outcome", "reason", "oom_stage"])}
+<h2>Loss curves</h2><img alt="loss curves" src="{_png(plots['loss'])}">
+<h2>Peak memory</h2><img alt="peak memory" src="{_png(plots['memory'])}">
+<h2>MoE quantization audit</h2>{_table(_audit_rows(results), ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"])}
+<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ["cell_id", "outcome", "reason", "steps_run", "final_loss", "skipped_steps", "peak_bytes", "estimate_over_measured", "tokens_per_s", "mlflow_run_id"] if c in frame.columns])}
+</body></html>"""
+    atomic_write_text(out_dir / "index.html", page)
+    return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}

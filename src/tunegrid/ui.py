@@ -1,0 +1,115 @@
+"""MLflow's own server over a study's store, and headless Chromium to look at it (tests, docs).
+
+The server binds to 127.0.0.1 unless told otherwise. Chromium needs a virtual-time budget: without it
+the screenshot is MLflow's blank loading page.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
+
+CHROMIUM_FLAGS = (
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--no-first-run", "--disable-quic", "--hide-scrollbars",
+)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0) -> Iterator[str]:
+    """`mlflow server --workers 1` on the store; yields its base URL; stops it (and its workers) after."""
+    port = port or free_port(host)
+    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
+    log = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [mlflow, "server", "--backend-store-uri", store_uri, "--host", host, "--port", str(port), "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://{host}:{port}"
+    try:
+        deadline = time.time() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                log.seek(0)
+                raise RuntimeError(f"mlflow server did not start on {url}:\n{log.read().decode()[-2000:]}")
+            time.sleep(0.3)
+        yield url
+    finally:
+        import os
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+def rest(url: str, endpoint: str, payload: dict | None = None, method: str = "POST") -> dict:
+    """One call of MLflow's REST API (api/2.0/mlflow/...)."""
+    data = json.dumps(payload or {}).encode() if method == "POST" else None
+    request = urllib.request.Request(f"{url}/api/2.0/mlflow/{endpoint}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def runs_page(url: str, experiment_id: str) -> str:
+    return f"{url}/#/experiments/{experiment_id}/runs"
+
+
+def compare_page(url: str, experiment_id: str, run_ids: list[str]) -> str:
+    runs = quote(json.dumps(run_ids, separators=(",", ":")))
+    return f"{url}/#/compare-runs?runs={runs}&experiments={quote(json.dumps([experiment_id]))}"
+
+
+def chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def _browse(url: str, extra: list[str], budget_ms: int, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    binary = chromium()
+    if binary is None:
+        raise RuntimeError("no chromium on PATH: install Debian's `chromium` (apt-get install chromium)")
+    with tempfile.TemporaryDirectory() as profile:
+        return subprocess.run(
+            [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", *extra, url],
+            capture_output=True, text=True, timeout=timeout_s,
+        )
+
+
+def dump_dom(url: str, budget_ms: int = 10000, timeout_s: float = 120.0) -> str:
+    """The page's DOM after its scripts ran (what a user would see, as HTML)."""
+    return _browse(url, ["--dump-dom"], budget_ms, timeout_s).stdout
+
+
+def screenshot(url: str, out: Path, size: tuple[int, int] = (1600, 1000), budget_ms: int = 10000, timeout_s: float = 120.0) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc = _browse(url, [f"--screenshot={out.resolve()}", f"--window-size={size[0]},{size[1]}"], budget_ms, timeout_s)
+    if not out.exists():
+        raise RuntimeError(f"chromium wrote no screenshot of {url}: {proc.stderr[-1000:]}")
+    return out

@@ -1,0 +1,50 @@
+# The comparison report, built from the files (never from MLflow, so the store may be down).
+# Every figure is also registered for `snakemake --report results/<study>/report.html`.
+rule comparison_report:
+    input:
+        summary=rules.summary.output.parquet,
+        results=get_result_files(),
+        capabilities=rules.probe.output.capabilities,
+        environment=rules.environment.output.env,
+    output:
+        html=report(f"{RESULTS}/report/index.html", caption="../report/index.rst", category="Review"),
+        outcomes=report(f"{RESULTS}/report/outcomes.png", caption="../report/outcomes.rst", category="Review"),
+        loss=report(f"{RESULTS}/report/loss_curves.png", caption="../report/loss_curves.rst", category="Review"),
+        memory=report(f"{RESULTS}/report/memory.png", caption="../report/memory.rst", category="Review"),
+        recommendations=report(
+            f"{RESULTS}/report/recommendations.json", caption="../report/recommendations.rst", category="Review"
+        ),
+    params:
+        study=STUDY["study"],
+        out_dir=lambda wildcards, output: os.path.dirname(output.html),
+    log:
+        f"{LOGS}/report.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        f"python {SCRIPT} report"
+        " --summary {input.summary} --capabilities {input.capabilities} --environment {input.environment}"
+        " --study {params.study} --out-dir {params.out_dir} {input.results} > {log} 2>&1"
+
+
+# `snakemake mlflow_ui` serves the study's store with MLflow's own server until Ctrl-C. Loopback by
+# default; another tracking.ui_host needs tracking.ui_allowed_hosts (checked with the config).
+rule mlflow_ui:
+    input:
+        tracking=rules.tracking_init.output.tracking,
+    params:
+        store=lambda wildcards: os.environ.get("MLFLOW_TRACKING_URI") or STUDY["tracking"]["tracking_uri"] or f"sqlite:///{Path('results/mlflow.db').resolve()}",
+        host=STUDY["tracking"]["ui_host"],
+        port=STUDY["tracking"]["ui_port"],
+        allowed=(
+            f"--allowed-hosts {STUDY['tracking']['ui_allowed_hosts']}" if STUDY["tracking"]["ui_allowed_hosts"] else ""
+        ),
+    localrule: True
+    log:
+        f"{LOGS}/mlflow_ui.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        "echo 'MLflow UI: http://{params.host}:{params.port} (Ctrl-C stops it)';"
+        " mlflow server --backend-store-uri {params.store:q} --host {params.host} --port {params.port}"
+        " --workers 1 {params.allowed} 2>&1 | tee {log}"
