@@ -23,7 +23,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 Quant = Literal["none", "nf4", "nf4-experts"]
 
 # Order of the axes in a cell id; a later issue appends axes here and nowhere else.
-AXES: tuple[str, ...] = ("model", "precision", "batch_size", "quant", "seed")
+AXES: tuple[str, ...] = ("model", "precision", "batch_size", "quant", "seed", "world_size")
 
 
 class ConfigError(ValueError):
@@ -39,10 +39,13 @@ class Cell:
     batch_size: int
     quant: Quant
     seed: int
+    world_size: int = 1
 
     @property
     def cell_id(self) -> str:
-        return f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}"
+        # single-process cells keep the id they had before world_size existed (no re-run of old results)
+        suffix = f"_ws{self.world_size}" if self.world_size > 1 else ""
+        return f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}{suffix}"
 
     def axes(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,6 +136,13 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             path = Path(spec["path"]) if spec["path"] else None
             if path is None or not path.is_dir():
                 problems.append(f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder")
+    debug, worlds = config["debug"], config["grid"]["world_size"]
+    for key in ("stall_rank", "kill_rank"):
+        rank = debug[key]["rank"]
+        if rank >= 0 and rank >= max(worlds):
+            problems.append(
+                f"config key 'debug.{key}.rank': {rank} does not exist; grid.world_size is at most {max(worlds)} (ranks 0..{max(worlds) - 1})"
+            )
     tracking = config["tracking"]
     if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:
         problems.append(
@@ -182,6 +192,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "data": study["data"],
         "debug": study["debug"],
         "hardware": study["hardware"],
+        "distributed": study["distributed"],
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     training = result.get("training") or {}
     throughput = result.get("throughput") or {}
     in_effect = result.get("precision_in_effect") or {}
+    collective = (result.get("diagnosis") or {}).get("collective") or {}
+    crash = (result.get("diagnosis") or {}).get("rank_crash") or {}
     audit = result.get("quant_audit") or {}
     final = audit.get("after_adapters") or {}
     loaded = audit.get("after_load") or {}
@@ -54,6 +57,13 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "fp16_headroom_worst_module": _worst_headroom(result).get("module"),
         "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
+        "collective_op": collective.get("op"),
+        "collective_missing_ranks": ",".join(map(str, collective.get("missing_ranks", []))) or None,
+        "collective_timeout_s": collective.get("timeout_s"),
+        "collective_step": collective.get("step"),
+        "collective_seq": collective.get("seq"),
+        "collective_last_steps": json.dumps(collective["last_step_per_rank"]) if collective else None,
+        "crashed_ranks": ",".join(map(str, crash.get("ranks", []))) or None,
         "wall_s": result.get("wall_s"),
         "mlflow_run_id": (result.get("tracking") or {}).get("run_id"),
     }

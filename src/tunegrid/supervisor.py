@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from tunegrid.files import read_json, read_jsonl, write_json
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
 KILL_GRACE_S = 5.0
-RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat")
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat", "ranks", "flight_recorder")
 ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json")
 
 
@@ -65,12 +66,16 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def _last_activity(run_dir: Path, started: float) -> float:
+def _last_activity(run_dir: Path, started: float, world: int = 1) -> float:
+    """The latest sign of life of any rank (a stalled collective stops them all)."""
+    from tunegrid.train import rank_dir
+
     times = [started]
-    for name in ("heartbeat", "metrics.jsonl"):
-        path = run_dir / name
-        if path.exists():
-            times.append(path.stat().st_mtime)
+    for rank in range(world):
+        for name in ("heartbeat", "metrics.jsonl"):
+            path = rank_dir(run_dir, rank) / name
+            if path.exists():
+                times.append(path.stat().st_mtime)
     return max(times)
 
 
@@ -99,6 +104,15 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
                 "lora.unmatched": ",".join(audit["lora"]["unmatched"]),
             }
         )
+    collective = (result.get("diagnosis") or {}).get("collective")
+    if collective:
+        tags.update({
+            "collective.op": collective["op"], "collective.missing_ranks": ",".join(map(str, collective["missing_ranks"])),
+            "collective.timeout_s": str(collective["timeout_s"]), "collective.step": str(collective["step"]),
+        })
+    crash = (result.get("diagnosis") or {}).get("rank_crash")
+    if crash:
+        tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
     oom = (result.get("diagnosis") or {}).get("oom")
     if oom:
         tags["oom.stage"] = str(oom.get("stage"))
@@ -167,29 +181,79 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
     }
 
 
+def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path) -> list[subprocess.Popen[bytes]]:
+    """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
+    every rank's exit code and heartbeat itself, and can stop them all."""
+    world = spec["axes"].get("world_size", 1)
+    command = [sys.executable, "-m", "tunegrid.cli", "worker", "--spec", str(spec_path), "--model-dir", str(model_dir),
+               "--data", str(data_path), "--run-dir", str(run_dir)]
+    if world == 1:
+        return [subprocess.Popen(command, start_new_session=True, env=_child_env())]
+    from tunegrid.ui import free_port
+
+    env = _child_env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    env.update(_flight_recorder_env(spec, run_dir))
+    procs = []
+    for rank in range(world):
+        log_path = run_dir / "ranks" / f"rank{rank}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            procs.append(subprocess.Popen(
+                command, start_new_session=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=log, stderr=subprocess.STDOUT,
+            ))
+    return procs
+
+
+def _flight_recorder_env(spec: dict[str, Any], run_dir: Path) -> dict[str, str]:
+    """NCCL Flight Recorder on for distributed GPU cells: a ring buffer of collectives per rank, dumped
+    under the cell's folder when the watchdog fires (PyTorch >= 2.3 reads these variables)."""
+    settings = spec["distributed"]
+    if not settings["flight_recorder"]:
+        return {}
+    dump = run_dir / "flight_recorder"
+    dump.mkdir(parents=True, exist_ok=True)
+    prefix = str(dump / "rank_")
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(settings["trace_buffer_size"]),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,  # the older name of the same setting
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    }
+
+
 def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
-               tracker: Any, tail: MetricsTail) -> tuple[int | None, tuple[str, str] | None, list[dict[str, Any]]]:
-    """Run the worker to its end, a timeout, or a stall; returns (exit code, verdict, unsent metrics)."""
+               tracker: Any, tail: MetricsTail) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
+    """Run the rank(s) to their end, a timeout, a stall or a lost rank.
+
+    Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped)."""
     train = spec["train"]
+    grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
-    child = subprocess.Popen(
-        [sys.executable, "-m", "tunegrid.cli", "worker", "--spec", str(spec_path), "--model-dir", str(model_dir),
-         "--data", str(data_path), "--run-dir", str(run_dir)],
-        start_new_session=True,  # its own process group, so a timeout stops everything it started
-        env=_child_env(),
-    )
+    procs = _launch_ranks(spec, spec_path, model_dir, data_path, run_dir)
+    stopped: list[int] = []
     previous_handler = signal.getsignal(signal.SIGTERM)
 
+    def stop_all() -> None:
+        for rank, proc in enumerate(procs):
+            if proc.poll() is None:
+                stopped.append(rank)
+                _stop_group(proc)
+
     def on_term(signum: int, frame: Any) -> None:
-        _stop_group(child)
+        stop_all()
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
     pending: list[dict[str, Any]] = []
     last_flush = time.monotonic()
     verdict: tuple[str, str] | None = None
+    first_exit: float | None = None
     try:
-        while child.poll() is None:
+        while any(proc.poll() is None for proc in procs):
             time.sleep(POLL_S)
             if tracker is not None:
                 pending += tail.read_new()
@@ -198,18 +262,20 @@ def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path
                     pending = []
                 last_flush = time.monotonic()
             now = time.time()
+            if first_exit is None and any(proc.poll() is not None for proc in procs):
+                first_exit = now
             if now - started > train["time_limit_s"]:
                 verdict = ("timeout", f"wall-clock limit of {train['time_limit_s']} s reached")
-            elif now - _last_activity(run_dir, started) > train["heartbeat_timeout_s"]:
+            elif now - _last_activity(run_dir, started, len(procs)) > train["heartbeat_timeout_s"]:
                 verdict = ("timeout", f"no progress for {train['heartbeat_timeout_s']} s (heartbeat)")
+            elif first_exit is not None and now - first_exit > grace:
+                break  # one rank ended (crashed or gave up); the rest are stopped below
             if verdict:
-                _stop_group(child)
                 break
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
-        if child.poll() is None:
-            _stop_group(child)
-    return child.returncode, verdict, pending
+        stop_all()
+    return [proc.returncode for proc in procs], verdict, pending, stopped
 
 
 def run_cell(
@@ -231,7 +297,11 @@ def run_cell(
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in RUN_FILES:  # a re-run replaces the earlier attempt's files, never appends to them
-        (run_dir / name).unlink(missing_ok=True)
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     capabilities = read_json(capabilities_path) if capabilities_path else {}
     plan = plan_cell(spec, model_dir, capabilities)
     verdict = plan.pop("verdict")
@@ -255,11 +325,17 @@ def run_cell(
             tags["mlflow.parentRunId"] = parent
         tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
     tail = MetricsTail(run_dir / "metrics.jsonl")
-    returncode, pending = None, []
+    returncodes: list[int | None] = [None]
+    pending: list[dict[str, Any]] = []
+    stopped: list[int] = []
     if verdict is None:  # feasible: train
-        returncode, verdict, pending = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail)
+        returncodes, verdict, pending, stopped = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail)
 
-    result = _compose_result(spec, run_dir, returncode, verdict, started, command)
+    result = _compose_result(spec, run_dir, returncodes[0], verdict, started, command)
+    if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
+        from tunegrid.distributed import diagnose_ranks
+
+        result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
     if tracker is not None:
         pending += tail.read_new()
         tracker.log_records(pending)
@@ -268,6 +344,7 @@ def run_cell(
     write_json(result_path, result)
     if tracker is not None:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
+        artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
         if log_path is not None:
             artifacts.append(log_path)
         tracker.finish(run_tags(result), artifacts, failed=result["outcome"] == "error", params=result_params(result))

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,51 @@ def classify_exception(exc: BaseException) -> str:
     return "error"
 
 
+COLLECTIVE_TIMEOUT_MARKERS = ("timed out", "watchdog caught collective operation timeout", "timeout")
+PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a distributed cell (env set by the supervisor, as torchrun would)."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def rank_dir(run_dir: Path, rank: int) -> Path:
+    """Rank 0 writes the cell's files; every other rank writes the same set under ranks/rank<r>/."""
+    return run_dir if rank == 0 else run_dir / "ranks" / f"rank{rank}"
+
+
+def classify_distributed(exc: BaseException) -> str | None:
+    text = str(exc).lower()
+    if any(marker in text for marker in PEER_LOST_MARKERS):
+        return "peer_lost"
+    if any(marker in text for marker in COLLECTIVE_TIMEOUT_MARKERS):
+        return "collective_timeout"
+    return None
+
+
 class Heartbeat:
     """A file whose mtime is the last sign of life; the supervisor reads it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
+    last = "start"
+
     def beat(self, stage: str) -> None:
+        self.last = stage
         self.path.write_text(stage)
 
 
@@ -108,6 +147,9 @@ class CellTrainer:
         self.run_dir = run_dir
         self.facts: dict[str, Any] = {"outcome": "error", "reason": "did not start", "stage": "setup"}
         self.heartbeat = Heartbeat(run_dir / "heartbeat")
+        self.ranks = Ranks.from_env()
+        self.ddp: Any = None
+        self.facts["rank"] = self.ranks.rank
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -118,13 +160,68 @@ class CellTrainer:
 
         train = self.spec["train"]
         torch.set_num_threads(train["threads"])
-        torch.manual_seed(self.spec["axes"]["seed"])
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        torch.manual_seed(self.spec["axes"]["seed"])  # the same on every rank: identical LoRA init
+        self.device = torch.device("cuda", self.ranks.local) if torch.cuda.is_available() else torch.device("cpu")
+        if self.ranks.distributed:
+            self.init_distributed()
         self.plan = plan_precision(self.spec["axes"]["precision"], self.device.type)
         print(self.plan.describe(), flush=True)
         self.facts["precision_plan"] = self.plan.__dict__
         self.meter = MemoryMeter(self.device.type)
         self.memory: dict[str, Any] = {"device": self.device.type}
+
+    def init_distributed(self) -> None:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        settings = self.spec["distributed"]
+        backend = settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.facts["distributed"] = {"backend": backend, "world_size": self.ranks.world, "collective_timeout_s": settings["collective_timeout_s"]}
+        self.heartbeat.beat("init_process_group")
+        dist.init_process_group(
+            backend, rank=self.ranks.rank, world_size=self.ranks.world,
+            timeout=datetime.timedelta(seconds=settings["collective_timeout_s"]),
+            device_id=self.device if backend == "nccl" else None,
+        )
+
+    def wrap_ddp(self) -> None:
+        """DDP over the trainable (LoRA) parameters; frozen base weights are not synchronized."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.facts["stage"] = "ddp"
+        self.heartbeat.beat("ddp")
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            broadcast_buffers=False,  # nothing to sync, and a replayed step must not add a collective
+        )
+
+    def inject_rank_faults(self, step: int) -> None:
+        """debug.stall_rank / debug.kill_rank: a straggler or a crashed rank, on purpose."""
+        import signal
+
+        debug = self.spec.get("debug") or {}
+        stall, kill = debug.get("stall_rank") or {}, debug.get("kill_rank") or {}
+        if stall.get("rank") == self.ranks.rank and stall.get("step") == step and stall.get("seconds", 0) > 0:
+            self.heartbeat.beat(f"step {step} stalled before its all-reduce (injected, {stall['seconds']} s)")
+            time.sleep(stall["seconds"])
+            self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
+        if kill.get("rank") == self.ranks.rank and kill.get("step") == step:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def lora_digest(self) -> str:
+        """sha256 of the trainable weights: every rank of a DDP cell must end with the same one."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, param in sorted(self.trainable_named, key=lambda item: item[0]):
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+        return digest.hexdigest()
 
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
@@ -210,7 +307,9 @@ class CellTrainer:
         from tunegrid.data import BatchStream, read_dataset, tokenize_examples
 
         tensors = tokenize_examples(read_dataset(self.data_path), self.tokenizer, self.spec["train"]["seq_len"])
-        self.stream = BatchStream(tensors, self.spec["axes"]["batch_size"], self.spec["axes"]["seed"])
+        # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
+        seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank
+        self.stream = BatchStream(tensors, self.spec["axes"]["batch_size"], seed)
 
     # ---------------------------------------------------------------- forward + backward
     def forward_backward(self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None) -> Any:
@@ -218,7 +317,7 @@ class CellTrainer:
         from tunegrid.precision import autocast_context
 
         with autocast_context(self.plan):
-            loss = self.model(**batch).loss
+            loss = (self.ddp or self.model)(**batch).loss
         if scaler is not None:
             scaler.scale(loss).backward()
         else:
@@ -238,6 +337,8 @@ class CellTrainer:
         self.scaler = make_grad_scaler(self.plan)
         injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
         self.injector = NonfiniteInjector(self.model, injection) if injection and injection.get("module") else None
+        if self.ranks.distributed:
+            self.wrap_ddp()
 
     # ---------------------------------------------------------------- one step
     def train_step(self, step: int, batch: dict[str, Any], census: Any = None, headroom: Any = None) -> dict[str, Any]:
@@ -245,6 +346,9 @@ class CellTrainer:
         import torch
 
         scaler = self.scaler
+        if self.ranks.distributed:
+            self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
+            self.inject_rank_faults(step)
         fact: dict[str, Any] = {"rng_state": torch.get_rng_state(), "scale": scaler.get_scale() if scaler is not None else None}
         self.meter.reset()
         started = time.perf_counter()
@@ -296,6 +400,8 @@ class CellTrainer:
             if self.injector is not None:  # registered first, so the tracer sees what it injects
                 hooks.enter_context(self.injector.attached(step))
             hooks.enter_context(tracer.attached())
+            # no all-reduce on replay: every rank replays on its own (they all saw the same averaged norm)
+            hooks.enter_context(self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext())
             self.forward_backward(batch, scale=scale)
         self.optimizer.zero_grad(set_to_none=True)
         return tracer.as_dict()
@@ -399,6 +505,8 @@ class CellTrainer:
             "skipped_steps": skipped_total,
         }
         self._conclude(first_event, consecutive_skips)
+        if self.ranks.distributed:
+            self.facts["lora_sha256"] = self.lora_digest()
         if unsupported:
             self.facts.update(
                 outcome="unsupported",
@@ -441,6 +549,13 @@ class CellTrainer:
             kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else "error"
             stage = self.facts.get("stage", "setup")
             self.facts.update(outcome=kind, reason=f"{type(exc).__name__} during {stage}: {str(exc)[:300]}")
+            collective = classify_distributed(exc) if self.ranks.distributed else None
+            if collective is not None:
+                self.facts["outcome"] = "timeout" if collective == "collective_timeout" else "error"
+                self.facts["diagnosis"] = {collective: {
+                    "rank": self.ranks.rank, "waiting_in": self.heartbeat.last,
+                    "timeout_s": self.spec["distributed"]["collective_timeout_s"], "message": str(exc)[:400],
+                }}
             self.facts["traceback"] = traceback.format_exc()[-4000:]
             if kind == "oom":
                 self.facts["diagnosis"] = {"oom": {"stage": stage, "bytes_at_failure": self.meter_current()}}
@@ -458,7 +573,17 @@ class CellTrainer:
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run = Path(run_dir)
+    ranks = Ranks.from_env()
+    run = rank_dir(Path(run_dir), ranks.rank)
     run.mkdir(parents=True, exist_ok=True)
-    CellTrainer(spec, Path(model_dir), Path(data_path), run).run()
+    facts = CellTrainer(spec, Path(model_dir), Path(data_path), run).run()
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        if facts["outcome"] in ("ok", "nan") and dist.is_initialized():
+            dist.destroy_process_group()
+        else:  # a broken group can hang in teardown (NCCL abort); the facts are written, leave now
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     return 0

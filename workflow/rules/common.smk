@@ -37,7 +37,7 @@ os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.
 
 wildcard_constraints:
     model="[A-Za-z0-9][A-Za-z0-9.-]*",
-    cell_id="[A-Za-z0-9][A-Za-z0-9.-]*_(fp32|bf16|fp16)_bs[0-9]+_(none|nf4|nf4-experts)_s[0-9]+",
+    cell_id="[A-Za-z0-9][A-Za-z0-9.-]*_(fp32|bf16|fp16)_bs[0-9]+_(none|nf4|nf4-experts)_s[0-9]+(_ws[0-9]+)?",
 
 
 def get_cell(wildcards):
@@ -53,6 +53,18 @@ def get_cell_spec(wildcards):
 
 def get_cell_model_dir(wildcards):
     return f"{RESULTS}/models/{get_cell(wildcards).model}"
+
+
+def get_cell_gpus(wildcards):
+    return get_cell(wildcards).world_size * STUDY["hardware"]["gpus_per_rank"]
+
+
+def get_cell_cpus(wildcards):
+    return get_cell(wildcards).world_size * STUDY["train"]["threads"]
+
+
+def get_cell_mem_mb(wildcards):
+    return 4000 * get_cell(wildcards).world_size
 
 
 def get_model_spec(wildcards):

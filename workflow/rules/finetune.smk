@@ -19,9 +19,13 @@ rule finetune:
         f"{RESULTS}/benchmarks/finetune/{{cell_id}}.tsv"
     conda:
         "../../envs/tunegrid.yaml"
-    threads: STUDY["train"]["threads"]
+    # every rank of a distributed cell is a process of this one job: it asks for all their cores and
+    # GPUs. `gpu` (not `gpus`) is what the SLURM executor turns into --gpus.
+    threads: get_cell_cpus
     resources:
-        mem_mb=4000,
+        mem_mb=get_cell_mem_mb,
+        gpu=get_cell_gpus,
+        cpus_per_task=get_cell_cpus,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     shell:
         f"python {SCRIPT} finetune"

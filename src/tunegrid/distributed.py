@@ -1,0 +1,147 @@
+"""What happened to a multi-process cell: per-rank facts, exit codes and heartbeats -> one outcome.
+
+Precedence: a rank that died by itself (signal or non-zero exit the supervisor did not cause) is the
+cause, whatever its peers reported afterwards (`error`); then a collective timeout (`timeout`: the
+ranks that reported it waited, the others never arrived); otherwise rank 0's outcome, checked against
+the other ranks (their LoRA weights must be bit-identical after DDP).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tunegrid.files import read_json
+from tunegrid.train import rank_dir
+
+STEP_RE = re.compile(r"step (\d+)")
+
+
+def _tail(path: Path, lines: int = 15) -> list[str]:
+    if not path.exists():
+        return []
+    return path.read_text(errors="replace").splitlines()[-lines:]
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> dict[str, Any]:
+    folder = rank_dir(run_dir, rank)
+    facts_path = folder / "worker.json"
+    facts = read_json(facts_path) if facts_path.exists() else {}
+    heartbeat = (folder / "heartbeat").read_text().strip() if (folder / "heartbeat").exists() else ""
+    step = STEP_RE.search(heartbeat)
+    return {
+        "rank": rank,
+        "exit_code": code,
+        "exit": _exit_text(code),
+        "stopped_by_supervisor": stopped,
+        "outcome": facts.get("outcome"),
+        "reason": facts.get("reason"),
+        "last_heartbeat": heartbeat,
+        "last_step": int(step.group(1)) if step else None,
+        "lora_sha256": facts.get("lora_sha256"),
+        "diagnosis": facts.get("diagnosis") or {},
+        "log_tail": _tail(run_dir / "ranks" / f"rank{rank}.log"),
+    }
+
+
+def _collective_op(waiting_in: str) -> str:
+    if "all-reduce" in waiting_in:
+        return "ALLREDUCE"
+    if "init_process_group" in waiting_in or "ddp" in waiting_in:
+        return "BROADCAST/BARRIER (process-group or DDP setup)"
+    return "unknown"
+
+
+def analyze_flight_recorder(run_dir: Path) -> dict[str, Any] | None:
+    """On NCCL timeouts, PyTorch dumps each rank's ring buffer; fr_trace names the mismatch."""
+    folder = run_dir / "flight_recorder"
+    dumps = sorted(folder.glob("rank_*")) if folder.is_dir() else []
+    if not dumps:
+        return None
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder), "--prefix", "rank_",
+             "--allow-incomplete-ranks"],
+            capture_output=True, text=True, timeout=120,
+        )
+        text = proc.stdout + proc.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = f"fr_trace failed: {exc}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    verdict = next((line for line in lines if re.search(r"mismatch|not.*(join|arriv)|missing|timeout", line, re.I)), lines[-1] if lines else "")
+    return {"dumps": [d.name for d in dumps], "verdict": verdict[:400], "report_tail": lines[-20:]}
+
+
+def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], codes: list[int | None],
+                   stopped: list[int]) -> dict[str, Any]:
+    """Fields of result.json for a distributed cell: outcome, reason, diagnosis, ranks."""
+    world = len(codes)
+    timeout_s = spec["distributed"]["collective_timeout_s"]
+    ranks = [rank_record(run_dir, r, codes[r], r in stopped) for r in range(world)]
+    last_steps = {r["rank"]: r["last_step"] for r in ranks}
+    update: dict[str, Any] = {"ranks": ranks, "distributed": {"world_size": world, "collective_timeout_s": timeout_s}}
+    recorder = analyze_flight_recorder(run_dir)
+    if recorder:
+        update["distributed"]["flight_recorder"] = recorder
+
+    crashed = [r for r in ranks if not r["stopped_by_supervisor"] and r["exit_code"] not in (0, None)]
+    if crashed:
+        first = crashed[0]
+        at = f" at step {first['last_step']}" if first["last_step"] is not None else f" during {first['last_heartbeat'] or 'start-up'}"
+        update.update(
+            outcome="error",
+            reason=f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
+            diagnosis={"rank_crash": {"ranks": [r["rank"] for r in crashed], "exit": first["exit"], "last_step": first["last_step"],
+                                      "last_log_lines": first["log_tail"], "last_step_per_rank": last_steps}},
+        )
+        return update
+
+    waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
+    if waiting:
+        missing = [r["rank"] for r in ranks if r not in waiting]
+        waiting_in = waiting[0]["diagnosis"]["collective_timeout"]["waiting_in"]
+        op = _collective_op(waiting_in)
+        step = STEP_RE.search(waiting_in)
+        collective = {
+            "op": op,
+            "waiting_ranks": [r["rank"] for r in waiting],
+            "missing_ranks": missing,
+            "timeout_s": timeout_s,
+            "step": int(step.group(1)) if step else None,
+            "seq": None,  # NCCL's sequence number comes from the flight recorder; gloo does not report one
+            "last_step_per_rank": last_steps,
+            "last_heartbeat_per_rank": {r["rank"]: r["last_heartbeat"] for r in ranks},
+            "message": waiting[0]["diagnosis"]["collective_timeout"]["message"],
+        }
+        if recorder:
+            collective["flight_recorder_verdict"] = recorder["verdict"]
+        who = ", ".join(map(str, missing)) or "none identified"
+        update.update(
+            outcome="timeout",
+            reason=(
+                f"collective timeout after {timeout_s:g} s in {op}"
+                + (f" at step {collective['step']}" if collective["step"] is not None else "")
+                + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
+            ),
+            diagnosis={"collective": collective},
+        )
+        return update
+
+    if result["outcome"] == "ok":
+        digests = {r["lora_sha256"] for r in ranks}
+        update["distributed"]["lora_identical"] = len(digests) == 1 and None not in digests
+        if not update["distributed"]["lora_identical"]:
+            update.update(outcome="error", reason="ranks ended with different LoRA weights (DDP did not keep them in sync)")
+    return update

@@ -1,0 +1,92 @@
+"""Multi-process cells on CPU (gloo): DDP training, a stalled rank, a killed rank, no orphans."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_study
+
+from tunegrid.config import ConfigError, cell_spec, expand_cells, resolve_study
+from tunegrid.files import read_json
+from tunegrid.supervisor import run_cell
+
+
+def _spec(world=2, train=None, debug=None, distributed=None):
+    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0], "world_size": [world]}
+    study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, "threads": 1, **(train or {})},
+                                     debug=debug or {}, distributed=distributed or {}))
+    return cell_spec(study, expand_cells(study)[0])
+
+
+def _run(spec, checkpoints, dataset_path, tmp_path):
+    run_dir = tmp_path / "runs" / spec["cell_id"]
+    result = run_cell(
+        spec=spec, model_dir=checkpoints["qwen3moe-tiny"], data_path=dataset_path, run_dir=run_dir,
+        result_path=run_dir / "result.json", tracking_path=None, capabilities_path=None, log_path=None,
+        command=["tunegrid", "finetune"],
+    )
+    return result, run_dir
+
+
+def _leftovers(run_dir: Path) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(run_dir) in cmdline:
+                found.append(pid)
+    return found
+
+
+def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, dataset_path, tmp_path):
+    spec = _spec()
+    assert spec["cell_id"].endswith("_ws2")
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
+    assert result["outcome"] == "ok", result["reason"]
+    assert result["distributed"]["lora_identical"] is True
+    assert [r["exit_code"] for r in result["ranks"]] == [0, 0]
+    assert result["ranks"][0]["lora_sha256"] == result["ranks"][1]["lora_sha256"]
+    assert read_json(run_dir / "worker.json")["distributed"] == {"backend": "gloo", "world_size": 2, "collective_timeout_s": 600}
+    assert result["training"]["steps_run"] == 4
+    assert _leftovers(run_dir) == []
+
+
+def test_stalled_rank_is_a_collective_timeout_naming_the_rank(checkpoints, dataset_path, tmp_path):
+    timeout_s = 4
+    spec = _spec(debug={"stall_rank": {"rank": 1, "step": 2, "seconds": 120}},
+                 distributed={"collective_timeout_s": timeout_s, "exit_grace_s": 2})
+    started = time.time()
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
+    took = time.time() - started
+    assert result["outcome"] == "timeout", result["reason"]
+    collective = result["diagnosis"]["collective"]
+    assert collective["missing_ranks"] == [1] and collective["waiting_ranks"] == [0]
+    assert collective["op"] == "ALLREDUCE" and collective["step"] == 2 and collective["timeout_s"] == timeout_s
+    assert collective["last_step_per_rank"] == {0: 2, 1: 2}
+    assert "rank(s) 1 did not arrive" in result["reason"]
+    # start-up (~15 s for two ranks on 2 cores) + 2 steps + the timeout + grace, far below the 120 s stall
+    assert took < 60, took
+    assert result["ranks"][1]["stopped_by_supervisor"] is True
+    assert _leftovers(run_dir) == []
+
+
+def test_killed_rank_is_an_error_with_its_signal_and_log(checkpoints, dataset_path, tmp_path):
+    spec = _spec(debug={"kill_rank": {"rank": 1, "step": 1}}, distributed={"exit_grace_s": 2})
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
+    assert result["outcome"] == "error", result["reason"]
+    crash = result["diagnosis"]["rank_crash"]
+    assert crash["ranks"] == [1] and crash["exit"] == "killed by SIGKILL" and crash["last_step"] == 1
+    assert crash["last_log_lines"], "the dead rank's last log lines are kept"
+    assert result["reason"].startswith("rank 1 died (killed by SIGKILL) at step 1")
+    assert _leftovers(run_dir) == []
+
+
+def test_fault_injection_rank_must_exist():
+    with pytest.raises(ConfigError, match=r"debug.kill_rank.rank.*at most 2"):
+        _spec(debug={"kill_rank": {"rank": 2, "step": 0}})
