@@ -7,6 +7,7 @@ bitsandbytes once, in the environment rule.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import socket
 import subprocess
@@ -43,7 +44,19 @@ def light_env() -> dict[str, Any]:
         "platform": platform.platform(),
         "git_sha": git_sha(),
         "packages": {name: package_version(name) for name in CORE_PACKAGES},
+        "scheduler": scheduler_env(),
     }
+
+
+SCHEDULER_VARS = (
+    "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_CPUS_PER_TASK", "SLURM_MEM_PER_NODE",
+    "SLURM_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE", "CUDA_VISIBLE_DEVICES",
+)
+
+
+def scheduler_env() -> dict[str, str]:
+    """What the scheduler gave this job (empty outside SLURM): which job ran a cell, with which GPUs."""
+    return {name: os.environ[name] for name in SCHEDULER_VARS if name in os.environ}
 
 
 def full_env() -> dict[str, Any]:

@@ -81,6 +81,9 @@ def _last_activity(run_dir: Path, started: float, world: int = 1) -> float:
 
 def run_tags(result: dict[str, Any]) -> dict[str, str]:
     tags = {"outcome": result["outcome"], "outcome.reason": result["reason"], "device": result["env"].get("device", "")}
+    slurm_job = (result["env"].get("scheduler") or {}).get("SLURM_JOB_ID")
+    if slurm_job:
+        tags["slurm.job_id"] = slurm_job
     nan = (result.get("diagnosis") or {}).get("nan")
     if nan:
         origin = nan.get("origin") or {}

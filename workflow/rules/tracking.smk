@@ -1,6 +1,16 @@
 # The store and the experiment are created once, before the cells fan out: concurrent first writers
 # to a fresh sqlite store crash on table creation. MLFLOW_TRACKING_URI, when set, overrides the default
 # store (it is optional, so it is not an `envvars:` entry, which Snakemake would require).
+# Bookkeeping rules run where snakemake runs (no queueing for a few seconds of work): the store,
+# the sync, the summary and the report. The probe and the cells go to the cluster.
+localrules:
+    tracking_init,
+    mlflow_sync,
+    summary,
+    comparison_report,
+    dataset,
+
+
 rule tracking_init:
     output:
         tracking=f"{RESULTS}/tracking.json",

@@ -1,0 +1,136 @@
+"""A real one-node SLURM (Debian's slurm-wlm + munge) for the scheduler test: started and stopped here.
+
+Minimal on purpose: proctrack/linuxproc, task/none, no accounting daemon (so `sacct` does not work and
+the executor must poll with squeue; MinJobAge keeps finished jobs visible to squeue long enough).
+Two fake GPUs (device files /dev/null, /dev/zero) so that a rule's `gpu=1` really becomes `--gpus=1`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from collections.abc import Iterator
+
+DAEMONS = ("munged", "slurmctld", "slurmd")
+
+
+def available() -> bool:
+    return all(shutil.which(d) or Path(f"/usr/sbin/{d}").exists() for d in DAEMONS) and os.geteuid() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+MARKER = "# written by tunegrid's tests/slurm_cluster.py; removed when the test ends"
+ETC = Path("/etc/slurm")
+
+
+def write_config(root: Path, cpus: int = 8, memory_mb: int = 16000, min_job_age_s: int = 60) -> Path:
+    """slurm.conf + gres.conf in /etc/slurm, the default path: the executor's job step strips every
+    SLURM_* variable (SLURM_CONF included) before calling srun, so a config elsewhere is not found
+    inside jobs. Refuses to touch a slurm.conf that this helper did not write."""
+    host = socket.gethostname()
+    for sub in ("state", "spool", "log"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    conf = ETC / "slurm.conf"
+    if conf.exists() and MARKER not in conf.read_text():
+        raise RuntimeError(f"{conf} exists and is not ours: not starting a test cluster over a real one")
+    ETC.mkdir(parents=True, exist_ok=True)
+    conf.write_text(f"""\
+{MARKER}
+ClusterName=tunegrid-ci
+SlurmctldHost={host}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+SlurmdParameters=config_overrides
+ReturnToService=2
+MinJobAge={min_job_age_s}
+InactiveLimit=0
+KillWait=5
+GresTypes=gpu
+NodeName={host} CPUs={cpus} RealMemory={memory_mb} Gres=gpu:2 State=UNKNOWN
+PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+""")
+    (ETC / "gres.conf").write_text(f"{MARKER}\nNodeName={host} Name=gpu File=/dev/null\nNodeName={host} Name=gpu File=/dev/zero\n")
+    return conf
+
+
+def remove_config() -> None:
+    for name in ("slurm.conf", "gres.conf"):
+        path = ETC / name
+        if path.exists() and MARKER in path.read_text():
+            path.unlink()
+
+
+@contextmanager
+def slurm_cluster(root: Path, timeout_s: float = 30.0) -> Iterator[dict[str, str]]:
+    """Start munged (if not running), slurmctld and slurmd; yield the env for sbatch/squeue; stop what we started."""
+    conf = write_config(root)
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    started: list[subprocess.Popen[bytes]] = []
+    munge_started = False
+    started_at = time.time()
+    if subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:
+        Path("/run/munge").mkdir(parents=True, exist_ok=True)
+        shutil.chown("/run/munge", "munge", "munge")
+        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+        munge_started = True
+    try:
+        started.append(subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-f", str(conf)], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        started.append(subprocess.Popen(["/usr/sbin/slurmd", "-D", "-f", str(conf)], env=env,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        deadline = time.time() + timeout_s
+        while True:
+            state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
+            if state.returncode == 0 and state.stdout.strip() in ("idle", "mixed"):
+                break
+            if time.time() > deadline or any(p.poll() is not None for p in started):
+                logs = "".join(p.read_text()[-1500:] for p in (root / "log").glob("*.log"))
+                raise RuntimeError(f"SLURM did not come up (sinfo: {state.stdout!r} {state.stderr!r}):\n{logs}")
+            time.sleep(0.5)
+        env["TUNEGRID_SLURM_STARTUP_S"] = f"{time.time() - started_at:.1f}"
+        yield env
+    finally:
+        subprocess.run(["scancel", "--full", "-u", "root"], env=env, capture_output=True)
+        for proc in reversed(started):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        remove_config()
+        if munge_started:
+            pid_file = Path("/run/munge/munged.pid")
+            if pid_file.exists():
+                try:
+                    os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
+                except (ProcessLookupError, ValueError):
+                    pass

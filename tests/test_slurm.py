@@ -1,0 +1,77 @@
+"""`snakemake --profile slurm` from the repository root against a real one-node SLURM (slurm-wlm + munge).
+
+The daemons are started and stopped by the test (tests/slurm_cluster.py). CI installs slurm-wlm and
+sets TUNEGRID_REQUIRE_SYSTEM_TOOLS=1, so there this test fails rather than skips when SLURM is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import yaml
+from conftest import REPO, make_study
+from slurm_cluster import available, slurm_cluster
+
+from tunegrid.files import read_json
+from tunegrid.tracking import CELL_TAG, client
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not available() and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"),
+        reason="needs root and Debian's slurm-wlm + munge (.ci/run installs them)",
+    ),
+]
+
+
+def test_study_through_the_slurm_profile(tmp_path):
+    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0], "world_size": [1, 2]}
+    study = make_study(
+        study="slurm", grid=grid, train={"steps": 3, "seq_len": 32, "threads": 1},
+        hardware={"gpus_per_rank": 1},  # the fake GPUs: a 2-rank cell must really be given --gpus=2
+        debug={"stall_rank": {"rank": 1, "step": 1, "seconds": 90}},
+        distributed={"collective_timeout_s": 5, "exit_grace_s": 2},
+        probe={"world_sizes": [2], "budget_s": 5},
+    )
+    config = tmp_path / "study.yaml"
+    config.write_text(yaml.safe_dump(study))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    with slurm_cluster(tmp_path / "slurm") as slurm_env:
+        started = time.time()
+        proc = subprocess.run(
+            [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir), "--configfile", str(config),
+             # this test cluster has no slurmdbd: squeue status checks, early and often
+             "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2",
+             "--seconds-between-status-checks", "3", "--slurm-no-account", "--slurm-keep-successful-logs"],
+            cwd=REPO, env={**env, **slurm_env}, capture_output=True, text=True, timeout=900,
+        )
+        wall = time.time() - started
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        submitted = proc.stdout.count("Job ") + proc.stderr.count("has been submitted with SLURM jobid")
+    print(f"SLURM: daemons up in {slurm_env['TUNEGRID_SLURM_STARTUP_S']} s, workflow {wall:.0f} s")
+
+    assert submitted >= 4, "cells, checkpoint, environment and probe went through sbatch"
+    results = workdir / "results" / "slurm"
+    summary = pd.read_parquet(results / "summary.parquet").set_index("cell_id")
+    assert summary.loc["qwen3moe-tiny_fp32_bs2_none_s0", "outcome"] == "ok"
+    stalled = summary.loc["qwen3moe-tiny_fp32_bs2_none_s0_ws2"]
+    assert stalled["outcome"] == "timeout" and stalled["collective_missing_ranks"] == "1"
+    for cell in summary.index:
+        scheduler = read_json(results / "runs" / cell / "result.json")["env"]["scheduler"]
+        assert scheduler["SLURM_JOB_ID"], "the cell ran inside a SLURM job"
+        world = 2 if cell.endswith("_ws2") else 1
+        assert scheduler["SLURM_GPUS_ON_NODE"] == str(world), "gpu=N became --gpus=N"
+
+    c = client(f"sqlite:///{workdir / 'results' / 'mlflow.db'}")
+    experiment = c.get_experiment_by_name("tunegrid/slurm")
+    runs = c.search_runs([experiment.experiment_id], filter_string=f"tags.`{CELL_TAG}` != ''")
+    assert {r.info.run_name for r in runs} == set(summary.index)
+    assert all(r.data.tags.get("slurm.job_id") for r in runs)
+    assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).stdout == b"", "no processes left behind"
