@@ -124,12 +124,22 @@ def download_hub(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     from huggingface_hub import snapshot_download
 
     repo_id, revision = spec["repo_id"], spec["revision"]
+    patterns = HUB_PATTERNS + (PICKLE_PATTERNS if spec.get("allow_pickle") else [])
+    patterns += ["*.py"] if spec.get("trust_remote_code") else []
     try:
-        snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=HUB_PATTERNS, local_dir=out_dir)
+        snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=patterns, local_dir=out_dir)
     except Exception as exc:  # the hub library raises many types; the user needs one sentence
         raise CheckpointError(_hub_error_sentence(repo_id, revision, exc)) from None
     if not list(out_dir.glob("*.safetensors")):
-        raise CheckpointError(f"{repo_id}@{revision} has no *.safetensors files; tunegrid refuses pickle weights")
+        pickles = sorted(p for pattern in PICKLE_PATTERNS for p in out_dir.glob(pattern))
+        if not (spec.get("allow_pickle") and pickles):
+            raise CheckpointError(
+                f"{repo_id}@{revision} has no *.safetensors files; tunegrid refuses pickle weights "
+                f"(models.<name>.allow_pickle: true converts them with torch.load(weights_only=True))"
+            )
+        convert_pickles(pickles, out_dir)
+        for path in pickles:
+            path.unlink()
     return write_manifest(out_dir, {"kind": "hub", "repo_id": repo_id, "revision": revision})
 
 
@@ -145,6 +155,32 @@ def _hub_error_sentence(repo_id: str, revision: str, exc: Exception) -> str:
     return f"{where} could not be downloaded ({name}); see the rule log"
 
 
+PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
+
+
+def convert_pickles(paths: list[Path], out_dir: Path) -> None:
+    """Opt-in only: read pickle state dicts with the restricted unpickler (weights_only=True, which
+    refuses arbitrary objects and code) and write them as one safetensors file."""
+    import pickle
+
+    import torch
+    from safetensors.torch import save_file
+
+    state: dict[str, Any] = {}
+    for path in paths:
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+            raise CheckpointError(
+                f"{path.name}: refused by torch.load(weights_only=True) — it holds more than tensors "
+                f"(possibly code); not loading it ({str(exc).splitlines()[0][:200]})"
+            ) from None
+        if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            raise CheckpointError(f"{path.name}: not a state dict of tensors")
+        state.update({k: v.contiguous().clone() for k, v in loaded.items()})  # clone: safetensors refuses shared storage
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt", "converted_from": ",".join(p.name for p in paths)})
+
+
 # --- local -------------------------------------------------------------------------------------------
 
 
@@ -153,11 +189,17 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     src = Path(spec["path"]).resolve()
     if not (src / "config.json").is_file():
         raise CheckpointError(f"local checkpoint {src}: no config.json")
-    if not list(src.glob("*.safetensors")):
-        pickles = [p.name for p in src.glob("*.bin")] + [p.name for p in src.glob("*.pt")]
-        hint = f" (found pickle files {pickles}: convert them to safetensors first)" if pickles else ""
-        raise CheckpointError(f"local checkpoint {src}: no *.safetensors weights{hint}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not list(src.glob("*.safetensors")):
+        pickles = sorted(p for pattern in PICKLE_PATTERNS for p in src.glob(pattern))
+        if not (pickles and spec.get("allow_pickle")):
+            hint = (
+                f" (found pickle files {[p.name for p in pickles]}: convert them to safetensors, or opt in with "
+                "models.<name>.allow_pickle: true, which reads them with torch.load(weights_only=True))"
+                if pickles else ""
+            )
+            raise CheckpointError(f"local checkpoint {src}: no *.safetensors weights{hint}")
+        convert_pickles(pickles, out_dir)
     for path in src.iterdir():
         if path.is_file() and path.suffix not in {".bin", ".pt", ".pth", ".pkl"} and path.name != "manifest.json":
             target = out_dir / path.name

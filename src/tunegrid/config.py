@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -105,6 +106,9 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     Returns a new dict; raises ConfigError with every problem found, one per line.
     """
     config = copy.deepcopy(raw)
+    secrets = secret_problems(config)  # first, and alone: other messages may quote values
+    if secrets:
+        raise ConfigError("invalid study config:\n  - " + "\n  - ".join(secrets))
     validator = _defaulting_validator()(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     problems = [_describe(e) for e in errors]
@@ -113,6 +117,27 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     if problems:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
     return config
+
+
+# Token-shaped values: Hugging Face tokens, MLflow/Databricks tokens, generic API keys, bearer secrets.
+SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|dapi[0-9a-f]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,})")
+SECRET_KEY = re.compile(r"(token|password|passwd|secret|api[_-]?key)", re.IGNORECASE)
+
+
+def secret_problems(value: Any, key: str = "") -> list[str]:
+    """Secrets never go into a study config: everything in it reaches params, logs and artifacts."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in secret_problems(v, f"{key}.{k}" if key else str(k))]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in secret_problems(v, f"{key}.{i}")]
+    hint = "pass secrets through the environment (HF_TOKEN, MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD), never the config"
+    if isinstance(value, str) and SECRET_VALUE.search(value):
+        return [f"config key '{key}': holds a token-shaped value; {hint}"]
+    if isinstance(value, str) and value and SECRET_KEY.search(key.rsplit(".", 1)[-1]):
+        return [f"config key '{key}': looks like a secret; {hint}"]
+    if key == "tracking.tracking_uri" and isinstance(value, str) and re.match(r"^[a-z+]+://[^/@]*:[^/@]*@", value):
+        return [f"config key '{key}': has a password in the URI; {hint}"]
+    return []
 
 
 def _semantic_problems(config: dict[str, Any]) -> list[str]:
@@ -125,6 +150,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             )
     for name, spec in models.items():
         key = f"models.{name}"
+        if spec["trust_remote_code"] and (spec["source"] != "hub" or not spec["revision"]):
+            problems.append(
+                f"config key '{key}.trust_remote_code': remote code runs only for source 'hub' with a pinned 40-hex "
+                "'revision' (so the code that runs is the code you reviewed); set a revision or turn it off"
+            )
         if spec["source"] == "hub":
             if not spec["repo_id"]:
                 problems.append(f"config key '{key}.repo_id': required for source 'hub' (e.g. google/gemma-3-4b-it)")

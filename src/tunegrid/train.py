@@ -87,7 +87,11 @@ class Heartbeat:
 def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    kwargs: dict[str, Any] = {"dtype": plan.torch_dtype("storage"), "use_safetensors": True}
+    kwargs: dict[str, Any] = {
+        "dtype": plan.torch_dtype("storage"),
+        "use_safetensors": True,  # never a pickle
+        "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
+    }
     if spec["axes"]["quant"] != "none":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -241,7 +245,7 @@ class CellTrainer:
         if budget:
             self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget)
         self.meter.reset()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=bool(self.spec["model"].get("trust_remote_code")))
         self.model = load_model(self.model_dir, self.spec, self.plan, self.device)
         self.audit_and_adapt()
         self.model.train()
