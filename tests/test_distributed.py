@@ -77,9 +77,11 @@ def test_stalled_rank_is_a_collective_timeout_naming_the_rank(checkpoints, datas
 
 
 def test_killed_rank_is_an_error_with_its_signal_and_log(checkpoints, dataset_path, tmp_path):
-    spec = _spec(debug={"kill_rank": {"rank": 1, "step": 1}}, distributed={"exit_grace_s": 2})
+    spec = _spec(debug={"kill_rank": {"rank": 1, "step": 1}}, distributed={"exit_grace_s": 2}, train={"retries": 1})
     result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
     assert result["outcome"] == "error", result["reason"]
+    # an infrastructure fault is retried once (the count is recorded), then the cell ends error: no loop
+    assert [a["infrastructure"] for a in result["attempts"]] == [True, True]
     crash = result["diagnosis"]["rank_crash"]
     assert crash["ranks"] == [1] and crash["exit"] == "killed by SIGKILL" and crash["last_step"] == 1
     assert crash["last_log_lines"], "the dead rank's last log lines are kept"

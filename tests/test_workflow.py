@@ -104,6 +104,16 @@ def test_tiny_study_end_to_end(finished_study):
     again = _snakemake(tmp_path, "all", "-n", "--cores", "2", "--configfile", str(config))
     assert "Nothing to be done" in again.stdout + again.stderr
 
+    # editing a helper of the package does not re-run finished cells (rerun triggers: profiles/default)
+    helper = REPO / "src" / "tunegrid" / "summary.py"
+    original = helper.read_text()
+    try:
+        helper.write_text(original + "\n# an edit that must not re-run finished cells\n")
+        edited = _snakemake(tmp_path, "all", "-n", "--cores", "2", "--configfile", str(config))
+    finally:
+        helper.write_text(original)
+    assert "Nothing to be done" in edited.stdout + edited.stderr
+
 
 def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_study):
     workdir, _ = finished_study

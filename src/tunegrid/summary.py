@@ -64,6 +64,7 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "collective_seq": collective.get("seq"),
         "collective_last_steps": json.dumps(collective["last_step_per_rank"]) if collective else None,
         "crashed_ranks": ",".join(map(str, crash.get("ranks", []))) or None,
+        "attempts": len(result.get("attempts") or [None]),
         "wall_s": result.get("wall_s"),
         "mlflow_run_id": (result.get("tracking") or {}).get("run_id"),
     }

@@ -328,17 +328,32 @@ def run_cell(
             tags["mlflow.parentRunId"] = parent
         tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
     tail = MetricsTail(run_dir / "metrics.jsonl")
-    returncodes: list[int | None] = [None]
-    pending: list[dict[str, Any]] = []
-    stopped: list[int] = []
-    if verdict is None:  # feasible: train
-        returncodes, verdict, pending, stopped = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail)
+    attempts: list[dict[str, Any]] = []
+    feasible = verdict is None
+    while True:
+        returncodes: list[int | None] = [None]
+        pending: list[dict[str, Any]] = []
+        stopped: list[int] = []
+        if feasible:
+            returncodes, verdict, pending, stopped = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail)
+        result = _compose_result(spec, run_dir, returncodes[0], verdict, started, command)
+        if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
+            from tunegrid.distributed import diagnose_ranks
 
-    result = _compose_result(spec, run_dir, returncodes[0], verdict, started, command)
-    if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
-        from tunegrid.distributed import diagnose_ranks
-
-        result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
+            result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
+        attempts.append({"outcome": result["outcome"], "reason": result["reason"], "infrastructure": _infrastructure_fault(result)})
+        if not attempts[-1]["infrastructure"] or len(attempts) > spec["train"]["retries"]:
+            break
+        # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
+        print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
+        if tracker is not None:
+            tracker.log_records(pending + tail.read_new())
+        for name in RUN_FILES:
+            path = run_dir / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        tail = MetricsTail(run_dir / "metrics.jsonl")
+        verdict = None
+    result["attempts"] = attempts
     if tracker is not None:
         pending += tail.read_new()
         tracker.log_records(pending)
@@ -350,11 +365,21 @@ def run_cell(
         artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
         if log_path is not None:
             artifacts.append(log_path)
-        tracker.finish(run_tags(result), artifacts, failed=result["outcome"] == "error", params=result_params(result))
+        tracker.finish({**run_tags(result), "attempts": str(len(attempts))}, artifacts, failed=result["outcome"] == "error", params=result_params(result))
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors
             write_json(result_path, result)
     return result
+
+
+def _infrastructure_fault(result: dict[str, Any]) -> bool:
+    """A process that died without writing its facts (signal, lost rank): not a property of the cell's
+    settings, so worth one more attempt. Exceptions the worker caught and classified are not retried."""
+    if result["outcome"] != "error":
+        return False
+    if (result.get("diagnosis") or {}).get("rank_crash"):
+        return True
+    return result.get("worker_exit_code") not in (0, None) and not (result.get("training") or result.get("precision_plan"))
 
 
 def _compose_result(
