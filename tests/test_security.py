@@ -175,3 +175,35 @@ def test_no_pickle_loader_in_the_package():
     calls = [(name, line) for name, text in sources.items() for line in text.splitlines() if "torch.load(" in line and "def " not in line]
     assert calls and all("weights_only=True" in line for _, line in calls), calls
     assert shutil.which("python")
+
+
+# ---------------------------------------------------------------- hub without network, broken checkpoints
+
+
+def test_hub_model_while_offline_fails_before_any_job(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    raw = make_study()
+    raw["models"]["real"] = {"source": "hub", "repo_id": "google/gemma-3-4b-it", "revision": "b" * 40}
+    with pytest.raises(ConfigError, match=r"models.real.source.*HF_HUB_OFFLINE.*source: local"):
+        resolve_study(raw)
+
+
+def test_hub_download_without_network_is_one_sentence(monkeypatch, tmp_path):
+    """The checkpoint rule's own error when the hub is unreachable (no hub exists here: nothing is mocked,
+    the real client fails offline)."""
+    from tunegrid.checkpoints import download_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError) as info:
+        download_hub({"repo_id": "google/gemma-3-4b-it", "revision": "c" * 40}, tmp_path / "m")
+    message = str(info.value)
+    assert "google/gemma-3-4b-it" in message and "source: local" in message and "\n" not in message
+
+
+def test_missing_weight_file_is_caught(checkpoints, tmp_path):
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(checkpoints["gemma3-hot"], copy_dir)
+    for weights in copy_dir.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        verify_checkpoint(copy_dir, hashes=True)

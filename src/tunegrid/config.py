@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,6 +157,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 "'revision' (so the code that runs is the code you reviewed); set a revision or turn it off"
             )
         if spec["source"] == "hub":
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") and not spec["path"]:
+                problems.append(
+                    f"config key '{key}.source': 'hub' cannot be fetched while HF_HUB_OFFLINE is set; download it "
+                    "where there is network and use source: local with path: <folder>"
+                )
             if not spec["repo_id"]:
                 problems.append(f"config key '{key}.repo_id': required for source 'hub' (e.g. google/gemma-3-4b-it)")
             if not spec["revision"]:
