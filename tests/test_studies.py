@@ -1,0 +1,57 @@
+"""The shipped studies (configs/*.yaml): valid, dry-runnable without a download, and their synthetic
+real-width variants build and train a step on CPU at a reduced layer count."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO
+
+from tunegrid.checkpoints import produce_checkpoint
+from tunegrid.config import cell_spec, expand_cells, load_study
+from tunegrid.data import corpus_texts, read_dataset
+from tunegrid.files import read_json
+from tunegrid.train import run_worker
+
+STUDIES = sorted((REPO / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)
+def test_shipped_study_validates_and_dry_runs(path, tmp_path):
+    study = load_study(path)
+    for name, model in study["models"].items():
+        if model["source"] == "hub":
+            assert len(model["revision"]) == 40, f"{name}: hub models are pinned"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "HF_HUB_OFFLINE")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "all", "-n",
+         "--cores", "8", "--configfile", str(path), "--resources", "gpu=8"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "finetune" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "model"), [("gemma3-4b-t4-synthetic", "gemma3-4b-width"), ("moe-qlora-memory-synthetic", "olmoe-width")])
+def test_real_width_variant_trains_a_step_on_cpu_with_one_layer(config, model, dataset_path, tmp_path):
+    study = load_study(REPO / "configs" / f"{config}.yaml")
+    study = copy.deepcopy(study)
+    study["models"][model]["config"]["num_hidden_layers"] = 1  # the one value reduced for CPU
+    study["train"].update(steps=1, seq_len=32, gradient_checkpointing=False)
+    texts = list(corpus_texts(read_dataset(dataset_path)))
+    produce_checkpoint(study["models"][model], texts, tmp_path / model)
+    cell = next(c for c in expand_cells(study) if c.model == model and c.quant == "nf4" and c.batch_size == 1)
+    spec = cell_spec(study, cell)
+    spec["axes"] = {**spec["axes"], "precision": "fp32"}
+    run_worker(spec, str(tmp_path / model), str(dataset_path), str(tmp_path / "run"))
+    facts = read_json(tmp_path / "run" / "worker.json")
+    assert facts["outcome"] in ("ok", "nan"), facts["reason"]
+    assert facts["training"]["steps_run"] == 1
+    hidden = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())["models"][model]["config"]["hidden_size"]
+    assert read_json(tmp_path / model / "config.json")["hidden_size"] == hidden  # real width kept
