@@ -1,0 +1,147 @@
+#!/usr/bin/env python
+"""Orchestration, DAG-scale and tracking costs, each measured against its baseline in this one run.
+
+1. Orchestration: wall time of one cell through `snakemake` (supervisor + MLflow run + the rule's
+   process) / the same training run alone (`tunegrid worker`, no Snakemake, no MLflow). Goal <= 1.15.
+2. DAG scale: `snakemake -n` wall time on studies of 100, 1,000 and 10,000 cells (goal <= 10 s at 1,000).
+3. Tracking: metric points per second into the default sqlite store from 1 and from 8 concurrent
+   writers; and the per-step time the training loop spends on logging (one metrics.jsonl line; MLflow
+   calls happen in the supervisor, never in the loop) as a share of the step time (goal <= 1 %).
+
+    python benchmarks/orchestration.py            # writes results/benchmarks/orchestration.json
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "tests"))
+
+import yaml  # noqa: E402
+from conftest import make_study  # noqa: E402
+
+from tunegrid.files import JsonlAppender, read_json, read_jsonl  # noqa: E402
+from tunegrid.tracking import METRIC_KEYS, CellRun, init_experiment  # noqa: E402
+
+ENV = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+
+
+def snakemake(workdir: Path, config: Path, *args: str) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
+                    *args, "--configfile", str(config)], check=True, capture_output=True, env=ENV)
+    return time.perf_counter() - started
+
+
+def orchestration(root: Path, repeats: int = 3) -> dict:
+    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
+    config = root / "orch.yaml"
+    config.write_text(yaml.safe_dump(make_study(study="orch", grid=grid, train={"steps": 30, "seq_len": 64})))
+    snakemake(root, config, "all", "--cores", "2")  # checkpoint, probe, store: not part of the comparison
+    cell = "qwen3moe-tiny_fp32_bs2_nf4_s0"
+    result = root / "results" / "orch" / "runs" / cell / "result.json"
+    through, alone = [], []
+    for _ in range(repeats):  # interleaved, so drift hits both alike
+        # the cell's own job only (its result file as the target): not the sync/summary/report jobs after it
+        target = str(result.relative_to(root))
+        through.append(snakemake(root, config, target, "--cores", "2", "--forcerun", target))
+        spec_path = root / "results" / "orch" / "runs" / cell / "cell.json"
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(REPO / "scripts" / "tunegrid.py"), "worker", "--spec", str(spec_path),
+                        "--model-dir", str(root / "results" / "orch" / "models" / "qwen3moe-tiny"),
+                        "--data", str(root / "results" / "orch" / "data" / "train.jsonl"), "--run-dir", str(root / "alone")],
+                       check=True, capture_output=True, env=ENV)
+        alone.append(time.perf_counter() - started)
+    return {"snakemake_cell_s": statistics.median(through), "worker_alone_s": statistics.median(alone),
+            "ratio": statistics.median(through) / statistics.median(alone),
+            "cell_wall_s_in_result": read_json(result)["wall_s"],
+            "median_step_s": statistics.median(r["step_time_s"] for r in read_jsonl(result.parent / "metrics.jsonl"))}
+
+
+def dag_scale(root: Path) -> dict:
+    out = {}
+    for cells in (100, 1000, 10000):
+        grid = {"model": ["gemma3-hot"], "precision": ["fp32", "bf16"], "batch_size": [2, 4], "quant": ["none", "nf4", "nf4-experts"],
+                "seed": list(range(cells // 12 + 1))}
+        config = root / f"dag{cells}.yaml"
+        config.write_text(yaml.safe_dump(make_study(study=f"dag{cells}", grid=grid)))
+        n = 12 * len(grid["seed"])
+        out[str(n)] = snakemake(root / f"dag{cells}", config, "all", "-n", "--cores", "8", "--quiet", "all")
+    return out
+
+
+def _writer(uri: str, experiment_id: str, index: int, steps: int, queue) -> None:  # type: ignore[no-untyped-def]
+    run = CellRun(uri, experiment_id)
+    run.start(f"bench-{index}", {}, {})
+    batch, started = [], time.perf_counter()
+    for step in range(steps):
+        batch.append({"step": step, "time": time.time(), **{k: float(step) for k in METRIC_KEYS}})
+        if len(batch) == 10:
+            run.log_records(batch)
+            batch = []
+    run.log_records(batch)
+    queue.put((run.sent_points, time.perf_counter() - started, len(run.errors)))
+
+
+def tracking(root: Path, steps: int = 500) -> dict:
+    out = {}
+    for writers in (1, 8):
+        uri = f"sqlite:///{root / f'track{writers}.db'}"
+        experiment_id = init_experiment(uri, "bench", root / "art")
+        ctx = multiprocessing.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_writer, args=(uri, experiment_id, i, steps, queue)) for i in range(writers)]
+        started = time.perf_counter()
+        for proc in procs:
+            proc.start()
+        reports = [queue.get(timeout=600) for _ in procs]
+        for proc in procs:
+            proc.join()
+        wall = time.perf_counter() - started
+        points = sum(r[0] for r in reports)
+        out[f"writers_{writers}"] = {"points": points, "wall_s": wall, "points_per_s": points / wall, "errors": sum(r[2] for r in reports)}
+    appender = JsonlAppender(root / "m.jsonl")
+    record = {"step": 1, "time": time.time(), **{k: 1.0 for k in METRIC_KEYS}}
+    samples = []
+    for _ in range(2000):
+        t = time.perf_counter()
+        appender.write(record)
+        samples.append(time.perf_counter() - t)
+    appender.close()
+    out["loop_log_cost_s"] = statistics.median(samples)
+    return out
+
+
+def main() -> None:
+    only = sys.argv[1:]  # e.g. `orchestration` to run one part
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        results = {"orchestration": orchestration(root)}
+        if not only:
+            results.update(dag_scale_s=dag_scale(root), tracking=tracking(root))
+    if "tracking" in results:
+        results["tracking"]["loop_log_share_of_step"] = results["tracking"]["loop_log_cost_s"] / results["orchestration"]["median_step_s"]
+    out_dir = REPO / "results" / "benchmarks"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "orchestration.json").write_text(json.dumps(results, indent=2))
+    o, t = results["orchestration"], results.get("tracking")
+    if t:
+        print("DAG scale (snakemake -n):", ", ".join(f"{n} cells {s:.1f} s" for n, s in results["dag_scale_s"].items()))
+        print(f"tracking: 1 writer {t['writers_1']['points_per_s']:.0f} points/s, 8 writers {t['writers_8']['points_per_s']:.0f} points/s "
+          f"({t['writers_8']['errors']} errors); loop logging {t['loop_log_cost_s'] * 1e6:.1f} us per step = "
+              f"{t['loop_log_share_of_step']:.4%} of a {o['median_step_s'] * 1e3:.1f} ms step (goal <= 1 %)")
+    print(f"orchestration: snakemake cell {o['snakemake_cell_s']:.1f} s / worker alone {o['worker_alone_s']:.1f} s = {o['ratio']:.3f} (goal <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()
