@@ -229,14 +229,15 @@ def _flight_recorder_env(spec: dict[str, Any], run_dir: Path) -> dict[str, str]:
 
 
 def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
-               tracker: Any, tail: MetricsTail) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
+               tracker: Any, tail: MetricsTail, procs: list[subprocess.Popen[bytes]] | None = None,
+               ) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
     Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped)."""
     train = spec["train"]
     grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
-    procs = _launch_ranks(spec, spec_path, model_dir, data_path, run_dir)
+    procs = procs or _launch_ranks(spec, spec_path, model_dir, data_path, run_dir)
     stopped: list[int] = []
     previous_handler = signal.getsignal(signal.SIGTERM)
 
@@ -294,9 +295,6 @@ def run_cell(
     command: list[str],
     snakemake_job: str = "",
 ) -> dict[str, Any]:
-    from tunegrid.execution import parent_run_id
-    from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
-
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
     for name in RUN_FILES:  # a re-run replaces the earlier attempt's files, never appends to them
@@ -312,21 +310,16 @@ def run_cell(
     spec_path = run_dir / "cell.json"
     write_json(spec_path, spec)
 
+    # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
+    early = _launch_ranks(spec, spec_path, model_dir, data_path, run_dir) if verdict is None else None
     tracker = None
-    if tracking_path is not None:
-        tracking = read_json(tracking_path)
-        tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
-        tags = {k: str(v) for k, v in spec["axes"].items()}
-        tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
-        tags.update(env_tags(capabilities))
-        tags.update(rerun_tags(result_path, snakemake_job))
-        probe_run = capabilities.get("mlflow_run_id") or ""
-        if probe_run:
-            tags["probe.run_id"] = probe_run
-        parent = parent_run_id(tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run)
-        if parent:
-            tags["mlflow.parentRunId"] = parent
-        tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
+    try:
+        if tracking_path is not None:
+            tracker = _open_run(spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job)
+    except BaseException:  # never leave a started worker behind
+        for proc in early or []:
+            _stop_group(proc)
+        raise
     tail = MetricsTail(run_dir / "metrics.jsonl")
     attempts: list[dict[str, Any]] = []
     feasible = verdict is None
@@ -335,7 +328,8 @@ def run_cell(
         pending: list[dict[str, Any]] = []
         stopped: list[int] = []
         if feasible:
-            returncodes, verdict, pending, stopped = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail)
+            returncodes, verdict, pending, stopped = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early)
+            early = None
         result = _compose_result(spec, run_dir, returncodes[0], verdict, started, command)
         if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
             from tunegrid.distributed import diagnose_ranks
@@ -370,6 +364,27 @@ def run_cell(
             result["tracking"]["errors"] = tracker.errors
             write_json(result_path, result)
     return result
+
+
+def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str, Any], tracking: dict[str, Any],
+              result_path: Path, command: list[str], snakemake_job: str) -> Any:
+    """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
+    from tunegrid.execution import parent_run_id
+    from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
+
+    tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
+    tags = {k: str(v) for k, v in spec["axes"].items()}
+    tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
+    tags.update(env_tags(capabilities))
+    tags.update(rerun_tags(result_path, snakemake_job))
+    probe_run = capabilities.get("mlflow_run_id") or ""
+    if probe_run:
+        tags["probe.run_id"] = probe_run
+    parent = parent_run_id(tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run)
+    if parent:
+        tags["mlflow.parentRunId"] = parent
+    tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
+    return tracker
 
 
 def _infrastructure_fault(result: dict[str, Any]) -> bool:
