@@ -35,9 +35,9 @@ LARGER = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
 }
 
 
-def trainer_for(study: dict, model: str, model_dir: Path, data: Path, run_dir: Path, batch: int) -> CellTrainer:
+def trainer_for(study: dict, model: str, model_dir: Path, data: Path, run_dir: Path, batch: int, precision: str = "fp32") -> CellTrainer:
     study = copy.deepcopy(study)
-    study["grid"].update(model=[model], precision=["fp32"], batch_size=[batch], quant=["none"], seed=[0])
+    study["grid"].update(model=[model], precision=[precision], batch_size=[batch], quant=["none"], seed=[0])
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = CellTrainer(spec, model_dir, data, run_dir)

@@ -21,11 +21,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
-from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
+from tunegrid.config import load_study  # noqa: E402
 from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 from tunegrid.train import CellTrainer  # noqa: E402
+from nan_overhead import trainer_for  # noqa: E402
 
 MODEL = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
     "source": "synthetic", "architecture": "gemma3_text", "seed": 0,
@@ -36,16 +38,7 @@ BATCH, SEQ, STEPS = 4, 128, 24
 
 
 def build(study: dict, precision: str, model_dir: Path, data: Path, run_dir: Path) -> CellTrainer:
-    study = copy.deepcopy(study)
-    study["grid"].update(model=["bench"], precision=[precision], batch_size=[BATCH], quant=["none"], seed=[0])
-    spec = cell_spec(study, expand_cells(study)[0])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = CellTrainer(spec, model_dir, data, run_dir)
-    trainer.setup()
-    trainer.build_model()
-    trainer.build_data()
-    trainer.build_optimizer()
-    return trainer
+    return trainer_for(study, "bench", model_dir, data, run_dir, BATCH, precision)
 
 
 def ours(trainer: CellTrainer) -> float:

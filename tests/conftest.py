@@ -105,3 +105,17 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) ->
         produce_checkpoint(copy.deepcopy(spec), texts, root / name)
         built[name] = root / name
     return built
+
+
+def processes_mentioning(path: Path) -> list[str]:
+    """PIDs whose command line names `path`: what a cell left behind (must be none)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except OSError:
+                continue
+            if str(path) in cmdline:
+                found.append(pid)
+    return found

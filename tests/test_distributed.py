@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import pytest
-from conftest import make_study
+from conftest import make_study, processes_mentioning
 
 from tunegrid.config import ConfigError, cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json
@@ -31,19 +29,6 @@ def _run(spec, checkpoints, dataset_path, tmp_path):
     return result, run_dir
 
 
-def _leftovers(run_dir: Path) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if str(run_dir) in cmdline:
-                found.append(pid)
-    return found
-
-
 def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, dataset_path, tmp_path):
     spec = _spec()
     assert spec["cell_id"].endswith("_ws2")
@@ -54,7 +39,7 @@ def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, data
     assert result["ranks"][0]["lora_sha256"] == result["ranks"][1]["lora_sha256"]
     assert read_json(run_dir / "worker.json")["distributed"] == {"backend": "gloo", "world_size": 2, "collective_timeout_s": 600}
     assert result["training"]["steps_run"] == 4
-    assert _leftovers(run_dir) == []
+    assert processes_mentioning(run_dir) == []
 
 
 def test_stalled_rank_is_a_collective_timeout_naming_the_rank(checkpoints, dataset_path, tmp_path):
@@ -73,7 +58,7 @@ def test_stalled_rank_is_a_collective_timeout_naming_the_rank(checkpoints, datas
     # start-up (~15 s for two ranks on 2 cores) + 2 steps + the timeout + grace, far below the 120 s stall
     assert took < 60, took
     assert result["ranks"][1]["stopped_by_supervisor"] is True
-    assert _leftovers(run_dir) == []
+    assert processes_mentioning(run_dir) == []
 
 
 def test_killed_rank_is_an_error_with_its_signal_and_log(checkpoints, dataset_path, tmp_path):
@@ -86,7 +71,7 @@ def test_killed_rank_is_an_error_with_its_signal_and_log(checkpoints, dataset_pa
     assert crash["ranks"] == [1] and crash["exit"] == "killed by SIGKILL" and crash["last_step"] == 1
     assert crash["last_log_lines"], "the dead rank's last log lines are kept"
     assert result["reason"].startswith("rank 1 died (killed by SIGKILL) at step 1")
-    assert _leftovers(run_dir) == []
+    assert processes_mentioning(run_dir) == []
 
 
 def test_fault_injection_rank_must_exist():

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from pathlib import Path
 
-from conftest import make_study
+from conftest import make_study, processes_mentioning
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
@@ -72,16 +71,7 @@ def test_wall_clock_limit_ends_as_timeout_without_orphans(checkpoints, dataset_p
     assert result["outcome"] == "timeout"
     assert "wall-clock limit" in result["reason"]
     assert time.time() - started < 2 + 20
-    leftovers = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
-                continue
-            if str(run_dir) in cmdline:
-                leftovers.append(pid)
-    assert leftovers == []
+    assert processes_mentioning(run_dir) == []
 
 
 def test_killed_worker_is_an_error_with_the_signal(tmp_path):

@@ -14,7 +14,6 @@ from typing import Any
 from tunegrid.targets import TARGETS
 
 AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size")
-GIB = 2**30
 EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
 
 

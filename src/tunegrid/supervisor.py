@@ -297,12 +297,7 @@ def run_cell(
 ) -> dict[str, Any]:
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in RUN_FILES:  # a re-run replaces the earlier attempt's files, never appends to them
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
+    _clear_run_files(run_dir)
     capabilities = read_json(capabilities_path) if capabilities_path else {}
     plan = plan_cell(spec, model_dir, capabilities)
     verdict = plan.pop("verdict")
@@ -342,9 +337,7 @@ def run_cell(
         print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
         if tracker is not None:
             tracker.log_records(pending + tail.read_new())
-        for name in RUN_FILES:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        _clear_run_files(run_dir)
         tail = MetricsTail(run_dir / "metrics.jsonl")
         verdict = None
     result["attempts"] = attempts
@@ -385,6 +378,16 @@ def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str
         tags["mlflow.parentRunId"] = parent
     tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
     return tracker
+
+
+def _clear_run_files(run_dir: Path) -> None:
+    """A re-run or a retry replaces the earlier attempt's files, never appends to them."""
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _infrastructure_fault(result: dict[str, Any]) -> bool:
