@@ -7,7 +7,7 @@ from pathlib import Path
 # Works from a plain checkout too (a SLURM node without the editable install): the package is in src/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tunegrid.cli import main  # noqa: E402
+from tunegrid.cli import run  # noqa: E402
 
 if __name__ == "__main__":  # the probe's all-reduce ranks re-import this file (spawn): they must not re-run it
-    sys.exit(main())
+    run()

@@ -13,10 +13,12 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import jsonschema
 import yaml
+
+if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
+    import jsonschema
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -88,6 +90,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
 
 def _defaulting_validator() -> type[jsonschema.protocols.Validator]:
     """Draft 2020-12 validator that fills `default`s as it descends (as snakemake's validate does)."""
+    import jsonschema
+
     base = jsonschema.Draft202012Validator
     validate_properties = base.VALIDATORS["properties"]
 

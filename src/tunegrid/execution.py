@@ -2,8 +2,12 @@
 
 The Snakefile puts an execution id into the environment at parse time (inherited by local jobs and by
 SLURM jobs, which sbatch exports the environment to); the first cell of the execution creates the
-parent run under a file lock, the others find it in results/<study>/executions/<id>.json. The
-Snakefile's onsuccess/onerror hook closes it with the outcome counts and the report attached.
+parent run under a file lock, the others find it in results/<study>/executions/<id>.json. That record
+also holds the cells in flight and the outcome counts: each cell updates the parent's `cells.*` tags as
+it ends, and the last one in flight marks the parent finished (a later cell of the same execution marks
+it running again). So a successful execution needs no closing process of its own; the Snakefile's hook
+starts one only when there is more to do (see `needs_closing`): a failed job, cells left in flight, or
+a report or summary rebuilt during the execution to attach.
 An execution that trains nothing (everything up to date) creates no parent run.
 """
 
@@ -12,6 +16,8 @@ from __future__ import annotations
 import fcntl
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,48 +40,117 @@ def _record_path(study_dir: Path, execution_id: str) -> Path:
     return study_dir / "executions" / f"{execution_id}.json"
 
 
-def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, probe_run_id: str = "") -> str | None:
-    """The parent run of the current execution, created by whichever cell asks first."""
+def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, probe_run_id: str = "",
+                  cell_id: str = "") -> str | None:
+    """The parent run of the current execution, created by whichever cell asks first. With `cell_id`, that
+    cell is recorded as in flight (and a parent some earlier cell had marked finished runs again)."""
     from tunegrid.tracking import client, with_retries
 
     execution_id = current_execution_id()
     if not execution_id:  # a cell run by hand, outside Snakemake: a top-level run
         return None
-    record = _record_path(study_dir, execution_id)
-    record.parent.mkdir(parents=True, exist_ok=True)
-    with open(record.parent / ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if record.exists():
-            return str(read_json(record)["run_id"])
-        tags = {
-            "kind": "study",
-            "study": study,
-            "tunegrid.execution_id": execution_id,
-            "snakemake.command": os.environ.get(COMMAND_ENV, ""),
-            "tunegrid.status": "running",
-        }
-        if probe_run_id:
-            tags["probe.run_id"] = probe_run_id
+    record_path = _record_path(study_dir, execution_id)
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(record_path):
+        record = read_json(record_path) if record_path.exists() else None
         try:
             c = client(uri)
-            run = with_retries(lambda: c.create_run(experiment_id, run_name=f"{study} @ {execution_id}", tags=tags), "parent run")
+            if record is None:
+                tags = {
+                    "kind": "study",
+                    "study": study,
+                    "tunegrid.execution_id": execution_id,
+                    "snakemake.command": os.environ.get(COMMAND_ENV, ""),
+                    "tunegrid.status": "running",
+                }
+                if probe_run_id:
+                    tags["probe.run_id"] = probe_run_id
+                run = with_retries(lambda: c.create_run(experiment_id, run_name=f"{study} @ {execution_id}", tags=tags), "parent run")
+                record = {"run_id": run.info.run_id, "execution_id": execution_id, "started": time.time(),
+                          "running": [], "counts": {}, "finished": False}
+            elif cell_id and record.get("finished"):
+                with_retries(lambda: c.update_run(record["run_id"], status="RUNNING"), "parent running")
+                with_retries(lambda: c.set_tag(record["run_id"], "tunegrid.status", "running"), "parent status")
+                record["finished"] = False
         except Exception:  # the store is down: cells become top-level runs, the files keep everything
-            return None
-        write_json(record, {"run_id": run.info.run_id, "execution_id": execution_id, "started": time.time()})
-        return str(run.info.run_id)
+            return None if record is None else str(record["run_id"])
+        if cell_id and cell_id not in record["running"]:
+            record["running"].append(cell_id)
+        write_json(record_path, record)
+        return str(record["run_id"])
 
 
-def close_execution(uri: str, experiment_id: str, study_dir: Path, status: str, attachments: list[Path]) -> dict[str, Any] | None:
-    """Counts of the nested cells' outcomes as tags, the report attached, the run terminated."""
+def cell_ended(uri: str, study_dir: Path, cell_id: str, outcome: str) -> None:
+    """Count the cell's outcome on the parent run; the last cell in flight marks the parent finished.
+
+    Never raises: the parent run is a view, the cell's files and its own run hold the facts."""
     from mlflow.entities import RunTag
 
     from tunegrid.tracking import client, with_retries
 
     execution_id = current_execution_id()
-    record = _record_path(study_dir, execution_id) if execution_id else None
-    if record is None or not record.exists():
+    record_path = _record_path(study_dir, execution_id) if execution_id else None
+    if record_path is None or not record_path.exists():
+        return
+    with _locked(record_path):
+        record = read_json(record_path)
+        if cell_id not in record["running"]:  # reported already, or the hook closed the run meanwhile
+            return
+        record["running"].remove(cell_id)
+        record["counts"][outcome] = record["counts"].get(outcome, 0) + 1
+        done = not record["running"]
+        try:
+            c = client(uri)
+            tags = [RunTag(f"cells.{k}", str(v)) for k, v in record["counts"].items()]
+            tags.append(RunTag("cells.total", str(sum(record["counts"].values()))))
+            if done:
+                tags.append(RunTag("tunegrid.status", "done"))
+            with_retries(lambda: c.log_batch(record["run_id"], tags=tags), "parent tags")
+            if done:
+                with_retries(lambda: c.set_terminated(record["run_id"], status="FINISHED"), "parent end")
+                record["finished"] = True
+        except Exception as exc:  # noqa: BLE001 — reported, not raised: the hook closes the run instead
+            print(f"WARNING: could not update the execution's parent run: {exc}", flush=True)
+        write_json(record_path, record)
+
+
+def needs_closing(study_dir: Path, status: str, attachments: list[Path]) -> bool:
+    """The Snakefile hook's question, answered from the record alone (no mlflow import): is a closing
+    process worth starting? Yes after a failure, with cells still in flight, or with files to attach that
+    this execution wrote."""
+    execution_id = current_execution_id()
+    record_path = _record_path(study_dir, execution_id) if execution_id else None
+    if record_path is None or not record_path.exists():
+        return False
+    record = read_json(record_path)
+    if status != "FINISHED" or record.get("running") or not record.get("finished", False):
+        return True
+    return any(p.is_file() and p.stat().st_mtime >= record["started"] for p in attachments)
+
+
+@contextmanager
+def _locked(record_path: Path) -> Iterator[None]:
+    with open(record_path.parent / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def close_execution(uri: str, experiment_id: str, study_dir: Path, status: str, attachments: list[Path]) -> dict[str, Any] | None:
+    """Counts of the nested cells' outcomes (recounted from the store, so runs that mlflow_sync created
+    count too) as tags, the report attached, the run terminated with `status`."""
+    from mlflow.entities import RunTag
+
+    from tunegrid.tracking import client, with_retries
+
+    execution_id = current_execution_id()
+    record_path = _record_path(study_dir, execution_id) if execution_id else None
+    if record_path is None or not record_path.exists():
         return None
-    run_id = read_json(record)["run_id"]
+    with _locked(record_path):
+        record = read_json(record_path)
+        record.update(running=[], finished=True)  # what is still in flight now will never report back
+        write_json(record_path, record)
+    run_id = record["run_id"]
     c = client(uri)
     children = with_retries(
         lambda: c.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'", max_results=50000),

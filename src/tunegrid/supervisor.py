@@ -228,6 +228,18 @@ def _flight_recorder_env(spec: dict[str, Any], run_dir: Path) -> dict[str, str]:
     }
 
 
+def _wait_any(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Sleep up to `timeout`, returning as soon as the first live rank exits (a fixed sleep would add
+    half a poll, on average, to every cell's end)."""
+    live = next((proc for proc in procs if proc.poll() is None), None)
+    if live is None:
+        return
+    try:
+        live.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
                tracker: Any, tail: MetricsTail, procs: list[subprocess.Popen[bytes]] | None = None,
                ) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
@@ -258,7 +270,7 @@ def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path
     first_exit: float | None = None
     try:
         while any(proc.poll() is None for proc in procs):
-            time.sleep(POLL_S)
+            _wait_any(procs, POLL_S)
             if tracker is not None:
                 pending += tail.read_new()
             if tracker is not None and pending and time.monotonic() - last_flush > FLUSH_EVERY_S:
@@ -356,6 +368,9 @@ def run_cell(
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors
             write_json(result_path, result)
+        from tunegrid.execution import cell_ended
+
+        cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
     return result
 
 
@@ -373,7 +388,7 @@ def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str
     probe_run = capabilities.get("mlflow_run_id") or ""
     if probe_run:
         tags["probe.run_id"] = probe_run
-    parent = parent_run_id(tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run)
+    parent = parent_run_id(tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run, spec["cell_id"])
     if parent:
         tags["mlflow.parentRunId"] = parent
     tracker.start(spec["cell_id"], tags, flatten("", spec, {}))

@@ -98,16 +98,19 @@ def get_final_outputs():
 
 
 def close_execution(status):
-    """onsuccess/onerror: close this invocation's parent MLflow run, if a cell opened one.
+    """onsuccess/onerror: the cells keep this invocation's parent MLflow run up to date themselves; a
+    closing process (seconds: it imports mlflow) runs only when there is more to do — a failure, cells
+    left in flight, or a report/summary written by this invocation to attach.
 
     Never fails the workflow: the files hold everything, MLflow is a view of them."""
     import subprocess
 
-    record = Path(RESULTS) / "executions" / f"{os.environ[EXECUTION_ENV]}.json"
-    if not TRACKING or not record.exists():
+    from tunegrid.execution import needs_closing
+
+    attach = [Path(p) for p in (f"{RESULTS}/report/index.html", f"{RESULTS}/summary.csv")]
+    if not TRACKING or not needs_closing(Path(RESULTS), status, attach):
         return
-    attach = [p for p in (f"{RESULTS}/report/index.html", f"{RESULTS}/summary.csv") if os.path.exists(p)]
     command = [sys.executable, SCRIPT, "execution-end", "--tracking", f"{RESULTS}/tracking.json",
-               "--study-dir", RESULTS, "--status", status, "--attach", *attach]
+               "--study-dir", RESULTS, "--status", status, "--attach", *[str(p) for p in attach if p.is_file()]]
     with open(f"{LOGS}/execution-end.log", "a") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=300)
