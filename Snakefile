@@ -25,9 +25,15 @@ rule all:
         get_final_outputs(),
 
 
+onstart:
+    start_warm_worker()
+
+
 onsuccess:
+    stop_warm_worker()
     close_execution("FINISHED")
 
 
 onerror:
+    stop_warm_worker()
     close_execution("FAILED")

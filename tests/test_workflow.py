@@ -7,11 +7,12 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, make_study
+from conftest import REPO, make_study, processes_mentioning
 
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.tracking import CELL_TAG, client
@@ -63,6 +64,11 @@ def test_tiny_study_end_to_end(finished_study):
     assert summary.loc[summary.precision == "fp32", "outcome"].eq("ok").all()
     assert summary.set_index("cell_id").loc["gemma3-hot_fp16_bs8_none_s0", "outcome"] == "nan"
     assert (tmp_path / "results" / "logs" / "e2e" / "finetune").is_dir()
+    # every cell's worker was forked by the invocation's warm worker, which is gone with the invocation
+    cell_logs = sorted((tmp_path / "results" / "logs" / "e2e" / "finetune").glob("*.log"))
+    assert len(cell_logs) == 12 and all("forked by the warm worker" in p.read_text() for p in cell_logs)
+    assert "ready at" in (tmp_path / "results" / "logs" / "e2e" / "warm_worker.log").read_text()
+    assert processes_mentioning(Path("tunegrid.warm")) == [], "the warm worker stopped with snakemake"
     env = read_json(results / "env" / "environment.json")
     assert env["packages"]["torch"] and env["bitsandbytes"]["nf4_runs"] is True
     probe = read_json(results / "probe" / "capabilities.json")

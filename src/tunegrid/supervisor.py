@@ -20,6 +20,7 @@ from typing import Any
 
 from tunegrid.environment import light_env
 from tunegrid.files import read_json, read_jsonl, write_json
+from tunegrid.warm import SOCKET_ENV as WARM_SOCKET_ENV
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
@@ -184,7 +185,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
     }
 
 
-def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path) -> list[subprocess.Popen[bytes]]:
+def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path) -> list[Any]:
     """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
     every rank's exit code and heartbeat itself, and can stop them all."""
@@ -192,6 +193,14 @@ def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_p
     command = [sys.executable, "-m", "tunegrid.cli", "worker", "--spec", str(spec_path), "--model-dir", str(model_dir),
                "--data", str(data_path), "--run-dir", str(run_dir)]
     if world == 1:
+        warm = os.environ.get(WARM_SOCKET_ENV)
+        if warm:  # this invocation's warm worker forks it with the imports done (tunegrid.warm)
+            from tunegrid.warm import fork_worker
+
+            forked = fork_worker(Path(warm), ["tunegrid", *command[3:]], _child_env())
+            if forked is not None:
+                print(f"worker {forked.pid} forked by the warm worker", flush=True)
+                return [forked]
         return [subprocess.Popen(command, start_new_session=True, env=_child_env())]
     from tunegrid.ui import free_port
 

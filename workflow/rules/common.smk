@@ -11,7 +11,9 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid import warm
 from tunegrid.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
+from tunegrid.warm import SOCKET_ENV as WARM_SOCKET_ENV
 
 try:
     STUDY = resolve_study(config)
@@ -26,6 +28,7 @@ RESULTS = f"results/{STUDY['study']}"
 LOGS = f"results/logs/{STUDY['study']}"
 CELLS = cells_by_id(STUDY)
 TRACKING = STUDY["tracking"]["enabled"]
+WARM = []  # (process, socket path) of this invocation's warm worker
 
 # One MLflow parent run per invocation: jobs (local, or SLURM jobs that inherit the submitting
 # environment) read the id from the environment. setdefault: a SLURM job's own parse keeps the id of
@@ -95,6 +98,21 @@ def get_final_outputs():
         f"{RESULTS}/report/index.html",
         *get_sync_file(),
     ]
+
+
+def start_warm_worker():
+    """onstart (local runs with jobs to do, never a dry run): the warm worker (tunegrid.warm), whose
+    socket the jobs find in the environment. A cluster job's own snakemake runs no hooks."""
+    if not (workflow.local_exec and STUDY["execution"]["warm_worker"]) or os.environ.get(WARM_SOCKET_ENV):
+        return
+    path = warm.socket_path(os.environ[EXECUTION_ENV])
+    WARM.append((warm.start(path, Path(f"{LOGS}/warm_worker.log")), path))
+    os.environ[WARM_SOCKET_ENV] = str(path)
+
+
+def stop_warm_worker():
+    while WARM:
+        warm.stop(*WARM.pop())
 
 
 def close_execution(status):

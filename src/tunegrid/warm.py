@@ -1,0 +1,278 @@
+"""A warm worker: one process per local `snakemake` invocation that has imported torch, transformers,
+peft and bitsandbytes once and forks each cell's worker on request.
+
+Why: a short cell is mostly imports (~6.5 s of an 8 s CPU cell here: benchmarks/README.md); the fork
+inherits them. What stays as before: the worker is a process of its own in its own session, so the
+supervisor still stops its whole group, reads its exit code (relayed over the socket) and watches its
+heartbeat; its stdout/stderr are the supervisor's own descriptors (passed with SCM_RIGHTS), its
+environment and working directory the supervisor's. Anything unusual — no socket, a refused or broken
+connection — and the supervisor spawns the worker the ordinary way; nothing depends on this process.
+
+It must stay single-threaded and must not touch CUDA or torch's thread pools before forking (neither
+survives a fork): it only imports. It exits when the `snakemake` that started it is gone or after
+`idle_s` without requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
+# the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
+PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "tunegrid.train", "tunegrid.instrument", "tunegrid.precision")
+
+
+def socket_path(execution_id: str) -> Path:
+    import tempfile
+
+    # AF_UNIX paths are limited to ~107 bytes: the temp dir, not the (possibly deep) results folder
+    return Path(tempfile.gettempdir()) / f"tunegrid-{os.getuid()}-{execution_id}.sock"
+
+
+# ----------------------------------------------------------------------------------------- server
+
+
+def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
+    import importlib
+
+    started = time.time()
+    for name in PRELOAD:
+        importlib.import_module(name)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path.unlink(missing_ok=True)
+    listener.bind(str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)  # the socket appears only when it is ready to serve
+    listener.listen(64)
+    print(f"warm worker {os.getpid()} ready at {path} after {time.time() - started:.1f} s", flush=True)
+    children: dict[int, socket.socket] = {}
+    last_request = time.time()
+    try:
+        while os.getppid() == owner_pid and (children or time.time() - last_request < idle_s):
+            ready, _, _ = select.select([listener], [], [], 0.2)
+            if ready:
+                conn, _ = listener.accept()
+                last_request = time.time()
+                pid = _fork_one(conn, listener, children)
+                if pid:
+                    print(f"forked worker {pid}", flush=True)
+            _reap(children)
+    finally:
+        listener.close()
+        path.unlink(missing_ok=True)
+
+
+def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, socket.socket]) -> int | None:
+    try:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        if len(fds) != 3:
+            raise ValueError(f"expected 3 descriptors, got {len(fds)}")
+    except (OSError, ValueError) as exc:
+        print(f"bad request: {exc}", flush=True)
+        conn.close()
+        return None
+    pid = os.fork()
+    if pid == 0:  # the worker
+        listener.close()
+        for other in children.values():
+            other.close()
+        conn.close()
+        _become_worker(request, fds)
+    for fd in fds:
+        os.close(fd)
+    children[pid] = conn
+    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    return pid
+
+
+def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = list(request["argv"])
+        from tunegrid.cli import main
+
+        code = main(request["argv"][1:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 — printed like an uncaught exception, the exit code says it failed
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        code = os.waitstatus_to_exitcode(status)  # -N for signal N, as subprocess.Popen reports it
+        try:
+            conn.sendall(json.dumps({"exit": code}).encode() + b"\n")
+        except OSError:  # the supervisor is gone; nobody to tell
+            pass
+        conn.close()
+
+
+# ----------------------------------------------------------------------------------------- client
+
+
+class WarmProcess:
+    """The parts of subprocess.Popen the supervisor uses, for a worker the warm process forked."""
+
+    def __init__(self, conn: socket.socket, pid: int, buffer: bytes) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.returncode: int | None = None
+        self._buffer = buffer
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"warm worker {self.pid}", timeout or 0)
+            self._read(left if left is not None else 1.0)
+        return self.returncode
+
+    def _read(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.conn], [], [], timeout)
+        if ready:
+            chunk = self.conn.recv(4096)
+            if not chunk:  # the warm process died: the worker may still run; it is gone once its pid is
+                if not _alive(self.pid):
+                    self.returncode = -signal.SIGKILL
+                    self.conn.close()
+                elif timeout:
+                    time.sleep(min(timeout, 0.2))
+                return
+            self._buffer += chunk
+        if b"\n" in self._buffer:
+            line, _, self._buffer = self._buffer.partition(b"\n")
+            self.returncode = int(json.loads(line)["exit"])
+            self.conn.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def fork_worker(path: Path, argv: list[str], env: dict[str, str], wait_ready_s: float = 30.0) -> WarmProcess | None:
+    """A worker forked by the warm process at `path`, or None (the caller spawns one the usual way).
+
+    Waits up to `wait_ready_s` while the warm process is still importing (its pid file exists, its
+    socket does not yet): it started before this cell did, so waiting is never slower than spawning."""
+    pid_file = Path(str(path) + ".pid")
+    deadline = time.monotonic() + wait_ready_s
+    while not path.exists():
+        try:
+            starting = _alive(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            starting = False
+        if not starting or time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(str(path))
+        payload = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        devnull = os.open(os.devnull, os.O_RDONLY)  # a worker reads no input
+        try:
+            socket.send_fds(conn, [payload], [devnull, sys.stdout.fileno(), sys.stderr.fileno()])
+        finally:
+            os.close(devnull)
+        buffer = b""
+        conn.settimeout(30)
+        while b"\n" not in buffer:
+            chunk = conn.recv(4096)
+            if not chunk:
+                raise OSError("the warm process closed the connection")
+            buffer += chunk
+        conn.settimeout(None)
+        line, _, rest = buffer.partition(b"\n")
+        return WarmProcess(conn, int(json.loads(line)["pid"]), rest)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"warm worker unavailable ({exc}); starting the worker the usual way", flush=True)
+        conn.close()
+        return None
+
+
+# ----------------------------------------------------------------------------------------- lifecycle
+
+
+def start(path: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start the warm process for this invocation (Snakefile onstart). Same process group as snakemake,
+    so a signal to the whole tree reaches it too."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    src = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tunegrid.warm", str(path), str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    Path(str(path) + ".pid").write_text(str(proc.pid))
+    return proc
+
+
+def stop(proc: subprocess.Popen[bytes], path: Path) -> None:
+    """Stop the warm process (Snakefile onsuccess/onerror). Workers it forked are not its to stop: each
+    belongs to its supervisor."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    path.unlink(missing_ok=True)
+    Path(str(path) + ".pid").unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    serve(Path(sys.argv[1]), int(sys.argv[2]))
+    sys.stdout.flush()
+    os._exit(0)
