@@ -5,12 +5,14 @@
    process) / the same training run alone (`tunegrid worker`, no Snakemake, no MLflow). Goal <= 1.15.
    Also the rule's command alone (so Snakemake's share and the supervisor's are apart), the dry run of
    the same invocation (Snakemake's start, parse, DAG and exit), and the fixed cost in seconds.
+   Grid: an 8-cell grid through Snakemake with the warm worker / with every worker spawned afresh.
 2. DAG scale: `snakemake -n` wall time on studies of 100, 1,000 and 10,000 cells (goal <= 10 s at 1,000).
 3. Tracking: metric points per second into the default sqlite store from 1 and from 8 concurrent
    writers; and the per-step time the training loop spends on logging (one metrics.jsonl line; MLflow
    calls happen in the supervisor, never in the loop) as a share of the step time (goal <= 1 %).
 
-    python benchmarks/orchestration.py            # writes results/benchmarks/orchestration.json
+    python benchmarks/orchestration.py            # all parts; writes results/benchmarks/orchestration.json
+    python benchmarks/orchestration.py grid       # one part: orchestration | grid | dag_scale | tracking
 """
 
 from __future__ import annotations
@@ -90,6 +92,26 @@ def orchestration(root: Path, repeats: int = 3) -> dict:
     }
 
 
+def grid(root: Path, repeats: int = 2) -> dict:
+    """An 8-cell grid through Snakemake on 2 cores, the cells forced to re-run: with the warm worker
+    (each worker forked with the imports done) and without (each worker spawned), interleaved."""
+    study = make_study(study="grid", grid={"model": ["qwen3moe-tiny", "gemma3-hot"], "precision": ["fp32"], "batch_size": [2],
+                                           "quant": ["none", "nf4"], "seed": [0, 1]}, train={"steps": 30, "seq_len": 64})
+    configs = {}
+    for name, enabled in (("warm", True), ("cold", False)):
+        configs[name] = root / f"grid-{name}.yaml"
+        configs[name].write_text(yaml.safe_dump({**study, "execution": {"warm_worker": enabled}}))
+    workdir = root / "grid"
+    snakemake(workdir, configs["warm"], "all", "--cores", "2")  # checkpoints, probe, store
+    targets = [str(p.relative_to(workdir)) for p in sorted((workdir / "results" / "grid" / "runs").glob("*/result.json"))]
+    times: dict[str, list[float]] = {"warm": [], "cold": []}
+    for _ in range(repeats):
+        for name in ("warm", "cold"):
+            times[name].append(snakemake(workdir, configs[name], *targets, "--cores", "2", "--forcerun", *targets))
+    warm_s, cold_s = (statistics.median(times[k]) for k in ("warm", "cold"))
+    return {"cells": len(targets), "warm_s": warm_s, "cold_s": cold_s, "cold_over_warm": cold_s / warm_s}
+
+
 def dag_scale(root: Path) -> dict:
     out = {}
     for cells in (100, 1000, 10000):
@@ -144,30 +166,43 @@ def tracking(root: Path, steps: int = 500) -> dict:
     return out
 
 
+PARTS = ("orchestration", "grid", "dag_scale", "tracking")
+
+
 def main() -> None:
-    only = sys.argv[1:]  # e.g. `orchestration` to run one part
+    only = sys.argv[1:] or list(PARTS)  # e.g. `orchestration` or `grid` to run one part
+    unknown = sorted(set(only) - set(PARTS))
+    if unknown:
+        sys.exit(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        results = {"orchestration": orchestration(root)}
-        if not only:
-            results.update(dag_scale_s=dag_scale(root), tracking=tracking(root))
-    if "tracking" in results:
+        for part in PARTS:
+            if part in only:
+                results[part] = globals()[part](root)
+    if "tracking" in results and "orchestration" in results:
         results["tracking"]["loop_log_share_of_step"] = results["tracking"]["loop_log_cost_s"] / results["orchestration"]["median_step_s"]
     out_dir = REPO / "results" / "benchmarks"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "orchestration.json").write_text(json.dumps(results, indent=2))
-    o, t = results["orchestration"], results.get("tracking")
+    if "dag_scale" in results:
+        print("DAG scale (snakemake -n):", ", ".join(f"{n} cells {s:.1f} s" for n, s in results["dag_scale"].items()))
+    t = results.get("tracking")
     if t:
-        print("DAG scale (snakemake -n):", ", ".join(f"{n} cells {s:.1f} s" for n, s in results["dag_scale_s"].items()))
+        share = f" = {t['loop_log_share_of_step']:.4%} of a {results['orchestration']['median_step_s'] * 1e3:.1f} ms step (goal <= 1 %)" if "loop_log_share_of_step" in t else ""
         print(f"tracking: 1 writer {t['writers_1']['points_per_s']:.0f} points/s, 8 writers {t['writers_8']['points_per_s']:.0f} points/s "
-          f"({t['writers_8']['errors']} errors); loop logging {t['loop_log_cost_s'] * 1e6:.1f} us per step = "
-              f"{t['loop_log_share_of_step']:.4%} of a {o['median_step_s'] * 1e3:.1f} ms step (goal <= 1 %)")
-    parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in o["fixed_parts_s"].items())
-    print(f"orchestration fixed cost per cell {o['fixed_overhead_s']:.2f} s: {parts}")
-    print(f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / rule command alone {o['rule_command_alone_s']:.2f} s "
-          f"= {o['ratio_snakemake_only']:.3f} (Snakemake alone)")
-    print(f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / worker alone {o['worker_alone_s']:.2f} s = {o['ratio']:.3f} "
-          f"(goal <= 1.15; met by cells from {o['cell_s_for_goal']:.0f} s)")
+              f"({t['writers_8']['errors']} errors); loop logging {t['loop_log_cost_s'] * 1e6:.1f} us per step{share}")
+    g = results.get("grid")
+    if g:
+        print(f"grid of {g['cells']} cells on 2 cores: spawned workers {g['cold_s']:.1f} s / warm worker {g['warm_s']:.1f} s = {g['cold_over_warm']:.2f}x")
+    o = results.get("orchestration")
+    if o:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in o["fixed_parts_s"].items())
+        print(f"orchestration fixed cost per cell {o['fixed_overhead_s']:.2f} s: {parts}")
+        print(f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / rule command alone {o['rule_command_alone_s']:.2f} s "
+              f"= {o['ratio_snakemake_only']:.3f} (Snakemake alone)")
+        print(f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / worker alone {o['worker_alone_s']:.2f} s = {o['ratio']:.3f} "
+              f"(goal <= 1.15; met by cells from {o['cell_s_for_goal']:.0f} s)")
 
 
 if __name__ == "__main__":

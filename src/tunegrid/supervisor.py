@@ -185,19 +185,20 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
     }
 
 
-def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path) -> list[Any]:
+def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
+                  warm_socket: str | None = None) -> list[Any]:
     """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
-    every rank's exit code and heartbeat itself, and can stop them all."""
+    every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
+    the invocation's warm worker forks it instead (tunegrid.warm)."""
     world = spec["axes"].get("world_size", 1)
     command = [sys.executable, "-m", "tunegrid.cli", "worker", "--spec", str(spec_path), "--model-dir", str(model_dir),
                "--data", str(data_path), "--run-dir", str(run_dir)]
     if world == 1:
-        warm = os.environ.get(WARM_SOCKET_ENV)
-        if warm:  # this invocation's warm worker forks it with the imports done (tunegrid.warm)
+        if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.warm)
             from tunegrid.warm import fork_worker
 
-            forked = fork_worker(Path(warm), ["tunegrid", *command[3:]], _child_env())
+            forked = fork_worker(Path(warm_socket), ["tunegrid", *command[3:]], _child_env())
             if forked is not None:
                 print(f"worker {forked.pid} forked by the warm worker", flush=True)
                 return [forked]
@@ -320,6 +321,15 @@ def run_cell(
     run_dir.mkdir(parents=True, exist_ok=True)
     _clear_run_files(run_dir)
     capabilities = read_json(capabilities_path) if capabilities_path else {}
+    warm_socket = os.environ.get(WARM_SOCKET_ENV) if spec["axes"].get("world_size", 1) == 1 else None
+    if warm_socket:
+        from tunegrid.warm import ready_info
+
+        info = ready_info(Path(warm_socket))
+        if info is None:
+            warm_socket = None
+        elif capabilities.get("runtime_baseline_bytes"):  # CPU: the forked worker's own constant
+            capabilities = {**capabilities, "runtime_baseline_bytes": info["forked_runtime_baseline_bytes"]}
     plan = plan_cell(spec, model_dir, capabilities)
     verdict = plan.pop("verdict")
     spec = {**spec, "plan": plan}
@@ -327,7 +337,7 @@ def run_cell(
     write_json(spec_path, spec)
 
     # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
-    early = _launch_ranks(spec, spec_path, model_dir, data_path, run_dir) if verdict is None else None
+    early = _launch_ranks(spec, spec_path, model_dir, data_path, run_dir, warm_socket) if verdict is None else None
     tracker = None
     try:
         if tracking_path is not None:

@@ -48,6 +48,10 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
     started = time.time()
     for name in PRELOAD:
         importlib.import_module(name)
+    # What a forked worker holds before it loads a model: the memory estimate's CPU constant for the
+    # cells forked here (a fork maps the parent's libraries lazily, so it is below a fresh process's).
+    info = {"pid": os.getpid(), "import_s": time.time() - started, "forked_runtime_baseline_bytes": _forked_baseline()}
+    Path(str(path) + ".json").write_text(json.dumps(info))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path.unlink(missing_ok=True)
     listener.bind(str(path) + ".tmp")
@@ -69,6 +73,40 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
     finally:
         listener.close()
         path.unlink(missing_ok=True)
+
+
+def _forked_baseline() -> int:
+    from tunegrid.instrument import MemoryMeter
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write_end, str(MemoryMeter("cpu").current_bytes()).encode())
+        os._exit(0)
+    os.close(write_end)
+    value = os.read(read_end, 64)
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    return int(value)
+
+
+def ready_info(path: Path, wait_s: float = 30.0) -> dict[str, Any] | None:
+    """The warm process's facts once it serves, or None if there is none (or it is not ready in time:
+    it started before this cell did, so waiting for it is never slower than spawning)."""
+    pid_file = Path(str(path) + ".pid")
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        try:
+            starting = _alive(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            starting = False
+        if not starting or time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    try:
+        return dict(json.loads(Path(str(path) + ".json").read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, socket.socket]) -> int | None:
@@ -198,20 +236,9 @@ def _alive(pid: int) -> bool:
 
 
 def fork_worker(path: Path, argv: list[str], env: dict[str, str], wait_ready_s: float = 30.0) -> WarmProcess | None:
-    """A worker forked by the warm process at `path`, or None (the caller spawns one the usual way).
-
-    Waits up to `wait_ready_s` while the warm process is still importing (its pid file exists, its
-    socket does not yet): it started before this cell did, so waiting is never slower than spawning."""
-    pid_file = Path(str(path) + ".pid")
-    deadline = time.monotonic() + wait_ready_s
-    while not path.exists():
-        try:
-            starting = _alive(int(pid_file.read_text()))
-        except (OSError, ValueError):
-            starting = False
-        if not starting or time.monotonic() > deadline:
-            return None
-        time.sleep(0.1)
+    """A worker forked by the warm process at `path`, or None (the caller spawns one the usual way)."""
+    if ready_info(path, wait_ready_s) is None:
+        return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(str(path))
@@ -268,8 +295,8 @@ def stop(proc: subprocess.Popen[bytes], path: Path) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    path.unlink(missing_ok=True)
-    Path(str(path) + ".pid").unlink(missing_ok=True)
+    for leftover in (path, Path(str(path) + ".pid"), Path(str(path) + ".json")):
+        leftover.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
