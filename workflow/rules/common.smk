@@ -10,10 +10,9 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid import warm
+from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
-from tunegrid.warm import SOCKET_ENV as WARM_SOCKET_ENV
 
 try:
     STUDY = resolve_study(config)
@@ -103,11 +102,11 @@ def get_final_outputs():
 def start_warm_worker():
     """onstart (local runs with jobs to do, never a dry run): the warm worker (tunegrid.warm), whose
     socket the jobs find in the environment. A cluster job's own snakemake runs no hooks."""
-    if not (workflow.local_exec and STUDY["execution"]["warm_worker"]) or os.environ.get(WARM_SOCKET_ENV):
+    if not (workflow.local_exec and STUDY["execution"]["warm_worker"]) or os.environ.get(warm.SOCKET_ENV):
         return
     path = warm.socket_path(os.environ[EXECUTION_ENV])
     WARM.append((warm.start(path, Path(f"{LOGS}/warm_worker.log")), path))
-    os.environ[WARM_SOCKET_ENV] = str(path)
+    os.environ[warm.SOCKET_ENV] = str(path)
 
 
 def stop_warm_worker():
