@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -79,3 +80,15 @@ def test_without_a_warm_process_the_supervisor_spawns(tmp_path):
     started = time.monotonic()
     assert warm.fork_worker(tmp_path / "none.sock", ["tunegrid", "worker"], {}) is None
     assert time.monotonic() - started < 1, "no pid file: nothing is starting, no wait"
+
+
+def test_files_left_by_a_killed_warm_process_are_swept(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"tunegrid-{os.getuid()}-old.sock"
+    for suffix in ("", ".json", ".pid"):
+        Path(str(stale) + suffix).write_text(str(dead.pid))
+    live = tmp_path / f"tunegrid-{os.getuid()}-live.sock"
+    Path(str(live) + ".pid").write_text(str(os.getpid()))
+    assert warm.sweep_stale(tmp_path) == [stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name + ".pid"], "a live one is kept"

@@ -269,9 +269,28 @@ def fork_worker(path: Path, argv: list[str], env: dict[str, str], wait_ready_s: 
 # ----------------------------------------------------------------------------------------- lifecycle
 
 
+def sweep_stale(directory: Path) -> list[Path]:
+    """Remove what warm processes killed without their cleanup (a SIGKILL of the tree) left behind:
+    their socket, pid and facts files, recognised by a pid file whose process is gone."""
+    removed = []
+    for pid_file in directory.glob(f"tunegrid-{os.getuid()}-*.sock.pid"):
+        try:
+            alive = _alive(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            alive = False
+        if alive:
+            continue
+        sock = Path(str(pid_file).removesuffix(".pid"))
+        for leftover in (sock, Path(str(sock) + ".json"), pid_file):
+            leftover.unlink(missing_ok=True)
+        removed.append(sock)
+    return removed
+
+
 def start(path: Path, log_path: Path) -> subprocess.Popen[bytes]:
     """Start the warm process for this invocation (Snakefile onstart). Same process group as snakemake,
     so a signal to the whole tree reaches it too."""
+    sweep_stale(path.parent)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     src = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
