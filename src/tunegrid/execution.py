@@ -36,6 +36,13 @@ def current_execution_id() -> str:
     return os.environ.get(EXECUTION_ENV, "")
 
 
+def _current_record(study_dir: Path) -> Path | None:
+    """The record of the current execution, if one of its cells has opened a parent run."""
+    execution_id = current_execution_id()
+    record_path = _record_path(study_dir, execution_id) if execution_id else None
+    return record_path if record_path is not None and record_path.exists() else None
+
+
 def _record_path(study_dir: Path, execution_id: str) -> Path:
     return study_dir / "executions" / f"{execution_id}.json"
 
@@ -72,7 +79,7 @@ def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, pro
                 with_retries(lambda: c.update_run(record["run_id"], status="RUNNING"), "parent running")
                 with_retries(lambda: c.set_tag(record["run_id"], "tunegrid.status", "running"), "parent status")
                 record["finished"] = False
-        except Exception:  # the store is down: cells become top-level runs, the files keep everything
+        except Exception:  # noqa: BLE001 — the store is down: cells become top-level runs, the files keep everything
             return None if record is None else str(record["run_id"])
         if cell_id and cell_id not in record["running"]:
             record["running"].append(cell_id)
@@ -88,9 +95,8 @@ def cell_ended(uri: str, study_dir: Path, cell_id: str, outcome: str) -> None:
 
     from tunegrid.tracking import client, with_retries
 
-    execution_id = current_execution_id()
-    record_path = _record_path(study_dir, execution_id) if execution_id else None
-    if record_path is None or not record_path.exists():
+    record_path = _current_record(study_dir)
+    if record_path is None:
         return
     with _locked(record_path):
         record = read_json(record_path)
@@ -118,9 +124,8 @@ def needs_closing(study_dir: Path, status: str, attachments: list[Path]) -> bool
     """The Snakefile hook's question, answered from the record alone (no mlflow import): is a closing
     process worth starting? Yes after a failure, with cells still in flight, or with files to attach that
     this execution wrote."""
-    execution_id = current_execution_id()
-    record_path = _record_path(study_dir, execution_id) if execution_id else None
-    if record_path is None or not record_path.exists():
+    record_path = _current_record(study_dir)
+    if record_path is None:
         return False
     record = read_json(record_path)
     if status != "FINISHED" or record.get("running") or not record.get("finished", False):
@@ -142,9 +147,8 @@ def close_execution(uri: str, experiment_id: str, study_dir: Path, status: str, 
 
     from tunegrid.tracking import client, with_retries
 
-    execution_id = current_execution_id()
-    record_path = _record_path(study_dir, execution_id) if execution_id else None
-    if record_path is None or not record_path.exists():
+    record_path = _current_record(study_dir)
+    if record_path is None:
         return None
     with _locked(record_path):
         record = read_json(record_path)

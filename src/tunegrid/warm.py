@@ -15,6 +15,7 @@ survives a fork): it only imports. It exits when the `snakemake` that started it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -155,10 +156,8 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):  # a closed descriptor must not keep the exit code from us
                 stream.flush()
-            except Exception:  # noqa: BLE001
-                pass
         os._exit(code)
 
 
