@@ -119,7 +119,7 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
 def download_hub(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """Pinned-revision, safetensors-only snapshot. The token comes from HF_TOKEN, never from config.
 
-    No test reaches a hub (there is no network here); errors are mapped to one actionable sentence.
+    Tests never reach a hub (they must pass offline); errors are mapped to one actionable sentence.
     """
     from huggingface_hub import snapshot_download
 

@@ -26,7 +26,7 @@ SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 Precision = Literal["fp32", "bf16", "fp16"]
 Quant = Literal["none", "nf4", "nf4-experts"]
 
-# Order of the axes in a cell id; a later issue appends axes here and nowhere else.
+# Order of the axes in a cell id; a new axis is appended here and nowhere else.
 AXES: tuple[str, ...] = ("model", "precision", "batch_size", "quant", "seed", "world_size")
 
 

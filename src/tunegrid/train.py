@@ -1,6 +1,6 @@
 """The training loop of one cell, readable top to bottom: setup -> model -> data -> loop -> record.
 
-Deliberately not HF Trainer (see DESIGN.md): Trainer on CPU ignores fp16 silently, filters NaN losses
+Deliberately not HF Trainer: Trainer on CPU ignores fp16 silently, filters NaN losses
 out of its logs and hides the GradScaler. Models, tokenizers, peft and bitsandbytes are used through
 their public APIs; only the loop is ours.
 
