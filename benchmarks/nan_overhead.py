@@ -8,6 +8,9 @@ so machine drift hits all three alike. Prints b/a and c/a last; writes results/b
 
     python benchmarks/nan_overhead.py            # default tiny model + a ~25M-param synthetic model
     python benchmarks/nan_overhead.py --quick    # fewer steps
+    python benchmarks/nan_overhead.py --device cuda   # bf16, seq 2048, plus 2 layers at Gemma 3 4B width
+
+On a GPU the figures are absolute and relative; on a CPU only the ratios are printed (machine.py).
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from machine import device_from_argv  # noqa: E402
+
+if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is imported
+    DEVICE = device_from_argv()
+
+from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
 from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
 from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
-from tunegrid.files import write_json  # noqa: E402
 from tunegrid.train import CellTrainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,11 +42,17 @@ LARGER = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
     "vocab_size": 512, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
 }
+GEMMA3_4B_WIDTH = {  # google/gemma-3-4b-it's text width, 2 of 34 layers, a small vocabulary (GPU only)
+    "vocab_size": 4096, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024,
+    "query_pre_attn_scalar": 256,
+}
 
 
-def trainer_for(study: dict, model: str, model_dir: Path, data: Path, run_dir: Path, batch: int, precision: str = "fp32") -> CellTrainer:
+def trainer_for(study: dict, model: str, model_dir: Path, data: Path, run_dir: Path, batch: int, precision: str = "fp32",
+                quant: str = "none") -> CellTrainer:
     study = copy.deepcopy(study)
-    study["grid"].update(model=[model], precision=[precision], batch_size=[batch], quant=["none"], seed=[0])
+    study["grid"].update(model=[model], precision=[precision], batch_size=[batch], quant=[quant], seed=[0])
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = CellTrainer(spec, model_dir, data, run_dir)
@@ -84,24 +99,34 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"))
+    add_device_argument(parser)
     args = parser.parse_args()
+    facts = machine_facts(DEVICE)
+    on_gpu = DEVICE == "cuda"
     rounds, per_round = (3, 5) if args.quick else (5, 8)
 
     study = load_study(REPO / "configs" / "config.yaml")
     study["train"]["threads"] = 2
+    if on_gpu:  # a real step: bf16 at seq 2048, where a per-step host read would show if it cost anything
+        study["train"]["seq_len"] = 2048
+    precision = "bf16" if on_gpu else "fp32"
     work = Path(tempfile.mkdtemp(prefix="tunegrid-bench-"))
     data = work / "train.jsonl"
     write_dataset(data, 256, 0)
     texts = list(corpus_texts(read_dataset(data)))
     study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": LARGER}
+    study["models"]["gemma3-4b-width-2l"] = {**study["models"]["gemma3-tiny"], "config": GEMMA3_4B_WIDTH}
+    models = [("gemma3-tiny", 8), ("qwen3moe-tiny", 8), ("gemma3-25m", 4)]
+    if on_gpu:
+        models.append(("gemma3-4b-width-2l", 2))
     rows = []
-    for model, batch in (("gemma3-tiny", 8), ("qwen3moe-tiny", 8), ("gemma3-25m", 4)):
+    for model, batch in models:
         spec = copy.deepcopy(study["models"][model])
-        if model == "gemma3-25m":
+        if model in ("gemma3-25m", "gemma3-4b-width-2l"):
             spec["config"]["initializer_range"] = 0.02
         produce_checkpoint(spec, texts, work / model)
         study["models"][model] = spec
-        trainer = trainer_for(study, model, work / model, data, work / f"run-{model}", batch)
+        trainer = trainer_for(study, model, work / model, data, work / f"run-{model}", batch, precision)
         medians = measure(trainer, rounds, per_round)
         params = sum(p.numel() for p in trainer.model.parameters())
         rows.append(
@@ -109,6 +134,8 @@ def main() -> None:
                 "model": model,
                 "params": params,
                 "batch_size": batch,
+                "seq_len": study["train"]["seq_len"],
+                "precision": precision,
                 "bare_s": medians["bare"],
                 "tunegrid_s": medians["tunegrid"],
                 "detect_anomaly_s": medians["detect_anomaly"],
@@ -116,20 +143,22 @@ def main() -> None:
                 "anomaly_over_bare": medians["detect_anomaly"] / medians["bare"],
             }
         )
+        del trainer
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "nan_overhead.json", rows)
-    header = list(rows[0])
-    (out / "nan_overhead.csv").write_text(
-        "\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n"
-    )
-    print(f"{'model':<14}{'params':>12}{'bare ms':>10}{'tunegrid ms':>13}{'anomaly ms':>12}{'b/a':>8}{'c/a':>8}")
-    for r in rows:
-        print(
-            f"{r['model']:<14}{r['params']:>12,}{r['bare_s'] * 1e3:>10.1f}{r['tunegrid_s'] * 1e3:>13.1f}"
-            f"{r['detect_anomaly_s'] * 1e3:>12.1f}{r['tunegrid_over_bare']:>8.3f}{r['anomaly_over_bare']:>8.2f}"
-        )
+    write_results("nan_overhead", facts, rows, args.out)
+    print(describe(facts))
+    if absolute_times(facts):
+        print(f"{'model':<20}{'params':>14}{'bare ms':>10}{'tunegrid ms':>13}{'anomaly ms':>12}{'b/a':>8}{'c/a':>8}")
+        for r in rows:
+            print(
+                f"{r['model']:<20}{r['params']:>14,}{r['bare_s'] * 1e3:>10.1f}{r['tunegrid_s'] * 1e3:>13.1f}"
+                f"{r['detect_anomaly_s'] * 1e3:>12.1f}{r['tunegrid_over_bare']:>8.3f}{r['anomaly_over_bare']:>8.2f}"
+            )
+    else:
+        print(f"{'model':<20}{'params':>14}{'tunegrid/bare':>15}{'anomaly/bare':>14}   (CPU: ratios only)")
+        for r in rows:
+            print(f"{r['model']:<20}{r['params']:>14,}{r['tunegrid_over_bare']:>15.3f}{r['anomaly_over_bare']:>14.2f}")
+    print("goal: tunegrid/bare <= 1.03")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
 #!/usr/bin/env python
-"""Training throughput: tunegrid's loop vs Hugging Face `Trainer` + peft, same model, data and
-adapter, in the same run; fp32 and bf16 on CPU. Tokens/s = batch x seq_len / median step time
-(padded tokens, identical for both). Goal: tunegrid / Trainer >= 1.0.
+"""Training throughput: tunegrid's loop vs Hugging Face `Trainer` + peft, same model, data, precision,
+quantization and adapter, in the same run. Tokens/s = batch x seq_len / median step time (identical
+for both). Goal: tunegrid / Trainer >= 1.0.
 
-Both start from the same CellTrainer build (synthetic checkpoint, LoRA attached by tunegrid's code), so
-only the loop differs: tunegrid's instrumented step vs Trainer's inner loop (timed by a callback).
+Both start from the same CellTrainer build (synthetic checkpoint, 4-bit load when asked, LoRA attached
+by tunegrid's code), so only the loop differs: tunegrid's instrumented step vs Trainer's inner loop
+(timed by a callback).
 
-    python benchmarks/trainer_throughput.py     # writes results/benchmarks/trainer_throughput.json
+    python benchmarks/trainer_throughput.py                # CPU: ~25M Gemma 3, fp32 and bf16, no quantization
+    python benchmarks/trainer_throughput.py --device cuda  # GPU: QLoRA (nf4) bf16 at seq 2048 on a Gemma 3 4B-width
+                                                           # dense model and an OLMoE-1B-7B-width MoE (4 layers each)
+
+Writes results/benchmarks/trainer_throughput.json with the machine facts (machine.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
-import json
 import statistics
 import sys
 import tempfile
@@ -23,22 +28,43 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from machine import device_from_argv  # noqa: E402
+
+if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is imported
+    DEVICE = device_from_argv()
+
+from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
+from nan_overhead import trainer_for  # noqa: E402
 from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.config import load_study  # noqa: E402
 from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.probes import cpu_inventory, cpu_precision_support  # noqa: E402
 from tunegrid.train import CellTrainer  # noqa: E402
-from nan_overhead import trainer_for  # noqa: E402
 
-MODEL = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
+GEMMA3_25M = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
     "source": "synthetic", "architecture": "gemma3_text", "seed": 0,
     "config": {"vocab_size": 512, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
-               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64},
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "initializer_range": 0.02},
 }
-BATCH, SEQ, STEPS = 4, 128, 24
-
-
-def build(study: dict, precision: str, model_dir: Path, data: Path, run_dir: Path) -> CellTrainer:
-    return trainer_for(study, "bench", model_dir, data, run_dir, BATCH, precision)
+GEMMA3_4B_WIDTH = {  # google/gemma-3-4b-it text width, 4 of 34 layers
+    "source": "synthetic", "architecture": "gemma3_text", "seed": 0,
+    "config": {"vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 4,
+               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024,
+               "query_pre_attn_scalar": 256, "initializer_range": 0.02},
+}
+OLMOE_WIDTH = {  # allenai/OLMoE-1B-7B-0924 width, 4 of 16 layers
+    "source": "synthetic", "architecture": "olmoe", "seed": 0,
+    "config": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 4,
+               "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+               "initializer_range": 0.02},
+}
+# (model name, model spec, precision, quant, batch, seq_len) per device
+CASES = {
+    "cpu": [("gemma3-25m", GEMMA3_25M, "fp32", "none", 4, 128), ("gemma3-25m", GEMMA3_25M, "bf16", "none", 4, 128)],
+    "cuda": [("gemma3-4b-width", GEMMA3_4B_WIDTH, "bf16", "nf4", 2, 2048),
+             ("olmoe-width", OLMOE_WIDTH, "bf16", "nf4", 2, 2048)],
+}
+STEPS = 24
 
 
 def ours(trainer: CellTrainer) -> float:
@@ -51,7 +77,7 @@ def ours(trainer: CellTrainer) -> float:
     return statistics.median(times[2:])
 
 
-def hf_trainer(trainer: CellTrainer, precision: str, out: Path) -> float:
+def hf_trainer(trainer: CellTrainer, precision: str, batch: int, out: Path) -> float:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -77,8 +103,8 @@ def hf_trainer(trainer: CellTrainer, precision: str, out: Path) -> float:
 
     timer = StepTimer()
     args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=STEPS, learning_rate=1e-3,
-        bf16=precision == "bf16", use_cpu=True, logging_steps=1000, save_strategy="no", report_to=[],
+        output_dir=str(out), per_device_train_batch_size=batch, max_steps=STEPS, learning_rate=1e-3,
+        bf16=precision == "bf16", use_cpu=DEVICE == "cpu", logging_steps=1000, save_strategy="no", report_to=[],
         dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True,
     )
     Trainer(model=trainer.model, args=args, train_dataset=Rows(), callbacks=[timer]).train()
@@ -86,25 +112,43 @@ def hf_trainer(trainer: CellTrainer, precision: str, out: Path) -> float:
 
 
 def main() -> None:
-    study = load_study(REPO / "configs" / "config.yaml")
-    study["train"].update(threads=2, seq_len=SEQ, steps=STEPS, headroom_every=0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_device_argument(parser)
+    parser.parse_args()
+    facts = machine_facts(DEVICE)
     work = Path(tempfile.mkdtemp(prefix="tunegrid-trainer-"))
     data = work / "train.jsonl"
     write_dataset(data, 256, 0)
-    produce_checkpoint(copy.deepcopy(MODEL), list(corpus_texts(read_dataset(data))), work / "bench")
-    study["models"]["bench"] = MODEL
+    texts = list(corpus_texts(read_dataset(data)))
     rows = []
-    for precision in ("fp32", "bf16"):
-        a = ours(build(study, precision, work / "bench", data, work / f"ours-{precision}"))
-        b = hf_trainer(build(study, precision, work / "bench", data, work / f"hf-{precision}"), precision, work / f"hf-out-{precision}")
-        tokens = BATCH * SEQ
-        rows.append({"precision": precision, "tunegrid_tokens_per_s": tokens / a, "trainer_tokens_per_s": tokens / b, "ratio": b / a})
-    out = REPO / "results" / "benchmarks"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer_throughput.json").write_text(json.dumps(rows, indent=2))
+    cases = CASES[DEVICE]
+    if DEVICE == "cpu" and cpu_precision_support(cpu_inventory()["isa_flags"])["bf16"] != "native":
+        # emulated bf16 on a CPU runs minutes per step at this size, for both loops alike: nothing to learn
+        print("this CPU has no native bf16 (no AVX512-BF16/AMX): the bf16 case is skipped")
+        cases = [case for case in cases if case[2] != "bf16"]
+    for name, model, precision, quant, batch, seq_len in cases:
+        study = load_study(REPO / "configs" / "config.yaml")
+        study["train"].update(threads=2, seq_len=seq_len, steps=STEPS, headroom_every=0)
+        study["models"][name] = copy.deepcopy(model)
+        if not (work / name).exists():
+            produce_checkpoint(copy.deepcopy(model), texts, work / name)
+
+        def build(tag: str) -> CellTrainer:
+            return trainer_for(study, name, work / name, data, work / f"{tag}-{name}-{precision}", batch, precision, quant)
+
+        a = ours(build("ours"))
+        b = hf_trainer(build("hf"), precision, batch, work / f"hf-out-{name}-{precision}")
+        tokens = batch * seq_len
+        rows.append({"model": name, "precision": precision, "quant": quant, "batch_size": batch, "seq_len": seq_len,
+                     "tunegrid_step_s": a, "trainer_step_s": b,
+                     "tunegrid_tokens_per_s": tokens / a, "trainer_tokens_per_s": tokens / b, "ratio": b / a})
+    write_results("trainer_throughput", facts, rows)
+    print(describe(facts))
     for row in rows:
-        print(f"{row['precision']}: tunegrid {row['tunegrid_tokens_per_s']:.0f} tok/s, Trainer+peft {row['trainer_tokens_per_s']:.0f} tok/s, "
-              f"tunegrid/Trainer = {row['ratio']:.3f} (goal >= 1.0)")
+        absolute = (f"tunegrid {row['tunegrid_tokens_per_s']:.0f} tok/s, Trainer+peft {row['trainer_tokens_per_s']:.0f} tok/s, "
+                    if absolute_times(facts) else "")
+        print(f"{row['model']} {row['precision']} {row['quant']} bs{row['batch_size']} seq{row['seq_len']}: {absolute}"
+              f"tunegrid/Trainer tokens/s = {row['ratio']:.3f} (goal >= 1.0)")
 
 
 if __name__ == "__main__":
