@@ -70,6 +70,34 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# Column types, decided once: a numeric column is float64 whatever a cell wrote ("inf" the string, inf
+# the float, a missing value), so one odd cell cannot make pyarrow refuse the whole table.
+NUMERIC_COLUMNS = (
+    "initial_loss", "final_loss", "budget_bytes", "estimate_bytes", "estimate_over_measured", "peak_bytes",
+    "load_peak_bytes", "first_step_peak_bytes", "steady_peak_bytes", "tokens_per_s", "step_time_s",
+    "weight_bytes_loaded", "weight_bytes", "expert_bytes", "flagged_bytes", "flagged_share",
+    "fp16_headroom_worst_ratio", "collective_timeout_s", "wall_s",
+)
+INTEGER_COLUMNS = ("steps_run", "skipped_steps", "nan_step", "flagged_tensors", "collective_step", "collective_seq", "attempts")
+
+
+def typed(frame: Any) -> Any:
+    """Numbers as float64/nullable Int64 (inf stays inf, missing is null); every other column is text or null."""
+    import pandas as pd
+
+    for column in frame.columns:
+        if column in NUMERIC_COLUMNS:
+            frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
+        elif column in INTEGER_COLUMNS:
+            frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
+        elif frame[column].dtype == object:
+            values = frame[column].map(lambda v: None if v is None or (isinstance(v, float) and v != v) else v)
+            if len({type(v) for v in values if v is not None}) > 1:  # mixed kinds: one text column
+                values = values.map(lambda v: None if v is None else str(v))
+            frame[column] = values
+    return frame
+
+
 def _worst_headroom(result: dict[str, Any]) -> dict[str, Any]:
     worst = (result.get("fp16_headroom") or {}).get("worst_modules") or [{}]
     return worst[0]
@@ -84,7 +112,7 @@ def build_summary(result_paths: Iterable[str | Path], sync_path: str | Path | No
         row = summary_row(read_json(path))
         row["mlflow_run_id"] = (synced.get(row["cell_id"]) or {}).get("run_id") or row["mlflow_run_id"]
         rows.append(row)
-    return pd.DataFrame(rows)
+    return typed(pd.DataFrame(rows))
 
 
 def write_summary(result_paths: Iterable[str | Path], csv_path: str | Path, sync_path: str | Path | None = None) -> Any:
