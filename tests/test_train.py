@@ -150,3 +150,45 @@ def test_bf16_run_measures_fp16_headroom_before_fp16_is_tried(checkpoints, datas
     assert ".mlp." in worst["module"] or "lm_head" in worst["module"]
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert "fp16_headroom_max_ratio" in records[0] and "fp16_headroom_max_ratio" not in records[1]
+
+
+def test_recovered_skip_then_later_overflow_ends_nan_with_the_later_origin(checkpoints, dataset_path, tmp_path):
+    # step 1: a backward overflow the GradScaler skips and recovers from; step 3: a forward overflow
+    debug = {"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "backward",
+                                  "also": [{"module": "model.layers.0.self_attn.o_proj", "step": 3, "phase": "forward"}]}}
+    facts, run_dir = _run_with(
+        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp16", debug=debug,
+        train={"steps": 8, "on_nonfinite": "stop_after_skips"},
+    )
+    assert facts["outcome"] == "nan", facts["reason"]
+    nan = facts["diagnosis"]["nan"]
+    assert nan["step"] == 3 and nan["kind"] == "loss_nonfinite"
+    assert nan["origin"]["forward"]["module"].endswith("layers.0.self_attn.o_proj")
+    assert facts["diagnosis"]["recovered_scaler_skips"]["step"] == 1
+    assert facts["training"]["steps_run"] == 4 and "stopped after 4 of 8 steps" in facts["reason"]
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert [(e["step"], e["kind"]) for e in events] == [(1, "scaler_skip"), (3, "loss_nonfinite")]
+    assert all(e.get("origin") for e in events)  # each event that degraded or ended the cell has its origin
+
+
+def test_failing_step_headroom_is_measured_not_only_the_samples(checkpoints, dataset_path, tmp_path):
+    facts, run_dir = _run_with(
+        checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision="fp16", batch=8,
+        train={"steps": 12, "headroom_every": 50},  # only step 0 sampled
+    )
+    assert facts["outcome"] == "nan"
+    headroom = facts["fp16_headroom"]
+    failing = facts["diagnosis"]["nan"]["step"]
+    assert headroom["failing_steps_measured"] == [failing]
+    assert facts["diagnosis"]["nan"]["headroom"]["step"] == failing
+    assert float(headroom["worst_modules"][0]["ratio_to_fp16_max"]) >= 1.0  # ("inf" in strict JSON) the overflow itself is in the worst figure
+    assert any(line.get("failing_step") for line in read_jsonl(run_dir / "headroom.jsonl"))
+
+
+def test_nan_origin_under_gradient_checkpointing(checkpoints, dataset_path, tmp_path):
+    facts, _ = _run_with(
+        checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision="fp16", batch=8,
+        train={"steps": 12, "gradient_checkpointing": True},
+    )
+    assert facts["outcome"] == "nan", facts["reason"]
+    assert ".layers.0.mlp.down_proj" in facts["diagnosis"]["nan"]["origin"]["forward"]["module"]

@@ -244,10 +244,28 @@ class NonfiniteInjector:
 
     Off unless the study's `debug.inject_nonfinite` asks for it. The module is matched by name suffix
     (`model.layers.0.mlp.down_proj` matches the peft-wrapped `base_model.model.model.layers.0.mlp.down_proj`).
+    `also` lists further injections (same fields), for sequences such as a recovered scaler skip
+    followed by a later overflow.
     """
 
     def __init__(self, model: Any, request: dict[str, Any]) -> None:
-        self.step = int(request["step"])
+        self.injections = [_Injection(model, r) for r in (request, *(request.get("also") or ())) if r.get("module")]
+        first = self.injections[0]
+        self.step, self.phase, self.module_name = first.step, first.phase, first.module_name
+
+    @contextlib.contextmanager
+    def attached(self, step: int) -> Iterator[None]:
+        handles = [i.module.register_forward_hook(i.on_forward) for i in self.injections if i.step == step]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class _Injection:
+    def __init__(self, model: Any, request: dict[str, Any]) -> None:
+        self.step = int(request.get("step", 0))
         self.phase = request.get("phase", "forward")
         self.value = float(request.get("value", "inf"))
         wanted = request["module"]
@@ -256,18 +274,7 @@ class NonfiniteInjector:
             raise ValueError(f"debug.inject_nonfinite.module {wanted!r} matches no module of the model")
         self.module_name, self.module = min(matches, key=lambda item: len(item[0]))  # the outermost match
 
-    @contextlib.contextmanager
-    def attached(self, step: int) -> Iterator[None]:
-        if step != self.step:
-            yield
-            return
-        handle = self.module.register_forward_hook(self._on_forward)
-        try:
-            yield
-        finally:
-            handle.remove()
-
-    def _on_forward(self, _module: Any, _inputs: Any, output: Any) -> Any:
+    def on_forward(self, _module: Any, _inputs: Any, output: Any) -> Any:
         tensor = output[0] if isinstance(output, tuple) else output
         if self.phase == "forward":
             poisoned = tensor.clone()

@@ -388,10 +388,13 @@ class CellTrainer:
         fact["peak"] = self.meter.peak_bytes()
         return fact
 
-    def replay_origin(self, step: int, batch: dict[str, Any], rng_state: Any, scale: float | None) -> dict[str, Any]:
+    def replay_origin(self, step: int, batch: dict[str, Any], rng_state: Any, scale: float | None,
+                      headroom: Any = None) -> dict[str, Any]:
         """Re-run the failing step from the same state with hooks: which module went non-finite first.
 
-        The weights are as they were before the step: a non-finite step never updates them.
+        The weights are as they were before the step: a non-finite step never updates them. With a
+        headroom meter, the failing step's activations are measured too, so the cell's worst headroom
+        is never only the sampled steps'.
         """
         import torch
 
@@ -401,14 +404,36 @@ class CellTrainer:
         torch.set_rng_state(rng_state)
         tracer = OriginTracer(self.model)
         with contextlib.ExitStack() as hooks:
+            # Under activation checkpointing the hooked forward and its recomputation save different
+            # tensor counts (CheckpointError); the replay is one step, so it runs without checkpointing.
+            hooks.enter_context(self.checkpointing_off())
             if self.injector is not None:  # registered first, so the tracer sees what it injects
                 hooks.enter_context(self.injector.attached(step))
             hooks.enter_context(tracer.attached())
+            if headroom is not None:
+                hooks.enter_context(headroom.attached(self.model))
             # no all-reduce on replay: every rank replays on its own (they all saw the same averaged norm)
             hooks.enter_context(self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext())
             self.forward_backward(batch, scale=scale)
         self.optimizer.zero_grad(set_to_none=True)
-        return tracer.as_dict()
+        origin = tracer.as_dict()
+        if headroom is not None:
+            origin["headroom"] = headroom.collect(step)
+        return origin
+
+    @contextlib.contextmanager
+    def checkpointing_off(self):  # type: ignore[no-untyped-def]
+        """Activation checkpointing off for the duration (the replay), then back as it was."""
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        on = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5 name; the old one warns
+        if not (on if on is not None else getattr(base, "is_gradient_checkpointing", False)):
+            yield
+            return
+        base.gradient_checkpointing_disable()
+        try:
+            yield
+        finally:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -425,7 +450,9 @@ class CellTrainer:
         census, headroom = DtypeCensus(), HeadroomMeter()
         step_times, tokens_per_s, steady_peaks = [], [], []
         skipped_total = consecutive_skips = 0
-        first_event: dict[str, Any] | None = None
+        nonfinite_events: list[dict[str, Any]] = []
+        headroom_steps: list[int] = []  # the failing steps whose headroom was measured on replay
+        stop_event: dict[str, Any] | None = None
         unsupported: list[str] = []
         losses: list[float] = []
         self.facts["stage"] = "step"
@@ -476,16 +503,22 @@ class CellTrainer:
 
                 kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if self.scaler else "grad_nonfinite_finite_loss")
                 event = {"step": step, "kind": kind, "loss": fact["loss"], "grad_norm": fact["grad_norm"], "loss_scale": fact["scale"]}
-                if first_event is None:
-                    event["origin"] = self.replay_origin(step, batch, fact["rng_state"], fact["scale"])
-                    first_event = event
-                events.write(event)
                 stop = (
                     policy == "stop"
                     or (policy == "stop_after_skips" and kind != "scaler_skip")
                     or (policy == "stop_after_skips" and consecutive_skips >= train["max_consecutive_skips"])
                 )
+                # Every event that ends the cell or is the first of its kind gets its origin (a replay of
+                # that step); repeats of a kind already traced under `continue` are recorded without one.
+                if stop or kind not in {e["kind"] for e in nonfinite_events}:
+                    event["origin"] = self.replay_origin(step, batch, fact["rng_state"], fact["scale"], headroom)
+                    event["headroom"] = event["origin"].pop("headroom")
+                    headroom_log.write({**event["headroom"], "failing_step": True})
+                    headroom_steps.append(step)
+                nonfinite_events.append(event)
+                events.write(event)
                 if stop:
+                    stop_event = event
                     break
         finally:
             progress.close()
@@ -497,7 +530,11 @@ class CellTrainer:
             v for v in (self.memory.get("load_peak_bytes"), self.memory.get("first_step_peak_bytes"), self.memory["steady_peak_bytes"]) if v
         )
         self.facts["precision_in_effect"].update(census.as_dict())
-        self.facts["fp16_headroom"] = headroom.summary()
+        self.facts["fp16_headroom"] = {
+            **headroom.summary(),
+            "sampled_every": every,  # the worst is over these samples plus the failing steps, never only samples
+            "failing_steps_measured": headroom_steps,
+        }
         self.facts["throughput"] = {
             "tokens_per_s_median": statistics.median(tokens_per_s) if tokens_per_s else None,
             "step_time_s_median": statistics.median(step_times) if step_times else None,
@@ -508,7 +545,7 @@ class CellTrainer:
             "final_loss": losses[-1] if losses else None,
             "skipped_steps": skipped_total,
         }
-        self._conclude(first_event, consecutive_skips)
+        self._conclude(nonfinite_events, stop_event, consecutive_skips, steps_run=step + 1)
         if self.ranks.distributed:
             self.facts["lora_sha256"] = self.lora_digest()
         if unsupported:
@@ -519,27 +556,34 @@ class CellTrainer:
                 diagnosis={"params_without_grad": unsupported},
             )
 
-    def _conclude(self, first_event: dict[str, Any] | None, consecutive_skips: int) -> None:
-        """ok, or nan with the first event; scaler skips the scaler recovered from are not failures."""
+    def _conclude(self, events: list[dict[str, Any]], stop_event: dict[str, Any] | None, consecutive_skips: int,
+                  steps_run: int) -> None:
+        """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
+
+        The deciding event is the one that stopped the loop, else the first non-finite loss/gradient
+        (under `continue`), else scaler skips the scaler did not recover from. Scaler skips it recovered
+        from are listed, not failures.
+        """
         train = self.spec["train"]
-        failing = first_event is not None and (
-            first_event["kind"] != "scaler_skip"
-            or train["on_nonfinite"] == "stop"
-            or consecutive_skips >= train["max_consecutive_skips"]
-        )
-        if failing:
-            assert first_event is not None
-            origin = first_event["origin"]
+        hard = [e for e in events if e["kind"] != "scaler_skip"]
+        unrecovered_skips = bool(events) and (train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"])
+        deciding = stop_event or (hard[0] if hard else None) or (events[0] if unrecovered_skips else None)
+        recovered = [e for e in events if e["kind"] == "scaler_skip" and e is not deciding]
+        diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
+        if deciding is not None:
+            origin = deciding.get("origin") or {}
             where = (origin.get("forward") or origin.get("backward") or {}).get("module", "unknown module")
+            stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
             self.facts.update(
                 outcome="nan",
-                reason=f"{first_event['kind']} at step {first_event['step']}, first non-finite at {where}",
-                diagnosis={"nan": first_event},
+                reason=f"{deciding['kind']} at step {deciding['step']}, first non-finite at {where}{stopped}",
+                diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
             )
+        elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason
+            self.facts.update(outcome="error", reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
+                              diagnosis=diagnosis)
         else:
-            self.facts.update(outcome="ok", reason="trained all steps with finite loss", diagnosis={})
-            if first_event is not None:
-                self.facts["diagnosis"] = {"recovered_scaler_skips": first_event}
+            self.facts.update(outcome="ok", reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis)
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
