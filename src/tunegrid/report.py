@@ -99,7 +99,7 @@ def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path)
             ax.plot(steps, losses, quant_style.get(row["quant"], "-"), color=colours.get(row["precision"], "grey"),
                     label=label, linewidth=1.2)
             if row["outcome"] == "nan" and row["nan_step"] == row["nan_step"]:
-                before = [l for s, l in zip(steps, losses) if s < row["nan_step"] and l == l]
+                before = [loss for s, loss in zip(steps, losses) if s < row["nan_step"] and loss == loss]
                 ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
         ax.set_title(f"{model}, batch {batch}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)

@@ -82,14 +82,15 @@ INTEGER_COLUMNS = ("steps_run", "skipped_steps", "nan_step", "flagged_tensors", 
 
 
 def typed(frame: Any) -> Any:
-    """Numbers as float64/nullable Int64 (inf stays inf, missing is null); every other column is text or null."""
+    """Numbers as numbers (inf stays inf, missing is NaN); every other column is text or null."""
     import pandas as pd
 
     for column in frame.columns:
         if column in NUMERIC_COLUMNS:
             frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("float64")
         elif column in INTEGER_COLUMNS:
-            frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
+            # int64 when every cell has one, else float64 with NaN (what the report's arithmetic expects)
+            frame[column] = pd.to_numeric(frame[column], errors="coerce")
         elif frame[column].dtype == object:
             values = frame[column].map(lambda v: None if v is None or (isinstance(v, float) and v != v) else v)
             if len({type(v) for v in values if v is not None}) > 1:  # mixed kinds: one text column
