@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,3 +93,52 @@ def test_files_left_by_a_killed_warm_process_are_swept(tmp_path):
     Path(str(live) + ".pid").write_text(str(os.getpid()))
     assert warm.sweep_stale(tmp_path) == [stale]
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name + ".pid"], "a live one is kept"
+
+
+def test_importing_the_warm_modules_never_initialises_cuda():
+    """Tripwire: a warm process that initialised CUDA would break every forked cell on a GPU machine.
+    torch.cuda's lazy initialiser is patched to record any call before the warm worker's imports."""
+    code = (
+        "import torch, torch.cuda\n"
+        "calls = []\n"
+        "original = torch.cuda._lazy_init\n"
+        "torch.cuda._lazy_init = lambda *a, **k: (calls.append(1), original(*a, **k))[1]\n"
+        "import importlib\n"
+        "from tunegrid.warm import PRELOAD\n"
+        "for name in PRELOAD: importlib.import_module(name)\n"
+        "assert not calls and not torch.cuda.is_initialized(), 'importing the warm modules initialised CUDA'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_no_fork_once_cuda_is_initialised_or_a_gpu_is_visible(monkeypatch):
+    import torch
+
+    assert warm.fork_refusal() is None  # this CPU host: forking is fine
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert "initialised" in warm.fork_refusal()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "spawned" in warm.fork_refusal()
+
+
+def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(checkpoints, dataset_path, tmp_path, monkeypatch, capfd):
+    """On a GPU machine the warm process starts, finds CUDA visible and does not serve: the cell is spawned, ok."""
+    sitecustomize = tmp_path / "fakegpu" / "sitecustomize.py"
+    sitecustomize.parent.mkdir()
+    sitecustomize.write_text("import torch\ntorch.cuda.device_count = lambda: 1\n")  # what a GPU machine reports
+    path = warm.socket_path(f"test-refuse-{os.getpid()}-{time.monotonic_ns()}")
+    monkeypatch.setenv("PYTHONPATH", f"{sitecustomize.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = warm.start(path, tmp_path / "warm.log")
+    monkeypatch.delenv("PYTHONPATH")
+    monkeypatch.setenv(warm.SOCKET_ENV, str(path))
+    try:
+        proc.wait(timeout=120)
+        assert "not serving" in (tmp_path / "warm.log").read_text()
+        result = _run(_spec(), checkpoints, dataset_path, tmp_path / "cell")
+        assert "forked by the warm worker" not in capfd.readouterr().out
+        assert result["outcome"] == "ok", result["reason"]
+    finally:
+        warm.stop(proc, path)

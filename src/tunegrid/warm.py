@@ -43,12 +43,35 @@ def socket_path(execution_id: str) -> Path:
 # ----------------------------------------------------------------------------------------- server
 
 
+def fork_refusal() -> str | None:
+    """Why this process must not fork workers, or None.
+
+    CUDA does not survive a fork: a child of a process that initialised it fails with "Cannot
+    re-initialize CUDA in forked subprocess". On a CUDA machine importing peft (bitsandbytes under it)
+    already initialises it, so where a GPU is visible the warm worker does not serve at all and every
+    cell is spawned (the imports it saves are seconds; a broken GPU run is every cell). Asked again
+    before each fork, in case anything initialised CUDA since.
+    """
+    import torch
+
+    if torch.cuda.is_initialized():
+        return "CUDA is initialised in the warm process (a forked worker could not use it)"
+    if torch.cuda.device_count() > 0:  # NVML-based: does not initialise CUDA
+        return f"{torch.cuda.device_count()} CUDA device(s) visible: cells are spawned, never forked"
+    return None
+
+
 def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
     import importlib
 
     started = time.time()
     for name in PRELOAD:
         importlib.import_module(name)
+    refusal = fork_refusal()
+    if refusal:  # no socket appears: every supervisor spawns its worker the ordinary way
+        Path(str(path) + ".json").write_text(json.dumps({"pid": os.getpid(), "refused": refusal}))
+        print(f"warm worker {os.getpid()} not serving: {refusal}", flush=True)
+        return
     # What a forked worker holds before it loads a model: the memory estimate's CPU constant for the
     # cells forked here (a fork maps the parent's libraries lazily, so it is below a fresh process's).
     info = {"pid": os.getpid(), "import_s": time.time() - started, "forked_runtime_baseline_bytes": _forked_baseline()}
@@ -118,6 +141,11 @@ def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, 
             raise ValueError(f"expected 3 descriptors, got {len(fds)}")
     except (OSError, ValueError) as exc:
         print(f"bad request: {exc}", flush=True)
+        conn.close()
+        return None
+    refusal = fork_refusal()
+    if refusal:  # closing the connection makes the supervisor spawn this worker instead
+        print(f"refused to fork: {refusal}", flush=True)
         conn.close()
         return None
     pid = os.fork()
