@@ -77,3 +77,32 @@ def test_killed_rank_is_an_error_with_its_signal_and_log(checkpoints, dataset_pa
 def test_fault_injection_rank_must_exist():
     with pytest.raises(ConfigError, match=r"debug.kill_rank.rank.*at most 2"):
         _spec(debug={"kill_rank": {"rank": 2, "step": 0}})
+
+
+def test_a_rank_that_fails_on_its_own_is_named_with_its_error_and_never_retried(checkpoints, dataset_path, tmp_path):
+    spec = _spec(debug={"inject_nonfinite": {"module": "no.such.module", "step": 1}}, train={"retries": 1},
+                 distributed={"exit_grace_s": 2})
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
+    assert result["outcome"] == "error"
+    assert "no.such.module" in result["reason"] and result["reason"].startswith("rank ")
+    failure = result["diagnosis"]["rank_failure"]
+    assert "no.such.module" in failure["traceback"]
+    assert len(result["attempts"]) == 1  # deterministic: the same settings fail the same way
+    assert processes_mentioning(run_dir) == []
+
+
+def test_more_ranks_than_gpus_is_unsupported_before_launch(checkpoints, dataset_path, tmp_path):
+    from pathlib import Path
+
+    capabilities = Path(__file__).parent / "data" / "capabilities-h100.json"  # recorded on a one-GPU machine
+    spec = _spec(world=2)
+    spec["hardware"]["gpus_per_rank"] = 1
+    run_dir = tmp_path / "runs" / spec["cell_id"]
+    result = run_cell(
+        spec=spec, model_dir=checkpoints["qwen3moe-tiny"], data_path=dataset_path, run_dir=run_dir,
+        result_path=run_dir / "result.json", tracking_path=None, capabilities_path=capabilities, log_path=None,
+        command=["tunegrid", "finetune"],
+    )
+    assert result["outcome"] == "unsupported"
+    assert "needs 2 GPUs" in result["reason"] and "1 present" in result["reason"]
+    assert not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text() == ""

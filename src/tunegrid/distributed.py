@@ -52,6 +52,7 @@ def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> di
         "last_step": int(step.group(1)) if step else None,
         "lora_sha256": facts.get("lora_sha256"),
         "diagnosis": facts.get("diagnosis") or {},
+        "traceback": facts.get("traceback"),
         "log_tail": _tail(run_dir / "ranks" / f"rank{rank}.log"),
     }
 
@@ -105,6 +106,21 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
             reason=f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
             diagnosis={"rank_crash": {"ranks": [r["rank"] for r in crashed], "exit": first["exit"], "last_step": first["last_step"],
                                       "last_log_lines": first["log_tail"], "last_step_per_rank": last_steps}},
+        )
+        return update
+
+    # A rank that failed on its own (its worker.json says error/oom, not a symptom of a peer) is the
+    # cause: its peers then wait or are stopped. Deterministic, so the cell is never retried for it.
+    failed = [r for r in ranks if r["outcome"] in ("error", "oom")
+              and not {"collective_timeout", "peer_lost"} & set(r["diagnosis"])]
+    if failed:
+        first = failed[0]
+        update.update(
+            outcome=first["outcome"],
+            reason=f"rank {first['rank']} failed: {first['reason']}; the other ranks were stopped",
+            diagnosis={"rank_failure": {"ranks": [r["rank"] for r in failed], "reason": first["reason"],
+                                        "traceback": (first["traceback"] or "")[-2000:], "last_log_lines": first["log_tail"],
+                                        "last_step_per_rank": last_steps}},
         )
         return update
 

@@ -177,12 +177,25 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
     estimate = estimate_cell(spec, model_dir, int(capabilities.get("runtime_baseline_bytes") or 0), capabilities.get("device", "cpu"))
     enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
     verdict = feasibility(spec["axes"]["precision"], target, hardware, estimate["estimate_bytes"]) if target else None
+    verdict = verdict or gpu_shortfall(spec, capabilities)
     return {
         "target": target.name if target else None,
         "budget_bytes": target.memory_bytes if enforced and target else None,
         "estimate": estimate,
         "verdict": verdict,
     }
+
+
+def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
+    """`unsupported` before launch when the cell needs more GPUs than the probe found (a rank without
+    its own GPU fails at set-up with "invalid device ordinal"; a launch would only prove it)."""
+    world = spec["axes"].get("world_size", 1)
+    needed = world * spec["hardware"]["gpus_per_rank"]
+    present = len(capabilities.get("gpus") or [])
+    if capabilities.get("device") != "cuda" or needed <= present:
+        return None
+    return ("unsupported", f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
+                           f"{present} present on this machine")
 
 
 def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
@@ -427,8 +440,8 @@ def _clear_run_files(run_dir: Path) -> None:
 def _infrastructure_fault(result: dict[str, Any]) -> bool:
     """A process that died without writing its facts (signal, lost rank): not a property of the cell's
     settings, so worth one more attempt. Exceptions the worker caught and classified are not retried."""
-    if result["outcome"] != "error":
-        return False
+    if result["outcome"] != "error" or (result.get("diagnosis") or {}).get("rank_failure"):
+        return False  # a rank that reported its own error fails the same way again
     if (result.get("diagnosis") or {}).get("rank_crash"):
         return True
     return result.get("worker_exit_code") not in (0, None) and not (result.get("training") or result.get("precision_plan"))

@@ -21,11 +21,20 @@ class Target:
     precision: dict[str, str]  # fp32/bf16/fp16/tf32 -> native | emulated | absent
 
 
-def _cuda(name: str, gib: int, cc: str) -> Target:
+# What one process can allocate, not the size on the box: the device's total capacity as CUDA reports it
+# to a process (cudaMemGetInfo's total, the "total capacity" in PyTorch's out-of-memory messages; ECC
+# and driver reservations already taken off), minus the CUDA context every process holds. The context
+# is the difference between total and free at the probe's start on an H100 (85,017,493,504 -
+# 84,465,090,560 bytes, tests/data/capabilities-h100.json); the capacities are the figures PyTorch
+# prints for each card (T4 14.74 GiB, L4 22.16 GiB, A100-40GB 39.39 GiB) and, for the H100, the probe's.
+CUDA_CONTEXT_BYTES = 85_017_493_504 - 84_465_090_560
+
+
+def _cuda(name: str, capacity_bytes: int, cc: str) -> Target:
     major = float(cc)
     return Target(
         name=name,
-        memory_bytes=gib * GIB,
+        memory_bytes=capacity_bytes - CUDA_CONTEXT_BYTES,
         compute_capability=cc,
         precision={
             "fp32": "native",
@@ -37,10 +46,10 @@ def _cuda(name: str, gib: int, cc: str) -> Target:
 
 
 TARGETS: dict[str, Target] = {
-    "t4": _cuda("t4", 16, "7.5"),
-    "l4": _cuda("l4", 24, "8.9"),
-    "a100-40g": _cuda("a100-40g", 40, "8.0"),
-    "h100-80g": _cuda("h100-80g", 80, "9.0"),
+    "t4": _cuda("t4", int(14.74 * GIB), "7.5"),  # sold as 16 GB
+    "l4": _cuda("l4", int(22.16 * GIB), "8.9"),  # sold as 24 GB
+    "a100-40g": _cuda("a100-40g", int(39.39 * GIB), "8.0"),
+    "h100-80g": _cuda("h100-80g", 85_017_493_504, "9.0"),  # 79.18 GiB, measured by the probe
 }
 
 

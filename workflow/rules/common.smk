@@ -61,6 +61,11 @@ def get_cell_gpus(wildcards):
     return get_cell(wildcards).world_size * STUDY["hardware"]["gpus_per_rank"]
 
 
+def get_probe_gpus(wildcards):
+    """The probe measures the devices the cells will train on, so it asks for what one rank asks for."""
+    return STUDY["hardware"]["gpus_per_rank"]
+
+
 def get_cell_cpus(wildcards):
     return get_cell(wildcards).world_size * STUDY["train"]["threads"]
 

@@ -8,6 +8,8 @@ rule probe:
         budget_s=STUDY["probe"]["budget_s"],
     log:
         f"{LOGS}/probe.log",
+    resources:
+        gpu=get_probe_gpus,
     conda:
         "../../envs/tunegrid.yaml"
     shell:
