@@ -390,20 +390,34 @@ def run_cell(
         tracker.log_records(pending)
         filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
         result["tracking"] = {"run_id": tracker.run_id, "points_sent_live": tracker.sent_points, "points_filled": filled, "errors": tracker.errors}
-    write_json(result_path, result)
+    # result.json is the job's declared output: it appears last, once everything the job owes (the
+    # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
+    # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
+    staged = run_dir / ".staged" / "result.json"
+    write_json(staged, result)
     if tracker is not None:
-        artifacts = [run_dir / name for name in ARTIFACT_FILES]
+        artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
         artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
         if log_path is not None:
             artifacts.append(log_path)
         tracker.finish({**run_tags(result), "attempts": str(len(attempts))}, artifacts, failed=result["outcome"] == "error", params=result_params(result))
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors
-            write_json(result_path, result)
         from tunegrid.execution import cell_ended
 
         cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
+    _kill_point("before_result")
+    write_json(result_path, result)
+    staged.unlink(missing_ok=True)
     return result
+
+
+def _kill_point(name: str) -> None:
+    """Fault injection for the tests of kills between the job's steps: TUNEGRID_KILL_AT=<name> makes the
+    supervisor SIGKILL itself there (what `kill -9` of the job does at the worst moment)."""
+    if os.environ.get("TUNEGRID_KILL_AT") == name:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str, Any], tracking: dict[str, Any],
