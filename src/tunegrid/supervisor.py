@@ -515,7 +515,10 @@ def _compose_result(
 def _child_env() -> dict[str, str]:
     from tunegrid.config import REPO_ROOT
 
+    from tunegrid.lifeline import SUPERVISOR_PID_ENV
+
     env = dict(os.environ)
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.lifeline)
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

@@ -635,6 +635,9 @@ class CellTrainer:
 
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
+    from tunegrid import lifeline
+
+    lifeline.hold()  # never train on after the supervisor is gone (a kill -9 of the job)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ranks = Ranks.from_env()
     run = rank_dir(Path(run_dir), ranks.rank)

@@ -1,0 +1,70 @@
+"""A worker never outlives its supervisor.
+
+The supervisor (the cell's Snakemake job) may be killed with SIGKILL, which leaves it no chance to stop
+its workers; a worker left running would train on next to the re-run of its own cell. Two guards, set
+at the worker's start:
+
+- Linux `PR_SET_PDEATHSIG`: the kernel sends SIGKILL when the worker's parent dies. For a spawned
+  worker or rank the parent is the supervisor itself.
+- A watchdog thread on the supervisor's pid (its pid is in `SUPERVISOR_PID_ENV`): a worker forked by
+  the warm worker has the warm process as its parent, not the supervisor. The thread waits on a pidfd
+  (no polling, immune to pid reuse) or, where there is none, checks every half second; when the
+  supervisor is gone it kills the worker's whole process group (its session).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import select
+import signal
+import threading
+import time
+
+SUPERVISOR_PID_ENV = "TUNEGRID_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def hold(supervisor_pid: int | None = None) -> None:
+    """Tie this process's life to its parent and to the supervisor's (from the environment). A process
+    that no supervisor started (a worker called in-process, e.g. by a test) is left alone."""
+    pid = supervisor_pid or int(os.environ.get(SUPERVISOR_PID_ENV) or 0)
+    if pid <= 1 or pid == os.getpid():
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if not _alive(pid):  # the supervisor died before the guard was set
+        _die()
+    threading.Thread(target=_watch, args=(pid,), name="supervisor-lifeline", daemon=True).start()
+
+
+def _watch(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        fd = None
+    if fd is not None:
+        select.select([fd], [], [])  # readable once the process has exited
+    else:
+        while _alive(pid):
+            time.sleep(0.5)
+    _die()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _die() -> None:
+    """The supervisor is gone: take this worker and anything it started with it."""
+    with contextlib.suppress(OSError):
+        if os.getpgid(0) == os.getpid():  # the worker leads its own group (its own session)
+            os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,81 @@
+"""A worker never outlives its supervisor: kill -9 of the supervisor's whole tree mid-cell leaves no
+worker (spawned, forked by the warm worker, or a DDP rank) running after 2 s."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, make_study, processes_mentioning
+
+from tunegrid import warm
+from tunegrid.config import cell_spec, expand_cells, resolve_study
+from tunegrid.files import write_json
+
+
+def _start_supervisor(tmp_path: Path, checkpoints, dataset_path, world: int, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0], "world_size": [world]}
+    study = resolve_study(make_study(grid=grid, train={"steps": 100000, "seq_len": 32, "threads": 1, "time_limit_s": 600}))
+    spec = cell_spec(study, expand_cells(study)[0])
+    run_dir = tmp_path / "runs" / spec["cell_id"]
+    write_json(tmp_path / "spec.json", spec)
+    code = (
+        "import json; from pathlib import Path; from tunegrid.supervisor import run_cell\n"
+        f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
+        f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), result_path=Path({str(run_dir / 'result.json')!r}),"
+        " tracking_path=None, capabilities_path=None, log_path=None, command=['tunegrid', 'finetune'])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(REPO / "src")},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # training, by its files
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.poll() is not None else "no progress"
+        time.sleep(0.1)
+    return proc, run_dir
+
+
+def _gone_within(pids_now, seconds: float = 2.0) -> list[str]:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        left = pids_now()
+        if not left:
+            return []
+        time.sleep(0.05)
+    return pids_now()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_spawned_workers_and_ranks_die_with_their_supervisor(checkpoints, dataset_path, tmp_path, world):
+    env = {k: v for k, v in os.environ.items() if k != warm.SOCKET_ENV}
+    proc, run_dir = _start_supervisor(tmp_path, checkpoints, dataset_path, world, env)
+    assert processes_mentioning(run_dir), "the workers are running"
+    os.killpg(proc.pid, signal.SIGKILL)  # the supervisor's whole tree; workers live in sessions of their own
+    proc.wait()
+    left = _gone_within(lambda: processes_mentioning(run_dir))
+    for pid in left:  # a failing run must not leave them training for the rest of the suite
+        os.kill(int(pid), signal.SIGKILL)
+    assert left == []
+
+
+def test_a_worker_forked_by_the_warm_worker_dies_with_its_supervisor(checkpoints, dataset_path, tmp_path):
+    path = warm.socket_path(f"test-lifeline-{os.getpid()}-{time.monotonic_ns()}")
+    warm_proc = warm.start(path, tmp_path / "warm.log")
+    try:
+        proc, run_dir = _start_supervisor(tmp_path, checkpoints, dataset_path, 1, {**os.environ, warm.SOCKET_ENV: str(path)})
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.stdout.read()
+        worker = int(re.search(r"worker (\d+) forked by the warm worker", out).group(1))
+        left = _gone_within(lambda: [str(worker)] if Path(f"/proc/{worker}").exists() and
+                            "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2] else [])
+        if left:
+            os.kill(worker, signal.SIGKILL)
+        assert left == []
+    finally:
+        warm.stop(warm_proc, path)
