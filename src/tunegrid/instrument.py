@@ -108,8 +108,6 @@ class DtypeCensus:
             yield
 
     def _on_grad(self, grad: Any) -> None:
-        if grad is None:  # a branch that received no gradient: nothing flowed, nothing to count
-            return
         self.backward[str(grad.dtype).removeprefix("torch.")] += 1
 
     def as_dict(self) -> dict[str, dict[str, int]]:
@@ -174,8 +172,6 @@ class OriginTracer:
         import torch
 
         def on_grad(grad: Any) -> None:
-            if grad is None:
-                return
             self._order += 1
             if self.backward_origin is None and not bool(torch.isfinite(grad).all()):
                 self.backward_origin = _nonfinite_fact(name, grad.detach(), self._order)

