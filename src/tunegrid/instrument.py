@@ -108,7 +108,8 @@ class DtypeCensus:
             yield
 
     def _on_grad(self, grad: Any) -> None:
-        self.backward[str(grad.dtype).removeprefix("torch.")] += 1
+        # an op without a backward hands its hooks no gradient: count it, do not fail the census
+        self.backward["none" if grad is None else str(grad.dtype).removeprefix("torch.")] += 1
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {"forward": dict(self.forward), "backward": dict(self.backward)}

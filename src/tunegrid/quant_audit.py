@@ -185,3 +185,46 @@ def quantize_experts(model: Any) -> dict[str, Any]:
 def summarize(audit: dict[str, Any]) -> dict[str, Any]:
     """The audit without its per-parameter table: what result.json and MLflow carry."""
     return {k: v for k, v in audit.items() if k != "params"}
+
+
+def disable_cpu_inference_packing(model: Any) -> int:
+    """Stop bitsandbytes from ever repacking this model's 4-bit linears into its CPU inference layout.
+
+    On a CPU with AVX512-BF16, bitsandbytes' Linear4bit.forward converts its weight, in place and for
+    good, to a packed layout (`quant_state.packing_format_for_cpu`) the first time it runs in eval mode on
+    an input that does not require grad -- e.g. a reference forward under no_grad. Every later call,
+    training included, then goes through `gemv_4bit`, which has no backward: the gradient through the
+    frozen base weight is lost (or an in-place bias add fails). The decision reads the per-layer flag
+    `support_avx512bf16_for_cpu` (set from the CPU at construction); clearing it keeps the trainable
+    layout on every host. Returns how many layers were guarded.
+    """
+    from bitsandbytes.nn import Linear4bit
+
+    guarded = 0
+    for module in model.modules():
+        if isinstance(module, Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+            guarded += 1
+    return guarded
+
+
+def inference_packed_layers(model: Any) -> list[str]:
+    """Parameters whose quant state is in bitsandbytes' inference-only CPU layout (no backward through it)."""
+    return [
+        name for name, _m, _p, _t, state in _logical_params(model)
+        if state is not None and getattr(state, "packing_format_for_cpu", False)
+    ]
+
+
+def require_trainable_layout(model: Any) -> None:
+    """Refuse to train a model any of whose 4-bit weights bitsandbytes repacked for inference.
+
+    The conversion is not undone: its inverse re-quantizes block constants that were cast to bf16, so the
+    weights would differ from the ones loaded. A cell with such a layer fails with the layer names.
+    """
+    packed = inference_packed_layers(model)
+    if packed:
+        raise RuntimeError(
+            f"{len(packed)} 4-bit weights are in bitsandbytes' inference-only CPU layout (packing_format_for_cpu), "
+            f"which has no backward, e.g. {packed[0]}; refusing to train with wrong gradients"
+        )

@@ -17,6 +17,8 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,19 @@ from typing import Any
 from tunegrid.files import JsonlAppender, write_json
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
+
+
+# PyTorch's fallback for an op with no autograd kernel (e.g. bitsandbytes' inference-only gemv_4bit) only
+# warns, and the gradient through it is wrong or missing: a cell that sees it must end `error`, never `ok`.
+MISSING_AUTOGRAD_WARNING = r".*an autograd kernel was not registered"
+
+
+@contextlib.contextmanager
+def missing_autograd_fails() -> Iterator[None]:
+    """Turn PyTorch's missing-autograd-kernel warning into an exception (the cell's `error` with its text)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=MISSING_AUTOGRAD_WARNING)
+        yield
 
 
 def classify_exception(exc: BaseException) -> str:
@@ -102,6 +117,12 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if spec["axes"]["quant"] != "none":
+        from tunegrid.quant_audit import disable_cpu_inference_packing
+
+        # before any forward: an eval-mode no_grad forward on an AVX512-BF16 CPU would repack the
+        # 4-bit weights into a layout without backward, for good (see disable_cpu_inference_packing)
+        disable_cpu_inference_packing(model)
     if device.type != "cuda":
         model.to(device)
     return model
@@ -298,6 +319,7 @@ class CellTrainer:
         if report["lora"]["unmatched"]:
             print(f"WARNING: LoRA targets matched nothing: {report['lora']['unmatched']} (peft does not warn)", file=sys.stderr)
         write_json(self.run_dir / "audit.json", report)
+        quant_audit.require_trainable_layout(self.model)  # after every setup forward, before any training
         self.facts["quant_audit"] = {
             "after_load": quant_audit.summarize(report["after_load"]),
             "after_adapters": quant_audit.summarize(report["after_adapters"]),
@@ -627,7 +649,8 @@ def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: st
     ranks = Ranks.from_env()
     run = rank_dir(Path(run_dir), ranks.rank)
     run.mkdir(parents=True, exist_ok=True)
-    facts = CellTrainer(spec, Path(model_dir), Path(data_path), run).run()
+    with missing_autograd_fails():
+        facts = CellTrainer(spec, Path(model_dir), Path(data_path), run).run()
     if ranks.distributed:
         import torch.distributed as dist
 
