@@ -17,6 +17,14 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from machine import device_from_argv  # noqa: E402
+
+if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is imported
+    DEVICE = device_from_argv()
+
+from machine import add_device_argument, describe, machine_facts  # noqa: E402
 
 from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
@@ -72,7 +80,9 @@ def main() -> None:
     parser.add_argument("--study", default=str(REPO / "results" / "default"))
     parser.add_argument("--no-larger", action="store_true")
     parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"))
+    add_device_argument(parser)
     args = parser.parse_args()
+    facts = machine_facts(DEVICE)
 
     rows = []
     study_dir = Path(args.study)
@@ -95,7 +105,8 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "memory_estimate.json", rows)
+    write_json(out / "memory_estimate.json", {"machine": facts, "rows": rows})
+    print(describe(facts))
     header = list(rows[0])
     (out / "memory_estimate.csv").write_text("\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n")
     print(f"{'source':<12}{'cell':<42}{'estimate MiB':>14}{'measured MiB':>14}{'ratio':>8}")

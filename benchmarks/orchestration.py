@@ -13,6 +13,9 @@
 
     python benchmarks/orchestration.py            # all parts; writes results/benchmarks/orchestration.json
     python benchmarks/orchestration.py grid       # one part: orchestration | grid | dag_scale | tracking
+    python benchmarks/orchestration.py orchestration --device cuda   # the cell trains on the GPU
+
+The machine facts (GPU, driver, CUDA, versions) are written beside the figures (machine.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from machine import device_from_argv  # noqa: E402
+
+if __name__ == "__main__":  # --device cpu hides the GPUs from this process and every Snakemake job it starts
+    DEVICE = device_from_argv()
 
 import yaml  # noqa: E402
 from conftest import make_study  # noqa: E402
@@ -170,7 +179,14 @@ PARTS = ("orchestration", "grid", "dag_scale", "tracking")
 
 
 def main() -> None:
-    only = sys.argv[1:] or list(PARTS)  # e.g. `orchestration` or `grid` to run one part
+    import argparse
+
+    from machine import add_device_argument, describe, machine_facts
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("parts", nargs="*", help=f"any of {list(PARTS)} (default: all)")
+    add_device_argument(parser)
+    only = parser.parse_args().parts or list(PARTS)  # e.g. `orchestration` or `grid` to run one part
     unknown = sorted(set(only) - set(PARTS))
     if unknown:
         sys.exit(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
@@ -184,7 +200,9 @@ def main() -> None:
         results["tracking"]["loop_log_share_of_step"] = results["tracking"]["loop_log_cost_s"] / results["orchestration"]["median_step_s"]
     out_dir = REPO / "results" / "benchmarks"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "orchestration.json").write_text(json.dumps(results, indent=2))
+    facts = machine_facts(DEVICE)
+    (out_dir / "orchestration.json").write_text(json.dumps({"machine": facts, **results}, indent=2))
+    print(describe(facts))
     if "dag_scale" in results:
         print("DAG scale (snakemake -n):", ", ".join(f"{n} cells {s:.1f} s" for n, s in results["dag_scale"].items()))
     t = results.get("tracking")
