@@ -99,3 +99,48 @@ def test_snakefile_parse_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'torch imported at parse time'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+def _dry_run(tmp_path, *args):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+                           "-n", "--cores", "1", "all", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    counts = dict(line.split()[:2] for line in done.stdout.splitlines() if line.startswith(("finetune ", "model_checkpoint ")))
+    return {k: int(v) for k, v in counts.items()}
+
+
+def test_a_study_file_is_the_whole_study_and_the_default_applies_only_without_one(tmp_path):
+    import yaml
+
+    study = tmp_path / "one.yaml"
+    study.write_text(yaml.safe_dump({"study": "one", "models": {"m1": {"source": "synthetic", "architecture": "qwen3_moe",
+                                                                          "config": {"hidden_size": 64}}},
+                                     "grid": {"model": ["m1"]}}))
+    assert _dry_run(tmp_path, "--configfile", str(study)) == {"finetune": 1, "model_checkpoint": 1}
+    assert _dry_run(tmp_path)["finetune"] == 36  # no study file: configs/config.yaml
+
+
+def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
+    from tunegrid.config import coerce_overrides
+
+    raw = {"execution": {"warm_worker": "False"}, "train": {"gradient_checkpointing": "true", "steps": "5", "lr": "1e-3"},
+           "grid": {"batch_size": ["2", "4"], "precision": "[fp32, bf16]"}}
+    typed = coerce_overrides(raw)
+    assert typed == {"execution": {"warm_worker": False}, "train": {"gradient_checkpointing": True, "steps": 5, "lr": 0.001},
+                     "grid": {"batch_size": [2, 4], "precision": ["fp32", "bf16"]}}
+    assert resolve_study(make_study(**{"train": {**make_study()["train"], **typed["train"]}}))["train"]["steps"] == 5
+    counts = _dry_run(tmp_path, "--config", "execution={'warm_worker': False}", "train={gradient_checkpointing: true}",
+                      "grid={batch_size: [2]}")
+    assert counts["finetune"] == 18
+
+
+def test_an_override_that_does_not_convert_names_the_key(tmp_path):
+    from tunegrid.config import coerce_overrides
+
+    with pytest.raises(ConfigError, match="train.steps"):
+        resolve_study(make_study(train={"steps": coerce_overrides({"train": {"steps": "many"}})["train"]["steps"]}))

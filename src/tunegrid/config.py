@@ -199,6 +199,66 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no --configfile is given
+
+_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
+
+
+def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
+    """Command-line overrides typed by the schema.
+
+    Snakemake passes nested `--config` values as strings (`train={steps: 5}` arrives as {"steps": "5"}),
+    so each string is converted to the type the schema declares at its key (boolean, integer, number,
+    or a list of those, also from a "[2, 4]" literal). A string that does not convert is left as it is:
+    validation then names the key and what is allowed, as for a study file.
+    """
+    schema = load_schema() if schema is None else schema
+    types = schema.get("type")
+    types = set(types) if isinstance(types, list) else {types} if types else set()
+    if isinstance(values, dict):
+        props = schema.get("properties") or {}
+        extra = schema.get("additionalProperties")
+        return {k: coerce_overrides(v, props.get(k) or (extra if isinstance(extra, dict) else {})) for k, v in values.items()}
+    if isinstance(values, list):
+        return [coerce_overrides(v, schema.get("items") or {}) for v in values]
+    if not isinstance(values, str):
+        return values
+    text = values.strip()
+    if "array" in types and text.startswith("["):
+        try:
+            parsed = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return values
+        return coerce_overrides(parsed, schema) if isinstance(parsed, list) else values
+    if "boolean" in types and text.lower() in _TRUE | _FALSE:
+        return text.lower() in _TRUE
+    if "integer" in types and re.fullmatch(r"[-+]?\d+", text):
+        return int(text)
+    if "number" in types:
+        try:
+            return float(text)
+        except ValueError:
+            return values
+    if "null" in types and text.lower() in {"null", "none", "~"}:
+        return None
+    return values
+
+
+def study_config(config: dict[str, Any], overrides: dict[str, Any], study_files: list[Any]) -> dict[str, Any]:
+    """The study Snakemake should run: the study file(s) given, or the default study when none is,
+    with the command-line overrides (typed by the schema) on top. The schema supplies the rest."""
+    from snakemake.utils import update_config
+
+    base = copy.deepcopy(config) if study_files else _read_yaml(DEFAULT_STUDY_PATH)
+    update_config(base, coerce_overrides(copy.deepcopy(overrides)))
+    return base
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    with open(path) as fh:
+        return yaml.load(fh, Loader=_SAFE_LOADER) or {}
+
+
 def load_study(path: str | Path) -> dict[str, Any]:
     """Read a study YAML and resolve it; a missing or unparsable file is a ConfigError too."""
     path = Path(path)

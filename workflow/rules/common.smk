@@ -11,9 +11,12 @@ from snakemake.utils import validate
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid import warm
-from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
 from tunegrid.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 
+_study = study_config(config, workflow.config_settings.overwrite_config or {}, workflow.overwrite_configfiles or [])
+config.clear()
+config.update(_study)
 try:
     STUDY = resolve_study(config)
 except ConfigError as exc:
