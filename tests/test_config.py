@@ -144,3 +144,28 @@ def test_an_override_that_does_not_convert_names_the_key(tmp_path):
 
     with pytest.raises(ConfigError, match="train.steps"):
         resolve_study(make_study(train={"steps": coerce_overrides({"train": {"steps": "many"}})["train"]["steps"]}))
+
+
+def test_hostile_study_files_fail_fast_with_a_clear_error(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8))
+    cases = {
+        "bomb.yaml": ("study: bomb\n" + bomb, "YAML aliases"),
+        "long.yaml": ("study: long\nmodels: {m: {source: local, path: '" + "p" * 20_000 + "'}}\n", "models.m.path"),
+        "huge.yaml": ("study: huge\n# " + "x" * 2_000_000 + "\n", "a study file is at most"),
+    }
+    for name, (text, expected) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        started = time.time()
+        done = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+                               "-n", "--cores", "1", "all", "--configfile", str(path)], capture_output=True, text=True, timeout=60)
+        out = done.stdout + done.stderr
+        assert done.returncode != 0 and "invalid study config" in out and expected in out, (name, out[-1500:])
+        assert "Traceback" not in out, (name, out[-1500:])
+        assert time.time() - started < 15, name  # generous for a loaded CI host; a bomb walk takes minutes
+        assert not (tmp_path / "results").exists()

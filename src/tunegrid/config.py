@@ -114,6 +114,9 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
 
     Returns a new dict; raises ConfigError with every problem found, one per line.
     """
+    bounds = size_problems(raw)  # before anything walks or copies it: a hostile file must not hang us
+    if bounds:
+        raise ConfigError("invalid study config:\n  - " + "\n  - ".join(bounds))
     config = copy.deepcopy(raw)
     secrets = secret_problems(config)  # first, and alone: other messages may quote values
     if secrets:
@@ -131,6 +134,41 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
 # Token-shaped values: Hugging Face tokens, MLflow/Databricks tokens, generic API keys, bearer secrets.
 SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|dapi[0-9a-f]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,})")
 SECRET_KEY = re.compile(r"(token|password|passwd|secret|api[_-]?key)", re.IGNORECASE)
+
+
+MAX_STUDY_VALUES = 100_000  # values in a study once YAML aliases are expanded (a real study has hundreds)
+MAX_STRING_CHARS = 10_000  # any one string (a path, an id, a description)
+MAX_STUDY_FILE_BYTES = 1_000_000
+
+
+def size_problems(raw: Any) -> list[str]:
+    """Bounds checked without expanding anything: YAML aliases make one object appear many times
+    ("billion laughs": nine levels of ten aliases are 10^9 values), so sizes are counted once per
+    distinct object and multiplied, never walked."""
+    sizes: dict[int, int] = {}
+    long_strings: list[str] = []
+
+    def count(value: Any, key: str) -> int:
+        if id(value) in sizes:
+            return sizes[id(value)]
+        children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        total = 1 + sum(count(v, f"{key}.{k}" if key else str(k)) for k, v in children)
+        if isinstance(value, str) and len(value) > MAX_STRING_CHARS and len(long_strings) < 3:
+            long_strings.append(f"config key '{key}': a string of {len(value):,} characters; the limit is {MAX_STRING_CHARS:,}")
+        sizes[id(value)] = total
+        return total
+
+    total = count(raw, "")
+    problems = list(long_strings)
+    if total > MAX_STUDY_VALUES:
+        problems.append(f"the study expands to {total:,} values (YAML aliases?); the limit is {MAX_STUDY_VALUES:,}: "
+                        "write the study out without nested aliases")
+    return problems
+
+
+def study_file_problems(paths: list[Any]) -> list[str]:
+    return [f"config file {str(p)!r} is {Path(p).stat().st_size:,} bytes; a study file is at most {MAX_STUDY_FILE_BYTES:,}"
+            for p in paths if Path(p).is_file() and Path(p).stat().st_size > MAX_STUDY_FILE_BYTES]
 
 
 def secret_problems(value: Any, key: str = "") -> list[str]:
@@ -249,6 +287,9 @@ def study_config(config: dict[str, Any], overrides: dict[str, Any], study_files:
     with the command-line overrides (typed by the schema) on top. The schema supplies the rest."""
     from snakemake.utils import update_config
 
+    problems = study_file_problems(study_files) + size_problems(config)
+    if problems:
+        raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
     base = copy.deepcopy(config) if study_files else _read_yaml(DEFAULT_STUDY_PATH)
     update_config(base, coerce_overrides(copy.deepcopy(overrides)))
     return base

@@ -14,10 +14,10 @@ from tunegrid import warm
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
 from tunegrid.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 
-_study = study_config(config, workflow.config_settings.overwrite_config or {}, workflow.overwrite_configfiles or [])
-config.clear()
-config.update(_study)
 try:
+    _study = study_config(config, workflow.config_settings.overwrite_config or {}, workflow.overwrite_configfiles or [])
+    config.clear()
+    config.update(_study)
     STUDY = resolve_study(config)
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
