@@ -169,3 +169,10 @@ def test_hostile_study_files_fail_fast_with_a_clear_error(tmp_path):
         assert "Traceback" not in out, (name, out[-1500:])
         assert time.time() - started < 15, name  # generous for a loaded CI host; a bomb walk takes minutes
         assert not (tmp_path / "results").exists()
+
+
+def test_an_unknown_architecture_is_refused_before_any_job_runs():
+    study = make_study()
+    study["models"]["gemma3-hot"]["architecture"] = "not_a_model"
+    with pytest.raises(ConfigError, match=r"models\.gemma3-hot\.architecture.*not_a_model"):
+        resolve_study(study)

@@ -7,6 +7,7 @@ transformers at import time.
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import json
 import os
@@ -187,9 +188,42 @@ def secret_problems(value: Any, key: str = "") -> list[str]:
     return []
 
 
+@functools.cache
+def _registry_fast() -> frozenset[str]:
+    """transformers' model types from its generated mapping file, read without importing transformers
+    (which costs seconds at every Snakefile parse); empty where the file is not there."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    path = Path(spec.origin).parent / "models" / "auto" / "auto_mappings.py" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        return frozenset()
+    loader = importlib.util.spec_from_file_location("_tunegrid_auto_mappings", path)
+    module = importlib.util.module_from_spec(loader)
+    try:
+        loader.loader.exec_module(module)
+        return frozenset(module.CONFIG_MAPPING_NAMES)
+    except Exception:  # noqa: BLE001 — a different layout: the slow path below decides
+        return frozenset()
+
+
+def known_architecture(model_type: str) -> bool:
+    if model_type in _registry_fast():
+        return True
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES  # the full registry (slow)
+
+    return model_type in CONFIG_MAPPING_NAMES
+
+
 def _semantic_problems(config: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     models = config["models"]
+    for name, spec in models.items():
+        if spec["source"] == "synthetic" and not known_architecture(spec["architecture"]):
+            problems.append(
+                f"config key 'models.{name}.architecture': {spec['architecture']!r} is not a model type this "
+                "transformers knows (a config.json `model_type`, e.g. gemma3_text, qwen3_moe, olmoe, llama)"
+            )
     for name in config["grid"]["model"]:
         if name not in models:
             problems.append(
