@@ -25,6 +25,7 @@ rule all:
 
 
 onstart:
+    write_study_file()
     start_warm_worker()
 
 

@@ -176,3 +176,15 @@ def test_an_unknown_architecture_is_refused_before_any_job_runs():
     study["models"]["gemma3-hot"]["architecture"] = "not_a_model"
     with pytest.raises(ConfigError, match=r"models\.gemma3-hot\.architecture.*not_a_model"):
         resolve_study(study)
+
+
+def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+                           "-n", "-p", "--cores", "1", "all", "plan"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    commands = [line for line in done.stdout.splitlines() if "tunegrid.py finetune" in line or "tunegrid.py plan" in line]
+    assert commands and all("--study-file results/default/study.json" in c for c in commands)
+    assert not any('"axes"' in c or "--spec" in c or "--study '" in c for c in commands)

@@ -62,7 +62,9 @@ def _tracking_init(args: argparse.Namespace) -> None:
 def _finetune(args: argparse.Namespace) -> None:
     from tunegrid.supervisor import run_cell
 
-    spec = json.loads(args.spec)
+    from tunegrid.config import study_cell_spec
+
+    spec = study_cell_spec(args.study_file, args.cell) if args.study_file else json.loads(args.spec)
     result = run_cell(
         spec=spec,
         model_dir=Path(args.model_dir),
@@ -116,7 +118,7 @@ def _plan(args: argparse.Namespace) -> None:
     from tunegrid.files import atomic_write_text
     from tunegrid.supervisor import plan_cell
 
-    study = resolve_study(json.loads(args.study))
+    study = resolve_study(read_json(args.study_file))
     capabilities = read_json(args.capabilities)
     rows = []
     for cell in expand_cells(study):
@@ -217,7 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_tracking_init)
 
     p = sub.add_parser("finetune", help="run one grid cell under supervision; always writes result.json")
-    p.add_argument("--spec", required=True, help="the cell's resolved spec as JSON")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--study-file", help="the resolved study (results/<study>/study.json); with --cell")
+    source.add_argument("--spec", help="the cell's resolved spec as JSON (by hand; the workflow passes a file)")
+    p.add_argument("--cell", default="", help="the cell id within --study-file")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--run-dir", required=True)
@@ -249,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_sync)
 
     p = sub.add_parser("plan", help="before training: per cell, the target, the memory estimate and the verdict")
-    p.add_argument("--study", required=True, help="the resolved study config as JSON")
+    p.add_argument("--study-file", required=True, help="the resolved study (results/<study>/study.json)")
     p.add_argument("--capabilities", required=True)
     p.add_argument("--models", required=True, help="folder of the study's checkpoints")
     p.add_argument("--out", required=True)

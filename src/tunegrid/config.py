@@ -375,6 +375,17 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
     }
 
 
+def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
+    """A cell's spec from the resolved study the workflow wrote once (results/<study>/study.json): jobs
+    get a file path and a cell id, never the spec itself on their command line."""
+    with open(study_file) as fh:
+        study = json.load(fh)
+    cells = cells_by_id(study)
+    if cell_id not in cells:
+        raise ConfigError(f"{cell_id!r} is not a cell of study {study['study']!r} ({study_file})")
+    return cell_spec(study, cells[cell_id])
+
+
 def spec_json(spec: dict[str, Any]) -> str:
     """Canonical JSON of a spec: identical config gives identical text (Snakemake's params trigger)."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))

@@ -10,6 +10,15 @@ from pathlib import Path
 from typing import Any
 
 
+def write_text_if_changed(path: str | Path, text: str) -> bool:
+    """Write only when the content differs, so the file's mtime says when it last changed."""
+    path = Path(path)
+    if path.is_file() and path.read_text() == text:
+        return False
+    atomic_write_text(path, text)
+    return True
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write to a temp file in the same folder, fsync, then rename over the target."""
     path = Path(path)

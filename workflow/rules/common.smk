@@ -29,6 +29,9 @@ SCRIPT = str(Path(workflow.basedir) / "scripts" / "tunegrid.py")
 RESULTS = f"results/{STUDY['study']}"
 LOGS = f"results/logs/{STUDY['study']}"
 CELLS = cells_by_id(STUDY)
+# The resolved study, written once per invocation (onstart) for the jobs: they get this path and a cell
+# id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
+STUDY_FILE = f"{RESULTS}/study.json"
 TRACKING = STUDY["tracking"]["enabled"]
 WARM = []  # (process, socket path) of this invocation's warm worker
 
@@ -115,6 +118,13 @@ def start_warm_worker():
     path = warm.socket_path(os.environ[EXECUTION_ENV])
     WARM.append((warm.start(path, Path(f"{LOGS}/warm_worker.log")), path))
     os.environ[warm.SOCKET_ENV] = str(path)
+
+
+def write_study_file():
+    """onstart: the resolved study for the jobs (rewritten only when it changed)."""
+    from tunegrid.files import write_text_if_changed
+
+    write_text_if_changed(STUDY_FILE, spec_json(STUDY))
 
 
 def stop_warm_worker():

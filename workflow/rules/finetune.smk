@@ -9,6 +9,7 @@ rule finetune:
     output:
         result=f"{RESULTS}/runs/{{cell_id}}/result.json",
     params:
+        # not on the command line: here so that a change of the cell's resolved spec re-runs it
         spec=get_cell_spec,
         run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
         # rule + output identify the job across invocations (Snakemake's job ids do not)
@@ -29,7 +30,7 @@ rule finetune:
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     shell:
         f"python {SCRIPT} finetune"
-        " --spec {params.spec:q} --model-dir {input.model}"
+        f" --study-file {STUDY_FILE} --cell {{wildcards.cell_id}} --model-dir {{input.model}}"
         " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
         " --tracking={input.tracking} --capabilities {input.capabilities} --log {log}"
         " --snakemake-job {params.job:q} > {log} 2>&1"

@@ -28,12 +28,11 @@ rule plan:
         plan=f"{RESULTS}/plan.csv",
     params:
         models=lambda wildcards, input: os.path.dirname(input.models[0]),
-        study=json.dumps(STUDY, sort_keys=True),
     log:
         f"{LOGS}/plan.log",
     conda:
         "../../envs/tunegrid.yaml"
     shell:
         f"python {SCRIPT} plan"
-        " --study {params.study:q} --capabilities {input.capabilities} --models {params.models}"
+        f" --study-file {STUDY_FILE} --capabilities {{input.capabilities}} --models {{params.models}}"
         " --out {output.plan} > {log} 2>&1"
