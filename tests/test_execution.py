@@ -76,3 +76,23 @@ def test_a_cell_left_in_flight_is_closed_by_the_hook_as_failed(store):
     assert _parent(uri, run_id).info.status == "FAILED"
     cell_ended(uri, study_dir, "b", "error")  # a straggler reporting after the close changes nothing
     assert _parent(uri, run_id).info.status == "FAILED"
+
+
+def test_the_next_invocation_marks_a_killed_invocations_parent_and_cell_runs_killed(store, monkeypatch):
+    from tunegrid.tracking import CellRun
+
+    uri, experiment_id, study_dir = store
+    killed_parent = parent_run_id(uri, experiment_id, "t", study_dir, cell_id="a")
+    cut = CellRun(uri, experiment_id)
+    cut.start("a", {}, {})  # the cell the kill cut off: its run stays RUNNING
+    monkeypatch.setenv(EXECUTION_ENV, "20261123T010000-2")  # the next snakemake invocation
+    new_parent = parent_run_id(uri, experiment_id, "t", study_dir, cell_id="a")
+    again = CellRun(uri, experiment_id)
+    again.start("a", {}, {})
+    c = client(uri)
+    assert new_parent != killed_parent
+    old = c.get_run(killed_parent)
+    assert old.info.status == "KILLED" and old.data.tags["tunegrid.status"].startswith("killed")
+    superseded = c.get_run(cut.run_id)
+    assert superseded.info.status == "KILLED" and superseded.data.tags["tunegrid.superseded_by"] == again.run_id
+    assert c.get_run(new_parent).info.status == "RUNNING"

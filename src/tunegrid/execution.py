@@ -73,6 +73,7 @@ def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, pro
                 if probe_run_id:
                     tags["probe.run_id"] = probe_run_id
                 run = with_retries(lambda: c.create_run(experiment_id, run_name=f"{study} @ {execution_id}", tags=tags), "parent run")
+                _end_killed_parents(c, experiment_id, execution_id)
                 record = {"run_id": run.info.run_id, "execution_id": execution_id, "started": time.time(),
                           "running": [], "counts": {}, "finished": False}
             elif cell_id and record.get("finished"):
@@ -85,6 +86,16 @@ def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, pro
             record["running"].append(cell_id)
         write_json(record_path, record)
         return str(record["run_id"])
+
+
+def _end_killed_parents(c: Any, experiment_id: str, execution_id: str) -> None:
+    """Parent runs of earlier invocations still RUNNING were cut off (a kill -9 leaves no hook to close
+    them; Snakemake's lock means no two invocations of one study run at once): mark them KILLED."""
+    stale = c.search_runs([experiment_id], filter_string="tags.kind = 'study' and attributes.status = 'RUNNING'")
+    for run in stale:
+        if run.data.tags.get("tunegrid.execution_id") != execution_id:
+            c.set_tag(run.info.run_id, "tunegrid.status", f"killed: its invocation ended without closing it; next invocation {execution_id}")
+            c.set_terminated(run.info.run_id, status="KILLED")
 
 
 def cell_ended(uri: str, study_dir: Path, cell_id: str, outcome: str) -> None:

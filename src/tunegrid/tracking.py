@@ -163,6 +163,9 @@ class CellRun:
         self.run_id = run.info.run_id
         for old in [] if previous is FAILED else previous:
             self._try(lambda o=old: self.client.set_tag(o.info.run_id, "tunegrid.superseded_by", self.run_id), "tag old run")
+            if old.info.status == "RUNNING":  # its job was killed mid-cell: say so, do not leave it running
+                self._try(lambda o=old: self.client.set_tag(o.info.run_id, "tunegrid.ended", "killed: superseded by a re-run"), "tag")
+                self._try(lambda o=old: self.client.set_terminated(o.info.run_id, status="KILLED"), "end old run")
             self._try(lambda o=old: self.client.delete_run(o.info.run_id), "delete superseded run")
         items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):
