@@ -1,3 +1,4 @@
+import re
 from tunegrid.tracking import flatten, metrics_from_records, redact_uri, resolve_tracking_uri
 
 
@@ -24,3 +25,42 @@ def test_metrics_keep_nonfinite_values():
 
 def test_flatten_nested_config():
     assert flatten("", {"a": {"b": 1, "c": [1, 2]}}, {}) == {"a.b": "1", "a.c": "[1, 2]"}
+
+
+def test_every_metric_a_step_writes_or_readme_names_reaches_mlflow():
+    import re
+    from pathlib import Path
+
+    from tunegrid.tracking import METRIC_KEYS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    listed = readme[readme.index("Metrics have the same names in every cell"):]
+    listed = listed[: listed.index(")")]
+    named = set(re.findall(r"`([a-z0-9_]+)`", listed))
+    assert named == set(METRIC_KEYS), f"README names {sorted(named ^ set(METRIC_KEYS))} differently from METRIC_KEYS"
+    train = (Path(__file__).resolve().parents[1] / "src" / "tunegrid" / "train.py").read_text()
+    record = train[train.index("record = {"): train.index("metrics.write(record)")]
+    written = set(re.findall(r'"([a-z0-9_]+)":', record)) | set(re.findall(r'record\["([a-z0-9_]+)"\]', record))
+    assert written - {"step", "time"} <= set(METRIC_KEYS), f"written but not sent to MLflow: {written - set(METRIC_KEYS)}"
+
+
+def test_pyproject_declares_every_third_party_package_the_package_imports():
+    import ast
+    import sys
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    declared = {re.split(r"[<>=\[ ]", d)[0].lower().replace("-", "_")
+                for d in tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]}
+    aliases = {"yaml": "pyyaml", "PIL": "pillow"}
+    imported = set()
+    for path in (repo / "src" / "tunegrid").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "tunegrid"}
+    missing = {m for m in third_party if aliases.get(m, m).lower().replace("-", "_") not in declared}
+    assert not missing, f"imported but not in pyproject's dependencies: {sorted(missing)}"

@@ -19,8 +19,10 @@ from urllib.parse import urlsplit, urlunsplit
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
 METRIC_KEYS = (
-    "loss", "grad_norm", "lr", "tokens_per_s", "mem_peak_bytes", "loss_scale", "skipped_steps", "fp16_headroom_max_ratio",
+    "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mem_peak_bytes", "loss_scale", "skipped_steps",
+    "fp16_headroom_max_ratio",
 )
 CELL_TAG = "tunegrid.cell_id"
 FAILED: Any = object()  # what CellRun._try returns when the store call failed (None is a valid result)
