@@ -162,7 +162,7 @@ def size_problems(raw: Any) -> list[str]:
     total = count(raw, "")
     problems = list(long_strings)
     if total > MAX_STUDY_VALUES:
-        problems.append(f"the study expands to {total:,} values (YAML aliases?); the limit is {MAX_STUDY_VALUES:,}: "
+        problems.append(f"config key '<top level>': the study expands to {total:,} values (YAML aliases?); the limit is {MAX_STUDY_VALUES:,}: "
                         "write the study out without nested aliases")
     return problems
 
