@@ -34,7 +34,7 @@ def hold(supervisor_pid: int | None = None) -> None:
         return
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if not _alive(pid):  # the supervisor died before the guard was set
+    if not alive(pid):  # the supervisor died before the guard was set
         _die()
     threading.Thread(target=_watch, args=(pid,), name="supervisor-lifeline", daemon=True).start()
 
@@ -47,12 +47,13 @@ def _watch(pid: int) -> None:
     if fd is not None:
         select.select([fd], [], [])  # readable once the process has exited
     else:
-        while _alive(pid):
+        while alive(pid):
             time.sleep(0.5)
     _die()
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -28,6 +28,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tunegrid.lifeline import alive
+
 SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
 PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "tunegrid.train", "tunegrid.instrument", "tunegrid.precision")
@@ -121,7 +123,7 @@ def ready_info(path: Path, wait_s: float = 30.0) -> dict[str, Any] | None:
     deadline = time.monotonic() + wait_s
     while not path.exists():
         try:
-            starting = _alive(int(pid_file.read_text()))
+            starting = alive(int(pid_file.read_text()))
         except (OSError, ValueError):
             starting = False
         if not starting or time.monotonic() > deadline:
@@ -239,7 +241,7 @@ class WarmProcess:
         if ready:
             chunk = self.conn.recv(4096)
             if not chunk:  # the warm process died: the worker may still run; it is gone once its pid is
-                if not _alive(self.pid):
+                if not alive(self.pid):
                     self.returncode = -signal.SIGKILL
                     self.conn.close()
                 elif timeout:
@@ -250,16 +252,6 @@ class WarmProcess:
             line, _, self._buffer = self._buffer.partition(b"\n")
             self.returncode = int(json.loads(line)["exit"])
             self.conn.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def fork_worker(path: Path, argv: list[str], env: dict[str, str], wait_ready_s: float = 30.0) -> WarmProcess | None:
@@ -302,10 +294,10 @@ def sweep_stale(directory: Path) -> list[Path]:
     removed = []
     for pid_file in directory.glob(f"tunegrid-{os.getuid()}-*.sock.pid"):
         try:
-            alive = _alive(int(pid_file.read_text()))
+            running = alive(int(pid_file.read_text()))
         except (OSError, ValueError):
-            alive = False
-        if alive:
+            running = False
+        if running:
             continue
         sock = Path(str(pid_file).removesuffix(".pid"))
         for leftover in (sock, Path(str(sock) + ".json"), pid_file):
