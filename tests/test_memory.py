@@ -135,7 +135,9 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
     study = make_study(grid=grid, hardware={"target": "t4", "refuse_emulated": True})
     models = next(iter(checkpoints.values())).parent
     out = tmp_path / "plan.csv"
-    assert main(["plan", "--study", json.dumps(study), "--capabilities", str(capabilities), "--models", str(models), "--out", str(out)]) == 0
+    study_file = tmp_path / "study.json"  # what the workflow writes once per invocation
+    study_file.write_text(json.dumps(study))
+    assert main(["plan", "--study-file", str(study_file), "--capabilities", str(capabilities), "--models", str(models), "--out", str(out)]) == 0
     plan = pd.read_csv(out, keep_default_na=False)
     assert len(plan) == 6
     assert set(plan.loc[plan.precision == "bf16", "verdict"]) == {"unsupported"}
