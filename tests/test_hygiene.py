@@ -9,7 +9,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 # Pointers outside the project (a sibling folder, design notes that do not ship) or to how it was built.
-OUTSIDE = re.compile(r"\.\./shared|CASES\.md|CASES §|DESIGN\.md|STYLE\.md|seed case|(?:were|was)\s+lent|a later issue")
+# (spaces written as [ ] so that this line does not match itself)
+OUTSIDE = re.compile(r"\.\./shared|CASES\.md|CASES[ ]§|DESIGN\.md|STYLE\.md|seed[ ]case|(?:were|was)\s+lent|a[ ]later[ ]issue")
 
 
 def test_no_reference_to_files_outside_the_project() -> None:
@@ -17,7 +18,7 @@ def test_no_reference_to_files_outside_the_project() -> None:
     hits = []
     for name in tracked:
         path = REPO / name
-        if name.startswith(".ci/") or name == "tests/test_hygiene.py" or not path.is_file():
+        if name.startswith(".ci/") or not path.is_file():
             continue
         if path.suffix in {".png", ".parquet", ".db", ".safetensors"}:
             continue
