@@ -408,7 +408,7 @@ def run_cell(
         cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
     _kill_point("before_result")
     write_json(result_path, result)
-    staged.unlink(missing_ok=True)
+    shutil.rmtree(staged.parent, ignore_errors=True)
     return result
 
 
