@@ -30,7 +30,7 @@ from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
 from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 from tunegrid.files import read_json, write_json  # noqa: E402
-from tunegrid.memory_estimate import estimate_cell  # noqa: E402
+from tunegrid.memory_estimate import device_constants, estimate_cell  # noqa: E402
 from tunegrid.probes import probe  # noqa: E402
 from tunegrid.supervisor import run_cell  # noqa: E402
 
@@ -92,8 +92,8 @@ def main() -> None:
         if result["outcome"] != "ok" or not result["memory"].get("peak_bytes"):
             continue
         # re-estimated with the current model, so an improved estimator is judged on the same runs
-        estimate = estimate_cell(result["cell"], study_dir / "models" / result["cell"]["model"]["name"],
-                                 int(capabilities.get("runtime_baseline_bytes") or 0), capabilities.get("device", "cpu"))
+        constants = device_constants(capabilities, result["cell"]["axes"]["precision"])
+        estimate = estimate_cell(result["cell"], study_dir / "models" / result["cell"]["model"]["name"], **constants)
         result["memory"]["estimate_bytes"] = estimate["estimate_bytes"]
         result["memory"]["estimate_over_measured"] = estimate["estimate_bytes"] / result["memory"]["peak_bytes"]
         rows.append(row(result, study_dir.name))

@@ -1,8 +1,9 @@
 """Analytic peak-memory estimate of one cell, before it trains, from the checkpoint and the cell alone.
 
 Reads tensor shapes from the safetensors headers (no weights loaded, no torch) and the model's
-config.json. Components: runtime (a calibrated constant: what the training process holds before the
-model loads, measured by the probe), weights by storage (NF4 ≈ 0.5 B/param plus double-quantized block
+config.json. Components: runtime (what the training process holds beyond its tensors, measured by the
+probe on the machine that trains: on CPU the process before a model plus a step's framework overhead,
+on CUDA the cuBLAS workspaces; nothing here is fitted to one host), weights by storage (NF4 ≈ 0.5 B/param plus double-quantized block
 constants; everything bitsandbytes leaves alone at its own dtype — the MoE experts!), LoRA params with
 their grads and AdamW states, activations kept for backward, and the logits/loss buffers.
 """
@@ -16,10 +17,9 @@ from typing import Any
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 NF4_BLOCK = 64
 DQ_BLOCK = 256  # double quantization: the block absmax values are themselves quantized in blocks of 256
-# Calibrated on this project's CPU runs (2026-11, torch 2.13): what a training process holds beyond the
-# probe's runtime baseline once it has trained a step (autograd engine, oneDNN scratch, tokenizer, data),
-# independent of model size at these scales. Only added where the runtime is counted (CPU).
-CPU_FRAMEWORK_OVERHEAD_BYTES = 32 * 2**20
+# How nf4-experts quantizes the fused expert parameters: after transformers has loaded them at their
+# storage dtype, so the load holds the experts at full width before they shrink.
+EXPERTS_QUANTIZED_AT = "post_load"
 
 
 def tensor_shapes(model_dir: str | Path) -> dict[str, list[int]]:
@@ -49,9 +49,63 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
-def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: int, device: str = "cpu") -> dict[str, Any]:
-    config = _text_config(json.loads((Path(model_dir) / "config.json").read_text()))
-    shapes = tensor_shapes(model_dir)
+def device_constants(capabilities: dict[str, Any], precision: str) -> dict[str, Any]:
+    """The probe's measured constants for a cell in this precision: the process before a model, and what
+    a training step holds beyond its tensors (0 where the probe did not measure them)."""
+    overhead = (capabilities.get("step_overhead_bytes") or {}).get(precision) or 0
+    return {
+        "runtime": int(capabilities.get("runtime_baseline_bytes") or 0),
+        "step_overhead": int(overhead),
+        "device": capabilities.get("device", "cpu"),
+    }
+
+
+def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0) -> dict[str, Any]:
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
+    return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, file_bytes, step_overhead)
+
+
+def _expert_group(name: str, shape: list[int]) -> str:
+    """The module holding an expert tensor: the fused parameter's parent, or for per-expert checkpoint
+    tensors (layers.N.mlp.experts.M.proj.weight) the experts module above the expert index."""
+    parts = name.split(".")
+    if len(shape) >= 3:
+        return ".".join(parts[:-1])
+    digits = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[: digits[-1]])
+
+
+def _fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], storage: int) -> int:
+    """The largest fused expert tensor transformers builds while loading: per-expert checkpoint tensors
+    of one layer that share a shape are concatenated into one 3-D parameter (gate and up together)."""
+    groups: dict[tuple[str, tuple[int, ...]], int] = {}
+    for name in expert_names:
+        shape = shapes[name]
+        key = (name if len(shape) >= 3 else _expert_group(name, shape), tuple(shape))
+        groups[key] = groups.get(key, 0) + _numel(shape) * storage
+    return max(groups.values(), default=0)
+
+
+def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str]) -> int:
+    """Elements of the largest experts module: what dequantizing one MoE layer's experts materializes."""
+    layers: dict[str, int] = {}
+    for name in expert_names:
+        group = _expert_group(name, shapes[name])
+        layers[group] = layers.get(group, 0) + _numel(shapes[name])
+    return max(layers.values(), default=0)
+
+
+def estimate_from_shapes(
+    spec: dict[str, Any],
+    config: dict[str, Any],
+    shapes: dict[str, list[int]],
+    runtime: int,
+    device: str = "cpu",
+    file_bytes: int = 0,
+    step_overhead: int = 0,
+) -> dict[str, Any]:
+    config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
     storage = DTYPE_BYTES[axes["precision"]]
     vocab = int(config["vocab_size"])
@@ -62,6 +116,9 @@ def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: in
     quantized_numel = 0
     lora_params = 0
     largest_dequant = 0
+    expert_names: set[str] = set()
+    experts_full = 0.0  # expert bytes at storage dtype, and as they end up after quantization
+    experts_final = 0.0
     # Checkpoints keep MoE experts per expert on disk (layers.N.mlp.experts.M.*); transformers v5 fuses
     # them into 3-D parameters at load, which bitsandbytes' 4-bit load then skips. So an expert is a
     # tensor nested under two indices in a model whose config has experts, or one that is already ≥3-D.
@@ -73,6 +130,9 @@ def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: in
         expert = len(shape) >= 3 or (moe and sum(part.isdigit() for part in name.split(".")) >= 2)
         if expert:
             quantized = axes["quant"] == "nf4-experts"
+            expert_names.add(name)
+            experts_full += numel * storage
+            experts_final += nf4_bytes(numel) if quantized else numel * storage
         else:
             quantized = axes["quant"] != "none" and not embedding and len(shape) == 2 and name.endswith(".weight")
         full_width += numel * storage
@@ -103,15 +163,26 @@ def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: in
     else:
         activations = layers * per_layer
     logits = tokens * vocab * 4 * 3  # fp32 logits, log-softmax and its gradient
-    # bitsandbytes dequantizes a 4-bit weight for each matmul; its CPU path keeps those copies for backward.
-    dequant = quantized_numel * act if device == "cpu" else largest_dequant * act
-    if runtime_bytes:
-        runtime_bytes += CPU_FRAMEWORK_OVERHEAD_BYTES
-    file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
-    # Loading: safetensors pages are mapped (counted in RSS on CPU) while the tensors are materialized at
-    # their storage dtype, and a 4-bit load holds both those and the quantized result.
-    load = runtime_bytes + (0.5 * file_bytes if device == "cpu" else 0) + full_width + (weights if quantized_numel else 0)
-    train_peak = runtime_bytes + weights + lora_bytes + activations + logits + dequant
+    # bitsandbytes dequantizes a 4-bit weight for each matmul. Its CPU path keeps those copies for backward;
+    # on CUDA one layer's copies live at a time (a Linear's weight, or all of an MoE layer's experts), and
+    # they are gone by the time the logits are built, so the step peaks at the larger of the two.
+    if device == "cpu":
+        dequant = quantized_numel * act
+    else:
+        experts_numel = _largest_layer_experts(shapes, expert_names) if axes["quant"] == "nf4-experts" else 0
+        dequant = max(largest_dequant, experts_numel) * act
+    # Loading. Experts quantized after the load exist at full width until then.
+    at_load = weights + (experts_full - experts_final if EXPERTS_QUANTIZED_AT == "post_load" else 0)
+    if device == "cpu":
+        # safetensors pages are mapped (counted in RSS) while the tensors are materialized at their
+        # storage dtype, and a 4-bit load holds both those and the quantized result
+        load = runtime + 0.5 * file_bytes + full_width + (weights if quantized_numel else 0)
+    else:
+        # tensors go to the device one at a time, quantized as they arrive where bitsandbytes replaces
+        # the layer; fusing per-expert tensors into a 3-D parameter holds the parts and the whole at once
+        load = runtime + at_load + _fused_expert_bytes(shapes, expert_names, storage)
+    transient = logits + dequant if device == "cpu" else max(logits, dequant)
+    train_peak = runtime + step_overhead + weights + lora_bytes + activations + transient
     total = max(load, train_peak)
     return {
         "estimate_bytes": int(total),
@@ -119,7 +190,7 @@ def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime_bytes: in
         "load_bytes": int(load),
         "step_bytes": int(train_peak),
         "components": {
-            "runtime": int(runtime_bytes),
+            "runtime": int(runtime + step_overhead),
             "weights": int(weights),
             "lora_params_grads_optimizer": int(lora_bytes),
             "activations": int(activations),

@@ -117,6 +117,49 @@ def runtime_baseline_bytes() -> int:
     return MemoryMeter("cpu").current_bytes()
 
 
+def step_overhead_bytes(device: str) -> dict[str, int]:
+    """What one training step holds beyond its own tensors, per precision: the device constant the
+    memory estimate adds to a cell's tensors. On CUDA, the cuBLAS workspaces that stay allocated once
+    the forward's thread and autograd's thread have each run a matmul (32 MiB each on Hopper with
+    torch's defaults); on CPU, the autograd engine, allocator arenas and oneDNN scratch (larger where
+    bf16/fp16 matmuls go through AMX). Measured with a small MLP step under autocast, as cells train.
+    Run it before any other benchmark: on CUDA the workspaces it measures are created only once."""
+    import torch
+
+    from tunegrid.instrument import MemoryMeter
+
+    meter = MemoryMeter(device)
+    width, tokens, depth = 256, 512, 4
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, device=device) for _ in range(depth)])
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(tokens, width, device=device)
+    params = sum(p.numel() for p in model.parameters())
+    # the step's own tensors at its peak: params, grads, two AdamW moments, the input, saved activations
+    own = 4 * (4 * params + batch.numel() + 2 * depth * tokens * width)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    base = meter.current_bytes()
+    measured: dict[str, int] = {}
+    for name, dtype in (("fp32", None), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        meter.reset()
+        try:
+            with torch.autocast(device, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = model(batch).float().square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            del loss
+        except RuntimeError:  # a precision this device cannot run: no constant, the estimate uses 0
+            continue
+        if device == "cuda":
+            torch.cuda.synchronize()
+            measured[name] = max(0, meter.current_bytes() - base - 4 * 3 * params)  # workspaces persist
+        else:
+            measured[name] = max(0, meter.peak_bytes() - base - own)
+    return measured
+
+
 def memory_bandwidth_gbs(device: str, budget_s: float) -> float | None:
     """Median device-memory copy bandwidth (read + write bytes per second)."""
     import torch
@@ -225,6 +268,7 @@ def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[
     on_cuda = torch.cuda.is_available()
     gpus = gpu_inventory() if on_cuda else []
     device = "cuda" if on_cuda else "cpu"
+    overhead = step_overhead_bytes(device)  # before the benchmarks create the workspaces it measures
     size = 8192 if on_cuda else 512  # at 4096^3 an H100 reads ~10 % under its bf16 peak; 8192^3 takes ~1.4 ms there
     dtypes = ("float32", "bfloat16", "float16")
     per_dtype = budget_s / (4 * len(dtypes))
@@ -240,6 +284,7 @@ def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[
         "allreduce": allreduce_busbw(world_sizes or [], on_cuda, len(gpus)),
         "torch_threads": torch.get_num_threads(),
         "runtime_baseline_bytes": baseline if not on_cuda else 0,
+        "step_overhead_bytes": overhead,
         "bitsandbytes": bitsandbytes_backend(),
         "versions": {
             "torch": torch.__version__,

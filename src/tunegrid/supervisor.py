@@ -169,12 +169,12 @@ def result_params(result: dict[str, Any]) -> dict[str, str]:
 
 def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> dict[str, Any]:
     """Before training: the target, its memory budget, the memory estimate and whether to train at all."""
-    from tunegrid.memory_estimate import estimate_cell
+    from tunegrid.memory_estimate import device_constants, estimate_cell
     from tunegrid.targets import feasibility, resolve_target
 
     hardware = spec["hardware"]
     target = resolve_target(hardware, capabilities) if capabilities else None
-    estimate = estimate_cell(spec, model_dir, int(capabilities.get("runtime_baseline_bytes") or 0), capabilities.get("device", "cpu"))
+    estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, spec["axes"]["precision"]))
     enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
     verdict = feasibility(spec["axes"]["precision"], target, hardware, estimate["estimate_bytes"]) if target else None
     verdict = verdict or gpu_shortfall(spec, capabilities)

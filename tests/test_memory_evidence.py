@@ -1,0 +1,63 @@
+"""The memory estimate replayed against peaks recorded on a GPU.
+
+`data/evidence-h100-memory.json` holds, for every cell of three studies run on one NVIDIA H100 80GB HBM3
+(torch 2.11.0+cu130, transformers 5.17/5.23, bitsandbytes 0.50.2; see `recorded_on` in the file), the
+cell's spec and the allocator peaks its run measured. The test rebuilds each cell's model on the meta
+device from its config (no weights, no GPU), estimates it with the device constants of the H100's probe
+record (`data/capabilities-h100.json`), and compares with what the GPU measured.
+
+The probe record's `step_overhead_bytes` is what `probes.step_overhead_bytes` measures on sm90 with torch's
+defaults: one 32 MiB cuBLAS workspace per thread that runs matmuls (the forward's and autograd's); the
+recorded probe predates that field, so the GPU suite (`test_gpu.py`) checks the measurement itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tunegrid.memory_estimate import device_constants, estimate_from_shapes
+
+DATA = Path(__file__).parent / "data"
+EVIDENCE = json.loads((DATA / "evidence-h100-memory.json").read_text())
+CAPABILITIES = json.loads((DATA / "capabilities-h100.json").read_text())
+CELLS = [(name, cell) for name, study in EVIDENCE["studies"].items() for cell in study["cells"] if cell["outcome"] == "ok"]
+_SHAPES: dict[str, tuple[dict, dict]] = {}
+
+
+def _meta_model(model: dict) -> tuple[dict, dict]:
+    """config.json and parameter shapes of a synthetic checkpoint, built on the meta device."""
+    key = json.dumps(model, sort_keys=True)
+    if key not in _SHAPES:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(model["architecture"], **model["config"])
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config)
+        # named_parameters counts a tied LM head once, as the checkpoint stores it
+        _SHAPES[key] = (config.to_dict(), {name: list(p.shape) for name, p in built.named_parameters()})
+    return _SHAPES[key]
+
+
+def test_evidence_covers_dense_and_moe_cells_at_tiny_and_real_width():
+    studies = {name for name, _ in CELLS}
+    assert studies == {"default", "moe-qlora-memory-synthetic", "olmoe-full"}
+    assert len(CELLS) == 33 + 12 + 2
+    assert {cell["spec"]["axes"]["quant"] for _, cell in CELLS} == {"none", "nf4", "nf4-experts"}
+
+
+@pytest.mark.parametrize("study,cell", CELLS, ids=[cell["spec"]["cell_id"] for _, cell in CELLS])
+def test_estimate_matches_the_recorded_gpu_peak(study, cell):
+    spec = cell["spec"]
+    config, shapes = _meta_model(spec["model"])
+    constants = device_constants(CAPABILITIES, spec["axes"]["precision"])
+    assert constants["device"] == "cuda" and constants["step_overhead"] > 0
+    estimate = estimate_from_shapes(spec, config, shapes, **constants)
+    ratio = estimate["estimate_bytes"] / cell["peak_bytes"]
+    assert 0.9 <= ratio <= 1.1, f"{spec['cell_id']}: estimate/measured {ratio:.3f} ({estimate['stage']}: {estimate['components']})"
+    # where the load is the peak (bf16 experts before quantization), the estimate says so
+    if cell["load_peak_bytes"] >= cell["steady_peak_bytes"] * 1.02:
+        assert estimate["stage"] == "load", spec["cell_id"]
