@@ -47,10 +47,12 @@ def _grep_tree(root: Path, needles: list[str]) -> list[str]:
 @pytest.mark.slow
 def test_sigkill_of_the_whole_tree_then_plain_rerun_completes(tmp_path):
     grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none", "nf4"], "seed": [0, 1]}
-    # Long enough that a fast host is still training when a cell has settled (seen: 60 steps finished the
-    # whole grid in 21.7 s, before the kill); the kill itself is timed by the files, never by a sleep.
-    steps = 400
-    study = make_study(study="kill", grid=grid, train={"steps": steps, "seq_len": 32})
+    # Every cell pauses 8 s at step 30 (an injected straggler), so on a host of any speed the next cell is
+    # still mid-training when a finished one has settled (seen: a fast host ran a 60-step grid in 21.7 s,
+    # before the kill); the kill itself is timed by the files, never by a sleep.
+    steps = 40
+    study = make_study(study="kill", grid=grid, train={"steps": steps, "seq_len": 32},
+                       debug={"stall_rank": {"rank": 0, "step": 30, "seconds": 8}})
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump(study))
     runs = tmp_path / "results" / "kill" / "runs"

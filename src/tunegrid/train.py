@@ -231,9 +231,9 @@ class CellTrainer:
         debug = self.spec.get("debug") or {}
         stall, kill = debug.get("stall_rank") or {}, debug.get("kill_rank") or {}
         if stall.get("rank") == self.ranks.rank and stall.get("step") == step and stall.get("seconds", 0) > 0:
-            self.heartbeat.beat(f"step {step} stalled before its all-reduce (injected, {stall['seconds']} s)")
+            self.heartbeat.beat(f"step {step} stalled (injected, {stall['seconds']} s)")
             time.sleep(stall["seconds"])
-            self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
+            self.heartbeat.beat(f"step {step} forward+backward")
         if kill.get("rank") == self.ranks.rank and kill.get("step") == step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -374,7 +374,7 @@ class CellTrainer:
         scaler = self.scaler
         if self.ranks.distributed:
             self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
-            self.inject_rank_faults(step)
+        self.inject_rank_faults(step)  # a single rank too: a slow step or a crashed worker, on purpose
         fact: dict[str, Any] = {"rng_state": torch.get_rng_state(), "scale": scaler.get_scale() if scaler is not None else None}
         self.meter.reset()
         started = time.perf_counter()
