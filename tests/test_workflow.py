@@ -90,7 +90,7 @@ def test_tiny_study_end_to_end(finished_study):
     for cell_id, run in by_cell.items():
         row = summary.set_index("cell_id").loc[cell_id]
         assert run.info.run_name == cell_id
-        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.data.tags["tunegrid.invocation"] == parent.info.run_id
         assert run.data.tags["outcome"] == row["outcome"]
         for axis in ("model", "precision", "batch_size", "quant", "seed"):
             assert run.data.tags[axis] == str(row[axis])
@@ -138,11 +138,15 @@ def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_s
     nan = recs["nan:fp16"]
     assert nan["failing"] == ["gemma3-hot_fp16_bs8_none_s0"]
     assert "gemma3-hot_fp32_bs8_none_s0" in nan["evidence"]
-    assert nan["fix"]["precision"] == "fp32" and "layers.0.mlp" in nan["text"]
+    assert nan["fixes"][0]["change"] == {"precision": "fp32"} and "layers.0.mlp" in nan["text"]
+    assert all(len(fix["change"]) == 1 for rec in recs.values() for fix in rec["fixes"])  # alternatives stay apart
     gap = recs["moe_expert_gap"]
-    assert gap["failing"] == ["qwen3moe-tiny_fp16_bs8_nf4_s0", "qwen3moe-tiny_fp32_bs8_nf4_s0"]
+    assert gap["failing"] == []  # the plain-4-bit cells trained: they are what the advice concerns, not failures
+    assert gap["concerns"] == ["qwen3moe-tiny_fp16_bs8_nf4_s0", "qwen3moe-tiny_fp32_bs8_nf4_s0"]
     assert gap["evidence"] == ["qwen3moe-tiny_fp16_bs8_nf4-experts_s0", "qwen3moe-tiny_fp32_bs8_nf4-experts_s0"]
-    assert gap["fix"] == {"quant": "nf4-experts"}
+    peaks = summary.set_index("cell_id")["peak_bytes"]
+    fell = all(peaks[e] < peaks[c] for c, e in zip(gap["concerns"], gap["evidence"]))
+    assert gap["fixes"] == ([{"change": {"quant": "nf4-experts"}, "why": "quantize the experts too", "evidence": gap["evidence"]}] if fell else [])
     # every cited cell exists, and evidence cells are ok
     by_id = summary.set_index("cell_id")
     for rec in recs.values():
@@ -164,7 +168,7 @@ def test_mlflow_server_rest_api_serves_every_cell(finished_study):
         assert len(cells) == len(summary)
         for run in cells:
             tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
-            assert {"model", "precision", "batch_size", "quant", "outcome", "env.transformers", "mlflow.parentRunId"} <= set(tags)
+            assert {"model", "precision", "batch_size", "quant", "outcome", "env.transformers", "tunegrid.invocation"} <= set(tags)
             history = rest(url, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=loss", method="GET")["metrics"]
             assert len(history) == int(summary.set_index("cell_id").loc[run["info"]["run_name"], "steps_run"])
 
@@ -202,4 +206,4 @@ def test_rerun_of_one_cell_supersedes_its_run(finished_study):
     assert c.get_run(old.info.run_id).data.tags["tunegrid.superseded_by"] == current[0].info.run_id
     parents = c.search_runs([experiment.experiment_id], filter_string="tags.kind = 'study'")
     assert len(parents) == 2 and parents[0].data.tags["cells.total"] == "1"
-    assert current[0].data.tags["mlflow.parentRunId"] == parents[0].info.run_id
+    assert current[0].data.tags["tunegrid.invocation"] == parents[0].info.run_id

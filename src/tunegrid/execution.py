@@ -1,4 +1,7 @@
-"""A parent MLflow run per study execution (one `snakemake` invocation), the cells nested under it.
+"""A parent MLflow run per study execution (one `snakemake` invocation), its cells linked to it by tag.
+
+The cells are top-level runs (tag `tunegrid.invocation` = the parent's run id), not nested: MLflow's runs
+page collapses nested runs under their parent, so a user filtering for the failed cells would see none.
 
 The Snakefile puts an execution id into the environment at parse time (inherited by local jobs and by
 SLURM jobs, which sbatch exports the environment to); the first cell of the execution creates the
@@ -25,7 +28,7 @@ from tunegrid.files import read_json, write_json
 
 EXECUTION_ENV = "TUNEGRID_EXECUTION_ID"
 COMMAND_ENV = "TUNEGRID_SNAKEMAKE_COMMAND"
-PARENT_TAG = "mlflow.parentRunId"
+INVOCATION_TAG = "tunegrid.invocation"  # on each cell run: the run id of its invocation
 
 
 def new_execution_id() -> str:
@@ -34,6 +37,15 @@ def new_execution_id() -> str:
 
 def current_execution_id() -> str:
     return os.environ.get(EXECUTION_ENV, "")
+
+
+def execution_started(execution_id: str) -> float | None:
+    """When the invocation began (its id starts with the local time it was parsed at), so its run's
+    duration is the invocation's, not the span between its first and last cell."""
+    try:
+        return time.mktime(time.strptime(execution_id.split("-")[0], "%Y%m%dT%H%M%S"))
+    except ValueError:
+        return None
 
 
 def _current_record(study_dir: Path) -> Path | None:
@@ -72,7 +84,10 @@ def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, pro
                 }
                 if probe_run_id:
                     tags["probe.run_id"] = probe_run_id
-                run = with_retries(lambda: c.create_run(experiment_id, run_name=f"{study} @ {execution_id}", tags=tags), "parent run")
+                started = execution_started(execution_id)
+                start_ms = int(started * 1000) if started else None
+                run = with_retries(lambda: c.create_run(experiment_id, start_time=start_ms, run_name=f"{study} @ {execution_id}", tags=tags),
+                                   "parent run")
                 _end_killed_parents(c, experiment_id, execution_id)
                 record = {"run_id": run.info.run_id, "execution_id": execution_id, "started": time.time(),
                           "running": [], "counts": {}, "finished": False}
@@ -168,7 +183,7 @@ def close_execution(uri: str, experiment_id: str, study_dir: Path, status: str, 
     run_id = record["run_id"]
     c = client(uri)
     children = with_retries(
-        lambda: c.search_runs([experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'", max_results=50000),
+        lambda: c.search_runs([experiment_id], filter_string=f"tags.`{INVOCATION_TAG}` = '{run_id}'", max_results=50000),
         "children",
     )
     counts: dict[str, int] = {}

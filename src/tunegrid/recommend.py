@@ -2,7 +2,9 @@
 
 Every recommendation names the cells that failed and the cells that prove the fix (same model and
 every other axis equal, one setting changed, outcome ok). A fix the grid has not run is never
-suggested: where no sibling cell supports a fix, the failure stays in the failures table only.
+suggested: where no sibling cell supports a fix, the failure stays in the failures table only. Each
+alternative is a fix of its own (one changed setting, its reason and its evidence), and a change is
+never recommended for a goal the grid's own measurements contradict (a memory fix whose peaks rose).
 """
 
 from __future__ import annotations
@@ -12,9 +14,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tunegrid.targets import TARGETS
+from tunegrid.units import human_bytes
 
 AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size")
 EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
+
+
+@dataclass
+class Fix:
+    """One alternative: the settings to change, why, and the ok cells that show it working."""
+
+    change: dict[str, Any]  # axis -> value
+    why: str
+    evidence: list[str]
 
 
 @dataclass
@@ -22,9 +34,10 @@ class Recommendation:
     signature: str  # what failed, e.g. "nan:fp16"
     title: str
     text: str
-    failing: list[str]
+    failing: list[str]  # cells that did not end ok
     evidence: list[str]
-    fix: dict[str, Any] = field(default_factory=dict)  # the setting to change: axis -> value
+    fixes: list[Fix] = field(default_factory=list)  # alternatives, each on its own; empty = a finding only
+    concerns: list[str] = field(default_factory=list)  # cells the advice is about, failed or not
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,17 +64,6 @@ def precision_support(target: str | None, capabilities: dict[str, Any]) -> dict[
     if target and target in TARGETS:
         return dict(TARGETS[target].precision)
     return dict(capabilities.get("precision") or {})
-
-
-def _bytes(value: Any) -> str:
-    if value is None or value != value:
-        return "n/a"
-    size = float(value)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
-        size /= 1024
-    return f"{size:.2f} GiB"
 
 
 def _short(module: Any) -> str:
@@ -97,10 +99,10 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
         where = _short(first["nan_forward_module"] or first["nan_backward_module"])
         direction = "forward" if first["nan_forward_module"] else "backward"
         parts = [
-            f"{model} in {precision} went non-finite ({first['nan_kind']}) in {len(rows)} cell(s), first at step "
+            f"{model} in {precision} went non-finite{_paren(first['nan_kind'])} in {len(rows)} cell(s), first at step "
             f"{int(first['nan_step'])}; the first non-finite output in the {direction} pass was {where}."
         ]
-        options, evidence, fix = [], [], {}
+        options, evidence, fixes = [], [], []
         for alt in ("bf16", "fp32", "fp16"):
             cells = sorted(by_precision.get(alt, ()))
             if not cells:
@@ -110,7 +112,7 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             where_target = f"target {target}" if target and target != "native" else "this machine"
             if native:
                 options.append(f"switch to {alt}: the same cells in {alt} trained without a non-finite step")
-                fix.setdefault("precision", alt)
+                fixes.append(Fix({"precision": alt}, options[-1], cells))
             else:
                 parts.append(
                     f"The same cells in {alt} were ok, but {where_target} has {support.get(alt, 'no')} {alt}"
@@ -121,15 +123,16 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             cells = sorted(by_batch[batch])
             evidence += cells
             options.append(f"keep {precision} with batch_size {batch} (ok in {precision})")
-            fix.setdefault("batch_size", batch)
+            fixes.append(Fix({"batch_size": batch}, options[-1], cells))
         for quant, cells in sorted(by_quant.items()):
             evidence += sorted(cells)
             options.append(f"keep {precision} with quant={quant} (ok in {precision}; it changes the weights the overflow came from)")
-            fix.setdefault("quant", quant)
+            fixes.append(Fix({"quant": quant}, options[-1], sorted(cells)))
         if not options:
             continue
         parts.append("Fix: " + "; or ".join(options) + ".")
-        if precision == "fp16" and "fp32" not in fix.get("precision", "") and support.get("bf16") != "native":
+        first_fix = fixes[0].change.get("precision", "") if fixes else ""
+        if precision == "fp16" and first_fix != "fp32" and support.get("bf16") != "native":
             parts.append("On a target without native bf16, fp32 costs about twice the activation memory of fp16.")
         out.append(
             Recommendation(
@@ -138,7 +141,8 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
                 text=" ".join(parts),
                 failing=sorted(r["cell_id"] for r in rows),
                 evidence=sorted(set(evidence)),
-                fix=fix,
+                fixes=fixes,
+                concerns=sorted(r["cell_id"] for r in rows),
             )
         )
     return out
@@ -159,48 +163,66 @@ def _expert_gap(frame: Any) -> list[Recommendation]:
     for model, members in pairs.items():
         row, sib = members[0]
         shares = [float(r["flagged_share"]) for r, _ in members]
-        peak_cuts = [f"{_bytes(r['peak_bytes'])} -> {_bytes(s['peak_bytes'])} ({r['precision']}, bs {int(r['batch_size'])})" for r, s in members]
-        failed = [f"{r['cell_id']} ended {r['outcome']}" for r, _ in members if r["outcome"] != "ok"]
+        peak_pairs = [f"{human_bytes(r['peak_bytes'])} -> {human_bytes(s['peak_bytes'])} ({r['precision']}, bs {int(r['batch_size'])})" for r, s in members]
+        failed = [r for r, _ in members if r["outcome"] != "ok"]
+        # the goal is memory: recommend only where the twins' peaks show it (or a plain-4-bit cell failed and its twin ran)
+        peaks_fell = all(_number(s["peak_bytes"]) < _number(r["peak_bytes"]) for r, s in members if r["outcome"] == "ok")
         text = (
             f"Plain 4-bit loading left {int(row['flagged_tensors'])} tensor(s) in full precision: "
             f"{min(shares):.0%}-{max(shares):.0%} of the weight bytes. bitsandbytes only replaces nn.Linear, and "
             f"transformers v5 keeps fused experts as 3-D parameters. quant=nf4-experts cut the weights from "
-            f"{_bytes(row['weight_bytes'])} to {_bytes(sib['weight_bytes'])} ({row['cell_id']} vs {sib['cell_id']}); "
-            f"measured peaks: " + "; ".join(peak_cuts) + "."
+            f"{human_bytes(row['weight_bytes'])} to {human_bytes(sib['weight_bytes'])} ({row['cell_id']} vs {sib['cell_id']}); "
+            f"measured peaks: " + "; ".join(peak_pairs) + "."
         )
         if failed:
-            text = "; ".join(failed) + ", its nf4-experts twin was ok. " + text
+            text = "; ".join(f"{r['cell_id']} ended {r['outcome']}" for r in failed) + ", its nf4-experts twin was ok. " + text
+        evidence = sorted(s["cell_id"] for _, s in members)
+        if peaks_fell or failed:
+            title, fixes = f"{model}: experts not quantized by plain 4-bit", [Fix({"quant": "nf4-experts"}, "quantize the experts too", evidence)]
+        else:
+            title, fixes = f"{model}: nf4-experts shrinks the weights, but the peaks did not fall here", []
+            text += " Not recommended for memory on this machine: the whole-process peak is set by something else here."
         out.append(
             Recommendation(
                 signature="moe_expert_gap",
-                title=f"{model}: experts not quantized by plain 4-bit",
+                title=title,
                 text=text,
-                failing=sorted(r["cell_id"] for r, _ in members),
-                evidence=sorted(s["cell_id"] for _, s in members),
-                fix={"quant": "nf4-experts"},
+                failing=sorted(r["cell_id"] for r in failed),
+                evidence=evidence,
+                fixes=fixes,
+                concerns=sorted(r["cell_id"] for r, _ in members),
             )
         )
     return out
 
 
+def _paren(value: Any) -> str:
+    """ " (value)", or nothing for an empty value: no "()" in what a person reads."""
+    return f" ({value})" if value is not None and value == value and str(value) else ""
+
+
+def _number(value: Any) -> float:
+    return float(value) if value is not None and value == value else float("inf")
+
+
 def _memory_fixes(frame: Any) -> list[Recommendation]:
     out = []
     for _, row in frame[frame["outcome"].isin(["oom", "predicted_oom"])].iterrows():
-        options, evidence, fix = [], [], {}
+        options, evidence, fixes = [], [], []
         smaller = _ok(siblings(frame, row, "batch_size"))
         smaller = smaller[smaller["batch_size"] < row["batch_size"]]
         if not smaller.empty:
             best = smaller.sort_values("batch_size").iloc[-1]
-            options.append(f"batch_size {int(best['batch_size'])} fits (peak {_bytes(best['peak_bytes'])})")
+            options.append(f"batch_size {int(best['batch_size'])} fits (peak {human_bytes(best['peak_bytes'])})")
             evidence.append(best["cell_id"])
-            fix["batch_size"] = int(best["batch_size"])
+            fixes.append(Fix({"batch_size": int(best["batch_size"])}, options[-1], [best["cell_id"]]))
         for quant in ("nf4-experts", "nf4"):
             alt = _ok(siblings(frame, row, "quant"))
             alt = alt[alt["quant"] == quant]
             if not alt.empty:
-                options.append(f"quant={quant} fits (peak {_bytes(alt.iloc[0]['peak_bytes'])})")
+                options.append(f"quant={quant} fits (peak {human_bytes(alt.iloc[0]['peak_bytes'])})")
                 evidence.append(alt.iloc[0]["cell_id"])
-                fix.setdefault("quant", quant)
+                fixes.append(Fix({"quant": quant}, options[-1], [alt.iloc[0]["cell_id"]]))
                 break
         if not options:
             continue
@@ -212,7 +234,8 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
                 text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']}). Fix: " + "; or ".join(options) + ".",
                 failing=[row["cell_id"]],
                 evidence=evidence,
-                fix=fix,
+                fixes=fixes,
+                concerns=[row["cell_id"]],
             )
         )
     return out
@@ -242,7 +265,8 @@ def _unsupported_fixes(frame: Any) -> list[Recommendation]:
                 ),
                 failing=sorted(r["cell_id"] for r in members),
                 evidence=sorted(ok[choice]),
-                fix={"precision": choice},
+                fixes=[Fix({"precision": choice}, f"{choice} ran ok for the same settings", sorted(ok[choice]))],
+                concerns=sorted(r["cell_id"] for r in members),
             )
         )
     return out
@@ -253,14 +277,14 @@ def _timeout_fixes(frame: Any) -> list[Recommendation]:
     if "collective_op" not in frame.columns:
         return out
     for _, row in frame[(frame["outcome"] == "timeout") & frame["collective_op"].notna()].iterrows():
-        evidence, options, fix = [], [], {}
+        evidence, options, fixes = [], [], []
         if "world_size" in frame.columns:
             alt = _ok(siblings(frame, row, "world_size"))
             if not alt.empty:
                 best = alt.sort_values("world_size").iloc[-1]
                 evidence.append(best["cell_id"])
                 options.append(f"world_size {int(best['world_size'])} was ok")
-                fix["world_size"] = int(best["world_size"])
+                fixes.append(Fix({"world_size": int(best["world_size"])}, options[-1], [best["cell_id"]]))
         missing = row.get("collective_missing_ranks") or "unknown"
         text = (
             f"Collective timeout: rank(s) {missing} never reached {row['collective_op']} "
@@ -276,8 +300,9 @@ def _timeout_fixes(frame: Any) -> list[Recommendation]:
                 title=f"{row['cell_id']}: collective timeout",
                 text=text,
                 failing=[row["cell_id"]],
-                evidence=evidence or [row["cell_id"]],
-                fix=fix,
+                evidence=evidence,
+                fixes=fixes,
+                concerns=[row["cell_id"]],
             )
         )
     return out

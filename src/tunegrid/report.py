@@ -9,11 +9,13 @@ from __future__ import annotations
 import base64
 import html
 import json
+import numbers
 from pathlib import Path
 from typing import Any
 
 from tunegrid.files import atomic_write_text, read_json, read_jsonl
 from tunegrid.recommend import Recommendation, recommend
+from tunegrid.units import human_bytes
 
 OUTCOME_COLOURS = {
     "ok": "#4caf50",
@@ -144,22 +146,45 @@ def _png(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
+# Column labels a person reads; values are written for people too (bytes in MiB/GiB, no 4.027e+08).
+LABELS = {
+    "cell_id": "cell", "nan_step": "first non-finite step", "nan_kind": "kind", "nan_forward_module": "forward origin",
+    "nan_backward_module": "backward origin", "fp16_headroom_worst_module": "worst fp16 headroom: module",
+    "fp16_headroom_worst_ratio": "worst |activation| / 65504 (sampled steps + the failing step)",
+    "steps_run": "steps", "final_loss": "final loss", "skipped_steps": "skipped", "peak_bytes": "peak memory",
+    "estimate_over_measured": "estimate / peak", "tokens_per_s": "tokens/s", "mlflow_run_id": "MLflow run",
+}
+COUNT_COLUMNS = ("steps_run", "skipped_steps", "nan_step")
+
+
+def _label(column: str) -> str:
+    return LABELS.get(column, column.replace("_", " "))
+
+
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     if not rows:
         return "<p class='none'>none</p>"
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    head = "".join(f"<th>{html.escape(_label(c))}</th>" for c in columns)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in columns) + "</tr>" for r in rows
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c), c))}</td>" for c in columns) + "</tr>" for r in rows
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
-def _fmt(value: Any) -> str:
+def _fmt(value: Any, column: str = "") -> str:
     if value is None or (isinstance(value, float) and value != value):
         return ""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return str(value)
+    if "bytes" in column:
+        return human_bytes(value)
+    if isinstance(value, float) and value in (float("inf"), float("-inf")):
+        return str(value)
+    if column in COUNT_COLUMNS or isinstance(value, numbers.Integral):
+        return f"{int(value):,}"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) < 1 else f"{value:.4g}"
 
 
 def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> list[dict[str, Any]]:
@@ -172,7 +197,8 @@ def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> l
     for world, rec in (capabilities.get("allreduce") or {}).items():
         if isinstance(rec, dict) and rec.get("sizes"):
             best = max(rec["sizes"], key=lambda s: s["busbw_gbs"])
-            facts.append({"fact": f"all-reduce bus bandwidth, world {world} ({rec.get('backend', '')})", "value": f"{best['busbw_gbs']:.3g} GB/s at {best['bytes']} B"})
+            backend = f" ({rec['backend']})" if rec.get("backend") else ""
+            facts.append({"fact": f"all-reduce bus bandwidth, world {world}{backend}", "value": f"{best['busbw_gbs']:.3g} GB/s at {human_bytes(best['bytes'])}"})
     for gpu in capabilities.get("gpus") or []:
         facts.append({"fact": f"GPU {gpu.get('index', '')}", "value": f"{gpu.get('name')} cc {gpu.get('compute_capability')} {gpu.get('total_bytes', 0) / 2**30:.1f} GiB"})
     packages = environment.get("packages") or {}
@@ -192,7 +218,7 @@ def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "cell": cell_id,
                 "outcome": result["outcome"],
                 "weight bytes": final.get("total_bytes"),
-                "by dtype": ", ".join(f"{k}: {v}" for k, v in sorted((final.get("by_dtype") or {}).items())),
+                "by dtype": ", ".join(f"{k}: {human_bytes(v)}" for k, v in sorted((final.get("by_dtype") or {}).items())),
                 "expert bytes": final["by_role"]["experts"],
                 "flagged share": final.get("flagged_share"),
                 "flagged tensors": ", ".join(f.get("name", "") if isinstance(f, dict) else str(f) for f in flagged[:4])
@@ -207,11 +233,66 @@ def _recommendation_html(recs: list[Recommendation]) -> str:
         return "<p class='none'>No failure in this grid has a fix that the grid itself shows working.</p>"
     items = []
     for rec in recs:
+        fixes = "".join(
+            f"<li><b>{html.escape(', '.join(f'{k}={v}' for k, v in fix.change.items()))}</b>: {html.escape(fix.why)}"
+            f" <span class='cite'>(shown by {html.escape(', '.join(fix.evidence))})</span></li>"
+            for fix in rec.fixes
+        )
+        cites = []
+        if rec.failing:
+            cites.append(f"failing: {html.escape(', '.join(rec.failing))}")
+        elif rec.concerns:
+            cites.append(f"concerns: {html.escape(', '.join(rec.concerns))}")
+        if rec.evidence:
+            cites.append(f"evidence: {html.escape(', '.join(rec.evidence))}")
         items.append(
             f"<div class='rec'><h3>{html.escape(rec.title)}</h3><p>{html.escape(rec.text)}</p>"
-            f"<p class='cite'>failing: {html.escape(', '.join(rec.failing))}<br>evidence: {html.escape(', '.join(rec.evidence))}</p></div>"
+            + (f"<p>Each of these is a fix on its own:</p><ul>{fixes}</ul>" if fixes else "")
+            + f"<p class='cite'>{'<br>'.join(cites)}</p></div>"
         )
     return "".join(items)
+
+
+def _log_tail(path: Path, lines: int = 12) -> str:
+    """The last lines of a cell's log, progress-bar redraws collapsed to their final state."""
+    if not path.is_file():
+        return ""
+    text = path.read_text(errors="replace").replace("\r", "\n")
+    kept = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(kept[-lines:])
+
+
+def failure_groups(frame: Any, results: dict[str, dict[str, Any]], logs_dir: Path) -> list[dict[str, Any]]:
+    """Cells that ended neither ok nor nan, one group per distinct cause: the reason once, the cells it
+    hit, the end of one cell's traceback (or log) and the log's path."""
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in frame[~frame["outcome"].isin(["ok", "nan"])].sort_values("cell_id").to_dict("records"):
+        key = (str(row["outcome"]), str(row["reason"]))
+        group = groups.setdefault(key, {"outcome": key[0], "reason": key[1], "cells": []})
+        group["cells"].append(row["cell_id"])
+    for group in groups.values():
+        first = group["cells"][0]
+        log_path = logs_dir / f"{first}.log"
+        traceback = (results.get(first) or {}).get("traceback") or ""
+        group.update(log_path=str(log_path), log_tail=_log_tail(log_path),
+                     traceback_tail="\n".join(traceback.strip().splitlines()[-6:]))
+    return sorted(groups.values(), key=lambda g: (-len(g["cells"]), g["outcome"], g["reason"]))  # widest cause first
+
+
+def _failures_html(groups: list[dict[str, Any]]) -> str:
+    if not groups:
+        return "<p class='none'>none</p>"
+    items = []
+    for group in groups:
+        tail = group["traceback_tail"] or group["log_tail"]
+        items.append(
+            f"<div class='fail'><h3>{html.escape(group['outcome'])}: {html.escape(group['reason'])}</h3>"
+            f"<p>{len(group['cells'])} cell(s): {html.escape(', '.join(group['cells']))}</p>"
+            + (f"<pre>{html.escape(tail)}</pre>" if tail else "")
+            + f"<p class='cite'>log: {html.escape(group['log_path'])}</p></div>"
+        )
+    return "".join(items)
+
 
 
 STYLE = """
@@ -223,6 +304,11 @@ th{background:#f3f3f3}
 .cite{font-size:11px;color:#555}
 .none{color:#777}
 img{max-width:100%}
+.scroll{overflow:auto;max-height:32em;max-width:100%;margin:.5em 0 1.5em}
+.scroll table{margin:0}
+.scroll thead th{position:sticky;top:0}
+.fail{border-left:4px solid #424242;padding:.2em 1em;margin:.8em 0;background:#fafafa}
+pre{font-size:11px;background:#f3f3f3;padding:.5em;overflow:auto;max-height:16em}
 .counts span{display:inline-block;padding:2px 8px;margin-right:6px;border-radius:3px;color:#fff}
 """
 
@@ -261,7 +347,8 @@ def build_report(
         f"<span style='background:{OUTCOME_COLOURS.get(k, 'grey')}'>{html.escape(str(k))}: {v}</span>" for k, v in sorted(counts.items())
     )
     nan_rows = frame[frame["outcome"] == "nan"].sort_values(["model", "precision", "batch_size"]).to_dict("records")
-    failure_rows = frame[~frame["outcome"].isin(["ok", "nan"])].to_dict("records")
+    logs_dir = Path(result_paths[0]).parents[3] / "logs" / study / "finetune" if result_paths else out_dir
+    failures = failure_groups(frame, results, logs_dir)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
 <h1>tunegrid report: {html.escape(study)}</h1>
@@ -270,7 +357,7 @@ def build_report(
 <h2>Recommendations</h2>{_recommendation_html(recs)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots['outcomes'])}">
 <h2>Non-finite events</h2>{_table(nan_rows, ["cell_id", "nan_step", "nan_kind", "nan_forward_module", "nan_backward_module", "fp16_headroom_worst_module", "fp16_headroom_worst_ratio"])}
-<h2>Other failures</h2>{_table(failure_rows, ["cell_id", "outcome", "reason", "oom_stage"])}
+<h2>Other failures</h2>{_failures_html(failures)}
 <h2>Loss curves</h2><img alt="loss curves" src="{_png(plots['loss'])}">
 <h2>Peak memory</h2><img alt="peak memory" src="{_png(plots['memory'])}">
 <h2>MoE quantization audit</h2>{_table(_audit_rows(results), ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"])}

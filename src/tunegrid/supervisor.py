@@ -354,7 +354,7 @@ def run_cell(
     tracker = None
     try:
         if tracking_path is not None:
-            tracker = _open_run(spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job)
+            tracker = _open_run(spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job, started)
     except BaseException:  # never leave a started worker behind
         for proc in early or []:
             _stop_group(proc)
@@ -400,7 +400,8 @@ def run_cell(
         artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
         if log_path is not None:
             artifacts.append(log_path)
-        tracker.finish({**run_tags(result), "attempts": str(len(attempts))}, artifacts, failed=result["outcome"] == "error", params=result_params(result))
+        tracker.finish({**run_tags(result), "attempts": str(len(attempts))}, artifacts, failed=result["outcome"] == "error",
+                       params=result_params(result), end_time=result["ended_at"])
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors
         from tunegrid.execution import cell_ended
@@ -421,9 +422,9 @@ def _kill_point(name: str) -> None:
 
 
 def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str, Any], tracking: dict[str, Any],
-              result_path: Path, command: list[str], snakemake_job: str) -> Any:
+              result_path: Path, command: list[str], snakemake_job: str, started: float) -> Any:
     """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
-    from tunegrid.execution import parent_run_id
+    from tunegrid.execution import INVOCATION_TAG, parent_run_id
     from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
@@ -436,8 +437,8 @@ def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str
         tags["probe.run_id"] = probe_run
     parent = parent_run_id(tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run, spec["cell_id"])
     if parent:
-        tags["mlflow.parentRunId"] = parent
-    tracker.start(spec["cell_id"], tags, flatten("", spec, {}))
+        tags[INVOCATION_TAG] = parent
+    tracker.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=started)
     return tracker
 
 
@@ -508,6 +509,8 @@ def _compose_result(
         "traceback": facts.get("traceback"),
         "worker_exit_code": returncode,
         "wall_s": time.time() - started,
+        "started_at": started,  # epoch seconds: the cell's MLflow run spans exactly these
+        "ended_at": time.time(),
         "command": shlex.join(command),
     }
 

@@ -148,7 +148,7 @@ class CellRun:
             log.warning("MLflow %s failed; metrics.jsonl keeps everything (%s)", what, exc)
             return FAILED
 
-    def start(self, cell_id: str, tags: dict[str, str], params: dict[str, str]) -> None:
+    def start(self, cell_id: str, tags: dict[str, str], params: dict[str, str], start_time: float | None = None) -> None:
         """Open this cell's run; earlier runs of the same cell are marked superseded and deleted."""
         from mlflow.entities import Param, RunTag
 
@@ -157,7 +157,7 @@ class CellRun:
             "search previous runs",
         )
         run = self._try(
-            lambda: self.client.create_run(self.experiment_id, run_name=cell_id, tags={CELL_TAG: cell_id, **tags}),
+            lambda: self.client.create_run(self.experiment_id, start_time=_ms(start_time), run_name=cell_id, tags={CELL_TAG: cell_id, **tags}),
             "create_run",
         )
         if run is FAILED:
@@ -203,7 +203,8 @@ class CellRun:
                 return 0
         return len(missing)
 
-    def finish(self, tags: dict[str, str], artifacts: list[Path], failed: bool, params: dict[str, str] | None = None) -> None:
+    def finish(self, tags: dict[str, str], artifacts: list[Path], failed: bool, params: dict[str, str] | None = None,
+               end_time: float | None = None) -> None:
         """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts."""
         from mlflow.entities import Param, RunTag
 
@@ -218,7 +219,11 @@ class CellRun:
             if path.exists():
                 self._try(lambda p=path: self.client.log_artifact(self.run_id, str(p)), f"artifact {path.name}")
         status = "FAILED" if failed else "FINISHED"
-        self._try(lambda: self.client.set_terminated(self.run_id, status=status), "set_terminated")
+        self._try(lambda: self.client.set_terminated(self.run_id, status=status, end_time=_ms(end_time)), "set_terminated")
+
+
+def _ms(epoch_s: float | None) -> int | None:
+    return int(epoch_s * 1000) if epoch_s else None
 
 
 def run_exists(c: Any, run_id: str | None) -> bool:
@@ -246,22 +251,22 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     if run_exists(run.client, run_id):
         run.run_id = run_id
     else:
-        from tunegrid.execution import parent_run_id
+        from tunegrid.execution import INVOCATION_TAG, parent_run_id
 
         spec = result["cell"]
         tags = {k: str(v) for k, v in spec["axes"].items()}
         tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
         parent = parent_run_id(uri, experiment_id, spec["study"], run_dir.parents[1])
         if parent:
-            tags["mlflow.parentRunId"] = parent
-        run.start(spec["cell_id"], tags, flatten("", spec, {}))
+            tags[INVOCATION_TAG] = parent
+        run.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=result.get("started_at"))
         created = run.run_id is not None
     filled = run.reconcile(records)
     if created:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
         run.finish(
             run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == "error",
-            params=result_params(result),
+            params=result_params(result), end_time=result.get("ended_at"),
         )
     return {"run_id": run.run_id, "created": created, "points_filled": filled, "points_in_file": len(records), "errors": run.errors}
 
