@@ -177,20 +177,31 @@ def test_mlflow_server_rest_api_serves_every_cell(finished_study):
     shutil.which("chromium") is None and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"),
     reason="needs Debian's chromium (.ci/run installs it)",
 )
-def test_mlflow_ui_renders_the_runs_in_headless_chromium(finished_study, tmp_path):
+def test_mlflow_ui_shows_the_cells_and_filters_the_nan_ones_in_headless_chromium(finished_study, tmp_path):
     from tunegrid.ui import dump_dom, mlflow_server, rest, runs_page, screenshot
 
     workdir, _ = finished_study
+    summary = pd.read_parquet(workdir / "results" / "e2e" / "summary.parquet")
+    nan_cells = set(summary.loc[summary["outcome"] == "nan", "cell_id"])
+    assert nan_cells, "the e2e study has a nan cell to look for"
     with mlflow_server(f"sqlite:///{workdir / 'results' / 'mlflow.db'}") as url:
         experiment = rest(url, "experiments/get-by-name?experiment_name=tunegrid/e2e", method="GET")["experiment"]
         page = runs_page(url, experiment["experiment_id"])
         dom = dump_dom(page)
         text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
-        assert "e2e @ " in dom, "the parent (study) run is listed"
-        assert "probe" in dom
-        assert "14 matching runs" in text  # 12 cells + the study run + the probe run
-        shot = screenshot(page, tmp_path / "runs.png")
-        assert shot.stat().st_size > 20_000  # a rendered table, not MLflow's blank loading page
+        assert "e2e @ " in dom, "the invocation's run is listed"
+        assert "14 matching runs" in text  # 12 cells + the invocation's run + the probe run
+        missing = [c for c in summary["cell_id"] if c not in dom]
+        assert not missing, f"cells not shown as rows on the first screen: {missing}"
+        assert screenshot(page, tmp_path / "runs.png").stat().st_size > 20_000  # a rendered table, not a blank page
+
+        filtered = runs_page(url, experiment["experiment_id"], "tags.outcome = 'nan'")
+        dom = dump_dom(filtered)
+        text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
+        assert f"{len(nan_cells)} matching run" in text
+        shown = {c for c in summary["cell_id"] if c in dom}
+        assert shown == nan_cells, f"the nan filter shows {sorted(shown)}"
+        screenshot(filtered, tmp_path / "runs-nan.png")
 
 
 def test_rerun_of_one_cell_supersedes_its_run(finished_study):

@@ -78,8 +78,10 @@ def rest(url: str, endpoint: str, payload: dict | None = None, method: str = "PO
         return json.loads(response.read())
 
 
-def runs_page(url: str, experiment_id: str) -> str:
-    return f"{url}/#/experiments/{experiment_id}/runs"
+def runs_page(url: str, experiment_id: str, search_filter: str = "") -> str:
+    """The experiment's runs page, optionally with a filter typed in its search box (MLflow keeps it in the URL)."""
+    page = f"{url}/#/experiments/{experiment_id}/runs"
+    return f"{page}?searchFilter={quote(search_filter)}" if search_filter else page
 
 
 def compare_page(url: str, experiment_id: str, run_ids: list[str]) -> str:
@@ -102,9 +104,10 @@ def _browse(url: str, extra: list[str], budget_ms: int, timeout_s: float) -> sub
         )
 
 
-def dump_dom(url: str, budget_ms: int = 10000, timeout_s: float = 120.0) -> str:
-    """The page's DOM after its scripts ran (what a user would see, as HTML)."""
-    return _browse(url, ["--dump-dom"], budget_ms, timeout_s).stdout
+def dump_dom(url: str, budget_ms: int = 10000, timeout_s: float = 120.0, size: tuple[int, int] = (1600, 1000)) -> str:
+    """The page's DOM after its scripts ran, in a window of `size` (a virtualised table renders only the
+    rows that fit: what a user sees on the first screen)."""
+    return _browse(url, ["--dump-dom", f"--window-size={size[0]},{size[1]}"], budget_ms, timeout_s).stdout
 
 
 def screenshot(url: str, out: Path, size: tuple[int, int] = (1600, 1000), budget_ms: int = 10000, timeout_s: float = 120.0) -> Path:
