@@ -176,6 +176,12 @@ def _screenshots(args: argparse.Namespace) -> None:
     print(f"screenshots in {out}: report.png, mlflow_runs.png, mlflow_compare.png")
 
 
+def _mlflow_ui(args: argparse.Namespace) -> None:
+    from tunegrid.ui import serve_until_stopped
+
+    raise SystemExit(serve_until_stopped(args.store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None))
+
+
 def _validate(args: argparse.Namespace) -> None:
     from tunegrid.config import expand_cells, load_study
 
@@ -280,6 +286,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-dir", required=True, help="results/<study> of a finished study")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_screenshots)
+
+    p = sub.add_parser("mlflow-ui", help="MLflow's own server on the study's store until Ctrl-C")
+    p.add_argument("--store", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5000)
+    p.add_argument("--allowed-hosts", default="")
+    p.add_argument("--log", default="")
+    p.set_defaults(func=_mlflow_ui)
 
     p = sub.add_parser("validate", help="check a study config and count its cells")
     p.add_argument("config")

@@ -39,6 +39,13 @@ def hold(supervisor_pid: int | None = None) -> None:
     threading.Thread(target=_watch, args=(pid,), name="supervisor-lifeline", daemon=True).start()
 
 
+def die_with_parent() -> None:
+    """preexec_fn for a server child that is not Python of ours (MLflow's): SIGTERM when its parent
+    dies, however it dies, so a killed `snakemake mlflow_ui` leaves no server behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def _watch(pid: int) -> None:
     try:
         fd = os.pidfd_open(pid)

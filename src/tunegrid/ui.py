@@ -32,15 +32,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0) -> Iterator[str]:
-    """`mlflow server --workers 1` on the store; yields its base URL; stops it (and its workers) after."""
+def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0,
+                  allowed_hosts: str = "", log_path: Path | None = None) -> Iterator[str]:
+    """`mlflow server --workers 1` on the store; yields its base URL; stops it (and its workers) after.
+
+    The server runs in a session of its own (a terminal's Ctrl-C reaches only its owner, which stops it
+    cleanly) and dies with its owner if the owner is killed."""
+    from tunegrid.lifeline import die_with_parent
+
     port = port or free_port(host)
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
-    log = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [mlflow, "server", "--backend-store-uri", store_uri, "--host", host, "--port", str(port), "--workers", "1"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    log = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115 — closed below
+    command = [mlflow, "server", "--backend-store-uri", store_uri, "--host", host, "--port", str(port), "--workers", "1"]
+    if allowed_hosts:
+        command += ["--allowed-hosts", allowed_hosts]
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
     url = f"http://{host}:{port}"
     try:
         deadline = time.time() + timeout_s
@@ -55,6 +61,7 @@ def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = No
                 log.seek(0)
                 raise RuntimeError(f"mlflow server did not start on {url}:\n{log.read().decode()[-2000:]}")
             time.sleep(0.3)
+        _SERVERS[url] = proc
         yield url
     finally:
         import os
@@ -66,7 +73,34 @@ def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = No
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        _SERVERS.pop(url, None)
         log.close()
+
+
+_SERVERS: dict[str, subprocess.Popen[bytes]] = {}
+
+
+def server_running(url: str) -> bool:
+    proc = _SERVERS.get(url)
+    return proc is not None and proc.poll() is None
+
+
+def serve_until_stopped(store_uri: str, host: str, port: int, allowed_hosts: str = "", log_path: Path | None = None) -> int:
+    """`snakemake mlflow_ui`: serve until Ctrl-C or SIGTERM, then stop the server and return 0."""
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    with mlflow_server(store_uri, host, port, timeout_s=120, allowed_hosts=allowed_hosts, log_path=log_path) as url:
+        print(f"MLflow UI: {url} (Ctrl-C stops it)", flush=True)
+        while not stop.wait(1.0):
+            if not server_running(url):
+                print(f"mlflow server exited on its own; see {log_path or 'its output'}", flush=True)
+                return 1
+    print("MLflow UI stopped", flush=True)
+    return 0
 
 
 def rest(url: str, endpoint: str, payload: dict | None = None, method: str = "POST") -> dict:

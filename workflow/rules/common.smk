@@ -2,6 +2,7 @@
 # tunegrid.config imports no torch, so `snakemake -n` on thousands of cells is quick.
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 

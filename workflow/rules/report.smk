@@ -37,7 +37,7 @@ rule mlflow_ui:
         host=STUDY["tracking"]["ui_host"],
         port=STUDY["tracking"]["ui_port"],
         allowed=(
-            f"--allowed-hosts {STUDY['tracking']['ui_allowed_hosts']}" if STUDY["tracking"]["ui_allowed_hosts"] else ""
+            f"--allowed-hosts {shlex.quote(STUDY['tracking']['ui_allowed_hosts'])}" if STUDY["tracking"]["ui_allowed_hosts"] else ""
         ),
     localrule: True
     log:
@@ -45,6 +45,5 @@ rule mlflow_ui:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        "echo 'MLflow UI: http://{params.host}:{params.port} (Ctrl-C stops it)';"
-        " mlflow server --backend-store-uri {params.store:q} --host {params.host} --port {params.port}"
-        " --workers 1 {params.allowed} 2>&1 | tee {log}"
+        f"python {SCRIPT} mlflow-ui --store {{params.store:q}} --host {{params.host}} --port {{params.port}}"
+        " {params.allowed} --log {log}"

@@ -1,0 +1,160 @@
+"""Every command README.md shows, exercised as written.
+
+The commands are read from README.md (fenced blocks and inline code that starts like a shell command), so
+the two cannot drift: a command added to README without an entry in `HOW` below fails the first test.
+Each entry says how the command is exercised:
+
+- `run`: exactly as written, in a fresh clone of this checkout whose default study has run (the
+  README's main command, minus its install steps: this interpreter already has the pinned packages);
+- `dry`: as written plus `-n` (Snakemake resolves the study, the DAG and every input, trains nothing);
+  `<study>` is replaced by every shipped study;
+- `server`: started as written, answered over HTTP on 127.0.0.1, then stopped with Ctrl-C (SIGINT);
+- `elsewhere`: run as written by another test or by CI, named in the reason;
+- `cannot`: needs what no test here can have (a package index on the network, a GPU, a secret).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv")
+STUDIES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
+INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements.txt && pip install --no-deps -e . && "
+HOW_MAIN = "snakemake --cores 8 all"  # the main command after its install steps
+
+HOW: dict[str, tuple[str, str]] = {
+    INSTALL + "snakemake --cores 8 all": ("run", "the main job: `snakemake --cores 8 all` as written, after the install"),
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && pip install --no-deps -e . && python -m pytest":
+        ("elsewhere", ".ci/run reads this line from README and runs it on a clean clone"),
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": ("cannot", "needs the PyTorch package index on the network"),
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": ("cannot", "needs the PyTorch package index and a GPU"),
+    "python3 -m venv .venv && . .venv/bin/activate": ("elsewhere", "the first part of the main command (.ci/run runs it too)"),
+    "pip install -r envs/requirements.txt && pip install --no-deps -e .": ("elsewhere", "the install part of the main command"),
+    "snakemake --cores 8 all": ("run", "the main job"),
+    "snakemake --report results/<study>/report.html": ("run", "Snakemake's own report of the default study"),
+    "python scripts/tunegrid.py screenshots --study-dir results/default --out docs/screenshots": ("run", "headless Chromium"),
+    "snakemake --cores 1 mlflow_ui": ("server", "MLflow's UI on 127.0.0.1:5000"),
+    "snakemake --cores 8 all --configfile configs/<study>.yaml": ("dry", "every shipped study"),
+    'snakemake --cores 8 all --config "train={steps: 20, gradient_checkpointing: true}" "grid={batch_size: [2]}"': ("dry", "typed overrides"),
+    "python benchmarks/memory_estimate.py": ("run", "re-estimates the default study's ok cells"),
+    "snakemake --cores 8 plan": ("run", "the plan before training"),
+    "snakemake --unlock": ("run", "recovery after a kill"),
+    "snakemake --profile slurm --configfile configs/<study>.yaml": ("elsewhere", "tests/test_slurm.py runs `--profile slurm` on a real one-node SLURM"),
+    "snakemake all --cores 8 --resources gpu=1": ("dry", "the GPU form of the main job"),
+    "export HF_TOKEN=…": ("cannot", "sets a secret for the hub"),
+    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4.yaml --resources gpu=1": ("dry", "hub study: trains only with the hub and a GPU"),
+    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": ("dry", "trains on a GPU (tests/test_gpu.py)"),
+    "snakemake all --cores 8 --configfile configs/moe-qlora-memory.yaml --resources gpu=1": ("dry", "hub study: trains only with the hub and a GPU"),
+    "snakemake all --cores 8 --configfile configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": ("dry", "trains on a GPU (tests/test_gpu.py)"),
+    "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=8": ("dry", "needs 8 GPUs to train"),
+    "python benchmarks/nan_overhead.py": ("elsewhere", "a benchmark of minutes; its `--quick` form runs in tests/test_readme_commands.py"),
+    "python -m pytest": ("elsewhere", ".ci/run"),
+    'python -m pytest -m "not slow"': ("elsewhere", "a subset of what .ci/run runs"),
+    "snakemake --lint": ("run", "Snakemake's linter on the workflow"),
+}
+
+
+def readme_commands() -> list[str]:
+    found: list[str] = []
+    fence = False
+    for line in (REPO / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+            continue
+        if fence:
+            body = line.split("  #")[0].strip()
+            if body.startswith(STARTS):
+                found.append(body)
+        else:
+            found += [span.strip() for span in re.findall(r"`([^`]+)`", line) if span.startswith(STARTS) and " " in span]
+    return list(dict.fromkeys(found))
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TUNEGRID_EXECUTION_ID")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`/`snakemake` of this venv
+    return env
+
+
+def _shell(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_every_readme_command_has_a_way_to_be_exercised():
+    commands = readme_commands()
+    unknown = [c for c in commands if c not in HOW]
+    assert not unknown, f"README commands no test exercises (add them to HOW): {unknown}"
+    stale = [c for c in HOW if c not in commands]
+    assert not stale, f"HOW lists commands README no longer shows: {stale}"
+    assert all(how in {"run", "dry", "server", "elsewhere", "cannot"} and reason for how, reason in HOW.values())
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A copy of this checkout (no results, no venv) with the main job run in it, as a newcomer's
+    checkout is after the README's first command."""
+    root = tmp_path_factory.mktemp("newcomer") / "tunegrid"
+    shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit"))
+    done = _shell(HOW_MAIN, root, timeout=1500)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "run" and not c.startswith(INSTALL)])
+def test_run_as_written(command, clone):
+    if "screenshots" in command and shutil.which("chromium") is None and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"):
+        pytest.skip("needs Debian's chromium (.ci/run installs it)")
+    done = _shell(command.replace("<study>", "default"), clone)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "dry"])
+def test_dry_run_as_written(command, tmp_path):
+    for study in STUDIES if "<study>" in command else [""]:
+        line = command.replace("<study>", study)
+        # from the repository root as README says, its outputs kept out of the checkout
+        done = _shell(f"{line} -n --directory {tmp_path} --snakefile {REPO / 'Snakefile'}", REPO, timeout=300)
+        assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
+
+
+@pytest.mark.slow
+def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
+    (command,) = [c for c, (how, _) in HOW.items() if how == "server"]
+    proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=clone, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline, status = time.time() + 120, None
+        while time.time() < deadline and status is None:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:5000/health", timeout=5) as response:
+                    status = response.status
+            except OSError:
+                time.sleep(1)
+        assert status == 200, "the UI never answered on 127.0.0.1:5000"
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    # Ctrl-C is how it is meant to end: the server stops cleanly (no traceback). Snakemake, which gets the
+    # Ctrl-C too, may count its interrupted job as failed (exit 1) when the signal finds it waiting.
+    assert "MLflow UI stopped" in out and "Traceback" not in out, out[-3000:]
+    assert proc.returncode in (0, 1), out[-3000:]
+    assert subprocess.run(["pgrep", "-f", f"mlflow.*{clone}"], capture_output=True, check=False).stdout == b"", "no server left behind"
+
+
+def test_nan_overhead_benchmark_quick_form_runs(tmp_path):
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "nan_overhead.py"), "--quick", "--device", "cpu", "--out", str(tmp_path)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
