@@ -11,7 +11,7 @@ from conftest import REPO, make_study
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.memory_estimate import estimate_cell, nf4_bytes
-from tunegrid.probes import cuda_precision_support
+from tunegrid.targets import cuda_precision_support
 from tunegrid.supervisor import run_cell
 from tunegrid.targets import TARGETS, feasibility, resolve_target
 

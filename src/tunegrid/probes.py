@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunegrid.targets import cuda_precision_support
+
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CPU_FP16_FLAGS = ("avx512_fp16", "amx_fp16")
 
@@ -44,16 +46,6 @@ def cpu_precision_support(flags: list[str]) -> dict[str, str]:
         "bf16": "native" if flag_set & set(CPU_BF16_FLAGS) else "emulated",
         "fp16": "native" if flag_set & set(CPU_FP16_FLAGS) else "emulated",
         "tf32": "absent",
-    }
-
-
-def cuda_precision_support(capability: tuple[int, int]) -> dict[str, str]:
-    cc = capability[0] + capability[1] / 10
-    return {
-        "fp32": "native",
-        "bf16": "native" if cc >= 8.0 else "emulated",
-        "fp16": "native" if cc >= 5.3 else "emulated",
-        "tf32": "native" if cc >= 8.0 else "absent",
     }
 
 

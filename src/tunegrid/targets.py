@@ -30,18 +30,26 @@ class Target:
 CUDA_CONTEXT_BYTES = 85_017_493_504 - 84_465_090_560
 
 
+def cuda_precision_support(capability: tuple[int, int]) -> dict[str, str]:
+    """The one table of GPU precision support, for named targets and for the probe alike: fp16 arithmetic
+    at full rate from compute capability 5.3, bf16 and tf32 tensor cores from 8.0 (earlier cards run bf16
+    only through emulation, though torch.cuda.is_bf16_supported() says True on a T4)."""
+    cc = capability[0] + capability[1] / 10
+    return {
+        "fp32": "native",
+        "bf16": "native" if cc >= 8.0 else "emulated",
+        "fp16": "native" if cc >= 5.3 else "emulated",
+        "tf32": "native" if cc >= 8.0 else "absent",
+    }
+
+
 def _cuda(name: str, capacity_bytes: int, cc: str) -> Target:
-    major = float(cc)
+    major, minor = (int(part) for part in cc.split("."))
     return Target(
         name=name,
         memory_bytes=capacity_bytes - CUDA_CONTEXT_BYTES,
         compute_capability=cc,
-        precision={
-            "fp32": "native",
-            "bf16": "native" if major >= 8.0 else "emulated",
-            "fp16": "native",
-            "tf32": "native" if major >= 8.0 else "absent",
-        },
+        precision=cuda_precision_support((major, minor)),
     )
 
 
