@@ -12,6 +12,7 @@ include: "workflow/rules/environment.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/checkpoint.smk"
 include: "workflow/rules/probe.smk"
+include: "workflow/rules/plan.smk"
 include: "workflow/rules/tracking.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/summary.smk"
@@ -25,15 +26,12 @@ rule all:
 
 
 onstart:
-    write_study_file()
-    start_warm_worker()
+    hooks.on_start(STUDY, RESULTS, LOGS, STUDY_FILE, local=workflow.local_exec)
 
 
 onsuccess:
-    stop_warm_worker()
-    close_execution("FINISHED")
+    hooks.on_end("FINISHED", STUDY, RESULTS, LOGS, SCRIPT)
 
 
 onerror:
-    stop_warm_worker()
-    close_execution("FAILED")
+    hooks.on_end("FAILED", STUDY, RESULTS, LOGS, SCRIPT)

@@ -15,8 +15,8 @@ from typing import Any
 
 from tunegrid.targets import TARGETS
 from tunegrid.units import human_bytes
+from tunegrid.vocabulary import AXES
 
-AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size")
 EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
 
 

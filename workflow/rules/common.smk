@@ -11,9 +11,10 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from tunegrid import warm
+from tunegrid import hooks
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
 from tunegrid.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
+from tunegrid.vocabulary import cell_id_pattern
 
 try:
     _study = study_config(config, workflow.config_settings.overwrite_config or {}, workflow.overwrite_configfiles or [])
@@ -34,7 +35,6 @@ CELLS = cells_by_id(STUDY)
 # id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
 STUDY_FILE = f"{RESULTS}/study.json"
 TRACKING = STUDY["tracking"]["enabled"]
-WARM = []  # (process, socket path) of this invocation's warm worker
 
 # One MLflow parent run per invocation: jobs (local, or SLURM jobs that inherit the submitting
 # environment) read the id from the environment. setdefault: a SLURM job's own parse keeps the id of
@@ -46,7 +46,7 @@ os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.
 
 wildcard_constraints:
     model="[A-Za-z0-9][A-Za-z0-9.-]*",
-    cell_id="[A-Za-z0-9][A-Za-z0-9.-]*_(fp32|bf16|fp16)_bs[0-9]+_(none|nf4|nf4-experts)_s[0-9]+(_ws[0-9]+)?",
+    cell_id=cell_id_pattern(),
 
 
 def get_cell(wildcards):
@@ -109,44 +109,3 @@ def get_final_outputs():
         f"{RESULTS}/report/index.html",
         *get_sync_file(),
     ]
-
-
-def start_warm_worker():
-    """onstart (local runs with jobs to do, never a dry run): the warm worker (tunegrid.warm), whose
-    socket the jobs find in the environment. A cluster job's own snakemake runs no hooks."""
-    if not (workflow.local_exec and STUDY["execution"]["warm_worker"]) or os.environ.get(warm.SOCKET_ENV):
-        return
-    path = warm.socket_path(os.environ[EXECUTION_ENV])
-    WARM.append((warm.start(path, Path(f"{LOGS}/warm_worker.log")), path))
-    os.environ[warm.SOCKET_ENV] = str(path)
-
-
-def write_study_file():
-    """onstart: the resolved study for the jobs (rewritten only when it changed)."""
-    from tunegrid.files import write_text_if_changed
-
-    write_text_if_changed(STUDY_FILE, spec_json(STUDY))
-
-
-def stop_warm_worker():
-    while WARM:
-        warm.stop(*WARM.pop())
-
-
-def close_execution(status):
-    """onsuccess/onerror: the cells keep this invocation's parent MLflow run up to date themselves; a
-    closing process (seconds: it imports mlflow) runs only when there is more to do — a failure, cells
-    left in flight, or a report/summary written by this invocation to attach.
-
-    Never fails the workflow: the files hold everything, MLflow is a view of them."""
-    import subprocess
-
-    from tunegrid.execution import needs_closing
-
-    attach = [Path(p) for p in (f"{RESULTS}/report/index.html", f"{RESULTS}/summary.csv")]
-    if not TRACKING or not needs_closing(Path(RESULTS), status, attach):
-        return
-    command = [sys.executable, SCRIPT, "execution-end", "--tracking", f"{RESULTS}/tracking.json",
-               "--study-dir", RESULTS, "--status", status, "--attach", *[str(p) for p in attach if p.is_file()]]
-    with open(f"{LOGS}/execution-end.log", "a") as log:
-        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=300)

@@ -4,6 +4,7 @@ rule dataset:
     params:
         examples=STUDY["data"]["examples"],
         seed=STUDY["data"]["seed"],
+    localrule: True
     log:
         f"{LOGS}/dataset.log",
     conda:

@@ -17,6 +17,7 @@ rule comparison_report:
     params:
         study=STUDY["study"],
         out_dir=lambda wildcards, output: os.path.dirname(output.html),
+    localrule: True
     log:
         f"{LOGS}/report.log",
     conda:

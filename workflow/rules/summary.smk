@@ -9,6 +9,7 @@ rule summary:
             category="Summary",
         ),
         parquet=f"{RESULTS}/summary.parquet",
+    localrule: True
     log:
         f"{LOGS}/summary.log",
     conda:

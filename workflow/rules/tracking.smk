@@ -1,14 +1,9 @@
 # The store and the experiment are created once, before the cells fan out: concurrent first writers
 # to a fresh sqlite store crash on table creation. MLFLOW_TRACKING_URI, when set, overrides the default
 # store (it is optional, so it is not an `envvars:` entry, which Snakemake would require).
-# Bookkeeping rules run where snakemake runs (no queueing for a few seconds of work): the store,
-# the sync, the summary and the report. The probe and the cells go to the cluster.
-localrules:
-    tracking_init,
-    mlflow_sync,
-    summary,
-    comparison_report,
-    dataset,
+# Bookkeeping rules (`localrule: True`) run where snakemake runs, with no queueing for a few seconds of
+# work: the store, the sync, the dataset, the plan, the summary and the report. The probe and the cells
+# go to the cluster.
 
 
 rule tracking_init:
@@ -18,6 +13,7 @@ rule tracking_init:
         uri=STUDY["tracking"]["tracking_uri"],
         experiment=STUDY["tracking"]["experiment"] or f"tunegrid/{STUDY['study']}",
         artifact_root="results/mlartifacts",
+    localrule: True
     log:
         f"{LOGS}/tracking_init.log",
     conda:
@@ -38,6 +34,7 @@ rule mlflow_sync:
         sync=f"{RESULTS}/tracking-sync.json",
     params:
         logs=f"{LOGS}/finetune",
+    localrule: True
     log:
         f"{LOGS}/mlflow_sync.log",
     conda:

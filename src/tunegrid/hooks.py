@@ -1,0 +1,60 @@
+"""What the Snakefile's onstart / onsuccess / onerror do: one package call each.
+
+onstart writes the resolved study for the jobs and starts this invocation's warm worker (local runs);
+onsuccess / onerror stop it and close the invocation's MLflow run when there is more to record. A
+cluster job's own snakemake runs no hooks. Nothing here may fail the workflow's own outcome.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+_WARM: list[tuple[Any, Path]] = []  # (process, socket path) of this invocation's warm worker
+
+
+def on_start(study: dict[str, Any], results: str, logs: str, study_file: str, local: bool) -> None:
+    from tunegrid.config import spec_json
+    from tunegrid.files import write_text_if_changed
+
+    write_text_if_changed(study_file, spec_json(study))  # rewritten only when it changed
+    _start_warm_worker(study, logs, local)
+
+
+def on_end(status: str, study: dict[str, Any], results: str, logs: str, script: str) -> None:
+    while _WARM:
+        from tunegrid import warm
+
+        warm.stop(*_WARM.pop())
+    if study["tracking"]["enabled"]:
+        _close_execution(status, results, logs, script)
+
+
+def _start_warm_worker(study: dict[str, Any], logs: str, local: bool) -> None:
+    """The warm worker (tunegrid.warm), whose socket the jobs find in the environment."""
+    from tunegrid import warm
+    from tunegrid.execution import EXECUTION_ENV
+
+    if not (local and study["execution"]["warm_worker"]) or os.environ.get(warm.SOCKET_ENV):
+        return
+    path = warm.socket_path(os.environ[EXECUTION_ENV])
+    _WARM.append((warm.start(path, Path(f"{logs}/warm_worker.log")), path))
+    os.environ[warm.SOCKET_ENV] = str(path)
+
+
+def _close_execution(status: str, results: str, logs: str, script: str) -> None:
+    """The cells keep this invocation's parent MLflow run up to date themselves; a closing process
+    (seconds: it imports mlflow) runs only when there is more to do — a failure, cells left in flight,
+    or a report/summary written by this invocation to attach. The files hold everything either way."""
+    from tunegrid.execution import needs_closing
+
+    attach = [Path(p) for p in (f"{results}/report/index.html", f"{results}/summary.csv")]
+    if not needs_closing(Path(results), status, attach):
+        return
+    command = [sys.executable, script, "execution-end", "--tracking", f"{results}/tracking.json",
+               "--study-dir", results, "--status", status, "--attach", *[str(p) for p in attach if p.is_file()]]
+    with open(f"{logs}/execution-end.log", "a") as log:
+        subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=300)
