@@ -79,6 +79,8 @@ def test_tiny_study_end_to_end(finished_study):
     by_cell = {r.data.tags[CELL_TAG]: r for r in runs if CELL_TAG in r.data.tags}
     probe_runs = [r for r in runs if r.data.tags.get("kind") == "probe"]
     parents = [r for r in runs if r.data.tags.get("kind") == "study"]
+    assert "mlflow_run_id" not in probe, "the probe writes its measurements only; probe_tracking logs them"
+    probe["mlflow_run_id"] = read_json(tmp_path / "results" / "e2e" / "probe" / "mlflow.json")["run_id"]
     assert len(probe_runs) == 1 and probe["mlflow_run_id"] == probe_runs[0].info.run_id
     assert len(parents) == 1, "one parent run per snakemake invocation"
     parent = parents[0]

@@ -41,11 +41,6 @@ def _probe(args: argparse.Namespace) -> None:
     from tunegrid.probes import probe
 
     record = probe(budget_s=args.budget_s, world_sizes=args.world_sizes)
-    if args.tracking:
-        from tunegrid.tracking import log_probe_run, tracking_uri_for_cells
-
-        tracking = read_json(args.tracking)
-        record["mlflow_run_id"] = log_probe_run(tracking_uri_for_cells(tracking), tracking["experiment_id"], record)
     write_json(args.out, record)
     print(f"probe: device {record['device']}, precision {record['precision']}, {record['probe_seconds']:.1f} s")
 
@@ -176,10 +171,21 @@ def _screenshots(args: argparse.Namespace) -> None:
     print(f"screenshots in {out}: report.png, mlflow_runs.png, mlflow_compare.png")
 
 
+def _probe_tracking(args: argparse.Namespace) -> None:
+    from tunegrid.tracking import log_probe_run, tracking_uri_for_cells
+
+    tracking = read_json(args.tracking)
+    run_id = log_probe_run(tracking_uri_for_cells(tracking), tracking["experiment_id"], read_json(args.capabilities))
+    write_json(args.out, {"run_id": run_id})
+    print(f"probe run {run_id}" if run_id else "probe run not logged (store unreachable); the JSON keeps the record")
+
+
 def _mlflow_ui(args: argparse.Namespace) -> None:
+    from tunegrid.tracking import tracking_uri_for_cells
     from tunegrid.ui import serve_until_stopped
 
-    raise SystemExit(serve_until_stopped(args.store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None))
+    store = tracking_uri_for_cells(read_json(args.tracking))  # the store the cells wrote: one resolver for all
+    raise SystemExit(serve_until_stopped(store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None))
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -214,7 +220,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=30.0)
     p.add_argument("--world-sizes", type=int, nargs="*", default=[2])
-    p.add_argument("--tracking", default="", help="tracking.json: also log the probe as an MLflow run (kind=probe)")
     p.set_defaults(func=_probe)
 
     p = sub.add_parser("tracking-init", help="create the MLflow store and the study's experiment once")
@@ -287,8 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=_screenshots)
 
+    p = sub.add_parser("probe-tracking", help="log the probe's record as an MLflow run")
+    p.add_argument("--tracking", required=True)
+    p.add_argument("--capabilities", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_probe_tracking)
+
     p = sub.add_parser("mlflow-ui", help="MLflow's own server on the study's store until Ctrl-C")
-    p.add_argument("--store", required=True)
+    p.add_argument("--tracking", required=True, help="the study's tracking.json (names the store)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=5000)
     p.add_argument("--allowed-hosts", default="")

@@ -334,6 +334,9 @@ def run_cell(
     run_dir.mkdir(parents=True, exist_ok=True)
     _clear_run_files(run_dir)
     capabilities = read_json(capabilities_path) if capabilities_path else {}
+    probe_run = Path(capabilities_path).parent / "mlflow.json" if capabilities_path else None
+    if probe_run is not None and probe_run.exists():  # the probe's MLflow run, logged by probe_tracking
+        capabilities["mlflow_run_id"] = read_json(probe_run).get("run_id")
     warm_socket = os.environ.get(WARM_SOCKET_ENV) if spec["axes"].get("world_size", 1) == 1 else None
     if warm_socket:
         from tunegrid.warm import ready_info

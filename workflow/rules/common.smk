@@ -93,6 +93,10 @@ def get_tracking_file(wildcards):
     return [f"{RESULTS}/tracking.json"] if TRACKING else []
 
 
+def get_probe_run_file(wildcards):
+    return [f"{RESULTS}/probe/mlflow.json"] if TRACKING else []
+
+
 def get_result_files():
     return [f"{RESULTS}/runs/{cell_id}/result.json" for cell_id in CELLS]
 

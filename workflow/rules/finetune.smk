@@ -6,6 +6,7 @@ rule finetune:
         data=rules.dataset.output.data,
         tracking=get_tracking_file,
         capabilities=rules.probe.output.capabilities,
+        probe_run=get_probe_run_file,  # read beside the capabilities: the probe's MLflow run id
     output:
         result=f"{RESULTS}/runs/{{cell_id}}/result.json",
     params:

@@ -34,7 +34,6 @@ rule mlflow_ui:
     input:
         tracking=rules.tracking_init.output.tracking,
     params:
-        store=lambda wildcards: os.environ.get("MLFLOW_TRACKING_URI") or STUDY["tracking"]["tracking_uri"] or f"sqlite:///{Path('results/mlflow.db').resolve()}",
         host=STUDY["tracking"]["ui_host"],
         port=STUDY["tracking"]["ui_port"],
         allowed=(
@@ -46,5 +45,5 @@ rule mlflow_ui:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        f"python {SCRIPT} mlflow-ui --store {{params.store:q}} --host {{params.host}} --port {{params.port}}"
+        f"python {SCRIPT} mlflow-ui --tracking {{input.tracking}} --host {{params.host}} --port {{params.port}}"
         " {params.allowed} --log {log}"

@@ -42,3 +42,20 @@ rule mlflow_sync:
     shell:
         f"python {SCRIPT} sync"
         " --tracking {input.tracking} --logs {params.logs} --out {output.sync} {input.results} > {log} 2>&1"
+
+
+# The probe's record as an MLflow run of its own; each cell run links to it (tag probe.run_id).
+rule probe_tracking:
+    input:
+        tracking=rules.tracking_init.output.tracking,
+        capabilities=rules.probe.output.capabilities,
+    output:
+        run=f"{RESULTS}/probe/mlflow.json",
+    localrule: True
+    log:
+        f"{LOGS}/probe_tracking.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        f"python {SCRIPT} probe-tracking"
+        " --tracking {input.tracking} --capabilities {input.capabilities} --out {output.run} > {log} 2>&1"
