@@ -13,9 +13,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Iterator
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 

@@ -5,28 +5,21 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import make_study, processes_mentioning
+from conftest import one_cell, processes_mentioning, run_supervised
 
-from tunegrid.config import ConfigError, cell_spec, expand_cells, resolve_study
+from tunegrid.config import ConfigError
 from tunegrid.files import read_json
 from tunegrid.supervisor import run_cell
 
 
 def _spec(world=2, train=None, debug=None, distributed=None):
-    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0], "world_size": [world]}
-    study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, "threads": 1, **(train or {})},
-                                     debug=debug or {}, distributed=distributed or {}))
-    return cell_spec(study, expand_cells(study)[0])
+    return one_cell(model="qwen3moe-tiny", world=world, train={"steps": 4, "threads": 1, **(train or {})},
+                    debug=debug or {}, distributed=distributed or {})
 
 
 def _run(spec, checkpoints, dataset_path, tmp_path):
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    result = run_cell(
-        spec=spec, model_dir=checkpoints["qwen3moe-tiny"], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=None, capabilities_path=None, log_path=None,
-        command=["tunegrid", "finetune"],
-    )
-    return result, run_dir
+    return run_supervised(spec, checkpoints, dataset_path, run_dir), run_dir
 
 
 def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, dataset_path, tmp_path):

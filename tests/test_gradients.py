@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_study
+from conftest import one_cell
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json
 from tunegrid.train import CellTrainer, run_worker
 
@@ -59,9 +58,7 @@ def avx512bf16_host(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 
 
 def _spec(model: str, quant: str) -> dict[str, Any]:
-    grid = {"model": [model], "precision": ["fp32"], "batch_size": [2], "quant": [quant], "seed": [0]}
-    study = resolve_study(make_study(grid=grid, lora=LORA, train={"steps": 1, "seq_len": 32}))
-    return cell_spec(study, expand_cells(study)[0])
+    return one_cell(model=model, quant=quant, lora=LORA, train={"steps": 1})
 
 
 def _trainer(checkpoints: dict[str, Path], dataset_path: Path, tmp_path: Path, model: str, quant: str) -> CellTrainer:

@@ -7,13 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_study
+from conftest import REPO, make_study, one_cell, run_supervised
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.memory_estimate import estimate_cell, nf4_bytes
-from tunegrid.targets import cuda_precision_support
-from tunegrid.supervisor import run_cell
-from tunegrid.targets import TARGETS, feasibility, resolve_target
+from tunegrid.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +63,11 @@ def test_nf4_storage_is_about_half_a_byte_per_param():
 
 
 def _spec(model="gemma3-hot", batch=2, precision="fp32", quant="none", hardware=None, train=None):
-    grid = {"model": [model], "precision": [precision], "batch_size": [batch], "quant": [quant], "seed": [0]}
-    study = resolve_study(make_study(grid=grid, train={"steps": 2, "seq_len": 32, **(train or {})}, hardware=hardware or {}))
-    return cell_spec(study, expand_cells(study)[0])
+    return one_cell(model=model, batch=batch, precision=precision, quant=quant, train={"steps": 2, **(train or {})}, hardware=hardware or {})
 
 
 def _run(spec, checkpoints, dataset_path, tmp_path, capabilities):
-    run_dir = tmp_path / spec["cell_id"]
-    return run_cell(
-        spec=spec, model_dir=checkpoints[spec["model"]["name"]], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=None, capabilities_path=capabilities, log_path=None,
-        command=["x"],
-    )
+    return run_supervised(spec, checkpoints, dataset_path, tmp_path / spec["cell_id"], capabilities=capabilities)
 
 
 def test_estimate_grows_with_batch_and_shrinks_with_nf4(checkpoints):

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_study
+from conftest import one_cell, run_in_process
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json
-from tunegrid.train import run_worker
-
 
 ATTENTION_ONLY = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
 def _cell(checkpoints, dataset_path, tmp_path, *, model, quant, precision="fp32", lora=None):
-    lora = lora or ATTENTION_ONLY
-    grid = {"model": [model], "precision": [precision], "batch_size": [2], "quant": [quant], "seed": [0]}
-    study = resolve_study(make_study(grid=grid, lora=lora))
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = one_cell(model=model, precision=precision, quant=quant, lora=lora or ATTENTION_ONLY)
     run_dir = tmp_path / spec["cell_id"]
-    run_worker(spec, str(checkpoints[model]), str(dataset_path), str(run_dir))
-    return read_json(run_dir / "worker.json"), read_json(run_dir / "audit.json")
+    return run_in_process(spec, checkpoints, dataset_path, run_dir), read_json(run_dir / "audit.json")
 
 
 @pytest.mark.parametrize("model", ["qwen3moe-tiny", "olmoe-tiny"])

@@ -6,8 +6,8 @@ import copy
 import importlib.metadata
 import os
 import re
-import time
 import shutil
+import time
 
 import pytest
 import torch

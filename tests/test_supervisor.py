@@ -6,18 +6,15 @@ import socket
 import time
 from pathlib import Path
 
-from conftest import make_study, processes_mentioning
+from conftest import one_cell, processes_mentioning, run_supervised
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.supervisor import _compose_result, run_cell
+from tunegrid.supervisor import _compose_result
 from tunegrid.tracking import CELL_TAG, client, init_experiment, metrics_from_records, sync_cell
 
 
 def _spec(model="qwen3moe-tiny", train=None):
-    grid = {"model": [model], "precision": ["fp32"], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
-    study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, **(train or {})}))
-    return cell_spec(study, expand_cells(study)[0])
+    return one_cell(model=model, quant="nf4", train={"steps": 4, **(train or {})})
 
 
 def _store(tmp_path: Path) -> tuple[str, Path]:
@@ -30,11 +27,7 @@ def _store(tmp_path: Path) -> tuple[str, Path]:
 
 def _run(spec, checkpoints, dataset_path, tmp_path, tracking=None, capabilities=None):
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    return run_cell(
-        spec=spec, model_dir=checkpoints[spec["model"]["name"]], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=tracking, capabilities_path=capabilities, log_path=None,
-        command=["tunegrid", "finetune"],
-    ), run_dir
+    return run_supervised(spec, checkpoints, dataset_path, run_dir, tracking=tracking, capabilities=capabilities), run_dir
 
 
 def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path, tmp_path):

@@ -1,4 +1,5 @@
 import re
+
 from tunegrid.tracking import flatten, metrics_from_records, redact_uri, resolve_tracking_uri
 
 

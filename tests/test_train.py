@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_study
+from conftest import make_study, one_cell, run_in_process
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
@@ -11,13 +11,9 @@ from tunegrid.train import run_worker
 
 
 def _run(checkpoints, dataset_path, tmp_path, *, model="gemma3-hot", precision="fp32", quant="none", batch=2, train=None):
-    train = {"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}
-    grid = {"model": [model], "precision": [precision], "batch_size": [batch], "quant": [quant], "seed": [0]}
-    study = resolve_study(make_study(grid=grid, train=train))
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = one_cell(model=model, precision=precision, quant=quant, batch=batch, train=train)
     run_dir = tmp_path / spec["cell_id"]
-    run_worker(spec, str(checkpoints[model]), str(dataset_path), str(run_dir))
-    return read_json(run_dir / "worker.json"), run_dir
+    return run_in_process(spec, checkpoints, dataset_path, run_dir), run_dir
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
@@ -83,12 +79,8 @@ def test_lora_target_matching_nothing_is_an_error_outcome(checkpoints, dataset_p
 
 
 def _run_with(checkpoints, dataset_path, tmp_path, *, model, precision, debug=None, train=None, batch=2):
-    train = {"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}
-    grid = {"model": [model], "precision": [precision], "batch_size": [batch], "quant": ["none"], "seed": [0]}
-    study = resolve_study(make_study(grid=grid, train=train, debug=debug or {}))
-    spec = cell_spec(study, expand_cells(study)[0])
-    run_worker(spec, str(checkpoints[model]), str(dataset_path), str(tmp_path))
-    return read_json(tmp_path / "worker.json"), tmp_path
+    spec = one_cell(model=model, precision=precision, batch=batch, train=train, debug=debug or {})
+    return run_in_process(spec, checkpoints, dataset_path, tmp_path), tmp_path
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])

@@ -11,26 +11,18 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_study, processes_mentioning
+from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid import warm
-from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json
-from tunegrid.supervisor import run_cell
 
 
 def _spec(train=None):
-    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
-    study = resolve_study(make_study(grid=grid, train={"steps": 5, "seq_len": 32, **(train or {})}))
-    return cell_spec(study, expand_cells(study)[0])
+    return one_cell(model="qwen3moe-tiny", quant="nf4", train={"steps": 5, **(train or {})})
 
 
 def _run(spec, checkpoints, dataset_path, run_dir):
-    return run_cell(
-        spec=spec, model_dir=checkpoints["qwen3moe-tiny"], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=None, capabilities_path=None, log_path=None,
-        command=["tunegrid", "finetune"],
-    )
+    return run_supervised(spec, checkpoints, dataset_path, run_dir)
 
 
 @pytest.fixture
