@@ -110,8 +110,8 @@ def check_records(records: Iterable[dict[str, Any]], data: dict[str, Any]) -> No
         if not isinstance(record, dict):
             raise DataError(f"config key 'data.path': record {i} is a {type(record).__name__}, not an object of fields")
         for key, column in fields.items():
-            if column not in record:
-                raise _missing(key, column, record)
+            if record.get(column) is None:  # datasets fills a field absent from some records with None
+                raise _missing(key, column, [k for k, v in record.items() if v is not None])
         if "messages" in fields:
             _check_messages(record[fields["messages"]], i, fields["messages"])
 

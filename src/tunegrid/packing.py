@@ -148,19 +148,26 @@ def _ends_with_eos(ids: list[int], labels: list[int], eos_id: int | None, seq_le
     return (ids + [eos_id])[:seq_len], (labels + [eos_id if labels[-1] != IGNORE else IGNORE])[:seq_len]
 
 
+OPEN_ROWS = 64  # rows still taking examples: first fit over a window keeps packing linear in the set's size
+
+
 def _fill_rows(examples: list[Encoded], seq_len: int) -> list[list[Encoded]]:
-    """Whole examples in order, a new row when the next one does not fit (no example is split)."""
+    """Whole examples (none is split), each into the first of the open rows with room for it."""
     rows: list[list[Encoded]] = []
-    current: list[Encoded] = []
-    used = 0
+    free: list[int] = []  # room left in rows[first_open:]
+    first_open = 0
     for example in examples:
-        if current and used + len(example[0]) > seq_len:
-            rows.append(current)
-            current, used = [], 0
-        current.append(example)
-        used += len(example[0])
-    if current:
-        rows.append(current)
+        size = len(example[0])
+        slot = next((i for i, room in enumerate(free) if room >= size), None)
+        if slot is None:
+            rows.append([])
+            free.append(seq_len)
+            slot = len(free) - 1
+        rows[first_open + slot].append(example)
+        free[slot] -= size
+        if len(free) > OPEN_ROWS:  # the oldest open row is closed as it is
+            free.pop(0)
+            first_open += 1
     return rows
 
 
