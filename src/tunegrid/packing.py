@@ -4,7 +4,7 @@ template), then packed several to a row so a step is nearly all real tokens.
 Packed rows keep examples apart with `position_ids` that restart at 0 for every example and no attention
 mask, the format transformers' DataCollatorWithFlattening produces. transformers (masking_utils) turns
 such position ids into a block-diagonal causal mask for eager/sdpa/flex attention in every model that
-builds its mask with `create_causal_mask`; flash attention instead derives varlen boundaries from them,
+builds its mask with `create_causal_mask`, but only without attention mask and without KV cache; flash attention instead derives varlen boundaries from them,
 but only for a single flattened row (`_is_packed_sequence` requires batch size 1), so rows are flattened
 there. A model whose code builds its own mask would ignore the boundaries: it gets examples concatenated
 with EOS separators instead, and the cell says so (`data.packing` in its result).
@@ -101,6 +101,13 @@ def packing_mode(model: Any, enabled: bool) -> str:
     return "eos_separated"
 
 
+def keep_boundaries(model: Any) -> None:
+    """No KV cache in training: transformers reads packed position_ids only when there is no cache,
+    and a model whose config has use_cache on builds one on every forward, in training too."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.use_cache = False
+
+
 def flattens_rows(model: Any) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "flash" in str(getattr(base.config, "_attn_implementation", None) or "")
@@ -185,6 +192,8 @@ def build_stream(records: list[dict[str, Any]], tokenizer: Any, model: Any, data
     loss_on = data.get("loss_on", "response")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = pack([encode_record(r, tokenizer, loss_on) for r in records], seq_len, pad, tokenizer.eos_token_id, mode)
+    if mode == "position_ids":
+        keep_boundaries(model)
     flat = mode == "position_ids" and flattens_rows(model)
     stream = (FlatBatchStream if flat else BatchStream)(rows.tensors, batch_size, seed, rows.row_tokens)
     n_rows = int(rows.row_tokens.numel())
