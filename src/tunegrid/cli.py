@@ -14,9 +14,13 @@ from tunegrid.files import read_json, write_json
 
 
 def _dataset(args: argparse.Namespace) -> None:
-    from tunegrid.data import write_dataset
+    from tunegrid.datasets_io import write_study_dataset
 
-    write_dataset(args.out, args.examples, args.seed)
+    data = json.loads(args.data_spec) if args.data_spec else {"source": "synthetic"}
+    if data["source"] == "synthetic":  # the flags, when given, are the generator's settings
+        data = {**data, "examples": args.examples or data.get("examples", 512), "seed": data.get("seed", 0) if args.seed is None else args.seed}
+    count = write_study_dataset(args.out, data)
+    print(f"dataset {args.out}: {count} records from {data['source']}")
 
 
 def _checkpoint(args: argparse.Namespace) -> None:
@@ -199,9 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunegrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("dataset", help="generate the instruction dataset")
-    p.add_argument("--examples", type=int, required=True)
-    p.add_argument("--seed", type=int, required=True)
+    p = sub.add_parser("dataset", help="write the training records (generated, or the study's own data)")
+    p.add_argument("--data-spec", help="the study's data section as JSON (default: generated pairs)")
+    p.add_argument("--examples", type=int, help="(synthetic) generated pairs")
+    p.add_argument("--seed", type=int, help="(synthetic) generator seed")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_dataset)
 

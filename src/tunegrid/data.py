@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n### Response:\n"
+SYSTEM_TEMPLATE = "### System:\n{content}\n"
 
 _WORDS = (
     "apple river stone cloud tiger lemon piano rocket garden silver window candle forest "
@@ -54,10 +55,26 @@ def read_dataset(path: str | Path) -> list[dict[str, str]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
-def corpus_texts(examples: list[dict[str, str]]) -> Iterator[str]:
+def template_turns(record: dict[str, Any]) -> list[tuple[str, bool]]:
+    """A record in the project's prompt template as (text, is_response) pieces, for tokenizers without
+    a chat template. A pair is one instruction and its response; a chat is its turns in order."""
+    if "messages" not in record:
+        return [(PROMPT_TEMPLATE.format(instruction=record["instruction"]), False), (record["response"], True)]
+    pieces = []
+    for message in record["messages"]:
+        if message["role"] == "system":
+            pieces.append((SYSTEM_TEMPLATE.format(content=message["content"]), False))
+        elif message["role"] == "user":
+            pieces.append((PROMPT_TEMPLATE.format(instruction=message["content"]), False))
+        else:
+            pieces.append((message["content"], True))
+    return pieces
+
+
+def corpus_texts(examples: list[dict[str, Any]]) -> Iterator[str]:
     """The text a tokenizer is trained on: exactly what the model sees."""
     for ex in examples:
-        yield PROMPT_TEMPLATE.format(instruction=ex["instruction"]) + ex["response"]
+        yield "".join(text for text, _ in template_turns(ex))
 
 
 def tokenize_examples(examples: list[dict[str, str]], tokenizer: Any, seq_len: int) -> dict[str, Any]:
@@ -87,13 +104,24 @@ def tokenize_examples(examples: list[dict[str, str]], tokenizer: Any, seq_len: i
 class BatchStream:
     """Endless seeded shuffles of a tokenized set; batch k is a pure function of (seed, k)."""
 
-    def __init__(self, tensors: dict[str, Any], batch_size: int, seed: int) -> None:
+    def __init__(self, tensors: dict[str, Any], batch_size: int, seed: int, row_tokens: Any = None) -> None:
         self.tensors = tensors
         self.batch_size = batch_size
         self.seed = seed
-        self.n = tensors["input_ids"].shape[0]
+        self.n, width = tensors["input_ids"].shape[:2]
+        if row_tokens is None:  # packed rows carry no attention mask to count real tokens from: they pass row_tokens
+            mask = tensors.get("attention_mask")
+            row_tokens = mask.sum(dim=1) if mask is not None else tensors["input_ids"].new_full((self.n,), width)
+        self.row_tokens = row_tokens
 
     def batch(self, step: int) -> dict[str, Any]:
+        idx = self.indices(step)
+        return {k: v[idx] for k, v in self.tensors.items()}
+
+    def real_tokens(self, step: int) -> int:
+        return int(self.row_tokens[self.indices(step)].sum())
+
+    def indices(self, step: int) -> Any:
         import torch
 
         per_epoch = max(1, self.n // self.batch_size)
@@ -103,4 +131,4 @@ class BatchStream:
         idx = order[offset * self.batch_size : (offset + 1) * self.batch_size]
         if idx.numel() < self.batch_size:  # batch larger than the set: wrap around
             idx = order[torch.arange(offset * self.batch_size, (offset + 1) * self.batch_size) % self.n]
-        return {k: v[idx] for k, v in self.tensors.items()}
+        return idx

@@ -505,6 +505,7 @@ def _compose_result(
         "precision_in_effect": facts.get("precision_in_effect", {}),
         "precision_plan": facts.get("precision_plan", {}),
         "throughput": facts.get("throughput", {}),
+        "data": facts.get("data", {}),
         "fp16_headroom": facts.get("fp16_headroom", {}),
         "quant_audit": facts.get("quant_audit", {}),
         "training": facts.get("training", {}),

@@ -330,12 +330,15 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- data
     def build_data(self) -> None:
-        from tunegrid.data import BatchStream, read_dataset, tokenize_examples
+        from tunegrid.data import read_dataset
+        from tunegrid.packing import build_stream
 
-        tensors = tokenize_examples(read_dataset(self.data_path), self.tokenizer, self.spec["train"]["seq_len"])
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
         seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank
-        self.stream = BatchStream(tensors, self.spec["axes"]["batch_size"], seed)
+        self.stream, self.facts["data"] = build_stream(
+            read_dataset(self.data_path), self.tokenizer, self.model, self.spec.get("data") or {},
+            self.spec["train"]["seq_len"], self.spec["axes"]["batch_size"], seed,
+        )
 
     # ---------------------------------------------------------------- forward + backward
     def forward_backward(self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None) -> Any:
@@ -484,7 +487,7 @@ class CellTrainer:
                 batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
                 measure_headroom = every > 0 and step % every == 0
                 fact = self.train_step(step, batch, census if step == 0 else None, headroom if measure_headroom else None)
-                tokens = int(batch["attention_mask"].sum())
+                tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
                 skipped_total += int(fact["skipped"])
                 consecutive_skips = consecutive_skips + 1 if fact["skipped"] else 0
                 if step == 0:

@@ -1,9 +1,12 @@
+# The training records, written once: generated pairs, or the study's own file / pinned hub dataset
+# normalized to pairs or chats. Cells read only this file (a hub dataset is downloaded here, never per cell).
 rule dataset:
+    input:
+        source=lambda wildcards: [STUDY["data"]["path"]] if STUDY["data"]["source"] in ("jsonl", "parquet") else [],
     output:
         data=f"{RESULTS}/data/train.jsonl",
     params:
-        examples=STUDY["data"]["examples"],
-        seed=STUDY["data"]["seed"],
+        spec=json.dumps(STUDY["data"], sort_keys=True),
     localrule: True
     log:
         f"{LOGS}/dataset.log",
@@ -11,5 +14,5 @@ rule dataset:
         "../../envs/tunegrid.yaml"
     shell:
         f"python {SCRIPT} dataset"
-        " --examples {params.examples} --seed {params.seed}"
+        " --data-spec {params.spec:q}"
         " --out {output.data} > {log} 2>&1"
