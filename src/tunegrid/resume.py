@@ -5,10 +5,10 @@ checkpoint written for the same training spec, so its loss curve is the one an u
 A checkpoint is one folder, replaced by rename: a kill mid-write leaves the previous one whole.
 
 What it holds: the trainable (LoRA) weights as safetensors; optimizer, LR scheduler and GradScaler state,
-the RNG states and the loop's tallies in state.pt (read back with torch.load(weights_only=True), which
-refuses anything but tensors and plain containers); the metrics/events/headroom lines written before
-the step; meta.json with the spec key and the step. Batches are a pure function of (seed, step), so the
-step is the data position.
+the RNG states (torch CPU/CUDA, python) and the loop's tallies in state.pt (read back with
+torch.load(weights_only=True), which refuses anything but tensors and plain containers); the
+metrics/events/headroom lines written before the step; meta.json with the spec key and the step.
+Batches are a pure function of (seed, step), so the step is the data position.
 """
 
 from __future__ import annotations
@@ -56,28 +56,20 @@ class Resumed:
 
 
 def rng_states() -> dict[str, Any]:
-    import numpy as np
+    """torch (CPU and every CUDA device: dropout) and python's; nothing in a cell draws from numpy's."""
     import torch
 
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    states: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)],
-    }
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
-    import numpy as np
     import torch
 
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
-    kind, keys, pos, has_gauss, gauss = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
