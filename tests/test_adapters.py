@@ -105,5 +105,6 @@ def test_checkpoint_of_a_different_spec_is_removed_not_resumed(checkpoints, data
     result = _run_cell(changed, checkpoints, dataset_path, run_dir)
     assert result["outcome"] == "ok", result["reason"]
     assert result["resumed_from_step"] is None
+    assert result["checkpoint"]["discarded"] == "written for a different training spec"
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
     assert read_jsonl(run_dir / "metrics.jsonl")[0]["lr"] == pytest.approx(0.02 / 2)  # warm-up step 0 of the new lr

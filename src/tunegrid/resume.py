@@ -83,6 +83,7 @@ class Checkpointer:
         self.key = key
         self.path = run_dir / CHECKPOINT_DIR
         self._previous = run_dir / f".{CHECKPOINT_DIR}.previous"
+        self.discarded = ""  # why a checkpoint found at the start was not resumed from
 
     def due(self, step: int, start: int) -> bool:
         """At the top of step `step`: every K steps, never for the state just resumed from."""
@@ -127,6 +128,7 @@ class Checkpointer:
 
     def discard(self, why: str = "") -> None:
         if why and self.path.exists():
+            self.discarded = why
             print(f"checkpoint {self.path} removed: {why}", flush=True)
         for path in (self.path, self._previous):
             shutil.rmtree(path, ignore_errors=True)

@@ -634,6 +634,8 @@ class CellTrainer:
         if self.checkpointer is None:
             return None
         resumed = self.checkpointer.restore(self.trainable_named, self.optimizer, self.scheduler, self.scaler)
+        if self.checkpointer.discarded:
+            self.facts["checkpoint"]["discarded"] = self.checkpointer.discarded
         if resumed is not None:
             self.facts["resumed_from_step"] = resumed.step
             print(f"resuming from the checkpoint of step {resumed.step}", flush=True)
