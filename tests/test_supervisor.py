@@ -47,6 +47,9 @@ def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert len(c.get_metric_history(run.info.run_id, "loss")) == len(records) == 4
     assert {a.path for a in c.list_artifacts(run.info.run_id)} >= {"result.json", "metrics.jsonl"}
+    adapter_files = {a.path for a in c.list_artifacts(run.info.run_id, "adapter")}
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/base_model.json"} <= adapter_files
+    assert result["adapter"]["base_model"]["manifest_sha256"] and result["training"]["reference_batch_loss"] > 0
 
     # running the same cell again leaves exactly one current run, and says which one replaced it
     again, _ = _run(spec, checkpoints, dataset_path, tmp_path, tracking)

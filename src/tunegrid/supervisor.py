@@ -25,8 +25,11 @@ from tunegrid.warm import SOCKET_ENV as WARM_SOCKET_ENV
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
 KILL_GRACE_S = 5.0
-RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat", "ranks", "flight_recorder")
-ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json")
+# The checkpoint folder (tunegrid.resume) is deliberately not a run file: a re-run resumes from it, and the
+# worker itself removes one written for a different training spec.
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat", "ranks",
+             "flight_recorder", "adapter")
+ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "adapter")
 
 
 class MetricsTail:
@@ -509,6 +512,9 @@ def _compose_result(
         "fp16_headroom": facts.get("fp16_headroom", {}),
         "quant_audit": facts.get("quant_audit", {}),
         "training": facts.get("training", {}),
+        "resumed_from_step": facts.get("resumed_from_step"),
+        "checkpoint": facts.get("checkpoint", {}),
+        "adapter": facts.get("adapter"),
         "params": facts.get("params", {}),
         "traceback": facts.get("traceback"),
         "worker_exit_code": returncode,

@@ -216,7 +216,9 @@ class CellRun:
             items = [Param(k, v[:6000]) for k, v in params.items()]
             self._try(lambda: self.client.log_batch(self.run_id, params=items), "final params")
         for path in artifacts:
-            if path.exists():
+            if path.is_dir():  # a folder (the adapter) keeps its name and layout in the store
+                self._try(lambda p=path: self.client.log_artifacts(self.run_id, str(p), artifact_path=p.name), f"artifacts {path.name}")
+            elif path.exists():
                 self._try(lambda p=path: self.client.log_artifact(self.run_id, str(p)), f"artifact {path.name}")
         status = "FAILED" if failed else "FINISHED"
         self._try(lambda: self.client.set_terminated(self.run_id, status=status, end_time=_ms(end_time)), "set_terminated")

@@ -259,7 +259,7 @@ class CellTrainer:
 
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
-        verify_checkpoint(self.model_dir)
+        self.manifest = verify_checkpoint(self.model_dir)
         if self.device.type == "cpu":  # what the estimate's calibrated runtime constant stands for
             self.memory["runtime_bytes_measured"] = runtime_baseline_bytes()
         budget = (self.spec.get("plan") or {}).get("budget_bytes")
@@ -469,6 +469,8 @@ class CellTrainer:
         train = self.spec["train"]
         steps, policy, every = train["steps"], train["on_nonfinite"], train["headroom_every"]
         self.build_optimizer()
+        self.checkpointer = self.make_checkpointer()
+        resumed = self.resume()  # before the logs open: it puts them back as they were at its step
         metrics = JsonlAppender(self.run_dir / "metrics.jsonl")
         events = JsonlAppender(self.run_dir / "events.jsonl")
         headroom_log = JsonlAppender(self.run_dir / "headroom.jsonl")
@@ -480,11 +482,20 @@ class CellTrainer:
         stop_event: dict[str, Any] | None = None
         unsupported: list[str] = []
         losses: list[float] = []
+        # the same objects a checkpoint saves and a resume refills
+        tallies = {"step_times": step_times, "tokens_per_s": tokens_per_s, "steady_peaks": steady_peaks, "losses": losses,
+                   "nonfinite_events": nonfinite_events, "headroom_steps": headroom_steps}
+        start = 0
+        if resumed is not None:
+            start, skipped_total, consecutive_skips = self.refill(resumed, tallies, census, headroom)
         self.facts["stage"] = "step"
-        progress = tqdm(total=steps, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
+        progress = tqdm(total=steps, initial=start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
         try:
-            for step in range(steps):
+            for step in range(start, steps):
+                if self.checkpointer is not None and self.checkpointer.due(step, start):
+                    self.save_checkpoint(step, tallies, skipped_total, consecutive_skips, census, headroom)
                 batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
+                self.last_batch = batch
                 measure_headroom = every > 0 and step % every == 0
                 fact = self.train_step(step, batch, census if step == 0 else None, headroom if measure_headroom else None)
                 tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
@@ -610,6 +621,64 @@ class CellTrainer:
         else:
             self.facts.update(outcome="ok", reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis)
 
+    # ---------------------------------------------------------------- checkpoints and the adapter
+    def make_checkpointer(self) -> Any:
+        """Single-process cells only: a distributed cell's ranks would each need their own state back."""
+        from tunegrid.adapters import base_model_identity
+        from tunegrid.resume import Checkpointer, training_key
+
+        every = self.spec["train"].get("checkpoint_every", 0)
+        self.facts["checkpoint"] = {"every": every, "applied": not self.ranks.distributed}
+        if self.ranks.distributed:
+            return None
+        return Checkpointer(self.run_dir, every, training_key(self.spec, base_model_identity(self.manifest)))
+
+    def resume(self) -> Any:
+        if self.checkpointer is None:
+            return None
+        resumed = self.checkpointer.restore(self.trainable_named, self.optimizer, self.scheduler, self.scaler)
+        if self.checkpointer.discarded:
+            self.facts["checkpoint"]["discarded"] = self.checkpointer.discarded
+        if resumed is not None:
+            self.facts["resumed_from_step"] = resumed.step
+            print(f"resuming from the checkpoint of step {resumed.step}", flush=True)
+        return resumed
+
+    def refill(self, resumed: Any, tallies: dict[str, list[Any]], census: Any, headroom: Any) -> tuple[int, int, int]:
+        """The loop's tallies as they were at the checkpoint: (start step, skipped total, consecutive skips)."""
+        saved = resumed.tallies
+        for name, values in tallies.items():
+            values.extend(saved[name])
+        census.forward.update(saved["census"]["forward"])
+        census.backward.update(saved["census"]["backward"])
+        headroom.worst_seen.update(saved["headroom_worst"])
+        self.memory.update(saved["memory"])
+        return resumed.step, saved["skipped_total"], saved["consecutive_skips"]
+
+    def save_checkpoint(self, step: int, tallies: dict[str, list[Any]], skipped_total: int, consecutive_skips: int,
+                        census: Any, headroom: Any) -> None:
+        self.heartbeat.beat(f"step {step} checkpoint")
+        extra = {"skipped_total": skipped_total, "consecutive_skips": consecutive_skips, "census": census.as_dict(),
+                 "headroom_worst": dict(headroom.worst_seen),
+                 "memory": {k: v for k, v in self.memory.items() if k == "first_step_peak_bytes"}}
+        self.checkpointer.save(step, self.trainable_named, self.optimizer, self.scheduler, self.scaler, {**tallies, **extra})
+        self.facts["checkpoint"]["last_step"] = step
+
+    def finish_cell(self) -> None:
+        """An `ok` cell's adapter is its product; any concluded cell's checkpoint has served its purpose."""
+        from tunegrid.adapters import base_record, reference_loss, save_adapter
+        from tunegrid.precision import autocast_context
+
+        if self.facts["outcome"] == "ok" and self.ranks.rank == 0:
+            self.facts["stage"] = "adapter"
+            self.heartbeat.beat("adapter")
+            loss = reference_loss(self.model, self.last_batch, autocast_context(self.plan))
+            self.facts["training"]["reference_batch_loss"] = loss
+            self.facts["adapter"] = save_adapter(self.run_dir, self.model, self.last_batch, loss,
+                                                 base_record(self.spec, self.manifest, self.plan))
+        if self.checkpointer is not None:
+            self.checkpointer.discard()
+
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         started = time.time()
@@ -618,6 +687,7 @@ class CellTrainer:
             self.build_model()
             self.build_data()
             self.loop()
+            self.finish_cell()
         except BaseException as exc:  # a failure is a result; only tunegrid bugs should fail the rule
             kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else "error"
             stage = self.facts.get("stage", "setup")

@@ -1,0 +1,73 @@
+"""A finished cell's product: its LoRA adapter, saved with peft under <run>/adapter/.
+
+Beside peft's files (adapter_config.json, adapter_model.safetensors) the folder holds base_model.json,
+which names the base checkpoint the adapter belongs to (hub repo id and revision, or the manifest
+digest of a local or synthetic checkpoint) and how it was loaded, and reference_batch.safetensors with
+the loss the cell's final weights give on it: loading the adapter onto that base and evaluating the
+batch must give the same loss, which is how a copy is checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from tunegrid.files import write_json
+
+ADAPTER_DIR = "adapter"
+BASE_FILE = "base_model.json"
+REFERENCE_BATCH_FILE = "reference_batch.safetensors"
+
+
+def base_model_identity(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Which base checkpoint: the manifest's sha256 always (it lists every file's sha256), and the hub
+    coordinates when it came from the hub."""
+    text = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    source = manifest.get("source") or {}
+    identity: dict[str, Any] = {"kind": source.get("kind"), "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    if source.get("kind") == "hub":
+        identity.update(repo_id=source["repo_id"], revision=source["revision"])
+    return identity
+
+
+def reference_loss(model: Any, batch: dict[str, Any], autocast: Any) -> float:
+    """The loss of `batch` with dropout off and no gradient: what a reloaded adapter must reproduce."""
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), autocast:
+            return float(model(**batch).loss.float().item())
+    finally:
+        model.train(was_training)
+
+
+def save_adapter(run_dir: Path, model: Any, batch: dict[str, Any], loss: float, base: dict[str, Any]) -> dict[str, Any]:
+    """peft save_pretrained (safetensors) plus base_model.json and the reference batch, swapped in by rename."""
+    from safetensors.torch import save_file
+
+    staging = run_dir / f".{ADAPTER_DIR}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save_pretrained(staging, safe_serialization=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in batch.items()}, str(staging / REFERENCE_BATCH_FILE))
+    record = {**base, "reference": {"batch_file": REFERENCE_BATCH_FILE, "loss": loss, "mode": "eval (dropout off), no grad"}}
+    write_json(staging / BASE_FILE, record)
+    target = run_dir / ADAPTER_DIR
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return {"path": ADAPTER_DIR, "files": sorted(p.name for p in target.iterdir()), **record}
+
+
+def base_record(spec: dict[str, Any], manifest: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """Everything needed to rebuild the base the adapter was trained on."""
+    return {
+        "base_model": base_model_identity(manifest),
+        "model_name": spec["model"]["name"],
+        "cell_id": spec["cell_id"],
+        "load": {"storage_dtype": plan.storage_dtype, "compute_dtype": plan.compute_dtype, "quant": spec["axes"]["quant"]},
+    }

@@ -1,0 +1,110 @@
+"""A cell's products: the saved adapter reloads onto its base with the cell's loss, and a checkpointed cell
+killed mid-training resumes to the loss curve of an uninterrupted run."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+from conftest import make_study
+
+from tunegrid.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
+from tunegrid.checkpoints import verify_checkpoint
+from tunegrid.config import cell_spec, expand_cells, resolve_study
+from tunegrid.files import read_json, read_jsonl
+from tunegrid.resume import CHECKPOINT_DIR
+from tunegrid.supervisor import run_cell
+from tunegrid.train import run_worker
+
+MODEL = "qwen3moe-tiny"
+# attention only: peft wraps the fused experts as parameters, which refuse dropout
+LORA = {"dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def _spec(train: dict, debug: dict | None = None) -> dict:
+    grid = {"model": [MODEL], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
+    # dropout on: a resume that did not restore the RNG would draw other masks and leave the curve
+    study = resolve_study(make_study(grid=grid, train={"seq_len": 32, "lr": 0.01, **train}, lora=LORA,
+                                     debug=debug or {}))
+    return cell_spec(study, expand_cells(study)[0])
+
+
+def _run_cell(spec: dict, checkpoints: dict, dataset_path: Path, run_dir: Path) -> dict:
+    return run_cell(spec=spec, model_dir=checkpoints[MODEL], data_path=dataset_path, run_dir=run_dir,
+                    result_path=run_dir / "result.json", tracking_path=None, capabilities_path=None, log_path=None,
+                    command=["tunegrid", "finetune"])
+
+
+def test_saved_adapter_reloads_onto_its_base_with_the_cells_loss(checkpoints, dataset_path, tmp_path):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    spec = _spec({"steps": 4})
+    run_dir = tmp_path / spec["cell_id"]
+    run_worker(spec, str(checkpoints[MODEL]), str(dataset_path), str(run_dir))
+    facts = read_json(run_dir / "worker.json")
+    assert facts["outcome"] == "ok", facts["reason"]
+    adapter = run_dir / "adapter"
+    assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
+    base = read_json(adapter / BASE_FILE)
+    assert base["base_model"] == base_model_identity(verify_checkpoint(checkpoints[MODEL]))
+    expected = facts["training"]["reference_batch_loss"]
+    assert base["reference"]["loss"] == expected and math.isfinite(expected)
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[MODEL], dtype=torch.float32)
+    untrained = model.eval()
+    batch = load_file(str(adapter / REFERENCE_BATCH_FILE))
+    with torch.no_grad():
+        base_loss = untrained(**batch).loss.item()
+    model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+    assert loss == pytest.approx(expected, rel=1e-5)
+    assert abs(base_loss - expected) > 100 * 1e-5 * abs(expected), "the adapter changed nothing: the check would be vacuous"
+
+
+def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(checkpoints, dataset_path, tmp_path):
+    train = {"steps": 8, "checkpoint_every": 3, "retries": 0}
+    killed = _spec(train, debug={"kill_rank": {"rank": 0, "step": 5}})
+    run_dir = tmp_path / "resumed" / killed["cell_id"]
+
+    first = _run_cell(killed, checkpoints, dataset_path, run_dir)
+    assert first["outcome"] == "error" and "SIGKILL" in first["reason"]
+    assert read_json(run_dir / CHECKPOINT_DIR / "meta.json")["step"] == 3
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+
+    again = _run_cell(_spec(train), checkpoints, dataset_path, run_dir)  # the kill hook is not training: same key
+    assert again["outcome"] == "ok", again["reason"]
+    assert again["resumed_from_step"] == 3
+    assert not (run_dir / CHECKPOINT_DIR).exists(), "a concluded cell keeps no checkpoint"
+    resumed = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == list(range(8))
+
+    plain = _run_cell(_spec({**train, "checkpoint_every": 0}), checkpoints, dataset_path, tmp_path / "plain" / killed["cell_id"])
+    assert plain["outcome"] == "ok" and plain["resumed_from_step"] is None
+    reference = read_jsonl(tmp_path / "plain" / killed["cell_id"] / "metrics.jsonl")
+    for got, want in zip(resumed, reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-6), got["step"]
+        assert got["lr"] == pytest.approx(want["lr"], rel=1e-9), got["step"]
+    assert again["training"]["reference_batch_loss"] == pytest.approx(plain["training"]["reference_batch_loss"], rel=1e-6)
+
+
+def test_checkpoint_of_a_different_spec_is_removed_not_resumed(checkpoints, dataset_path, tmp_path):
+    train = {"steps": 6, "checkpoint_every": 2, "retries": 0}
+    killed = _spec(train, debug={"kill_rank": {"rank": 0, "step": 3}})
+    run_dir = tmp_path / killed["cell_id"]
+    assert _run_cell(killed, checkpoints, dataset_path, run_dir)["outcome"] == "error"
+    assert read_json(run_dir / CHECKPOINT_DIR / "meta.json")["step"] == 2
+
+    changed = copy.deepcopy(_spec(train))
+    changed["train"]["lr"] = 0.02
+    result = _run_cell(changed, checkpoints, dataset_path, run_dir)
+    assert result["outcome"] == "ok", result["reason"]
+    assert result["resumed_from_step"] is None
+    assert result["checkpoint"]["discarded"] == "written for a different training spec"
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
+    assert read_jsonl(run_dir / "metrics.jsonl")[0]["lr"] == pytest.approx(0.02 / 2)  # warm-up step 0 of the new lr
