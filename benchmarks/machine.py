@@ -74,7 +74,7 @@ def machine_facts(device: str) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
     }
     if device == "cuda":
-        from tunegrid.probes import driver_version
+        from tunegrid.prepare.probes import driver_version
 
         props = torch.cuda.get_device_properties(0)
         facts.update(

@@ -32,10 +32,10 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
     DEVICE = device_from_argv()
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
-from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
+from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
-from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
-from tunegrid.train import CellTrainer  # noqa: E402
+from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.cell.train import CellTrainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LARGER = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers

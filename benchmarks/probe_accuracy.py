@@ -27,7 +27,7 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
     DEVICE = device_from_argv()
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
-from tunegrid.probes import matmul_tflops, memory_bandwidth_gbs, probe  # noqa: E402
+from tunegrid.prepare.probes import matmul_tflops, memory_bandwidth_gbs, probe  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
 

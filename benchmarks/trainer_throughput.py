@@ -35,11 +35,11 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
 from nan_overhead import trainer_for  # noqa: E402
-from tunegrid.checkpoints import produce_checkpoint  # noqa: E402
+from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.config import load_study  # noqa: E402
-from tunegrid.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
-from tunegrid.probes import cpu_inventory, cpu_precision_support  # noqa: E402
-from tunegrid.train import CellTrainer  # noqa: E402
+from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.prepare.probes import cpu_inventory, cpu_precision_support  # noqa: E402
+from tunegrid.cell.train import CellTrainer  # noqa: E402
 
 GEMMA3_25M = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
     "source": "synthetic", "architecture": "gemma3_text", "seed": 0,

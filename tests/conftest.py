@@ -98,7 +98,7 @@ def one_cell(*, model: str = "gemma3-hot", precision: str = "fp32", batch: int =
 def run_supervised(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, run_dir: Path, *,
                    tracking: Path | None = None, capabilities: Path | None = None) -> dict[str, Any]:
     """The cell as a finetune job runs it: supervisor, worker process(es), result.json."""
-    from tunegrid.supervisor import run_cell
+    from tunegrid.run.supervisor import run_cell
 
     return run_cell(
         spec=spec, model_dir=checkpoints[spec["model"]["name"]], data_path=dataset_path, run_dir=run_dir,
@@ -110,7 +110,7 @@ def run_supervised(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_p
 def run_in_process(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, run_dir: Path) -> dict[str, Any]:
     """The training worker alone, in this process; returns its facts (worker.json)."""
     from tunegrid.files import read_json
-    from tunegrid.train import run_worker
+    from tunegrid.cell.train import run_worker
 
     run_worker(spec, str(checkpoints[spec["model"]["name"]]), str(dataset_path), str(run_dir))
     return read_json(run_dir / "worker.json")
@@ -118,7 +118,7 @@ def run_in_process(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_p
 
 @pytest.fixture(scope="session")
 def dataset_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tunegrid.data import write_dataset
+    from tunegrid.prepare.data import write_dataset
 
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     write_dataset(path, 64, 0)
@@ -127,8 +127,8 @@ def dataset_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) -> dict[str, Path]:
-    from tunegrid.checkpoints import produce_checkpoint
-    from tunegrid.data import corpus_texts, read_dataset
+    from tunegrid.prepare.checkpoints import produce_checkpoint
+    from tunegrid.prepare.data import corpus_texts, read_dataset
 
     texts = list(corpus_texts(read_dataset(dataset_path)))
     root = tmp_path_factory.mktemp("models")

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from conftest import make_study
 
-from tunegrid.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
-from tunegrid.checkpoints import verify_checkpoint
+from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
+from tunegrid.prepare.checkpoints import verify_checkpoint
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.resume import CHECKPOINT_DIR
-from tunegrid.supervisor import run_cell
-from tunegrid.train import run_worker
+from tunegrid.cell.resume import CHECKPOINT_DIR
+from tunegrid.run.supervisor import run_cell
+from tunegrid.cell.train import run_worker
 
 MODEL = "qwen3moe-tiny"
 # attention only: peft wraps the fused experts as parameters, which refuse dropout

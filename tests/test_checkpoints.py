@@ -3,7 +3,7 @@ import shutil
 
 import pytest
 
-from tunegrid.checkpoints import CheckpointError, link_local, verify_checkpoint
+from tunegrid.prepare.checkpoints import CheckpointError, link_local, verify_checkpoint
 
 
 def test_synthetic_round_trip(checkpoints):
@@ -59,7 +59,7 @@ def test_local_checkpoint_is_linked_with_manifest(checkpoints, tmp_path):
 
 
 def test_unknown_architecture_is_a_clear_error(dataset_path, tmp_path):
-    from tunegrid.checkpoints import build_synthetic
+    from tunegrid.prepare.checkpoints import build_synthetic
 
     with pytest.raises(CheckpointError, match="not-a-model"):
         build_synthetic({"architecture": "not-a-model", "config": {}, "seed": 0}, ["hello world"], tmp_path / "m")

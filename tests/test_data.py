@@ -1,4 +1,4 @@
-from tunegrid.data import BatchStream, generate_examples, tokenize_examples
+from tunegrid.prepare.data import BatchStream, generate_examples, tokenize_examples
 
 
 def test_generation_is_deterministic():

@@ -9,7 +9,7 @@ from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.config import ConfigError
 from tunegrid.files import read_json
-from tunegrid.supervisor import run_cell
+from tunegrid.run.supervisor import run_cell
 
 
 def _spec(world=2, train=None, debug=None, distributed=None):

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from tunegrid.execution import EXECUTION_ENV, cell_ended, close_execution, needs_closing, parent_run_id
-from tunegrid.tracking import client, init_experiment
+from tunegrid.track.execution import EXECUTION_ENV, cell_ended, close_execution, needs_closing, parent_run_id
+from tunegrid.track.tracking import client, init_experiment
 
 
 @pytest.fixture
@@ -79,7 +79,7 @@ def test_a_cell_left_in_flight_is_closed_by_the_hook_as_failed(store):
 
 
 def test_the_next_invocation_marks_a_killed_invocations_parent_and_cell_runs_killed(store, monkeypatch):
-    from tunegrid.tracking import CellRun
+    from tunegrid.track.tracking import CellRun
 
     uri, experiment_id, study_dir = store
     killed_parent = parent_run_id(uri, experiment_id, "t", study_dir, cell_id="a")

@@ -18,7 +18,7 @@ import pytest
 from conftest import one_cell
 
 from tunegrid.files import read_json
-from tunegrid.train import CellTrainer, run_worker
+from tunegrid.cell.train import CellTrainer, run_worker
 
 LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}
 
@@ -80,7 +80,7 @@ def _dequantized_reference(trainer: CellTrainer, model_dir: Path) -> Any:
     from bitsandbytes.nn import Linear4bit
     from transformers import AutoModelForCausalLM
 
-    from tunegrid.train import attach_lora
+    from tunegrid.cell.train import attach_lora
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     reference = attach_lora(reference.to(trainer.device), trainer.spec)
@@ -153,7 +153,7 @@ def test_simulated_host_really_triggers_the_packing(avx512bf16_host):
 
 
 def test_packed_layout_is_refused(checkpoints, dataset_path, tmp_path):
-    from tunegrid.quant_audit import inference_packed_layers, require_trainable_layout
+    from tunegrid.cell.quant_audit import inference_packed_layers, require_trainable_layout
 
     trainer = _trainer(checkpoints, dataset_path, tmp_path, "qwen3moe-tiny", "nf4")
     assert inference_packed_layers(trainer.model) == []
@@ -166,7 +166,7 @@ def test_packed_layout_is_refused(checkpoints, dataset_path, tmp_path):
 
 
 def test_census_counts_a_missing_grad():
-    from tunegrid.instrument import DtypeCensus
+    from tunegrid.cell.instrument import DtypeCensus
 
     census = DtypeCensus()
     census._on_grad(None)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_study, processes_mentioning
 
-from tunegrid import warm
+from tunegrid.run import warm
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import write_json
 
@@ -26,7 +26,7 @@ def _start_supervisor(tmp_path: Path, checkpoints, dataset_path, world: int, env
     run_dir = tmp_path / "runs" / spec["cell_id"]
     write_json(tmp_path / "spec.json", spec)
     code = (
-        "import json; from pathlib import Path; from tunegrid.supervisor import run_cell\n"
+        "import json; from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
         f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
         f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), result_path=Path({str(run_dir / 'result.json')!r}),"
         " tracking_path=None, capabilities_path=None, log_path=None, command=['tunegrid', 'finetune'])\n"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_study, one_cell, run_supervised
 
-from tunegrid.memory_estimate import estimate_cell, nf4_bytes
-from tunegrid.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
+from tunegrid.prepare.memory_estimate import estimate_cell, nf4_bytes
+from tunegrid.prepare.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
 
 
 @pytest.fixture(scope="module")

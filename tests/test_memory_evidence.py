@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tunegrid.memory_estimate import device_constants, estimate_from_shapes
+from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 
 DATA = Path(__file__).parent / "data"
 EVIDENCE = json.loads((DATA / "evidence-h100-memory.json").read_text())

@@ -1,6 +1,6 @@
 import pytest
 
-from tunegrid.precision import make_grad_scaler, plan_precision
+from tunegrid.cell.precision import make_grad_scaler, plan_precision
 
 
 @pytest.mark.parametrize(

@@ -18,9 +18,9 @@ from conftest import REPO, make_study
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.supervisor import run_cell
-from tunegrid.tracking import CELL_TAG, METRIC_KEYS, CellRun, client, init_experiment, sync_cell
-from tunegrid.ui import free_port, mlflow_server
+from tunegrid.run.supervisor import run_cell
+from tunegrid.track.tracking import CELL_TAG, METRIC_KEYS, CellRun, client, init_experiment, sync_cell
+from tunegrid.run.ui import free_port, mlflow_server
 
 CANARIES = {"HF_TOKEN": "hf_CANARYtokenCANARYtoken0123456789", "MLFLOW_TRACKING_PASSWORD": "CANARYpasswordCANARY42"}
 
@@ -197,7 +197,7 @@ def test_result_json_appears_only_after_the_mlflow_run_is_finished(checkpoints, 
     write_json(tracking, {"tracking_uri": store, "experiment_id": experiment_id, "experiment_name": "tunegrid/t"})
     write_json(tmp_path / "spec.json", spec)
     code = (
-        "import json, sys; from pathlib import Path; from tunegrid.supervisor import run_cell\n"
+        "import json, sys; from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
         f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
         f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), result_path=Path({str(run_dir / 'result.json')!r}),"
         f" tracking_path=Path({str(tracking)!r}), capabilities_path=None, log_path=None, command=['tunegrid', 'finetune'])\n"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from tunegrid.recommend import recommend
-from tunegrid.report import _fmt, failure_groups
+from tunegrid.review.recommend import recommend
+from tunegrid.review.report import _fmt, failure_groups
 from tunegrid.units import human_bytes
 
 MIB = 2**20

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from tunegrid.checkpoints import CheckpointError, link_local, verify_checkpoint
+from tunegrid.prepare.checkpoints import CheckpointError, link_local, verify_checkpoint
 from tunegrid.config import ConfigError, resolve_study
 
 CANARY_TOKEN = "hf_CANARYcanaryCANARYcanary0123456789"
@@ -183,8 +183,8 @@ def test_installed_versions_meet_the_security_minimums():
 
 
 def test_no_pickle_loader_in_the_package():
-    """torch.load appears once, in the opt-in converter, always with weights_only=True."""
-    sources = {p.name: p.read_text() for p in (REPO / "src" / "tunegrid").glob("*.py")}
+    """torch.load appears only in the opt-in converter and the resume checkpoint, always with weights_only=True."""
+    sources = {p.name: p.read_text() for p in (REPO / "src" / "tunegrid").rglob("*.py")}
     calls = [(name, line) for name, text in sources.items() for line in text.splitlines() if "torch.load(" in line and "def " not in line]
     assert calls and all("weights_only=True" in line for _, line in calls), calls
 
@@ -203,7 +203,7 @@ def test_hub_model_while_offline_fails_before_any_job(monkeypatch):
 def test_hub_download_without_network_is_one_sentence(monkeypatch, tmp_path):
     """The checkpoint rule's own error when the hub is unreachable (no hub exists here: nothing is mocked,
     the real client fails offline)."""
-    from tunegrid.checkpoints import download_hub
+    from tunegrid.prepare.checkpoints import download_hub
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(CheckpointError) as info:

@@ -18,7 +18,7 @@ from conftest import REPO, make_study
 from slurm_cluster import available, slurm_cluster
 
 from tunegrid.files import read_json
-from tunegrid.tracking import CELL_TAG, client
+from tunegrid.track.tracking import CELL_TAG, client
 
 pytestmark = [
     pytest.mark.slow,

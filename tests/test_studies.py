@@ -6,17 +6,18 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
 import yaml
 from conftest import REPO
 
-from tunegrid.checkpoints import produce_checkpoint
+from tunegrid.prepare.checkpoints import produce_checkpoint
 from tunegrid.config import cell_spec, expand_cells, load_study
-from tunegrid.data import corpus_texts, read_dataset
+from tunegrid.prepare.data import corpus_texts, read_dataset
 from tunegrid.files import read_json
-from tunegrid.train import run_worker
+from tunegrid.cell.train import run_worker
 
 STUDIES = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -27,6 +28,10 @@ def test_shipped_study_validates_and_dry_runs(path, tmp_path):
     for name, model in study["models"].items():
         if model["source"] == "hub":
             assert len(model["revision"]) == 40, f"{name}: hub models are pinned"
+    data_path = study["data"].get("path")
+    if data_path and not Path(data_path).is_absolute():  # relative paths are the working directory's, as for a user
+        (tmp_path / data_path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / data_path).write_bytes((REPO / data_path).read_bytes())
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "HF_HUB_OFFLINE")}
     proc = subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "all", "-n",

@@ -9,8 +9,8 @@ from pathlib import Path
 from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.supervisor import _compose_result
-from tunegrid.tracking import CELL_TAG, client, init_experiment, metrics_from_records, sync_cell
+from tunegrid.run.supervisor import _compose_result
+from tunegrid.track.tracking import CELL_TAG, client, init_experiment, metrics_from_records, sync_cell
 
 
 def _spec(model="qwen3moe-tiny", train=None):

@@ -1,6 +1,6 @@
 import re
 
-from tunegrid.tracking import flatten, metrics_from_records, redact_uri, resolve_tracking_uri
+from tunegrid.track.tracking import flatten, metrics_from_records, redact_uri, resolve_tracking_uri
 
 
 def test_credentials_never_leave_the_uri():
@@ -32,14 +32,14 @@ def test_every_metric_a_step_writes_or_readme_names_reaches_mlflow():
     import re
     from pathlib import Path
 
-    from tunegrid.tracking import METRIC_KEYS
+    from tunegrid.track.tracking import METRIC_KEYS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     listed = readme[readme.index("Metrics have the same names in every cell"):]
     listed = listed[: listed.index(")")]
     named = set(re.findall(r"`([a-z0-9_]+)`", listed))
     assert named == set(METRIC_KEYS), f"README names {sorted(named ^ set(METRIC_KEYS))} differently from METRIC_KEYS"
-    train = (Path(__file__).resolve().parents[1] / "src" / "tunegrid" / "train.py").read_text()
+    train = (Path(__file__).resolve().parents[1] / "src" / "tunegrid" / "cell" / "train.py").read_text()
     record = train[train.index("record = {"): train.index("metrics.write(record)")]
     written = set(re.findall(r'"([a-z0-9_]+)":', record)) | set(re.findall(r'record\["([a-z0-9_]+)"\]', record))
     assert written - {"step", "time"} <= set(METRIC_KEYS), f"written but not sent to MLflow: {written - set(METRIC_KEYS)}"

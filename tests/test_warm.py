@@ -1,4 +1,4 @@
-"""The warm worker (tunegrid.warm): a forked worker trains exactly like a spawned one, its exit code and
+"""The warm worker (tunegrid.run.warm): a forked worker trains exactly like a spawned one, its exit code and
 signals reach the supervisor, a timeout stops it, and without a warm process the supervisor spawns."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
-from tunegrid import warm
+from tunegrid.run import warm
 from tunegrid.files import read_json
 
 
@@ -96,7 +96,7 @@ def test_importing_the_warm_modules_never_initialises_cuda():
         "original = torch.cuda._lazy_init\n"
         "torch.cuda._lazy_init = lambda *a, **k: (calls.append(1), original(*a, **k))[1]\n"
         "import importlib\n"
-        "from tunegrid.warm import PRELOAD\n"
+        "from tunegrid.run.warm import PRELOAD\n"
         "for name in PRELOAD: importlib.import_module(name)\n"
         "assert not calls and not torch.cuda.is_initialized(), 'importing the warm modules initialised CUDA'\n"
     )

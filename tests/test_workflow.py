@@ -15,7 +15,7 @@ import yaml
 from conftest import REPO, make_study, processes_mentioning
 
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.tracking import CELL_TAG, client
+from tunegrid.track.tracking import CELL_TAG, client
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_tiny_study_end_to_end(finished_study):
     cell_logs = sorted((tmp_path / "results" / "logs" / "e2e" / "finetune").glob("*.log"))
     assert len(cell_logs) == 12 and all("forked by the warm worker" in p.read_text() for p in cell_logs)
     assert "ready at" in (tmp_path / "results" / "logs" / "e2e" / "warm_worker.log").read_text()
-    assert processes_mentioning(Path("tunegrid.warm")) == [], "the warm worker stopped with snakemake"
+    assert processes_mentioning(Path("tunegrid.run.warm")) == [], "the warm worker stopped with snakemake"
     env = read_json(results / "env" / "environment.json")
     assert env["packages"]["torch"] and env["bitsandbytes"]["nf4_runs"] is True
     probe = read_json(results / "probe" / "capabilities.json")
@@ -115,7 +115,7 @@ def test_tiny_study_end_to_end(finished_study):
     assert "Nothing to be done" in again.stdout + again.stderr
 
     # editing a helper of the package does not re-run finished cells (rerun triggers: profiles/default)
-    helper = REPO / "src" / "tunegrid" / "summary.py"
+    helper = REPO / "src" / "tunegrid" / "review" / "summary.py"
     original = helper.read_text()
     try:
         helper.write_text(original + "\n# an edit that must not re-run finished cells\n")
@@ -157,7 +157,7 @@ def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_s
 
 
 def test_mlflow_server_rest_api_serves_every_cell(finished_study):
-    from tunegrid.ui import mlflow_server, rest
+    from tunegrid.run.ui import mlflow_server, rest
 
     workdir, _ = finished_study
     summary = pd.read_parquet(workdir / "results" / "e2e" / "summary.parquet")
@@ -180,7 +180,7 @@ def test_mlflow_server_rest_api_serves_every_cell(finished_study):
     reason="needs Debian's chromium (.ci/run installs it)",
 )
 def test_mlflow_ui_shows_the_cells_and_filters_the_nan_ones_in_headless_chromium(finished_study, tmp_path):
-    from tunegrid.ui import dump_dom, mlflow_server, rest, runs_page, screenshot
+    from tunegrid.run.ui import dump_dom, mlflow_server, rest, runs_page, screenshot
 
     workdir, _ = finished_study
     summary = pd.read_parquet(workdir / "results" / "e2e" / "summary.parquet")

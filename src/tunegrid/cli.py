@@ -8,13 +8,13 @@ import os
 import sys
 from pathlib import Path
 
-from tunegrid.checkpoints import CheckpointError
+from tunegrid.prepare.checkpoints import CheckpointError
 from tunegrid.config import ConfigError
 from tunegrid.files import read_json, write_json
 
 
 def _dataset(args: argparse.Namespace) -> None:
-    from tunegrid.datasets_io import write_study_dataset
+    from tunegrid.prepare.datasets_io import write_study_dataset
 
     data = json.loads(args.data_spec) if args.data_spec else {"source": "synthetic"}
     if data["source"] == "synthetic":  # the flags, when given, are the generator's settings
@@ -24,8 +24,8 @@ def _dataset(args: argparse.Namespace) -> None:
 
 
 def _checkpoint(args: argparse.Namespace) -> None:
-    from tunegrid.checkpoints import produce_checkpoint
-    from tunegrid.data import corpus_texts, read_dataset
+    from tunegrid.prepare.checkpoints import produce_checkpoint
+    from tunegrid.prepare.data import corpus_texts, read_dataset
 
     spec = json.loads(args.spec)
     texts = list(corpus_texts(read_dataset(args.data)))
@@ -34,7 +34,7 @@ def _checkpoint(args: argparse.Namespace) -> None:
 
 
 def _environment(args: argparse.Namespace) -> None:
-    from tunegrid.environment import full_env
+    from tunegrid.prepare.environment import full_env
 
     env = full_env()
     Path(args.freeze).write_text("\n".join(env["all_packages"]) + "\n")
@@ -42,7 +42,7 @@ def _environment(args: argparse.Namespace) -> None:
 
 
 def _probe(args: argparse.Namespace) -> None:
-    from tunegrid.probes import probe
+    from tunegrid.prepare.probes import probe
 
     record = probe(budget_s=args.budget_s, world_sizes=args.world_sizes)
     write_json(args.out, record)
@@ -50,7 +50,7 @@ def _probe(args: argparse.Namespace) -> None:
 
 
 def _tracking_init(args: argparse.Namespace) -> None:
-    from tunegrid.tracking import init_experiment, redact_uri, resolve_tracking_uri
+    from tunegrid.track.tracking import init_experiment, redact_uri, resolve_tracking_uri
 
     uri = resolve_tracking_uri(args.tracking_uri)
     experiment_id = init_experiment(uri, args.experiment, Path(args.artifact_root))
@@ -59,7 +59,7 @@ def _tracking_init(args: argparse.Namespace) -> None:
 
 
 def _finetune(args: argparse.Namespace) -> None:
-    from tunegrid.supervisor import run_cell
+    from tunegrid.run.supervisor import run_cell
 
     from tunegrid.config import study_cell_spec
 
@@ -80,13 +80,13 @@ def _finetune(args: argparse.Namespace) -> None:
 
 
 def _worker(args: argparse.Namespace) -> None:
-    from tunegrid.train import run_worker
+    from tunegrid.cell.train import run_worker
 
     run_worker(read_json(args.spec), args.model_dir, args.data, args.run_dir)
 
 
 def _summary(args: argparse.Namespace) -> None:
-    from tunegrid.summary import write_summary
+    from tunegrid.review.summary import write_summary
 
     frame = write_summary(args.results, args.out, sync_path=args.sync or None)
     print(frame[["cell_id", "outcome", "final_loss", "nan_step", "peak_bytes"]].to_string(index=False))
@@ -94,7 +94,7 @@ def _summary(args: argparse.Namespace) -> None:
 
 
 def _sync(args: argparse.Namespace) -> None:
-    from tunegrid.tracking import sync_cell, tracking_uri_for_cells
+    from tunegrid.track.tracking import sync_cell, tracking_uri_for_cells
 
     tracking = read_json(args.tracking)
     uri = tracking_uri_for_cells(tracking)
@@ -115,7 +115,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     from tunegrid.config import cell_spec, expand_cells, resolve_study
     from tunegrid.files import atomic_write_text
-    from tunegrid.supervisor import plan_cell
+    from tunegrid.run.supervisor import plan_cell
 
     study = resolve_study(read_json(args.study_file))
     capabilities = read_json(args.capabilities)
@@ -134,7 +134,7 @@ def _plan(args: argparse.Namespace) -> None:
 
 
 def _report(args: argparse.Namespace) -> None:
-    from tunegrid.report import build_report
+    from tunegrid.review.report import build_report
 
     facts = build_report(
         Path(args.summary), [Path(p) for p in args.results], read_json(args.capabilities),
@@ -144,8 +144,8 @@ def _report(args: argparse.Namespace) -> None:
 
 
 def _execution_end(args: argparse.Namespace) -> None:
-    from tunegrid.execution import close_execution
-    from tunegrid.tracking import tracking_uri_for_cells
+    from tunegrid.track.execution import close_execution
+    from tunegrid.track.tracking import tracking_uri_for_cells
 
     tracking = read_json(args.tracking)
     closed = close_execution(
@@ -157,8 +157,8 @@ def _execution_end(args: argparse.Namespace) -> None:
 
 def _screenshots(args: argparse.Namespace) -> None:
     """The report and MLflow's runs and compare pages as PNGs (docs/), through MLflow's own server."""
-    from tunegrid.tracking import tracking_uri_for_cells
-    from tunegrid.ui import compare_page, mlflow_server, rest, runs_page, screenshot
+    from tunegrid.track.tracking import tracking_uri_for_cells
+    from tunegrid.run.ui import compare_page, mlflow_server, rest, runs_page, screenshot
 
     study_dir, out = Path(args.study_dir), Path(args.out)
     tracking = read_json(study_dir / "tracking.json")
@@ -176,7 +176,7 @@ def _screenshots(args: argparse.Namespace) -> None:
 
 
 def _probe_tracking(args: argparse.Namespace) -> None:
-    from tunegrid.tracking import log_probe_run, tracking_uri_for_cells
+    from tunegrid.track.tracking import log_probe_run, tracking_uri_for_cells
 
     tracking = read_json(args.tracking)
     run_id = log_probe_run(tracking_uri_for_cells(tracking), tracking["experiment_id"], read_json(args.capabilities))
@@ -185,8 +185,8 @@ def _probe_tracking(args: argparse.Namespace) -> None:
 
 
 def _mlflow_ui(args: argparse.Namespace) -> None:
-    from tunegrid.tracking import tracking_uri_for_cells
-    from tunegrid.ui import serve_until_stopped
+    from tunegrid.track.tracking import tracking_uri_for_cells
+    from tunegrid.run.ui import serve_until_stopped
 
     store = tracking_uri_for_cells(read_json(args.tracking))  # the store the cells wrote: one resolver for all
     raise SystemExit(serve_until_stopped(store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None))

@@ -252,7 +252,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             path = Path(spec["path"]) if spec["path"] else None
             if path is None or not path.is_dir():
                 problems.append(f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder")
-    from tunegrid.datasets_io import config_problems
+    from tunegrid.prepare.datasets_io import config_problems
 
     problems += config_problems(config["data"])
     debug, worlds = config["debug"], config["grid"]["world_size"]

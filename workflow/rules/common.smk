@@ -11,9 +11,9 @@ from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
-from tunegrid import hooks
+from tunegrid.run import hooks
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
-from tunegrid.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
+from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
 try:

@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.environment import light_env
+from tunegrid.prepare.environment import light_env
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.warm import SOCKET_ENV as WARM_SOCKET_ENV
+from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
 KILL_GRACE_S = 5.0
-# The checkpoint folder (tunegrid.resume) is deliberately not a run file: a re-run resumes from it, and the
+# The checkpoint folder (tunegrid.cell.resume) is deliberately not a run file: a re-run resumes from it, and the
 # worker itself removes one written for a different training spec.
 RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat", "ranks",
              "flight_recorder", "adapter")
@@ -72,7 +72,7 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 def _last_activity(run_dir: Path, started: float, world: int = 1) -> float:
     """The latest sign of life of any rank (a stalled collective stops them all)."""
-    from tunegrid.train import rank_dir
+    from tunegrid.cell.train import rank_dir
 
     times = [started]
     for rank in range(world):
@@ -132,7 +132,7 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
 
 def env_tags(capabilities: dict[str, Any]) -> dict[str, str]:
     """Versions and device as tags, so the UI can filter and group by them."""
-    from tunegrid.environment import package_version
+    from tunegrid.prepare.environment import package_version
 
     tags = {f"env.{name}": package_version(name) or "" for name in ("torch", "transformers", "peft", "bitsandbytes")}
     gpus = capabilities.get("gpus") or []
@@ -172,8 +172,8 @@ def result_params(result: dict[str, Any]) -> dict[str, str]:
 
 def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> dict[str, Any]:
     """Before training: the target, its memory budget, the memory estimate and whether to train at all."""
-    from tunegrid.memory_estimate import device_constants, estimate_cell
-    from tunegrid.targets import feasibility, resolve_target
+    from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
+    from tunegrid.prepare.targets import feasibility, resolve_target
 
     hardware = spec["hardware"]
     target = resolve_target(hardware, capabilities) if capabilities else None
@@ -206,20 +206,20 @@ def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_p
     """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
     every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
-    the invocation's warm worker forks it instead (tunegrid.warm)."""
+    the invocation's warm worker forks it instead (tunegrid.run.warm)."""
     world = spec["axes"].get("world_size", 1)
     command = [sys.executable, "-m", "tunegrid.cli", "worker", "--spec", str(spec_path), "--model-dir", str(model_dir),
                "--data", str(data_path), "--run-dir", str(run_dir)]
     if world == 1:
-        if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.warm)
-            from tunegrid.warm import fork_worker
+        if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
+            from tunegrid.run.warm import fork_worker
 
             forked = fork_worker(Path(warm_socket), ["tunegrid", *command[3:]], _child_env())
             if forked is not None:
                 print(f"worker {forked.pid} forked by the warm worker", flush=True)
                 return [forked]
         return [subprocess.Popen(command, start_new_session=True, env=_child_env())]
-    from tunegrid.ui import free_port
+    from tunegrid.run.ui import free_port
 
     env = _child_env()
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
@@ -342,7 +342,7 @@ def run_cell(
         capabilities["mlflow_run_id"] = read_json(probe_run).get("run_id")
     warm_socket = os.environ.get(WARM_SOCKET_ENV) if spec["axes"].get("world_size", 1) == 1 else None
     if warm_socket:
-        from tunegrid.warm import ready_info
+        from tunegrid.run.warm import ready_info
 
         info = ready_info(Path(warm_socket))
         if info is None:
@@ -377,7 +377,7 @@ def run_cell(
             early = None
         result = _compose_result(spec, run_dir, returncodes[0], verdict, started, command)
         if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
-            from tunegrid.distributed import diagnose_ranks
+            from tunegrid.cell.distributed import diagnose_ranks
 
             result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
         attempts.append({"outcome": result["outcome"], "reason": result["reason"], "infrastructure": _infrastructure_fault(result)})
@@ -410,7 +410,7 @@ def run_cell(
                        params=result_params(result), end_time=result["ended_at"])
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors
-        from tunegrid.execution import cell_ended
+        from tunegrid.track.execution import cell_ended
 
         cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
     _kill_point("before_result")
@@ -430,8 +430,8 @@ def _kill_point(name: str) -> None:
 def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str, Any], tracking: dict[str, Any],
               result_path: Path, command: list[str], snakemake_job: str, started: float) -> Any:
     """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
-    from tunegrid.execution import INVOCATION_TAG, parent_run_id
-    from tunegrid.tracking import CellRun, flatten, tracking_uri_for_cells
+    from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
+    from tunegrid.track.tracking import CellRun, flatten, tracking_uri_for_cells
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
     tags = {k: str(v) for k, v in spec["axes"].items()}
@@ -528,10 +528,10 @@ def _compose_result(
 def _child_env() -> dict[str, str]:
     from tunegrid.config import REPO_ROOT
 
-    from tunegrid.lifeline import SUPERVISOR_PID_ENV
+    from tunegrid.run.lifeline import SUPERVISOR_PID_ENV
 
     env = dict(os.environ)
-    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.lifeline)
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.run.lifeline)
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

@@ -28,11 +28,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunegrid.lifeline import alive
+from tunegrid.run.lifeline import alive
 
 SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
-PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "tunegrid.train", "tunegrid.instrument", "tunegrid.precision")
+PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "tunegrid.cell.train", "tunegrid.cell.instrument", "tunegrid.cell.precision")
 
 
 def socket_path(execution_id: str) -> Path:
@@ -102,7 +102,7 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
 
 
 def _forked_baseline() -> int:
-    from tunegrid.instrument import MemoryMeter
+    from tunegrid.cell.instrument import MemoryMeter
 
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -311,12 +311,12 @@ def start(path: Path, log_path: Path) -> subprocess.Popen[bytes]:
     so a signal to the whole tree reaches it too."""
     sweep_stale(path.parent)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    src = str(Path(__file__).resolve().parents[1])
+    src = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tunegrid.warm", str(path), str(os.getpid())],
+            [sys.executable, "-m", "tunegrid.run.warm", str(path), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     Path(str(path) + ".pid").write_text(str(proc.pid))

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.data import BatchStream, template_turns
+from tunegrid.prepare.data import BatchStream, template_turns
 
 IGNORE = -100
 MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")

@@ -26,7 +26,7 @@ def on_start(study: dict[str, Any], results: str, logs: str, study_file: str, lo
 
 def on_end(status: str, study: dict[str, Any], results: str, logs: str, script: str) -> None:
     while _WARM:
-        from tunegrid import warm
+        from tunegrid.run import warm
 
         warm.stop(*_WARM.pop())
     if study["tracking"]["enabled"]:
@@ -34,9 +34,9 @@ def on_end(status: str, study: dict[str, Any], results: str, logs: str, script: 
 
 
 def _start_warm_worker(study: dict[str, Any], logs: str, local: bool) -> None:
-    """The warm worker (tunegrid.warm), whose socket the jobs find in the environment."""
-    from tunegrid import warm
-    from tunegrid.execution import EXECUTION_ENV
+    """The warm worker (tunegrid.run.warm), whose socket the jobs find in the environment."""
+    from tunegrid.run import warm
+    from tunegrid.track.execution import EXECUTION_ENV
 
     if not (local and study["execution"]["warm_worker"]) or os.environ.get(warm.SOCKET_ENV):
         return
@@ -49,7 +49,7 @@ def _close_execution(status: str, results: str, logs: str, script: str) -> None:
     """The cells keep this invocation's parent MLflow run up to date themselves; a closing process
     (seconds: it imports mlflow) runs only when there is more to do — a failure, cells left in flight,
     or a report/summary written by this invocation to attach. The files hold everything either way."""
-    from tunegrid.execution import needs_closing
+    from tunegrid.track.execution import needs_closing
 
     attach = [Path(p) for p in (f"{results}/report/index.html", f"{results}/summary.csv")]
     if not needs_closing(Path(results), status, attach):

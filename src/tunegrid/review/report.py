@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import atomic_write_text, read_json, read_jsonl
-from tunegrid.recommend import Recommendation, recommend
+from tunegrid.review.recommend import Recommendation, recommend
 from tunegrid.units import human_bytes
 
 OUTCOME_COLOURS = {

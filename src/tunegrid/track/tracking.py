@@ -244,7 +244,7 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.supervisor import ARTIFACT_FILES, result_params, run_tags
+    from tunegrid.run.supervisor import ARTIFACT_FILES, result_params, run_tags
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
@@ -253,7 +253,7 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     if run_exists(run.client, run_id):
         run.run_id = run_id
     else:
-        from tunegrid.execution import INVOCATION_TAG, parent_run_id
+        from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
 
         spec = result["cell"]
         tags = {k: str(v) for k, v in spec["axes"].items()}

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.targets import cuda_precision_support
+from tunegrid.prepare.targets import cuda_precision_support
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CPU_FP16_FLAGS = ("avx512_fp16", "amx_fp16")
@@ -104,7 +104,7 @@ def runtime_baseline_bytes() -> int:
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig  # noqa: F401
 
-    from tunegrid.instrument import MemoryMeter
+    from tunegrid.cell.instrument import MemoryMeter
 
     return MemoryMeter("cpu").current_bytes()
 
@@ -118,7 +118,7 @@ def step_overhead_bytes(device: str) -> dict[str, int]:
     Run it before any other benchmark: on CUDA the workspaces it measures are created only once."""
     import torch
 
-    from tunegrid.instrument import MemoryMeter
+    from tunegrid.cell.instrument import MemoryMeter
 
     meter = MemoryMeter(device)
     width, tokens, depth = 256, 512, 4
@@ -252,7 +252,7 @@ def driver_version() -> str | None:
 def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[str, Any]:
     import torch
 
-    from tunegrid.environment import bitsandbytes_backend
+    from tunegrid.prepare.environment import bitsandbytes_backend
 
     started = time.perf_counter()
     baseline = runtime_baseline_bytes()  # first, before the benchmarks allocate anything

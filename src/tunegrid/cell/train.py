@@ -118,7 +118,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         kwargs["device_map"] = {"": device.index or 0}
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if spec["axes"]["quant"] != "none":
-        from tunegrid.quant_audit import disable_cpu_inference_packing
+        from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 
         # before any forward: an eval-mode no_grad forward on an AVX512-BF16 CPU would repack the
         # 4-bit weights into a layout without backward, for good (see disable_cpu_inference_packing)
@@ -180,8 +180,8 @@ class CellTrainer:
     def setup(self) -> None:
         import torch
 
-        from tunegrid.instrument import MemoryMeter
-        from tunegrid.precision import plan_precision
+        from tunegrid.cell.instrument import MemoryMeter
+        from tunegrid.cell.precision import plan_precision
 
         train = self.spec["train"]
         torch.set_num_threads(train["threads"])
@@ -252,10 +252,10 @@ class CellTrainer:
     def build_model(self) -> None:
         from transformers import AutoTokenizer
 
-        from tunegrid.checkpoints import verify_checkpoint
+        from tunegrid.prepare.checkpoints import verify_checkpoint
 
-        from tunegrid.instrument import apply_memory_budget
-        from tunegrid.probes import runtime_baseline_bytes
+        from tunegrid.cell.instrument import apply_memory_budget
+        from tunegrid.prepare.probes import runtime_baseline_bytes
 
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
@@ -290,7 +290,7 @@ class CellTrainer:
         import torch
         from peft import prepare_model_for_kbit_training
 
-        from tunegrid import quant_audit
+        from tunegrid.cell import quant_audit
 
         quant, lora = self.spec["axes"]["quant"], self.spec["lora"]
         four_bit = quant != "none"
@@ -330,8 +330,8 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- data
     def build_data(self) -> None:
-        from tunegrid.data import read_dataset
-        from tunegrid.packing import build_stream
+        from tunegrid.prepare.data import read_dataset
+        from tunegrid.cell.packing import build_stream
 
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
         seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank
@@ -343,7 +343,7 @@ class CellTrainer:
     # ---------------------------------------------------------------- forward + backward
     def forward_backward(self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None) -> Any:
         """Loss and grads; under fp16 the loss is scaled by the GradScaler (or by a fixed scale on replay)."""
-        from tunegrid.precision import autocast_context
+        from tunegrid.cell.precision import autocast_context
 
         with autocast_context(self.plan):
             loss = (self.ddp or self.model)(**batch).loss
@@ -357,8 +357,8 @@ class CellTrainer:
     def build_optimizer(self) -> None:
         import torch
 
-        from tunegrid.instrument import NonfiniteInjector
-        from tunegrid.precision import make_grad_scaler
+        from tunegrid.cell.instrument import NonfiniteInjector
+        from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
@@ -423,7 +423,7 @@ class CellTrainer:
         """
         import torch
 
-        from tunegrid.instrument import OriginTracer
+        from tunegrid.cell.instrument import OriginTracer
 
         self.optimizer.zero_grad(set_to_none=True)
         torch.set_rng_state(rng_state)
@@ -464,7 +464,7 @@ class CellTrainer:
     def loop(self) -> None:
         from tqdm.auto import tqdm
 
-        from tunegrid.instrument import DtypeCensus, HeadroomMeter
+        from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
 
         train = self.spec["train"]
         steps, policy, every = train["steps"], train["on_nonfinite"], train["headroom_every"]
@@ -624,8 +624,8 @@ class CellTrainer:
     # ---------------------------------------------------------------- checkpoints and the adapter
     def make_checkpointer(self) -> Any:
         """Single-process cells only: a distributed cell's ranks would each need their own state back."""
-        from tunegrid.adapters import base_model_identity
-        from tunegrid.resume import Checkpointer, training_key
+        from tunegrid.cell.adapters import base_model_identity
+        from tunegrid.cell.resume import Checkpointer, training_key
 
         every = self.spec["train"].get("checkpoint_every", 0)
         self.facts["checkpoint"] = {"every": every, "applied": not self.ranks.distributed}
@@ -666,8 +666,8 @@ class CellTrainer:
 
     def finish_cell(self) -> None:
         """An `ok` cell's adapter is its product; any concluded cell's checkpoint has served its purpose."""
-        from tunegrid.adapters import base_record, reference_loss, save_adapter
-        from tunegrid.precision import autocast_context
+        from tunegrid.cell.adapters import base_record, reference_loss, save_adapter
+        from tunegrid.cell.precision import autocast_context
 
         if self.facts["outcome"] == "ok" and self.ranks.rank == 0:
             self.facts["stage"] = "adapter"
@@ -715,7 +715,7 @@ class CellTrainer:
 
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
-    from tunegrid import lifeline
+    from tunegrid.run import lifeline
 
     lifeline.hold()  # never train on after the supervisor is gone (a kill -9 of the job)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tunegrid.targets import TARGETS
+from tunegrid.prepare.targets import TARGETS
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import AXES
 

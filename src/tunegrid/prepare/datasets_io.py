@@ -168,7 +168,7 @@ def write_records(path: str | Path, records: list[dict[str, Any]]) -> None:
 def write_study_dataset(path: str | Path, data: dict[str, Any]) -> int:
     """The `dataset` rule: generated pairs, or the configured source's records; returns how many."""
     if data["source"] == "synthetic":
-        from tunegrid.data import write_dataset
+        from tunegrid.prepare.data import write_dataset
 
         write_dataset(path, data["examples"], data["seed"])
         return data["examples"]

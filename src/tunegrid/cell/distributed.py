@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json
-from tunegrid.train import rank_dir
+from tunegrid.cell.train import rank_dir
 
 STEP_RE = re.compile(r"step (\d+)")
 
