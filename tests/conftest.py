@@ -109,8 +109,8 @@ def run_supervised(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_p
 
 def run_in_process(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, run_dir: Path) -> dict[str, Any]:
     """The training worker alone, in this process; returns its facts (worker.json)."""
-    from tunegrid.files import read_json
     from tunegrid.cell.train import run_worker
+    from tunegrid.files import read_json
 
     run_worker(spec, str(checkpoints[spec["model"]["name"]]), str(dataset_path), str(run_dir))
     return read_json(run_dir / "worker.json")

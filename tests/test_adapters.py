@@ -11,12 +11,12 @@ import pytest
 from conftest import make_study
 
 from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
-from tunegrid.prepare.checkpoints import verify_checkpoint
+from tunegrid.cell.resume import CHECKPOINT_DIR
+from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.cell.resume import CHECKPOINT_DIR
+from tunegrid.prepare.checkpoints import verify_checkpoint
 from tunegrid.run.supervisor import run_cell
-from tunegrid.cell.train import run_worker
 
 MODEL = "qwen3moe-tiny"
 # attention only: peft wraps the fused experts as parameters, which refuse dropout
@@ -107,4 +107,5 @@ def test_checkpoint_of_a_different_spec_is_removed_not_resumed(checkpoints, data
     assert result["resumed_from_step"] is None
     assert result["checkpoint"]["discarded"] == "written for a different training spec"
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(6))
-    assert read_jsonl(run_dir / "metrics.jsonl")[0]["lr"] == pytest.approx(0.02 / 2)  # warm-up step 0 of the new lr
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert metrics[0]["step"] == 0 and metrics[1]["lr"] == pytest.approx(0.02 / 2)  # warm-up (from 0) to the new lr

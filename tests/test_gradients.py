@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from conftest import one_cell
 
-from tunegrid.files import read_json
 from tunegrid.cell.train import CellTrainer, run_worker
+from tunegrid.files import read_json
 
 LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}
 
@@ -80,7 +80,7 @@ def _dequantized_reference(trainer: CellTrainer, model_dir: Path) -> Any:
     from bitsandbytes.nn import Linear4bit
     from transformers import AutoModelForCausalLM
 
-    from tunegrid.cell.train import attach_lora
+    from tunegrid.cell.model import attach_lora
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     reference = attach_lora(reference.to(trainer.device), trainer.spec)

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_study, processes_mentioning
 
-from tunegrid.run import warm
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import write_json
+from tunegrid.run import warm
 
 
 def _start_supervisor(tmp_path: Path, checkpoints, dataset_path, world: int, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:

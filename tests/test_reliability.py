@@ -19,8 +19,8 @@ from conftest import REPO, make_study
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.run.supervisor import run_cell
-from tunegrid.track.tracking import CELL_TAG, METRIC_KEYS, CellRun, client, init_experiment, sync_cell
 from tunegrid.run.ui import free_port, mlflow_server
+from tunegrid.track.tracking import CELL_TAG, METRIC_KEYS, CellRun, client, init_experiment, sync_cell
 
 CANARIES = {"HF_TOKEN": "hf_CANARYtokenCANARYtoken0123456789", "MLFLOW_TRACKING_PASSWORD": "CANARYpasswordCANARY42"}
 

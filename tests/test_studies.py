@@ -6,18 +6,18 @@ from __future__ import annotations
 import copy
 import os
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO
 
-from tunegrid.prepare.checkpoints import produce_checkpoint
-from tunegrid.config import cell_spec, expand_cells, load_study
-from tunegrid.prepare.data import corpus_texts, read_dataset
-from tunegrid.files import read_json
 from tunegrid.cell.train import run_worker
+from tunegrid.config import cell_spec, expand_cells, load_study
+from tunegrid.files import read_json
+from tunegrid.prepare.checkpoints import produce_checkpoint
+from tunegrid.prepare.data import corpus_texts, read_dataset
 
 STUDIES = sorted((REPO / "configs").glob("*.yaml"))
 

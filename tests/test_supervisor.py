@@ -9,7 +9,7 @@ from pathlib import Path
 from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.run.supervisor import _compose_result
+from tunegrid.run.supervisor import compose_result
 from tunegrid.track.tracking import CELL_TAG, client, init_experiment, metrics_from_records, sync_cell
 
 
@@ -72,7 +72,7 @@ def test_wall_clock_limit_ends_as_timeout_without_orphans(checkpoints, dataset_p
 
 def test_killed_worker_is_an_error_with_the_signal(tmp_path):
     spec = {**_spec(), "plan": {"estimate": {"estimate_bytes": 1, "components": {}}, "budget_bytes": None, "target": None}}
-    result = _compose_result(spec, tmp_path, -9, None, time.time(), ["x"])
+    result = compose_result(spec, tmp_path, -9, None, time.time(), ["x"])
     assert result["outcome"] == "error"
     assert "SIGKILL" in result["reason"]
 

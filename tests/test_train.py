@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import make_study, one_cell, run_in_process
 
+from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.cell.train import run_worker
 
 
 def _run(checkpoints, dataset_path, tmp_path, *, model="gemma3-hot", precision="fp32", quant="none", batch=2, train=None):

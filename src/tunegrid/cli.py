@@ -8,9 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from tunegrid.prepare.checkpoints import CheckpointError
 from tunegrid.config import ConfigError
 from tunegrid.files import read_json, write_json
+from tunegrid.prepare.checkpoints import CheckpointError
 
 
 def _dataset(args: argparse.Namespace) -> None:
@@ -59,9 +59,8 @@ def _tracking_init(args: argparse.Namespace) -> None:
 
 
 def _finetune(args: argparse.Namespace) -> None:
-    from tunegrid.run.supervisor import run_cell
-
     from tunegrid.config import study_cell_spec
+    from tunegrid.run.supervisor import run_cell
 
     spec = study_cell_spec(args.study_file, args.cell) if args.study_file else json.loads(args.spec)
     result = run_cell(
@@ -115,7 +114,7 @@ def _plan(args: argparse.Namespace) -> None:
 
     from tunegrid.config import cell_spec, expand_cells, resolve_study
     from tunegrid.files import atomic_write_text
-    from tunegrid.run.supervisor import plan_cell
+    from tunegrid.prepare.plan import plan_cell
 
     study = resolve_study(read_json(args.study_file))
     capabilities = read_json(args.capabilities)
@@ -157,8 +156,8 @@ def _execution_end(args: argparse.Namespace) -> None:
 
 def _screenshots(args: argparse.Namespace) -> None:
     """The report and MLflow's runs and compare pages as PNGs (docs/), through MLflow's own server."""
-    from tunegrid.track.tracking import tracking_uri_for_cells
     from tunegrid.run.ui import compare_page, mlflow_server, rest, runs_page, screenshot
+    from tunegrid.track.tracking import tracking_uri_for_cells
 
     study_dir, out = Path(args.study_dir), Path(args.out)
     tracking = read_json(study_dir / "tracking.json")
@@ -185,8 +184,8 @@ def _probe_tracking(args: argparse.Namespace) -> None:
 
 
 def _mlflow_ui(args: argparse.Namespace) -> None:
-    from tunegrid.track.tracking import tracking_uri_for_cells
     from tunegrid.run.ui import serve_until_stopped
+    from tunegrid.track.tracking import tracking_uri_for_cells
 
     store = tracking_uri_for_cells(read_json(args.tracking))  # the store the cells wrote: one resolver for all
     raise SystemExit(serve_until_stopped(store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None))

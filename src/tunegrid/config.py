@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
+from tunegrid.errors import ConfigError
+
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
 
@@ -29,10 +31,6 @@ Quant = Literal["none", "nf4", "nf4-experts"]
 
 # Order of the axes in a cell id; a new axis is appended here and nowhere else.
 AXES: tuple[str, ...] = ("model", "precision", "batch_size", "quant", "seed", "world_size")
-
-
-class ConfigError(ValueError):
-    """A study config that cannot run; the message names the key and the fix."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,7 +250,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             path = Path(spec["path"]) if spec["path"] else None
             if path is None or not path.is_dir():
                 problems.append(f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder")
-    from tunegrid.prepare.datasets_io import config_problems
+    from tunegrid.data_checks import config_problems
 
     problems += config_problems(config["data"])
     debug, worlds = config["debug"], config["grid"]["world_size"]

@@ -8,15 +8,17 @@ the other ranks (their LoRA weights must be bit-identical after DDP).
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json
-from tunegrid.cell.train import rank_dir
+from tunegrid.rundir import rank_dir
 
 STEP_RE = re.compile(r"step (\d+)")
 
@@ -97,7 +99,10 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
     if recorder:
         update["distributed"]["flight_recorder"] = recorder
 
-    crashed = [r for r in ranks if not r["stopped_by_supervisor"] and r["exit_code"] not in (0, None)]
+    # a rank that left on its own after noticing its peer was gone (gloo/NCCL "connection closed by peer")
+    # is a consequence, not a crash: whether it exits before the supervisor stops it is only timing
+    crashed = [r for r in ranks if not r["stopped_by_supervisor"] and r["exit_code"] not in (0, None)
+               and not {"peer_lost", "collective_timeout"} & set(r["diagnosis"])]
     if crashed:
         first = crashed[0]
         at = f" at step {first['last_step']}" if first["last_step"] is not None else f" during {first['last_heartbeat'] or 'start-up'}"
@@ -161,3 +166,20 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
         if not update["distributed"]["lora_identical"]:
             update.update(outcome="error", reason="ranks ended with different LoRA weights (DDP did not keep them in sync)")
     return update
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a distributed cell (env set by the supervisor, as torchrun would)."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Ranks":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1

@@ -17,154 +17,23 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell.checkpointing import CheckpointSteps
+from tunegrid.cell.distributed import Ranks
+from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
+from tunegrid.cell.model import attach_lora, load_model, max_logit_diff
+from tunegrid.cell.origin import OriginReplay
+from tunegrid.cell.ranks import RankSteps
 from tunegrid.files import JsonlAppender, write_json
-
-OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
-
-
-# PyTorch's fallback for an op with no autograd kernel (e.g. bitsandbytes' inference-only gemv_4bit) only
-# warns, and the gradient through it is wrong or missing: a cell that sees it must end `error`, never `ok`.
-MISSING_AUTOGRAD_WARNING = r".*an autograd kernel was not registered"
+from tunegrid.rundir import Heartbeat, rank_dir
 
 
-@contextlib.contextmanager
-def missing_autograd_fails() -> Iterator[None]:
-    """Turn PyTorch's missing-autograd-kernel warning into an exception (the cell's `error` with its text)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=MISSING_AUTOGRAD_WARNING)
-        yield
+class CellTrainer(RankSteps, CheckpointSteps, OriginReplay):
+    """One cell from setup to record. The distributed steps, checkpointing and the origin replay live in
+    their own mixins (cell/ranks.py, cell/checkpointing.py, cell/origin.py); this file is the recipe."""
 
-
-def classify_exception(exc: BaseException) -> str:
-    import torch
-
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return "oom"
-    if any(marker in str(exc).lower() for marker in OOM_MARKERS):
-        return "oom"
-    return "error"
-
-
-COLLECTIVE_TIMEOUT_MARKERS = ("timed out", "watchdog caught collective operation timeout", "timeout")
-PEER_LOST_MARKERS = ("connection closed by peer", "connection reset by peer", "remote worker crashing", "broken pipe")
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in a distributed cell (env set by the supervisor, as torchrun would)."""
-
-    rank: int = 0
-    world: int = 1
-    local: int = 0
-
-    @classmethod
-    def from_env(cls) -> "Ranks":
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1
-
-
-def rank_dir(run_dir: Path, rank: int) -> Path:
-    """Rank 0 writes the cell's files; every other rank writes the same set under ranks/rank<r>/."""
-    return run_dir if rank == 0 else run_dir / "ranks" / f"rank{rank}"
-
-
-def classify_distributed(exc: BaseException) -> str | None:
-    text = str(exc).lower()
-    if any(marker in text for marker in PEER_LOST_MARKERS):
-        return "peer_lost"
-    if any(marker in text for marker in COLLECTIVE_TIMEOUT_MARKERS):
-        return "collective_timeout"
-    return None
-
-
-class Heartbeat:
-    """A file whose mtime is the last sign of life; the supervisor reads it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    last = "start"
-
-    def beat(self, stage: str) -> None:
-        self.last = stage
-        self.path.write_text(stage)
-
-
-def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    kwargs: dict[str, Any] = {
-        "dtype": plan.torch_dtype("storage"),
-        "use_safetensors": True,  # never a pickle
-        "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
-    }
-    if spec["axes"]["quant"] != "none":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=plan.torch_dtype("compute"),
-        )
-    if device.type == "cuda":
-        kwargs["device_map"] = {"": device.index or 0}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
-    if spec["axes"]["quant"] != "none":
-        from tunegrid.cell.quant_audit import disable_cpu_inference_packing
-
-        # before any forward: an eval-mode no_grad forward on an AVX512-BF16 CPU would repack the
-        # 4-bit weights into a layout without backward, for good (see disable_cpu_inference_packing)
-        disable_cpu_inference_packing(model)
-    if device.type != "cuda":
-        model.to(device)
-    return model
-
-
-def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
-    from peft import LoraConfig, get_peft_model
-
-    lora = spec["lora"]
-    if spec["train"]["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = LoraConfig(
-        r=lora["r"],
-        lora_alpha=lora["alpha"],
-        lora_dropout=lora["dropout"],
-        target_modules=list(lora["target_modules"]),
-        target_parameters=list(lora["target_parameters"]) or None,
-        task_type="CAUSAL_LM",
-    )
-    return get_peft_model(model, config)
-
-
-def max_logit_diff(model: Any, before: Any, probe_ids: Any) -> dict[str, float]:
-    import torch
-
-    with torch.no_grad():
-        after = model(input_ids=probe_ids).logits.float()
-    diff = (after - before).abs().max().item()
-    return {"max_abs_logit_diff": diff, "relative_to_max_logit": diff / max(before.abs().max().item(), 1e-12)}
-
-
-def lr_lambda(warmup: int, total: int):  # type: ignore[no-untyped-def]
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-class CellTrainer:
     def __init__(self, spec: dict[str, Any], model_dir: Path, data_path: Path, run_dir: Path) -> None:
         self.spec = spec
         self.model_dir = model_dir
@@ -180,8 +49,8 @@ class CellTrainer:
     def setup(self) -> None:
         import torch
 
-        from tunegrid.cell.instrument import MemoryMeter
         from tunegrid.cell.precision import plan_precision
+        from tunegrid.memory import MemoryMeter
 
         train = self.spec["train"]
         torch.set_num_threads(train["threads"])
@@ -194,49 +63,6 @@ class CellTrainer:
         self.facts["precision_plan"] = self.plan.__dict__
         self.meter = MemoryMeter(self.device.type)
         self.memory: dict[str, Any] = {"device": self.device.type}
-
-    def init_distributed(self) -> None:
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        settings = self.spec["distributed"]
-        backend = settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.facts["distributed"] = {"backend": backend, "world_size": self.ranks.world, "collective_timeout_s": settings["collective_timeout_s"]}
-        self.heartbeat.beat("init_process_group")
-        dist.init_process_group(
-            backend, rank=self.ranks.rank, world_size=self.ranks.world,
-            timeout=datetime.timedelta(seconds=settings["collective_timeout_s"]),
-            device_id=self.device if backend == "nccl" else None,
-        )
-
-    def wrap_ddp(self) -> None:
-        """DDP over the trainable (LoRA) parameters; frozen base weights are not synchronized."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        self.facts["stage"] = "ddp"
-        self.heartbeat.beat("ddp")
-        self.ddp = DistributedDataParallel(
-            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            broadcast_buffers=False,  # nothing to sync, and a replayed step must not add a collective
-        )
-
-    def inject_rank_faults(self, step: int) -> None:
-        """debug.stall_rank / debug.kill_rank: a straggler or a crashed rank, on purpose."""
-        import signal
-
-        debug = self.spec.get("debug") or {}
-        stall, kill = debug.get("stall_rank") or {}, debug.get("kill_rank") or {}
-        if stall.get("rank") == self.ranks.rank and stall.get("step") == step and stall.get("seconds", 0) > 0:
-            self.heartbeat.beat(f"step {step} stalled (injected, {stall['seconds']} s)")
-            time.sleep(stall["seconds"])
-            self.heartbeat.beat(f"step {step} forward+backward")
-        if kill.get("rank") == self.ranks.rank and kill.get("step") == step:
-            sys.stdout.flush()
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def lora_digest(self) -> str:
         """sha256 of the trainable weights: every rank of a DDP cell must end with the same one."""
@@ -252,9 +78,8 @@ class CellTrainer:
     def build_model(self) -> None:
         from transformers import AutoTokenizer
 
+        from tunegrid.memory import apply_memory_budget
         from tunegrid.prepare.checkpoints import verify_checkpoint
-
-        from tunegrid.cell.instrument import apply_memory_budget
         from tunegrid.prepare.probes import runtime_baseline_bytes
 
         self.facts["stage"] = "load"
@@ -330,8 +155,8 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- data
     def build_data(self) -> None:
-        from tunegrid.prepare.data import read_dataset
         from tunegrid.cell.packing import build_stream
+        from tunegrid.prepare.data import read_dataset
 
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
         seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank
@@ -357,12 +182,17 @@ class CellTrainer:
     def build_optimizer(self) -> None:
         import torch
 
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
         from tunegrid.cell.instrument import NonfiniteInjector
         from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(train["warmup_steps"], train["steps"]))
+        # linear warm-up from 0, cosine decay to a tenth of the peak (transformers' own schedule)
+        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
+            self.optimizer, num_warmup_steps=train["warmup_steps"], num_training_steps=train["steps"], min_lr_rate=0.1
+        )
         self.scaler = make_grad_scaler(self.plan)
         injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
         self.injector = NonfiniteInjector(self.model, injection) if injection and injection.get("module") else None
@@ -413,52 +243,7 @@ class CellTrainer:
         fact["peak"] = self.meter.peak_bytes()
         return fact
 
-    def replay_origin(self, step: int, batch: dict[str, Any], rng_state: Any, scale: float | None,
-                      headroom: Any = None) -> dict[str, Any]:
-        """Re-run the failing step from the same state with hooks: which module went non-finite first.
 
-        The weights are as they were before the step: a non-finite step never updates them. With a
-        headroom meter, the failing step's activations are measured too, so the cell's worst headroom
-        is never only the sampled steps'.
-        """
-        import torch
-
-        from tunegrid.cell.instrument import OriginTracer
-
-        self.optimizer.zero_grad(set_to_none=True)
-        torch.set_rng_state(rng_state)
-        tracer = OriginTracer(self.model)
-        with contextlib.ExitStack() as hooks:
-            # Under activation checkpointing the hooked forward and its recomputation save different
-            # tensor counts (CheckpointError); the replay is one step, so it runs without checkpointing.
-            hooks.enter_context(self.checkpointing_off())
-            if self.injector is not None:  # registered first, so the tracer sees what it injects
-                hooks.enter_context(self.injector.attached(step))
-            hooks.enter_context(tracer.attached())
-            if headroom is not None:
-                hooks.enter_context(headroom.attached(self.model))
-            # no all-reduce on replay: every rank replays on its own (they all saw the same averaged norm)
-            hooks.enter_context(self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext())
-            self.forward_backward(batch, scale=scale)
-        self.optimizer.zero_grad(set_to_none=True)
-        origin = tracer.as_dict()
-        if headroom is not None:
-            origin["headroom"] = headroom.collect(step)
-        return origin
-
-    @contextlib.contextmanager
-    def checkpointing_off(self):  # type: ignore[no-untyped-def]
-        """Activation checkpointing off for the duration (the replay), then back as it was."""
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        on = getattr(base, "is_activation_checkpointing", None)  # transformers >= 5 name; the old one warns
-        if not (on if on is not None else getattr(base, "is_gradient_checkpointing", False)):
-            yield
-            return
-        base.gradient_checkpointing_disable()
-        try:
-            yield
-        finally:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
@@ -621,49 +406,6 @@ class CellTrainer:
         else:
             self.facts.update(outcome="ok", reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis)
 
-    # ---------------------------------------------------------------- checkpoints and the adapter
-    def make_checkpointer(self) -> Any:
-        """Single-process cells only: a distributed cell's ranks would each need their own state back."""
-        from tunegrid.cell.adapters import base_model_identity
-        from tunegrid.cell.resume import Checkpointer, training_key
-
-        every = self.spec["train"].get("checkpoint_every", 0)
-        self.facts["checkpoint"] = {"every": every, "applied": not self.ranks.distributed}
-        if self.ranks.distributed:
-            return None
-        return Checkpointer(self.run_dir, every, training_key(self.spec, base_model_identity(self.manifest)))
-
-    def resume(self) -> Any:
-        if self.checkpointer is None:
-            return None
-        resumed = self.checkpointer.restore(self.trainable_named, self.optimizer, self.scheduler, self.scaler)
-        if self.checkpointer.discarded:
-            self.facts["checkpoint"]["discarded"] = self.checkpointer.discarded
-        if resumed is not None:
-            self.facts["resumed_from_step"] = resumed.step
-            print(f"resuming from the checkpoint of step {resumed.step}", flush=True)
-        return resumed
-
-    def refill(self, resumed: Any, tallies: dict[str, list[Any]], census: Any, headroom: Any) -> tuple[int, int, int]:
-        """The loop's tallies as they were at the checkpoint: (start step, skipped total, consecutive skips)."""
-        saved = resumed.tallies
-        for name, values in tallies.items():
-            values.extend(saved[name])
-        census.forward.update(saved["census"]["forward"])
-        census.backward.update(saved["census"]["backward"])
-        headroom.worst_seen.update(saved["headroom_worst"])
-        self.memory.update(saved["memory"])
-        return resumed.step, saved["skipped_total"], saved["consecutive_skips"]
-
-    def save_checkpoint(self, step: int, tallies: dict[str, list[Any]], skipped_total: int, consecutive_skips: int,
-                        census: Any, headroom: Any) -> None:
-        self.heartbeat.beat(f"step {step} checkpoint")
-        extra = {"skipped_total": skipped_total, "consecutive_skips": consecutive_skips, "census": census.as_dict(),
-                 "headroom_worst": dict(headroom.worst_seen),
-                 "memory": {k: v for k, v in self.memory.items() if k == "first_step_peak_bytes"}}
-        self.checkpointer.save(step, self.trainable_named, self.optimizer, self.scheduler, self.scaler, {**tallies, **extra})
-        self.facts["checkpoint"]["last_step"] = step
-
     def finish_cell(self) -> None:
         """An `ok` cell's adapter is its product; any concluded cell's checkpoint has served its purpose."""
         from tunegrid.cell.adapters import base_record, reference_loss, save_adapter
@@ -715,7 +457,7 @@ class CellTrainer:
 
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
-    from tunegrid.run import lifeline
+    from tunegrid import lifeline
 
     lifeline.hold()  # never train on after the supervisor is gone (a kill -9 of the job)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

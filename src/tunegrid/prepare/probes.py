@@ -104,7 +104,7 @@ def runtime_baseline_bytes() -> int:
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig  # noqa: F401
 
-    from tunegrid.cell.instrument import MemoryMeter
+    from tunegrid.memory import MemoryMeter
 
     return MemoryMeter("cpu").current_bytes()
 
@@ -118,7 +118,7 @@ def step_overhead_bytes(device: str) -> dict[str, int]:
     Run it before any other benchmark: on CUDA the workspaces it measures are created only once."""
     import torch
 
-    from tunegrid.cell.instrument import MemoryMeter
+    from tunegrid.memory import MemoryMeter
 
     meter = MemoryMeter(device)
     width, tokens, depth = 256, 512, 4

@@ -7,7 +7,6 @@ so training never blocks on the store; and whatever happens to the child, it wri
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import shutil
@@ -18,42 +17,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.prepare.environment import light_env
 from tunegrid.files import read_json, read_jsonl, write_json
+from tunegrid.outcome import compose_result, infrastructure_fault
+from tunegrid.prepare.environment import light_env
+from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
+from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
+from tunegrid.track.tags import ARTIFACT_FILES, env_tags, rerun_tags, result_params, run_tags
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
 KILL_GRACE_S = 5.0
-# The checkpoint folder (tunegrid.cell.resume) is deliberately not a run file: a re-run resumes from it, and the
-# worker itself removes one written for a different training spec.
-RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat", "ranks",
-             "flight_recorder", "adapter")
-ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "adapter")
-
-
-class MetricsTail:
-    """Reads complete new lines of a growing JSONL file."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.offset = 0
-
-    def read_new(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path) as fh:
-            fh.seek(self.offset)
-            chunk = fh.read()
-        end = chunk.rfind("\n") + 1  # a line without its newline is still being written
-        self.offset += len(chunk[:end].encode())
-        records = []
-        for line in chunk[:end].splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -68,137 +42,6 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
-
-
-def _last_activity(run_dir: Path, started: float, world: int = 1) -> float:
-    """The latest sign of life of any rank (a stalled collective stops them all)."""
-    from tunegrid.cell.train import rank_dir
-
-    times = [started]
-    for rank in range(world):
-        for name in ("heartbeat", "metrics.jsonl"):
-            path = rank_dir(run_dir, rank) / name
-            if path.exists():
-                times.append(path.stat().st_mtime)
-    return max(times)
-
-
-def run_tags(result: dict[str, Any]) -> dict[str, str]:
-    tags = {"outcome": result["outcome"], "outcome.reason": result["reason"], "device": result["env"].get("device", "")}
-    slurm_job = (result["env"].get("scheduler") or {}).get("SLURM_JOB_ID")
-    if slurm_job:
-        tags["slurm.job_id"] = slurm_job
-    nan = (result.get("diagnosis") or {}).get("nan")
-    if nan:
-        origin = nan.get("origin") or {}
-        tags.update(
-            {
-                "nan.kind": nan["kind"],
-                "nan.step": str(nan["step"]),
-                "nan.forward_module": (origin.get("forward") or {}).get("module", ""),
-                "nan.backward_module": (origin.get("backward") or {}).get("module", ""),
-            }
-        )
-    audit = result.get("quant_audit") or {}
-    if audit.get("after_adapters"):
-        final = audit["after_adapters"]
-        tags.update(
-            {
-                "audit.weight_bytes": str(final["total_bytes"]),
-                "audit.flagged_bytes": str(final["flagged_bytes"]),
-                "audit.flagged_share": f"{final['flagged_share']:.4f}",
-                "audit.flagged_tensors": str(len(final["flagged"])),
-                "lora.unmatched": ",".join(audit["lora"]["unmatched"]),
-            }
-        )
-    collective = (result.get("diagnosis") or {}).get("collective")
-    if collective:
-        tags.update({
-            "collective.op": collective["op"], "collective.missing_ranks": ",".join(map(str, collective["missing_ranks"])),
-            "collective.timeout_s": str(collective["timeout_s"]), "collective.step": str(collective["step"]),
-        })
-    crash = (result.get("diagnosis") or {}).get("rank_crash")
-    if crash:
-        tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
-    oom = (result.get("diagnosis") or {}).get("oom")
-    if oom:
-        tags["oom.stage"] = str(oom.get("stage"))
-    memory = result.get("memory") or {}
-    if memory.get("estimate_bytes"):
-        tags["memory.estimate_bytes"] = str(memory["estimate_bytes"])
-        tags["memory.estimate_over_measured"] = f"{memory['estimate_over_measured']:.3f}" if memory.get("estimate_over_measured") else ""
-    return tags
-
-
-def env_tags(capabilities: dict[str, Any]) -> dict[str, str]:
-    """Versions and device as tags, so the UI can filter and group by them."""
-    from tunegrid.prepare.environment import package_version
-
-    tags = {f"env.{name}": package_version(name) or "" for name in ("torch", "transformers", "peft", "bitsandbytes")}
-    gpus = capabilities.get("gpus") or []
-    tags["env.device"] = gpus[0].get("name", "cuda") if gpus else capabilities.get("device", "cpu")
-    return tags
-
-
-def rerun_tags(result_path: Path, snakemake_job: str) -> dict[str, str]:
-    """The Snakemake job that ran the cell and the command that re-runs only this cell."""
-    configfiles = os.environ.get("TUNEGRID_CONFIGFILES", "")
-    rerun = ["snakemake", "--cores", "1", "--forcerun", str(result_path)]
-    for path in filter(None, configfiles.split(os.pathsep)):
-        rerun += ["--configfile", path]
-    return {"snakemake.job": snakemake_job, "snakemake.rerun": shlex.join(rerun)}
-
-
-def result_params(result: dict[str, Any]) -> dict[str, str]:
-    """The quantization audit's summary as run params (logged once, at the end of the cell)."""
-    audit = result.get("quant_audit") or {}
-    params: dict[str, str] = {}
-    for stage in ("after_load", "after_adapters"):
-        summary = audit.get(stage) or {}
-        for key in ("total_bytes", "quantized_bytes", "flagged_bytes"):
-            if key in summary:
-                params[f"audit.{stage}.{key}"] = str(summary[key])
-        for role, size in (summary.get("by_role") or {}).items():
-            params[f"audit.{stage}.role.{role}_bytes"] = str(size)
-        for dtype, size in (summary.get("by_dtype") or {}).items():
-            params[f"audit.{stage}.dtype.{dtype}_bytes"] = str(size)
-    experts = audit.get("expert_quantization") or {}
-    if experts:
-        params["audit.expert_quantization.changed"] = str(len(experts.get("changed", [])))
-        params["audit.expert_quantization.kept_for_lora"] = str(len(experts.get("kept_for_lora", [])))
-        params["audit.expert_quantization.max_abs_logit_diff"] = str(experts["output_change"]["max_abs_logit_diff"])
-    return params
-
-
-def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> dict[str, Any]:
-    """Before training: the target, its memory budget, the memory estimate and whether to train at all."""
-    from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
-    from tunegrid.prepare.targets import feasibility, resolve_target
-
-    hardware = spec["hardware"]
-    target = resolve_target(hardware, capabilities) if capabilities else None
-    estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, spec["axes"]["precision"]))
-    enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
-    verdict = feasibility(spec["axes"]["precision"], target, hardware, estimate["estimate_bytes"]) if target else None
-    verdict = verdict or gpu_shortfall(spec, capabilities)
-    return {
-        "target": target.name if target else None,
-        "budget_bytes": target.memory_bytes if enforced and target else None,
-        "estimate": estimate,
-        "verdict": verdict,
-    }
-
-
-def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
-    """`unsupported` before launch when the cell needs more GPUs than the probe found (a rank without
-    its own GPU fails at set-up with "invalid device ordinal"; a launch would only prove it)."""
-    world = spec["axes"].get("world_size", 1)
-    needed = world * spec["hardware"]["gpus_per_rank"]
-    present = len(capabilities.get("gpus") or [])
-    if capabilities.get("device") != "cuda" or needed <= present:
-        return None
-    return ("unsupported", f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
-                           f"{present} present on this machine")
 
 
 def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
@@ -308,7 +151,7 @@ def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path
                 first_exit = now
             if now - started > train["time_limit_s"]:
                 verdict = ("timeout", f"wall-clock limit of {train['time_limit_s']} s reached")
-            elif now - _last_activity(run_dir, started, len(procs)) > train["heartbeat_timeout_s"]:
+            elif now - last_activity(run_dir, started, len(procs)) > train["heartbeat_timeout_s"]:
                 verdict = ("timeout", f"no progress for {train['heartbeat_timeout_s']} s (heartbeat)")
             elif first_exit is not None and now - first_exit > grace:
                 break  # one rank ended (crashed or gave up); the rest are stopped below
@@ -335,7 +178,7 @@ def run_cell(
 ) -> dict[str, Any]:
     started = time.time()
     run_dir.mkdir(parents=True, exist_ok=True)
-    _clear_run_files(run_dir)
+    clear_run_files(run_dir)
     capabilities = read_json(capabilities_path) if capabilities_path else {}
     probe_run = Path(capabilities_path).parent / "mlflow.json" if capabilities_path else None
     if probe_run is not None and probe_run.exists():  # the probe's MLflow run, logged by probe_tracking
@@ -375,19 +218,19 @@ def run_cell(
         if feasible:
             returncodes, verdict, pending, stopped = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early)
             early = None
-        result = _compose_result(spec, run_dir, returncodes[0], verdict, started, command)
+        result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, light_env())
         if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
             from tunegrid.cell.distributed import diagnose_ranks
 
             result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
-        attempts.append({"outcome": result["outcome"], "reason": result["reason"], "infrastructure": _infrastructure_fault(result)})
+        attempts.append({"outcome": result["outcome"], "reason": result["reason"], "infrastructure": infrastructure_fault(result)})
         if not attempts[-1]["infrastructure"] or len(attempts) > spec["train"]["retries"]:
             break
         # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
         print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
         if tracker is not None:
             tracker.log_records(pending + tail.read_new())
-        _clear_run_files(run_dir)
+        clear_run_files(run_dir)
         tail = MetricsTail(run_dir / "metrics.jsonl")
         verdict = None
     result["attempts"] = attempts
@@ -448,106 +291,14 @@ def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str
     return tracker
 
 
-def _clear_run_files(run_dir: Path) -> None:
-    """A re-run or a retry replaces the earlier attempt's files, never appends to them."""
-    for name in RUN_FILES:
-        path = run_dir / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-
-
-def _infrastructure_fault(result: dict[str, Any]) -> bool:
-    """A process that died without writing its facts (signal, lost rank): not a property of the cell's
-    settings, so worth one more attempt. Exceptions the worker caught and classified are not retried."""
-    if result["outcome"] != "error" or (result.get("diagnosis") or {}).get("rank_failure"):
-        return False  # a rank that reported its own error fails the same way again
-    if (result.get("diagnosis") or {}).get("rank_crash"):
-        return True
-    return result.get("worker_exit_code") not in (0, None) and not (result.get("training") or result.get("precision_plan"))
-
-
-def _compose_result(
-    spec: dict[str, Any],
-    run_dir: Path,
-    returncode: int | None,
-    verdict: tuple[str, str] | None,
-    started: float,
-    command: list[str],
-) -> dict[str, Any]:
-    worker_path = run_dir / "worker.json"
-    facts: dict[str, Any] = read_json(worker_path) if worker_path.exists() else {}
-    if verdict is not None:  # decided by the supervisor: infeasible before training, or a timeout
-        outcome, reason = verdict
-        if outcome == "timeout":
-            facts["diagnosis"] = {
-                "timeout": {"stage": facts.get("stage") or _heartbeat_stage(run_dir), "limit_s": spec["train"]["time_limit_s"],
-                            "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"]}
-            }
-    elif facts:
-        outcome, reason = facts["outcome"], facts["reason"]
-    else:
-        signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
-        outcome = "error"
-        reason = (
-            f"worker killed by {signame}" + (" (the kernel's OOM killer sends SIGKILL)" if signame == "SIGKILL" else "")
-            if signame
-            else f"worker exited with code {returncode} before writing its facts"
-        )
-    env = light_env()
-    env["device"] = (facts.get("precision_plan") or {}).get("device_type", "")
-    return {
-        "cell_id": spec["cell_id"],
-        "cell": spec,
-        "env": env,
-        "outcome": outcome,
-        "reason": reason,
-        "diagnosis": facts.get("diagnosis", {}),
-        "memory": _memory(spec, facts.get("memory", {})),
-        "precision_in_effect": facts.get("precision_in_effect", {}),
-        "precision_plan": facts.get("precision_plan", {}),
-        "throughput": facts.get("throughput", {}),
-        "data": facts.get("data", {}),
-        "fp16_headroom": facts.get("fp16_headroom", {}),
-        "quant_audit": facts.get("quant_audit", {}),
-        "training": facts.get("training", {}),
-        "resumed_from_step": facts.get("resumed_from_step"),
-        "checkpoint": facts.get("checkpoint", {}),
-        "adapter": facts.get("adapter"),
-        "params": facts.get("params", {}),
-        "traceback": facts.get("traceback"),
-        "worker_exit_code": returncode,
-        "wall_s": time.time() - started,
-        "started_at": started,  # epoch seconds: the cell's MLflow run spans exactly these
-        "ended_at": time.time(),
-        "command": shlex.join(command),
-    }
-
-
 def _child_env() -> dict[str, str]:
     from tunegrid.config import REPO_ROOT
-
-    from tunegrid.run.lifeline import SUPERVISOR_PID_ENV
+    from tunegrid.lifeline import SUPERVISOR_PID_ENV
 
     env = dict(os.environ)
-    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.run.lifeline)
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.lifeline)
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
-def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
-    """Measured peaks by stage beside the estimate made before training (the tracker's accuracy)."""
-    plan = spec["plan"]
-    memory = {**measured, "estimate_bytes": plan["estimate"]["estimate_bytes"],
-              "estimate_components": plan["estimate"]["components"], "budget_bytes": plan["budget_bytes"],
-              "target": plan["target"]}
-    peak = measured.get("peak_bytes")
-    memory["estimate_over_measured"] = plan["estimate"]["estimate_bytes"] / peak if peak else None
-    return memory
-
-
-def _heartbeat_stage(run_dir: Path) -> str:
-    path = run_dir / "heartbeat"
-    return path.read_text().strip() if path.exists() else "start"

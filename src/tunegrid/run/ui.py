@@ -38,7 +38,7 @@ def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = No
 
     The server runs in a session of its own (a terminal's Ctrl-C reaches only its owner, which stops it
     cleanly) and dies with its owner if the owner is killed."""
-    from tunegrid.run.lifeline import die_with_parent
+    from tunegrid.lifeline import die_with_parent
 
     port = port or free_port(host)
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"

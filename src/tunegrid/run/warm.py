@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunegrid.run.lifeline import alive
+from tunegrid.lifeline import alive
 
 SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
@@ -102,7 +102,7 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
 
 
 def _forked_baseline() -> int:
-    from tunegrid.cell.instrument import MemoryMeter
+    from tunegrid.memory import MemoryMeter
 
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -177,9 +177,9 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
-        from tunegrid.cli import main
+        from tunegrid.cell.entry import run_worker_from_argv
 
-        code = main(request["argv"][1:])
+        code = run_worker_from_argv(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 — printed like an uncaught exception, the exit code says it failed

@@ -63,7 +63,7 @@ def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, pro
                   cell_id: str = "") -> str | None:
     """The parent run of the current execution, created by whichever cell asks first. With `cell_id`, that
     cell is recorded as in flight (and a parent some earlier cell had marked finished runs again)."""
-    from tunegrid.track.tracking import client, with_retries
+    from tunegrid.track.store import client, with_retries
 
     execution_id = current_execution_id()
     if not execution_id:  # a cell run by hand, outside Snakemake: a top-level run
@@ -119,7 +119,7 @@ def cell_ended(uri: str, study_dir: Path, cell_id: str, outcome: str) -> None:
     Never raises: the parent run is a view, the cell's files and its own run hold the facts."""
     from mlflow.entities import RunTag
 
-    from tunegrid.track.tracking import client, with_retries
+    from tunegrid.track.store import client, with_retries
 
     record_path = _current_record(study_dir)
     if record_path is None:
@@ -171,7 +171,7 @@ def close_execution(uri: str, experiment_id: str, study_dir: Path, status: str, 
     count too) as tags, the report attached, the run terminated with `status`."""
     from mlflow.entities import RunTag
 
-    from tunegrid.track.tracking import client, with_retries
+    from tunegrid.track.store import client, with_retries
 
     record_path = _current_record(study_dir)
     if record_path is None:

@@ -9,15 +9,23 @@ recorded, never fatal.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+
+from tunegrid.track.store import (  # noqa: F401 — the store's API, re-exported for the cell runs' callers
+    client,
+    default_store_uri,
+    experiment_name,
+    init_experiment,
+    redact_uri,
+    resolve_tracking_uri,
+    tracking_uri_for_cells,
+    with_retries,
+)
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
 METRIC_KEYS = (
@@ -27,78 +35,7 @@ METRIC_KEYS = (
 CELL_TAG = "tunegrid.cell_id"
 FAILED: Any = object()  # what CellRun._try returns when the store call failed (None is a valid result)
 MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
-
-
-def default_store_uri() -> str:
-    """results/mlflow.db of the folder the workflow runs in (resolved once, by tracking-init)."""
-    return f"sqlite:///{Path.cwd().resolve() / 'results' / 'mlflow.db'}"
-
-
-def resolve_tracking_uri(configured: str = "") -> str:
-    """Config value, then MLFLOW_TRACKING_URI, then the sqlite store under results/."""
-    return configured or os.environ.get("MLFLOW_TRACKING_URI", "") or default_store_uri()
-
-
-def redact_uri(uri: str) -> str:
-    """A URI fit for logs and files: any user:password part is dropped."""
-    parts = urlsplit(uri)
-    if parts.username or parts.password:
-        host = parts.hostname or ""
-        if parts.port:
-            host += f":{parts.port}"
-        return urlunsplit((parts.scheme, "***@" + host, parts.path, parts.query, parts.fragment))
-    return uri
-
-
-def tracking_uri_for_cells(tracking: dict[str, Any]) -> str:
-    """The store a cell logs to: the one tracking.json names, unless its credentials were redacted."""
-    uri = tracking["tracking_uri"]
-    return resolve_tracking_uri() if "***@" in uri else uri
-
-
-def experiment_name(study: dict[str, Any]) -> str:
-    return study["tracking"]["experiment"] or f"tunegrid/{study['study']}"
-
-
-def with_retries(call: Callable[[], T], what: str, attempts: int = 6, first_wait_s: float = 0.2) -> T:
-    """Retry a store call with backoff: sqlite says 'database is locked' under concurrent writers."""
-    wait = first_wait_s
-    for attempt in range(1, attempts + 1):
-        try:
-            return call()
-        except Exception as exc:  # MlflowException, sqlalchemy OperationalError, connection errors
-            if attempt == attempts:
-                raise
-            log.debug("%s failed (%s), retry %d in %.1fs", what, exc, attempt, wait)
-            time.sleep(wait)
-            wait = min(wait * 2, 5.0)
-    raise AssertionError("unreachable")
-
-
-def client(uri: str) -> Any:
-    # A tracking server that is down must not stall a cell for minutes inside MLflow's own HTTP
-    # retries: ours (with_retries) are enough. A user's explicit setting wins.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
-def init_experiment(uri: str, name: str, artifact_root: Path | None) -> str:
-    """Create the store and the study's experiment once, before cells fan out.
-
-    Concurrent first writers to a fresh sqlite store crash on table creation, and concurrent
-    set_experiment calls for a new name can put runs into 'Default'; so this runs in one job.
-    """
-    c = client(uri)
-    existing = with_retries(lambda: c.get_experiment_by_name(name), "get_experiment")
-    if existing is not None:
-        if existing.lifecycle_stage == "deleted":
-            c.restore_experiment(existing.experiment_id)
-        return str(existing.experiment_id)
-    location = artifact_root.resolve().as_uri() if artifact_root is not None and uri.startswith("sqlite") else None
-    return str(with_retries(lambda: c.create_experiment(name, artifact_location=location), "create_experiment"))
+T = TypeVar("T")
 
 
 def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
@@ -244,7 +181,7 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.run.supervisor import ARTIFACT_FILES, result_params, run_tags
+    from tunegrid.track.tags import ARTIFACT_FILES, result_params, run_tags
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)

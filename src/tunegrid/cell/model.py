@@ -1,0 +1,63 @@
+"""The model of a cell: load it at the planned precision and quantization, attach LoRA, and measure how
+far a change (expert quantization) moved its logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: dict[str, Any] = {
+        "dtype": plan.torch_dtype("storage"),
+        "use_safetensors": True,  # never a pickle
+        "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
+    }
+    if spec["axes"]["quant"] != "none":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=plan.torch_dtype("compute"),
+        )
+    if device.type == "cuda":
+        kwargs["device_map"] = {"": device.index or 0}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if spec["axes"]["quant"] != "none":
+        from tunegrid.cell.quant_audit import disable_cpu_inference_packing
+
+        # before any forward: an eval-mode no_grad forward on an AVX512-BF16 CPU would repack the
+        # 4-bit weights into a layout without backward, for good (see disable_cpu_inference_packing)
+        disable_cpu_inference_packing(model)
+    if device.type != "cuda":
+        model.to(device)
+    return model
+
+
+def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    lora = spec["lora"]
+    if spec["train"]["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=list(lora["target_modules"]),
+        target_parameters=list(lora["target_parameters"]) or None,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
+def max_logit_diff(model: Any, before: Any, probe_ids: Any) -> dict[str, float]:
+    import torch
+
+    with torch.no_grad():
+        after = model(input_ids=probe_ids).logits.float()
+    diff = (after - before).abs().max().item()
+    return {"max_abs_logit_diff": diff, "relative_to_max_logit": diff / max(before.abs().max().item(), 1e-12)}

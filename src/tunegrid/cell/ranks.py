@@ -1,0 +1,54 @@
+"""The distributed side of a cell's trainer: the process group, DDP over the LoRA parameters, and the
+injected faults (a straggler, a crashed rank) the collective-timeout studies use. Mixed into CellTrainer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+
+class RankSteps:
+    def init_distributed(self) -> None:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        settings = self.spec["distributed"]
+        backend = settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.facts["distributed"] = {"backend": backend, "world_size": self.ranks.world, "collective_timeout_s": settings["collective_timeout_s"]}
+        self.heartbeat.beat("init_process_group")
+        dist.init_process_group(
+            backend, rank=self.ranks.rank, world_size=self.ranks.world,
+            timeout=datetime.timedelta(seconds=settings["collective_timeout_s"]),
+            device_id=self.device if backend == "nccl" else None,
+        )
+
+    def wrap_ddp(self) -> None:
+        """DDP over the trainable (LoRA) parameters; frozen base weights are not synchronized."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.facts["stage"] = "ddp"
+        self.heartbeat.beat("ddp")
+        self.ddp = DistributedDataParallel(
+            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            broadcast_buffers=False,  # nothing to sync, and a replayed step must not add a collective
+        )
+
+    def inject_rank_faults(self, step: int) -> None:
+        """debug.stall_rank / debug.kill_rank: a straggler or a crashed rank, on purpose."""
+        import signal
+
+        debug = self.spec.get("debug") or {}
+        stall, kill = debug.get("stall_rank") or {}, debug.get("kill_rank") or {}
+        if stall.get("rank") == self.ranks.rank and stall.get("step") == step and stall.get("seconds", 0) > 0:
+            self.heartbeat.beat(f"step {step} stalled (injected, {stall['seconds']} s)")
+            time.sleep(stall["seconds"])
+            self.heartbeat.beat(f"step {step} forward+backward")
+        if kill.get("rank") == self.ranks.rank and kill.get("step") == step:
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)

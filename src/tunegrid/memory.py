@@ -1,0 +1,80 @@
+"""Memory: the per-step peak meter (CUDA allocator stats, or VmHWM on CPU) and the per-cell budget.
+
+Light at import (torch only inside the calls that need it), so the probe and the warm worker measure
+with the same meter the training loop uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+class MemoryMeter:
+    """Peak memory per step: CUDA allocator stats on GPU; VmHWM (reset via clear_refs) on CPU."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+        self.can_reset_hwm = _CLEAR_REFS.exists()
+
+    def reset(self) -> None:
+        if self.device_type == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        elif self.can_reset_hwm:
+            try:
+                _CLEAR_REFS.write_text("5")  # 5 = reset the peak RSS (VmHWM) to the current RSS
+            except OSError:
+                self.can_reset_hwm = False
+
+    def peak_bytes(self) -> int:
+        if self.device_type == "cuda":
+            import torch
+
+            return int(torch.cuda.max_memory_allocated())
+        return _proc_status_kib("VmHWM") * 1024
+
+    def current_bytes(self) -> int:
+        if self.device_type == "cuda":
+            import torch
+
+            return int(torch.cuda.memory_allocated())
+        return _proc_status_kib("VmRSS") * 1024
+
+
+def _proc_status_kib(field: str) -> int:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def apply_memory_budget(device_type: str, budget_bytes: int) -> dict[str, Any]:
+    """Make allocations beyond the budget really fail, so out-of-memory is measured, not guessed.
+
+    CUDA: the caching allocator's per-process fraction. CPU: RLIMIT_AS set to the address space in use
+    now plus the budget (the runtime already mapped is not charged; what the cell allocates is).
+    """
+    if device_type == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        fraction = min(1.0, budget_bytes / total)
+        torch.cuda.set_per_process_memory_fraction(fraction)
+        return {"mechanism": "torch.cuda.set_per_process_memory_fraction", "fraction": fraction}
+    import resource
+
+    in_use = _proc_status_kib("VmSize") * 1024
+    _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    limit = in_use + budget_bytes
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    return {"mechanism": "RLIMIT_AS", "address_space_at_start": in_use, "limit": limit}

@@ -1,0 +1,41 @@
+"""Before a cell trains: its target, memory budget and estimate, and whether it should train at all.
+
+Decided from files (the probe record, the checkpoint's safetensors headers) with no torch, by the
+supervisor before launch and by the `plan` rule for the whole grid.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> dict[str, Any]:
+    """Before training: the target, its memory budget, the memory estimate and whether to train at all."""
+    from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
+    from tunegrid.prepare.targets import feasibility, resolve_target
+
+    hardware = spec["hardware"]
+    target = resolve_target(hardware, capabilities) if capabilities else None
+    estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, spec["axes"]["precision"]))
+    enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
+    verdict = feasibility(spec["axes"]["precision"], target, hardware, estimate["estimate_bytes"]) if target else None
+    verdict = verdict or gpu_shortfall(spec, capabilities)
+    return {
+        "target": target.name if target else None,
+        "budget_bytes": target.memory_bytes if enforced and target else None,
+        "estimate": estimate,
+        "verdict": verdict,
+    }
+
+
+def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
+    """`unsupported` before launch when the cell needs more GPUs than the probe found (a rank without
+    its own GPU fails at set-up with "invalid device ordinal"; a launch would only prove it)."""
+    world = spec["axes"].get("world_size", 1)
+    needed = world * spec["hardware"]["gpus_per_rank"]
+    present = len(capabilities.get("gpus") or [])
+    if capabilities.get("device") != "cuda" or needed <= present:
+        return None
+    return ("unsupported", f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
+                           f"{present} present on this machine")

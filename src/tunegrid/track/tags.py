@@ -1,0 +1,103 @@
+"""The MLflow tag and param policy of a cell run: what a user filters and groups by in the UI.
+
+One place for it, shared by the supervisor (live) and the sync (runs created from the files afterwards).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Any
+
+# The files of a run folder that its MLflow run keeps as artifacts.
+
+
+ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "adapter")
+
+
+def run_tags(result: dict[str, Any]) -> dict[str, str]:
+    tags = {"outcome": result["outcome"], "outcome.reason": result["reason"], "device": result["env"].get("device", "")}
+    slurm_job = (result["env"].get("scheduler") or {}).get("SLURM_JOB_ID")
+    if slurm_job:
+        tags["slurm.job_id"] = slurm_job
+    nan = (result.get("diagnosis") or {}).get("nan")
+    if nan:
+        origin = nan.get("origin") or {}
+        tags.update(
+            {
+                "nan.kind": nan["kind"],
+                "nan.step": str(nan["step"]),
+                "nan.forward_module": (origin.get("forward") or {}).get("module", ""),
+                "nan.backward_module": (origin.get("backward") or {}).get("module", ""),
+            }
+        )
+    audit = result.get("quant_audit") or {}
+    if audit.get("after_adapters"):
+        final = audit["after_adapters"]
+        tags.update(
+            {
+                "audit.weight_bytes": str(final["total_bytes"]),
+                "audit.flagged_bytes": str(final["flagged_bytes"]),
+                "audit.flagged_share": f"{final['flagged_share']:.4f}",
+                "audit.flagged_tensors": str(len(final["flagged"])),
+                "lora.unmatched": ",".join(audit["lora"]["unmatched"]),
+            }
+        )
+    collective = (result.get("diagnosis") or {}).get("collective")
+    if collective:
+        tags.update({
+            "collective.op": collective["op"], "collective.missing_ranks": ",".join(map(str, collective["missing_ranks"])),
+            "collective.timeout_s": str(collective["timeout_s"]), "collective.step": str(collective["step"]),
+        })
+    crash = (result.get("diagnosis") or {}).get("rank_crash")
+    if crash:
+        tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
+    oom = (result.get("diagnosis") or {}).get("oom")
+    if oom:
+        tags["oom.stage"] = str(oom.get("stage"))
+    memory = result.get("memory") or {}
+    if memory.get("estimate_bytes"):
+        tags["memory.estimate_bytes"] = str(memory["estimate_bytes"])
+        tags["memory.estimate_over_measured"] = f"{memory['estimate_over_measured']:.3f}" if memory.get("estimate_over_measured") else ""
+    return tags
+
+
+def env_tags(capabilities: dict[str, Any]) -> dict[str, str]:
+    """Versions and device as tags, so the UI can filter and group by them."""
+    from tunegrid.prepare.environment import package_version
+
+    tags = {f"env.{name}": package_version(name) or "" for name in ("torch", "transformers", "peft", "bitsandbytes")}
+    gpus = capabilities.get("gpus") or []
+    tags["env.device"] = gpus[0].get("name", "cuda") if gpus else capabilities.get("device", "cpu")
+    return tags
+
+
+def rerun_tags(result_path: Path, snakemake_job: str) -> dict[str, str]:
+    """The Snakemake job that ran the cell and the command that re-runs only this cell."""
+    configfiles = os.environ.get("TUNEGRID_CONFIGFILES", "")
+    rerun = ["snakemake", "--cores", "1", "--forcerun", str(result_path)]
+    for path in filter(None, configfiles.split(os.pathsep)):
+        rerun += ["--configfile", path]
+    return {"snakemake.job": snakemake_job, "snakemake.rerun": shlex.join(rerun)}
+
+
+def result_params(result: dict[str, Any]) -> dict[str, str]:
+    """The quantization audit's summary as run params (logged once, at the end of the cell)."""
+    audit = result.get("quant_audit") or {}
+    params: dict[str, str] = {}
+    for stage in ("after_load", "after_adapters"):
+        summary = audit.get(stage) or {}
+        for key in ("total_bytes", "quantized_bytes", "flagged_bytes"):
+            if key in summary:
+                params[f"audit.{stage}.{key}"] = str(summary[key])
+        for role, size in (summary.get("by_role") or {}).items():
+            params[f"audit.{stage}.role.{role}_bytes"] = str(size)
+        for dtype, size in (summary.get("by_dtype") or {}).items():
+            params[f"audit.{stage}.dtype.{dtype}_bytes"] = str(size)
+    experts = audit.get("expert_quantization") or {}
+    if experts:
+        params["audit.expert_quantization.changed"] = str(len(experts.get("changed", [])))
+        params["audit.expert_quantization.kept_for_lora"] = str(len(experts.get("kept_for_lora", [])))
+        params["audit.expert_quantization.max_abs_logit_diff"] = str(experts["output_change"]["max_abs_logit_diff"])
+    return params
