@@ -22,7 +22,7 @@ ALLOWED = {
     "subprocess": {"run", "prepare.environment", "prepare.probes", "cell.distributed"},  # git/pip facts; rank processes
 }
 MAX_LINES = 350
-OVERSIZE = {"cell/train.py", "config.py", "review/report.py"}  # to split next; no other module may grow past the limit
+OVERSIZE = {"config.py", "review/report.py"}  # to split next; no other module may grow past the limit
 
 
 def _modules() -> dict[str, Path]:

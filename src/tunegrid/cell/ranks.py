@@ -52,3 +52,13 @@ class RankSteps:
         if kill.get("rank") == self.ranks.rank and kill.get("step") == step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def lora_digest(self) -> str:
+        """sha256 of the trainable weights: every rank of a DDP cell must end with the same one."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, param in sorted(self.trainable_named, key=lambda item: item[0]):
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+        return digest.hexdigest()

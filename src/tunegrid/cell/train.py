@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -23,16 +22,19 @@ from typing import Any
 from tunegrid.cell.checkpointing import CheckpointSteps
 from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
+from tunegrid.cell.loop_state import LoopState
 from tunegrid.cell.model import attach_lora, load_model, max_logit_diff
 from tunegrid.cell.origin import OriginReplay
 from tunegrid.cell.ranks import RankSteps
+from tunegrid.cell.records import StepRecords
 from tunegrid.files import JsonlAppender, write_json
 from tunegrid.rundir import Heartbeat, rank_dir
 
 
-class CellTrainer(RankSteps, CheckpointSteps, OriginReplay):
-    """One cell from setup to record. The distributed steps, checkpointing and the origin replay live in
-    their own mixins (cell/ranks.py, cell/checkpointing.py, cell/origin.py); this file is the recipe."""
+class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
+    """One cell from setup to record. The distributed steps, checkpointing, the origin replay and the step
+    records live in their own mixins (cell/ranks.py, checkpointing.py, origin.py, records.py); this file
+    is the recipe."""
 
     def __init__(self, spec: dict[str, Any], model_dir: Path, data_path: Path, run_dir: Path) -> None:
         self.spec = spec
@@ -63,16 +65,6 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay):
         self.facts["precision_plan"] = self.plan.__dict__
         self.meter = MemoryMeter(self.device.type)
         self.memory: dict[str, Any] = {"device": self.device.type}
-
-    def lora_digest(self) -> str:
-        """sha256 of the trainable weights: every rank of a DDP cell must end with the same one."""
-        import hashlib
-
-        digest = hashlib.sha256()
-        for name, param in sorted(self.trainable_named, key=lambda item: item[0]):
-            digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
-        return digest.hexdigest()
 
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
@@ -178,10 +170,8 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay):
             (loss * scale if scale is not None else loss).backward()
         return loss
 
-    # ---------------------------------------------------------------- optimizer
     def build_optimizer(self) -> None:
         import torch
-
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
         from tunegrid.cell.instrument import NonfiniteInjector
@@ -247,164 +237,46 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay):
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
+        """The recipe: for each step, train it, record it, and stop where a non-finite event says so."""
         from tqdm.auto import tqdm
 
-        from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
-
-        train = self.spec["train"]
-        steps, policy, every = train["steps"], train["on_nonfinite"], train["headroom_every"]
+        steps, every = self.spec["train"]["steps"], self.spec["train"]["headroom_every"]
         self.build_optimizer()
-        self.checkpointer = self.make_checkpointer()
-        resumed = self.resume()  # before the logs open: it puts them back as they were at its step
-        metrics = JsonlAppender(self.run_dir / "metrics.jsonl")
-        events = JsonlAppender(self.run_dir / "events.jsonl")
-        headroom_log = JsonlAppender(self.run_dir / "headroom.jsonl")
-        census, headroom = DtypeCensus(), HeadroomMeter()
-        step_times, tokens_per_s, steady_peaks = [], [], []
-        skipped_total = consecutive_skips = 0
-        nonfinite_events: list[dict[str, Any]] = []
-        headroom_steps: list[int] = []  # the failing steps whose headroom was measured on replay
-        stop_event: dict[str, Any] | None = None
-        unsupported: list[str] = []
-        losses: list[float] = []
-        # the same objects a checkpoint saves and a resume refills
-        tallies = {"step_times": step_times, "tokens_per_s": tokens_per_s, "steady_peaks": steady_peaks, "losses": losses,
-                   "nonfinite_events": nonfinite_events, "headroom_steps": headroom_steps}
-        start = 0
-        if resumed is not None:
-            start, skipped_total, consecutive_skips = self.refill(resumed, tallies, census, headroom)
+        state = self.begin_loop()
+        logs = {name: JsonlAppender(self.run_dir / f"{name}.jsonl") for name in ("metrics", "events", "headroom")}
         self.facts["stage"] = "step"
-        progress = tqdm(total=steps, initial=start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
+        progress = tqdm(total=steps, initial=state.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
         try:
-            for step in range(start, steps):
-                if self.checkpointer is not None and self.checkpointer.due(step, start):
-                    self.save_checkpoint(step, tallies, skipped_total, consecutive_skips, census, headroom)
+            for step in range(state.start, steps):
+                state.last_step = step
+                if self.checkpointer is not None and self.checkpointer.due(step, state.start):
+                    self.save_checkpoint(step, state.tallies(), state.skipped_total, state.consecutive_skips, state.census, state.headroom)
                 batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
                 self.last_batch = batch
                 measure_headroom = every > 0 and step % every == 0
-                fact = self.train_step(step, batch, census if step == 0 else None, headroom if measure_headroom else None)
-                tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
-                skipped_total += int(fact["skipped"])
-                consecutive_skips = consecutive_skips + 1 if fact["skipped"] else 0
-                if step == 0:
-                    self.memory["first_step_peak_bytes"] = fact["peak"]
-                    if fact["params_without_grad"]:
-                        unsupported = fact["params_without_grad"]
-                else:
-                    step_times.append(fact["elapsed"])
-                    tokens_per_s.append(tokens / fact["elapsed"])
-                    steady_peaks.append(fact["peak"])
-                record = {
-                    "step": step,
-                    "time": time.time(),
-                    "loss": fact["loss"],
-                    "grad_norm": fact["grad_norm"],
-                    "lr": fact["lr"],
-                    "tokens_per_s": tokens / fact["elapsed"],
-                    "step_time_s": fact["elapsed"],
-                    "mem_peak_bytes": fact["peak"],
-                    "skipped_steps": skipped_total,
-                }
-                if self.scaler is not None:
-                    record["loss_scale"] = fact["scale"]
-                if measure_headroom:
-                    worst = headroom.collect(step)
-                    headroom_log.write(worst)
-                    record["fp16_headroom_max_ratio"] = worst["max_ratio"]
-                metrics.write(record)
+                fact = self.train_step(step, batch, state.census if step == 0 else None, state.headroom if measure_headroom else None)
+                self.record(step, fact, measure_headroom, state, logs)
                 progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
                 progress.update()
-                if unsupported:
-                    break
-                loss_finite, grad_finite = math.isfinite(fact["loss"]), math.isfinite(fact["grad_norm"])
-                if loss_finite:
-                    losses.append(fact["loss"])
-                if loss_finite and grad_finite:
-                    continue
-
-                kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if self.scaler else "grad_nonfinite_finite_loss")
-                event = {"step": step, "kind": kind, "loss": fact["loss"], "grad_norm": fact["grad_norm"], "loss_scale": fact["scale"]}
-                stop = (
-                    policy == "stop"
-                    or (policy == "stop_after_skips" and kind != "scaler_skip")
-                    or (policy == "stop_after_skips" and consecutive_skips >= train["max_consecutive_skips"])
-                )
-                # Every event that ends the cell or is the first of its kind gets its origin (a replay of
-                # that step); repeats of a kind already traced under `continue` are recorded without one.
-                if stop or kind not in {e["kind"] for e in nonfinite_events}:
-                    event["origin"] = self.replay_origin(step, batch, fact["rng_state"], fact["scale"], headroom)
-                    event["headroom"] = event["origin"].pop("headroom")
-                    headroom_log.write({**event["headroom"], "failing_step": True})
-                    headroom_steps.append(step)
-                nonfinite_events.append(event)
-                events.write(event)
-                if stop:
-                    stop_event = event
+                if state.unsupported or self.on_nonfinite(step, batch, fact, state, logs):
                     break
         finally:
             progress.close()
-            for log in (metrics, events, headroom_log):
+            for log in logs.values():
                 log.close()
+        self.summarise(state)
 
-        self.memory["steady_peak_bytes"] = max(steady_peaks) if steady_peaks else None
-        self.memory["peak_bytes"] = max(
-            v for v in (self.memory.get("load_peak_bytes"), self.memory.get("first_step_peak_bytes"), self.memory["steady_peak_bytes"]) if v
-        )
-        self.facts["precision_in_effect"].update(census.as_dict())
-        self.facts["fp16_headroom"] = {
-            **headroom.summary(),
-            "sampled_every": every,  # the worst is over these samples plus the failing steps, never only samples
-            "failing_steps_measured": headroom_steps,
-        }
-        self.facts["throughput"] = {
-            "tokens_per_s_median": statistics.median(tokens_per_s) if tokens_per_s else None,
-            "step_time_s_median": statistics.median(step_times) if step_times else None,
-        }
-        self.facts["training"] = {
-            "steps_run": step + 1,
-            "initial_loss": losses[0] if losses else None,
-            "final_loss": losses[-1] if losses else None,
-            "skipped_steps": skipped_total,
-        }
-        self._conclude(nonfinite_events, stop_event, consecutive_skips, steps_run=step + 1)
-        if self.ranks.distributed:
-            self.facts["lora_sha256"] = self.lora_digest()
-        if unsupported:
-            self.facts.update(
-                outcome="unsupported",
-                reason=f"{len(unsupported)} adapter tensors get no gradient with this peft/bitsandbytes combination "
-                f"(e.g. {unsupported[0]}); refusing to train fewer parameters than requested",
-                diagnosis={"params_without_grad": unsupported},
-            )
+    def begin_loop(self) -> LoopState:
+        """A fresh state, or the one a checkpoint of this same cell left (its logs put back as they were)."""
+        from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
 
-    def _conclude(self, events: list[dict[str, Any]], stop_event: dict[str, Any] | None, consecutive_skips: int,
-                  steps_run: int) -> None:
-        """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
-
-        The deciding event is the one that stopped the loop, else the first non-finite loss/gradient
-        (under `continue`), else scaler skips the scaler did not recover from. Scaler skips it recovered
-        from are listed, not failures.
-        """
-        train = self.spec["train"]
-        hard = [e for e in events if e["kind"] != "scaler_skip"]
-        unrecovered_skips = bool(events) and (train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"])
-        deciding = stop_event or (hard[0] if hard else None) or (events[0] if unrecovered_skips else None)
-        recovered = [e for e in events if e["kind"] == "scaler_skip" and e is not deciding]
-        diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
-        if deciding is not None:
-            origin = deciding.get("origin") or {}
-            where = (origin.get("forward") or origin.get("backward") or {}).get("module", "unknown module")
-            stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
-            self.facts.update(
-                outcome="nan",
-                reason=f"{deciding['kind']} at step {deciding['step']}, first non-finite at {where}{stopped}",
-                diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
-            )
-        elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason
-            self.facts.update(outcome="error", reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
-                              diagnosis=diagnosis)
-        else:
-            self.facts.update(outcome="ok", reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis)
+        state = LoopState(census=DtypeCensus(), headroom=HeadroomMeter())
+        self.checkpointer = self.make_checkpointer()
+        resumed = self.resume()  # before the logs open: it puts them back as they were at its step
+        if resumed is not None:
+            state.start, state.skipped_total, state.consecutive_skips = self.refill(resumed, state.tallies(), state.census, state.headroom)
+        state.last_step = state.start - 1
+        return state
 
     def finish_cell(self) -> None:
         """An `ok` cell's adapter is its product; any concluded cell's checkpoint has served its purpose."""
