@@ -32,3 +32,9 @@ def test_every_cell_id_matches_the_wildcard_pattern_and_nothing_else_does():
 def test_outcomes_are_strings_as_written_in_results():
     assert Outcome.NAN == "nan" and f"{Outcome.PREDICTED_OOM}" == "predicted_oom"
     assert OUTCOMES == ("ok", "nan", "oom", "predicted_oom", "timeout", "error", "unsupported")
+
+
+def test_every_outcome_has_a_colour_in_the_report():
+    from tunegrid.review.plots import OUTCOME_COLOURS
+
+    assert set(OUTCOME_COLOURS) == set(OUTCOMES)

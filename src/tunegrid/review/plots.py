@@ -1,0 +1,130 @@
+"""The report's figures: the outcome matrix, the loss curves and the peak memory per cell (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+OUTCOME_COLOURS = {
+    "ok": "#4caf50",
+    "nan": "#e53935",
+    "oom": "#8e24aa",
+    "predicted_oom": "#ce93d8",
+    "timeout": "#fb8c00",
+    "error": "#424242",
+    "unsupported": "#bdbdbd",
+}
+PRECISION_STYLE = {"fp32": "-", "bf16": "--", "fp16": ":"}
+MIB = 2**20
+
+
+def _matrix_layout(frame: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[str], list[str]]:
+    """Rows: model x quant (x seed, x world size when they vary); columns: precision x batch size."""
+    row_axes = ["model", "quant"] + [a for a in ("world_size", "seed") if a in frame.columns and frame[a].nunique() > 1]
+    col_axes = ["precision", "batch_size"]
+    rows = sorted({tuple(r) for r in frame[row_axes].itertuples(index=False)}, key=str)
+    precisions = [p for p in ("fp32", "bf16", "fp16") if p in set(frame["precision"])]
+    cols = [(p, b) for p in precisions for b in sorted(set(frame["batch_size"]))]
+    return rows, cols, row_axes, col_axes
+
+
+def _cell_label(row: Any) -> str:
+    if row["outcome"] == "nan":
+        return f"nan\n{row['nan_kind'] or ''}".replace("grad_nonfinite_finite_loss", "grad").replace("loss_nonfinite", "loss")
+    if row["outcome"] == "ok" and (row.get("skipped_steps") or 0) > 0:
+        return f"ok\n{int(row['skipped_steps'])} skipped"
+    return str(row["outcome"]).replace("predicted_oom", "pred. oom")
+
+
+def plot_outcomes(frame: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    rows, cols, row_axes, col_axes = _matrix_layout(frame)
+    fig, ax = plt.subplots(figsize=(1.3 * len(cols) + 3.5, 0.55 * len(rows) + 1.8))
+    indexed = {tuple(r[a] for a in row_axes + col_axes): r for _, r in frame.iterrows()}
+    for y, row_key in enumerate(rows):
+        for x, col_key in enumerate(cols):
+            cell = indexed.get(tuple(row_key) + tuple(col_key))
+            colour = OUTCOME_COLOURS.get(cell["outcome"], "#ffffff") if cell is not None else "#ffffff"
+            ax.add_patch(Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
+            if cell is not None:
+                ax.text(x + 0.5, y + 0.5, _cell_label(cell), ha="center", va="center", fontsize=7,
+                        color="white" if cell["outcome"] in ("nan", "error", "oom") else "black")
+    ax.set_xlim(0, len(cols))
+    ax.set_ylim(len(rows), 0)
+    ax.set_xticks([x + 0.5 for x in range(len(cols))], [f"{p}\nbs {b}" for p, b in cols], fontsize=8)
+    ax.set_yticks([y + 0.5 for y in range(len(rows))], [" / ".join(map(str, r)) for r in rows], fontsize=8)
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    present = [o for o in OUTCOME_COLOURS if o in set(frame["outcome"])]
+    ax.legend(handles=[Patch(color=OUTCOME_COLOURS[o], label=o) for o in present], loc="upper left",
+              bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.set_title(f"Outcome per cell ({' / '.join(row_axes)} x {' / '.join(col_axes)})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    """One panel per model x batch size; one line per precision (colour) and quant (style)."""
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r.model, r.batch_size) for r in frame.itertuples()}, key=str)
+    ncols = min(2, len(panels)) or 1
+    nrows = (len(panels) + ncols - 1) // ncols or 1
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.4 * nrows), squeeze=False)
+    colours = {"fp32": "#1e88e5", "bf16": "#43a047", "fp16": "#e53935"}
+    quant_style = {"none": "-", "nf4": "--", "nf4-experts": ":"}
+    for ax, (model, batch) in zip(axes.flat, panels):
+        sub = frame[(frame["model"] == model) & (frame["batch_size"] == batch)]
+        for _, row in sub.iterrows():
+            points = [r for r in curves.get(row["cell_id"], []) if r.get("loss") is not None]
+            if not points:
+                continue
+            steps = [p["step"] for p in points]
+            losses = [_finite_or_nan(p["loss"]) for p in points]
+            label = f"{row['precision']} {row['quant']}" + (" (nan)" if row["outcome"] == "nan" else "")
+            ax.plot(steps, losses, quant_style.get(row["quant"], "-"), color=colours.get(row["precision"], "grey"),
+                    label=label, linewidth=1.2)
+            if row["outcome"] == "nan" and row["nan_step"] == row["nan_step"]:
+                before = [loss for s, loss in zip(steps, losses) if s < row["nan_step"] and loss == loss]
+                ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
+        ax.set_title(f"{model}, batch {batch}", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("loss", fontsize=8)
+        ax.legend(fontsize=6, ncol=2)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle("Loss per step (x: first non-finite step)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_memory(frame: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    sub = frame.sort_values("cell_id")
+    fig, ax = plt.subplots(figsize=(8, 0.22 * len(sub) + 1.5))
+    y = range(len(sub))
+    peaks = [(v or 0) / MIB if v == v else 0 for v in sub["peak_bytes"]]
+    estimates = [(v or 0) / MIB if v == v else 0 for v in sub["estimate_bytes"]]
+    ax.barh(list(y), peaks, color=[OUTCOME_COLOURS.get(o, "grey") for o in sub["outcome"]], label="measured peak")
+    ax.plot(estimates, list(y), "k|", markersize=9, label="estimate")
+    if "budget_bytes" in sub and sub["budget_bytes"].notna().any():
+        ax.axvline(float(sub["budget_bytes"].dropna().iloc[0]) / MIB, color="red", linestyle="--", label="budget")
+    ax.set_yticks(list(y), list(sub["cell_id"]), fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("MiB (process peak: host RSS on CPU, allocator peak on GPU)", fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("Peak memory per cell, estimate beside it", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _finite_or_nan(value: Any) -> float:
+    number = float(value)  # metrics.jsonl writes non-finite values as the strings "nan"/"inf"
+    return number if abs(number) != float("inf") else float("nan")
