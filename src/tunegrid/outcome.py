@@ -12,12 +12,13 @@ from typing import Any
 
 from tunegrid.files import read_json
 from tunegrid.rundir import heartbeat_stage
+from tunegrid.vocabulary import Outcome
 
 
 def infrastructure_fault(result: dict[str, Any]) -> bool:
     """A process that died without writing its facts (signal, lost rank): not a property of the cell's
     settings, so worth one more attempt. Exceptions the worker caught and classified are not retried."""
-    if result["outcome"] != "error" or (result.get("diagnosis") or {}).get("rank_failure"):
+    if result["outcome"] != Outcome.ERROR or (result.get("diagnosis") or {}).get("rank_failure"):
         return False  # a rank that reported its own error fails the same way again
     if (result.get("diagnosis") or {}).get("rank_crash"):
         return True
@@ -38,7 +39,7 @@ def compose_result(
     facts: dict[str, Any] = read_json(worker_path) if worker_path.exists() else {}
     if verdict is not None:  # decided by the supervisor: infeasible before training, or a timeout
         outcome, reason = verdict
-        if outcome == "timeout":
+        if outcome == Outcome.TIMEOUT:
             facts["diagnosis"] = {
                 "timeout": {"stage": facts.get("stage") or heartbeat_stage(run_dir), "limit_s": spec["train"]["time_limit_s"],
                             "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"]}
@@ -47,7 +48,7 @@ def compose_result(
         outcome, reason = facts["outcome"], facts["reason"]
     else:
         signame = signal.Signals(-returncode).name if returncode is not None and returncode < 0 else None
-        outcome = "error"
+        outcome = Outcome.ERROR
         reason = (
             f"worker killed by {signame}" + (" (the kernel's OOM killer sends SIGKILL)" if signame == "SIGKILL" else "")
             if signame

@@ -19,6 +19,7 @@ from typing import Any
 
 from tunegrid.files import read_json
 from tunegrid.rundir import rank_dir
+from tunegrid.vocabulary import Outcome
 
 STEP_RE = re.compile(r"step (\d+)")
 
@@ -107,7 +108,7 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
         first = crashed[0]
         at = f" at step {first['last_step']}" if first["last_step"] is not None else f" during {first['last_heartbeat'] or 'start-up'}"
         update.update(
-            outcome="error",
+            outcome=Outcome.ERROR,
             reason=f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
             diagnosis={"rank_crash": {"ranks": [r["rank"] for r in crashed], "exit": first["exit"], "last_step": first["last_step"],
                                       "last_log_lines": first["log_tail"], "last_step_per_rank": last_steps}},
@@ -116,7 +117,7 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
 
     # A rank that failed on its own (its worker.json says error/oom, not a symptom of a peer) is the
     # cause: its peers then wait or are stopped. Deterministic, so the cell is never retried for it.
-    failed = [r for r in ranks if r["outcome"] in ("error", "oom")
+    failed = [r for r in ranks if r["outcome"] in (Outcome.ERROR, Outcome.OOM)
               and not {"collective_timeout", "peer_lost"} & set(r["diagnosis"])]
     if failed:
         first = failed[0]
@@ -150,7 +151,7 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
             collective["flight_recorder_verdict"] = recorder["verdict"]
         who = ", ".join(map(str, missing)) or "none identified"
         update.update(
-            outcome="timeout",
+            outcome=Outcome.TIMEOUT,
             reason=(
                 f"collective timeout after {timeout_s:g} s in {op}"
                 + (f" at step {collective['step']}" if collective["step"] is not None else "")
@@ -160,11 +161,11 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
         )
         return update
 
-    if result["outcome"] == "ok":
+    if result["outcome"] == Outcome.OK:
         digests = {r["lora_sha256"] for r in ranks}
         update["distributed"]["lora_identical"] = len(digests) == 1 and None not in digests
         if not update["distributed"]["lora_identical"]:
-            update.update(outcome="error", reason="ranks ended with different LoRA weights (DDP did not keep them in sync)")
+            update.update(outcome=Outcome.ERROR, reason="ranks ended with different LoRA weights (DDP did not keep them in sync)")
     return update
 
 

@@ -9,6 +9,8 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 
+from tunegrid.vocabulary import Outcome
+
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
 
 
@@ -29,10 +31,10 @@ def classify_exception(exc: BaseException) -> str:
     import torch
 
     if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return "oom"
+        return Outcome.OOM
     if any(marker in str(exc).lower() for marker in OOM_MARKERS):
-        return "oom"
-    return "error"
+        return Outcome.OOM
+    return Outcome.ERROR
 
 
 COLLECTIVE_TIMEOUT_MARKERS = ("timed out", "watchdog caught collective operation timeout", "timeout")

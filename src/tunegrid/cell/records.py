@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from tunegrid.cell.loop_state import LoopState
+from tunegrid.vocabulary import Outcome
 
 
 class StepRecords:
@@ -96,7 +97,7 @@ class StepRecords:
             self.facts["lora_sha256"] = self.lora_digest()
         if state.unsupported:
             self.facts.update(
-                outcome="unsupported",
+                outcome=Outcome.UNSUPPORTED,
                 reason=f"{len(state.unsupported)} adapter tensors get no gradient with this peft/bitsandbytes combination "
                 f"(e.g. {state.unsupported[0]}); refusing to train fewer parameters than requested",
                 diagnosis={"params_without_grad": state.unsupported},
@@ -121,12 +122,12 @@ class StepRecords:
             where = (origin.get("forward") or origin.get("backward") or {}).get("module", "unknown module")
             stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
             self.facts.update(
-                outcome="nan",
+                outcome=Outcome.NAN,
                 reason=f"{deciding['kind']} at step {deciding['step']}, first non-finite at {where}{stopped}",
                 diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
             )
         elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason
-            self.facts.update(outcome="error", reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
+            self.facts.update(outcome=Outcome.ERROR, reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
                               diagnosis=diagnosis)
         else:
-            self.facts.update(outcome="ok", reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis)
+            self.facts.update(outcome=Outcome.OK, reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis)

@@ -29,6 +29,7 @@ from tunegrid.cell.ranks import RankSteps
 from tunegrid.cell.records import StepRecords
 from tunegrid.files import JsonlAppender, write_json
 from tunegrid.rundir import Heartbeat, rank_dir
+from tunegrid.vocabulary import Outcome
 
 
 class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
@@ -41,7 +42,7 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         self.model_dir = model_dir
         self.data_path = data_path
         self.run_dir = run_dir
-        self.facts: dict[str, Any] = {"outcome": "error", "reason": "did not start", "stage": "setup"}
+        self.facts: dict[str, Any] = {"outcome": Outcome.ERROR, "reason": "did not start", "stage": "setup"}
         self.heartbeat = Heartbeat(run_dir / "heartbeat")
         self.ranks = Ranks.from_env()
         self.ddp: Any = None
@@ -157,7 +158,6 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
             self.spec["train"]["seq_len"], self.spec["axes"]["batch_size"], seed,
         )
 
-    # ---------------------------------------------------------------- forward + backward
     def forward_backward(self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None) -> Any:
         """Loss and grads; under fp16 the loss is scaled by the GradScaler (or by a fixed scale on replay)."""
         from tunegrid.cell.precision import autocast_context
@@ -283,7 +283,7 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         from tunegrid.cell.adapters import base_record, reference_loss, save_adapter
         from tunegrid.cell.precision import autocast_context
 
-        if self.facts["outcome"] == "ok" and self.ranks.rank == 0:
+        if self.facts["outcome"] == Outcome.OK and self.ranks.rank == 0:
             self.facts["stage"] = "adapter"
             self.heartbeat.beat("adapter")
             loss = reference_loss(self.model, self.last_batch, autocast_context(self.plan))
@@ -303,18 +303,18 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
             self.loop()
             self.finish_cell()
         except BaseException as exc:  # a failure is a result; only tunegrid bugs should fail the rule
-            kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else "error"
+            kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else Outcome.ERROR
             stage = self.facts.get("stage", "setup")
             self.facts.update(outcome=kind, reason=f"{type(exc).__name__} during {stage}: {str(exc)[:300]}")
             collective = classify_distributed(exc) if self.ranks.distributed else None
             if collective is not None:
-                self.facts["outcome"] = "timeout" if collective == "collective_timeout" else "error"
+                self.facts["outcome"] = Outcome.TIMEOUT if collective == "collective_timeout" else Outcome.ERROR
                 self.facts["diagnosis"] = {collective: {
                     "rank": self.ranks.rank, "waiting_in": self.heartbeat.last,
                     "timeout_s": self.spec["distributed"]["collective_timeout_s"], "message": str(exc)[:400],
                 }}
             self.facts["traceback"] = traceback.format_exc()[-4000:]
-            if kind == "oom":
+            if kind == Outcome.OOM:
                 self.facts["diagnosis"] = {"oom": {"stage": stage, "bytes_at_failure": self.meter_current()}}
             traceback.print_exc()
         finally:
@@ -341,7 +341,7 @@ def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: st
     if ranks.distributed:
         import torch.distributed as dist
 
-        if facts["outcome"] in ("ok", "nan") and dist.is_initialized():
+        if facts["outcome"] in (Outcome.OK, Outcome.NAN) and dist.is_initialized():
             dist.destroy_process_group()
         else:  # a broken group can hang in teardown (NCCL abort); the facts are written, leave now
             sys.stdout.flush()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tunegrid.vocabulary import Outcome
+
 
 def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> dict[str, Any]:
     """Before training: the target, its memory budget, the memory estimate and whether to train at all."""
@@ -37,5 +39,5 @@ def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[s
     present = len(capabilities.get("gpus") or [])
     if capabilities.get("device") != "cuda" or needed <= present:
         return None
-    return ("unsupported", f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
+    return (Outcome.UNSUPPORTED, f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
                            f"{present} present on this machine")

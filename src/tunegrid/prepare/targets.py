@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tunegrid.vocabulary import Outcome
+
 GIB = 2**30
 
 
@@ -90,9 +92,9 @@ def feasibility(
     """(outcome, reason) for a cell that should not train here, or None when it should."""
     support = target.precision.get(precision, "absent")
     if support == "absent":
-        return "unsupported", f"{precision} is absent on target {target.name}"
+        return Outcome.UNSUPPORTED, f"{precision} is absent on target {target.name}"
     if support == "emulated" and hardware["refuse_emulated"]:
-        return "unsupported", (
+        return Outcome.UNSUPPORTED, (
             f"{precision} is only emulated on target {target.name} (compute capability "
             f"{target.compute_capability or 'n/a'}); hardware.refuse_emulated is on"
         )
@@ -102,7 +104,7 @@ def feasibility(
         and target.memory_bytes is not None
         and estimate_bytes > target.memory_bytes * hardware["oom_margin"]
     ):
-        return "predicted_oom", (
+        return Outcome.PREDICTED_OOM, (
             f"estimated peak {estimate_bytes / GIB:.2f} GiB exceeds the {target.memory_bytes / GIB:.2f} GiB "
             f"budget of {target.name} x margin {hardware['oom_margin']}"
         )

@@ -5,14 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tunegrid.vocabulary import Outcome
+
 OUTCOME_COLOURS = {
-    "ok": "#4caf50",
-    "nan": "#e53935",
-    "oom": "#8e24aa",
-    "predicted_oom": "#ce93d8",
-    "timeout": "#fb8c00",
-    "error": "#424242",
-    "unsupported": "#bdbdbd",
+    Outcome.OK: "#4caf50",
+    Outcome.NAN: "#e53935",
+    Outcome.OOM: "#8e24aa",
+    Outcome.PREDICTED_OOM: "#ce93d8",
+    Outcome.TIMEOUT: "#fb8c00",
+    Outcome.ERROR: "#424242",
+    Outcome.UNSUPPORTED: "#bdbdbd",
 }
 PRECISION_STYLE = {"fp32": "-", "bf16": "--", "fp16": ":"}
 MIB = 2**20
@@ -29,9 +31,9 @@ def _matrix_layout(frame: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, .
 
 
 def _cell_label(row: Any) -> str:
-    if row["outcome"] == "nan":
+    if row["outcome"] == Outcome.NAN:
         return f"nan\n{row['nan_kind'] or ''}".replace("grad_nonfinite_finite_loss", "grad").replace("loss_nonfinite", "loss")
-    if row["outcome"] == "ok" and (row.get("skipped_steps") or 0) > 0:
+    if row["outcome"] == Outcome.OK and (row.get("skipped_steps") or 0) > 0:
         return f"ok\n{int(row['skipped_steps'])} skipped"
     return str(row["outcome"]).replace("predicted_oom", "pred. oom")
 
@@ -50,7 +52,7 @@ def plot_outcomes(frame: Any, path: Path) -> None:
             ax.add_patch(Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
             if cell is not None:
                 ax.text(x + 0.5, y + 0.5, _cell_label(cell), ha="center", va="center", fontsize=7,
-                        color="white" if cell["outcome"] in ("nan", "error", "oom") else "black")
+                        color="white" if cell["outcome"] in (Outcome.NAN, Outcome.ERROR, Outcome.OOM) else "black")
     ax.set_xlim(0, len(cols))
     ax.set_ylim(len(rows), 0)
     ax.set_xticks([x + 0.5 for x in range(len(cols))], [f"{p}\nbs {b}" for p, b in cols], fontsize=8)
@@ -85,10 +87,10 @@ def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path)
                 continue
             steps = [p["step"] for p in points]
             losses = [_finite_or_nan(p["loss"]) for p in points]
-            label = f"{row['precision']} {row['quant']}" + (" (nan)" if row["outcome"] == "nan" else "")
+            label = f"{row['precision']} {row['quant']}" + (" (nan)" if row["outcome"] == Outcome.NAN else "")
             ax.plot(steps, losses, quant_style.get(row["quant"], "-"), color=colours.get(row["precision"], "grey"),
                     label=label, linewidth=1.2)
-            if row["outcome"] == "nan" and row["nan_step"] == row["nan_step"]:
+            if row["outcome"] == Outcome.NAN and row["nan_step"] == row["nan_step"]:
                 before = [loss for s, loss in zip(steps, losses) if s < row["nan_step"] and loss == loss]
                 ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
         ax.set_title(f"{model}, batch {batch}", fontsize=9)

@@ -15,7 +15,7 @@ from typing import Any
 
 from tunegrid.prepare.targets import TARGETS
 from tunegrid.units import human_bytes
-from tunegrid.vocabulary import AXES
+from tunegrid.vocabulary import AXES, Outcome
 
 EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
 
@@ -57,7 +57,7 @@ def siblings(frame: Any, row: Any, vary: str) -> Any:
 
 
 def _ok(frame: Any) -> Any:
-    return frame[frame["outcome"] == "ok"]
+    return frame[frame["outcome"] == Outcome.OK]
 
 
 def precision_support(target: str | None, capabilities: dict[str, Any]) -> dict[str, str]:
@@ -75,7 +75,7 @@ def _short(module: Any) -> str:
 
 
 def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]:
-    failing = frame[frame["outcome"] == "nan"]
+    failing = frame[frame["outcome"] == Outcome.NAN]
     groups: dict[tuple[Any, ...], list[Any]] = defaultdict(list)
     for _, row in failing.iterrows():
         groups[(row["model"], row["precision"], row.get("target"))].append(row)
@@ -156,7 +156,7 @@ def _expert_gap(frame: Any) -> list[Recommendation]:
     pairs: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
     for _, row in gap.iterrows():
         fixed = siblings(frame, row, "quant")
-        fixed = fixed[(fixed["quant"] == "nf4-experts") & (fixed["outcome"] == "ok")]
+        fixed = fixed[(fixed["quant"] == "nf4-experts") & (fixed["outcome"] == Outcome.OK)]
         if not fixed.empty:
             pairs[row["model"]].append((row, fixed.iloc[0]))
     out = []
@@ -164,9 +164,9 @@ def _expert_gap(frame: Any) -> list[Recommendation]:
         row, sib = members[0]
         shares = [float(r["flagged_share"]) for r, _ in members]
         peak_pairs = [f"{human_bytes(r['peak_bytes'])} -> {human_bytes(s['peak_bytes'])} ({r['precision']}, bs {int(r['batch_size'])})" for r, s in members]
-        failed = [r for r, _ in members if r["outcome"] != "ok"]
+        failed = [r for r, _ in members if r["outcome"] != Outcome.OK]
         # the goal is memory: recommend only where the twins' peaks show it (or a plain-4-bit cell failed and its twin ran)
-        peaks_fell = all(_number(s["peak_bytes"]) < _number(r["peak_bytes"]) for r, s in members if r["outcome"] == "ok")
+        peaks_fell = all(_number(s["peak_bytes"]) < _number(r["peak_bytes"]) for r, s in members if r["outcome"] == Outcome.OK)
         text = (
             f"Plain 4-bit loading left {int(row['flagged_tensors'])} tensor(s) in full precision: "
             f"{min(shares):.0%}-{max(shares):.0%} of the weight bytes. bitsandbytes only replaces nn.Linear, and "
@@ -207,7 +207,7 @@ def _number(value: Any) -> float:
 
 def _memory_fixes(frame: Any) -> list[Recommendation]:
     out = []
-    for _, row in frame[frame["outcome"].isin(["oom", "predicted_oom"])].iterrows():
+    for _, row in frame[frame["outcome"].isin([Outcome.OOM, Outcome.PREDICTED_OOM])].iterrows():
         options, evidence, fixes = [], [], []
         smaller = _ok(siblings(frame, row, "batch_size"))
         smaller = smaller[smaller["batch_size"] < row["batch_size"]]
@@ -242,7 +242,7 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
 
 
 def _unsupported_fixes(frame: Any) -> list[Recommendation]:
-    rows = frame[frame["outcome"] == "unsupported"]
+    rows = frame[frame["outcome"] == Outcome.UNSUPPORTED]
     groups: dict[tuple[Any, ...], list[Any]] = defaultdict(list)
     for _, row in rows.iterrows():
         groups[(row["precision"], row.get("target"))].append(row)
@@ -276,7 +276,7 @@ def _timeout_fixes(frame: Any) -> list[Recommendation]:
     out = []
     if "collective_op" not in frame.columns:
         return out
-    for _, row in frame[(frame["outcome"] == "timeout") & frame["collective_op"].notna()].iterrows():
+    for _, row in frame[(frame["outcome"] == Outcome.TIMEOUT) & frame["collective_op"].notna()].iterrows():
         evidence, options, fixes = [], [], []
         if "world_size" in frame.columns:
             alt = _ok(siblings(frame, row, "world_size"))

@@ -17,6 +17,7 @@ from tunegrid.files import atomic_write_text, read_json, read_jsonl
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recommend import Recommendation, recommend
 from tunegrid.units import human_bytes
+from tunegrid.vocabulary import Outcome
 
 
 def _png(path: Path) -> str:
@@ -143,7 +144,7 @@ def failure_groups(frame: Any, results: dict[str, dict[str, Any]], logs_dir: Pat
     """Cells that ended neither ok nor nan, one group per distinct cause: the reason once, the cells it
     hit, the end of one cell's traceback (or log) and the log's path."""
     groups: dict[tuple[str, str], dict[str, Any]] = {}
-    for row in frame[~frame["outcome"].isin(["ok", "nan"])].sort_values("cell_id").to_dict("records"):
+    for row in frame[~frame["outcome"].isin([Outcome.OK, Outcome.NAN])].sort_values("cell_id").to_dict("records"):
         key = (str(row["outcome"]), str(row["reason"]))
         group = groups.setdefault(key, {"outcome": key[0], "reason": key[1], "cells": []})
         group["cells"].append(row["cell_id"])
@@ -222,7 +223,7 @@ def build_report(
     count_html = "".join(
         f"<span style='background:{OUTCOME_COLOURS.get(k, 'grey')}'>{html.escape(str(k))}: {v}</span>" for k, v in sorted(counts.items())
     )
-    nan_rows = frame[frame["outcome"] == "nan"].sort_values(["model", "precision", "batch_size"]).to_dict("records")
+    nan_rows = frame[frame["outcome"] == Outcome.NAN].sort_values(["model", "precision", "batch_size"]).to_dict("records")
     logs_dir = Path(result_paths[0]).parents[3] / "logs" / study / "finetune" if result_paths else out_dir
     failures = failure_groups(frame, results, logs_dir)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>

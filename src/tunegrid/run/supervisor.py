@@ -24,6 +24,7 @@ from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
 from tunegrid.track.tags import ARTIFACT_FILES, env_tags, rerun_tags, result_params, run_tags
+from tunegrid.vocabulary import Outcome
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
@@ -150,9 +151,9 @@ def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path
             if first_exit is None and any(proc.poll() is not None for proc in procs):
                 first_exit = now
             if now - started > train["time_limit_s"]:
-                verdict = ("timeout", f"wall-clock limit of {train['time_limit_s']} s reached")
+                verdict = (Outcome.TIMEOUT, f"wall-clock limit of {train['time_limit_s']} s reached")
             elif now - last_activity(run_dir, started, len(procs)) > train["heartbeat_timeout_s"]:
-                verdict = ("timeout", f"no progress for {train['heartbeat_timeout_s']} s (heartbeat)")
+                verdict = (Outcome.TIMEOUT, f"no progress for {train['heartbeat_timeout_s']} s (heartbeat)")
             elif first_exit is not None and now - first_exit > grace:
                 break  # one rank ended (crashed or gave up); the rest are stopped below
             if verdict:
@@ -249,7 +250,7 @@ def run_cell(
         artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
         if log_path is not None:
             artifacts.append(log_path)
-        tracker.finish({**run_tags(result), "attempts": str(len(attempts))}, artifacts, failed=result["outcome"] == "error",
+        tracker.finish({**run_tags(result), "attempts": str(len(attempts))}, artifacts, failed=result["outcome"] == Outcome.ERROR,
                        params=result_params(result), end_time=result["ended_at"])
         if tracker.errors:  # the store was unreachable at the end: say so in the file too
             result["tracking"]["errors"] = tracker.errors

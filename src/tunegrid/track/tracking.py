@@ -24,6 +24,7 @@ from tunegrid.track.store import (  # noqa: F401 — the store's API, re-exporte
     tracking_uri_for_cells,
     with_retries,
 )
+from tunegrid.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +205,7 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     if created:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
         run.finish(
-            run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == "error",
+            run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == Outcome.ERROR,
             params=result_params(result), end_time=result.get("ended_at"),
         )
     return {"run_id": run.run_id, "created": created, "points_filled": filled, "points_in_file": len(records), "errors": run.errors}
