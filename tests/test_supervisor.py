@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -50,6 +51,11 @@ def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path
     adapter_files = {a.path for a in c.list_artifacts(run.info.run_id, "adapter")}
     assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/base_model.json"} <= adapter_files
     assert result["adapter"]["base_model"]["manifest_sha256"] and result["training"]["reference_batch_loss"] > 0
+    (dataset,) = run.inputs.dataset_inputs  # the training set is the run's dataset input, with its size
+    profile = json.loads(dataset.dataset.profile)
+    assert dataset.dataset.name == "synthetic:generated" and len(dataset.dataset.digest) == 16
+    assert profile["examples"] == result["data"]["examples"] > 0 and profile["tokens"] == result["data"]["tokens"] > 0
+    assert {t.key: t.value for t in dataset.tags}["mlflow.data.context"] == "training"
 
     # running the same cell again leaves exactly one current run, and says which one replaced it
     again, _ = _run(spec, checkpoints, dataset_path, tmp_path, tracking)

@@ -205,6 +205,7 @@ def build_stream(records: list[dict[str, Any]], tokenizer: Any, model: Any, data
         "loss_on": loss_on,
         "examples": rows.examples,
         "rows": n_rows,
+        "tokens": int(rows.row_tokens.sum()),  # real tokens of one pass over the set
         "fill": float(rows.row_tokens.sum()) / max(1, n_rows * seq_len),  # real tokens / row capacity
     }
     return stream, facts

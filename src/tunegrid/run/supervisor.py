@@ -23,7 +23,7 @@ from tunegrid.prepare.environment import light_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
-from tunegrid.track.tags import ARTIFACT_FILES, env_tags, rerun_tags, result_params, run_tags
+from tunegrid.track.tags import ARTIFACT_FILES, dataset_input, env_tags, rerun_tags, result_params, run_tags
 from tunegrid.vocabulary import Outcome
 
 POLL_S = 0.5
@@ -246,6 +246,8 @@ def run_cell(
     staged = run_dir / ".staged" / "result.json"
     write_json(staged, result)
     if tracker is not None:
+        if Path(data_path).is_file():
+            tracker.log_dataset(dataset_input(result, Path(data_path)))
         artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
         artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
         if log_path is not None:

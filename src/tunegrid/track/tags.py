@@ -101,3 +101,22 @@ def result_params(result: dict[str, Any]) -> dict[str, str]:
         params["audit.expert_quantization.kept_for_lora"] = str(len(experts.get("kept_for_lora", [])))
         params["audit.expert_quantization.max_abs_logit_diff"] = str(experts["output_change"]["max_abs_logit_diff"])
     return params
+
+
+def dataset_input(result: dict[str, Any], data_path: Path) -> dict[str, Any]:
+    """The cell's training set as an MLflow dataset input: what it is, its digest, and its size."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(data_path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    data = result.get("data") or {}
+    spec = result["cell"].get("data") or {}
+    origin = spec.get("repo_id") or spec.get("path") or "generated"
+    return {
+        "name": f"{data.get('source') or spec.get('source', 'synthetic')}:{Path(str(origin)).name}",
+        "digest": digest.hexdigest()[:16],
+        "source": {"uri": str(Path(data_path).resolve()), "origin": str(origin), "revision": spec.get("revision") or ""},
+        "profile": {k: data[k] for k in ("examples", "tokens", "rows", "packing", "fill") if k in data},
+    }

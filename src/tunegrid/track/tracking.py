@@ -141,6 +141,19 @@ class CellRun:
                 return 0
         return len(missing)
 
+    def log_dataset(self, dataset: dict[str, Any]) -> None:
+        """The training set as the run's dataset input (the UI's Dataset column), context `training`."""
+        import json
+
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        if self.run_id is None:
+            return
+        entity = Dataset(name=dataset["name"], digest=dataset["digest"], source_type="local",
+                         source=json.dumps(dataset["source"]), profile=json.dumps(dataset["profile"]))
+        item = DatasetInput(dataset=entity, tags=[InputTag("mlflow.data.context", "training")])
+        self._try(lambda: self.client.log_inputs(self.run_id, datasets=[item]), "log dataset")
+
     def finish(self, tags: dict[str, str], artifacts: list[Path], failed: bool, params: dict[str, str] | None = None,
                end_time: float | None = None) -> None:
         """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts."""
