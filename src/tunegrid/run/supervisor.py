@@ -24,6 +24,7 @@ from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
 from tunegrid.track.tags import ARTIFACT_FILES, dataset_input, env_tags, rerun_tags, result_params, run_tags
+from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
 
 POLL_S = 0.5
@@ -141,9 +142,8 @@ def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path
     try:
         while any(proc.poll() is None for proc in procs):
             _wait_any(procs, POLL_S)
-            if tracker is not None:
-                pending += tail.read_new()
-            if tracker is not None and pending and time.monotonic() - last_flush > FLUSH_EVERY_S:
+            pending += tail.read_new()
+            if pending and time.monotonic() - last_flush > FLUSH_EVERY_S:
                 if tracker.log_records(pending):
                     pending = []
                 last_flush = time.monotonic()
@@ -201,7 +201,7 @@ def run_cell(
 
     # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
     early = _launch_ranks(spec, spec_path, model_dir, data_path, run_dir, warm_socket) if verdict is None else None
-    tracker = None
+    tracker: Any = NullRun()
     try:
         if tracking_path is not None:
             tracker = _open_run(spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job, started)
@@ -229,33 +229,22 @@ def run_cell(
             break
         # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
         print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
-        if tracker is not None:
-            tracker.log_records(pending + tail.read_new())
+        tracker.log_records(pending + tail.read_new())
         clear_run_files(run_dir)
         tail = MetricsTail(run_dir / "metrics.jsonl")
         verdict = None
     result["attempts"] = attempts
-    if tracker is not None:
-        pending += tail.read_new()
-        tracker.log_records(pending)
-        filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
+    tracker.log_records(pending + tail.read_new())
+    filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
+    if tracker.enabled:
         result["tracking"] = {"run_id": tracker.run_id, "points_sent_live": tracker.sent_points, "points_filled": filled, "errors": tracker.errors}
     # result.json is the job's declared output: it appears last, once everything the job owes (the
     # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
     # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
     staged = run_dir / ".staged" / "result.json"
     write_json(staged, result)
-    if tracker is not None:
-        if Path(data_path).is_file():
-            tracker.log_dataset(dataset_input(result, Path(data_path)))
-        artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
-        artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
-        if log_path is not None:
-            artifacts.append(log_path)
-        tracker.finish({**run_tags(result), "attempts": str(len(attempts))}, artifacts, failed=result["outcome"] == Outcome.ERROR,
-                       params=result_params(result), end_time=result["ended_at"])
-        if tracker.errors:  # the store was unreachable at the end: say so in the file too
-            result["tracking"]["errors"] = tracker.errors
+    if tracker.enabled:
+        _finish_run(tracker, result, staged, Path(data_path), log_path)
         from tunegrid.track.execution import cell_ended
 
         cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
@@ -263,6 +252,21 @@ def run_cell(
     write_json(result_path, result)
     shutil.rmtree(staged.parent, ignore_errors=True)
     return result
+
+
+def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None) -> None:
+    """The cell's MLflow run at its end: the dataset input, outcome tags, params and artifacts."""
+    run_dir = staged.parents[1]
+    if data_path.is_file():
+        tracker.log_dataset(dataset_input(result, data_path))
+    artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
+    artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
+    if log_path is not None:
+        artifacts.append(log_path)
+    tracker.finish({**run_tags(result), "attempts": str(len(result["attempts"]))}, artifacts,
+                   failed=result["outcome"] == Outcome.ERROR, params=result_params(result), end_time=result["ended_at"])
+    if tracker.errors:  # the store was unreachable at the end: say so in the file too
+        result["tracking"]["errors"] = tracker.errors
 
 
 def _kill_point(name: str) -> None:

@@ -61,8 +61,35 @@ def metrics_from_records(records: Iterable[dict[str, Any]]) -> list[Any]:
     return metrics
 
 
+class NullRun:
+    """The run of a cell whose study has tracking off: every call does nothing, so the supervisor keeps
+    one path whether or not a store is there."""
+
+    enabled = False
+    uri = ""
+    run_id = None
+    sent_points = 0
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def log_records(self, records: list[dict[str, Any]]) -> bool:
+        return True
+
+    def reconcile(self, records: list[dict[str, Any]]) -> int:
+        return 0
+
+    def log_dataset(self, dataset: dict[str, Any]) -> None:
+        return None
+
+    def finish(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class CellRun:
     """The MLflow run of one cell, driven by the supervisor."""
+
+    enabled = True
 
     def __init__(self, uri: str, experiment_id: str) -> None:
         self.uri = uri
