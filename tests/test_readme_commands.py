@@ -133,6 +133,11 @@ def test_dry_run_as_written(command):
 @pytest.mark.slow
 def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     (command,) = [c for c, (how, _) in HOW.items() if how == "server"]
+    import socket
+
+    with socket.socket() as probe:  # README's command serves on 5000: another server there is not this one
+        if probe.connect_ex(("127.0.0.1", 5000)) == 0:
+            pytest.skip("something already listens on 127.0.0.1:5000 on this host")
     proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=clone, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
