@@ -107,16 +107,23 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         "use_safetensors": True,  # never a pickle
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
-    if spec["axes"]["quant"] != "none":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=plan.torch_dtype("compute"),
-        )
+    bnb = {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": plan.torch_dtype("compute"),
+    }
+    if spec["axes"]["quant"] == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
+        from tunegrid import expert_quant
+
+        kwargs["quantization_config"] = expert_quant.load_config(bnb, model_dir, lambda m: attach_lora(m, spec), kwargs["trust_remote_code"])
+        model = expert_quant.load_causal_lm(model_dir, kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if spec["axes"]["quant"] != "none":
         from tunegrid.quant_audit import disable_cpu_inference_packing
 
@@ -143,15 +150,6 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
-
-
-def max_logit_diff(model: Any, before: Any, probe_ids: Any) -> dict[str, float]:
-    import torch
-
-    with torch.no_grad():
-        after = model(input_ids=probe_ids).logits.float()
-    diff = (after - before).abs().max().item()
-    return {"max_abs_logit_diff": diff, "relative_to_max_logit": diff / max(before.abs().max().item(), 1e-12)}
 
 
 def lr_lambda(warmup: int, total: int):  # type: ignore[no-untyped-def]
@@ -295,24 +293,24 @@ class CellTrainer:
         quant, lora = self.spec["axes"]["quant"], self.spec["lora"]
         four_bit = quant != "none"
         report: dict[str, Any] = {"quant": quant, "after_load": quant_audit.audit_model(self.model, four_bit_requested=four_bit)}
-        expert_quant = quant == "nf4-experts"
-        if expert_quant:
-            probe_ids = torch.randint(0, self.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).to(self.device)
-            with torch.no_grad():
-                reference = self.model(input_ids=probe_ids).logits.float()
+        if quant == "nf4-experts":
+            from tunegrid.expert_quant import quantized_at_load
+
+            at_load = quantized_at_load(self.model)
         if four_bit and lora["prepare_kbit_training"]:
             before = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
             self.model = prepare_model_for_kbit_training(self.model, use_gradient_checkpointing=self.spec["train"]["gradient_checkpointing"])
             report["prepare_kbit_training"] = quant_audit.growth(before, quant_audit.audit_model(self.model, four_bit_requested=four_bit))
-        # LoRA first, then the experts: peft wraps expert params itself (target_parameters, or its own
-        # v4->v5 conversion of gate_proj/up_proj/down_proj on some MoE families), and wrapping a parameter
-        # that replace_parameter_4bit already quantized either matches nothing or de-quantizes it.
         self.model = attach_lora(self.model, self.spec)
-        if expert_quant:
+        if quant == "nf4-experts":
+            # the load quantized every expert tensor but those peft wraps (it cannot wrap a parametrized one):
+            # the post-load pass lists those, and would catch any the load missed
+            after_load = quant_audit.quantize_experts_post_load(self.model)
             report["expert_quantization"] = {
-                "order": "lora_then_quantize",
-                **quant_audit.quantize_experts(self.model),
-                "output_change": max_logit_diff(self.model, reference, probe_ids),  # adapters start at zero
+                "order": "at_load",
+                "changed": at_load,
+                "changed_after_load": [c["name"] for c in after_load["changed"]],
+                "kept_for_lora": after_load["kept_for_lora"],
             }
         report["after_adapters"] = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
         report["lora"] = quant_audit.lora_attachment(self.model, lora["target_modules"], lora["target_parameters"])
