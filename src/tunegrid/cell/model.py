@@ -16,16 +16,23 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         "use_safetensors": True,  # never a pickle
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
-    if spec["axes"]["quant"] != "none":
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=plan.torch_dtype("compute"),
-        )
+    bnb = {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": plan.torch_dtype("compute"),
+    }
+    if spec["axes"]["quant"] == "nf4":
+        kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
+        from tunegrid.cell import expert_quant
+
+        kwargs["quantization_config"] = expert_quant.load_config(bnb, model_dir, lambda m: attach_lora(m, spec), kwargs["trust_remote_code"])
+        model = expert_quant.load_causal_lm(model_dir, kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if spec["axes"]["quant"] != "none":
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 
@@ -52,12 +59,3 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
-
-
-def max_logit_diff(model: Any, before: Any, probe_ids: Any) -> dict[str, float]:
-    import torch
-
-    with torch.no_grad():
-        after = model(input_ids=probe_ids).logits.float()
-    diff = (after - before).abs().max().item()
-    return {"max_abs_logit_diff": diff, "relative_to_max_logit": diff / max(before.abs().max().item(), 1e-12)}

@@ -150,8 +150,11 @@ def lora_attachment(model: Any, target_modules: list[str], target_parameters: li
     }
 
 
-def quantize_experts(model: Any) -> dict[str, Any]:
+def quantize_experts_post_load(model: Any) -> dict[str, Any]:
     """NF4-quantize every ≥3-D parameter a 4-bit load left in full precision, with bitsandbytes' own API.
+
+    After a plain 4-bit load this is the whole expert quantization (the load peak then holds the experts in
+    full precision); after expert_quant's load it finds nothing left but the tensors kept for adapters.
 
     Trainable parameters are never touched, nor expert parameters that carry a LoRA adapter (peft's
     ParamWrapper): with peft 0.21 / bitsandbytes 0.50 an adapter on a parametrized expert tensor either

@@ -23,7 +23,7 @@ from tunegrid.cell.checkpointing import CheckpointSteps
 from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
 from tunegrid.cell.loop_state import LoopState
-from tunegrid.cell.model import attach_lora, load_model, max_logit_diff
+from tunegrid.cell.model import attach_lora, load_model
 from tunegrid.cell.origin import OriginReplay
 from tunegrid.cell.ranks import RankSteps
 from tunegrid.cell.records import StepRecords
@@ -105,7 +105,6 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
 
         Writes audit.json; result.json gets its summary.
         """
-        import torch
         from peft import prepare_model_for_kbit_training
 
         from tunegrid.cell import quant_audit
@@ -113,24 +112,24 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         quant, lora = self.spec["axes"]["quant"], self.spec["lora"]
         four_bit = quant != "none"
         report: dict[str, Any] = {"quant": quant, "after_load": quant_audit.audit_model(self.model, four_bit_requested=four_bit)}
-        expert_quant = quant == "nf4-experts"
-        if expert_quant:
-            probe_ids = torch.randint(0, self.model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).to(self.device)
-            with torch.no_grad():
-                reference = self.model(input_ids=probe_ids).logits.float()
+        if quant == "nf4-experts":
+            from tunegrid.cell.expert_quant import quantized_at_load
+
+            at_load = quantized_at_load(self.model)
         if four_bit and lora["prepare_kbit_training"]:
             before = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
             self.model = prepare_model_for_kbit_training(self.model, use_gradient_checkpointing=self.spec["train"]["gradient_checkpointing"])
             report["prepare_kbit_training"] = quant_audit.growth(before, quant_audit.audit_model(self.model, four_bit_requested=four_bit))
-        # LoRA first, then the experts: peft wraps expert params itself (target_parameters, or its own
-        # v4->v5 conversion of gate_proj/up_proj/down_proj on some MoE families), and wrapping a parameter
-        # that replace_parameter_4bit already quantized either matches nothing or de-quantizes it.
         self.model = attach_lora(self.model, self.spec)
-        if expert_quant:
+        if quant == "nf4-experts":
+            # the load quantized every expert tensor but those peft wraps (it cannot wrap a parametrized one):
+            # the post-load pass lists those, and would catch any the load missed
+            after_load = quant_audit.quantize_experts_post_load(self.model)
             report["expert_quantization"] = {
-                "order": "lora_then_quantize",
-                **quant_audit.quantize_experts(self.model),
-                "output_change": max_logit_diff(self.model, reference, probe_ids),  # adapters start at zero
+                "order": "at_load",
+                "changed": at_load,
+                "changed_after_load": [c["name"] for c in after_load["changed"]],
+                "kept_for_lora": after_load["kept_for_lora"],
             }
         report["after_adapters"] = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
         report["lora"] = quant_audit.lora_attachment(self.model, lora["target_modules"], lora["target_parameters"])

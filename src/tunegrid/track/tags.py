@@ -99,7 +99,7 @@ def result_params(result: dict[str, Any]) -> dict[str, str]:
     if experts:
         params["audit.expert_quantization.changed"] = str(len(experts.get("changed", [])))
         params["audit.expert_quantization.kept_for_lora"] = str(len(experts.get("kept_for_lora", [])))
-        params["audit.expert_quantization.max_abs_logit_diff"] = str(experts["output_change"]["max_abs_logit_diff"])
+        params["audit.expert_quantization.order"] = str(experts.get("order"))
     return params
 
 

@@ -1,0 +1,224 @@
+"""NF4 quantization of fused MoE expert parameters while the checkpoint is read.
+
+bitsandbytes' 4-bit load replaces nn.Linear only; transformers v5 keeps MoE experts as fused ≥3-D
+nn.Parameters, so a plain 4-bit load holds them in full precision. Quantizing them after the load
+still needs the full-precision model once, at the load peak. Here the quantizer transformers already
+calls per target tensor (right after its weight conversion has fused the per-expert checkpoint
+tensors into one parameter) also quantizes every ≥3-D parameter, on the target device, and the
+full-precision tensor is dropped before the next one is read. Experts are found by rank, not by name:
+any MoE family, stored [E, out, in] or [E, in, out], with or without biases (biases are < 3-D and stay).
+
+Expert parameters that will carry a LoRA adapter stay in full precision (peft cannot wrap a
+parametrized tensor); which ones is answered by attaching the adapters to a meta-device copy first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from transformers import BitsAndBytesConfig
+from transformers.core_model_loading import ConversionOps
+from transformers.integrations.bitsandbytes import Bnb4bitQuantize
+from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING
+from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+from transformers.quantizers.quantizers_utils import get_module_from_name
+
+QUANT_METHOD = "bitsandbytes_nf4_experts"
+NF4 = {"quant_type": "nf4", "compress_statistics": True}  # the same call the post-load path makes
+
+
+class ExpertNF4Config(BitsAndBytesConfig):
+    """bitsandbytes' 4-bit config, plus: quantize ≥3-D parameters at load, except those named in `keep`."""
+
+    def __init__(self, keep_full_precision: Iterable[str] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.quant_method = QUANT_METHOD  # selects ExpertNF4Quantizer in transformers' quantizer registry
+        self.keep_full_precision = sorted(keep_full_precision)  # a list: the config is serialized as JSON
+
+
+def _is_expert_param(model: Any, param_name: str) -> bool:
+    module, name = get_module_from_name(model, param_name)
+    param = getattr(module, "_parameters", {}).get(name)
+    return param is not None and param.dim() >= 3 and param.is_floating_point()
+
+
+class ExpertNF4Quantizer(Bnb4BitHfQuantizer):
+    """bitsandbytes' 4-bit quantizer that also claims the ≥3-D parameters, so transformers hands them over
+    one at a time, already fused, and sizes its device warm-up allocation at 4 bits for them too."""
+
+    quantization_config: ExpertNF4Config
+
+    def is_expert(self, model: Any, param_name: str) -> bool:
+        return param_name not in set(self.quantization_config.keep_full_precision) and _is_expert_param(model, param_name)
+
+    def param_needs_quantization(self, model: Any, param_name: str, **kwargs: Any) -> bool:
+        return super().param_needs_quantization(model, param_name, **kwargs) or self.is_expert(model, param_name)
+
+    def get_quantize_ops(self) -> ConversionOps:
+        return QuantizeExpertsOnLoad(self)
+
+
+BLOCKSIZE = 64  # bitsandbytes' default, which the post-load path uses
+
+
+def quantize_per_expert(value: Any) -> tuple[Any, Any]:
+    """bitsandbytes' NF4 quantization of `value` (double-quantized statistics), run one expert at a time.
+
+    Its CPU kernel holds temporaries of about 1.5x its input; per expert they are 1/E of that. The first
+    level is blockwise over the flattened tensor, so slices whose size is a whole number of blocks give
+    the very bytes and block maxima of one call; the second level (statistics of all blocks) then runs once
+    on the whole, as quantize_4bit does: the result is bit-identical to quantize_4bit(value).
+    """
+    import torch
+    from bitsandbytes import functional as F
+
+    per_expert = value[0].numel() if value.dim() >= 3 else 0
+    if not per_expert or per_expert % (2 * BLOCKSIZE):
+        return F.quantize_4bit(value, blocksize=BLOCKSIZE, **NF4)
+    packed, absmax = [], []
+    for expert in value:
+        out, block_max = torch.ops.bitsandbytes.quantize_4bit.default(expert, BLOCKSIZE, NF4["quant_type"], torch.uint8)
+        packed.append(out)
+        absmax.append(block_max)
+    data, block_max = torch.cat(packed), torch.cat(absmax)
+    del packed, absmax
+    offset = block_max.mean()
+    qabsmax, state2 = F.quantize_blockwise(block_max - offset, blocksize=256)
+    state = F.QuantState(
+        absmax=qabsmax, shape=value.shape, dtype=value.dtype, blocksize=BLOCKSIZE,
+        code=F.get_4bit_type(NF4["quant_type"], device=value.device), quant_type=NF4["quant_type"],
+        offset=offset, state2=state2,
+    )
+    return data, state
+
+
+def quantize_into(module: Any, name: str, value: Any) -> None:
+    """Install `value` as module.<name>, NF4-quantized under bitsandbytes' parametrization (as
+    replace_parameter_4bit leaves it), without holding more than one expert's quantization temporaries."""
+    import torch
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit_prequantized
+
+    data, state = quantize_per_expert(value)
+    setattr(module, name, torch.nn.Parameter(data, requires_grad=False))
+    replace_parameter_4bit_prequantized(module, name, state.as_dict(packed=True), value.device)
+    # transformers re-initializes whatever is not marked; a random init of the dequantized view is a wasted
+    # full-precision temporary (the result is discarded, but the peak is not)
+    module.parametrizations[name].original._is_hf_initialized = True
+
+
+class QuantizeExpertsOnLoad(ConversionOps):
+    """The quantization step of one target tensor: experts are quantized in place on their module and
+    leave the loader's hands; nn.Linear weights go to bitsandbytes' own op; anything else passes through."""
+
+    def __init__(self, hf_quantizer: ExpertNF4Quantizer) -> None:
+        self.hf_quantizer = hf_quantizer
+        self.linear = Bnb4bitQuantize(hf_quantizer)
+
+    def convert(self, input_dict: dict[str, Any], model: Any = None, missing_keys: set[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+        linear, passed = {}, {}
+        for name in list(input_dict):
+            value = input_dict.pop(name)  # no reference kept here once the tensor is quantized
+            value = value[0] if isinstance(value, list) else value
+            if self.hf_quantizer.is_expert(model, name):
+                module, attr = get_module_from_name(model, name)
+                quantize_into(module, attr, value)
+                del value
+                if missing_keys is not None:
+                    missing_keys.discard(name)
+            elif Bnb4BitHfQuantizer.param_needs_quantization(self.hf_quantizer, model, name):
+                linear[name] = value
+            else:
+                passed[name] = value
+        if linear:
+            passed.update(self.linear.convert(linear, model=model, missing_keys=missing_keys, **kwargs))
+        return passed
+
+
+def register() -> None:
+    """Make QUANT_METHOD known to transformers' quantizer registry (idempotent)."""
+    AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(QUANT_METHOD, ExpertNF4Config)
+    AUTO_QUANTIZER_MAPPING.setdefault(QUANT_METHOD, ExpertNF4Quantizer)
+
+
+def adapter_parameters(config: Any, attach: Callable[[Any], Any]) -> set[str]:
+    """Names of the ≥3-D parameters of every module `attach` puts a LoRA adapter directly on (peft's
+    ParamWrapper: its target_parameters, and gate/up/down_proj names it converts into expert targets on
+    some families), found by attaching to a copy of the model on the meta device: peft's own matching."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    before = dict(skeleton.named_modules())  # attaching replaces the wrapped modules in this tree
+    names = {id(module): name for name, module in before.items()}
+    adapted = attach(skeleton)
+    owners = set()
+    for module in adapted.modules():
+        if hasattr(module, "parameter_name") and hasattr(module, "get_base_layer"):
+            owner = names.get(id(module.get_base_layer()))
+            if owner is not None:
+                owners.add(owner)
+    # the whole owning module: peft matches target_parameters by suffix only on modules with no
+    # parametrization at all, so quantizing a sibling at load would hide the targeted tensor from it
+    # (the siblings are quantized after the adapters are attached, by the post-load pass)
+    return {
+        f"{owner}.{name}" if owner else name
+        for owner in owners
+        for name, param in before[owner].named_parameters(recurse=False)
+        if param.dim() >= 3
+    }
+
+
+def unread_state_dict(model_dir: Path) -> dict[str, Any]:
+    """Every checkpoint tensor as a lazy safetensors slice read with pread, not mmap: a mapped file's
+    pages stay resident in this process (counted in its RSS and peak) until the file is closed, i.e. the
+    whole checkpoint for the length of the load; read into private memory, each is freed once converted."""
+    from safetensors import safe_open
+
+    slices: dict[str, Any] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        handle = safe_open(str(path), framework="pt", device="cpu", backend="pread")
+        for key in handle.keys():
+            slices[key] = handle.get_slice(key)
+    return slices
+
+
+def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:
+    """from_pretrained with the checkpoint read through `unread_state_dict`; architectures with remote code
+    (not in transformers' own registry) are read from the folder as usual."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    register()
+    trust = bool(kwargs.get("trust_remote_code"))
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust)
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping or getattr(config, "auto_map", None):
+        return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    model_class = mapping[type(config)]
+    rest = {k: v for k, v in kwargs.items() if k not in ("use_safetensors", "trust_remote_code")}
+    return model_class.from_pretrained(None, config=config, state_dict=unread_state_dict(model_dir), **rest)
+
+
+def quantized_at_load(model: Any) -> list[dict[str, Any]]:
+    """The ≥3-D parameters held NF4 under a bitsandbytes parametrization, with their stored bytes."""
+    from tunegrid.cell.quant_audit import quant_state_bytes
+
+    found = []
+    for module_name, module in model.named_modules():
+        for name, plist in getattr(module, "parametrizations", {}).items():
+            state = getattr(plist[0], "quant_state", None)
+            if state is not None and len(state.shape) >= 3:
+                stored = plist.original.numel() * plist.original.element_size() + quant_state_bytes(state)
+                found.append({"name": f"{module_name}.{name}", "shape": list(state.shape), "bytes_after": stored})
+    return found
+
+
+def load_config(bnb_kwargs: dict[str, Any], model_dir: Path, attach: Callable[[Any], Any], trust_remote_code: bool) -> ExpertNF4Config:
+    """The quantization config of an nf4-experts load: bitsandbytes' 4-bit settings, and the expert
+    parameters `attach` will put adapters on kept in full precision."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    return ExpertNF4Config(keep_full_precision=adapter_parameters(config, attach), **bnb_kwargs)
