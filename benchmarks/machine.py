@@ -26,8 +26,12 @@ LIBRARIES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "mlf
 
 
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="where to measure (default: cuda when a GPU is visible, else cpu)")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="where to measure (default: cuda when a GPU is visible, else cpu)",
+    )
 
 
 def _gpu_visible() -> bool:
@@ -109,8 +113,10 @@ def describe(facts: dict[str, Any]) -> str:
     v = facts["versions"]
     stack = f"torch {v['torch']}, transformers {v['transformers']}, peft {v['peft']}, bitsandbytes {v['bitsandbytes']}"
     if facts["device"] == "cuda":
-        return (f"{facts['gpu']} (cc {facts['compute_capability']}), driver {facts['driver']}, CUDA {facts['cuda']}, "
-                f"{stack}")
+        return (
+            f"{facts['gpu']} (cc {facts['compute_capability']}), driver {facts['driver']}, CUDA {facts['cuda']}, "
+            f"{stack}"
+        )
     return f"CPU: {facts['cpu']} ({facts['cpu_count']} cores, {facts['torch_threads']} torch threads), {stack}"
 
 

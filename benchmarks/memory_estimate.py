@@ -26,18 +26,24 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
 
 from machine import add_device_argument, describe, machine_facts  # noqa: E402
 
-from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
-from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 from tunegrid.files import read_json, write_json  # noqa: E402
+from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
+from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 from tunegrid.prepare.memory_estimate import device_constants, estimate_cell  # noqa: E402
 from tunegrid.prepare.probes import probe  # noqa: E402
 from tunegrid.run.supervisor import run_cell  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LARGER = {
-    "vocab_size": 512, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "initializer_range": 0.02,
+    "vocab_size": 512,
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "initializer_range": 0.02,
 }
 
 
@@ -55,11 +61,15 @@ def row(result: dict, source: str) -> dict:
 def larger_cells(work: Path) -> list[dict]:
     study = load_study(REPO / "configs" / "config.yaml")
     study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": LARGER}
-    study["grid"].update(model=["gemma3-25m"], precision=["fp32", "bf16"], batch_size=[2, 8], quant=["none", "nf4"], seed=[0])
+    study["grid"].update(
+        model=["gemma3-25m"], precision=["fp32", "bf16"], batch_size=[2, 8], quant=["none", "nf4"], seed=[0]
+    )
     study["train"].update(steps=4, threads=2)
     data = work / "train.jsonl"
     write_dataset(data, 256, 0)
-    produce_checkpoint(copy.deepcopy(study["models"]["gemma3-25m"]), list(corpus_texts(read_dataset(data))), work / "gemma3-25m")
+    produce_checkpoint(
+        copy.deepcopy(study["models"]["gemma3-25m"]), list(corpus_texts(read_dataset(data))), work / "gemma3-25m"
+    )
     capabilities = work / "capabilities.json"
     write_json(capabilities, probe(budget_s=5, world_sizes=[]))
     rows = []
@@ -67,8 +77,15 @@ def larger_cells(work: Path) -> list[dict]:
         spec = cell_spec(study, cell)
         run_dir = work / "runs" / cell.cell_id
         result = run_cell(
-            spec=spec, model_dir=work / "gemma3-25m", data_path=data, run_dir=run_dir, result_path=run_dir / "result.json",
-            tracking_path=None, capabilities_path=capabilities, log_path=None, command=["benchmark"],
+            spec=spec,
+            model_dir=work / "gemma3-25m",
+            data_path=data,
+            run_dir=run_dir,
+            result_path=run_dir / "result.json",
+            tracking_path=None,
+            capabilities_path=capabilities,
+            log_path=None,
+            command=["benchmark"],
         )
         if result["outcome"] == "ok":
             rows.append(row(result, "gemma3-25m"))
@@ -108,14 +125,20 @@ def main() -> None:
     write_json(out / "memory_estimate.json", {"machine": facts, "rows": rows})
     print(describe(facts))
     header = list(rows[0])
-    (out / "memory_estimate.csv").write_text("\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n")
+    (out / "memory_estimate.csv").write_text(
+        "\n".join([",".join(header)] + [",".join(str(r[h]) for h in header) for r in rows]) + "\n"
+    )
     print(f"{'source':<12}{'cell':<42}{'estimate MiB':>14}{'measured MiB':>14}{'ratio':>8}")
     for r in rows:
-        print(f"{r['source']:<12}{r['cell_id']:<42}{r['estimate_mib']:>14.1f}{r['measured_mib']:>14.1f}{r['ratio']:>8.3f}")
+        print(
+            f"{r['source']:<12}{r['cell_id']:<42}{r['estimate_mib']:>14.1f}{r['measured_mib']:>14.1f}{r['ratio']:>8.3f}"
+        )
     ratios = [r["ratio"] for r in rows]
     in_band = sum(0.9 <= r <= 1.1 for r in ratios) / len(ratios)
-    print(f"cells: {len(ratios)}  in 0.9-1.1: {in_band:.0%}  min: {min(ratios):.3f}  max: {max(ratios):.3f}  "
-          f"goal (>= 90% in band, none < 0.85): {'met' if in_band >= 0.9 and min(ratios) >= 0.85 else 'missed'}")
+    print(
+        f"cells: {len(ratios)}  in 0.9-1.1: {in_band:.0%}  min: {min(ratios):.3f}  max: {max(ratios):.3f}  "
+        f"goal (>= 90% in band, none < 0.85): {'met' if in_band >= 0.9 and min(ratios) >= 0.85 else 'missed'}"
+    )
 
 
 if __name__ == "__main__":

@@ -32,25 +32,45 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
     DEVICE = device_from_argv()
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
-from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
-from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
-from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+
 from tunegrid.cell.train import CellTrainer  # noqa: E402
+from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
+from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
+from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 LARGER = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
-    "vocab_size": 512, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+    "vocab_size": 512,
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
 }
 GEMMA3_4B_WIDTH = {  # google/gemma-3-4b-it's text width, 2 of 34 layers, a small vocabulary (GPU only)
-    "vocab_size": 4096, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 2,
-    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024,
+    "vocab_size": 4096,
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "sliding_window": 1024,
     "query_pre_attn_scalar": 256,
 }
 
 
-def trainer_for(study: dict, model: str, model_dir: Path, data: Path, run_dir: Path, batch: int, precision: str = "fp32",
-                quant: str = "none") -> CellTrainer:
+def trainer_for(
+    study: dict,
+    model: str,
+    model_dir: Path,
+    data: Path,
+    run_dir: Path,
+    batch: int,
+    precision: str = "fp32",
+    quant: str = "none",
+) -> CellTrainer:
     study = copy.deepcopy(study)
     study["grid"].update(model=[model], precision=[precision], batch_size=[batch], quant=[quant], seed=[0])
     spec = cell_spec(study, expand_cells(study)[0])

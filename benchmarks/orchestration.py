@@ -52,8 +52,23 @@ ENV = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
 
 def snakemake(workdir: Path, config: Path, *args: str) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-                    *args, "--configfile", str(config)], check=True, capture_output=True, env=ENV)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            *args,
+            "--configfile",
+            str(config),
+        ],
+        check=True,
+        capture_output=True,
+        env=ENV,
+    )
     return time.perf_counter() - started
 
 
@@ -84,16 +99,38 @@ def orchestration(root: Path, repeats: int = 3) -> dict:
         subprocess.run(command, check=True, capture_output=True, env=ENV, cwd=root)
         rule_alone.append(time.perf_counter() - started)
         spec_path = root / "results" / "orch" / "runs" / cell / "cell.json"
-        alone.append(_timed([sys.executable, str(REPO / "scripts" / "tunegrid.py"), "worker", "--spec", str(spec_path),
-                             "--model-dir", str(root / "results" / "orch" / "models" / "qwen3moe-tiny"),
-                             "--data", str(root / "results" / "orch" / "data" / "train.jsonl"), "--run-dir", str(root / "alone")]))
+        alone.append(
+            _timed(
+                [
+                    sys.executable,
+                    str(REPO / "scripts" / "tunegrid.py"),
+                    "worker",
+                    "--spec",
+                    str(spec_path),
+                    "--model-dir",
+                    str(root / "results" / "orch" / "models" / "qwen3moe-tiny"),
+                    "--data",
+                    str(root / "results" / "orch" / "data" / "train.jsonl"),
+                    "--run-dir",
+                    str(root / "alone"),
+                ]
+            )
+        )
     t, r, w, d = (statistics.median(x) for x in (through, rule_alone, alone, dry))
     fixed = t - w
     return {
-        "snakemake_cell_s": t, "rule_command_alone_s": r, "worker_alone_s": w, "snakemake_dry_run_s": d,
-        "ratio": t / w, "ratio_snakemake_only": t / r,
+        "snakemake_cell_s": t,
+        "rule_command_alone_s": r,
+        "worker_alone_s": w,
+        "snakemake_dry_run_s": d,
+        "ratio": t / w,
+        "ratio_snakemake_only": t / r,
         "fixed_overhead_s": fixed,
-        "fixed_parts_s": {"snakemake_start_parse_dag_exit": d, "supervisor_and_mlflow": r - w, "snakemake_job_handling": t - r - d},
+        "fixed_parts_s": {
+            "snakemake_start_parse_dag_exit": d,
+            "supervisor_and_mlflow": r - w,
+            "snakemake_job_handling": t - r - d,
+        },
         # the cell length (worker alone) from which the fixed cost is within the 15 % goal
         "cell_s_for_goal": fixed / 0.15,
         "cell_wall_s_in_result": read_json(result)["wall_s"],
@@ -104,15 +141,26 @@ def orchestration(root: Path, repeats: int = 3) -> dict:
 def grid(root: Path, repeats: int = 2) -> dict:
     """An 8-cell grid through Snakemake on 2 cores, the cells forced to re-run: with the warm worker
     (each worker forked with the imports done) and without (each worker spawned), interleaved."""
-    study = make_study(study="grid", grid={"model": ["qwen3moe-tiny", "gemma3-hot"], "precision": ["fp32"], "batch_size": [2],
-                                           "quant": ["none", "nf4"], "seed": [0, 1]}, train={"steps": 30, "seq_len": 64})
+    study = make_study(
+        study="grid",
+        grid={
+            "model": ["qwen3moe-tiny", "gemma3-hot"],
+            "precision": ["fp32"],
+            "batch_size": [2],
+            "quant": ["none", "nf4"],
+            "seed": [0, 1],
+        },
+        train={"steps": 30, "seq_len": 64},
+    )
     configs = {}
     for name, enabled in (("warm", True), ("cold", False)):
         configs[name] = root / f"grid-{name}.yaml"
         configs[name].write_text(yaml.safe_dump({**study, "execution": {"warm_worker": enabled}}))
     workdir = root / "grid"
     snakemake(workdir, configs["warm"], "all", "--cores", "2")  # checkpoints, probe, store
-    targets = [str(p.relative_to(workdir)) for p in sorted((workdir / "results" / "grid" / "runs").glob("*/result.json"))]
+    targets = [
+        str(p.relative_to(workdir)) for p in sorted((workdir / "results" / "grid" / "runs").glob("*/result.json"))
+    ]
     times: dict[str, list[float]] = {"warm": [], "cold": []}
     for _ in range(repeats):
         for name in ("warm", "cold"):
@@ -124,8 +172,13 @@ def grid(root: Path, repeats: int = 2) -> dict:
 def dag_scale(root: Path) -> dict:
     out = {}
     for cells in (100, 1000, 10000):
-        grid = {"model": ["gemma3-hot"], "precision": ["fp32", "bf16"], "batch_size": [2, 4], "quant": ["none", "nf4", "nf4-experts"],
-                "seed": list(range(cells // 12 + 1))}
+        grid = {
+            "model": ["gemma3-hot"],
+            "precision": ["fp32", "bf16"],
+            "batch_size": [2, 4],
+            "quant": ["none", "nf4", "nf4-experts"],
+            "seed": list(range(cells // 12 + 1)),
+        }
         config = root / f"dag{cells}.yaml"
         config.write_text(yaml.safe_dump(make_study(study=f"dag{cells}", grid=grid)))
         n = 12 * len(grid["seed"])
@@ -162,7 +215,12 @@ def tracking(root: Path, steps: int = 500) -> dict:
             proc.join()
         wall = time.perf_counter() - started
         points = sum(r[0] for r in reports)
-        out[f"writers_{writers}"] = {"points": points, "wall_s": wall, "points_per_s": points / wall, "errors": sum(r[2] for r in reports)}
+        out[f"writers_{writers}"] = {
+            "points": points,
+            "wall_s": wall,
+            "points_per_s": points / wall,
+            "errors": sum(r[2] for r in reports),
+        }
     appender = JsonlAppender(root / "m.jsonl")
     record = {"step": 1, "time": time.time(), **{k: 1.0 for k in METRIC_KEYS}}
     samples = []
@@ -197,7 +255,9 @@ def main() -> None:
             if part in only:
                 results[part] = globals()[part](root)
     if "tracking" in results and "orchestration" in results:
-        results["tracking"]["loop_log_share_of_step"] = results["tracking"]["loop_log_cost_s"] / results["orchestration"]["median_step_s"]
+        results["tracking"]["loop_log_share_of_step"] = (
+            results["tracking"]["loop_log_cost_s"] / results["orchestration"]["median_step_s"]
+        )
     out_dir = REPO / "results" / "benchmarks"
     out_dir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts(DEVICE)
@@ -207,20 +267,32 @@ def main() -> None:
         print("DAG scale (snakemake -n):", ", ".join(f"{n} cells {s:.1f} s" for n, s in results["dag_scale"].items()))
     t = results.get("tracking")
     if t:
-        share = f" = {t['loop_log_share_of_step']:.4%} of a {results['orchestration']['median_step_s'] * 1e3:.1f} ms step (goal <= 1 %)" if "loop_log_share_of_step" in t else ""
-        print(f"tracking: 1 writer {t['writers_1']['points_per_s']:.0f} points/s, 8 writers {t['writers_8']['points_per_s']:.0f} points/s "
-              f"({t['writers_8']['errors']} errors); loop logging {t['loop_log_cost_s'] * 1e6:.1f} us per step{share}")
+        share = (
+            f" = {t['loop_log_share_of_step']:.4%} of a {results['orchestration']['median_step_s'] * 1e3:.1f} ms step (goal <= 1 %)"
+            if "loop_log_share_of_step" in t
+            else ""
+        )
+        print(
+            f"tracking: 1 writer {t['writers_1']['points_per_s']:.0f} points/s, 8 writers {t['writers_8']['points_per_s']:.0f} points/s "
+            f"({t['writers_8']['errors']} errors); loop logging {t['loop_log_cost_s'] * 1e6:.1f} us per step{share}"
+        )
     g = results.get("grid")
     if g:
-        print(f"grid of {g['cells']} cells on 2 cores: spawned workers {g['cold_s']:.1f} s / warm worker {g['warm_s']:.1f} s = {g['cold_over_warm']:.2f}x")
+        print(
+            f"grid of {g['cells']} cells on 2 cores: spawned workers {g['cold_s']:.1f} s / warm worker {g['warm_s']:.1f} s = {g['cold_over_warm']:.2f}x"
+        )
     o = results.get("orchestration")
     if o:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in o["fixed_parts_s"].items())
         print(f"orchestration fixed cost per cell {o['fixed_overhead_s']:.2f} s: {parts}")
-        print(f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / rule command alone {o['rule_command_alone_s']:.2f} s "
-              f"= {o['ratio_snakemake_only']:.3f} (Snakemake alone)")
-        print(f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / worker alone {o['worker_alone_s']:.2f} s = {o['ratio']:.3f} "
-              f"(goal <= 1.15; met by cells from {o['cell_s_for_goal']:.0f} s)")
+        print(
+            f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / rule command alone {o['rule_command_alone_s']:.2f} s "
+            f"= {o['ratio_snakemake_only']:.3f} (Snakemake alone)"
+        )
+        print(
+            f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / worker alone {o['worker_alone_s']:.2f} s = {o['ratio']:.3f} "
+            f"(goal <= 1.15; met by cells from {o['cell_s_for_goal']:.0f} s)"
+        )
 
 
 if __name__ == "__main__":

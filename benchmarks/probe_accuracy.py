@@ -27,6 +27,7 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
     DEVICE = device_from_argv()
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
+
 from tunegrid.prepare.probes import matmul_tflops, memory_bandwidth_gbs, probe  # noqa: E402
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -88,26 +89,50 @@ def main() -> None:
             continue  # an emulated dtype on a CPU takes minutes at the reference size and says nothing
         probed = record["matmul_tflops"].get(name)
         reference = reference_tflops(DEVICE, name, size)
-        rows.append({"measure": f"matmul {name} TFLOP/s", "probe": probed, "probe_size": record["matmul_size"],
-                     "reference": reference, "reference_size": size,
-                     "ratio": probed / reference if probed and reference else None})
+        rows.append(
+            {
+                "measure": f"matmul {name} TFLOP/s",
+                "probe": probed,
+                "probe_size": record["matmul_size"],
+                "reference": reference,
+                "reference_size": size,
+                "ratio": probed / reference if probed and reference else None,
+            }
+        )
     # the probe's own function at the reference size too: separates "size too small" from "method"
     first = rows[0]["measure"].split()[1]
     same_size = matmul_tflops(DEVICE, first, size, budget_s=5.0)
-    rows.append({"measure": f"matmul {first} TFLOP/s, probe's method at the reference size", "probe": same_size,
-                 "probe_size": size, "reference": rows[0]["reference"], "reference_size": size,
-                 "ratio": same_size / rows[0]["reference"] if same_size and rows[0]["reference"] else None})
+    rows.append(
+        {
+            "measure": f"matmul {first} TFLOP/s, probe's method at the reference size",
+            "probe": same_size,
+            "probe_size": size,
+            "reference": rows[0]["reference"],
+            "reference_size": size,
+            "ratio": same_size / rows[0]["reference"] if same_size and rows[0]["reference"] else None,
+        }
+    )
     probed_copy = record["memory_bandwidth_gbs"] or memory_bandwidth_gbs(DEVICE, 2.0)
     reference_copy = reference_copy_gbs(DEVICE, copy_bytes)
-    rows.append({"measure": "copy GB/s", "probe": probed_copy, "reference": reference_copy,
-                 "reference_size": copy_bytes, "ratio": probed_copy / reference_copy if probed_copy else None})
+    rows.append(
+        {
+            "measure": "copy GB/s",
+            "probe": probed_copy,
+            "reference": reference_copy,
+            "reference_size": copy_bytes,
+            "ratio": probed_copy / reference_copy if probed_copy else None,
+        }
+    )
 
     write_results("probe_accuracy", facts, rows)
     print(describe(facts))
     for row in rows:
         ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "n/a"
-        figures = (f" probe {row['probe']:.1f} vs reference {row['reference']:.1f}"
-                   if absolute_times(facts) and row["probe"] and row["reference"] else "")
+        figures = (
+            f" probe {row['probe']:.1f} vs reference {row['reference']:.1f}"
+            if absolute_times(facts) and row["probe"] and row["reference"]
+            else ""
+        )
         print(f"{row['measure']}:{figures} probe/reference = {ratio} (goal >= 0.95)")
 
 

@@ -35,34 +35,68 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
 from nan_overhead import trainer_for  # noqa: E402
-from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
+
+from tunegrid.cell.train import CellTrainer  # noqa: E402
 from tunegrid.config import load_study  # noqa: E402
+from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 from tunegrid.prepare.probes import cpu_inventory, cpu_precision_support  # noqa: E402
-from tunegrid.cell.train import CellTrainer  # noqa: E402
 
 GEMMA3_25M = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
-    "source": "synthetic", "architecture": "gemma3_text", "seed": 0,
-    "config": {"vocab_size": 512, "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6,
-               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64, "initializer_range": 0.02},
+    "source": "synthetic",
+    "architecture": "gemma3_text",
+    "seed": 0,
+    "config": {
+        "vocab_size": 512,
+        "hidden_size": 512,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "initializer_range": 0.02,
+    },
 }
 GEMMA3_4B_WIDTH = {  # google/gemma-3-4b-it text width, 4 of 34 layers
-    "source": "synthetic", "architecture": "gemma3_text", "seed": 0,
-    "config": {"vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 4,
-               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024,
-               "query_pre_attn_scalar": 256, "initializer_range": 0.02},
+    "source": "synthetic",
+    "architecture": "gemma3_text",
+    "seed": 0,
+    "config": {
+        "vocab_size": 262208,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 1024,
+        "query_pre_attn_scalar": 256,
+        "initializer_range": 0.02,
+    },
 }
 OLMOE_WIDTH = {  # allenai/OLMoE-1B-7B-0924 width, 4 of 16 layers
-    "source": "synthetic", "architecture": "olmoe", "seed": 0,
-    "config": {"vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 4,
-               "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
-               "initializer_range": 0.02},
+    "source": "synthetic",
+    "architecture": "olmoe",
+    "seed": 0,
+    "config": {
+        "vocab_size": 50304,
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "initializer_range": 0.02,
+    },
 }
 # (model name, model spec, precision, quant, batch, seq_len) per device
 CASES = {
     "cpu": [("gemma3-25m", GEMMA3_25M, "fp32", "none", 4, 128), ("gemma3-25m", GEMMA3_25M, "bf16", "none", 4, 128)],
-    "cuda": [("gemma3-4b-width", GEMMA3_4B_WIDTH, "bf16", "nf4", 2, 2048),
-             ("olmoe-width", OLMOE_WIDTH, "bf16", "nf4", 2, 2048)],
+    "cuda": [
+        ("gemma3-4b-width", GEMMA3_4B_WIDTH, "bf16", "nf4", 2, 2048),
+        ("olmoe-width", OLMOE_WIDTH, "bf16", "nf4", 2, 2048),
+    ],
 }
 STEPS = 24
 
@@ -103,9 +137,18 @@ def hf_trainer(trainer: CellTrainer, precision: str, batch: int, out: Path) -> f
 
     timer = StepTimer()
     args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=batch, max_steps=STEPS, learning_rate=1e-3,
-        bf16=precision == "bf16", use_cpu=DEVICE == "cpu", logging_steps=1000, save_strategy="no", report_to=[],
-        dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True,
+        output_dir=str(out),
+        per_device_train_batch_size=batch,
+        max_steps=STEPS,
+        learning_rate=1e-3,
+        bf16=precision == "bf16",
+        use_cpu=DEVICE == "cpu",
+        logging_steps=1000,
+        save_strategy="no",
+        report_to=[],
+        dataloader_num_workers=0,
+        max_grad_norm=1.0,
+        disable_tqdm=True,
     )
     Trainer(model=trainer.model, args=args, train_dataset=Rows(), callbacks=[timer]).train()
     return statistics.median(timer.times[2:])
@@ -133,22 +176,39 @@ def main() -> None:
         if not (work / name).exists():
             produce_checkpoint(copy.deepcopy(model), texts, work / name)
 
-        def build(tag: str) -> CellTrainer:
-            return trainer_for(study, name, work / name, data, work / f"{tag}-{name}-{precision}", batch, precision, quant)
-
-        a = ours(build("ours"))
-        b = hf_trainer(build("hf"), precision, batch, work / f"hf-out-{name}-{precision}")
+        ours_cell = trainer_for(
+            study, name, work / name, data, work / f"ours-{name}-{precision}", batch, precision, quant
+        )
+        hf_cell = trainer_for(study, name, work / name, data, work / f"hf-{name}-{precision}", batch, precision, quant)
+        a = ours(ours_cell)
+        b = hf_trainer(hf_cell, precision, batch, work / f"hf-out-{name}-{precision}")
         tokens = batch * seq_len
-        rows.append({"model": name, "precision": precision, "quant": quant, "batch_size": batch, "seq_len": seq_len,
-                     "tunegrid_step_s": a, "trainer_step_s": b,
-                     "tunegrid_tokens_per_s": tokens / a, "trainer_tokens_per_s": tokens / b, "ratio": b / a})
+        rows.append(
+            {
+                "model": name,
+                "precision": precision,
+                "quant": quant,
+                "batch_size": batch,
+                "seq_len": seq_len,
+                "tunegrid_step_s": a,
+                "trainer_step_s": b,
+                "tunegrid_tokens_per_s": tokens / a,
+                "trainer_tokens_per_s": tokens / b,
+                "ratio": b / a,
+            }
+        )
     write_results("trainer_throughput", facts, rows)
     print(describe(facts))
     for row in rows:
-        absolute = (f"tunegrid {row['tunegrid_tokens_per_s']:.0f} tok/s, Trainer+peft {row['trainer_tokens_per_s']:.0f} tok/s, "
-                    if absolute_times(facts) else "")
-        print(f"{row['model']} {row['precision']} {row['quant']} bs{row['batch_size']} seq{row['seq_len']}: {absolute}"
-              f"tunegrid/Trainer tokens/s = {row['ratio']:.3f} (goal >= 1.0)")
+        absolute = (
+            f"tunegrid {row['tunegrid_tokens_per_s']:.0f} tok/s, Trainer+peft {row['trainer_tokens_per_s']:.0f} tok/s, "
+            if absolute_times(facts)
+            else ""
+        )
+        print(
+            f"{row['model']} {row['precision']} {row['quant']} bs{row['batch_size']} seq{row['seq_len']}: {absolute}"
+            f"tunegrid/Trainer tokens/s = {row['ratio']:.3f} (goal >= 1.0)"
+        )
 
 
 if __name__ == "__main__":

@@ -10,10 +10,28 @@ import json
 import random
 import sys
 
-COLORS = {"grass": "green", "the sky on a clear day": "blue", "snow": "white", "a ripe banana": "yellow",
-          "a ripe tomato": "red", "coal": "black", "an orange": "orange", "a plum": "purple"}
-OPPOSITES = {"hot": "cold", "up": "down", "early": "late", "light": "dark", "open": "closed", "full": "empty",
-             "fast": "slow", "loud": "quiet", "wet": "dry", "old": "new"}
+COLORS = {
+    "grass": "green",
+    "the sky on a clear day": "blue",
+    "snow": "white",
+    "a ripe banana": "yellow",
+    "a ripe tomato": "red",
+    "coal": "black",
+    "an orange": "orange",
+    "a plum": "purple",
+}
+OPPOSITES = {
+    "hot": "cold",
+    "up": "down",
+    "early": "late",
+    "light": "dark",
+    "open": "closed",
+    "full": "empty",
+    "fast": "slow",
+    "loud": "quiet",
+    "wet": "dry",
+    "old": "new",
+}
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 SYSTEMS = ["You are a concise assistant.", "Answer in one short sentence.", "You are a helpful tutor."]
 

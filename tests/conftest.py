@@ -84,30 +84,63 @@ def make_study(**overrides: Any) -> dict[str, Any]:
     return study
 
 
-def one_cell(*, model: str = "gemma3-hot", precision: str = "fp32", batch: int = 2, quant: str = "none", seed: int = 0,
-             world: int = 1, train: dict[str, Any] | None = None, **sections: Any) -> dict[str, Any]:
+def one_cell(
+    *,
+    model: str = "gemma3-hot",
+    precision: str = "fp32",
+    batch: int = 2,
+    quant: str = "none",
+    seed: int = 0,
+    world: int = 1,
+    train: dict[str, Any] | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
     """The resolved spec of a one-cell study: these axes, `train` merged over the small default, and any
     other section (debug, lora, hardware, distributed, data) replacing make_study's."""
     from tunegrid.config import cell_spec, expand_cells, resolve_study
 
-    grid = {"model": [model], "precision": [precision], "batch_size": [batch], "quant": [quant], "seed": [seed], "world_size": [world]}
-    study = resolve_study(make_study(grid=grid, train={"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}, **sections))
+    grid = {
+        "model": [model],
+        "precision": [precision],
+        "batch_size": [batch],
+        "quant": [quant],
+        "seed": [seed],
+        "world_size": [world],
+    }
+    study = resolve_study(
+        make_study(grid=grid, train={"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}, **sections)
+    )
     return cell_spec(study, expand_cells(study)[0])
 
 
-def run_supervised(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, run_dir: Path, *,
-                   tracking: Path | None = None, capabilities: Path | None = None) -> dict[str, Any]:
+def run_supervised(
+    spec: dict[str, Any],
+    checkpoints: dict[str, Path],
+    dataset_path: Path,
+    run_dir: Path,
+    *,
+    tracking: Path | None = None,
+    capabilities: Path | None = None,
+) -> dict[str, Any]:
     """The cell as a finetune job runs it: supervisor, worker process(es), result.json."""
     from tunegrid.run.supervisor import run_cell
 
     return run_cell(
-        spec=spec, model_dir=checkpoints[spec["model"]["name"]], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=tracking, capabilities_path=capabilities, log_path=None,
+        spec=spec,
+        model_dir=checkpoints[spec["model"]["name"]],
+        data_path=dataset_path,
+        run_dir=run_dir,
+        result_path=run_dir / "result.json",
+        tracking_path=tracking,
+        capabilities_path=capabilities,
+        log_path=None,
         command=["tunegrid", "finetune"],
     )
 
 
-def run_in_process(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, run_dir: Path) -> dict[str, Any]:
+def run_in_process(
+    spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, run_dir: Path
+) -> dict[str, Any]:
     """The training worker alone, in this process; returns its facts (worker.json)."""
     from tunegrid.cell.train import run_worker
     from tunegrid.files import read_json

@@ -77,7 +77,9 @@ GresTypes=gpu
 NodeName={host} CPUs={cpus} RealMemory={memory_mb} Gres=gpu:2 State=UNKNOWN
 PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
-    (ETC / "gres.conf").write_text(f"{MARKER}\nNodeName={host} Name=gpu File=/dev/null\nNodeName={host} Name=gpu File=/dev/zero\n")
+    (ETC / "gres.conf").write_text(
+        f"{MARKER}\nNodeName={host} Name=gpu File=/dev/null\nNodeName={host} Name=gpu File=/dev/zero\n"
+    )
     return conf
 
 
@@ -102,10 +104,22 @@ def slurm_cluster(root: Path, timeout_s: float = 30.0) -> Iterator[dict[str, str
         subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
         munge_started = True
     try:
-        started.append(subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-f", str(conf)], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
-        started.append(subprocess.Popen(["/usr/sbin/slurmd", "-D", "-f", str(conf)], env=env,
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        started.append(
+            subprocess.Popen(
+                ["/usr/sbin/slurmctld", "-D", "-f", str(conf)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
+        started.append(
+            subprocess.Popen(
+                ["/usr/sbin/slurmd", "-D", "-f", str(conf)],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+            )
+        )
         deadline = time.time() + timeout_s
         while True:
             state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)

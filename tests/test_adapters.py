@@ -26,15 +26,24 @@ LORA = {"dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj
 def _spec(train: dict, debug: dict | None = None) -> dict:
     grid = {"model": [MODEL], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
     # dropout on: a resume that did not restore the RNG would draw other masks and leave the curve
-    study = resolve_study(make_study(grid=grid, train={"seq_len": 32, "lr": 0.01, **train}, lora=LORA,
-                                     debug=debug or {}))
+    study = resolve_study(
+        make_study(grid=grid, train={"seq_len": 32, "lr": 0.01, **train}, lora=LORA, debug=debug or {})
+    )
     return cell_spec(study, expand_cells(study)[0])
 
 
 def _run_cell(spec: dict, checkpoints: dict, dataset_path: Path, run_dir: Path) -> dict:
-    return run_cell(spec=spec, model_dir=checkpoints[MODEL], data_path=dataset_path, run_dir=run_dir,
-                    result_path=run_dir / "result.json", tracking_path=None, capabilities_path=None, log_path=None,
-                    command=["tunegrid", "finetune"])
+    return run_cell(
+        spec=spec,
+        model_dir=checkpoints[MODEL],
+        data_path=dataset_path,
+        run_dir=run_dir,
+        result_path=run_dir / "result.json",
+        tracking_path=None,
+        capabilities_path=None,
+        log_path=None,
+        command=["tunegrid", "finetune"],
+    )
 
 
 def test_saved_adapter_reloads_onto_its_base_with_the_cells_loss(checkpoints, dataset_path, tmp_path):
@@ -64,7 +73,9 @@ def test_saved_adapter_reloads_onto_its_base_with_the_cells_loss(checkpoints, da
     with torch.no_grad():
         loss = model(**batch).loss.item()
     assert loss == pytest.approx(expected, rel=1e-5)
-    assert abs(base_loss - expected) > 100 * 1e-5 * abs(expected), "the adapter changed nothing: the check would be vacuous"
+    assert abs(base_loss - expected) > 100 * 1e-5 * abs(expected), (
+        "the adapter changed nothing: the check would be vacuous"
+    )
 
 
 def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(checkpoints, dataset_path, tmp_path):
@@ -84,13 +95,17 @@ def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(chec
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(8))
 
-    plain = _run_cell(_spec({**train, "checkpoint_every": 0}), checkpoints, dataset_path, tmp_path / "plain" / killed["cell_id"])
+    plain = _run_cell(
+        _spec({**train, "checkpoint_every": 0}), checkpoints, dataset_path, tmp_path / "plain" / killed["cell_id"]
+    )
     assert plain["outcome"] == "ok" and plain["resumed_from_step"] is None
     reference = read_jsonl(tmp_path / "plain" / killed["cell_id"] / "metrics.jsonl")
     for got, want in zip(resumed, reference, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6, abs=1e-6), got["step"]
         assert got["lr"] == pytest.approx(want["lr"], rel=1e-9), got["step"]
-    assert again["training"]["reference_batch_loss"] == pytest.approx(plain["training"]["reference_batch_loss"], rel=1e-6)
+    assert again["training"]["reference_batch_loss"] == pytest.approx(
+        plain["training"]["reference_batch_loss"], rel=1e-6
+    )
 
 
 def test_checkpoint_of_a_different_spec_is_removed_not_resumed(checkpoints, dataset_path, tmp_path):

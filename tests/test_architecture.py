@@ -17,8 +17,15 @@ LAYER = {"base": 0, "prepare": 1, "cell": 2, "track": 2, "review": 2, "run": 3, 
 # Where the heavy dependencies may be imported, and why the exceptions are there.
 ALLOWED = {
     "mlflow": {"track"},
-    "torch": {"cell", "prepare.probes", "prepare.checkpoints", "prepare.data", "prepare.environment", "memory",
-              "run.warm"},  # synthetic checkpoints, the tokenizer, the probe, the meter, the warm worker's preload
+    "torch": {
+        "cell",
+        "prepare.probes",
+        "prepare.checkpoints",
+        "prepare.data",
+        "prepare.environment",
+        "memory",
+        "run.warm",
+    },  # synthetic checkpoints, the tokenizer, the probe, the meter, the warm worker's preload
     "subprocess": {"run", "prepare.environment", "prepare.probes", "cell.distributed"},  # git/pip facts; rank processes
 }
 MAX_LINES = 350
@@ -95,7 +102,9 @@ def test_heavy_dependencies_stay_in_their_wings():
         short = module.removeprefix("tunegrid.")
         for dependency, places in ALLOWED.items():
             if any(name == dependency or name.startswith(dependency + ".") for name in _imports(path)):
-                if not any(short == place or short.startswith(place + ".") or _wing(module) == place for place in places):
+                if not any(
+                    short == place or short.startswith(place + ".") or _wing(module) == place for place in places
+                ):
                     misplaced.append(f"{module} imports {dependency}")
     assert not misplaced, misplaced
 

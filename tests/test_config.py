@@ -19,7 +19,13 @@ def test_defaults_are_filled_from_the_schema():
 
 
 def test_cells_are_the_product_of_the_axes_in_stable_order():
-    grid = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "fp16"], "batch_size": [2, 4], "quant": ["nf4"], "seed": [0]}
+    grid = {
+        "model": ["gemma3-hot", "qwen3moe-tiny"],
+        "precision": ["fp32", "fp16"],
+        "batch_size": [2, 4],
+        "quant": ["nf4"],
+        "seed": [0],
+    }
     cells = expand_cells(resolve_study(make_study(grid=grid)))
     assert len(cells) == 8
     assert cells[0].cell_id == "gemma3-hot_fp32_bs2_nf4_s0"
@@ -45,7 +51,10 @@ def test_cell_spec_is_canonical_json():
         (lambda s: s["grid"].update(model=[]), "grid.model"),
         (lambda s: s["grid"].update(model=["nope"]), "'nope' is not defined under 'models'"),
         (lambda s: s["train"].update(steps=0), "train.steps"),
-        (lambda s: s["models"].update({"hub-model": {"source": "hub", "repo_id": "google/gemma-3-4b-it"}}), "models.hub-model.revision"),
+        (
+            lambda s: s["models"].update({"hub-model": {"source": "hub", "repo_id": "google/gemma-3-4b-it"}}),
+            "models.hub-model.revision",
+        ),
         (lambda s: s["models"].update({"loc": {"source": "local", "path": "/does/not/exist"}}), "models.loc.path"),
         (lambda s: s.update(study="../escape"), "config key 'study'"),
     ],
@@ -82,9 +91,23 @@ def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(raw))
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-n", "--cores", "1", "-s", str(REPO / "Snakefile"),
-         "--directory", str(tmp_path), "--configfile", str(config)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-n",
+            "--cores",
+            "1",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+            "--configfile",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -107,10 +130,29 @@ def _dry_run(tmp_path, *args):
 
     from conftest import REPO
 
-    done = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-                           "-n", "--cores", "1", "all", *args], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+            "-n",
+            "--cores",
+            "1",
+            "all",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    counts = dict(line.split()[:2] for line in done.stdout.splitlines() if line.startswith(("finetune ", "model_checkpoint ")))
+    counts = dict(
+        line.split()[:2] for line in done.stdout.splitlines() if line.startswith(("finetune ", "model_checkpoint "))
+    )
     return {k: int(v) for k, v in counts.items()}
 
 
@@ -118,9 +160,15 @@ def test_a_study_file_is_the_whole_study_and_the_default_applies_only_without_on
     import yaml
 
     study = tmp_path / "one.yaml"
-    study.write_text(yaml.safe_dump({"study": "one", "models": {"m1": {"source": "synthetic", "architecture": "qwen3_moe",
-                                                                          "config": {"hidden_size": 64}}},
-                                     "grid": {"model": ["m1"]}}))
+    study.write_text(
+        yaml.safe_dump(
+            {
+                "study": "one",
+                "models": {"m1": {"source": "synthetic", "architecture": "qwen3_moe", "config": {"hidden_size": 64}}},
+                "grid": {"model": ["m1"]},
+            }
+        )
+    )
     assert _dry_run(tmp_path, "--configfile", str(study)) == {"finetune": 1, "model_checkpoint": 1}
     assert _dry_run(tmp_path)["finetune"] == 36  # no study file: configs/config.yaml
 
@@ -128,14 +176,25 @@ def test_a_study_file_is_the_whole_study_and_the_default_applies_only_without_on
 def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
     from tunegrid.config import coerce_overrides
 
-    raw = {"execution": {"warm_worker": "False"}, "train": {"gradient_checkpointing": "true", "steps": "5", "lr": "1e-3"},
-           "grid": {"batch_size": ["2", "4"], "precision": "[fp32, bf16]"}}
+    raw = {
+        "execution": {"warm_worker": "False"},
+        "train": {"gradient_checkpointing": "true", "steps": "5", "lr": "1e-3"},
+        "grid": {"batch_size": ["2", "4"], "precision": "[fp32, bf16]"},
+    }
     typed = coerce_overrides(raw)
-    assert typed == {"execution": {"warm_worker": False}, "train": {"gradient_checkpointing": True, "steps": 5, "lr": 0.001},
-                     "grid": {"batch_size": [2, 4], "precision": ["fp32", "bf16"]}}
+    assert typed == {
+        "execution": {"warm_worker": False},
+        "train": {"gradient_checkpointing": True, "steps": 5, "lr": 0.001},
+        "grid": {"batch_size": [2, 4], "precision": ["fp32", "bf16"]},
+    }
     assert resolve_study(make_study(**{"train": {**make_study()["train"], **typed["train"]}}))["train"]["steps"] == 5
-    counts = _dry_run(tmp_path, "--config", "execution={'warm_worker': False}", "train={gradient_checkpointing: true}",
-                      "grid={batch_size: [2]}")
+    counts = _dry_run(
+        tmp_path,
+        "--config",
+        "execution={'warm_worker': False}",
+        "train={gradient_checkpointing: true}",
+        "grid={batch_size: [2]}",
+    )
     assert counts["finetune"] == 18
 
 
@@ -152,7 +211,8 @@ def test_hostile_study_files_fail_fast_with_a_clear_error(tmp_path):
     import time
 
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8))
+        f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)
+    )
     cases = {
         "bomb.yaml": ("study: bomb\n" + bomb, "YAML aliases"),
         "long.yaml": ("study: long\nmodels: {m: {source: local, path: '" + "p" * 20_000 + "'}}\n", "models.m.path"),
@@ -162,8 +222,26 @@ def test_hostile_study_files_fail_fast_with_a_clear_error(tmp_path):
         path = tmp_path / name
         path.write_text(text)
         started = time.time()
-        done = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-                               "-n", "--cores", "1", "all", "--configfile", str(path)], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "snakemake",
+                "-s",
+                str(REPO / "Snakefile"),
+                "--directory",
+                str(tmp_path),
+                "-n",
+                "--cores",
+                "1",
+                "all",
+                "--configfile",
+                str(path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         out = done.stdout + done.stderr
         assert done.returncode != 0 and "invalid study config" in out and expected in out, (name, out[-1500:])
         assert "Traceback" not in out, (name, out[-1500:])
@@ -182,9 +260,29 @@ def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-                           "-n", "-p", "--cores", "1", "all", "plan"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+            "-n",
+            "-p",
+            "--cores",
+            "1",
+            "all",
+            "plan",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    commands = [line for line in done.stdout.splitlines() if "tunegrid.py finetune" in line or "tunegrid.py plan" in line]
+    commands = [
+        line for line in done.stdout.splitlines() if "tunegrid.py finetune" in line or "tunegrid.py plan" in line
+    ]
     assert commands and all("--study-file results/default/study.json" in c for c in commands)
     assert not any('"axes"' in c or "--spec" in c or "--study '" in c for c in commands)

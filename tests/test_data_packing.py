@@ -74,8 +74,14 @@ def test_chat_template_trains_only_assistant_turns(checkpoints):
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    chat = {"messages": [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1 2 3."},
-                         {"role": "user", "content": "What color is snow?"}, {"role": "assistant", "content": "It is white."}]}
+    chat = {
+        "messages": [
+            {"role": "user", "content": "Count to 3."},
+            {"role": "assistant", "content": "1 2 3."},
+            {"role": "user", "content": "What color is snow?"},
+            {"role": "assistant", "content": "It is white."},
+        ]
+    }
     ids, labels = encode_record(chat, tok, "response")
     trained = tok.decode([t for t in labels if t != IGNORE])
     assert "1 2 3." in trained and "It is white." in trained and "<|end|>" in trained

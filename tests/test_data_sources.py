@@ -38,9 +38,17 @@ def test_chat_jsonl_trains_packed_through_the_cell_runner(checkpoints, tmp_path)
     assert all("messages" in r for r in read_dataset(data_path))
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    result = run_cell(spec=spec, model_dir=checkpoints["qwen3moe-tiny"], data_path=data_path, run_dir=run_dir,
-                      result_path=run_dir / "result.json", tracking_path=None, capabilities_path=None, log_path=None,
-                      command=["tunegrid", "finetune"])
+    result = run_cell(
+        spec=spec,
+        model_dir=checkpoints["qwen3moe-tiny"],
+        data_path=data_path,
+        run_dir=run_dir,
+        result_path=run_dir / "result.json",
+        tracking_path=None,
+        capabilities_path=None,
+        log_path=None,
+        command=["tunegrid", "finetune"],
+    )
     assert result["outcome"] == "ok", result["reason"]
     saved = read_json(run_dir / "result.json")
     assert saved["data"]["packing"] == "position_ids"
@@ -60,8 +68,15 @@ def test_parquet_pairs_train_with_their_own_field_names(checkpoints, tmp_path):
     questions = [f"Spell {w} backwards." for w in ("stone", "river", "cloud", "amber", "maple")] * 8
     table = pa.table({"question": questions, "answer": [q.split()[1][::-1] for q in questions], "id": list(range(40))})
     pq.write_table(table, tmp_path / "pairs.parquet")
-    study = _study({"source": "parquet", "path": str(tmp_path / "pairs.parquet"),
-                    "fields": {"prompt": "question", "response": "answer"}}, model="gemma3-hot", seq_len=64)
+    study = _study(
+        {
+            "source": "parquet",
+            "path": str(tmp_path / "pairs.parquet"),
+            "fields": {"prompt": "question", "response": "answer"},
+        },
+        model="gemma3-hot",
+        seq_len=64,
+    )
     data_path = tmp_path / "train.jsonl"
     write_study_dataset(data_path, study["data"])
     assert read_dataset(data_path)[0] == {"instruction": "Spell stone backwards.", "response": "enots"}
@@ -105,7 +120,9 @@ def test_a_record_past_the_config_sample_is_still_checked_when_the_set_is_writte
 def test_chats_that_are_not_role_content_lists_are_refused(tmp_path):
     path = tmp_path / "chats.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "text": "hi"}]}) + "\n")
-    assert "'data.fields.messages'" in _problems({"source": "jsonl", "path": str(path), "fields": {"messages": "messages"}})
+    assert "'data.fields.messages'" in _problems(
+        {"source": "jsonl", "path": str(path), "fields": {"messages": "messages"}}
+    )
 
 
 def test_hub_dataset_needs_a_pinned_revision():
@@ -118,8 +135,16 @@ def test_hub_dataset_needs_a_pinned_revision():
 def test_pinned_hub_dataset_passes_validation():
     # Only validation can be tested here: reading the records (datasets.load_dataset at that revision,
     # with HF_TOKEN from the environment) needs the hub.
-    study = resolve_study(make_study(data={"source": "hub", "repo_id": "someone/chats", "revision": PINNED,
-                                           "fields": {"messages": "conversation"}}))
+    study = resolve_study(
+        make_study(
+            data={
+                "source": "hub",
+                "repo_id": "someone/chats",
+                "revision": PINNED,
+                "fields": {"messages": "conversation"},
+            }
+        )
+    )
     assert study["data"]["packing"] is True and study["data"]["split"] == "train"
 
 

@@ -13,8 +13,13 @@ from tunegrid.run.supervisor import run_cell
 
 
 def _spec(world=2, train=None, debug=None, distributed=None):
-    return one_cell(model="qwen3moe-tiny", world=world, train={"steps": 4, "threads": 1, **(train or {})},
-                    debug=debug or {}, distributed=distributed or {})
+    return one_cell(
+        model="qwen3moe-tiny",
+        world=world,
+        train={"steps": 4, "threads": 1, **(train or {})},
+        debug=debug or {},
+        distributed=distributed or {},
+    )
 
 
 def _run(spec, checkpoints, dataset_path, tmp_path):
@@ -30,15 +35,21 @@ def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, data
     assert result["distributed"]["lora_identical"] is True
     assert [r["exit_code"] for r in result["ranks"]] == [0, 0]
     assert result["ranks"][0]["lora_sha256"] == result["ranks"][1]["lora_sha256"]
-    assert read_json(run_dir / "worker.json")["distributed"] == {"backend": "gloo", "world_size": 2, "collective_timeout_s": 600}
+    assert read_json(run_dir / "worker.json")["distributed"] == {
+        "backend": "gloo",
+        "world_size": 2,
+        "collective_timeout_s": 600,
+    }
     assert result["training"]["steps_run"] == 4
     assert processes_mentioning(run_dir) == []
 
 
 def test_stalled_rank_is_a_collective_timeout_naming_the_rank(checkpoints, dataset_path, tmp_path):
     timeout_s = 4
-    spec = _spec(debug={"stall_rank": {"rank": 1, "step": 2, "seconds": 120}},
-                 distributed={"collective_timeout_s": timeout_s, "exit_grace_s": 2})
+    spec = _spec(
+        debug={"stall_rank": {"rank": 1, "step": 2, "seconds": 120}},
+        distributed={"collective_timeout_s": timeout_s, "exit_grace_s": 2},
+    )
     started = time.time()
     result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
     took = time.time() - started
@@ -73,8 +84,11 @@ def test_fault_injection_rank_must_exist():
 
 
 def test_a_rank_that_fails_on_its_own_is_named_with_its_error_and_never_retried(checkpoints, dataset_path, tmp_path):
-    spec = _spec(debug={"inject_nonfinite": {"module": "no.such.module", "step": 1}}, train={"retries": 1},
-                 distributed={"exit_grace_s": 2})
+    spec = _spec(
+        debug={"inject_nonfinite": {"module": "no.such.module", "step": 1}},
+        train={"retries": 1},
+        distributed={"exit_grace_s": 2},
+    )
     result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
     assert result["outcome"] == "error"
     assert "no.such.module" in result["reason"] and result["reason"].startswith("rank ")
@@ -92,8 +106,14 @@ def test_more_ranks_than_gpus_is_unsupported_before_launch(checkpoints, dataset_
     spec["hardware"]["gpus_per_rank"] = 1
     run_dir = tmp_path / "runs" / spec["cell_id"]
     result = run_cell(
-        spec=spec, model_dir=checkpoints["qwen3moe-tiny"], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=None, capabilities_path=capabilities, log_path=None,
+        spec=spec,
+        model_dir=checkpoints["qwen3moe-tiny"],
+        data_path=dataset_path,
+        run_dir=run_dir,
+        result_path=run_dir / "result.json",
+        tracking_path=None,
+        capabilities_path=capabilities,
+        log_path=None,
         command=["tunegrid", "finetune"],
     )
     assert result["outcome"] == "unsupported"

@@ -31,10 +31,14 @@ def test_load_time_experts_equal_post_load_quantization_bit_for_bit(checkpoints,
     from tunegrid.cell import expert_quant, quant_audit
 
     kwargs = {"dtype": torch.float32, "use_safetensors": True}
-    post = AutoModelForCausalLM.from_pretrained(checkpoints[model], quantization_config=BitsAndBytesConfig(**BNB), **kwargs)
+    post = AutoModelForCausalLM.from_pretrained(
+        checkpoints[model], quantization_config=BitsAndBytesConfig(**BNB), **kwargs
+    )
     post.requires_grad_(False)  # as peft leaves the base model; the post-load pass skips trainable tensors
     assert len(quant_audit.quantize_experts_post_load(post)["changed"]) == 4
-    at_load = expert_quant.load_causal_lm(checkpoints[model], {**kwargs, "quantization_config": expert_quant.ExpertNF4Config(**BNB)})
+    at_load = expert_quant.load_causal_lm(
+        checkpoints[model], {**kwargs, "quantization_config": expert_quant.ExpertNF4Config(**BNB)}
+    )
 
     want, got = _expert_states(post), _expert_states(at_load)
     assert got.keys() == want.keys() and len(got) == 4
@@ -68,9 +72,19 @@ print(json.dumps({"baseline": baseline, "peak": peak, "weights": audit["total_by
 
 # OLMoE-1B-7B's expert layout at half width: 64 experts, 4 layers; fp32 experts are 1.5 GiB.
 REDUCED_OLMOE = {
-    "source": "synthetic", "architecture": "olmoe", "seed": 0,
-    "config": {"vocab_size": 512, "hidden_size": 1024, "intermediate_size": 512, "num_hidden_layers": 4,
-               "num_attention_heads": 8, "num_key_value_heads": 8, "num_experts": 64, "num_experts_per_tok": 8},
+    "source": "synthetic",
+    "architecture": "olmoe",
+    "seed": 0,
+    "config": {
+        "vocab_size": 512,
+        "hidden_size": 1024,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+    },
 }
 MiB = 2**20
 # glibc keeps part of the freed per-expert pieces in its heap (RSS creeps ~40 MiB per layer here),
@@ -84,12 +98,19 @@ def test_load_peak_holds_quantized_weights_and_one_expert_tensor_at_a_time(tmp_p
     model_dir = tmp_path / "olmoe-reduced"
     build_synthetic(dict(REDUCED_OLMOE), list(corpus_texts(read_dataset(dataset_path))), model_dir)
     config = REDUCED_OLMOE["config"]
-    layers, experts, hidden, inter = config["num_hidden_layers"], config["num_experts"], config["hidden_size"], config["intermediate_size"]
+    layers, experts, hidden, inter = (
+        config["num_hidden_layers"],
+        config["num_experts"],
+        config["hidden_size"],
+        config["intermediate_size"],
+    )
     largest = experts * 2 * inter * hidden * 4  # one layer's gate_up_proj in fp32
     full_experts = layers * experts * 3 * inter * hidden * 4
 
     # a fresh process: its peak is this load's alone
-    run = subprocess.run([sys.executable, "-c", MEASURE, str(model_dir), str(REPO / "src")], capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(model_dir), str(REPO / "src")], capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     assert measured["flagged"] == []  # every expert tensor is NF4

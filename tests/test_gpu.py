@@ -21,15 +21,36 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 GEMMA3_4B_WIDTH = {  # google/gemma-3-4b-it's text width, 2 of 34 layers, a small vocabulary
-    "source": "synthetic", "architecture": "gemma3_text", "seed": 0,
-    "config": {"vocab_size": 4096, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 2,
-               "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024,
-               "query_pre_attn_scalar": 256, "initializer_range": 0.5},
+    "source": "synthetic",
+    "architecture": "gemma3_text",
+    "seed": 0,
+    "config": {
+        "vocab_size": 4096,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 1024,
+        "query_pre_attn_scalar": 256,
+        "initializer_range": 0.5,
+    },
 }
 OLMOE_WIDTH = {  # allenai/OLMoE-1B-7B-0924's width, 2 of 16 layers
-    "source": "synthetic", "architecture": "olmoe", "seed": 0,
-    "config": {"vocab_size": 4096, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 2,
-               "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8},
+    "source": "synthetic",
+    "architecture": "olmoe",
+    "seed": 0,
+    "config": {
+        "vocab_size": 4096,
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+    },
 }
 
 
@@ -37,9 +58,28 @@ def _run(tmp_path: Path, study: dict, timeout: int = 420) -> pd.DataFrame:
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump(study))
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
-    done = subprocess.run([sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
-                           "--cores", "8", "--resources", "gpu=1", "all", "--configfile", str(config)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+            "--cores",
+            "8",
+            "--resources",
+            "gpu=1",
+            "all",
+            "--configfile",
+            str(config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return pd.read_parquet(tmp_path / "results" / study["study"] / "summary.parquet").set_index("cell_id")
 
@@ -60,8 +100,11 @@ def test_probe_measures_the_cuda_step_overhead(tmp_path):
     """The estimate's device constant on CUDA: the cuBLAS workspaces a training step leaves allocated
     (test_memory_evidence.py replays the H100's recorded peaks with 2 x 32 MiB, torch's sm90 default)."""
     out = tmp_path / "capabilities.json"
-    subprocess.run([sys.executable, str(REPO / "scripts" / "tunegrid.py"), "probe", "--budget-s", "4", "--out", str(out)],
-                   check=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "tunegrid.py"), "probe", "--budget-s", "4", "--out", str(out)],
+        check=True,
+        timeout=300,
+    )
     record = read_json(out)
     overhead = record["step_overhead_bytes"]
     assert set(overhead) == {"fp32", "bf16", "fp16"} and all(value > 0 for value in overhead.values())
@@ -70,10 +113,18 @@ def test_probe_measures_the_cuda_step_overhead(tmp_path):
 
 
 def test_default_models_on_the_gpu(tmp_path):
-    study = {"study": "gpu-tiny", "models": {"gemma3-hot": GEMMA_HOT, "qwen3moe-tiny": QWEN_MOE, "olmoe-tiny": OLMOE},
-             "grid": {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "bf16", "fp16"], "batch_size": [8],
-                      "quant": ["none", "nf4", "nf4-experts"], "seed": [0]},
-             "train": {"steps": 12, "seq_len": 64}}
+    study = {
+        "study": "gpu-tiny",
+        "models": {"gemma3-hot": GEMMA_HOT, "qwen3moe-tiny": QWEN_MOE, "olmoe-tiny": OLMOE},
+        "grid": {
+            "model": ["gemma3-hot", "qwen3moe-tiny"],
+            "precision": ["fp32", "bf16", "fp16"],
+            "batch_size": [8],
+            "quant": ["none", "nf4", "nf4-experts"],
+            "seed": [0],
+        },
+        "train": {"steps": 12, "seq_len": 64},
+    }
     summary = _run(tmp_path, study)
     results = tmp_path / "results" / "gpu-tiny"
     _check_common(summary, results)
@@ -83,9 +134,18 @@ def test_default_models_on_the_gpu(tmp_path):
 
 
 def test_gemma3_4b_width_fp16_nan_with_origin_under_checkpointing(tmp_path):
-    study = {"study": "gpu-gemma", "models": {"gemma3-4b-width": GEMMA3_4B_WIDTH},
-             "grid": {"model": ["gemma3-4b-width"], "precision": ["fp16", "fp32"], "batch_size": [2], "quant": ["nf4"], "seed": [0]},
-             "train": {"steps": 8, "seq_len": 256, "gradient_checkpointing": True}}
+    study = {
+        "study": "gpu-gemma",
+        "models": {"gemma3-4b-width": GEMMA3_4B_WIDTH},
+        "grid": {
+            "model": ["gemma3-4b-width"],
+            "precision": ["fp16", "fp32"],
+            "batch_size": [2],
+            "quant": ["nf4"],
+            "seed": [0],
+        },
+        "train": {"steps": 8, "seq_len": 256, "gradient_checkpointing": True},
+    }
     summary = _run(tmp_path, study)
     _check_common(summary, tmp_path / "results" / "gpu-gemma")
     fp16 = summary.loc["gemma3-4b-width_fp16_bs2_nf4_s0"]
@@ -94,9 +154,18 @@ def test_gemma3_4b_width_fp16_nan_with_origin_under_checkpointing(tmp_path):
 
 
 def test_moe_width_expert_quantization_cuts_weights_and_peak(tmp_path):
-    study = {"study": "gpu-moe", "models": {"olmoe-width": OLMOE_WIDTH},
-             "grid": {"model": ["olmoe-width"], "precision": ["bf16"], "batch_size": [1], "quant": ["nf4", "nf4-experts"], "seed": [0]},
-             "train": {"steps": 6, "seq_len": 256}}
+    study = {
+        "study": "gpu-moe",
+        "models": {"olmoe-width": OLMOE_WIDTH},
+        "grid": {
+            "model": ["olmoe-width"],
+            "precision": ["bf16"],
+            "batch_size": [1],
+            "quant": ["nf4", "nf4-experts"],
+            "seed": [0],
+        },
+        "train": {"steps": 6, "seq_len": 256},
+    }
     summary = _run(tmp_path, study)
     _check_common(summary, tmp_path / "results" / "gpu-moe")
     nf4, experts = summary.loc["olmoe-width_bf16_bs1_nf4_s0"], summary.loc["olmoe-width_bf16_bs1_nf4-experts_s0"]

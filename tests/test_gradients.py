@@ -158,7 +158,9 @@ def test_packed_layout_is_refused(checkpoints, dataset_path, tmp_path):
     trainer = _trainer(checkpoints, dataset_path, tmp_path, "qwen3moe-tiny", "nf4")
     assert inference_packed_layers(trainer.model) == []
     require_trainable_layout(trainer.model)
-    name, param = next((n, p) for n, p in trainer.model.named_parameters() if getattr(p, "quant_state", None) is not None)
+    name, param = next(
+        (n, p) for n, p in trainer.model.named_parameters() if getattr(p, "quant_state", None) is not None
+    )
     param.quant_state.packing_format_for_cpu = True
     assert inference_packed_layers(trainer.model) == [name]
     with pytest.raises(RuntimeError, match="inference-only CPU layout"):

@@ -10,7 +10,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Pointers outside the project (a sibling folder, design notes that do not ship) or to how it was built.
 # (spaces written as [ ] so that this line does not match itself)
-OUTSIDE = re.compile(r"\.\./shared|CASES\.md|CASES[ ]§|DESIGN\.md|STYLE\.md|seed[ ]case|(?:were|was)\s+lent|a[ ]later[ ]issue")
+OUTSIDE = re.compile(
+    r"\.\./shared|CASES\.md|CASES[ ]§|DESIGN\.md|STYLE\.md|seed[ ]case|(?:were|was)\s+lent|a[ ]later[ ]issue"
+)
 
 
 def test_no_reference_to_files_outside_the_project() -> None:

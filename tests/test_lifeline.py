@@ -19,9 +19,20 @@ from tunegrid.files import write_json
 from tunegrid.run import warm
 
 
-def _start_supervisor(tmp_path: Path, checkpoints, dataset_path, world: int, env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
-    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0], "world_size": [world]}
-    study = resolve_study(make_study(grid=grid, train={"steps": 100000, "seq_len": 32, "threads": 1, "time_limit_s": 600}))
+def _start_supervisor(
+    tmp_path: Path, checkpoints, dataset_path, world: int, env: dict[str, str]
+) -> tuple[subprocess.Popen, Path]:
+    grid = {
+        "model": ["qwen3moe-tiny"],
+        "precision": ["fp32"],
+        "batch_size": [2],
+        "quant": ["none"],
+        "seed": [0],
+        "world_size": [world],
+    }
+    study = resolve_study(
+        make_study(grid=grid, train={"steps": 100000, "seq_len": 32, "threads": 1, "time_limit_s": 600})
+    )
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir = tmp_path / "runs" / spec["cell_id"]
     write_json(tmp_path / "spec.json", spec)
@@ -31,12 +42,20 @@ def _start_supervisor(tmp_path: Path, checkpoints, dataset_path, world: int, env
         f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), result_path=Path({str(run_dir / 'result.json')!r}),"
         " tracking_path=None, capabilities_path=None, log_path=None, command=['tunegrid', 'finetune'])\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**env, "PYTHONPATH": str(REPO / "src")},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**env, "PYTHONPATH": str(REPO / "src")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # training, by its files
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:] if proc.poll() is not None else "no progress"
+        assert proc.poll() is None and time.time() < deadline, (
+            proc.stdout.read()[-3000:] if proc.poll() is not None else "no progress"
+        )
         time.sleep(0.1)
     return proc, run_dir
 
@@ -68,12 +87,19 @@ def test_a_worker_forked_by_the_warm_worker_dies_with_its_supervisor(checkpoints
     path = warm.socket_path(f"test-lifeline-{os.getpid()}-{time.monotonic_ns()}")
     warm_proc = warm.start(path, tmp_path / "warm.log")
     try:
-        proc, run_dir = _start_supervisor(tmp_path, checkpoints, dataset_path, 1, {**os.environ, warm.SOCKET_ENV: str(path)})
+        proc, run_dir = _start_supervisor(
+            tmp_path, checkpoints, dataset_path, 1, {**os.environ, warm.SOCKET_ENV: str(path)}
+        )
         os.killpg(proc.pid, signal.SIGKILL)
         out = proc.stdout.read()
         worker = int(re.search(r"worker (\d+) forked by the warm worker", out).group(1))
-        left = _gone_within(lambda: [str(worker)] if Path(f"/proc/{worker}").exists() and
-                            "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2] else [])
+        left = _gone_within(
+            lambda: (
+                [str(worker)]
+                if Path(f"/proc/{worker}").exists() and "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2]
+                else []
+            )
+        )
         if left:
             os.kill(worker, signal.SIGKILL)
         assert left == []

@@ -19,8 +19,19 @@ def capabilities(tmp_path_factory) -> Path:
     # has loaded models already) is not what a training process starts with
     path = tmp_path_factory.mktemp("probe") / "capabilities.json"
     subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "tunegrid.py"), "probe", "--budget-s", "6", "--world-sizes", "2", "--out", str(path)],
-        check=True, timeout=120,
+        [
+            sys.executable,
+            str(REPO / "scripts" / "tunegrid.py"),
+            "probe",
+            "--budget-s",
+            "6",
+            "--world-sizes",
+            "2",
+            "--out",
+            str(path),
+        ],
+        check=True,
+        timeout=120,
     )
     return path
 
@@ -50,8 +61,18 @@ def test_t4_has_no_native_bf16_whatever_the_flag_says():
     assert cuda_precision_support((7, 5))["bf16"] == "emulated"
     assert cuda_precision_support((8, 0))["bf16"] == "native"
     t4 = TARGETS["t4"]
-    assert 14.0 * 2**30 < t4.memory_bytes < 14.74 * 2**30 and t4.precision["bf16"] == "emulated" and t4.precision["tf32"] == "absent"
-    hardware = {"target": "t4", "memory_budget_gb": 0, "refuse_emulated": True, "predicted_oom": "run", "oom_margin": 1.0}
+    assert (
+        14.0 * 2**30 < t4.memory_bytes < 14.74 * 2**30
+        and t4.precision["bf16"] == "emulated"
+        and t4.precision["tf32"] == "absent"
+    )
+    hardware = {
+        "target": "t4",
+        "memory_budget_gb": 0,
+        "refuse_emulated": True,
+        "predicted_oom": "run",
+        "oom_margin": 1.0,
+    }
     assert feasibility("bf16", resolve_target(hardware, {}), hardware, 1)[0] == "unsupported"
     assert feasibility("fp16", resolve_target(hardware, {}), hardware, 1) is None
     skip = {**hardware, "predicted_oom": "skip"}
@@ -63,7 +84,14 @@ def test_nf4_storage_is_about_half_a_byte_per_param():
 
 
 def _spec(model="gemma3-hot", batch=2, precision="fp32", quant="none", hardware=None, train=None):
-    return one_cell(model=model, batch=batch, precision=precision, quant=quant, train={"steps": 2, **(train or {})}, hardware=hardware or {})
+    return one_cell(
+        model=model,
+        batch=batch,
+        precision=precision,
+        quant=quant,
+        train={"steps": 2, **(train or {})},
+        hardware=hardware or {},
+    )
 
 
 def _run(spec, checkpoints, dataset_path, tmp_path, capabilities):
@@ -91,8 +119,12 @@ def test_t4_target_refuses_bf16_without_training(checkpoints, dataset_path, tmp_
 
 def test_too_small_budget_ends_oom_with_stage_while_neighbour_is_ok(checkpoints, dataset_path, tmp_path, capabilities):
     hardware = {"memory_budget_gb": 0.25}
-    ok = _run(_spec(batch=2, hardware=hardware, train={"seq_len": 256}), checkpoints, dataset_path, tmp_path, capabilities)
-    oom = _run(_spec(batch=256, hardware=hardware, train={"seq_len": 256}), checkpoints, dataset_path, tmp_path, capabilities)
+    ok = _run(
+        _spec(batch=2, hardware=hardware, train={"seq_len": 256}), checkpoints, dataset_path, tmp_path, capabilities
+    )
+    oom = _run(
+        _spec(batch=256, hardware=hardware, train={"seq_len": 256}), checkpoints, dataset_path, tmp_path, capabilities
+    )
     assert ok["outcome"] == "ok", ok["reason"]
     assert oom["outcome"] == "oom", oom["reason"]
     assert oom["diagnosis"]["oom"]["stage"] == "step"
@@ -101,15 +133,28 @@ def test_too_small_budget_ends_oom_with_stage_while_neighbour_is_ok(checkpoints,
     # the estimate saw it coming: with predicted_oom: skip the same cell is not even started
     skipped = _run(
         _spec(batch=256, hardware={**hardware, "predicted_oom": "skip"}, train={"seq_len": 256}),
-        checkpoints, dataset_path, tmp_path / "skip", capabilities,
+        checkpoints,
+        dataset_path,
+        tmp_path / "skip",
+        capabilities,
     )
     assert skipped["outcome"] == "predicted_oom"
 
 
 def test_estimate_is_close_to_measured_for_ok_cells(checkpoints, dataset_path, tmp_path, capabilities):
     ratios = []
-    for model, batch, quant in (("gemma3-hot", 2, "none"), ("qwen3moe-tiny", 8, "nf4"), ("qwen3moe-tiny", 8, "nf4-experts")):
-        result = _run(_spec(model=model, batch=batch, quant=quant, train={"seq_len": 64}), checkpoints, dataset_path, tmp_path, capabilities)
+    for model, batch, quant in (
+        ("gemma3-hot", 2, "none"),
+        ("qwen3moe-tiny", 8, "nf4"),
+        ("qwen3moe-tiny", 8, "nf4-experts"),
+    ):
+        result = _run(
+            _spec(model=model, batch=batch, quant=quant, train={"seq_len": 64}),
+            checkpoints,
+            dataset_path,
+            tmp_path,
+            capabilities,
+        )
         assert result["outcome"] == "ok"
         memory = result["memory"]
         assert memory["load_peak_bytes"] and memory["first_step_peak_bytes"] and memory["steady_peak_bytes"]
@@ -124,13 +169,34 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
 
     from tunegrid.cli import main
 
-    grid = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "bf16", "fp16"], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
+    grid = {
+        "model": ["gemma3-hot", "qwen3moe-tiny"],
+        "precision": ["fp32", "bf16", "fp16"],
+        "batch_size": [2],
+        "quant": ["nf4"],
+        "seed": [0],
+    }
     study = make_study(grid=grid, hardware={"target": "t4", "refuse_emulated": True})
     models = next(iter(checkpoints.values())).parent
     out = tmp_path / "plan.csv"
     study_file = tmp_path / "study.json"  # what the workflow writes once per invocation
     study_file.write_text(json.dumps(study))
-    assert main(["plan", "--study-file", str(study_file), "--capabilities", str(capabilities), "--models", str(models), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--study-file",
+                str(study_file),
+                "--capabilities",
+                str(capabilities),
+                "--models",
+                str(models),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = pd.read_csv(out, keep_default_na=False)
     assert len(plan) == 6
     assert set(plan.loc[plan.precision == "bf16", "verdict"]) == {"unsupported"}

@@ -23,7 +23,9 @@ from tunegrid.prepare.memory_estimate import device_constants, estimate_from_sha
 DATA = Path(__file__).parent / "data"
 EVIDENCE = json.loads((DATA / "evidence-h100-memory.json").read_text())
 CAPABILITIES = json.loads((DATA / "capabilities-h100.json").read_text())
-CELLS = [(name, cell) for name, study in EVIDENCE["studies"].items() for cell in study["cells"] if cell["outcome"] == "ok"]
+CELLS = [
+    (name, cell) for name, study in EVIDENCE["studies"].items() for cell in study["cells"] if cell["outcome"] == "ok"
+]
 _SHAPES: dict[str, tuple[dict, dict]] = {}
 
 
@@ -57,7 +59,9 @@ def test_estimate_matches_the_recorded_gpu_peak(study, cell):
     assert constants["device"] == "cuda" and constants["step_overhead"] > 0
     estimate = estimate_from_shapes(spec, config, shapes, **constants)
     ratio = estimate["estimate_bytes"] / cell["peak_bytes"]
-    assert 0.9 <= ratio <= 1.1, f"{spec['cell_id']}: estimate/measured {ratio:.3f} ({estimate['stage']}: {estimate['components']})"
+    assert 0.9 <= ratio <= 1.1, (
+        f"{spec['cell_id']}: estimate/measured {ratio:.3f} ({estimate['stage']}: {estimate['components']})"
+    )
     # where the load is the peak (bf16 experts before quantization), the estimate says so
     if cell["load_peak_bytes"] >= cell["steady_peak_bytes"] * 1.02:
         assert estimate["stage"] == "load", spec["cell_id"]

@@ -17,7 +17,9 @@ def _cell(checkpoints, dataset_path, tmp_path, *, model, quant, precision="fp32"
 
 
 @pytest.mark.parametrize("model", ["qwen3moe-tiny", "olmoe-tiny"])
-def test_plain_4bit_leaves_experts_in_full_precision_and_nf4_experts_fixes_it(checkpoints, dataset_path, tmp_path, model):
+def test_plain_4bit_leaves_experts_in_full_precision_and_nf4_experts_fixes_it(
+    checkpoints, dataset_path, tmp_path, model
+):
     plain, plain_audit = _cell(checkpoints, dataset_path, tmp_path, model=model, quant="nf4")
     fixed, fixed_audit = _cell(checkpoints, dataset_path, tmp_path, model=model, quant="nf4-experts")
     assert plain["outcome"] == "ok" and fixed["outcome"] == "ok", (plain["reason"], fixed["reason"])
@@ -77,7 +79,12 @@ def test_peft_converting_mlp_names_into_expert_adapters_is_reported(checkpoints,
 
 def test_prepare_kbit_training_growth_is_detected(checkpoints, dataset_path, tmp_path):
     facts, audit = _cell(
-        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", quant="nf4", precision="bf16",
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="qwen3moe-tiny",
+        quant="nf4",
+        precision="bf16",
         lora={"prepare_kbit_training": True},
     )
     growth = audit["prepare_kbit_training"]

@@ -34,35 +34,82 @@ INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/
 HOW_MAIN = "snakemake --cores 8 all"  # the main command after its install steps
 
 HOW: dict[str, tuple[str, str]] = {
-    INSTALL + "snakemake --cores 8 all": ("run", "the main job: `snakemake --cores 8 all` as written, after the install"),
-    "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && pip install --no-deps -e . && python -m pytest":
-        ("elsewhere", ".ci/run reads this line from README and runs it on a clean clone"),
-    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": ("cannot", "needs the PyTorch package index on the network"),
-    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": ("cannot", "needs the PyTorch package index and a GPU"),
-    "python3 -m venv .venv && . .venv/bin/activate": ("elsewhere", "the first part of the main command (.ci/run runs it too)"),
-    "pip install -r envs/requirements.txt && pip install --no-deps -e .": ("elsewhere", "the install part of the main command"),
+    INSTALL + "snakemake --cores 8 all": (
+        "run",
+        "the main job: `snakemake --cores 8 all` as written, after the install",
+    ),
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && pip install --no-deps -e . && python -m pytest": (
+        "elsewhere",
+        ".ci/run reads this line from README and runs it on a clean clone",
+    ),
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": (
+        "cannot",
+        "needs the PyTorch package index on the network",
+    ),
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": (
+        "cannot",
+        "needs the PyTorch package index and a GPU",
+    ),
+    "python3 -m venv .venv && . .venv/bin/activate": (
+        "elsewhere",
+        "the first part of the main command (.ci/run runs it too)",
+    ),
+    "pip install -r envs/requirements.txt && pip install --no-deps -e .": (
+        "elsewhere",
+        "the install part of the main command",
+    ),
     "snakemake --cores 8 all": ("run", "the main job"),
     "snakemake --report results/<study>/report.html": ("run", "Snakemake's own report of the default study"),
-    "python scripts/tunegrid.py screenshots --study-dir results/default --out docs/screenshots": ("run", "headless Chromium"),
+    "python scripts/tunegrid.py screenshots --study-dir results/default --out docs/screenshots": (
+        "run",
+        "headless Chromium",
+    ),
     "snakemake --cores 1 mlflow_ui": ("server", "MLflow's UI on 127.0.0.1:5000"),
     "snakemake --cores 8 all --configfile configs/<study>.yaml": ("dry", "every shipped study"),
-    'snakemake --cores 8 all --config "train={steps: 20, gradient_checkpointing: true}" "grid={batch_size: [2]}"': ("dry", "typed overrides"),
+    'snakemake --cores 8 all --config "train={steps: 20, gradient_checkpointing: true}" "grid={batch_size: [2]}"': (
+        "dry",
+        "typed overrides",
+    ),
     "python benchmarks/memory_estimate.py": ("run", "re-estimates the default study's ok cells"),
     "snakemake --cores 8 plan": ("run", "the plan before training"),
     "snakemake --unlock": ("run", "recovery after a kill"),
-    "snakemake --profile slurm --configfile configs/<study>.yaml": ("elsewhere", "tests/test_slurm.py runs `--profile slurm` on a real one-node SLURM"),
+    "snakemake --profile slurm --configfile configs/<study>.yaml": (
+        "elsewhere",
+        "tests/test_slurm.py runs `--profile slurm` on a real one-node SLURM",
+    ),
     "snakemake all --cores 8 --resources gpu=1": ("dry", "the GPU form of the main job"),
     "export HF_TOKEN=…": ("cannot", "sets a secret for the hub"),
-    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4.yaml --resources gpu=1": ("dry", "hub study: trains only with the hub and a GPU"),
-    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": ("dry", "trains on a GPU (tests/test_gpu.py)"),
-    "snakemake all --cores 8 --configfile configs/moe-qlora-memory.yaml --resources gpu=1": ("dry", "hub study: trains only with the hub and a GPU"),
-    "snakemake all --cores 8 --configfile configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": ("dry", "trains on a GPU (tests/test_gpu.py)"),
-    "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=8": ("dry", "needs 8 GPUs to train"),
-    "python benchmarks/nan_overhead.py": ("elsewhere", "a benchmark of minutes; its `--quick` form runs in tests/test_readme_commands.py"),
+    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4.yaml --resources gpu=1": (
+        "dry",
+        "hub study: trains only with the hub and a GPU",
+    ),
+    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": (
+        "dry",
+        "trains on a GPU (tests/test_gpu.py)",
+    ),
+    "snakemake all --cores 8 --configfile configs/moe-qlora-memory.yaml --resources gpu=1": (
+        "dry",
+        "hub study: trains only with the hub and a GPU",
+    ),
+    "snakemake all --cores 8 --configfile configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": (
+        "dry",
+        "trains on a GPU (tests/test_gpu.py)",
+    ),
+    "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=8": (
+        "dry",
+        "needs 8 GPUs to train",
+    ),
+    "python benchmarks/nan_overhead.py": (
+        "elsewhere",
+        "a benchmark of minutes; its `--quick` form runs in tests/test_readme_commands.py",
+    ),
     "python -m pytest": ("elsewhere", ".ci/run"),
     'python -m pytest -m "not slow"': ("elsewhere", "a subset of what .ci/run runs"),
     "snakemake --lint": ("run", "Snakemake's linter on the workflow"),
-    "snakemake --cores 8 all --configfile configs/own-data-chat.yaml": ("run", "the shipped chat JSONL, packed, end to end"),
+    "snakemake --cores 8 all --configfile configs/own-data-chat.yaml": (
+        "run",
+        "the shipped chat JSONL, packed, end to end",
+    ),
 }
 
 
@@ -78,7 +125,9 @@ def readme_commands() -> list[str]:
             if body.startswith(STARTS):
                 found.append(body)
         else:
-            found += [span.strip() for span in re.findall(r"`([^`]+)`", line) if span.startswith(STARTS) and " " in span]
+            found += [
+                span.strip() for span in re.findall(r"`([^`]+)`", line) if span.startswith(STARTS) and " " in span
+            ]
     return list(dict.fromkeys(found))
 
 
@@ -89,7 +138,9 @@ def _env() -> dict[str, str]:
 
 
 def _shell(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def test_every_readme_command_has_a_way_to_be_exercised():
@@ -106,7 +157,9 @@ def clone(tmp_path_factory) -> Path:
     """A copy of this checkout (no results, no venv) with the main job run in it, as a newcomer's
     checkout is after the README's first command."""
     root = tmp_path_factory.mktemp("newcomer") / "tunegrid"
-    shutil.copytree(REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit"))
+    shutil.copytree(
+        REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit")
+    )
     done = _shell(HOW_MAIN, root, timeout=1500)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return root
@@ -115,7 +168,11 @@ def clone(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "run" and not c.startswith(INSTALL)])
 def test_run_as_written(command, clone):
-    if "screenshots" in command and shutil.which("chromium") is None and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"):
+    if (
+        "screenshots" in command
+        and shutil.which("chromium") is None
+        and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS")
+    ):
         pytest.skip("needs Debian's chromium (.ci/run installs it)")
     done = _shell(command.replace("<study>", "default"), clone)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -138,8 +195,15 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     with socket.socket() as probe:  # README's command serves on 5000: another server there is not this one
         if probe.connect_ex(("127.0.0.1", 5000)) == 0:
             pytest.skip("something already listens on 127.0.0.1:5000 on this host")
-    proc = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=clone, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-c", f"exec {command}"],
+        cwd=clone,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline, status = time.time() + 120, None
         while time.time() < deadline and status is None:
@@ -157,10 +221,27 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     # Ctrl-C too, may count its interrupted job as failed (exit 1) when the signal finds it waiting.
     assert "MLflow UI stopped" in out and "Traceback" not in out, out[-3000:]
     assert proc.returncode in (0, 1), out[-3000:]
-    assert subprocess.run(["pgrep", "-f", f"mlflow.*{clone}"], capture_output=True, check=False).stdout == b"", "no server left behind"
+    assert subprocess.run(["pgrep", "-f", f"mlflow.*{clone}"], capture_output=True, check=False).stdout == b"", (
+        "no server left behind"
+    )
 
 
 def test_nan_overhead_benchmark_quick_form_runs(tmp_path):
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "nan_overhead.py"), "--quick", "--device", "cpu", "--out", str(tmp_path)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "nan_overhead.py"),
+            "--quick",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]

@@ -29,9 +29,26 @@ def _snakemake(workdir: Path, config: Path, *args: str, **popen: object) -> subp
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(CANARIES)
     return subprocess.Popen(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir),
-         "--configfile", str(config), "--cores", "2", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True, **popen,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--configfile",
+            str(config),
+            "--cores",
+            "2",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+        **popen,
     )
 
 
@@ -46,13 +63,23 @@ def _grep_tree(root: Path, needles: list[str]) -> list[str]:
 
 @pytest.mark.slow
 def test_sigkill_of_the_whole_tree_then_plain_rerun_completes(tmp_path):
-    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none", "nf4"], "seed": [0, 1]}
+    grid = {
+        "model": ["qwen3moe-tiny"],
+        "precision": ["fp32"],
+        "batch_size": [2],
+        "quant": ["none", "nf4"],
+        "seed": [0, 1],
+    }
     # Every cell pauses 8 s at step 30 (an injected straggler), so on a host of any speed the next cell is
     # still mid-training when a finished one has settled (seen: a fast host ran a 60-step grid in 21.7 s,
     # before the kill); the kill itself is timed by the files, never by a sleep.
     steps = 40
-    study = make_study(study="kill", grid=grid, train={"steps": steps, "seq_len": 32},
-                       debug={"stall_rank": {"rank": 0, "step": 30, "seconds": 8}})
+    study = make_study(
+        study="kill",
+        grid=grid,
+        train={"steps": steps, "seq_len": 32},
+        debug={"stall_rank": {"rank": 0, "step": 30, "seconds": 8}},
+    )
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump(study))
     runs = tmp_path / "results" / "kill" / "runs"
@@ -67,7 +94,15 @@ def test_sigkill_of_the_whole_tree_then_plain_rerun_completes(tmp_path):
             if f"cell {log.stem}: " in log.read_text(errors="replace"):  # the job's last line
                 finished_since.setdefault(log.stem, time.time())
         settled = [c for c, t in finished_since.items() if time.time() - t >= 3]
-        training = [p for p in runs.glob("*/metrics.jsonl") if not (p.parent / "result.json").exists() and len(p.read_text().splitlines()) >= 5] if runs.exists() else []
+        training = (
+            [
+                p
+                for p in runs.glob("*/metrics.jsonl")
+                if not (p.parent / "result.json").exists() and len(p.read_text().splitlines()) >= 5
+            ]
+            if runs.exists()
+            else []
+        )
         if settled and training:
             done_before = {c: (runs / c / "result.json").stat().st_mtime for c in settled}
             break
@@ -125,7 +160,10 @@ def test_eight_concurrent_writers_lose_nothing_on_sqlite(tmp_path):
     experiment_id = init_experiment(uri, "tunegrid/writers", tmp_path / "artifacts")
     steps, writers = 100, 8
     queue: multiprocessing.Queue = multiprocessing.get_context("spawn").Queue()
-    procs = [multiprocessing.get_context("spawn").Process(target=_writer, args=(uri, experiment_id, i, steps, queue)) for i in range(writers)]
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_writer, args=(uri, experiment_id, i, steps, queue))
+        for i in range(writers)
+    ]
     started = time.time()
     for proc in procs:
         proc.start()
@@ -167,11 +205,19 @@ def test_tracking_server_stopped_mid_run_training_goes_on_and_sync_fills(checkpo
 
     watcher = threading.Thread(target=stop_server_mid_run, daemon=True)
     watcher.start()
-    holder = {"result": run_cell(  # the supervisor needs the main thread (it installs a SIGTERM handler)
-        spec=spec, model_dir=checkpoints["qwen3moe-tiny"], data_path=dataset_path, run_dir=run_dir,
-        result_path=run_dir / "result.json", tracking_path=tracking, capabilities_path=None, log_path=None,
-        command=["tunegrid", "finetune"],
-    )}
+    holder = {
+        "result": run_cell(  # the supervisor needs the main thread (it installs a SIGTERM handler)
+            spec=spec,
+            model_dir=checkpoints["qwen3moe-tiny"],
+            data_path=dataset_path,
+            run_dir=run_dir,
+            result_path=run_dir / "result.json",
+            tracking_path=tracking,
+            capabilities_path=None,
+            log_path=None,
+            command=["tunegrid", "finetune"],
+        )
+    }
     watcher.join(timeout=60)
     result = holder["result"]
     assert result["outcome"] == "ok" and result["training"]["steps_run"] == 400

@@ -16,38 +16,78 @@ MIB = 2**20
 
 
 def _cell(model="moe", precision="fp16", batch=8, quant="none", outcome="ok", **extra):
-    row = {"cell_id": f"{model}_{precision}_bs{batch}_{quant}_s0", "model": model, "precision": precision, "batch_size": batch,
-           "quant": quant, "seed": 0, "world_size": 1, "outcome": outcome, "reason": "trained all steps with finite loss",
-           "nan_step": float("nan"), "nan_kind": None, "nan_forward_module": None, "nan_backward_module": None,
-           "target": "native", "flagged_share": 0.0, "flagged_tensors": 0, "expert_bytes": None, "weight_bytes": 100 * MIB,
-           "peak_bytes": 800 * MIB, "oom_stage": None}
+    row = {
+        "cell_id": f"{model}_{precision}_bs{batch}_{quant}_s0",
+        "model": model,
+        "precision": precision,
+        "batch_size": batch,
+        "quant": quant,
+        "seed": 0,
+        "world_size": 1,
+        "outcome": outcome,
+        "reason": "trained all steps with finite loss",
+        "nan_step": float("nan"),
+        "nan_kind": None,
+        "nan_forward_module": None,
+        "nan_backward_module": None,
+        "target": "native",
+        "flagged_share": 0.0,
+        "flagged_tensors": 0,
+        "expert_bytes": None,
+        "weight_bytes": 100 * MIB,
+        "peak_bytes": 800 * MIB,
+        "oom_stage": None,
+    }
     row.update(extra)
     return row
 
 
 def _gap_frame(nf4_peak: int, experts_peak: int) -> pd.DataFrame:
-    return pd.DataFrame([
-        _cell(quant="nf4", flagged_share=0.8, flagged_tensors=4, expert_bytes=80 * MIB, weight_bytes=90 * MIB, peak_bytes=nf4_peak),
-        _cell(quant="nf4-experts", weight_bytes=30 * MIB, expert_bytes=20 * MIB, peak_bytes=experts_peak),
-    ])
+    return pd.DataFrame(
+        [
+            _cell(
+                quant="nf4",
+                flagged_share=0.8,
+                flagged_tensors=4,
+                expert_bytes=80 * MIB,
+                weight_bytes=90 * MIB,
+                peak_bytes=nf4_peak,
+            ),
+            _cell(quant="nf4-experts", weight_bytes=30 * MIB, expert_bytes=20 * MIB, peak_bytes=experts_peak),
+        ]
+    )
 
 
 def test_expert_quantization_is_recommended_only_where_the_peaks_fell():
     (fell,) = recommend(_gap_frame(nf4_peak=914 * MIB, experts_peak=792 * MIB))
-    assert fell.fixes[0].change == {"quant": "nf4-experts"} and fell.failing == [] and fell.concerns == ["moe_fp16_bs8_nf4_s0"]
+    assert (
+        fell.fixes[0].change == {"quant": "nf4-experts"}
+        and fell.failing == []
+        and fell.concerns == ["moe_fp16_bs8_nf4_s0"]
+    )
     (rose,) = recommend(_gap_frame(nf4_peak=792 * MIB, experts_peak=914 * MIB))
     assert rose.fixes == [], "a memory fix whose measured peaks went up is not recommended"
     assert "792.0 MiB -> 914.0 MiB" in rose.text and "Not recommended" in rose.text
 
 
 def test_nan_alternatives_are_separate_fixes_and_only_failed_cells_are_failing():
-    frame = pd.DataFrame([
-        _cell(model="g", precision="fp16", batch=8, outcome="nan", reason="non-finite loss", nan_step=9.0, nan_kind="loss_nonfinite",
-              nan_forward_module="model.layers.0.mlp.down_proj"),
-        _cell(model="g", precision="fp16", batch=2),
-        _cell(model="g", precision="bf16", batch=8),
-        _cell(model="g", precision="bf16", batch=2),
-    ])
+    frame = pd.DataFrame(
+        [
+            _cell(
+                model="g",
+                precision="fp16",
+                batch=8,
+                outcome="nan",
+                reason="non-finite loss",
+                nan_step=9.0,
+                nan_kind="loss_nonfinite",
+                nan_forward_module="model.layers.0.mlp.down_proj",
+            ),
+            _cell(model="g", precision="fp16", batch=2),
+            _cell(model="g", precision="bf16", batch=8),
+            _cell(model="g", precision="bf16", batch=2),
+        ]
+    )
     (rec,) = recommend(frame, {"precision": {"bf16": "native", "fp16": "native", "fp32": "native"}})
     assert [fix.change for fix in rec.fixes] == [{"precision": "bf16"}, {"batch_size": 2}]
     assert rec.failing == ["g_fp16_bs8_none_s0"] and all(c != rec.failing[0] for c in rec.evidence)
@@ -65,9 +105,16 @@ def test_failures_are_grouped_by_cause_with_the_log_tail_and_path(tmp_path: Path
     logs = tmp_path / "logs"
     logs.mkdir()
     reason = "RuntimeError: boom"
-    frame = pd.DataFrame([_cell(batch=b, outcome="error", reason=reason) for b in (2, 4, 8)] + [_cell(batch=16, outcome="timeout", reason="no progress")])
-    (logs / "moe_fp16_bs2_none_s0.log").write_text("loading\rstep 1\rstep 2\nTraceback (most recent call last):\nRuntimeError: boom\n")
-    results = {"moe_fp16_bs2_none_s0": {"traceback": "Traceback (most recent call last):\n  File x\nRuntimeError: boom"}}
+    frame = pd.DataFrame(
+        [_cell(batch=b, outcome="error", reason=reason) for b in (2, 4, 8)]
+        + [_cell(batch=16, outcome="timeout", reason="no progress")]
+    )
+    (logs / "moe_fp16_bs2_none_s0.log").write_text(
+        "loading\rstep 1\rstep 2\nTraceback (most recent call last):\nRuntimeError: boom\n"
+    )
+    results = {
+        "moe_fp16_bs2_none_s0": {"traceback": "Traceback (most recent call last):\n  File x\nRuntimeError: boom"}
+    }
     groups = failure_groups(frame, results, logs)
     assert [(g["outcome"], len(g["cells"])) for g in groups] == [("error", 3), ("timeout", 1)]
     error = groups[0]

@@ -137,14 +137,42 @@ def _alias_bomb(levels: int = 8) -> list:
     return node
 
 
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=True), st.text(max_size=8),
-                 st.lists(st.integers(-2, 3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
-                 st.just("x" * 20_000), st.just(_alias_bomb()), st.sampled_from(["not_a_model", "llama", "qwen3_moe"]))
-PATHS = [("study",), ("grid",), ("grid", "model"), ("grid", "precision"), ("grid", "batch_size"), ("grid", "quant"),
-         ("grid", "world_size"), ("train",), ("train", "steps"), ("train", "lr"), ("train", "on_nonfinite"), ("lora", "r"),
-         ("lora", "target_modules"), ("models",), ("models", "gemma3-hot"), ("models", "gemma3-hot", "source"),
-         ("hardware", "target"), ("debug", "stall_rank"), ("tracking", "ui_port"), ("distributed", "collective_timeout_s"),
-         ("models", "gemma3-hot", "architecture"), ("data", "path")]
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 5),
+    st.floats(allow_nan=True),
+    st.text(max_size=8),
+    st.lists(st.integers(-2, 3), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+    st.just("x" * 20_000),
+    st.just(_alias_bomb()),
+    st.sampled_from(["not_a_model", "llama", "qwen3_moe"]),
+)
+PATHS = [
+    ("study",),
+    ("grid",),
+    ("grid", "model"),
+    ("grid", "precision"),
+    ("grid", "batch_size"),
+    ("grid", "quant"),
+    ("grid", "world_size"),
+    ("train",),
+    ("train", "steps"),
+    ("train", "lr"),
+    ("train", "on_nonfinite"),
+    ("lora", "r"),
+    ("lora", "target_modules"),
+    ("models",),
+    ("models", "gemma3-hot"),
+    ("models", "gemma3-hot", "source"),
+    ("hardware", "target"),
+    ("debug", "stall_rank"),
+    ("tracking", "ui_port"),
+    ("distributed", "collective_timeout_s"),
+    ("models", "gemma3-hot", "architecture"),
+    ("data", "path"),
+]
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -185,7 +213,12 @@ def test_installed_versions_meet_the_security_minimums():
 def test_no_pickle_loader_in_the_package():
     """torch.load appears only in the opt-in converter and the resume checkpoint, always with weights_only=True."""
     sources = {p.name: p.read_text() for p in (REPO / "src" / "tunegrid").rglob("*.py")}
-    calls = [(name, line) for name, text in sources.items() for line in text.splitlines() if "torch.load(" in line and "def " not in line]
+    calls = [
+        (name, line)
+        for name, text in sources.items()
+        for line in text.splitlines()
+        if "torch.load(" in line and "def " not in line
+    ]
     assert calls and all("weights_only=True" in line for _, line in calls), calls
 
 

@@ -30,9 +30,18 @@ pytestmark = [
 
 
 def test_study_through_the_slurm_profile(tmp_path):
-    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0], "world_size": [1, 2]}
+    grid = {
+        "model": ["qwen3moe-tiny"],
+        "precision": ["fp32"],
+        "batch_size": [2],
+        "quant": ["none"],
+        "seed": [0],
+        "world_size": [1, 2],
+    }
     study = make_study(
-        study="slurm", grid=grid, train={"steps": 3, "seq_len": 32, "threads": 1},
+        study="slurm",
+        grid=grid,
+        train={"steps": 3, "seq_len": 32, "threads": 1},
         hardware={"gpus_per_rank": 1},  # the fake GPUs: a 2-rank cell must really be given --gpus=2
         debug={"stall_rank": {"rank": 1, "step": 1, "seconds": 90}},
         distributed={"collective_timeout_s": 5, "exit_grace_s": 2},
@@ -46,11 +55,31 @@ def test_study_through_the_slurm_profile(tmp_path):
     with slurm_cluster(tmp_path / "slurm") as slurm_env:
         started = time.time()
         proc = subprocess.run(
-            [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir), "--configfile", str(config),
-             # this test cluster has no slurmdbd: squeue status checks, early and often
-             "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "2",
-             "--seconds-between-status-checks", "3", "--slurm-no-account", "--slurm-keep-successful-logs"],
-            cwd=REPO, env={**env, **slurm_env}, capture_output=True, text=True, timeout=900,
+            [
+                sys.executable,
+                "-m",
+                "snakemake",
+                "--profile",
+                "slurm",
+                "--directory",
+                str(workdir),
+                "--configfile",
+                str(config),
+                # this test cluster has no slurmdbd: squeue status checks, early and often
+                "--slurm-status-command",
+                "squeue",
+                "--slurm-init-seconds-before-status-checks",
+                "2",
+                "--seconds-between-status-checks",
+                "3",
+                "--slurm-no-account",
+                "--slurm-keep-successful-logs",
+            ],
+            cwd=REPO,
+            env={**env, **slurm_env},
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         wall = time.time() - started
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -34,16 +34,36 @@ def test_shipped_study_validates_and_dry_runs(path, tmp_path):
         (tmp_path / data_path).write_bytes((REPO / data_path).read_bytes())
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "HF_HUB_OFFLINE")}
     proc = subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "all", "-n",
-         "--cores", "8", "--configfile", str(path), "--resources", "gpu=8"],
-        capture_output=True, text=True, timeout=120, env=env,
+        [
+            sys.executable,
+            "-m",
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(tmp_path),
+            "all",
+            "-n",
+            "--cores",
+            "8",
+            "--configfile",
+            str(path),
+            "--resources",
+            "gpu=8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "finetune" in proc.stdout
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("config", "model"), [("gemma3-4b-t4-synthetic", "gemma3-4b-width"), ("moe-qlora-memory-synthetic", "olmoe-width")])
+@pytest.mark.parametrize(
+    ("config", "model"), [("gemma3-4b-t4-synthetic", "gemma3-4b-width"), ("moe-qlora-memory-synthetic", "olmoe-width")]
+)
 def test_real_width_variant_trains_a_step_on_cpu_with_one_layer(config, model, dataset_path, tmp_path):
     study = load_study(REPO / "configs" / f"{config}.yaml")
     study = copy.deepcopy(study)

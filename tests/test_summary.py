@@ -24,7 +24,9 @@ def _result(cell_id: str, outcome: str, headroom: object, steps: object) -> dict
 
 def test_summary_with_inf_string_numbers_and_missing_values(tmp_path: Path) -> None:
     paths = []
-    for i, (outcome, headroom, steps) in enumerate([("nan", "inf", 3), ("ok", 0.9, 10), ("ok", None, None), ("error", float("nan"), "4")]):
+    for i, (outcome, headroom, steps) in enumerate(
+        [("nan", "inf", 3), ("ok", 0.9, 10), ("ok", None, None), ("error", float("nan"), "4")]
+    ):
         path = tmp_path / f"c{i}" / "result.json"
         path.parent.mkdir()
         write_json(path, _result(f"c{i}", outcome, headroom, steps))

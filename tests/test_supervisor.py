@@ -28,7 +28,9 @@ def _store(tmp_path: Path) -> tuple[str, Path]:
 
 def _run(spec, checkpoints, dataset_path, tmp_path, tracking=None, capabilities=None):
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    return run_supervised(spec, checkpoints, dataset_path, run_dir, tracking=tracking, capabilities=capabilities), run_dir
+    return run_supervised(
+        spec, checkpoints, dataset_path, run_dir, tracking=tracking, capabilities=capabilities
+    ), run_dir
 
 
 def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path, tmp_path):
@@ -49,7 +51,11 @@ def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path
     assert len(c.get_metric_history(run.info.run_id, "loss")) == len(records) == 4
     assert {a.path for a in c.list_artifacts(run.info.run_id)} >= {"result.json", "metrics.jsonl"}
     adapter_files = {a.path for a in c.list_artifacts(run.info.run_id, "adapter")}
-    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json", "adapter/base_model.json"} <= adapter_files
+    assert {
+        "adapter/adapter_model.safetensors",
+        "adapter/adapter_config.json",
+        "adapter/base_model.json",
+    } <= adapter_files
     assert result["adapter"]["base_model"]["manifest_sha256"] and result["training"]["reference_batch_loss"] > 0
     (dataset,) = run.inputs.dataset_inputs  # the training set is the run's dataset input, with its size
     profile = json.loads(dataset.dataset.profile)
@@ -77,7 +83,10 @@ def test_wall_clock_limit_ends_as_timeout_without_orphans(checkpoints, dataset_p
 
 
 def test_killed_worker_is_an_error_with_the_signal(tmp_path):
-    spec = {**_spec(), "plan": {"estimate": {"estimate_bytes": 1, "components": {}}, "budget_bytes": None, "target": None}}
+    spec = {
+        **_spec(),
+        "plan": {"estimate": {"estimate_bytes": 1, "components": {}}, "budget_bytes": None, "target": None},
+    }
     result = compose_result(spec, tmp_path, -9, None, time.time(), ["x"])
     assert result["outcome"] == "error"
     assert "SIGKILL" in result["reason"]
@@ -103,4 +112,9 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
     assert run.data.tags["outcome"] == "ok"
     assert len(client(uri).get_metric_history(run.info.run_id, "loss")) == 4
     # a second sync finds nothing missing
-    assert sync_cell(uri, experiment_id, {**result, "tracking": {"run_id": synced["run_id"]}}, run_dir, None)["points_filled"] == 0
+    assert (
+        sync_cell(uri, experiment_id, {**result, "tracking": {"run_id": synced["run_id"]}}, run_dir, None)[
+            "points_filled"
+        ]
+        == 0
+    )

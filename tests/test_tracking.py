@@ -35,14 +35,16 @@ def test_every_metric_a_step_writes_or_readme_names_reaches_mlflow():
     from tunegrid.track.tracking import METRIC_KEYS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    listed = readme[readme.index("Metrics have the same names in every cell"):]
+    listed = readme[readme.index("Metrics have the same names in every cell") :]
     listed = listed[: listed.index(")")]
     named = set(re.findall(r"`([a-z0-9_]+)`", listed))
     assert named == set(METRIC_KEYS), f"README names {sorted(named ^ set(METRIC_KEYS))} differently from METRIC_KEYS"
     source = (Path(__file__).resolve().parents[1] / "src" / "tunegrid" / "cell" / "records.py").read_text()
-    record = source[source.index("record = {"): source.index('logs["metrics"].write(record)')]
+    record = source[source.index("record = {") : source.index('logs["metrics"].write(record)')]
     written = set(re.findall(r'"([a-z0-9_]+)":', record)) | set(re.findall(r'record\["([a-z0-9_]+)"\]', record))
-    assert written - {"step", "time"} <= set(METRIC_KEYS), f"written but not sent to MLflow: {written - set(METRIC_KEYS)}"
+    assert written - {"step", "time"} <= set(METRIC_KEYS), (
+        f"written but not sent to MLflow: {written - set(METRIC_KEYS)}"
+    )
 
 
 def test_pyproject_declares_every_third_party_package_the_package_imports():
@@ -52,8 +54,10 @@ def test_pyproject_declares_every_third_party_package_the_package_imports():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    declared = {re.split(r"[<>=\[ ]", d)[0].lower().replace("-", "_")
-                for d in tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]}
+    declared = {
+        re.split(r"[<>=\[ ]", d)[0].lower().replace("-", "_")
+        for d in tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
     aliases = {"yaml": "pyyaml", "PIL": "pillow"}
     imported = set()
     for path in (repo / "src" / "tunegrid").rglob("*.py"):

@@ -10,7 +10,9 @@ from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
 
 
-def _run(checkpoints, dataset_path, tmp_path, *, model="gemma3-hot", precision="fp32", quant="none", batch=2, train=None):
+def _run(
+    checkpoints, dataset_path, tmp_path, *, model="gemma3-hot", precision="fp32", quant="none", batch=2, train=None
+):
     spec = one_cell(model=model, precision=precision, quant=quant, batch=batch, train=train)
     run_dir = tmp_path / spec["cell_id"]
     return run_in_process(spec, checkpoints, dataset_path, run_dir), run_dir
@@ -87,7 +89,9 @@ def _run_with(checkpoints, dataset_path, tmp_path, *, model, precision, debug=No
 def test_injected_nonfinite_is_found_at_that_module_and_step(checkpoints, dataset_path, tmp_path, phase):
     target = "model.layers.0.self_attn.o_proj"  # layer 0: the next layer's attention spreads it to scored tokens
     debug = {"inject_nonfinite": {"module": target, "step": 2, "phase": phase}}
-    facts, run_dir = _run_with(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp32", debug=debug, train={"steps": 5})
+    facts, run_dir = _run_with(
+        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp32", debug=debug, train={"steps": 5}
+    )
     nan = facts["diagnosis"]["nan"]
     assert facts["outcome"] == "nan"
     assert nan["step"] == 2
@@ -104,7 +108,12 @@ def test_injected_nonfinite_is_found_at_that_module_and_step(checkpoints, datase
 def test_fp16_backward_overflow_is_a_scaler_skip_not_ok(checkpoints, dataset_path, tmp_path):
     debug = {"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "backward"}}
     facts, run_dir = _run_with(
-        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp16", debug=debug,
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="qwen3moe-tiny",
+        precision="fp16",
+        debug=debug,
         train={"steps": 4, "on_nonfinite": "stop"},
     )
     assert facts["outcome"] == "nan"
@@ -116,7 +125,13 @@ def test_fp16_backward_overflow_is_a_scaler_skip_not_ok(checkpoints, dataset_pat
 def test_scaler_skips_the_scaler_recovers_from_are_counted_not_failed(checkpoints, dataset_path, tmp_path):
     debug = {"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "backward"}}
     facts, run_dir = _run_with(
-        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp16", debug=debug, train={"steps": 4},
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="qwen3moe-tiny",
+        precision="fp16",
+        debug=debug,
+        train={"steps": 4},
     )
     assert facts["outcome"] == "ok"
     assert facts["training"]["skipped_steps"] >= 1
@@ -132,7 +147,13 @@ def test_injection_naming_no_module_is_a_clear_error(checkpoints, dataset_path, 
 
 def test_bf16_run_measures_fp16_headroom_before_fp16_is_tried(checkpoints, dataset_path, tmp_path):
     facts, run_dir = _run_with(
-        checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision="bf16", batch=8, train={"steps": 12, "headroom_every": 3}
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="gemma3-hot",
+        precision="bf16",
+        batch=8,
+        train={"steps": 12, "headroom_every": 3},
     )
     assert facts["outcome"] == "ok"
     lines = read_jsonl(run_dir / "headroom.jsonl")
@@ -146,10 +167,21 @@ def test_bf16_run_measures_fp16_headroom_before_fp16_is_tried(checkpoints, datas
 
 def test_recovered_skip_then_later_overflow_ends_nan_with_the_later_origin(checkpoints, dataset_path, tmp_path):
     # step 1: a backward overflow the GradScaler skips and recovers from; step 3: a forward overflow
-    debug = {"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "backward",
-                                  "also": [{"module": "model.layers.0.self_attn.o_proj", "step": 3, "phase": "forward"}]}}
+    debug = {
+        "inject_nonfinite": {
+            "module": "model.layers.0.mlp",
+            "step": 1,
+            "phase": "backward",
+            "also": [{"module": "model.layers.0.self_attn.o_proj", "step": 3, "phase": "forward"}],
+        }
+    }
     facts, run_dir = _run_with(
-        checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", precision="fp16", debug=debug,
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="qwen3moe-tiny",
+        precision="fp16",
+        debug=debug,
         train={"steps": 8, "on_nonfinite": "stop_after_skips"},
     )
     assert facts["outcome"] == "nan", facts["reason"]
@@ -165,7 +197,12 @@ def test_recovered_skip_then_later_overflow_ends_nan_with_the_later_origin(check
 
 def test_failing_step_headroom_is_measured_not_only_the_samples(checkpoints, dataset_path, tmp_path):
     facts, run_dir = _run_with(
-        checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision="fp16", batch=8,
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="gemma3-hot",
+        precision="fp16",
+        batch=8,
         train={"steps": 12, "headroom_every": 50},  # only step 0 sampled
     )
     assert facts["outcome"] == "nan"
@@ -173,13 +210,20 @@ def test_failing_step_headroom_is_measured_not_only_the_samples(checkpoints, dat
     failing = facts["diagnosis"]["nan"]["step"]
     assert headroom["failing_steps_measured"] == [failing]
     assert facts["diagnosis"]["nan"]["headroom"]["step"] == failing
-    assert float(headroom["worst_modules"][0]["ratio_to_fp16_max"]) >= 1.0  # ("inf" in strict JSON) the overflow itself is in the worst figure
+    assert (
+        float(headroom["worst_modules"][0]["ratio_to_fp16_max"]) >= 1.0
+    )  # ("inf" in strict JSON) the overflow itself is in the worst figure
     assert any(line.get("failing_step") for line in read_jsonl(run_dir / "headroom.jsonl"))
 
 
 def test_nan_origin_under_gradient_checkpointing(checkpoints, dataset_path, tmp_path):
     facts, _ = _run_with(
-        checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision="fp16", batch=8,
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="gemma3-hot",
+        precision="fp16",
+        batch=8,
         train={"steps": 12, "gradient_checkpointing": True},
     )
     assert facts["outcome"] == "nan", facts["reason"]

@@ -20,8 +20,14 @@ def test_schema_enums_are_the_vocabulary():
 
 
 def test_every_cell_id_matches_the_wildcard_pattern_and_nothing_else_does():
-    grid = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": list(PRECISIONS), "batch_size": [2, 16], "quant": list(QUANTS),
-            "seed": [0, 3], "world_size": [1, 2]}
+    grid = {
+        "model": ["gemma3-hot", "qwen3moe-tiny"],
+        "precision": list(PRECISIONS),
+        "batch_size": [2, 16],
+        "quant": list(QUANTS),
+        "seed": [0, 3],
+        "world_size": [1, 2],
+    }
     study = resolve_study(make_study(grid=grid))
     pattern = re.compile(cell_id_pattern())
     ids = [cell.cell_id for cell in expand_cells(study)]

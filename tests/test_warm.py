@@ -35,7 +35,9 @@ def warm_process(tmp_path, monkeypatch):
     assert not path.exists()
 
 
-def test_forked_worker_trains_exactly_like_a_spawned_one(warm_process, checkpoints, dataset_path, tmp_path, capfd, monkeypatch):
+def test_forked_worker_trains_exactly_like_a_spawned_one(
+    warm_process, checkpoints, dataset_path, tmp_path, capfd, monkeypatch
+):
     spec = _spec()
     forked = _run(spec, checkpoints, dataset_path, tmp_path / "forked")
     out = capfd.readouterr().out
@@ -63,8 +65,22 @@ def test_a_timeout_stops_the_forked_worker_and_leaves_nothing(warm_process, chec
 
 
 def test_exit_codes_of_a_failing_worker_reach_the_supervisor(warm_process, tmp_path):
-    proc = warm.fork_worker(warm_process, ["tunegrid", "worker", "--spec", str(tmp_path / "missing.json"),
-                                           "--model-dir", "x", "--data", "x", "--run-dir", str(tmp_path)], dict(os.environ))
+    proc = warm.fork_worker(
+        warm_process,
+        [
+            "tunegrid",
+            "worker",
+            "--spec",
+            str(tmp_path / "missing.json"),
+            "--model-dir",
+            "x",
+            "--data",
+            "x",
+            "--run-dir",
+            str(tmp_path),
+        ],
+        dict(os.environ),
+    )
     assert proc is not None
     assert proc.wait(timeout=60) == 1  # the traceback goes to the supervisor's stderr, the code to it
 
@@ -116,7 +132,9 @@ def test_no_fork_once_cuda_is_initialised_or_a_gpu_is_visible(monkeypatch):
     assert "spawned" in warm.fork_refusal()
 
 
-def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(checkpoints, dataset_path, tmp_path, monkeypatch, capfd):
+def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(
+    checkpoints, dataset_path, tmp_path, monkeypatch, capfd
+):
     """On a GPU machine the warm process starts, finds CUDA visible and does not serve: the cell is spawned, ok."""
     sitecustomize = tmp_path / "fakegpu" / "sitecustomize.py"
     sitecustomize.parent.mkdir()

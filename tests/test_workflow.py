@@ -24,7 +24,10 @@ def _snakemake(workdir, *args, timeout=900):
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     return subprocess.run(
         [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args],
-        capture_output=True, text=True, timeout=timeout, env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -33,7 +36,13 @@ def test_lint_is_clean():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-E2E_GRID = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32", "fp16"], "batch_size": [8], "quant": ["none", "nf4", "nf4-experts"], "seed": [0]}
+E2E_GRID = {
+    "model": ["gemma3-hot", "qwen3moe-tiny"],
+    "precision": ["fp32", "fp16"],
+    "batch_size": [8],
+    "quant": ["none", "nf4", "nf4-experts"],
+    "seed": [0],
+}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +107,9 @@ def test_tiny_study_end_to_end(finished_study):
             assert run.data.tags[axis] == str(row[axis])
         assert run.data.tags["env.torch"] == env["packages"]["torch"] and run.data.tags["env.device"] == "cpu"
         assert run.data.tags["snakemake.job"] == f"finetune results/e2e/runs/{cell_id}/result.json"
-        assert run.data.tags["snakemake.rerun"].endswith(f"--forcerun results/e2e/runs/{cell_id}/result.json --configfile {config}")
+        assert run.data.tags["snakemake.rerun"].endswith(
+            f"--forcerun results/e2e/runs/{cell_id}/result.json --configfile {config}"
+        )
         assert run.data.params["lora.r"] == "8"
         assert run.data.tags["probe.run_id"] == probe["mlflow_run_id"]
         # Gross errors only (a missing component reads 0.03-0.2): the accuracy goal (0.9-1.1) is the
@@ -134,7 +145,7 @@ def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_s
         assert cell_id in page
     for png in ("outcomes.png", "loss_curves.png", "memory.png"):
         assert (report / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "src=\"data:image/png;base64," in page and "<img alt=\"outcome matrix\"" in page  # opens from disk
+    assert 'src="data:image/png;base64,' in page and '<img alt="outcome matrix"' in page  # opens from disk
 
     recs = {r["signature"]: r for r in read_json(report / "recommendations.json")}
     nan = recs["nan:fp16"]
@@ -148,7 +159,11 @@ def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_s
     assert gap["evidence"] == ["qwen3moe-tiny_fp16_bs8_nf4-experts_s0", "qwen3moe-tiny_fp32_bs8_nf4-experts_s0"]
     peaks = summary.set_index("cell_id")["peak_bytes"]
     fell = all(peaks[e] < peaks[c] for c, e in zip(gap["concerns"], gap["evidence"]))
-    assert gap["fixes"] == ([{"change": {"quant": "nf4-experts"}, "why": "quantize the experts too", "evidence": gap["evidence"]}] if fell else [])
+    assert gap["fixes"] == (
+        [{"change": {"quant": "nf4-experts"}, "why": "quantize the experts too", "evidence": gap["evidence"]}]
+        if fell
+        else []
+    )
     # every cited cell exists, and evidence cells are ok
     by_id = summary.set_index("cell_id")
     for rec in recs.values():
@@ -164,14 +179,36 @@ def test_mlflow_server_rest_api_serves_every_cell(finished_study):
     with mlflow_server(f"sqlite:///{workdir / 'results' / 'mlflow.db'}") as url:
         assert url.startswith("http://127.0.0.1:")
         experiment = rest(url, "experiments/get-by-name?experiment_name=tunegrid/e2e", method="GET")["experiment"]
-        nan_runs = rest(url, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.outcome = 'nan'"})["runs"]
-        assert sorted(r["info"]["run_name"] for r in nan_runs) == sorted(summary.loc[summary.outcome == "nan", "cell_id"])
-        cells = rest(url, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.`tunegrid.cell_id` != ''", "max_results": 100})["runs"]
+        nan_runs = rest(
+            url, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.outcome = 'nan'"}
+        )["runs"]
+        assert sorted(r["info"]["run_name"] for r in nan_runs) == sorted(
+            summary.loc[summary.outcome == "nan", "cell_id"]
+        )
+        cells = rest(
+            url,
+            "runs/search",
+            {
+                "experiment_ids": [experiment["experiment_id"]],
+                "filter": "tags.`tunegrid.cell_id` != ''",
+                "max_results": 100,
+            },
+        )["runs"]
         assert len(cells) == len(summary)
         for run in cells:
             tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
-            assert {"model", "precision", "batch_size", "quant", "outcome", "env.transformers", "tunegrid.invocation"} <= set(tags)
-            history = rest(url, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=loss", method="GET")["metrics"]
+            assert {
+                "model",
+                "precision",
+                "batch_size",
+                "quant",
+                "outcome",
+                "env.transformers",
+                "tunegrid.invocation",
+            } <= set(tags)
+            history = rest(url, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=loss", method="GET")[
+                "metrics"
+            ]
             assert len(history) == int(summary.set_index("cell_id").loc[run["info"]["run_name"], "steps_run"])
 
 
@@ -211,7 +248,16 @@ def test_rerun_of_one_cell_supersedes_its_run(finished_study):
     cell = "gemma3-hot_fp32_bs8_nf4_s0"
     c, experiment = _experiment(workdir)
     old = c.search_runs([experiment.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{cell}'")[0]
-    proc = _snakemake(workdir, "all", "--cores", "2", "--configfile", str(config), "--forcerun", f"results/e2e/runs/{cell}/result.json")
+    proc = _snakemake(
+        workdir,
+        "all",
+        "--cores",
+        "2",
+        "--configfile",
+        str(config),
+        "--forcerun",
+        f"results/e2e/runs/{cell}/result.json",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     current = c.search_runs([experiment.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{cell}'")
     assert len(current) == 1 and current[0].info.run_id != old.info.run_id

@@ -18,7 +18,11 @@ def _dataset(args: argparse.Namespace) -> None:
 
     data = json.loads(args.data_spec) if args.data_spec else {"source": "synthetic"}
     if data["source"] == "synthetic":  # the flags, when given, are the generator's settings
-        data = {**data, "examples": args.examples or data.get("examples", 512), "seed": data.get("seed", 0) if args.seed is None else args.seed}
+        data = {
+            **data,
+            "examples": args.examples or data.get("examples", 512),
+            "seed": data.get("seed", 0) if args.seed is None else args.seed,
+        }
     count = write_study_dataset(args.out, data)
     print(f"dataset {args.out}: {count} records from {data['source']}")
 
@@ -54,7 +58,9 @@ def _tracking_init(args: argparse.Namespace) -> None:
 
     uri = resolve_tracking_uri(args.tracking_uri)
     experiment_id = init_experiment(uri, args.experiment, Path(args.artifact_root))
-    write_json(args.out, {"tracking_uri": redact_uri(uri), "experiment_name": args.experiment, "experiment_id": experiment_id})
+    write_json(
+        args.out, {"tracking_uri": redact_uri(uri), "experiment_name": args.experiment, "experiment_id": experiment_id}
+    )
     print(f"MLflow experiment {args.experiment!r} (id {experiment_id}) in {redact_uri(uri)}")
 
 
@@ -106,7 +112,9 @@ def _sync(args: argparse.Namespace) -> None:
     created = sum(r["created"] for r in report.values())
     filled = sum(r["points_filled"] for r in report.values())
     failed = [cell for cell, r in report.items() if r["errors"]]
-    print(f"MLflow sync: {len(report)} cells, {created} runs created, {filled} metric points filled, {len(failed)} failed")
+    print(
+        f"MLflow sync: {len(report)} cells, {created} runs created, {filled} metric points filled, {len(failed)} failed"
+    )
 
 
 def _plan(args: argparse.Namespace) -> None:
@@ -122,11 +130,18 @@ def _plan(args: argparse.Namespace) -> None:
     for cell in expand_cells(study):
         plan = plan_cell(cell_spec(study, cell), Path(args.models) / cell.model, capabilities)
         verdict = plan["verdict"] or ("run", "")
-        rows.append({
-            "cell_id": cell.cell_id, **cell.axes(), "target": plan["target"], "budget_bytes": plan["budget_bytes"],
-            "estimate_bytes": plan["estimate"]["estimate_bytes"], "estimate_stage": plan["estimate"]["stage"],
-            "verdict": verdict[0], "reason": verdict[1],
-        })
+        rows.append(
+            {
+                "cell_id": cell.cell_id,
+                **cell.axes(),
+                "target": plan["target"],
+                "budget_bytes": plan["budget_bytes"],
+                "estimate_bytes": plan["estimate"]["estimate_bytes"],
+                "estimate_stage": plan["estimate"]["stage"],
+                "verdict": verdict[0],
+                "reason": verdict[1],
+            }
+        )
     frame = pd.DataFrame(rows)
     atomic_write_text(args.out, frame.to_csv(index=False))
     print(frame[["cell_id", "target", "estimate_bytes", "verdict", "reason"]].to_string(index=False))
@@ -136,10 +151,16 @@ def _report(args: argparse.Namespace) -> None:
     from tunegrid.review.report import build_report
 
     facts = build_report(
-        Path(args.summary), [Path(p) for p in args.results], read_json(args.capabilities),
-        read_json(args.environment), Path(args.out_dir), args.study,
+        Path(args.summary),
+        [Path(p) for p in args.results],
+        read_json(args.capabilities),
+        read_json(args.environment),
+        Path(args.out_dir),
+        args.study,
     )
-    print(f"report {args.out_dir}/index.html: {facts['cells']} cells, {facts['recommendations']} recommendations, {facts['outcomes']}")
+    print(
+        f"report {args.out_dir}/index.html: {facts['cells']} cells, {facts['recommendations']} recommendations, {facts['outcomes']}"
+    )
 
 
 def _execution_end(args: argparse.Namespace) -> None:
@@ -148,7 +169,10 @@ def _execution_end(args: argparse.Namespace) -> None:
 
     tracking = read_json(args.tracking)
     closed = close_execution(
-        tracking_uri_for_cells(tracking), tracking["experiment_id"], Path(args.study_dir), args.status,
+        tracking_uri_for_cells(tracking),
+        tracking["experiment_id"],
+        Path(args.study_dir),
+        args.status,
         [Path(p) for p in args.attach],
     )
     print("no cell ran in this execution" if closed is None else f"study run {closed['run_id']}: {closed['counts']}")
@@ -188,7 +212,9 @@ def _mlflow_ui(args: argparse.Namespace) -> None:
     from tunegrid.track.tracking import tracking_uri_for_cells
 
     store = tracking_uri_for_cells(read_json(args.tracking))  # the store the cells wrote: one resolver for all
-    raise SystemExit(serve_until_stopped(store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None))
+    raise SystemExit(
+        serve_until_stopped(store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None)
+    )
 
 
 def _validate(args: argparse.Namespace) -> None:

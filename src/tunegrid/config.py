@@ -166,7 +166,9 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
         elif spec["source"] == "local":
             path = Path(spec["path"]) if spec["path"] else None
             if path is None or not path.is_dir():
-                problems.append(f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder")
+                problems.append(
+                    f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder"
+                )
     from tunegrid.data_checks import config_problems
 
     problems += config_problems(config["data"])
@@ -208,7 +210,10 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
     if isinstance(values, dict):
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
-        return {k: coerce_overrides(v, props.get(k) or (extra if isinstance(extra, dict) else {})) for k, v in values.items()}
+        return {
+            k: coerce_overrides(v, props.get(k) or (extra if isinstance(extra, dict) else {}))
+            for k, v in values.items()
+        }
     if isinstance(values, list):
         return [coerce_overrides(v, schema.get("items") or {}) for v in values]
     if not isinstance(values, str):

@@ -41,9 +41,13 @@ def is_chat(data: dict[str, Any]) -> bool:
 def fields_problems(data: dict[str, Any]) -> list[str]:
     fields = field_map(data)
     if "messages" in fields and len(fields) > 1:
-        return ["config key 'data.fields': give either {messages: <column>} or {prompt: <column>, response: <column>}, not both"]
+        return [
+            "config key 'data.fields': give either {messages: <column>} or {prompt: <column>, response: <column>}, not both"
+        ]
     if "messages" not in fields and not {"prompt", "response"} <= set(fields):
-        return ["config key 'data.fields': pairs need both 'prompt' and 'response' (the column names), chats need 'messages'"]
+        return [
+            "config key 'data.fields': pairs need both 'prompt' and 'response' (the column names), chats need 'messages'"
+        ]
     return []
 
 
@@ -64,7 +68,9 @@ def config_problems(data: dict[str, Any]) -> list[str]:
         return problems
     path = Path(data["path"]) if data["path"] else None
     if path is None or not path.is_file():
-        problems.append(f"config key 'data.path': {data['path']!r} is not a file; give the {source} file of the training records")
+        problems.append(
+            f"config key 'data.path': {data['path']!r} is not a file; give the {source} file of the training records"
+        )
         return problems
     if not problems:
         problems += [str(exc) for exc in _sample_errors(data, path)]
@@ -118,8 +124,10 @@ def check_records(records: Iterable[dict[str, Any]], data: dict[str, Any]) -> No
 
 
 def _check_messages(messages: Any, i: int, column: str) -> None:
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages
+    ok = (
+        isinstance(messages, list)
+        and messages
+        and all(isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in messages)
     )
     if not ok or not any(m["role"] == "assistant" for m in messages):
         raise DataError(

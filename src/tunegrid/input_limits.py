@@ -39,21 +39,28 @@ def size_problems(raw: Any) -> list[str]:
         children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
         total = 1 + sum(count(v, f"{key}.{k}" if key else str(k)) for k, v in children)
         if isinstance(value, str) and len(value) > MAX_STRING_CHARS and len(long_strings) < 3:
-            long_strings.append(f"config key '{key}': a string of {len(value):,} characters; the limit is {MAX_STRING_CHARS:,}")
+            long_strings.append(
+                f"config key '{key}': a string of {len(value):,} characters; the limit is {MAX_STRING_CHARS:,}"
+            )
         sizes[id(value)] = total
         return total
 
     total = count(raw, "")
     problems = list(long_strings)
     if total > MAX_STUDY_VALUES:
-        problems.append(f"config key '<top level>': the study expands to {total:,} values (YAML aliases?); the limit is {MAX_STUDY_VALUES:,}: "
-                        "write the study out without nested aliases")
+        problems.append(
+            f"config key '<top level>': the study expands to {total:,} values (YAML aliases?); the limit is {MAX_STUDY_VALUES:,}: "
+            "write the study out without nested aliases"
+        )
     return problems
 
 
 def study_file_problems(paths: list[Any]) -> list[str]:
-    return [f"config file {str(p)!r} is {Path(p).stat().st_size:,} bytes; a study file is at most {MAX_STUDY_FILE_BYTES:,}"
-            for p in paths if Path(p).is_file() and Path(p).stat().st_size > MAX_STUDY_FILE_BYTES]
+    return [
+        f"config file {str(p)!r} is {Path(p).stat().st_size:,} bytes; a study file is at most {MAX_STUDY_FILE_BYTES:,}"
+        for p in paths
+        if Path(p).is_file() and Path(p).stat().st_size > MAX_STUDY_FILE_BYTES
+    ]
 
 
 def secret_problems(value: Any, key: str = "") -> list[str]:

@@ -22,7 +22,9 @@ def infrastructure_fault(result: dict[str, Any]) -> bool:
         return False  # a rank that reported its own error fails the same way again
     if (result.get("diagnosis") or {}).get("rank_crash"):
         return True
-    return result.get("worker_exit_code") not in (0, None) and not (result.get("training") or result.get("precision_plan"))
+    return result.get("worker_exit_code") not in (0, None) and not (
+        result.get("training") or result.get("precision_plan")
+    )
 
 
 def compose_result(
@@ -41,8 +43,11 @@ def compose_result(
         outcome, reason = verdict
         if outcome == Outcome.TIMEOUT:
             facts["diagnosis"] = {
-                "timeout": {"stage": facts.get("stage") or heartbeat_stage(run_dir), "limit_s": spec["train"]["time_limit_s"],
-                            "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"]}
+                "timeout": {
+                    "stage": facts.get("stage") or heartbeat_stage(run_dir),
+                    "limit_s": spec["train"]["time_limit_s"],
+                    "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"],
+                }
             }
     elif facts:
         outcome, reason = facts["outcome"], facts["reason"]
@@ -87,9 +92,13 @@ def compose_result(
 def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
     """Measured peaks by stage beside the estimate made before training (the tracker's accuracy)."""
     plan = spec["plan"]
-    memory = {**measured, "estimate_bytes": plan["estimate"]["estimate_bytes"],
-              "estimate_components": plan["estimate"]["components"], "budget_bytes": plan["budget_bytes"],
-              "target": plan["target"]}
+    memory = {
+        **measured,
+        "estimate_bytes": plan["estimate"]["estimate_bytes"],
+        "estimate_components": plan["estimate"]["components"],
+        "budget_bytes": plan["budget_bytes"],
+        "target": plan["target"],
+    }
     peak = measured.get("peak_bytes")
     memory["estimate_over_measured"] = plan["estimate"]["estimate_bytes"] / peak if peak else None
     return memory

@@ -11,8 +11,17 @@ from typing import Any
 
 # The checkpoint folder (tunegrid.cell.resume) is deliberately not a run file: a re-run resumes from it, and the
 # worker itself removes one written for a different training spec.
-RUN_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "worker.json", "heartbeat", "ranks",
-             "flight_recorder", "adapter")
+RUN_FILES = (
+    "metrics.jsonl",
+    "events.jsonl",
+    "headroom.jsonl",
+    "audit.json",
+    "worker.json",
+    "heartbeat",
+    "ranks",
+    "flight_recorder",
+    "adapter",
+)
 
 
 class MetricsTail:

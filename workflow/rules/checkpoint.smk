@@ -5,15 +5,13 @@ rule model_checkpoint:
         data=rules.dataset.output.data,
     output:
         model=directory(f"{RESULTS}/models/{{model}}"),
-    params:
-        spec=get_model_spec,
     log:
         f"{LOGS}/checkpoint/{{model}}.log",
     conda:
         "../../envs/tunegrid.yaml"
     resources:
         mem_mb=8000,
+    params:
+        spec=get_model_spec,
     shell:
-        f"python {SCRIPT} checkpoint"
-        " --spec {params.spec:q} --data {input.data}"
-        " --out {output.model} > {log} 2>&1"
+        f"python {SCRIPT} checkpoint" " --spec {params.spec:q} --data {input.data}" " --out {output.model} > {log} 2>&1"

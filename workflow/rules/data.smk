@@ -5,14 +5,12 @@ rule dataset:
         source=lambda wildcards: [STUDY["data"]["path"]] if STUDY["data"]["source"] in ("jsonl", "parquet") else [],
     output:
         data=f"{RESULTS}/data/train.jsonl",
-    params:
-        spec=json.dumps(STUDY["data"], sort_keys=True),
-    localrule: True
     log:
         f"{LOGS}/dataset.log",
+    localrule: True
     conda:
         "../../envs/tunegrid.yaml"
+    params:
+        spec=json.dumps(STUDY["data"], sort_keys=True),
     shell:
-        f"python {SCRIPT} dataset"
-        " --data-spec {params.spec:q}"
-        " --out {output.data} > {log} 2>&1"
+        f"python {SCRIPT} dataset" " --data-spec {params.spec:q}" " --out {output.data} > {log} 2>&1"

@@ -7,5 +7,4 @@ rule environment:
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        f"python {SCRIPT} environment"
-        " --out {output.env} --freeze {output.freeze} > {log} 2>&1"
+        f"python {SCRIPT} environment" " --out {output.env} --freeze {output.freeze} > {log} 2>&1"

@@ -9,12 +9,6 @@ rule finetune:
         probe_run=get_probe_run_file,  # read beside the capabilities: the probe's MLflow run id
     output:
         result=f"{RESULTS}/runs/{{cell_id}}/result.json",
-    params:
-        # not on the command line: here so that a change of the cell's resolved spec re-runs it
-        spec=get_cell_spec,
-        run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
-        # rule + output identify the job across invocations (Snakemake's job ids do not)
-        job=lambda wildcards, output: f"finetune {output.result}",
     log:
         f"{LOGS}/finetune/{{cell_id}}.log",
     benchmark:
@@ -29,6 +23,12 @@ rule finetune:
         gpu=get_cell_gpus,
         cpus_per_task=get_cell_cpus,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
+    params:
+        # not on the command line: here so that a change of the cell's resolved spec re-runs it
+        spec=get_cell_spec,
+        run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
+        # rule + output identify the job across invocations (Snakemake's job ids do not)
+        job=lambda wildcards, output: f"finetune {output.result}",
     shell:
         f"python {SCRIPT} finetune"
         f" --study-file {STUDY_FILE} --cell {{wildcards.cell_id}} --model-dir {{input.model}}"

@@ -6,13 +6,13 @@ rule plan:
         models=get_model_dirs(),
     output:
         plan=f"{RESULTS}/plan.csv",
-    params:
-        models=lambda wildcards, input: os.path.dirname(input.models[0]),
-    localrule: True
     log:
         f"{LOGS}/plan.log",
+    localrule: True
     conda:
         "../../envs/tunegrid.yaml"
+    params:
+        models=lambda wildcards, input: os.path.dirname(input.models[0]),
     shell:
         f"python {SCRIPT} plan"
         f" --study-file {STUDY_FILE} --capabilities {{input.capabilities}} --models {{params.models}}"

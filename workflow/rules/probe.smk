@@ -3,15 +3,15 @@
 rule probe:
     output:
         capabilities=f"{RESULTS}/probe/capabilities.json",
+    log:
+        f"{LOGS}/probe.log",
+    conda:
+        "../../envs/tunegrid.yaml"
+    resources:
+        gpu=get_probe_gpus,
     params:
         world_sizes=" ".join(map(str, STUDY["probe"]["world_sizes"])),
         budget_s=STUDY["probe"]["budget_s"],
-    log:
-        f"{LOGS}/probe.log",
-    resources:
-        gpu=get_probe_gpus,
-    conda:
-        "../../envs/tunegrid.yaml"
     shell:
         f"python {SCRIPT} probe"
         " --budget-s {params.budget_s} --world-sizes {params.world_sizes}"

@@ -14,14 +14,14 @@ rule comparison_report:
         recommendations=report(
             f"{RESULTS}/report/recommendations.json", caption="../report/recommendations.rst", category="Review"
         ),
+    log:
+        f"{LOGS}/report.log",
+    localrule: True
+    conda:
+        "../../envs/tunegrid.yaml"
     params:
         study=STUDY["study"],
         out_dir=lambda wildcards, output: os.path.dirname(output.html),
-    localrule: True
-    log:
-        f"{LOGS}/report.log",
-    conda:
-        "../../envs/tunegrid.yaml"
     shell:
         f"python {SCRIPT} report"
         " --summary {input.summary} --capabilities {input.capabilities} --environment {input.environment}"
@@ -33,17 +33,19 @@ rule comparison_report:
 rule mlflow_ui:
     input:
         tracking=rules.tracking_init.output.tracking,
+    log:
+        f"{LOGS}/mlflow_ui.log",
+    localrule: True
+    conda:
+        "../../envs/tunegrid.yaml"
     params:
         host=STUDY["tracking"]["ui_host"],
         port=STUDY["tracking"]["ui_port"],
         allowed=(
-            f"--allowed-hosts {shlex.quote(STUDY['tracking']['ui_allowed_hosts'])}" if STUDY["tracking"]["ui_allowed_hosts"] else ""
+            f"--allowed-hosts {shlex.quote(STUDY['tracking']['ui_allowed_hosts'])}"
+            if STUDY["tracking"]["ui_allowed_hosts"]
+            else ""
         ),
-    localrule: True
-    log:
-        f"{LOGS}/mlflow_ui.log",
-    conda:
-        "../../envs/tunegrid.yaml"
     shell:
         f"python {SCRIPT} mlflow-ui --tracking {{input.tracking}} --host {{params.host}} --port {{params.port}}"
         " {params.allowed} --log {log}"

@@ -9,11 +9,10 @@ rule summary:
             category="Summary",
         ),
         parquet=f"{RESULTS}/summary.parquet",
-    localrule: True
     log:
         f"{LOGS}/summary.log",
+    localrule: True
     conda:
         "../../envs/tunegrid.yaml"
     shell:
-        f"python {SCRIPT} summary"
-        " --out {output.csv} --sync={input.sync} {input.results} > {log} 2>&1"
+        f"python {SCRIPT} summary" " --out {output.csv} --sync={input.sync} {input.results} > {log} 2>&1"

@@ -9,15 +9,15 @@
 rule tracking_init:
     output:
         tracking=f"{RESULTS}/tracking.json",
+    log:
+        f"{LOGS}/tracking_init.log",
+    localrule: True
+    conda:
+        "../../envs/tunegrid.yaml"
     params:
         uri=STUDY["tracking"]["tracking_uri"],
         experiment=STUDY["tracking"]["experiment"] or f"tunegrid/{STUDY['study']}",
         artifact_root="results/mlartifacts",
-    localrule: True
-    log:
-        f"{LOGS}/tracking_init.log",
-    conda:
-        "../../envs/tunegrid.yaml"
     shell:
         f"python {SCRIPT} tracking-init"
         " --tracking-uri={params.uri:q} --experiment {params.experiment:q}"
@@ -32,13 +32,13 @@ rule mlflow_sync:
         results=get_result_files(),
     output:
         sync=f"{RESULTS}/tracking-sync.json",
-    params:
-        logs=f"{LOGS}/finetune",
-    localrule: True
     log:
         f"{LOGS}/mlflow_sync.log",
+    localrule: True
     conda:
         "../../envs/tunegrid.yaml"
+    params:
+        logs=f"{LOGS}/finetune",
     shell:
         f"python {SCRIPT} sync"
         " --tracking {input.tracking} --logs {params.logs} --out {output.sync} {input.results} > {log} 2>&1"
@@ -51,9 +51,9 @@ rule probe_tracking:
         capabilities=rules.probe.output.capabilities,
     output:
         run=f"{RESULTS}/probe/mlflow.json",
-    localrule: True
     log:
         f"{LOGS}/probe_tracking.log",
+    localrule: True
     conda:
         "../../envs/tunegrid.yaml"
     shell:

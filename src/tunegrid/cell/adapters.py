@@ -28,7 +28,10 @@ def base_model_identity(manifest: dict[str, Any]) -> dict[str, Any]:
     coordinates when it came from the hub."""
     text = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
     source = manifest.get("source") or {}
-    identity: dict[str, Any] = {"kind": source.get("kind"), "manifest_sha256": hashlib.sha256(text.encode()).hexdigest()}
+    identity: dict[str, Any] = {
+        "kind": source.get("kind"),
+        "manifest_sha256": hashlib.sha256(text.encode()).hexdigest(),
+    }
     if source.get("kind") == "hub":
         identity.update(repo_id=source["repo_id"], revision=source["revision"])
     return identity
@@ -55,7 +58,10 @@ def save_adapter(run_dir: Path, model: Any, batch: dict[str, Any], loss: float, 
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(staging, safe_serialization=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in batch.items()}, str(staging / REFERENCE_BATCH_FILE))
-    record = {**base, "reference": {"batch_file": REFERENCE_BATCH_FILE, "loss": loss, "mode": "eval (dropout off), no grad"}}
+    record = {
+        **base,
+        "reference": {"batch_file": REFERENCE_BATCH_FILE, "loss": loss, "mode": "eval (dropout off), no grad"},
+    }
     write_json(staging / BASE_FILE, record)
     target = run_dir / ADAPTER_DIR
     shutil.rmtree(target, ignore_errors=True)
@@ -69,5 +75,9 @@ def base_record(spec: dict[str, Any], manifest: dict[str, Any], plan: Any) -> di
         "base_model": base_model_identity(manifest),
         "model_name": spec["model"]["name"],
         "cell_id": spec["cell_id"],
-        "load": {"storage_dtype": plan.storage_dtype, "compute_dtype": plan.compute_dtype, "quant": spec["axes"]["quant"]},
+        "load": {
+            "storage_dtype": plan.storage_dtype,
+            "compute_dtype": plan.compute_dtype,
+            "quant": spec["axes"]["quant"],
+        },
     }

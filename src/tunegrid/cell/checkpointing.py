@@ -42,11 +42,24 @@ class CheckpointSteps:
         self.memory.update(saved["memory"])
         return resumed.step, saved["skipped_total"], saved["consecutive_skips"]
 
-    def save_checkpoint(self, step: int, tallies: dict[str, list[Any]], skipped_total: int, consecutive_skips: int,
-                        census: Any, headroom: Any) -> None:
+    def save_checkpoint(
+        self,
+        step: int,
+        tallies: dict[str, list[Any]],
+        skipped_total: int,
+        consecutive_skips: int,
+        census: Any,
+        headroom: Any,
+    ) -> None:
         self.heartbeat.beat(f"step {step} checkpoint")
-        extra = {"skipped_total": skipped_total, "consecutive_skips": consecutive_skips, "census": census.as_dict(),
-                 "headroom_worst": dict(headroom.worst_seen),
-                 "memory": {k: v for k, v in self.memory.items() if k == "first_step_peak_bytes"}}
-        self.checkpointer.save(step, self.trainable_named, self.optimizer, self.scheduler, self.scaler, {**tallies, **extra})
+        extra = {
+            "skipped_total": skipped_total,
+            "consecutive_skips": consecutive_skips,
+            "census": census.as_dict(),
+            "headroom_worst": dict(headroom.worst_seen),
+            "memory": {k: v for k, v in self.memory.items() if k == "first_step_peak_bytes"},
+        }
+        self.checkpointer.save(
+            step, self.trainable_named, self.optimizer, self.scheduler, self.scaler, {**tallies, **extra}
+        )
         self.facts["checkpoint"]["last_step"] = step

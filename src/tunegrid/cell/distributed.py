@@ -76,20 +76,33 @@ def analyze_flight_recorder(run_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder), "--prefix", "rank_",
-             "--allow-incomplete-ranks"],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.flight_recorder.fr_trace",
+                str(folder),
+                "--prefix",
+                "rank_",
+                "--allow-incomplete-ranks",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         text = proc.stdout + proc.stderr
     except (OSError, subprocess.TimeoutExpired) as exc:
         text = f"fr_trace failed: {exc}"
     lines = [line for line in text.splitlines() if line.strip()]
-    verdict = next((line for line in lines if re.search(r"mismatch|not.*(join|arriv)|missing|timeout", line, re.I)), lines[-1] if lines else "")
+    verdict = next(
+        (line for line in lines if re.search(r"mismatch|not.*(join|arriv)|missing|timeout", line, re.I)),
+        lines[-1] if lines else "",
+    )
     return {"dumps": [d.name for d in dumps], "verdict": verdict[:400], "report_tail": lines[-20:]}
 
 
-def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], codes: list[int | None],
-                   stopped: list[int]) -> dict[str, Any]:
+def diagnose_ranks(
+    spec: dict[str, Any], run_dir: Path, result: dict[str, Any], codes: list[int | None], stopped: list[int]
+) -> dict[str, Any]:
     """Fields of result.json for a distributed cell: outcome, reason, diagnosis, ranks."""
     world = len(codes)
     timeout_s = spec["distributed"]["collective_timeout_s"]
@@ -102,31 +115,57 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
 
     # a rank that left on its own after noticing its peer was gone (gloo/NCCL "connection closed by peer")
     # is a consequence, not a crash: whether it exits before the supervisor stops it is only timing
-    crashed = [r for r in ranks if not r["stopped_by_supervisor"] and r["exit_code"] not in (0, None)
-               and not {"peer_lost", "collective_timeout"} & set(r["diagnosis"])]
+    crashed = [
+        r
+        for r in ranks
+        if not r["stopped_by_supervisor"]
+        and r["exit_code"] not in (0, None)
+        and not {"peer_lost", "collective_timeout"} & set(r["diagnosis"])
+    ]
     if crashed:
         first = crashed[0]
-        at = f" at step {first['last_step']}" if first["last_step"] is not None else f" during {first['last_heartbeat'] or 'start-up'}"
+        at = (
+            f" at step {first['last_step']}"
+            if first["last_step"] is not None
+            else f" during {first['last_heartbeat'] or 'start-up'}"
+        )
         update.update(
             outcome=Outcome.ERROR,
             reason=f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
-            diagnosis={"rank_crash": {"ranks": [r["rank"] for r in crashed], "exit": first["exit"], "last_step": first["last_step"],
-                                      "last_log_lines": first["log_tail"], "last_step_per_rank": last_steps}},
+            diagnosis={
+                "rank_crash": {
+                    "ranks": [r["rank"] for r in crashed],
+                    "exit": first["exit"],
+                    "last_step": first["last_step"],
+                    "last_log_lines": first["log_tail"],
+                    "last_step_per_rank": last_steps,
+                }
+            },
         )
         return update
 
     # A rank that failed on its own (its worker.json says error/oom, not a symptom of a peer) is the
     # cause: its peers then wait or are stopped. Deterministic, so the cell is never retried for it.
-    failed = [r for r in ranks if r["outcome"] in (Outcome.ERROR, Outcome.OOM)
-              and not {"collective_timeout", "peer_lost"} & set(r["diagnosis"])]
+    failed = [
+        r
+        for r in ranks
+        if r["outcome"] in (Outcome.ERROR, Outcome.OOM)
+        and not {"collective_timeout", "peer_lost"} & set(r["diagnosis"])
+    ]
     if failed:
         first = failed[0]
         update.update(
             outcome=first["outcome"],
             reason=f"rank {first['rank']} failed: {first['reason']}; the other ranks were stopped",
-            diagnosis={"rank_failure": {"ranks": [r["rank"] for r in failed], "reason": first["reason"],
-                                        "traceback": (first["traceback"] or "")[-2000:], "last_log_lines": first["log_tail"],
-                                        "last_step_per_rank": last_steps}},
+            diagnosis={
+                "rank_failure": {
+                    "ranks": [r["rank"] for r in failed],
+                    "reason": first["reason"],
+                    "traceback": (first["traceback"] or "")[-2000:],
+                    "last_log_lines": first["log_tail"],
+                    "last_step_per_rank": last_steps,
+                }
+            },
         )
         return update
 
@@ -165,7 +204,9 @@ def diagnose_ranks(spec: dict[str, Any], run_dir: Path, result: dict[str, Any], 
         digests = {r["lora_sha256"] for r in ranks}
         update["distributed"]["lora_identical"] = len(digests) == 1 and None not in digests
         if not update["distributed"]["lora_identical"]:
-            update.update(outcome=Outcome.ERROR, reason="ranks ended with different LoRA weights (DDP did not keep them in sync)")
+            update.update(
+                outcome=Outcome.ERROR, reason="ranks ended with different LoRA weights (DDP did not keep them in sync)"
+            )
     return update
 
 
@@ -178,8 +219,10 @@ class Ranks:
     local: int = 0
 
     @classmethod
-    def from_env(cls) -> "Ranks":
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0)))
+    def from_env(cls) -> Ranks:
+        return cls(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        )
 
     @property
     def distributed(self) -> bool:

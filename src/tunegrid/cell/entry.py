@@ -15,6 +15,6 @@ def run_worker_from_argv(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="tunegrid worker")
     for option in ("--spec", "--model-dir", "--data", "--run-dir"):
         parser.add_argument(option, required=True)
-    args = parser.parse_args(argv[argv.index("worker") + 1:])
+    args = parser.parse_args(argv[argv.index("worker") + 1 :])
     run_worker(read_json(args.spec), args.model_dir, args.data, args.run_dir)
     return 0

@@ -51,7 +51,9 @@ class ExpertNF4Quantizer(Bnb4BitHfQuantizer):
     quantization_config: ExpertNF4Config
 
     def is_expert(self, model: Any, param_name: str) -> bool:
-        return param_name not in set(self.quantization_config.keep_full_precision) and _is_expert_param(model, param_name)
+        return param_name not in set(self.quantization_config.keep_full_precision) and _is_expert_param(
+            model, param_name
+        )
 
     def param_needs_quantization(self, model: Any, param_name: str, **kwargs: Any) -> bool:
         return super().param_needs_quantization(model, param_name, **kwargs) or self.is_expert(model, param_name)
@@ -87,9 +89,14 @@ def quantize_per_expert(value: Any) -> tuple[Any, Any]:
     offset = block_max.mean()
     qabsmax, state2 = F.quantize_blockwise(block_max - offset, blocksize=256)
     state = F.QuantState(
-        absmax=qabsmax, shape=value.shape, dtype=value.dtype, blocksize=BLOCKSIZE,
-        code=F.get_4bit_type(NF4["quant_type"], device=value.device), quant_type=NF4["quant_type"],
-        offset=offset, state2=state2,
+        absmax=qabsmax,
+        shape=value.shape,
+        dtype=value.dtype,
+        blocksize=BLOCKSIZE,
+        code=F.get_4bit_type(NF4["quant_type"], device=value.device),
+        quant_type=NF4["quant_type"],
+        offset=offset,
+        state2=state2,
     )
     return data, state
 
@@ -116,7 +123,9 @@ class QuantizeExpertsOnLoad(ConversionOps):
         self.hf_quantizer = hf_quantizer
         self.linear = Bnb4bitQuantize(hf_quantizer)
 
-    def convert(self, input_dict: dict[str, Any], model: Any = None, missing_keys: set[str] | None = None, **kwargs: Any) -> dict[str, Any]:
+    def convert(
+        self, input_dict: dict[str, Any], model: Any = None, missing_keys: set[str] | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
         linear, passed = {}, {}
         for name in list(input_dict):
             value = input_dict.pop(name)  # no reference kept here once the tensor is quantized
@@ -215,7 +224,9 @@ def quantized_at_load(model: Any) -> list[dict[str, Any]]:
     return found
 
 
-def load_config(bnb_kwargs: dict[str, Any], model_dir: Path, attach: Callable[[Any], Any], trust_remote_code: bool) -> ExpertNF4Config:
+def load_config(
+    bnb_kwargs: dict[str, Any], model_dir: Path, attach: Callable[[Any], Any], trust_remote_code: bool
+) -> ExpertNF4Config:
     """The quantization config of an nf4-experts load: bitsandbytes' 4-bit settings, and the expert
     parameters `attach` will put adapters on kept in full precision."""
     from transformers import AutoConfig

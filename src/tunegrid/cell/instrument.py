@@ -242,5 +242,3 @@ class _Injection:
         poisoned = grad.clone()
         poisoned.view(-1)[0] = self.value
         return poisoned
-
-

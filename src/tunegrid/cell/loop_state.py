@@ -26,5 +26,11 @@ class LoopState:
 
     def tallies(self) -> dict[str, list[Any]]:
         """The lists a checkpoint saves, as the same objects (a resume extends them in place)."""
-        return {"step_times": self.step_times, "tokens_per_s": self.tokens_per_s, "steady_peaks": self.steady_peaks,
-                "losses": self.losses, "nonfinite_events": self.nonfinite_events, "headroom_steps": self.headroom_steps}
+        return {
+            "step_times": self.step_times,
+            "tokens_per_s": self.tokens_per_s,
+            "steady_peaks": self.steady_peaks,
+            "losses": self.losses,
+            "nonfinite_events": self.nonfinite_events,
+            "headroom_steps": self.headroom_steps,
+        }

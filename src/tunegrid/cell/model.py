@@ -29,7 +29,9 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
         from tunegrid.cell import expert_quant
 
-        kwargs["quantization_config"] = expert_quant.load_config(bnb, model_dir, lambda m: attach_lora(m, spec), kwargs["trust_remote_code"])
+        kwargs["quantization_config"] = expert_quant.load_config(
+            bnb, model_dir, lambda m: attach_lora(m, spec), kwargs["trust_remote_code"]
+        )
         model = expert_quant.load_causal_lm(model_dir, kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)

@@ -10,8 +10,9 @@ from typing import Any
 
 
 class OriginReplay:
-    def replay_origin(self, step: int, batch: dict[str, Any], rng_state: Any, scale: float | None,
-                      headroom: Any = None) -> dict[str, Any]:
+    def replay_origin(
+        self, step: int, batch: dict[str, Any], rng_state: Any, scale: float | None, headroom: Any = None
+    ) -> dict[str, Any]:
         """Re-run the failing step from the same state with hooks: which module went non-finite first.
 
         The weights are as they were before the step: a non-finite step never updates them. With a

@@ -185,8 +185,15 @@ class FlatBatchStream(BatchStream):
         return {k: v.reshape(1, -1) for k, v in super().batch(step).items()}
 
 
-def build_stream(records: list[dict[str, Any]], tokenizer: Any, model: Any, data: dict[str, Any], seq_len: int,
-                 batch_size: int, seed: int) -> tuple[BatchStream, dict[str, Any]]:
+def build_stream(
+    records: list[dict[str, Any]],
+    tokenizer: Any,
+    model: Any,
+    data: dict[str, Any],
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+) -> tuple[BatchStream, dict[str, Any]]:
     """The cell's batches and the facts about them (result["data"])."""
     mode = packing_mode(model, data.get("packing", True))
     loss_on = data.get("loss_on", "response")

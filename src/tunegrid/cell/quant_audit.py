@@ -25,7 +25,9 @@ def quant_state_bytes(state: Any) -> int:
     return total
 
 
-def _role(name: str, module: Any, ndim: int, expert_modules: set[int], router_parents: set[str], output_embeddings: Any) -> str:
+def _role(
+    name: str, module: Any, ndim: int, expert_modules: set[int], router_parents: set[str], output_embeddings: Any
+) -> str:
     import torch
 
     if ".lora_" in name:
@@ -66,7 +68,9 @@ def _logical_params(model: Any) -> list[tuple[str, Any, str, Any, Any]]:
 
 def audit_model(model: Any, *, four_bit_requested: bool, flag_bytes: int = DEFAULT_FLAG_BYTES) -> dict[str, Any]:
     entries = _logical_params(model)
-    expert_modules = {id(m) for _, m, _, t, s in entries if (tuple(s.shape) if s is not None else tuple(t.shape)).__len__() >= 3}
+    expert_modules = {
+        id(m) for _, m, _, t, s in entries if (tuple(s.shape) if s is not None else tuple(t.shape)).__len__() >= 3
+    }
     router_parents = set()
     for name, module in model.named_modules():
         if id(module) in expert_modules and "." in name:
@@ -80,7 +84,11 @@ def audit_model(model: Any, *, four_bit_requested: bool, flag_bytes: int = DEFAU
         quantized = state is not None
         shape = list(state.shape) if quantized else list(storage.shape)
         stored = _tensor_bytes(storage) + (quant_state_bytes(state) if quantized else 0)
-        dtype = "nf4" if quantized and getattr(state, "quant_type", "") == "nf4" else str(storage.dtype).removeprefix("torch.")
+        dtype = (
+            "nf4"
+            if quantized and getattr(state, "quant_type", "") == "nf4"
+            else str(storage.dtype).removeprefix("torch.")
+        )
         role = _role(name, module, len(shape), expert_modules, router_parents, output_embeddings)
         entry = {
             "name": name,
@@ -126,12 +134,17 @@ def growth(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def lora_attachment(model: Any, target_modules: list[str], target_parameters: list[str]) -> dict[str, Any]:
     """Targets requested versus adapters peft actually created (peft warns about none of the misses)."""
     lora_modules = [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A", {}))]
-    modules = {t: sum(1 for n, m in lora_modules if n.endswith("." + t) and not hasattr(m, "parameter_name")) for t in target_modules}
+    modules = {
+        t: sum(1 for n, m in lora_modules if n.endswith("." + t) and not hasattr(m, "parameter_name"))
+        for t in target_modules
+    }
     parameters = {}
     for target in target_parameters:
         owner, _, param = target.rpartition(".")
         parameters[target] = sum(
-            1 for n, m in lora_modules if getattr(m, "parameter_name", None) == param and (not owner or f".{owner}" in f".{n}")
+            1
+            for n, m in lora_modules
+            if getattr(m, "parameter_name", None) == param and (not owner or f".{owner}" in f".{n}")
         )
     unmatched = [t for t, count in {**modules, **parameters}.items() if count == 0]
     # peft may put adapters on fused expert parameters nobody listed (its v4->v5 conversion turns
@@ -175,7 +188,14 @@ def quantize_experts_post_load(model: Any) -> dict[str, Any]:
                 continue
             name = f"{module_name}.{param_name}"
             if (id(module), param_name) in with_adapter:
-                kept.append({"name": name, "shape": list(param.shape), "bytes": _tensor_bytes(param), "why": "has a LoRA adapter"})
+                kept.append(
+                    {
+                        "name": name,
+                        "shape": list(param.shape),
+                        "bytes": _tensor_bytes(param),
+                        "why": "has a LoRA adapter",
+                    }
+                )
                 continue
             before = _tensor_bytes(param)
             replace_parameter_4bit(module, param_name, quant_type="nf4", compress_statistics=True)
@@ -214,7 +234,8 @@ def disable_cpu_inference_packing(model: Any) -> int:
 def inference_packed_layers(model: Any) -> list[str]:
     """Parameters whose quant state is in bitsandbytes' inference-only CPU layout (no backward through it)."""
     return [
-        name for name, _m, _p, _t, state in _logical_params(model)
+        name
+        for name, _m, _p, _t, state in _logical_params(model)
         if state is not None and getattr(state, "packing_format_for_cpu", False)
     ]
 

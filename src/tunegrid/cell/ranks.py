@@ -17,13 +17,21 @@ class RankSteps:
         import torch.distributed as dist
 
         settings = self.spec["distributed"]
-        backend = settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        backend = (
+            settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.facts["distributed"] = {"backend": backend, "world_size": self.ranks.world, "collective_timeout_s": settings["collective_timeout_s"]}
+        self.facts["distributed"] = {
+            "backend": backend,
+            "world_size": self.ranks.world,
+            "collective_timeout_s": settings["collective_timeout_s"],
+        }
         self.heartbeat.beat("init_process_group")
         dist.init_process_group(
-            backend, rank=self.ranks.rank, world_size=self.ranks.world,
+            backend,
+            rank=self.ranks.rank,
+            world_size=self.ranks.world,
             timeout=datetime.timedelta(seconds=settings["collective_timeout_s"]),
             device_id=self.device if backend == "nccl" else None,
         )
@@ -35,7 +43,8 @@ class RankSteps:
         self.facts["stage"] = "ddp"
         self.heartbeat.beat("ddp")
         self.ddp = DistributedDataParallel(
-            self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            self.model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
             broadcast_buffers=False,  # nothing to sync, and a replayed step must not add a collective
         )
 

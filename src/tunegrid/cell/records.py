@@ -15,7 +15,9 @@ from tunegrid.vocabulary import Outcome
 
 
 class StepRecords:
-    def record(self, step: int, fact: dict[str, Any], measured_headroom: bool, state: LoopState, logs: dict[str, Any]) -> None:
+    def record(
+        self, step: int, fact: dict[str, Any], measured_headroom: bool, state: LoopState, logs: dict[str, Any]
+    ) -> None:
         """One line of metrics.jsonl, and the running tallies (step 0 is the first-step peak, not steady)."""
         tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
         state.skipped_total += int(fact["skipped"])
@@ -28,8 +30,14 @@ class StepRecords:
             state.tokens_per_s.append(tokens / fact["elapsed"])
             state.steady_peaks.append(fact["peak"])
         record = {
-            "step": step, "time": time.time(), "loss": fact["loss"], "grad_norm": fact["grad_norm"], "lr": fact["lr"],
-            "tokens_per_s": tokens / fact["elapsed"], "step_time_s": fact["elapsed"], "mem_peak_bytes": fact["peak"],
+            "step": step,
+            "time": time.time(),
+            "loss": fact["loss"],
+            "grad_norm": fact["grad_norm"],
+            "lr": fact["lr"],
+            "tokens_per_s": tokens / fact["elapsed"],
+            "step_time_s": fact["elapsed"],
+            "mem_peak_bytes": fact["peak"],
             "skipped_steps": state.skipped_total,
         }
         if self.scaler is not None:
@@ -40,7 +48,9 @@ class StepRecords:
             record["fp16_headroom_max_ratio"] = worst["max_ratio"]
         logs["metrics"].write(record)
 
-    def on_nonfinite(self, step: int, batch: dict[str, Any], fact: dict[str, Any], state: LoopState, logs: dict[str, Any]) -> bool:
+    def on_nonfinite(
+        self, step: int, batch: dict[str, Any], fact: dict[str, Any], state: LoopState, logs: dict[str, Any]
+    ) -> bool:
         """A step whose loss or gradient is not finite becomes an event with its origin; True ends the loop."""
         train = self.spec["train"]
         loss_finite, grad_finite = math.isfinite(fact["loss"]), math.isfinite(fact["grad_norm"])
@@ -49,7 +59,13 @@ class StepRecords:
         if loss_finite and grad_finite:
             return False
         kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if self.scaler else "grad_nonfinite_finite_loss")
-        event = {"step": step, "kind": kind, "loss": fact["loss"], "grad_norm": fact["grad_norm"], "loss_scale": fact["scale"]}
+        event = {
+            "step": step,
+            "kind": kind,
+            "loss": fact["loss"],
+            "grad_norm": fact["grad_norm"],
+            "loss_scale": fact["scale"],
+        }
         policy = train["on_nonfinite"]
         stop = (
             policy == "stop"
@@ -74,12 +90,20 @@ class StepRecords:
         steps_run = state.last_step + 1
         self.memory["steady_peak_bytes"] = max(state.steady_peaks) if state.steady_peaks else None
         self.memory["peak_bytes"] = max(
-            v for v in (self.memory.get("load_peak_bytes"), self.memory.get("first_step_peak_bytes"), self.memory["steady_peak_bytes"]) if v
+            v
+            for v in (
+                self.memory.get("load_peak_bytes"),
+                self.memory.get("first_step_peak_bytes"),
+                self.memory["steady_peak_bytes"],
+            )
+            if v
         )
         self.facts["precision_in_effect"].update(state.census.as_dict())
         self.facts["fp16_headroom"] = {
             **state.headroom.summary(),
-            "sampled_every": self.spec["train"]["headroom_every"],  # the worst is over these samples plus the failing steps
+            "sampled_every": self.spec["train"][
+                "headroom_every"
+            ],  # the worst is over these samples plus the failing steps
             "failing_steps_measured": state.headroom_steps,
         }
         self.facts["throughput"] = {
@@ -103,8 +127,9 @@ class StepRecords:
                 diagnosis={"params_without_grad": state.unsupported},
             )
 
-    def _conclude(self, events: list[dict[str, Any]], stop_event: dict[str, Any] | None, consecutive_skips: int,
-                  steps_run: int) -> None:
+    def _conclude(
+        self, events: list[dict[str, Any]], stop_event: dict[str, Any] | None, consecutive_skips: int, steps_run: int
+    ) -> None:
         """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
 
         The deciding event is the one that stopped the loop, else the first non-finite loss/gradient
@@ -113,7 +138,9 @@ class StepRecords:
         """
         train = self.spec["train"]
         hard = [e for e in events if e["kind"] != "scaler_skip"]
-        unrecovered_skips = bool(events) and (train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"])
+        unrecovered_skips = bool(events) and (
+            train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"]
+        )
         deciding = stop_event or (hard[0] if hard else None) or (events[0] if unrecovered_skips else None)
         recovered = [e for e in events if e["kind"] == "scaler_skip" and e is not deciding]
         diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
@@ -127,7 +154,12 @@ class StepRecords:
                 diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
             )
         elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason
-            self.facts.update(outcome=Outcome.ERROR, reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
-                              diagnosis=diagnosis)
+            self.facts.update(
+                outcome=Outcome.ERROR,
+                reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
+                diagnosis=diagnosis,
+            )
         else:
-            self.facts.update(outcome=Outcome.OK, reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis)
+            self.facts.update(
+                outcome=Outcome.OK, reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis
+            )

@@ -44,7 +44,9 @@ def training_key(spec: dict[str, Any], base_model: dict[str, Any]) -> str:
         dropped = NON_TRAINING.get(section, ())
         if dropped is None:
             continue
-        kept[section] = {k: v for k, v in value.items() if k not in dropped} if dropped and isinstance(value, dict) else value
+        kept[section] = (
+            {k: v for k, v in value.items() if k not in dropped} if dropped and isinstance(value, dict) else value
+        )
     text = json.dumps({"spec": kept, "base_model": base_model}, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -89,22 +91,35 @@ class Checkpointer:
         """At the top of step `step`: every K steps, never for the state just resumed from."""
         return self.every > 0 and step > start and step % self.every == 0
 
-    def save(self, step: int, named_params: list[tuple[str, Any]], optimizer: Any, scheduler: Any, scaler: Any,
-             tallies: dict[str, Any]) -> None:
+    def save(
+        self,
+        step: int,
+        named_params: list[tuple[str, Any]],
+        optimizer: Any,
+        scheduler: Any,
+        scaler: Any,
+        tallies: dict[str, Any],
+    ) -> None:
         import torch
         from safetensors.torch import save_file
 
         staging = self.run_dir / f".{CHECKPOINT_DIR}.tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        save_file({name: p.detach().cpu().contiguous().clone() for name, p in named_params}, str(staging / "adapter.safetensors"))
-        torch.save({
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "rng": rng_states(),
-            "tallies": tallies,
-        }, staging / "state.pt")
+        save_file(
+            {name: p.detach().cpu().contiguous().clone() for name, p in named_params},
+            str(staging / "adapter.safetensors"),
+        )
+        torch.save(
+            {
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler is not None else None,
+                "rng": rng_states(),
+                "tallies": tallies,
+            },
+            staging / "state.pt",
+        )
         for name in LOG_FILES:
             if (self.run_dir / name).exists():
                 shutil.copyfile(self.run_dir / name, staging / name)
@@ -146,7 +161,9 @@ class Checkpointer:
             return None
         return meta
 
-    def restore(self, named_params: list[tuple[str, Any]], optimizer: Any, scheduler: Any, scaler: Any) -> Resumed | None:
+    def restore(
+        self, named_params: list[tuple[str, Any]], optimizer: Any, scheduler: Any, scaler: Any
+    ) -> Resumed | None:
         """Load the checkpoint into the live objects and put the run's logs back as they were at its step."""
         import torch
         from safetensors.torch import load_file

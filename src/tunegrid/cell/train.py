@@ -84,7 +84,9 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         if budget:
             self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget)
         self.meter.reset()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir, trust_remote_code=bool(self.spec["model"].get("trust_remote_code")))
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.model_dir, trust_remote_code=bool(self.spec["model"].get("trust_remote_code"))
+        )
         self.model = load_model(self.model_dir, self.spec, self.plan, self.device)
         self.audit_and_adapt()
         self.model.train()
@@ -96,7 +98,9 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
             "trainable": sum(p.numel() for p in self.trainable),
         }
         self.facts["precision_in_effect"] = {
-            "base_weight_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}),
+            "base_weight_dtypes": sorted(
+                {str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}
+            ),
             "adapter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.trainable}),
         }
 
@@ -111,15 +115,22 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
 
         quant, lora = self.spec["axes"]["quant"], self.spec["lora"]
         four_bit = quant != "none"
-        report: dict[str, Any] = {"quant": quant, "after_load": quant_audit.audit_model(self.model, four_bit_requested=four_bit)}
+        report: dict[str, Any] = {
+            "quant": quant,
+            "after_load": quant_audit.audit_model(self.model, four_bit_requested=four_bit),
+        }
         if quant == "nf4-experts":
             from tunegrid.cell.expert_quant import quantized_at_load
 
             at_load = quantized_at_load(self.model)
         if four_bit and lora["prepare_kbit_training"]:
             before = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
-            self.model = prepare_model_for_kbit_training(self.model, use_gradient_checkpointing=self.spec["train"]["gradient_checkpointing"])
-            report["prepare_kbit_training"] = quant_audit.growth(before, quant_audit.audit_model(self.model, four_bit_requested=four_bit))
+            self.model = prepare_model_for_kbit_training(
+                self.model, use_gradient_checkpointing=self.spec["train"]["gradient_checkpointing"]
+            )
+            report["prepare_kbit_training"] = quant_audit.growth(
+                before, quant_audit.audit_model(self.model, four_bit_requested=four_bit)
+            )
         self.model = attach_lora(self.model, self.spec)
         if quant == "nf4-experts":
             # the load quantized every expert tensor but those peft wraps (it cannot wrap a parametrized one):
@@ -134,7 +145,10 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         report["after_adapters"] = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
         report["lora"] = quant_audit.lora_attachment(self.model, lora["target_modules"], lora["target_parameters"])
         if report["lora"]["unmatched"]:
-            print(f"WARNING: LoRA targets matched nothing: {report['lora']['unmatched']} (peft does not warn)", file=sys.stderr)
+            print(
+                f"WARNING: LoRA targets matched nothing: {report['lora']['unmatched']} (peft does not warn)",
+                file=sys.stderr,
+            )
         write_json(self.run_dir / "audit.json", report)
         quant_audit.require_trainable_layout(self.model)  # after every setup forward, before any training
         self.facts["quant_audit"] = {
@@ -153,8 +167,13 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
         seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank
         self.stream, self.facts["data"] = build_stream(
-            read_dataset(self.data_path), self.tokenizer, self.model, self.spec.get("data") or {},
-            self.spec["train"]["seq_len"], self.spec["axes"]["batch_size"], seed,
+            read_dataset(self.data_path),
+            self.tokenizer,
+            self.model,
+            self.spec.get("data") or {},
+            self.spec["train"]["seq_len"],
+            self.spec["axes"]["batch_size"],
+            seed,
         )
 
     def forward_backward(self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None) -> Any:
@@ -197,7 +216,10 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         if self.ranks.distributed:
             self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
         self.inject_rank_faults(step)  # a single rank too: a slow step or a crashed worker, on purpose
-        fact: dict[str, Any] = {"rng_state": torch.get_rng_state(), "scale": scaler.get_scale() if scaler is not None else None}
+        fact: dict[str, Any] = {
+            "rng_state": torch.get_rng_state(),
+            "scale": scaler.get_scale() if scaler is not None else None,
+        }
         self.meter.reset()
         started = time.perf_counter()
         with contextlib.ExitStack() as hooks:
@@ -232,8 +254,6 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         fact["peak"] = self.meter.peak_bytes()
         return fact
 
-
-
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
         """The recipe: for each step, train it, record it, and stop where a non-finite event says so."""
@@ -244,16 +264,27 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         state = self.begin_loop()
         logs = {name: JsonlAppender(self.run_dir / f"{name}.jsonl") for name in ("metrics", "events", "headroom")}
         self.facts["stage"] = "step"
-        progress = tqdm(total=steps, initial=state.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr)
+        progress = tqdm(
+            total=steps, initial=state.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr
+        )
         try:
             for step in range(state.start, steps):
                 state.last_step = step
                 if self.checkpointer is not None and self.checkpointer.due(step, state.start):
-                    self.save_checkpoint(step, state.tallies(), state.skipped_total, state.consecutive_skips, state.census, state.headroom)
+                    self.save_checkpoint(
+                        step,
+                        state.tallies(),
+                        state.skipped_total,
+                        state.consecutive_skips,
+                        state.census,
+                        state.headroom,
+                    )
                 batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
                 self.last_batch = batch
                 measure_headroom = every > 0 and step % every == 0
-                fact = self.train_step(step, batch, state.census if step == 0 else None, state.headroom if measure_headroom else None)
+                fact = self.train_step(
+                    step, batch, state.census if step == 0 else None, state.headroom if measure_headroom else None
+                )
                 self.record(step, fact, measure_headroom, state, logs)
                 progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
                 progress.update()
@@ -273,7 +304,9 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         self.checkpointer = self.make_checkpointer()
         resumed = self.resume()  # before the logs open: it puts them back as they were at its step
         if resumed is not None:
-            state.start, state.skipped_total, state.consecutive_skips = self.refill(resumed, state.tallies(), state.census, state.headroom)
+            state.start, state.skipped_total, state.consecutive_skips = self.refill(
+                resumed, state.tallies(), state.census, state.headroom
+            )
         state.last_step = state.start - 1
         return state
 
@@ -287,8 +320,9 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
             self.heartbeat.beat("adapter")
             loss = reference_loss(self.model, self.last_batch, autocast_context(self.plan))
             self.facts["training"]["reference_batch_loss"] = loss
-            self.facts["adapter"] = save_adapter(self.run_dir, self.model, self.last_batch, loss,
-                                                 base_record(self.spec, self.manifest, self.plan))
+            self.facts["adapter"] = save_adapter(
+                self.run_dir, self.model, self.last_batch, loss, base_record(self.spec, self.manifest, self.plan)
+            )
         if self.checkpointer is not None:
             self.checkpointer.discard()
 
@@ -308,10 +342,14 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
             collective = classify_distributed(exc) if self.ranks.distributed else None
             if collective is not None:
                 self.facts["outcome"] = Outcome.TIMEOUT if collective == "collective_timeout" else Outcome.ERROR
-                self.facts["diagnosis"] = {collective: {
-                    "rank": self.ranks.rank, "waiting_in": self.heartbeat.last,
-                    "timeout_s": self.spec["distributed"]["collective_timeout_s"], "message": str(exc)[:400],
-                }}
+                self.facts["diagnosis"] = {
+                    collective: {
+                        "rank": self.ranks.rank,
+                        "waiting_in": self.heartbeat.last,
+                        "timeout_s": self.spec["distributed"]["collective_timeout_s"],
+                        "message": str(exc)[:400],
+                    }
+                }
             self.facts["traceback"] = traceback.format_exc()[-4000:]
             if kind == Outcome.OOM:
                 self.facts["diagnosis"] = {"oom": {"stage": stage, "bytes_at_failure": self.meter_current()}}

@@ -109,7 +109,13 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
     n_params = sum(p.numel() for p in model.parameters())
     return write_manifest(
         out_dir,
-        {"kind": "synthetic", "architecture": spec["architecture"], "config": overrides, "seed": spec["seed"], "params": n_params},
+        {
+            "kind": "synthetic",
+            "architecture": spec["architecture"],
+            "config": overrides,
+            "seed": spec["seed"],
+            "params": n_params,
+        },
     )
 
 
@@ -151,7 +157,10 @@ def _hub_error_sentence(repo_id: str, revision: str, exc: Exception) -> str:
     if name in {"RepositoryNotFoundError", "RevisionNotFoundError"}:
         return f"{where}: repository or revision not found (check repo_id and the 40-hex revision, or HF_TOKEN for private repos)"
     # the offline/no-network family differs across huggingface_hub releases (1.x raises httpx's ConnectError)
-    if name in {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout"} or "connect" in str(exc).lower():
+    if (
+        name in {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout"}
+        or "connect" in str(exc).lower()
+    ):
         return f"{where} cannot be downloaded: no network or HF_HUB_OFFLINE is set; download it elsewhere and use source: local"
     return f"{where} could not be downloaded ({name}); see the rule log"
 
@@ -178,8 +187,14 @@ def convert_pickles(paths: list[Path], out_dir: Path) -> None:
             ) from None
         if not isinstance(loaded, dict) or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
             raise CheckpointError(f"{path.name}: not a state dict of tensors")
-        state.update({k: v.contiguous().clone() for k, v in loaded.items()})  # clone: safetensors refuses shared storage
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt", "converted_from": ",".join(p.name for p in paths)})
+        state.update(
+            {k: v.contiguous().clone() for k, v in loaded.items()}
+        )  # clone: safetensors refuses shared storage
+    save_file(
+        state,
+        str(out_dir / "model.safetensors"),
+        metadata={"format": "pt", "converted_from": ",".join(p.name for p in paths)},
+    )
 
 
 # --- local -------------------------------------------------------------------------------------------
@@ -197,7 +212,8 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             hint = (
                 f" (found pickle files {[p.name for p in pickles]}: convert them to safetensors, or opt in with "
                 "models.<name>.allow_pickle: true, which reads them with torch.load(weights_only=True))"
-                if pickles else ""
+                if pickles
+                else ""
             )
             raise CheckpointError(f"local checkpoint {src}: no *.safetensors weights{hint}")
         convert_pickles(pickles, out_dir)

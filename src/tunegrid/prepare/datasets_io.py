@@ -40,8 +40,9 @@ def _load_table(data: dict[str, Any]) -> list[dict[str, Any]]:
     from datasets import load_dataset
 
     if data["source"] == "hub":  # the one path that needs the network (and, for gated sets, HF_TOKEN)
-        dataset = load_dataset(data["repo_id"], revision=data["revision"], split=data["split"],
-                               token=os.environ.get("HF_TOKEN") or None)
+        dataset = load_dataset(
+            data["repo_id"], revision=data["revision"], split=data["split"], token=os.environ.get("HF_TOKEN") or None
+        )
         return dataset.to_list()
     builder = "json" if data["source"] == "jsonl" else "parquet"
     # a throwaway cache: a local file is read once, and stale arrow caches of an edited file are a trap
@@ -65,6 +66,8 @@ def write_study_dataset(path: str | Path, data: dict[str, Any]) -> int:
         return data["examples"]
     records = load_records(data)
     if not records:
-        raise DataError(f"config key 'data.{'repo_id' if data['source'] == 'hub' else 'path'}': the source holds no records")
+        raise DataError(
+            f"config key 'data.{'repo_id' if data['source'] == 'hub' else 'path'}': the source holds no records"
+        )
     write_records(path, records)
     return len(records)

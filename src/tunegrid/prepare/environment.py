@@ -16,7 +16,18 @@ from typing import Any
 
 from tunegrid.config import REPO_ROOT
 
-CORE_PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "mlflow", "snakemake", "pandas", "tokenizers", "safetensors", "accelerate")
+CORE_PACKAGES = (
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "mlflow",
+    "snakemake",
+    "pandas",
+    "tokenizers",
+    "safetensors",
+    "accelerate",
+)
 
 
 def package_version(name: str) -> str | None:
@@ -33,7 +44,13 @@ def git_sha() -> str | None:
         return None
     if out.returncode != 0:
         return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5)
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=5,
+    )
     return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
@@ -49,8 +66,15 @@ def light_env() -> dict[str, Any]:
 
 
 SCHEDULER_VARS = (
-    "SLURM_JOB_ID", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION", "SLURM_CPUS_PER_TASK", "SLURM_MEM_PER_NODE",
-    "SLURM_GPUS", "SLURM_JOB_GPUS", "SLURM_GPUS_ON_NODE", "CUDA_VISIBLE_DEVICES",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NAME",
+    "SLURM_JOB_PARTITION",
+    "SLURM_CPUS_PER_TASK",
+    "SLURM_MEM_PER_NODE",
+    "SLURM_GPUS",
+    "SLURM_JOB_GPUS",
+    "SLURM_GPUS_ON_NODE",
+    "CUDA_VISIBLE_DEVICES",
 )
 
 

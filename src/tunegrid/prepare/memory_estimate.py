@@ -60,7 +60,9 @@ def device_constants(capabilities: dict[str, Any], precision: str) -> dict[str, 
     }
 
 
-def estimate_cell(spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0) -> dict[str, Any]:
+def estimate_cell(
+    spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0
+) -> dict[str, Any]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
     return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, file_bytes, step_overhead)
@@ -143,7 +145,12 @@ def estimate_from_shapes(
         else:
             weights += numel * storage
         module = name.removesuffix(".weight")
-        if len(shape) == 2 and not embedding and not expert and any(module.endswith("." + t) for t in lora["target_modules"]):
+        if (
+            len(shape) == 2
+            and not embedding
+            and not expert
+            and any(module.endswith("." + t) for t in lora["target_modules"])
+        ):
             lora_params += lora["r"] * (shape[0] + shape[1])
     # LoRA: fp32 params + grads + AdamW's two moments
     lora_bytes = lora_params * 4 * 4
@@ -157,7 +164,9 @@ def estimate_from_shapes(
     intermediate = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * hidden)
     # Saved for backward per token and layer, in units of hidden and intermediate width (norms in and
     # out, q/k/v/o, gated-MLP gate/up/act/product), fitted on this project's CPU runs (benchmarks/).
-    per_layer = tokens * (24 * hidden + 7 * intermediate * experts_per_token) * act + batch * heads * seq * seq * act * 2
+    per_layer = (
+        tokens * (24 * hidden + 7 * intermediate * experts_per_token) * act + batch * heads * seq * seq * act * 2
+    )
     if train["gradient_checkpointing"]:
         activations = layers * tokens * hidden * act + per_layer  # layer inputs kept, one layer recomputed
     else:

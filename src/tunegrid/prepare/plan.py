@@ -39,5 +39,8 @@ def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[s
     present = len(capabilities.get("gpus") or [])
     if capabilities.get("device") != "cuda" or needed <= present:
         return None
-    return (Outcome.UNSUPPORTED, f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
-                           f"{present} present on this machine")
+    return (
+        Outcome.UNSUPPORTED,
+        f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
+        f"{present} present on this machine",
+    )

@@ -185,8 +185,13 @@ def _allreduce_rank(rank: int, world: int, port: int, backend: str, sizes: list[
     if backend == "nccl":
         torch.cuda.set_device(device)
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=__import__("datetime").timedelta(seconds=60))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=__import__("datetime").timedelta(seconds=60),
+    )
     rows = []
     for size in sizes:
         tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
@@ -203,8 +208,14 @@ def _allreduce_rank(rank: int, world: int, port: int, backend: str, sizes: list[
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         algbw = size / statistics.median(times) / 1e9
-        rows.append({"bytes": size, "time_s": statistics.median(times), "algbw_gbs": algbw,
-                     "busbw_gbs": algbw * 2 * (world - 1) / world})  # nccl-tests' definition
+        rows.append(
+            {
+                "bytes": size,
+                "time_s": statistics.median(times),
+                "algbw_gbs": algbw,
+                "busbw_gbs": algbw * 2 * (world - 1) / world,
+            }
+        )  # nccl-tests' definition
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -230,8 +241,9 @@ def allreduce_busbw(world_sizes: list[int], on_cuda: bool, gpu_count: int) -> di
         with tempfile.TemporaryDirectory() as tmp:
             out = str(Path(tmp) / "rows.json")
             try:
-                mp.start_processes(_allreduce_rank, args=(world, port, backend, sizes, out), nprocs=world,
-                                   start_method="spawn")
+                mp.start_processes(
+                    _allreduce_rank, args=(world, port, backend, sizes, out), nprocs=world, start_method="spawn"
+                )
                 results[str(world)] = {"sizes": __import__("json").loads(Path(out).read_text())}
             except Exception as exc:  # a probe that cannot run a collective says so; it does not fail the study
                 results[str(world)] = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
@@ -242,8 +254,12 @@ def driver_version() -> str | None:
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
@@ -285,7 +301,9 @@ def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if on_cuda else None,
             "driver": driver_version() if on_cuda else None,
         },
-        "p2p": [[i == j or torch.cuda.can_device_access_peer(i, j) for j in range(len(gpus))] for i in range(len(gpus))],
+        "p2p": [
+            [i == j or torch.cuda.can_device_access_peer(i, j) for j in range(len(gpus))] for i in range(len(gpus))
+        ],
     }
     record["probe_seconds"] = time.perf_counter() - started
     return record

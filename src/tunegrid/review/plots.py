@@ -32,7 +32,9 @@ def _matrix_layout(frame: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, .
 
 def _cell_label(row: Any) -> str:
     if row["outcome"] == Outcome.NAN:
-        return f"nan\n{row['nan_kind'] or ''}".replace("grad_nonfinite_finite_loss", "grad").replace("loss_nonfinite", "loss")
+        return f"nan\n{row['nan_kind'] or ''}".replace("grad_nonfinite_finite_loss", "grad").replace(
+            "loss_nonfinite", "loss"
+        )
     if row["outcome"] == Outcome.OK and (row.get("skipped_steps") or 0) > 0:
         return f"ok\n{int(row['skipped_steps'])} skipped"
     return str(row["outcome"]).replace("predicted_oom", "pred. oom")
@@ -51,8 +53,15 @@ def plot_outcomes(frame: Any, path: Path) -> None:
             colour = OUTCOME_COLOURS.get(cell["outcome"], "#ffffff") if cell is not None else "#ffffff"
             ax.add_patch(Rectangle((x, y), 1, 1, facecolor=colour, edgecolor="white", linewidth=2))
             if cell is not None:
-                ax.text(x + 0.5, y + 0.5, _cell_label(cell), ha="center", va="center", fontsize=7,
-                        color="white" if cell["outcome"] in (Outcome.NAN, Outcome.ERROR, Outcome.OOM) else "black")
+                ax.text(
+                    x + 0.5,
+                    y + 0.5,
+                    _cell_label(cell),
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if cell["outcome"] in (Outcome.NAN, Outcome.ERROR, Outcome.OOM) else "black",
+                )
     ax.set_xlim(0, len(cols))
     ax.set_ylim(len(rows), 0)
     ax.set_xticks([x + 0.5 for x in range(len(cols))], [f"{p}\nbs {b}" for p, b in cols], fontsize=8)
@@ -61,8 +70,13 @@ def plot_outcomes(frame: Any, path: Path) -> None:
     for side in ax.spines.values():
         side.set_visible(False)
     present = [o for o in OUTCOME_COLOURS if o in set(frame["outcome"])]
-    ax.legend(handles=[Patch(color=OUTCOME_COLOURS[o], label=o) for o in present], loc="upper left",
-              bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    ax.legend(
+        handles=[Patch(color=OUTCOME_COLOURS[o], label=o) for o in present],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_title(f"Outcome per cell ({' / '.join(row_axes)} x {' / '.join(col_axes)})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -88,8 +102,14 @@ def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path)
             steps = [p["step"] for p in points]
             losses = [_finite_or_nan(p["loss"]) for p in points]
             label = f"{row['precision']} {row['quant']}" + (" (nan)" if row["outcome"] == Outcome.NAN else "")
-            ax.plot(steps, losses, quant_style.get(row["quant"], "-"), color=colours.get(row["precision"], "grey"),
-                    label=label, linewidth=1.2)
+            ax.plot(
+                steps,
+                losses,
+                quant_style.get(row["quant"], "-"),
+                color=colours.get(row["precision"], "grey"),
+                label=label,
+                linewidth=1.2,
+            )
             if row["outcome"] == Outcome.NAN and row["nan_step"] == row["nan_step"]:
                 before = [loss for s, loss in zip(steps, losses) if s < row["nan_step"] and loss == loss]
                 ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
@@ -97,7 +117,7 @@ def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("loss", fontsize=8)
         ax.legend(fontsize=6, ncol=2)
-    for ax in list(axes.flat)[len(panels):]:
+    for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     fig.suptitle("Loss per step (x: first non-finite step)", fontsize=10)
     fig.tight_layout()

@@ -70,7 +70,7 @@ def _short(module: Any) -> str:
     text = str(module or "")
     for prefix in ("base_model.model.model.", "base_model.model.", "model."):
         if text.startswith(prefix):
-            return text[len(prefix):]
+            return text[len(prefix) :]
     return text or "unknown"
 
 
@@ -95,7 +95,7 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
                     by_batch[int(sib["batch_size"])].add(sib["cell_id"])
         if not by_precision and not by_batch and not by_quant:
             continue
-        first = min(rows, key=lambda r: (r["nan_step"] if r["nan_step"] == r["nan_step"] else 1e9))
+        first = min(rows, key=lambda r: r["nan_step"] if r["nan_step"] == r["nan_step"] else 1e9)
         where = _short(first["nan_forward_module"] or first["nan_backward_module"])
         direction = "forward" if first["nan_forward_module"] else "backward"
         parts = [
@@ -126,7 +126,9 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             fixes.append(Fix({"batch_size": batch}, options[-1], cells))
         for quant, cells in sorted(by_quant.items()):
             evidence += sorted(cells)
-            options.append(f"keep {precision} with quant={quant} (ok in {precision}; it changes the weights the overflow came from)")
+            options.append(
+                f"keep {precision} with quant={quant} (ok in {precision}; it changes the weights the overflow came from)"
+            )
             fixes.append(Fix({"quant": quant}, options[-1], sorted(cells)))
         if not options:
             continue
@@ -152,7 +154,11 @@ def _expert_gap(frame: Any) -> list[Recommendation]:
     """One recommendation per model: plain-4-bit cells with unquantized experts vs their nf4-experts twins."""
     if "quant" not in frame.columns:
         return []
-    gap = frame[(frame["quant"] == "nf4") & (frame["flagged_share"].fillna(0) >= EXPERT_GAP_SHARE) & frame["expert_bytes"].notna()]
+    gap = frame[
+        (frame["quant"] == "nf4")
+        & (frame["flagged_share"].fillna(0) >= EXPERT_GAP_SHARE)
+        & frame["expert_bytes"].notna()
+    ]
     pairs: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
     for _, row in gap.iterrows():
         fixed = siblings(frame, row, "quant")
@@ -163,10 +169,15 @@ def _expert_gap(frame: Any) -> list[Recommendation]:
     for model, members in pairs.items():
         row, sib = members[0]
         shares = [float(r["flagged_share"]) for r, _ in members]
-        peak_pairs = [f"{human_bytes(r['peak_bytes'])} -> {human_bytes(s['peak_bytes'])} ({r['precision']}, bs {int(r['batch_size'])})" for r, s in members]
+        peak_pairs = [
+            f"{human_bytes(r['peak_bytes'])} -> {human_bytes(s['peak_bytes'])} ({r['precision']}, bs {int(r['batch_size'])})"
+            for r, s in members
+        ]
         failed = [r for r, _ in members if r["outcome"] != Outcome.OK]
         # the goal is memory: recommend only where the twins' peaks show it (or a plain-4-bit cell failed and its twin ran)
-        peaks_fell = all(_number(s["peak_bytes"]) < _number(r["peak_bytes"]) for r, s in members if r["outcome"] == Outcome.OK)
+        peaks_fell = all(
+            _number(s["peak_bytes"]) < _number(r["peak_bytes"]) for r, s in members if r["outcome"] == Outcome.OK
+        )
         text = (
             f"Plain 4-bit loading left {int(row['flagged_tensors'])} tensor(s) in full precision: "
             f"{min(shares):.0%}-{max(shares):.0%} of the weight bytes. bitsandbytes only replaces nn.Linear, and "
@@ -175,10 +186,17 @@ def _expert_gap(frame: Any) -> list[Recommendation]:
             f"measured peaks: " + "; ".join(peak_pairs) + "."
         )
         if failed:
-            text = "; ".join(f"{r['cell_id']} ended {r['outcome']}" for r in failed) + ", its nf4-experts twin was ok. " + text
+            text = (
+                "; ".join(f"{r['cell_id']} ended {r['outcome']}" for r in failed)
+                + ", its nf4-experts twin was ok. "
+                + text
+            )
         evidence = sorted(s["cell_id"] for _, s in members)
         if peaks_fell or failed:
-            title, fixes = f"{model}: experts not quantized by plain 4-bit", [Fix({"quant": "nf4-experts"}, "quantize the experts too", evidence)]
+            title, fixes = (
+                f"{model}: experts not quantized by plain 4-bit",
+                [Fix({"quant": "nf4-experts"}, "quantize the experts too", evidence)],
+            )
         else:
             title, fixes = f"{model}: nf4-experts shrinks the weights, but the peaks did not fall here", []
             text += " Not recommended for memory on this machine: the whole-process peak is set by something else here."
@@ -226,12 +244,16 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
                 break
         if not options:
             continue
-        stage = f" at {row['oom_stage']}" if row.get("oom_stage") == row.get("oom_stage") and row.get("oom_stage") else ""
+        stage = (
+            f" at {row['oom_stage']}" if row.get("oom_stage") == row.get("oom_stage") and row.get("oom_stage") else ""
+        )
         out.append(
             Recommendation(
                 signature=f"{row['outcome']}",
                 title=f"{row['cell_id']}: out of memory{stage}",
-                text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']}). Fix: " + "; or ".join(options) + ".",
+                text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']}). Fix: "
+                + "; or ".join(options)
+                + ".",
                 failing=[row["cell_id"]],
                 evidence=evidence,
                 fixes=fixes,

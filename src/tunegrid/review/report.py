@@ -26,11 +26,20 @@ def _png(path: Path) -> str:
 
 # Column labels a person reads; values are written for people too (bytes in MiB/GiB, no 4.027e+08).
 LABELS = {
-    "cell_id": "cell", "nan_step": "first non-finite step", "nan_kind": "kind", "nan_forward_module": "forward origin",
-    "nan_backward_module": "backward origin", "fp16_headroom_worst_module": "worst fp16 headroom: module",
+    "cell_id": "cell",
+    "nan_step": "first non-finite step",
+    "nan_kind": "kind",
+    "nan_forward_module": "forward origin",
+    "nan_backward_module": "backward origin",
+    "fp16_headroom_worst_module": "worst fp16 headroom: module",
     "fp16_headroom_worst_ratio": "worst |activation| / 65504 (sampled steps + the failing step)",
-    "steps_run": "steps", "final_loss": "final loss", "skipped_steps": "skipped", "peak_bytes": "peak memory",
-    "estimate_over_measured": "estimate / peak", "tokens_per_s": "tokens/s", "mlflow_run_id": "MLflow run",
+    "steps_run": "steps",
+    "final_loss": "final loss",
+    "skipped_steps": "skipped",
+    "peak_bytes": "peak memory",
+    "estimate_over_measured": "estimate / peak",
+    "tokens_per_s": "tokens/s",
+    "mlflow_run_id": "MLflow run",
 }
 COUNT_COLUMNS = ("steps_run", "skipped_steps", "nan_step")
 
@@ -68,19 +77,44 @@ def _fmt(value: Any, column: str = "") -> str:
 def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> list[dict[str, Any]]:
     facts = [
         {"fact": "device", "value": capabilities.get("device")},
-        {"fact": "precision support", "value": ", ".join(f"{k}: {v}" for k, v in (capabilities.get("precision") or {}).items())},
-        {"fact": "matmul TFLOP/s", "value": ", ".join(f"{k}: {v:.3g}" for k, v in (capabilities.get("matmul_tflops") or {}).items() if v)},
+        {
+            "fact": "precision support",
+            "value": ", ".join(f"{k}: {v}" for k, v in (capabilities.get("precision") or {}).items()),
+        },
+        {
+            "fact": "matmul TFLOP/s",
+            "value": ", ".join(f"{k}: {v:.3g}" for k, v in (capabilities.get("matmul_tflops") or {}).items() if v),
+        },
         {"fact": "memory bandwidth GB/s", "value": capabilities.get("memory_bandwidth_gbs")},
     ]
     for world, rec in (capabilities.get("allreduce") or {}).items():
         if isinstance(rec, dict) and rec.get("sizes"):
             best = max(rec["sizes"], key=lambda s: s["busbw_gbs"])
             backend = f" ({rec['backend']})" if rec.get("backend") else ""
-            facts.append({"fact": f"all-reduce bus bandwidth, world {world}{backend}", "value": f"{best['busbw_gbs']:.3g} GB/s at {human_bytes(best['bytes'])}"})
+            facts.append(
+                {
+                    "fact": f"all-reduce bus bandwidth, world {world}{backend}",
+                    "value": f"{best['busbw_gbs']:.3g} GB/s at {human_bytes(best['bytes'])}",
+                }
+            )
     for gpu in capabilities.get("gpus") or []:
-        facts.append({"fact": f"GPU {gpu.get('index', '')}", "value": f"{gpu.get('name')} cc {gpu.get('compute_capability')} {gpu.get('total_bytes', 0) / 2**30:.1f} GiB"})
+        facts.append(
+            {
+                "fact": f"GPU {gpu.get('index', '')}",
+                "value": f"{gpu.get('name')} cc {gpu.get('compute_capability')} {gpu.get('total_bytes', 0) / 2**30:.1f} GiB",
+            }
+        )
     packages = environment.get("packages") or {}
-    facts.append({"fact": "versions", "value": ", ".join(f"{k} {v}" for k, v in packages.items() if k in ("torch", "transformers", "peft", "bitsandbytes", "mlflow"))})
+    facts.append(
+        {
+            "fact": "versions",
+            "value": ", ".join(
+                f"{k} {v}"
+                for k, v in packages.items()
+                if k in ("torch", "transformers", "peft", "bitsandbytes", "mlflow")
+            ),
+        }
+    )
     return facts
 
 
@@ -96,7 +130,9 @@ def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "cell": cell_id,
                 "outcome": result["outcome"],
                 "weight bytes": final.get("total_bytes"),
-                "by dtype": ", ".join(f"{k}: {human_bytes(v)}" for k, v in sorted((final.get("by_dtype") or {}).items())),
+                "by dtype": ", ".join(
+                    f"{k}: {human_bytes(v)}" for k, v in sorted((final.get("by_dtype") or {}).items())
+                ),
                 "expert bytes": final["by_role"]["experts"],
                 "flagged share": final.get("flagged_share"),
                 "flagged tensors": ", ".join(f.get("name", "") if isinstance(f, dict) else str(f) for f in flagged[:4])
@@ -152,8 +188,11 @@ def failure_groups(frame: Any, results: dict[str, dict[str, Any]], logs_dir: Pat
         first = group["cells"][0]
         log_path = logs_dir / f"{first}.log"
         traceback = (results.get(first) or {}).get("traceback") or ""
-        group.update(log_path=str(log_path), log_tail=_log_tail(log_path),
-                     traceback_tail="\n".join(traceback.strip().splitlines()[-6:]))
+        group.update(
+            log_path=str(log_path),
+            log_tail=_log_tail(log_path),
+            traceback_tail="\n".join(traceback.strip().splitlines()[-6:]),
+        )
     return sorted(groups.values(), key=lambda g: (-len(g["cells"]), g["outcome"], g["reason"]))  # widest cause first
 
 
@@ -213,7 +252,11 @@ def build_report(
         curves[result["cell_id"]] = read_jsonl(Path(path).parent / "metrics.jsonl")
     recs = recommend(frame, capabilities)
 
-    plots = {"outcomes": out_dir / "outcomes.png", "loss": out_dir / "loss_curves.png", "memory": out_dir / "memory.png"}
+    plots = {
+        "outcomes": out_dir / "outcomes.png",
+        "loss": out_dir / "loss_curves.png",
+        "memory": out_dir / "memory.png",
+    }
     plot_outcomes(frame, plots["outcomes"])
     plot_losses(frame, curves, plots["loss"])
     plot_memory(frame, plots["memory"])
@@ -221,9 +264,12 @@ def build_report(
 
     counts = frame["outcome"].value_counts().to_dict()
     count_html = "".join(
-        f"<span style='background:{OUTCOME_COLOURS.get(k, 'grey')}'>{html.escape(str(k))}: {v}</span>" for k, v in sorted(counts.items())
+        f"<span style='background:{OUTCOME_COLOURS.get(k, 'grey')}'>{html.escape(str(k))}: {v}</span>"
+        for k, v in sorted(counts.items())
     )
-    nan_rows = frame[frame["outcome"] == Outcome.NAN].sort_values(["model", "precision", "batch_size"]).to_dict("records")
+    nan_rows = (
+        frame[frame["outcome"] == Outcome.NAN].sort_values(["model", "precision", "batch_size"]).to_dict("records")
+    )
     logs_dir = Path(result_paths[0]).parents[3] / "logs" / study / "finetune" if result_paths else out_dir
     failures = failure_groups(frame, results, logs_dir)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
@@ -232,11 +278,11 @@ def build_report(
 <p class="counts">{len(frame)} cells: {count_html}</p>
 <h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
-<h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots['outcomes'])}">
+<h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">
 <h2>Non-finite events</h2>{_table(nan_rows, ["cell_id", "nan_step", "nan_kind", "nan_forward_module", "nan_backward_module", "fp16_headroom_worst_module", "fp16_headroom_worst_ratio"])}
 <h2>Other failures</h2>{_failures_html(failures)}
-<h2>Loss curves</h2><img alt="loss curves" src="{_png(plots['loss'])}">
-<h2>Peak memory</h2><img alt="peak memory" src="{_png(plots['memory'])}">
+<h2>Loss curves</h2><img alt="loss curves" src="{_png(plots["loss"])}">
+<h2>Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
 <h2>MoE quantization audit</h2>{_table(_audit_rows(results), ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"])}
 <h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ["cell_id", "outcome", "reason", "steps_run", "final_loss", "skipped_steps", "peak_bytes", "estimate_over_measured", "tokens_per_s", "mlflow_run_id"] if c in frame.columns])}
 </body></html>"""

@@ -73,12 +73,35 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
 # Column types, decided once: a numeric column is float64 whatever a cell wrote ("inf" the string, inf
 # the float, a missing value), so one odd cell cannot make pyarrow refuse the whole table.
 NUMERIC_COLUMNS = (
-    "initial_loss", "final_loss", "budget_bytes", "estimate_bytes", "estimate_over_measured", "peak_bytes",
-    "load_peak_bytes", "first_step_peak_bytes", "steady_peak_bytes", "tokens_per_s", "step_time_s",
-    "weight_bytes_loaded", "weight_bytes", "expert_bytes", "flagged_bytes", "flagged_share",
-    "fp16_headroom_worst_ratio", "collective_timeout_s", "wall_s",
+    "initial_loss",
+    "final_loss",
+    "budget_bytes",
+    "estimate_bytes",
+    "estimate_over_measured",
+    "peak_bytes",
+    "load_peak_bytes",
+    "first_step_peak_bytes",
+    "steady_peak_bytes",
+    "tokens_per_s",
+    "step_time_s",
+    "weight_bytes_loaded",
+    "weight_bytes",
+    "expert_bytes",
+    "flagged_bytes",
+    "flagged_share",
+    "fp16_headroom_worst_ratio",
+    "collective_timeout_s",
+    "wall_s",
 )
-INTEGER_COLUMNS = ("steps_run", "skipped_steps", "nan_step", "flagged_tensors", "collective_step", "collective_seq", "attempts")
+INTEGER_COLUMNS = (
+    "steps_run",
+    "skipped_steps",
+    "nan_step",
+    "flagged_tensors",
+    "collective_step",
+    "collective_seq",
+    "attempts",
+)
 
 
 def typed(frame: Any) -> Any:

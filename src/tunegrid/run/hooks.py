@@ -54,7 +54,18 @@ def _close_execution(status: str, results: str, logs: str, script: str) -> None:
     attach = [Path(p) for p in (f"{results}/report/index.html", f"{results}/summary.csv")]
     if not needs_closing(Path(results), status, attach):
         return
-    command = [sys.executable, script, "execution-end", "--tracking", f"{results}/tracking.json",
-               "--study-dir", results, "--status", status, "--attach", *[str(p) for p in attach if p.is_file()]]
+    command = [
+        sys.executable,
+        script,
+        "execution-end",
+        "--tracking",
+        f"{results}/tracking.json",
+        "--study-dir",
+        results,
+        "--status",
+        status,
+        "--attach",
+        *[str(p) for p in attach if p.is_file()],
+    ]
     with open(f"{logs}/execution-end.log", "a") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=300)

@@ -46,15 +46,33 @@ def _stop_group(proc: subprocess.Popen[bytes]) -> None:
             continue
 
 
-def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
-                  warm_socket: str | None = None) -> list[Any]:
+def _launch_ranks(
+    spec: dict[str, Any],
+    spec_path: Path,
+    model_dir: Path,
+    data_path: Path,
+    run_dir: Path,
+    warm_socket: str | None = None,
+) -> list[Any]:
     """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
     every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
     the invocation's warm worker forks it instead (tunegrid.run.warm)."""
     world = spec["axes"].get("world_size", 1)
-    command = [sys.executable, "-m", "tunegrid.cli", "worker", "--spec", str(spec_path), "--model-dir", str(model_dir),
-               "--data", str(data_path), "--run-dir", str(run_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "tunegrid.cli",
+        "worker",
+        "--spec",
+        str(spec_path),
+        "--model-dir",
+        str(model_dir),
+        "--data",
+        str(data_path),
+        "--run-dir",
+        str(run_dir),
+    ]
     if world == 1:
         if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
             from tunegrid.run.warm import fork_worker
@@ -74,10 +92,15 @@ def _launch_ranks(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_p
         log_path = run_dir / "ranks" / f"rank{rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
-            procs.append(subprocess.Popen(
-                command, start_new_session=True, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=log, stderr=subprocess.STDOUT,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    start_new_session=True,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     return procs
 
 
@@ -111,9 +134,16 @@ def _wait_any(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
         pass
 
 
-def _supervise(spec: dict[str, Any], spec_path: Path, model_dir: Path, data_path: Path, run_dir: Path,
-               tracker: Any, tail: MetricsTail, procs: list[subprocess.Popen[bytes]] | None = None,
-               ) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
+def _supervise(
+    spec: dict[str, Any],
+    spec_path: Path,
+    model_dir: Path,
+    data_path: Path,
+    run_dir: Path,
+    tracker: Any,
+    tail: MetricsTail,
+    procs: list[subprocess.Popen[bytes]] | None = None,
+) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
     Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped)."""
@@ -204,7 +234,9 @@ def run_cell(
     tracker: Any = NullRun()
     try:
         if tracking_path is not None:
-            tracker = _open_run(spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job, started)
+            tracker = _open_run(
+                spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job, started
+            )
     except BaseException:  # never leave a started worker behind
         for proc in early or []:
             _stop_group(proc)
@@ -217,14 +249,18 @@ def run_cell(
         pending: list[dict[str, Any]] = []
         stopped: list[int] = []
         if feasible:
-            returncodes, verdict, pending, stopped = _supervise(spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early)
+            returncodes, verdict, pending, stopped = _supervise(
+                spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early
+            )
             early = None
         result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, light_env())
         if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
             from tunegrid.cell.distributed import diagnose_ranks
 
             result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
-        attempts.append({"outcome": result["outcome"], "reason": result["reason"], "infrastructure": infrastructure_fault(result)})
+        attempts.append(
+            {"outcome": result["outcome"], "reason": result["reason"], "infrastructure": infrastructure_fault(result)}
+        )
         if not attempts[-1]["infrastructure"] or len(attempts) > spec["train"]["retries"]:
             break
         # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
@@ -237,7 +273,12 @@ def run_cell(
     tracker.log_records(pending + tail.read_new())
     filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
     if tracker.enabled:
-        result["tracking"] = {"run_id": tracker.run_id, "points_sent_live": tracker.sent_points, "points_filled": filled, "errors": tracker.errors}
+        result["tracking"] = {
+            "run_id": tracker.run_id,
+            "points_sent_live": tracker.sent_points,
+            "points_filled": filled,
+            "errors": tracker.errors,
+        }
     # result.json is the job's declared output: it appears last, once everything the job owes (the
     # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
     # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
@@ -263,8 +304,13 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
     artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
     if log_path is not None:
         artifacts.append(log_path)
-    tracker.finish({**run_tags(result), "attempts": str(len(result["attempts"]))}, artifacts,
-                   failed=result["outcome"] == Outcome.ERROR, params=result_params(result), end_time=result["ended_at"])
+    tracker.finish(
+        {**run_tags(result), "attempts": str(len(result["attempts"]))},
+        artifacts,
+        failed=result["outcome"] == Outcome.ERROR,
+        params=result_params(result),
+        end_time=result["ended_at"],
+    )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
         result["tracking"]["errors"] = tracker.errors
 
@@ -277,8 +323,16 @@ def _kill_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str, Any], tracking: dict[str, Any],
-              result_path: Path, command: list[str], snakemake_job: str, started: float) -> Any:
+def _open_run(
+    spec: dict[str, Any],
+    plan: dict[str, Any],
+    capabilities: dict[str, Any],
+    tracking: dict[str, Any],
+    result_path: Path,
+    command: list[str],
+    snakemake_job: str,
+    started: float,
+) -> Any:
     """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
     from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
     from tunegrid.track.tracking import CellRun, flatten, tracking_uri_for_cells
@@ -291,7 +345,9 @@ def _open_run(spec: dict[str, Any], plan: dict[str, Any], capabilities: dict[str
     probe_run = capabilities.get("mlflow_run_id") or ""
     if probe_run:
         tags["probe.run_id"] = probe_run
-    parent = parent_run_id(tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run, spec["cell_id"])
+    parent = parent_run_id(
+        tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run, spec["cell_id"]
+    )
     if parent:
         tags[INVOCATION_TAG] = parent
     tracker.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=started)
@@ -307,5 +363,3 @@ def _child_env() -> dict[str, str]:
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
-
-

@@ -20,8 +20,15 @@ from pathlib import Path
 from urllib.parse import quote
 
 CHROMIUM_FLAGS = (
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--no-first-run", "--disable-quic", "--hide-scrollbars",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--hide-scrollbars",
 )
 
 
@@ -32,8 +39,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @contextmanager
-def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = None, timeout_s: float = 60.0,
-                  allowed_hosts: str = "", log_path: Path | None = None) -> Iterator[str]:
+def mlflow_server(
+    store_uri: str,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    timeout_s: float = 60.0,
+    allowed_hosts: str = "",
+    log_path: Path | None = None,
+) -> Iterator[str]:
     """`mlflow server --workers 1` on the store; yields its base URL; stops it (and its workers) after.
 
     The server runs in a session of its own (a terminal's Ctrl-C reaches only its owner, which stops it
@@ -43,10 +56,23 @@ def mlflow_server(store_uri: str, host: str = "127.0.0.1", port: int | None = No
     port = port or free_port(host)
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
     log = open(log_path, "w+b") if log_path else tempfile.TemporaryFile()  # noqa: SIM115 — closed below
-    command = [mlflow, "server", "--backend-store-uri", store_uri, "--host", host, "--port", str(port), "--workers", "1"]
+    command = [
+        mlflow,
+        "server",
+        "--backend-store-uri",
+        store_uri,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     if allowed_hosts:
         command += ["--allowed-hosts", allowed_hosts]
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+    proc = subprocess.Popen(
+        command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent
+    )
     url = f"http://{host}:{port}"
     try:
         deadline = time.time() + timeout_s
@@ -85,7 +111,9 @@ def server_running(url: str) -> bool:
     return proc is not None and proc.poll() is None
 
 
-def serve_until_stopped(store_uri: str, host: str, port: int, allowed_hosts: str = "", log_path: Path | None = None) -> int:
+def serve_until_stopped(
+    store_uri: str, host: str, port: int, allowed_hosts: str = "", log_path: Path | None = None
+) -> int:
     """`snakemake mlflow_ui`: serve until Ctrl-C or SIGTERM, then stop the server and return 0."""
     import signal
     import threading
@@ -106,8 +134,9 @@ def serve_until_stopped(store_uri: str, host: str, port: int, allowed_hosts: str
 def rest(url: str, endpoint: str, payload: dict | None = None, method: str = "POST") -> dict:
     """One call of MLflow's REST API (api/2.0/mlflow/...)."""
     data = json.dumps(payload or {}).encode() if method == "POST" else None
-    request = urllib.request.Request(f"{url}/api/2.0/mlflow/{endpoint}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/api/2.0/mlflow/{endpoint}", data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
 
@@ -134,7 +163,9 @@ def _browse(url: str, extra: list[str], budget_ms: int, timeout_s: float) -> sub
     with tempfile.TemporaryDirectory() as profile:
         return subprocess.run(
             [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}", *extra, url],
-            capture_output=True, text=True, timeout=timeout_s,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
         )
 
 
@@ -144,7 +175,9 @@ def dump_dom(url: str, budget_ms: int = 10000, timeout_s: float = 120.0, size: t
     return _browse(url, ["--dump-dom", f"--window-size={size[0]},{size[1]}"], budget_ms, timeout_s).stdout
 
 
-def screenshot(url: str, out: Path, size: tuple[int, int] = (1600, 1000), budget_ms: int = 10000, timeout_s: float = 120.0) -> Path:
+def screenshot(
+    url: str, out: Path, size: tuple[int, int] = (1600, 1000), budget_ms: int = 10000, timeout_s: float = 120.0
+) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     proc = _browse(url, [f"--screenshot={out.resolve()}", f"--window-size={size[0]},{size[1]}"], budget_ms, timeout_s)
     if not out.exists():

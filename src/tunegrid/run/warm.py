@@ -32,7 +32,15 @@ from tunegrid.lifeline import alive
 
 SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
-PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "tunegrid.cell.train", "tunegrid.cell.instrument", "tunegrid.cell.precision")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "tunegrid.cell.train",
+    "tunegrid.cell.instrument",
+    "tunegrid.cell.precision",
+)
 
 
 def socket_path(execution_id: str) -> Path:
@@ -312,12 +320,18 @@ def start(path: Path, log_path: Path) -> subprocess.Popen[bytes]:
     sweep_stale(path.parent)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     src = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": src + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+    }
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tunegrid.run.warm", str(path), str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
     Path(str(path) + ".pid").write_text(str(proc.pid))
     return proc

@@ -59,8 +59,9 @@ def _record_path(study_dir: Path, execution_id: str) -> Path:
     return study_dir / "executions" / f"{execution_id}.json"
 
 
-def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, probe_run_id: str = "",
-                  cell_id: str = "") -> str | None:
+def parent_run_id(
+    uri: str, experiment_id: str, study: str, study_dir: Path, probe_run_id: str = "", cell_id: str = ""
+) -> str | None:
     """The parent run of the current execution, created by whichever cell asks first. With `cell_id`, that
     cell is recorded as in flight (and a parent some earlier cell had marked finished runs again)."""
     from tunegrid.track.store import client, with_retries
@@ -86,11 +87,21 @@ def parent_run_id(uri: str, experiment_id: str, study: str, study_dir: Path, pro
                     tags["probe.run_id"] = probe_run_id
                 started = execution_started(execution_id)
                 start_ms = int(started * 1000) if started else None
-                run = with_retries(lambda: c.create_run(experiment_id, start_time=start_ms, run_name=f"{study} @ {execution_id}", tags=tags),
-                                   "parent run")
+                run = with_retries(
+                    lambda: c.create_run(
+                        experiment_id, start_time=start_ms, run_name=f"{study} @ {execution_id}", tags=tags
+                    ),
+                    "parent run",
+                )
                 _end_killed_parents(c, experiment_id, execution_id)
-                record = {"run_id": run.info.run_id, "execution_id": execution_id, "started": time.time(),
-                          "running": [], "counts": {}, "finished": False}
+                record = {
+                    "run_id": run.info.run_id,
+                    "execution_id": execution_id,
+                    "started": time.time(),
+                    "running": [],
+                    "counts": {},
+                    "finished": False,
+                }
             elif cell_id and record.get("finished"):
                 with_retries(lambda: c.update_run(record["run_id"], status="RUNNING"), "parent running")
                 with_retries(lambda: c.set_tag(record["run_id"], "tunegrid.status", "running"), "parent status")
@@ -109,7 +120,11 @@ def _end_killed_parents(c: Any, experiment_id: str, execution_id: str) -> None:
     stale = c.search_runs([experiment_id], filter_string="tags.kind = 'study' and attributes.status = 'RUNNING'")
     for run in stale:
         if run.data.tags.get("tunegrid.execution_id") != execution_id:
-            c.set_tag(run.info.run_id, "tunegrid.status", f"killed: its invocation ended without closing it; next invocation {execution_id}")
+            c.set_tag(
+                run.info.run_id,
+                "tunegrid.status",
+                f"killed: its invocation ended without closing it; next invocation {execution_id}",
+            )
             c.set_terminated(run.info.run_id, status="KILLED")
 
 
@@ -166,7 +181,9 @@ def _locked(record_path: Path) -> Iterator[None]:
         yield
 
 
-def close_execution(uri: str, experiment_id: str, study_dir: Path, status: str, attachments: list[Path]) -> dict[str, Any] | None:
+def close_execution(
+    uri: str, experiment_id: str, study_dir: Path, status: str, attachments: list[Path]
+) -> dict[str, Any] | None:
     """Counts of the nested cells' outcomes (recounted from the store, so runs that mlflow_sync created
     count too) as tags, the report attached, the run terminated with `status`."""
     from mlflow.entities import RunTag
@@ -183,7 +200,9 @@ def close_execution(uri: str, experiment_id: str, study_dir: Path, status: str, 
     run_id = record["run_id"]
     c = client(uri)
     children = with_retries(
-        lambda: c.search_runs([experiment_id], filter_string=f"tags.`{INVOCATION_TAG}` = '{run_id}'", max_results=50000),
+        lambda: c.search_runs(
+            [experiment_id], filter_string=f"tags.`{INVOCATION_TAG}` = '{run_id}'", max_results=50000
+        ),
         "children",
     )
     counts: dict[str, int] = {}

@@ -46,10 +46,14 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
         )
     collective = (result.get("diagnosis") or {}).get("collective")
     if collective:
-        tags.update({
-            "collective.op": collective["op"], "collective.missing_ranks": ",".join(map(str, collective["missing_ranks"])),
-            "collective.timeout_s": str(collective["timeout_s"]), "collective.step": str(collective["step"]),
-        })
+        tags.update(
+            {
+                "collective.op": collective["op"],
+                "collective.missing_ranks": ",".join(map(str, collective["missing_ranks"])),
+                "collective.timeout_s": str(collective["timeout_s"]),
+                "collective.step": str(collective["step"]),
+            }
+        )
     crash = (result.get("diagnosis") or {}).get("rank_crash")
     if crash:
         tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
@@ -59,7 +63,9 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
     memory = result.get("memory") or {}
     if memory.get("estimate_bytes"):
         tags["memory.estimate_bytes"] = str(memory["estimate_bytes"])
-        tags["memory.estimate_over_measured"] = f"{memory['estimate_over_measured']:.3f}" if memory.get("estimate_over_measured") else ""
+        tags["memory.estimate_over_measured"] = (
+            f"{memory['estimate_over_measured']:.3f}" if memory.get("estimate_over_measured") else ""
+        )
     return tags
 
 
@@ -117,6 +123,10 @@ def dataset_input(result: dict[str, Any], data_path: Path) -> dict[str, Any]:
     return {
         "name": f"{data.get('source') or spec.get('source', 'synthetic')}:{Path(str(origin)).name}",
         "digest": digest.hexdigest()[:16],
-        "source": {"uri": str(Path(data_path).resolve()), "origin": str(origin), "revision": spec.get("revision") or ""},
+        "source": {
+            "uri": str(Path(data_path).resolve()),
+            "origin": str(origin),
+            "revision": spec.get("revision") or "",
+        },
         "profile": {k: data[k] for k in ("examples", "tokens", "rows", "packing", "fill") if k in data},
     }

@@ -30,7 +30,14 @@ log = logging.getLogger(__name__)
 
 # Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
 METRIC_KEYS = (
-    "loss", "grad_norm", "lr", "tokens_per_s", "step_time_s", "mem_peak_bytes", "loss_scale", "skipped_steps",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "step_time_s",
+    "mem_peak_bytes",
+    "loss_scale",
+    "skipped_steps",
     "fp16_headroom_max_ratio",
 )
 CELL_TAG = "tunegrid.cell_id"
@@ -113,7 +120,9 @@ class CellRun:
             log.warning("MLflow %s failed; metrics.jsonl keeps everything (%s)", what, exc)
             return FAILED
 
-    def start(self, cell_id: str, tags: dict[str, str], params: dict[str, str], start_time: float | None = None) -> None:
+    def start(
+        self, cell_id: str, tags: dict[str, str], params: dict[str, str], start_time: float | None = None
+    ) -> None:
         """Open this cell's run; earlier runs of the same cell are marked superseded and deleted."""
         from mlflow.entities import Param, RunTag
 
@@ -122,16 +131,25 @@ class CellRun:
             "search previous runs",
         )
         run = self._try(
-            lambda: self.client.create_run(self.experiment_id, start_time=_ms(start_time), run_name=cell_id, tags={CELL_TAG: cell_id, **tags}),
+            lambda: self.client.create_run(
+                self.experiment_id, start_time=_ms(start_time), run_name=cell_id, tags={CELL_TAG: cell_id, **tags}
+            ),
             "create_run",
         )
         if run is FAILED:
             return
         self.run_id = run.info.run_id
         for old in [] if previous is FAILED else previous:
-            self._try(lambda o=old: self.client.set_tag(o.info.run_id, "tunegrid.superseded_by", self.run_id), "tag old run")
+            self._try(
+                lambda o=old: self.client.set_tag(o.info.run_id, "tunegrid.superseded_by", self.run_id), "tag old run"
+            )
             if old.info.status == "RUNNING":  # its job was killed mid-cell: say so, do not leave it running
-                self._try(lambda o=old: self.client.set_tag(o.info.run_id, "tunegrid.ended", "killed: superseded by a re-run"), "tag")
+                self._try(
+                    lambda o=old: self.client.set_tag(
+                        o.info.run_id, "tunegrid.ended", "killed: superseded by a re-run"
+                    ),
+                    "tag",
+                )
                 self._try(lambda o=old: self.client.set_terminated(o.info.run_id, status="KILLED"), "end old run")
             self._try(lambda o=old: self.client.delete_run(o.info.run_id), "delete superseded run")
         items = [Param(k, v) for k, v in params.items()]
@@ -176,13 +194,24 @@ class CellRun:
 
         if self.run_id is None:
             return
-        entity = Dataset(name=dataset["name"], digest=dataset["digest"], source_type="local",
-                         source=json.dumps(dataset["source"]), profile=json.dumps(dataset["profile"]))
+        entity = Dataset(
+            name=dataset["name"],
+            digest=dataset["digest"],
+            source_type="local",
+            source=json.dumps(dataset["source"]),
+            profile=json.dumps(dataset["profile"]),
+        )
         item = DatasetInput(dataset=entity, tags=[InputTag("mlflow.data.context", "training")])
         self._try(lambda: self.client.log_inputs(self.run_id, datasets=[item]), "log dataset")
 
-    def finish(self, tags: dict[str, str], artifacts: list[Path], failed: bool, params: dict[str, str] | None = None,
-               end_time: float | None = None) -> None:
+    def finish(
+        self,
+        tags: dict[str, str],
+        artifacts: list[Path],
+        failed: bool,
+        params: dict[str, str] | None = None,
+        end_time: float | None = None,
+    ) -> None:
         """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts."""
         from mlflow.entities import Param, RunTag
 
@@ -195,11 +224,16 @@ class CellRun:
             self._try(lambda: self.client.log_batch(self.run_id, params=items), "final params")
         for path in artifacts:
             if path.is_dir():  # a folder (the adapter) keeps its name and layout in the store
-                self._try(lambda p=path: self.client.log_artifacts(self.run_id, str(p), artifact_path=p.name), f"artifacts {path.name}")
+                self._try(
+                    lambda p=path: self.client.log_artifacts(self.run_id, str(p), artifact_path=p.name),
+                    f"artifacts {path.name}",
+                )
             elif path.exists():
                 self._try(lambda p=path: self.client.log_artifact(self.run_id, str(p)), f"artifact {path.name}")
         status = "FAILED" if failed else "FINISHED"
-        self._try(lambda: self.client.set_terminated(self.run_id, status=status, end_time=_ms(end_time)), "set_terminated")
+        self._try(
+            lambda: self.client.set_terminated(self.run_id, status=status, end_time=_ms(end_time)), "set_terminated"
+        )
 
 
 def _ms(epoch_s: float | None) -> int | None:
@@ -215,7 +249,9 @@ def run_exists(c: Any, run_id: str | None) -> bool:
         return False
 
 
-def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Path, log_path: Path | None) -> dict[str, Any]:
+def sync_cell(
+    uri: str, experiment_id: str, result: dict[str, Any], run_dir: Path, log_path: Path | None
+) -> dict[str, Any]:
     """Make the store hold this cell's run with every metric point of metrics.jsonl.
 
     For cells whose store was down or locked while they trained: the run is created (or completed)
@@ -245,10 +281,19 @@ def sync_cell(uri: str, experiment_id: str, result: dict[str, Any], run_dir: Pat
     if created:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
         run.finish(
-            run_tags(result), artifacts + ([log_path] if log_path else []), failed=result["outcome"] == Outcome.ERROR,
-            params=result_params(result), end_time=result.get("ended_at"),
+            run_tags(result),
+            artifacts + ([log_path] if log_path else []),
+            failed=result["outcome"] == Outcome.ERROR,
+            params=result_params(result),
+            end_time=result.get("ended_at"),
         )
-    return {"run_id": run.run_id, "created": created, "points_filled": filled, "points_in_file": len(records), "errors": run.errors}
+    return {
+        "run_id": run.run_id,
+        "created": created,
+        "points_filled": filled,
+        "points_in_file": len(records),
+        "errors": run.errors,
+    }
 
 
 def log_probe_run(uri: str, experiment_id: str, record: dict[str, Any]) -> str | None:
@@ -257,15 +302,30 @@ def log_probe_run(uri: str, experiment_id: str, record: dict[str, Any]) -> str |
 
     c = client(uri)
     try:
-        run = with_retries(lambda: c.create_run(experiment_id, run_name="probe", tags={"kind": "probe", "device": record["device"]}), "probe run")
-        params = [Param(k, v) for k, v in flatten("", {"precision": record["precision"], "cpu": record["cpu"]["model"]}, {}).items()]
-        metrics = [Metric(f"matmul_tflops.{k}", v, int(time.time() * 1000), 0) for k, v in record["matmul_tflops"].items() if v]
+        run = with_retries(
+            lambda: c.create_run(experiment_id, run_name="probe", tags={"kind": "probe", "device": record["device"]}),
+            "probe run",
+        )
+        params = [
+            Param(k, v)
+            for k, v in flatten("", {"precision": record["precision"], "cpu": record["cpu"]["model"]}, {}).items()
+        ]
+        metrics = [
+            Metric(f"matmul_tflops.{k}", v, int(time.time() * 1000), 0) for k, v in record["matmul_tflops"].items() if v
+        ]
         if record.get("memory_bandwidth_gbs"):
             metrics.append(Metric("memory_bandwidth_gbs", record["memory_bandwidth_gbs"], int(time.time() * 1000), 0))
         for world, facts in record["allreduce"].items():
             for row in facts.get("sizes", []) if isinstance(facts, dict) else []:
-                metrics.append(Metric(f"allreduce_busbw_gbs.ws{world}", row["busbw_gbs"], int(time.time() * 1000), row["bytes"]))
-        with_retries(lambda: c.log_batch(run.info.run_id, metrics=metrics, params=params, tags=[RunTag("tunegrid.status", "done")]), "probe batch")
+                metrics.append(
+                    Metric(f"allreduce_busbw_gbs.ws{world}", row["busbw_gbs"], int(time.time() * 1000), row["bytes"])
+                )
+        with_retries(
+            lambda: c.log_batch(
+                run.info.run_id, metrics=metrics, params=params, tags=[RunTag("tunegrid.status", "done")]
+            ),
+            "probe batch",
+        )
         with_retries(lambda: c.set_terminated(run.info.run_id), "probe end")
         return str(run.info.run_id)
     except Exception as exc:  # the probe's JSON is the record; MLflow is a view of it
