@@ -14,7 +14,7 @@ import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.files import read_json
-from tunegrid.run import warm
+from tunegrid.run import warm, warm_client
 
 
 def _spec(train=None):
@@ -65,7 +65,7 @@ def test_a_timeout_stops_the_forked_worker_and_leaves_nothing(warm_process, chec
 
 
 def test_exit_codes_of_a_failing_worker_reach_the_supervisor(warm_process, tmp_path):
-    proc = warm.fork_worker(
+    proc = warm_client.fork_worker(
         warm_process,
         [
             "tunegrid",
@@ -87,7 +87,7 @@ def test_exit_codes_of_a_failing_worker_reach_the_supervisor(warm_process, tmp_p
 
 def test_without_a_warm_process_the_supervisor_spawns(tmp_path):
     started = time.monotonic()
-    assert warm.fork_worker(tmp_path / "none.sock", ["tunegrid", "worker"], {}) is None
+    assert warm_client.fork_worker(tmp_path / "none.sock", ["tunegrid", "worker"], {}) is None
     assert time.monotonic() - started < 1, "no pid file: nothing is starting, no wait"
 
 

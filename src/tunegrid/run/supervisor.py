@@ -21,6 +21,7 @@ from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.prepare.plan import plan_cell
+from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
 from tunegrid.track.tags import ARTIFACT_FILES, dataset_input, env_tags, rerun_tags, result_params, run_tags
@@ -29,109 +30,6 @@ from tunegrid.vocabulary import Outcome
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
-KILL_GRACE_S = 5.0
-
-
-def _stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the child and everything it started (its own process group): no orphans."""
-    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _launch_ranks(
-    spec: dict[str, Any],
-    spec_path: Path,
-    model_dir: Path,
-    data_path: Path,
-    run_dir: Path,
-    warm_socket: str | None = None,
-) -> list[Any]:
-    """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
-    LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
-    every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
-    the invocation's warm worker forks it instead (tunegrid.run.warm)."""
-    world = spec["axes"].get("world_size", 1)
-    command = [
-        sys.executable,
-        "-m",
-        "tunegrid.cli",
-        "worker",
-        "--spec",
-        str(spec_path),
-        "--model-dir",
-        str(model_dir),
-        "--data",
-        str(data_path),
-        "--run-dir",
-        str(run_dir),
-    ]
-    if world == 1:
-        if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
-            from tunegrid.run.warm import fork_worker
-
-            forked = fork_worker(Path(warm_socket), ["tunegrid", *command[3:]], _child_env())
-            if forked is not None:
-                print(f"worker {forked.pid} forked by the warm worker", flush=True)
-                return [forked]
-        return [subprocess.Popen(command, start_new_session=True, env=_child_env())]
-    from tunegrid.run.ui import free_port
-
-    env = _child_env()
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-    env.update(_flight_recorder_env(spec, run_dir))
-    procs = []
-    for rank in range(world):
-        log_path = run_dir / "ranks" / f"rank{rank}.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    command,
-                    start_new_session=True,
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    return procs
-
-
-def _flight_recorder_env(spec: dict[str, Any], run_dir: Path) -> dict[str, str]:
-    """NCCL Flight Recorder on for distributed GPU cells: a ring buffer of collectives per rank, dumped
-    under the cell's folder when the watchdog fires (PyTorch >= 2.3 reads these variables)."""
-    settings = spec["distributed"]
-    if not settings["flight_recorder"]:
-        return {}
-    dump = run_dir / "flight_recorder"
-    dump.mkdir(parents=True, exist_ok=True)
-    prefix = str(dump / "rank_")
-    return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(settings["trace_buffer_size"]),
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,  # the older name of the same setting
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-    }
-
-
-def _wait_any(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
-    """Sleep up to `timeout`, returning as soon as the first live rank exits (a fixed sleep would add
-    half a poll, on average, to every cell's end)."""
-    live = next((proc for proc in procs if proc.poll() is None), None)
-    if live is None:
-        return
-    try:
-        live.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def _supervise(
@@ -150,7 +48,7 @@ def _supervise(
     train = spec["train"]
     grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
-    procs = procs or _launch_ranks(spec, spec_path, model_dir, data_path, run_dir)
+    procs = procs or launch_ranks(spec, spec_path, model_dir, data_path, run_dir)
     stopped: list[int] = []
     previous_handler = signal.getsignal(signal.SIGTERM)
 
@@ -158,7 +56,7 @@ def _supervise(
         for rank, proc in enumerate(procs):
             if proc.poll() is None:
                 stopped.append(rank)
-                _stop_group(proc)
+                stop_group(proc)
 
     def on_term(signum: int, frame: Any) -> None:
         stop_all()
@@ -171,7 +69,7 @@ def _supervise(
     first_exit: float | None = None
     try:
         while any(proc.poll() is None for proc in procs):
-            _wait_any(procs, POLL_S)
+            wait_any(procs, POLL_S)
             pending += tail.read_new()
             if pending and time.monotonic() - last_flush > FLUSH_EVERY_S:
                 if tracker.log_records(pending):
@@ -216,7 +114,7 @@ def run_cell(
         capabilities["mlflow_run_id"] = read_json(probe_run).get("run_id")
     warm_socket = os.environ.get(WARM_SOCKET_ENV) if spec["axes"].get("world_size", 1) == 1 else None
     if warm_socket:
-        from tunegrid.run.warm import ready_info
+        from tunegrid.run.warm_client import ready_info
 
         info = ready_info(Path(warm_socket))
         if info is None:
@@ -230,7 +128,7 @@ def run_cell(
     write_json(spec_path, spec)
 
     # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
-    early = _launch_ranks(spec, spec_path, model_dir, data_path, run_dir, warm_socket) if verdict is None else None
+    early = launch_ranks(spec, spec_path, model_dir, data_path, run_dir, warm_socket) if verdict is None else None
     tracker: Any = NullRun()
     try:
         if tracking_path is not None:
@@ -239,7 +137,7 @@ def run_cell(
             )
     except BaseException:  # never leave a started worker behind
         for proc in early or []:
-            _stop_group(proc)
+            stop_group(proc)
         raise
     tail = MetricsTail(run_dir / "metrics.jsonl")
     attempts: list[dict[str, Any]] = []
@@ -352,14 +250,3 @@ def _open_run(
         tags[INVOCATION_TAG] = parent
     tracker.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=started)
     return tracker
-
-
-def _child_env() -> dict[str, str]:
-    from tunegrid.config import REPO_ROOT
-    from tunegrid.lifeline import SUPERVISOR_PID_ENV
-
-    env = dict(os.environ)
-    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.lifeline)
-    src = str(REPO_ROOT / "src")
-    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env

@@ -1,19 +1,18 @@
-"""Command-line entry points the Snakemake rules call; each one can be re-run by hand from its log."""
+"""What each `tunegrid <command>` does: one function per command, each a thin call into the wing that owns
+the stage (prepare, run, track, review). The argument parser that dispatches to them is tunegrid.cli.main.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from tunegrid.config import ConfigError
 from tunegrid.files import read_json, write_json
-from tunegrid.prepare.checkpoints import CheckpointError
 
 
-def _dataset(args: argparse.Namespace) -> None:
+def dataset(args: argparse.Namespace) -> None:
     from tunegrid.prepare.datasets_io import write_study_dataset
 
     data = json.loads(args.data_spec) if args.data_spec else {"source": "synthetic"}
@@ -27,7 +26,7 @@ def _dataset(args: argparse.Namespace) -> None:
     print(f"dataset {args.out}: {count} records from {data['source']}")
 
 
-def _checkpoint(args: argparse.Namespace) -> None:
+def checkpoint(args: argparse.Namespace) -> None:
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts, read_dataset
 
@@ -37,7 +36,7 @@ def _checkpoint(args: argparse.Namespace) -> None:
     print(f"checkpoint {args.out}: {len(manifest['files'])} files, source {manifest['source']['kind']}")
 
 
-def _environment(args: argparse.Namespace) -> None:
+def environment(args: argparse.Namespace) -> None:
     from tunegrid.prepare.environment import full_env
 
     env = full_env()
@@ -45,7 +44,7 @@ def _environment(args: argparse.Namespace) -> None:
     write_json(args.out, env)
 
 
-def _probe(args: argparse.Namespace) -> None:
+def probe(args: argparse.Namespace) -> None:
     from tunegrid.prepare.probes import probe
 
     record = probe(budget_s=args.budget_s, world_sizes=args.world_sizes)
@@ -53,7 +52,7 @@ def _probe(args: argparse.Namespace) -> None:
     print(f"probe: device {record['device']}, precision {record['precision']}, {record['probe_seconds']:.1f} s")
 
 
-def _tracking_init(args: argparse.Namespace) -> None:
+def tracking_init(args: argparse.Namespace) -> None:
     from tunegrid.track.tracking import init_experiment, redact_uri, resolve_tracking_uri
 
     uri = resolve_tracking_uri(args.tracking_uri)
@@ -64,7 +63,7 @@ def _tracking_init(args: argparse.Namespace) -> None:
     print(f"MLflow experiment {args.experiment!r} (id {experiment_id}) in {redact_uri(uri)}")
 
 
-def _finetune(args: argparse.Namespace) -> None:
+def finetune(args: argparse.Namespace) -> None:
     from tunegrid.config import study_cell_spec
     from tunegrid.run.supervisor import run_cell
 
@@ -84,13 +83,13 @@ def _finetune(args: argparse.Namespace) -> None:
     print(f"cell {spec['cell_id']}: {result['outcome']} — {result['reason']}")
 
 
-def _worker(args: argparse.Namespace) -> None:
+def worker(args: argparse.Namespace) -> None:
     from tunegrid.cell.train import run_worker
 
     run_worker(read_json(args.spec), args.model_dir, args.data, args.run_dir)
 
 
-def _summary(args: argparse.Namespace) -> None:
+def summary(args: argparse.Namespace) -> None:
     from tunegrid.review.summary import write_summary
 
     frame = write_summary(args.results, args.out, sync_path=args.sync or None)
@@ -98,7 +97,7 @@ def _summary(args: argparse.Namespace) -> None:
     print("outcomes:", frame["outcome"].value_counts().to_dict())
 
 
-def _sync(args: argparse.Namespace) -> None:
+def sync(args: argparse.Namespace) -> None:
     from tunegrid.track.tracking import sync_cell, tracking_uri_for_cells
 
     tracking = read_json(args.tracking)
@@ -117,7 +116,7 @@ def _sync(args: argparse.Namespace) -> None:
     )
 
 
-def _plan(args: argparse.Namespace) -> None:
+def plan(args: argparse.Namespace) -> None:
     import pandas as pd
 
     from tunegrid.config import cell_spec, expand_cells, resolve_study
@@ -147,7 +146,7 @@ def _plan(args: argparse.Namespace) -> None:
     print(frame[["cell_id", "target", "estimate_bytes", "verdict", "reason"]].to_string(index=False))
 
 
-def _report(args: argparse.Namespace) -> None:
+def report(args: argparse.Namespace) -> None:
     from tunegrid.review.report import build_report
 
     facts = build_report(
@@ -163,7 +162,7 @@ def _report(args: argparse.Namespace) -> None:
     )
 
 
-def _execution_end(args: argparse.Namespace) -> None:
+def execution_end(args: argparse.Namespace) -> None:
     from tunegrid.track.execution import close_execution
     from tunegrid.track.tracking import tracking_uri_for_cells
 
@@ -178,7 +177,7 @@ def _execution_end(args: argparse.Namespace) -> None:
     print("no cell ran in this execution" if closed is None else f"study run {closed['run_id']}: {closed['counts']}")
 
 
-def _screenshots(args: argparse.Namespace) -> None:
+def screenshots(args: argparse.Namespace) -> None:
     """The report and MLflow's runs and compare pages as PNGs (docs/), through MLflow's own server."""
     from tunegrid.run.ui import compare_page, mlflow_server, rest, runs_page, screenshot
     from tunegrid.track.tracking import tracking_uri_for_cells
@@ -198,7 +197,7 @@ def _screenshots(args: argparse.Namespace) -> None:
     print(f"screenshots in {out}: report.png, mlflow_runs.png, mlflow_compare.png")
 
 
-def _probe_tracking(args: argparse.Namespace) -> None:
+def probe_tracking(args: argparse.Namespace) -> None:
     from tunegrid.track.tracking import log_probe_run, tracking_uri_for_cells
 
     tracking = read_json(args.tracking)
@@ -207,7 +206,7 @@ def _probe_tracking(args: argparse.Namespace) -> None:
     print(f"probe run {run_id}" if run_id else "probe run not logged (store unreachable); the JSON keeps the record")
 
 
-def _mlflow_ui(args: argparse.Namespace) -> None:
+def mlflow_ui(args: argparse.Namespace) -> None:
     from tunegrid.run.ui import serve_until_stopped
     from tunegrid.track.tracking import tracking_uri_for_cells
 
@@ -217,154 +216,8 @@ def _mlflow_ui(args: argparse.Namespace) -> None:
     )
 
 
-def _validate(args: argparse.Namespace) -> None:
+def validate(args: argparse.Namespace) -> None:
     from tunegrid.config import expand_cells, load_study
 
     study = load_study(args.config)
     print(f"study {study['study']!r}: {len(expand_cells(study))} cells")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tunegrid", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("dataset", help="write the training records (generated, or the study's own data)")
-    p.add_argument("--data-spec", help="the study's data section as JSON (default: generated pairs)")
-    p.add_argument("--examples", type=int, help="(synthetic) generated pairs")
-    p.add_argument("--seed", type=int, help="(synthetic) generator seed")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_dataset)
-
-    p = sub.add_parser("checkpoint", help="produce a model folder (hub, local or synthetic)")
-    p.add_argument("--spec", required=True, help="the model's config entry as JSON")
-    p.add_argument("--data", required=True)
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_checkpoint)
-
-    p = sub.add_parser("environment", help="record the software environment")
-    p.add_argument("--out", required=True)
-    p.add_argument("--freeze", required=True)
-    p.set_defaults(func=_environment)
-
-    p = sub.add_parser("probe", help="record hardware capabilities")
-    p.add_argument("--out", required=True)
-    p.add_argument("--budget-s", type=float, default=30.0)
-    p.add_argument("--world-sizes", type=int, nargs="*", default=[2])
-    p.set_defaults(func=_probe)
-
-    p = sub.add_parser("tracking-init", help="create the MLflow store and the study's experiment once")
-    p.add_argument("--tracking-uri", default="")
-    p.add_argument("--experiment", required=True)
-    p.add_argument("--artifact-root", required=True)
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_tracking_init)
-
-    p = sub.add_parser("finetune", help="run one grid cell under supervision; always writes result.json")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--study-file", help="the resolved study (results/<study>/study.json); with --cell")
-    source.add_argument("--spec", help="the cell's resolved spec as JSON (by hand; the workflow passes a file)")
-    p.add_argument("--cell", default="", help="the cell id within --study-file")
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--result", required=True)
-    p.add_argument("--tracking", default="", help="tracking.json from tracking-init; empty: no MLflow")
-    p.add_argument("--capabilities", default="", help="the probe's capabilities.json (target, budget, estimate)")
-    p.add_argument("--log", default="", help="the rule's log, attached to the MLflow run")
-    p.add_argument("--snakemake-job", default="", help="rule and job id, recorded as a run tag")
-    p.set_defaults(func=_finetune)
-
-    p = sub.add_parser("worker", help="(internal) the training process a finetune job supervises")
-    p.add_argument("--spec", required=True)
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--run-dir", required=True)
-    p.set_defaults(func=_worker)
-
-    p = sub.add_parser("summary", help="one row per cell as CSV")
-    p.add_argument("--out", required=True)
-    p.add_argument("--sync", default="", help="tracking-sync.json: run ids of runs created after the fact")
-    p.add_argument("results", nargs="+")
-    p.set_defaults(func=_summary)
-
-    p = sub.add_parser("sync", help="fill MLflow from the result files (runs whose store was down)")
-    p.add_argument("--tracking", required=True)
-    p.add_argument("--logs", default="", help="folder of the cells' rule logs, attached to created runs")
-    p.add_argument("--out", required=True)
-    p.add_argument("results", nargs="+")
-    p.set_defaults(func=_sync)
-
-    p = sub.add_parser("plan", help="before training: per cell, the target, the memory estimate and the verdict")
-    p.add_argument("--study-file", required=True, help="the resolved study (results/<study>/study.json)")
-    p.add_argument("--capabilities", required=True)
-    p.add_argument("--models", required=True, help="folder of the study's checkpoints")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_plan)
-
-    p = sub.add_parser("report", help="the comparison report: HTML, PNGs and recommendations")
-    p.add_argument("--summary", required=True, help="summary.parquet")
-    p.add_argument("--capabilities", required=True)
-    p.add_argument("--environment", required=True)
-    p.add_argument("--study", required=True)
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("results", nargs="+")
-    p.set_defaults(func=_report)
-
-    p = sub.add_parser("execution-end", help="(Snakefile hook) close this execution's parent MLflow run")
-    p.add_argument("--tracking", required=True)
-    p.add_argument("--study-dir", required=True)
-    p.add_argument("--status", choices=["FINISHED", "FAILED", "KILLED"], required=True)
-    p.add_argument("--attach", nargs="*", default=[])
-    p.set_defaults(func=_execution_end)
-
-    p = sub.add_parser("screenshots", help="PNGs of the report and of the MLflow UI (runs, compare) for docs/")
-    p.add_argument("--study-dir", required=True, help="results/<study> of a finished study")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_screenshots)
-
-    p = sub.add_parser("probe-tracking", help="log the probe's record as an MLflow run")
-    p.add_argument("--tracking", required=True)
-    p.add_argument("--capabilities", required=True)
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_probe_tracking)
-
-    p = sub.add_parser("mlflow-ui", help="MLflow's own server on the study's store until Ctrl-C")
-    p.add_argument("--tracking", required=True, help="the study's tracking.json (names the store)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=5000)
-    p.add_argument("--allowed-hosts", default="")
-    p.add_argument("--log", default="")
-    p.set_defaults(func=_mlflow_ui)
-
-    p = sub.add_parser("validate", help="check a study config and count its cells")
-    p.add_argument("config")
-    p.set_defaults(func=_validate)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (ConfigError, CheckpointError) as exc:
-        print(f"tunegrid {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def run() -> None:
-    """Process entry point (scripts/tunegrid.py, `python -m tunegrid.cli`, the `tunegrid` command).
-
-    A command that returns leaves by os._exit: the interpreter's teardown of torch, transformers and
-    mlflow costs 0.6-1.3 s per process here (benchmarks/orchestration.py) and does nothing for us, since
-    every file is written atomically or line-flushed before return (crash-safe writers never rely on
-    teardown) and every child process has been waited for. An exception still exits the normal way, with
-    its traceback. Tests call main() in-process, which is unaffected."""
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-if __name__ == "__main__":
-    run()

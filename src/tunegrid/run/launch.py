@@ -1,0 +1,127 @@
+"""Launching a cell's worker processes and stopping them: one process per rank with the environment torchrun
+would give it, in its own process group, tied to the supervisor by the lifeline (tunegrid.lifeline).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+KILL_GRACE_S = 5.0
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the child and everything it started (its own process group): no orphans."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch_ranks(
+    spec: dict[str, Any],
+    spec_path: Path,
+    model_dir: Path,
+    data_path: Path,
+    run_dir: Path,
+    warm_socket: str | None = None,
+) -> list[Any]:
+    """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
+    every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
+    the invocation's warm worker forks it instead (tunegrid.run.warm)."""
+    world = spec["axes"].get("world_size", 1)
+    command = [
+        sys.executable,
+        "-m",
+        "tunegrid.cli",
+        "worker",
+        "--spec",
+        str(spec_path),
+        "--model-dir",
+        str(model_dir),
+        "--data",
+        str(data_path),
+        "--run-dir",
+        str(run_dir),
+    ]
+    if world == 1:
+        if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
+            from tunegrid.run.warm_client import fork_worker
+
+            forked = fork_worker(Path(warm_socket), ["tunegrid", *command[3:]], child_env())
+            if forked is not None:
+                print(f"worker {forked.pid} forked by the warm worker", flush=True)
+                return [forked]
+        return [subprocess.Popen(command, start_new_session=True, env=child_env())]
+    from tunegrid.run.ui import free_port
+
+    env = child_env()
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    env.update(flight_recorder_env(spec, run_dir))
+    procs = []
+    for rank in range(world):
+        log_path = run_dir / "ranks" / f"rank{rank}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    start_new_session=True,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return procs
+
+
+def flight_recorder_env(spec: dict[str, Any], run_dir: Path) -> dict[str, str]:
+    """NCCL Flight Recorder on for distributed GPU cells: a ring buffer of collectives per rank, dumped
+    under the cell's folder when the watchdog fires (PyTorch >= 2.3 reads these variables)."""
+    settings = spec["distributed"]
+    if not settings["flight_recorder"]:
+        return {}
+    dump = run_dir / "flight_recorder"
+    dump.mkdir(parents=True, exist_ok=True)
+    prefix = str(dump / "rank_")
+    return {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(settings["trace_buffer_size"]),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,  # the older name of the same setting
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    }
+
+
+def wait_any(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Sleep up to `timeout`, returning as soon as the first live rank exits (a fixed sleep would add
+    half a poll, on average, to every cell's end)."""
+    live = next((proc for proc in procs if proc.poll() is None), None)
+    if live is None:
+        return
+    try:
+        live.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def child_env() -> dict[str, str]:
+    from tunegrid.config import REPO_ROOT
+    from tunegrid.lifeline import SUPERVISOR_PID_ENV
+
+    env = dict(os.environ)
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.lifeline)
+    src = str(REPO_ROOT / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
