@@ -1,7 +1,7 @@
 """The words every stage shares, defined once: the grid's axes and their values, and a cell's outcomes.
 
 The Snakefile's wildcard pattern, the recommender's axes and the schema's enums are derived from or
-checked against these (tests/test_vocabulary.py), so a new precision or outcome is added here only.
+checked against these (tests/house/test_vocabulary.py), so a new precision or outcome is added here only.
 Light module: no imports beyond the standard library (the Snakefile reads it at parse time).
 """
 

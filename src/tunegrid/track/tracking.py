@@ -14,16 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tunegrid.track.store import (  # noqa: F401 — the store's API, re-exported for the cell runs' callers
-    client,
-    default_store_uri,
-    experiment_name,
-    init_experiment,
-    redact_uri,
-    resolve_tracking_uri,
-    tracking_uri_for_cells,
-    with_retries,
-)
+from tunegrid.track.store import client, with_retries
 from tunegrid.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
