@@ -33,7 +33,7 @@ def test_every_metric_a_step_writes_or_readme_names_reaches_mlflow():
     import re
     from pathlib import Path
 
-    from tunegrid.track.tracking import METRIC_KEYS
+    from tunegrid.vocabulary import METRIC_KEYS
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     listed = readme[readme.index("Metrics have the same names in every cell") :]
