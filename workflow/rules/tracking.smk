@@ -1,6 +1,9 @@
 # The store and the experiment are created once, before the cells fan out: concurrent first writers
 # to a fresh sqlite store crash on table creation. MLFLOW_TRACKING_URI, when set, overrides the default
-# store (it is optional, so it is not an `envvars:` entry, which Snakemake would require).
+# store. Neither it nor HF_TOKEN is an `envvars:` entry: Snakemake refuses to start when a listed variable
+# is unset (both are optional), and its local executor writes listed ones into each spawned job's command
+# as `export NAME='value'` (a secret in process lists and verbose logs). Jobs inherit the environment
+# locally and on SLURM (sbatch --export=ALL) instead.
 # Bookkeeping rules (`localrule: True`) run where snakemake runs, with no queueing for a few seconds of
 # work: the store, the sync, the dataset, the plan, the summary and the report. The probe and the cells
 # go to the cluster.
