@@ -15,7 +15,9 @@ is already parametrized:
   inside the outer one's parametrize.cached() before adding its proxy, so the un-adapted value is
   cached and the inner adapter gets no gradient.
 
-`QuantizedExpertWrapper` replaces that one step, adding and removing its proxy by identity without reading
+Two adapted tensors on one module nest in the order peft gives an unparametrized module (declaration
+order), not its sorted full-name order, so the saved adapter has the same keys on a 4-bit and on a
+full-precision base (`nest_in_declared_order`). `QuantizedExpertWrapper` replaces the activation step, adding and removing its proxy by identity without reading
 the parameter. The dequantized tensor exists only while the experts' forward runs (bitsandbytes' forward
 hooks scope its cache to it) and where autograd keeps it for backward; the packed 4-bit storage never
 requires grad and no full-precision copy of it outlives the step.
@@ -122,3 +124,50 @@ def adopt_quantized_experts(model: nn.Module) -> list[str]:
             module.__class__ = QuantizedExpertWrapper
             adopted.append(f"{name}.{module.parameter_name}")
     return adopted
+
+
+def _declared_order(model: nn.Module) -> dict[str, list[str]]:
+    """Each module's own parameter names in declaration order (the order peft's suffix match walks), read
+    from a copy of the model on the meta device (a parametrized module no longer lists them)."""
+    with torch.device("meta"):
+        skeleton = type(model)(model.config)
+    return {name: [n for n, _ in m.named_parameters(recurse=False)] for name, m in skeleton.named_modules()}
+
+
+def nest_in_declared_order(model: nn.Module) -> int:
+    """Reorder nested ParamWrappers on a 4-bit module so the innermost adapts the first-declared tensor,
+    as peft nests them on a full-precision module; returns how many modules were reordered.
+
+    The wrappers are one class with one structure; what differs is their per-tensor state (parameter
+    name, features, adapters), so the states are permuted and the base_layer links put back.
+    """
+    chains, inner = [], set()
+    for name, module in model.named_modules():  # outer wrappers come before the ones they wrap
+        if isinstance(module, ParamWrapper) and isinstance(module.base_layer, ParamWrapper) and id(module) not in inner:
+            chain = [module]
+            while isinstance(chain[-1].base_layer, ParamWrapper):
+                chain.append(chain[-1].base_layer)
+                inner.add(id(chain[-1]))
+            chains.append((name, chain))
+    chains = [(n, c) for n, c in chains if _quant_state(c[-1].base_layer, c[-1].parameter_name) is not None]
+    if not chains:
+        return 0
+    order = _declared_order(model)
+    reordered = 0
+    for name, chain in chains:
+        declared = order.get(name, [])
+        if not all(w.parameter_name in declared for w in chain):
+            continue  # a module the copy does not have: peft's own order stands
+        inner_first = sorted(reversed(chain), key=lambda w: declared.index(w.parameter_name))
+        wanted = list(reversed(inner_first))  # outermost first, as `chain`
+        if wanted == chain:
+            continue
+        base = chain[-1].base_layer
+        states = [dict(w.__dict__) for w in wanted]
+        for wrapper, state in zip(chain, states, strict=True):
+            wrapper.__dict__.clear()
+            wrapper.__dict__.update(state)
+        for outer, inner in zip(chain, [*chain[1:], base], strict=True):
+            outer._modules["base_layer"] = inner
+        reordered += 1
+    return reordered

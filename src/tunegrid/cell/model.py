@@ -50,7 +50,7 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
     from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    from tunegrid.cell.expert_lora import adopt_quantized_experts, expand_targets
+    from tunegrid.cell.expert_lora import adopt_quantized_experts, expand_targets, nest_in_declared_order
 
     lora = spec["lora"]
     if spec["train"]["gradient_checkpointing"]:
@@ -69,5 +69,6 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
     if config.target_parameters:
         config.target_parameters = expand_targets(model, sorted(config.target_parameters))
     adapted = get_peft_model(model, config)
+    nest_in_declared_order(adapted.base_model.model)
     adopt_quantized_experts(adapted)
     return adapted
