@@ -164,7 +164,9 @@ def test_plain_peft_over_nf4_experts_still_fails():
     assert any("no parameter was matched" in str(w.message) for w in caught)
 
 
-def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(checkpoints, dataset_path, tmp_path):
+def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
+    checkpoints, dataset_path, tmp_path, avx512bf16_host
+):
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -179,6 +181,7 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(c
     facts = run_in_process(spec, checkpoints, dataset_path, run_dir)
     assert facts["outcome"] == "ok", facts["reason"]
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == 4
+    assert avx512bf16_host == [], "the cell's eval no-grad reference forward repacked a 4-bit weight"
     audit = read_json(run_dir / "audit.json")
     trains = audit["lora"]["trains"]
     assert {t: (trains[t]["role"], trains[t]["base"]) for t in EXPERTS} == {t: ("experts", {"nf4": 2}) for t in EXPERTS}

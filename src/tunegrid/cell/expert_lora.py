@@ -7,20 +7,25 @@ and autograd reaches only the adapter factors. peft 0.21 does not get there on i
 is already parametrized:
 
 - target_parameters match a parametrized module only by its full name, never by suffix, so
-  `mlp.experts.down_proj` adapts nothing (peft warns once that nothing matched, or not at all when an
-  attention target matched): `expand_targets` adds the full names;
+  `mlp.experts.down_proj` adapts nothing (peft only warns that no parameter was matched):
+  `expand_targets` adds the full names;
 - its single-adapter factor proxy is never taken off again when another parametrization precedes it
-  (the removal looks for its other proxy class), so every forward stacks one more delta;
+  (the removal looks for its other proxy class); the next forward then reads a parameter that requires
+  grad and copies that flag onto the packed uint8 storage: "only Tensors of floating point dtype can
+  require gradients" on the second step (in the first backward under activation checkpointing);
 - with two adapted parameters on one module (nested wrappers) the inner wrapper reads its parameter
   inside the outer one's parametrize.cached() before adding its proxy, so the un-adapted value is
   cached and the inner adapter gets no gradient.
 
-Two adapted tensors on one module nest in the order peft gives an unparametrized module (declaration
-order), not its sorted full-name order, so the saved adapter has the same keys on a 4-bit and on a
-full-precision base (`nest_in_declared_order`). `QuantizedExpertWrapper` replaces the activation step, adding and removing its proxy by identity without reading
-the parameter. The dequantized tensor exists only while the experts' forward runs (bitsandbytes' forward
-hooks scope its cache to it) and where autograd keeps it for backward; the packed 4-bit storage never
-requires grad and no full-precision copy of it outlives the step.
+`QuantizedExpertWrapper` replaces the activation step, adding and removing its proxy by identity without
+reading the parameter. Two adapted tensors on one module nest in the order peft gives an unparametrized
+module (declaration order), not its sorted full-name order, so the saved adapter has the same keys on a
+4-bit and on a full-precision base (`nest_in_declared_order`).
+
+Memory: the dequantized tensor exists while the experts' forward runs (bitsandbytes' forward hooks scope
+its cache to it) and, without activation checkpointing, where autograd keeps it for that layer's backward
+(as for experts without adapters); with checkpointing it is dequantized again in the backward instead.
+The packed 4-bit storage never requires grad and no full-precision copy of it outlives the step.
 """
 
 from __future__ import annotations
