@@ -207,3 +207,43 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
     with torch.no_grad():
         full_loss = full(**batch).loss.item()
     assert abs(full_loss - base_loss) > 1e-3 and abs(full_loss - loss) < abs(base_loss - loss)
+
+
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_adapters_attached_before_the_post_load_quantization_train_the_same(checkpoints, model):
+    """The post-load pass quantizes expert tensors that already carry an adapter and makes those train over
+    NF4 too: same packed bytes, loss and gradients as quantizing at load and attaching after."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tunegrid.cell import expert_quant, quant_audit
+    from tunegrid.cell.model import attach_lora
+
+    bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+    kwargs = {"dtype": torch.float32, "use_safetensors": True}
+    spec = {"lora": {"r": 4, "alpha": 8, **LORA}, "train": {"gradient_checkpointing": False}}
+    at_load = expert_quant.load_causal_lm(
+        checkpoints[model], {**kwargs, "quantization_config": expert_quant.ExpertNF4Config(**bnb)}
+    )
+    at_load = attach_lora(at_load, spec)
+    post = AutoModelForCausalLM.from_pretrained(
+        checkpoints[model], quantization_config=BitsAndBytesConfig(**bnb), **kwargs
+    )
+    post = attach_lora(post, spec)
+    change = quant_audit.quantize_experts_post_load(post)
+    assert len(change["changed"]) == 4 and change["kept_for_lora"] == []
+
+    _randomize_lora_b(post)
+    trained = dict(post.named_parameters())
+    with torch.no_grad():
+        for name, param in at_load.named_parameters():
+            if param.requires_grad:
+                param.copy_(trained[name])
+    for name, (data, _state, _depth) in _expert_storage(at_load).items():
+        assert torch.equal(data, _expert_storage(post)[name][0]), name
+    batch = {"input_ids": torch.arange(24).view(2, 12) % 512, "labels": torch.arange(24).view(2, 12) % 512}
+    loss, got = _loss_and_grads(post, batch)
+    want_loss, want = _loss_and_grads(at_load, batch)
+    assert loss == want_loss
+    _assert_close(got, want, RELATIVE_TOLERANCE)
+    assert all(g is not None and g.abs().sum() > 0 for n, g in got.items() if ".experts." in n)
