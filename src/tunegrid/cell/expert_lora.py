@@ -146,13 +146,17 @@ def nest_in_declared_order(model: nn.Module) -> int:
     The wrappers are one class with one structure; what differs is their per-tensor state (parameter
     name, features, adapters), so the states are permuted and the base_layer links put back.
     """
-    chains, inner = [], set()
+    chains, wrapped = [], set()
     for name, module in model.named_modules():  # outer wrappers come before the ones they wrap
-        if isinstance(module, ParamWrapper) and isinstance(module.base_layer, ParamWrapper) and id(module) not in inner:
+        if (
+            isinstance(module, ParamWrapper)
+            and isinstance(module.base_layer, ParamWrapper)
+            and id(module) not in wrapped
+        ):
             chain = [module]
             while isinstance(chain[-1].base_layer, ParamWrapper):
                 chain.append(chain[-1].base_layer)
-                inner.add(id(chain[-1]))
+                wrapped.add(id(chain[-1]))
             chains.append((name, chain))
     chains = [(n, c) for n, c in chains if _quant_state(c[-1].base_layer, c[-1].parameter_name) is not None]
     if not chains:
