@@ -58,16 +58,30 @@ def test_lora_request_that_matches_nothing_is_reported(checkpoints, dataset_path
     assert facts["quant_audit"]["lora"]["unmatched"] == ["fc1"]
 
 
-def test_expert_params_with_lora_stay_trainable_and_are_listed(checkpoints, dataset_path, tmp_path):
+def test_expert_params_with_lora_are_nf4_and_the_audit_says_what_trains(checkpoints, dataset_path, tmp_path):
     one = {"target_modules": ["q_proj"], "target_parameters": ["mlp.experts.down_proj"]}
     facts, audit = _cell(checkpoints, dataset_path, tmp_path, model="qwen3moe-tiny", quant="nf4-experts", lora=one)
     assert facts["outcome"] == "ok", facts["reason"]
     change = audit["expert_quantization"]
-    assert change["order"] == "at_load" and change["changed"] == []  # peft needs the adapted module unparametrized
-    assert audit["lora"]["target_parameters"]["mlp.experts.down_proj"] == 2
-    assert sorted(c.rsplit(".", 1)[1] for c in change["changed_after_load"]) == ["gate_up_proj", "gate_up_proj"]
-    assert sorted(k["name"].rsplit(".", 1)[1] for k in change["kept_for_lora"]) == ["down_proj", "down_proj"]
-    assert all(k["bytes"] > 0 for k in change["kept_for_lora"])
+    assert len(change["changed"]) == 4 and change["changed_after_load"] == [] and change["kept_for_lora"] == []
+    assert audit["after_adapters"]["flagged"] == []
+    lora = audit["lora"]
+    assert lora["target_parameters"]["mlp.experts.down_proj"] == 2
+    experts = lora["trains"]["mlp.experts.down_proj"]
+    assert experts["role"] == "experts" and experts["base"] == {"nf4": 2} and experts["base_4bit"]
+    attention = lora["trains"]["q_proj"]
+    assert attention["role"] == "attention" and attention["base"] == {"nf4": 2} and attention["base_4bit"]
+    # r=8 (the schema's default): down_proj [E=4, hidden 64, moe 32] -> A (32, 8E), B (8E, 64) per layer;
+    # q_proj 64 -> 64 (2 heads x 32) -> A (64, 8), B (8, 64) per layer
+    assert experts["trainable_params"] == 2 * (32 * 32 + 32 * 64)
+    assert attention["trainable_params"] == 2 * (64 * 8 + 8 * 64)
+    assert lora["trainable_params_by_role"] == {
+        "experts": experts["trainable_params"],
+        "attention": attention["trainable_params"],
+        "other": 0,
+    }
+    assert facts["params"]["trainable"] == experts["trainable_params"] + attention["trainable_params"]
+    assert facts["quant_audit"]["lora"]["trains"] == lora["trains"]
 
 
 def test_peft_converting_mlp_names_into_expert_adapters_is_reported(checkpoints, dataset_path, tmp_path):

@@ -81,3 +81,27 @@ def base_record(spec: dict[str, Any], manifest: dict[str, Any], plan: Any) -> di
             "quant": spec["axes"]["quant"],
         },
     }
+
+
+def load_adapter(model: Any, adapter_dir: Path) -> Any:
+    """The adapter saved under `adapter_dir`, put on `model` (the base as the cell loaded it, or in full
+    precision) for evaluation, with its adapters on 4-bit expert tensors nested and run as in training
+    (cell/expert_lora.py; peft's from_pretrained nests them in another order on a 4-bit base)."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from tunegrid.cell.expert_lora import adopt_quantized_experts, nest_in_declared_order
+
+    config = LoraConfig.from_pretrained(str(adapter_dir))
+    config.inference_mode = True
+    adapted = get_peft_model(model, config)
+    nest_in_declared_order(adapted.base_model.model)
+    adopt_quantized_experts(adapted)
+    loaded = set_peft_model_state_dict(adapted, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+    missing = [k for k in loaded.missing_keys if ".lora_" in k]
+    if loaded.unexpected_keys or missing:
+        raise ValueError(
+            f"the adapter in {adapter_dir} does not fit this model: unexpected {loaded.unexpected_keys[:3]}, "
+            f"missing {missing[:3]}; load the base the adapter's base_model.json names"
+        )
+    return adapted.eval()

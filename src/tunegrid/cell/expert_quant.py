@@ -8,13 +8,12 @@ tensors into one parameter) also quantizes every ≥3-D parameter, on the target
 full-precision tensor is dropped before the next one is read. Experts are found by rank, not by name:
 any MoE family, stored [E, out, in] or [E, in, out], with or without biases (biases are < 3-D and stay).
 
-Expert parameters that will carry a LoRA adapter stay in full precision (peft cannot wrap a
-parametrized tensor); which ones is answered by attaching the adapters to a meta-device copy first.
+Every expert tensor is quantized, those that will carry a LoRA adapter too: the adapters train over the
+NF4 base (cell/expert_lora.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +29,11 @@ NF4 = {"quant_type": "nf4", "compress_statistics": True}  # the same call the po
 
 
 class ExpertNF4Config(BitsAndBytesConfig):
-    """bitsandbytes' 4-bit config, plus: quantize ≥3-D parameters at load, except those named in `keep`."""
+    """bitsandbytes' 4-bit config, plus: quantize ≥3-D parameters at load."""
 
-    def __init__(self, keep_full_precision: Iterable[str] = (), **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.quant_method = QUANT_METHOD  # selects ExpertNF4Quantizer in transformers' quantizer registry
-        self.keep_full_precision = sorted(keep_full_precision)  # a list: the config is serialized as JSON
 
 
 def _is_expert_param(model: Any, param_name: str) -> bool:
@@ -51,9 +49,7 @@ class ExpertNF4Quantizer(Bnb4BitHfQuantizer):
     quantization_config: ExpertNF4Config
 
     def is_expert(self, model: Any, param_name: str) -> bool:
-        return param_name not in set(self.quantization_config.keep_full_precision) and _is_expert_param(
-            model, param_name
-        )
+        return _is_expert_param(model, param_name)
 
     def param_needs_quantization(self, model: Any, param_name: str, **kwargs: Any) -> bool:
         return super().param_needs_quantization(model, param_name, **kwargs) or self.is_expert(model, param_name)
@@ -151,35 +147,6 @@ def register() -> None:
     AUTO_QUANTIZER_MAPPING.setdefault(QUANT_METHOD, ExpertNF4Quantizer)
 
 
-def adapter_parameters(config: Any, attach: Callable[[Any], Any]) -> set[str]:
-    """Names of the ≥3-D parameters of every module `attach` puts a LoRA adapter directly on (peft's
-    ParamWrapper: its target_parameters, and gate/up/down_proj names it converts into expert targets on
-    some families), found by attaching to a copy of the model on the meta device: peft's own matching."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    before = dict(skeleton.named_modules())  # attaching replaces the wrapped modules in this tree
-    names = {id(module): name for name, module in before.items()}
-    adapted = attach(skeleton)
-    owners = set()
-    for module in adapted.modules():
-        if hasattr(module, "parameter_name") and hasattr(module, "get_base_layer"):
-            owner = names.get(id(module.get_base_layer()))
-            if owner is not None:
-                owners.add(owner)
-    # the whole owning module: peft matches target_parameters by suffix only on modules with no
-    # parametrization at all, so quantizing a sibling at load would hide the targeted tensor from it
-    # (the siblings are quantized after the adapters are attached, by the post-load pass)
-    return {
-        f"{owner}.{name}" if owner else name
-        for owner in owners
-        for name, param in before[owner].named_parameters(recurse=False)
-        if param.dim() >= 3
-    }
-
-
 def unread_state_dict(model_dir: Path) -> dict[str, Any]:
     """Every checkpoint tensor as a lazy safetensors slice read with pread, not mmap: a mapped file's
     pages stay resident in this process (counted in its RSS and peak) until the file is closed, i.e. the
@@ -224,12 +191,6 @@ def quantized_at_load(model: Any) -> list[dict[str, Any]]:
     return found
 
 
-def load_config(
-    bnb_kwargs: dict[str, Any], model_dir: Path, attach: Callable[[Any], Any], trust_remote_code: bool
-) -> ExpertNF4Config:
-    """The quantization config of an nf4-experts load: bitsandbytes' 4-bit settings, and the expert
-    parameters `attach` will put adapters on kept in full precision."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    return ExpertNF4Config(keep_full_precision=adapter_parameters(config, attach), **bnb_kwargs)
+def load_config(bnb_kwargs: dict[str, Any]) -> ExpertNF4Config:
+    """The quantization config of an nf4-experts load: bitsandbytes' 4-bit settings, every expert NF4."""
+    return ExpertNF4Config(**bnb_kwargs)

@@ -29,9 +29,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
         from tunegrid.cell import expert_quant
 
-        kwargs["quantization_config"] = expert_quant.load_config(
-            bnb, model_dir, lambda m: attach_lora(m, spec), kwargs["trust_remote_code"]
-        )
+        kwargs["quantization_config"] = expert_quant.load_config(bnb)
         model = expert_quant.load_causal_lm(model_dir, kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
@@ -47,7 +45,12 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
 
 
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
+    """peft's LoRA; adapters on 4-bit (nf4-experts) expert tensors train over the NF4 base (cell/expert_lora.py)."""
     from peft import LoraConfig, get_peft_model
+    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    from tunegrid.cell.expert_lora import adopt_quantized_experts, expand_targets, nest_in_declared_order
 
     lora = spec["lora"]
     if spec["train"]["gradient_checkpointing"]:
@@ -60,4 +63,12 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         target_parameters=list(lora["target_parameters"]) or None,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config)
+    # peft's own v4->v5 renaming (expert gate/up/down_proj modules -> fused target_parameters) first, as
+    # get_peft_model would (it is idempotent), so that the 4-bit experts it names are expanded too
+    convert_peft_config_for_transformers(config, model=model, conversions=get_model_conversion_mapping(model))
+    if config.target_parameters:
+        config.target_parameters = expand_targets(model, sorted(config.target_parameters))
+    adapted = get_peft_model(model, config)
+    nest_in_declared_order(adapted.base_model.model)
+    adopt_quantized_experts(adapted)
+    return adapted

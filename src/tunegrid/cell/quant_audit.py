@@ -154,54 +154,110 @@ def lora_attachment(model: Any, target_modules: list[str], target_parameters: li
         if hasattr(module, "parameter_name"):
             parameter_adapters[module.parameter_name] += 1
     implicit = sorted(set(parameter_adapters) - {t.rpartition(".")[2] for t in target_parameters})
+    trains, by_role = what_trains(model, lora_modules, target_modules, target_parameters)
     return {
         "target_modules": modules,
         "target_parameters": parameters,
         "parameter_adapters": dict(parameter_adapters),
         "implicit_parameter_adapters": implicit,
         "unmatched": unmatched,
+        "trains": trains,
+        "trainable_params_by_role": by_role,
     }
+
+
+def _adapter_base(module: Any) -> tuple[str, str, int]:
+    """(base dtype, "nf4" for a 4-bit base; the adapted tensor's name; its rank) of one LoRA layer."""
+    base = module.get_base_layer()
+    name = getattr(module, "parameter_name", "weight")
+    plists = getattr(base, "parametrizations", {})
+    if name in plists:
+        state = getattr(plists[name][0], "quant_state", None)
+        storage = plists[name].original
+    else:
+        storage = base._parameters[name]
+        state = getattr(storage, "quant_state", None)
+    shape = state.shape if state is not None else storage.shape
+    if state is not None:
+        return str(getattr(state, "quant_type", "4bit")), name, len(shape)
+    return str(storage.dtype).removeprefix("torch."), name, len(shape)
+
+
+def what_trains(
+    model: Any, lora_modules: list[tuple[str, Any]], target_modules: list[str], target_parameters: list[str]
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """Per LoRA target: its adapters, the dtype of the base they train over (nf4 = 4-bit) and their trainable
+    parameters; and trainable parameters by role (experts: ≥3-D fused tensors; attention: layers of a module
+    whose class is an attention; other)."""
+    classes = {name: type(m).__name__.lower() for name, m in model.named_modules()}
+    trains: dict[str, Any] = {}
+    by_role: dict[str, int] = {"experts": 0, "attention": 0, "other": 0}
+    for name, module in lora_modules:
+        dtype, tensor, rank = _adapter_base(module)
+        owner = name.replace(".base_layer", "")
+        if hasattr(module, "parameter_name"):
+            target = next(
+                (
+                    t
+                    for t in target_parameters
+                    if t.rpartition(".")[2] == tensor and f".{t.rpartition('.')[0]}" in f".{owner}"
+                ),
+                tensor,  # put there by peft's conversion of MoE module names, not by a listed target
+            )
+        else:
+            target = next((t for t in target_modules if owner.endswith("." + t) or owner == t), owner)
+        parent = classes.get(name.rsplit(".", 1)[0], "")
+        role = "experts" if rank >= 3 else "attention" if "attention" in parent else "other"
+        count = sum(p.numel() for key in ("lora_A", "lora_B") for p in getattr(module, key).parameters())
+        entry = trains.setdefault(target, {"role": role, "adapters": 0, "base": {}, "trainable_params": 0})
+        entry["adapters"] += 1
+        entry["base"][dtype] = entry["base"].get(dtype, 0) + 1
+        entry["trainable_params"] += count
+        by_role[role] += count
+    for entry in trains.values():
+        entry["base_4bit"] = set(entry["base"]) <= {"nf4", "fp4"}
+    return trains, by_role
 
 
 def quantize_experts_post_load(model: Any) -> dict[str, Any]:
     """NF4-quantize every ≥3-D parameter a 4-bit load left in full precision, with bitsandbytes' own API.
 
     After a plain 4-bit load this is the whole expert quantization (the load peak then holds the experts in
-    full precision); after expert_quant's load it finds nothing left but the tensors kept for adapters.
-
-    Trainable parameters are never touched, nor expert parameters that carry a LoRA adapter (peft's
-    ParamWrapper): with peft 0.21 / bitsandbytes 0.50 an adapter on a parametrized expert tensor either
-    fails ("only Tensors of floating point dtype can require gradients") or, stacked, gets no gradient.
-    Those stay in full precision and are listed, so the memory cost of that choice is visible.
+    full precision); after expert_quant's load it finds nothing left. Trainable parameters are never
+    touched. A tensor that already carries a LoRA adapter (peft's ParamWrapper) is quantized too, and its
+    wrapper made to train over the 4-bit base (expert_lora); `kept_for_lora` lists any adapted expert
+    tensor still in full precision afterwards, so that memory cost would be visible.
     """
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
-    with_adapter = {
-        (id(m.get_base_layer()), m.parameter_name)
-        for m in model.modules()
-        if hasattr(m, "parameter_name") and hasattr(m, "get_base_layer")
-    }
-    changed, kept = [], []
+    from tunegrid.cell.expert_lora import adopt_quantized_experts
+
+    changed = []
     for module_name, module in list(model.named_modules()):
         for param_name, param in list(module.named_parameters(recurse=False)):
             if param.dim() < 3 or param.requires_grad or getattr(param, "quant_state", None) is not None:
-                continue
-            name = f"{module_name}.{param_name}"
-            if (id(module), param_name) in with_adapter:
-                kept.append(
-                    {
-                        "name": name,
-                        "shape": list(param.shape),
-                        "bytes": _tensor_bytes(param),
-                        "why": "has a LoRA adapter",
-                    }
-                )
                 continue
             before = _tensor_bytes(param)
             replace_parameter_4bit(module, param_name, quant_type="nf4", compress_statistics=True)
             plist = module.parametrizations[param_name]
             after = _tensor_bytes(plist.original) + quant_state_bytes(plist[0].quant_state)
-            changed.append({"name": name, "shape": list(param.shape), "bytes_before": before, "bytes_after": after})
+            changed.append(
+                {
+                    "name": f"{module_name}.{param_name}",
+                    "shape": list(param.shape),
+                    "bytes_before": before,
+                    "bytes_after": after,
+                }
+            )
+    adopt_quantized_experts(model)
+    kept = [
+        {"name": f"{name}.{m.parameter_name}", "bytes": _tensor_bytes(m.get_param()), "why": "has a LoRA adapter"}
+        for name, m in model.named_modules()
+        if hasattr(m, "parameter_name")
+        and hasattr(m, "get_base_layer")
+        and m.parameter_name not in getattr(m.get_base_layer(), "parametrizations", {})
+        and m.get_param().dim() >= 3
+    ]
     return {"changed": changed, "kept_for_lora": kept}
 
 

@@ -17,11 +17,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell.adapt import AdaptSteps
 from tunegrid.cell.checkpointing import CheckpointSteps
 from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
 from tunegrid.cell.loop_state import LoopState
-from tunegrid.cell.model import attach_lora, load_model
+from tunegrid.cell.model import load_model
 from tunegrid.cell.origin import OriginReplay
 from tunegrid.cell.ranks import RankSteps
 from tunegrid.cell.records import StepRecords
@@ -31,10 +32,10 @@ from tunegrid.rundir import Heartbeat, rank_dir
 from tunegrid.vocabulary import Outcome
 
 
-class CellTrainer(OptimizerSteps, RankSteps, CheckpointSteps, OriginReplay, StepRecords):
-    """One cell from setup to record. The optimizer step, the distributed steps, checkpointing, the origin
-    replay and the step records live in their own mixins (cell/step.py, ranks.py, checkpointing.py,
-    origin.py, records.py); this file is the recipe."""
+class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, OriginReplay, StepRecords):
+    """One cell from setup to record. The optimizer step, the audited LoRA attachment, the distributed steps,
+    checkpointing, the origin replay and the step records live in their own mixins (cell/step.py, adapt.py,
+    ranks.py, checkpointing.py, origin.py, records.py); this file is the recipe."""
 
     def __init__(self, spec: dict[str, Any], model_dir: Path, data_path: Path, run_dir: Path) -> None:
         self.spec = spec
@@ -101,61 +102,6 @@ class CellTrainer(OptimizerSteps, RankSteps, CheckpointSteps, OriginReplay, Step
                 {str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}
             ),
             "adapter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.trainable}),
-        }
-
-    def audit_and_adapt(self) -> None:
-        """Quantization audit after load, optional expert quantization and kbit preparation, LoRA, audit again.
-
-        Writes audit.json; result.json gets its summary.
-        """
-        from peft import prepare_model_for_kbit_training
-
-        from tunegrid.cell import quant_audit
-
-        quant, lora = self.spec["axes"]["quant"], self.spec["lora"]
-        four_bit = quant != "none"
-        report: dict[str, Any] = {
-            "quant": quant,
-            "after_load": quant_audit.audit_model(self.model, four_bit_requested=four_bit),
-        }
-        if quant == "nf4-experts":
-            from tunegrid.cell.expert_quant import quantized_at_load
-
-            at_load = quantized_at_load(self.model)
-        if four_bit and lora["prepare_kbit_training"]:
-            before = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
-            self.model = prepare_model_for_kbit_training(
-                self.model, use_gradient_checkpointing=self.spec["train"]["gradient_checkpointing"]
-            )
-            report["prepare_kbit_training"] = quant_audit.growth(
-                before, quant_audit.audit_model(self.model, four_bit_requested=four_bit)
-            )
-        self.model = attach_lora(self.model, self.spec)
-        if quant == "nf4-experts":
-            # the load quantized every expert tensor but those peft wraps (it cannot wrap a parametrized one):
-            # the post-load pass lists those, and would catch any the load missed
-            after_load = quant_audit.quantize_experts_post_load(self.model)
-            report["expert_quantization"] = {
-                "order": "at_load",
-                "changed": at_load,
-                "changed_after_load": [c["name"] for c in after_load["changed"]],
-                "kept_for_lora": after_load["kept_for_lora"],
-            }
-        report["after_adapters"] = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
-        report["lora"] = quant_audit.lora_attachment(self.model, lora["target_modules"], lora["target_parameters"])
-        if report["lora"]["unmatched"]:
-            print(
-                f"WARNING: LoRA targets matched nothing: {report['lora']['unmatched']} (peft does not warn)",
-                file=sys.stderr,
-            )
-        write_json(self.run_dir / "audit.json", report)
-        quant_audit.require_trainable_layout(self.model)  # after every setup forward, before any training
-        self.facts["quant_audit"] = {
-            "after_load": quant_audit.summarize(report["after_load"]),
-            "after_adapters": quant_audit.summarize(report["after_adapters"]),
-            "expert_quantization": report.get("expert_quantization"),
-            "prepare_kbit_training": report.get("prepare_kbit_training"),
-            "lora": report["lora"],
         }
 
     # ---------------------------------------------------------------- data
