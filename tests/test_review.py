@@ -15,15 +15,17 @@ from tunegrid.units import human_bytes
 MIB = 2**20
 
 
-def _cell(model="moe", precision="fp16", batch=8, quant="none", outcome="ok", **extra):
+def _cell(model="moe", precision="fp16", batch=8, quant="none", outcome="ok", accum=1, **extra):
     row = {
-        "cell_id": f"{model}_{precision}_bs{batch}_{quant}_s0",
+        "cell_id": f"{model}_{precision}_bs{batch}_{quant}_s0" + (f"_ga{accum}" if accum > 1 else ""),
         "model": model,
         "precision": precision,
         "batch_size": batch,
         "quant": quant,
         "seed": 0,
         "world_size": 1,
+        "grad_accum": accum,
+        "effective_batch": batch * accum,
         "outcome": outcome,
         "reason": "trained all steps with finite loss",
         "nan_step": float("nan"),
@@ -70,28 +72,64 @@ def test_expert_quantization_is_recommended_only_where_the_peaks_fell():
     assert "792.0 MiB -> 914.0 MiB" in rose.text and "Not recommended" in rose.text
 
 
+NATIVE = {"precision": {"bf16": "native", "fp16": "native", "fp32": "native"}}
+
+
+def _fp16_overflow(batch=8, accum=1):
+    return _cell(
+        model="g",
+        precision="fp16",
+        batch=batch,
+        accum=accum,
+        outcome="nan",
+        reason="non-finite loss",
+        nan_step=9.0,
+        nan_kind="loss_nonfinite",
+        nan_forward_module="model.layers.0.mlp.down_proj",
+    )
+
+
 def test_nan_alternatives_are_separate_fixes_and_only_failed_cells_are_failing():
     frame = pd.DataFrame(
         [
-            _cell(
-                model="g",
-                precision="fp16",
-                batch=8,
-                outcome="nan",
-                reason="non-finite loss",
-                nan_step=9.0,
-                nan_kind="loss_nonfinite",
-                nan_forward_module="model.layers.0.mlp.down_proj",
-            ),
-            _cell(model="g", precision="fp16", batch=2),
+            _fp16_overflow(),
+            _cell(model="g", precision="fp16", batch=2, accum=4),
             _cell(model="g", precision="bf16", batch=8),
-            _cell(model="g", precision="bf16", batch=2),
+            _cell(model="g", precision="bf16", batch=2, accum=4),
         ]
     )
-    (rec,) = recommend(frame, {"precision": {"bf16": "native", "fp16": "native", "fp32": "native"}})
-    assert [fix.change for fix in rec.fixes] == [{"precision": "bf16"}, {"batch_size": 2}]
+    (rec,) = recommend(frame, NATIVE)
+    assert [fix.change for fix in rec.fixes] == [{"precision": "bf16"}, {"batch_size": 2, "grad_accum": 4}]
     assert rec.failing == ["g_fp16_bs8_none_s0"] and all(c != rec.failing[0] for c in rec.evidence)
     assert "()" not in rec.text and "()" not in rec.title
+
+
+def test_a_smaller_micro_batch_keeps_the_effective_batch():
+    frame = pd.DataFrame(
+        [
+            _fp16_overflow(),
+            _cell(model="g", precision="fp16", batch=2),  # ok, but 2 sequences a step: another recipe
+            _cell(model="g", precision="fp16", batch=2, accum=4),
+            _cell(model="g", precision="fp16", batch=4, accum=2, outcome="nan"),
+        ]
+    )
+    (rec,) = recommend(frame, NATIVE)
+    (fix,) = rec.fixes
+    assert fix.change == {"batch_size": 2, "grad_accum": 4} and fix.evidence == ["g_fp16_bs2_none_s0_ga4"]
+    assert "keep fp16 with batch_size 2 with grad_accum 4" in rec.text and "effective batch of 8" in rec.text
+    assert rec.failing == ["g_fp16_bs4_none_s0_ga2", "g_fp16_bs8_none_s0"]
+
+
+def test_no_smaller_micro_batch_is_advised_that_the_grid_has_not_run_at_the_effective_batch():
+    frame = pd.DataFrame([_fp16_overflow(), _cell(model="g", precision="fp16", batch=2)])
+    (rec,) = recommend(frame, NATIVE)
+    assert rec.fixes == [], "batch_size 2 alone changes the recipe; batch_size 2 x grad_accum 4 never ran"
+    assert "effective batch of 2, not 8" in rec.text
+    assert "no cell with batch_size 2 and grad_accum 4" in rec.text and "Fix:" not in rec.text
+    # a summary written before the axis existed has no grad_accum column: every cell ran without accumulation
+    old = frame.drop(columns=["grad_accum", "effective_batch"])
+    (rec,) = recommend(old, NATIVE)
+    assert rec.fixes == [] and "no cell with batch_size 2 and grad_accum 4" in rec.text
 
 
 def test_numbers_are_written_for_people():

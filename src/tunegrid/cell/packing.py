@@ -179,10 +179,10 @@ def _fill_rows(examples: list[Encoded], seq_len: int) -> list[list[Encoded]]:
 
 
 class FlatBatchStream(BatchStream):
-    """A batch as one row of batch_size x seq_len tokens: flash attention reads boundaries only then."""
+    """A (micro-)batch as one row of batch_size x seq_len tokens: flash attention reads boundaries only then."""
 
-    def batch(self, step: int) -> dict[str, Any]:
-        return {k: v.reshape(1, -1) for k, v in super().batch(step).items()}
+    def shaped(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.reshape(1, -1) for k, v in batch.items()}
 
 
 def build_stream(
@@ -193,6 +193,7 @@ def build_stream(
     seq_len: int,
     batch_size: int,
     seed: int,
+    accum: int = 1,
 ) -> tuple[BatchStream, dict[str, Any]]:
     """The cell's batches and the facts about them (result["data"])."""
     mode = packing_mode(model, data.get("packing", True))
@@ -202,7 +203,7 @@ def build_stream(
     if mode == "position_ids":
         keep_boundaries(model)
     flat = mode == "position_ids" and flattens_rows(model)
-    stream = (FlatBatchStream if flat else BatchStream)(rows.tensors, batch_size, seed, rows.row_tokens)
+    stream = (FlatBatchStream if flat else BatchStream)(rows.tensors, batch_size, seed, rows.row_tokens, accum)
     n_rows = int(rows.row_tokens.numel())
     facts = {
         "source": data.get("source", "synthetic"),
