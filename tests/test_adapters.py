@@ -16,7 +16,9 @@ from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.prepare.checkpoints import verify_checkpoint
+from tunegrid.review.summary import summary_row
 from tunegrid.run.supervisor import run_cell
+from tunegrid.track.tags import run_tags
 
 MODEL = "qwen3moe-tiny"
 # attention only: peft wraps the fused experts as parameters, which refuse dropout
@@ -91,6 +93,7 @@ def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(chec
     again = _run_cell(_spec(train), checkpoints, dataset_path, run_dir)  # the kill hook is not training: same key
     assert again["outcome"] == "ok", again["reason"]
     assert again["resumed_from_step"] == 3
+    assert summary_row(again)["resumed_from_step"] == 3 and run_tags(again)["resumed_from_step"] == "3"
     assert not (run_dir / CHECKPOINT_DIR).exists(), "a concluded cell keeps no checkpoint"
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(8))

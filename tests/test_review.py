@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from tunegrid.review.recommend import recommend
-from tunegrid.review.report import _fmt, failure_groups
+from tunegrid.review.report import ALL_CELLS_COLUMNS, _fmt, _table, failure_groups
 from tunegrid.units import human_bytes
 
 MIB = 2**20
@@ -158,3 +158,10 @@ def test_failures_are_grouped_by_cause_with_the_log_tail_and_path(tmp_path: Path
     error = groups[0]
     assert error["reason"] == reason and error["log_path"].endswith("moe_fp16_bs2_none_s0.log")
     assert error["traceback_tail"].endswith("RuntimeError: boom") and "step 2" in error["log_tail"]
+
+
+def test_the_table_of_all_cells_says_where_a_cell_resumed_and_its_effective_batch():
+    rows = [_cell(batch=2, accum=4, resumed_from_step=3.0), _cell(batch=8, resumed_from_step=float("nan"))]
+    page = _table(rows, [c for c in ALL_CELLS_COLUMNS if c in rows[0]])
+    assert "<th>resumed from step</th>" in page and "<td>3</td>" in page
+    assert "effective batch (micro-batch x accumulation x ranks)" in page and page.count("<td>8</td>") == 2
