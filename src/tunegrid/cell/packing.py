@@ -118,16 +118,28 @@ class Rows:
     tensors: dict[str, Any]
     row_tokens: Any
     examples: int
+    dropped_examples: int = 0  # in the packing's remainder row (see `pack`)
 
 
 def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, mode: str) -> Rows:
-    """Rows of seq_len tokens: one example each (off), or as many whole examples as fit (packed)."""
+    """Rows of seq_len tokens: one example each (off), or as many whole examples as fit (packed).
+
+    Packed, every row but the last opened is at least seq_len minus the longest example full (an example
+    that fit no open row opened a new one); the last is the remainder and may hold a few tokens. A remainder
+    emptier than that is dropped, as a chunked stream drops its last partial chunk, so that no step the
+    stream draws it into trains on a mostly padded row.
+    """
     import torch
 
     examples = [(ids[:seq_len], labels[:seq_len]) for ids, labels in encoded if ids]
     if mode == "eos_separated":
         examples = [_ends_with_eos(ids, labels, eos_id, seq_len) for ids, labels in examples]
     rows = [[ex] for ex in examples] if mode == "off" else _fill_rows(examples, seq_len)
+    dropped = 0
+    if mode != "off" and len(rows) > 1:
+        guaranteed = seq_len - max(len(ids) for ids, _ in examples)
+        if sum(len(ids) for ids, _ in rows[-1]) < guaranteed:
+            dropped = len(rows.pop())
     ids_rows, label_rows, extra_rows, counts = [], [], [], []
     for row in rows:
         ids = [t for ex_ids, _ in row for t in ex_ids]
@@ -146,7 +158,7 @@ def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, 
         extra: torch.tensor(extra_rows, dtype=torch.long),
         "labels": torch.tensor(label_rows, dtype=torch.long),
     }
-    return Rows(tensors, torch.tensor(counts, dtype=torch.long), len(examples))
+    return Rows(tensors, torch.tensor(counts, dtype=torch.long), len(examples) - dropped, dropped)
 
 
 def _ends_with_eos(ids: list[int], labels: list[int], eos_id: int | None, seq_len: int) -> Encoded:
@@ -212,6 +224,7 @@ def build_stream(
         "template": "chat_template" if has_chat_template(tokenizer) else "prompt_template",
         "loss_on": loss_on,
         "examples": rows.examples,
+        "examples_dropped": rows.dropped_examples,  # the packing's underfilled remainder row
         "rows": n_rows,
         "tokens": int(rows.row_tokens.sum()),  # real tokens of one pass over the set
         "fill": float(rows.row_tokens.sum()) / max(1, n_rows * seq_len),  # real tokens / row capacity
