@@ -165,3 +165,14 @@ def test_the_table_of_all_cells_says_where_a_cell_resumed_and_its_effective_batc
     page = _table(rows, [c for c in ALL_CELLS_COLUMNS if c in rows[0]])
     assert "<th>resumed from step</th>" in page and "<td>3</td>" in page
     assert "effective batch (micro-batch x accumulation x ranks)" in page and page.count("<td>8</td>") == 2
+
+
+def test_out_of_memory_advice_keeps_the_effective_batch_too():
+    oom = _cell(model="g", precision="bf16", batch=8, outcome="oom", reason="CUDA out of memory", peak_bytes=None)
+    kept = _cell(model="g", precision="bf16", batch=2, accum=4, peak_bytes=300 * MIB)
+    other = _cell(model="g", precision="bf16", batch=2, peak_bytes=290 * MIB)
+    (rec,) = recommend(pd.DataFrame([oom, kept, other]), NATIVE)
+    assert [fix.change for fix in rec.fixes] == [{"batch_size": 2, "grad_accum": 4}]
+    assert "batch_size 2 with grad_accum 4 fits at the same effective batch of 8 (peak 300.0 MiB)" in rec.text
+    (rec,) = recommend(pd.DataFrame([oom, other]), NATIVE)
+    assert rec.fixes == [] and "batch_size 2 fits (g_bf16_bs2_none_s0), but at an effective batch of 2" in rec.text

@@ -32,9 +32,9 @@ def _smaller_ok(frame: Any, row: Any) -> list[Any]:
     return [sib for _, sib in frame[mask].iterrows()]
 
 
-def smaller_batch_fix(frame: Any, rows: list[Any], precision: str) -> tuple[dict[str, Any] | None, str]:
-    """The largest smaller micro-batch shown ok at the failing cells' effective batch, as a fix (change, why,
-    evidence); and a sentence for smaller micro-batches the grid ran only at another effective batch."""
+def _by_recipe(frame: Any, rows: list[Any]) -> tuple[dict[tuple[int, int], set[str]], dict[tuple[int, int], set[str]]]:
+    """Smaller micro-batches shown ok, keyed (batch_size, grad_accum): those at the failing cells' effective
+    batch, and those at another."""
     same: dict[tuple[int, int], set[str]] = {}
     other: dict[tuple[int, int], set[str]] = {}
     for row in rows:
@@ -42,27 +42,53 @@ def smaller_batch_fix(frame: Any, rows: list[Any], precision: str) -> tuple[dict
         for sib in _smaller_ok(frame, row):
             key = (int(sib["batch_size"]), accumulation(sib))
             (same if key[0] * key[1] == effective else other).setdefault(key, set()).add(sib["cell_id"])
-    fix = None
-    if same:
-        batch, accum = max(same)
-        fix = {
-            "change": {"batch_size": batch, "grad_accum": accum},
-            "why": f"keep {precision} with {micro_batch_phrase(batch, accum)} (ok in {precision} at the same "
-            f"effective batch of {batch * accum})",
-            "evidence": sorted(same[(batch, accum)]),
-        }
-    note = ""
-    if other and not same:
-        batch, accum = max(other)
-        effective = int(rows[0]["batch_size"]) * accumulation(rows[0])
-        needed = (
-            f"the grid has no cell with batch_size {batch} and grad_accum {effective // batch}"
-            if effective % batch == 0
-            else f"no grad_accum makes batch_size {batch} an effective batch of {effective}"
-        )
-        note = (
-            f"{micro_batch_phrase(batch, accum)} was ok in {precision} ({', '.join(sorted(other[(batch, accum)]))}), "
-            f"but at an effective batch of {batch * accum}, not {effective}: another recipe. As {needed}, it "
-            "shows no smaller micro-batch that keeps the recipe."
-        )
-    return fix, note
+    return same, other
+
+
+def _another_recipe(rows: list[Any], other: dict[tuple[int, int], set[str]], outcome: str) -> str:
+    """Why a smaller micro-batch the grid ran ok is not advised: it trained another effective batch."""
+    batch, accum = max(other)
+    effective = int(rows[0]["batch_size"]) * accumulation(rows[0])
+    needed = (
+        f"the grid has no cell with batch_size {batch} and grad_accum {effective // batch}"
+        if effective % batch == 0
+        else f"no grad_accum makes batch_size {batch} an effective batch of {effective}"
+    )
+    return (
+        f"{micro_batch_phrase(batch, accum)} {outcome} ({', '.join(sorted(other[(batch, accum)]))}), but at an "
+        f"effective batch of {batch * accum}, not {effective}: another recipe. As {needed}, it shows no smaller "
+        "micro-batch that keeps the recipe."
+    )
+
+
+def smaller_batch_fix(frame: Any, rows: list[Any], precision: str) -> tuple[dict[str, Any] | None, str]:
+    """For a non-finite loss: the largest smaller micro-batch shown ok at the failing cells' effective batch,
+    as a fix (change, why, evidence); or a sentence for smaller micro-batches ok only at another."""
+    same, other = _by_recipe(frame, rows)
+    if not same:
+        return None, _another_recipe(rows, other, f"was ok in {precision}") if other else ""
+    batch, accum = max(same)
+    why = (
+        f"keep {precision} with {micro_batch_phrase(batch, accum)} (ok in {precision} at the same effective "
+        f"batch of {batch * accum})"
+    )
+    return {
+        "change": {"batch_size": batch, "grad_accum": accum},
+        "why": why,
+        "evidence": sorted(same[(batch, accum)]),
+    }, ""
+
+
+def memory_batch_fix(frame: Any, row: Any) -> tuple[dict[str, Any] | None, str]:
+    """For an out-of-memory cell: the largest smaller micro-batch that fit at its effective batch, as a fix;
+    or a sentence for smaller micro-batches that fit only at another."""
+    from tunegrid.units import human_bytes
+
+    same, other = _by_recipe(frame, [row])
+    if not same:
+        return None, _another_recipe([row], other, "fits") if other else ""
+    batch, accum = max(same)
+    cells = sorted(same[(batch, accum)])
+    peak = frame.loc[frame["cell_id"] == cells[0], "peak_bytes"].iloc[0]
+    why = f"{micro_batch_phrase(batch, accum)} fits at the same effective batch of {batch * accum} (peak {human_bytes(peak)})"
+    return {"change": {"batch_size": batch, "grad_accum": accum}, "why": why, "evidence": cells}, ""

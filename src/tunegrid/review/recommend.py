@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tunegrid.prepare.targets import TARGETS
-from tunegrid.review.batch_advice import smaller_batch_fix
+from tunegrid.review.batch_advice import memory_batch_fix, smaller_batch_fix
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import AXES, Outcome
 
@@ -227,13 +227,11 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
     out = []
     for _, row in frame[frame["outcome"].isin([Outcome.OOM, Outcome.PREDICTED_OOM])].iterrows():
         options, evidence, fixes = [], [], []
-        smaller = _ok(siblings(frame, row, "batch_size"))
-        smaller = smaller[smaller["batch_size"] < row["batch_size"]]
-        if not smaller.empty:
-            best = smaller.sort_values("batch_size").iloc[-1]
-            options.append(f"batch_size {int(best['batch_size'])} fits (peak {human_bytes(best['peak_bytes'])})")
-            evidence.append(best["cell_id"])
-            fixes.append(Fix({"batch_size": int(best["batch_size"])}, options[-1], [best["cell_id"]]))
+        batch_fix, batch_note = memory_batch_fix(frame, row)  # the effective batch kept, or why not
+        if batch_fix:
+            options.append(batch_fix["why"])
+            evidence += batch_fix["evidence"]
+            fixes.append(Fix(**batch_fix))
         for quant in ("nf4-experts", "nf4"):
             alt = _ok(siblings(frame, row, "quant"))
             alt = alt[alt["quant"] == quant]
@@ -242,7 +240,7 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
                 evidence.append(alt.iloc[0]["cell_id"])
                 fixes.append(Fix({"quant": quant}, options[-1], [alt.iloc[0]["cell_id"]]))
                 break
-        if not options:
+        if not options and not batch_note:
             continue
         stage = (
             f" at {row['oom_stage']}" if row.get("oom_stage") == row.get("oom_stage") and row.get("oom_stage") else ""
@@ -251,9 +249,9 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
             Recommendation(
                 signature=f"{row['outcome']}",
                 title=f"{row['cell_id']}: out of memory{stage}",
-                text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']}). Fix: "
-                + "; or ".join(options)
-                + ".",
+                text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']})."
+                + (" Fix: " + "; or ".join(options) + "." if options else "")
+                + (f" {batch_note}" if batch_note else ""),
                 failing=[row["cell_id"]],
                 evidence=evidence,
                 fixes=fixes,
