@@ -176,3 +176,14 @@ def test_out_of_memory_advice_keeps_the_effective_batch_too():
     assert "batch_size 2 with grad_accum 4 fits at the same effective batch of 8 (peak 300.0 MiB)" in rec.text
     (rec,) = recommend(pd.DataFrame([oom, other]), NATIVE)
     assert rec.fixes == [] and "batch_size 2 fits (g_bf16_bs2_none_s0), but at an effective batch of 2" in rec.text
+
+
+def test_the_outcome_matrix_tells_accumulated_batches_apart():
+    from tunegrid.review.plots import _batch_label, _matrix_layout
+
+    frame = pd.DataFrame([_fp16_overflow(), _cell(model="g", precision="fp16", batch=2, accum=4)])
+    _, cols, _, col_axes = _matrix_layout(frame)
+    assert col_axes == ["precision", "batch_size", "grad_accum"]
+    assert [_batch_label(c[1:]) for c in cols] == ["bs 2 x ga 4", "bs 8 x ga 1"]
+    _, cols, _, col_axes = _matrix_layout(frame[frame["batch_size"] == 8])  # one accumulation: labels as before
+    assert col_axes == ["precision", "batch_size"] and [_batch_label(c[1:]) for c in cols] == ["bs 8"]
