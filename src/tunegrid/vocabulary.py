@@ -1,7 +1,9 @@
-"""The words every stage shares, defined once: the grid's axes and their values, and a cell's outcomes.
+"""The words every stage shares, defined once: the grid's axes and their values, the metric names a step
+writes, and a cell's outcomes.
 
-The Snakefile's wildcard pattern, the recommender's axes and the schema's enums are derived from or
-checked against these (tests/test_vocabulary.py), so a new precision or outcome is added here only.
+The Snakefile's wildcard pattern, the recommender's axes, the MLflow metric list and the schema's enums
+are derived from or checked against these (tests/house/test_vocabulary.py), so a new precision, metric or
+outcome is added here only.
 Light module: no imports beyond the standard library (the Snakefile reads it at parse time).
 """
 
@@ -13,6 +15,18 @@ from enum import StrEnum
 AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size", "grad_accum")
 PRECISIONS = ("fp32", "bf16", "fp16")
 QUANTS = ("none", "nf4", "nf4-experts")
+# Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
+METRIC_KEYS = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "step_time_s",
+    "mem_peak_bytes",
+    "loss_scale",
+    "skipped_steps",
+    "fp16_headroom_max_ratio",
+)
 
 
 class Outcome(StrEnum):

@@ -53,7 +53,7 @@ def probe(args: argparse.Namespace) -> None:
 
 
 def tracking_init(args: argparse.Namespace) -> None:
-    from tunegrid.track.tracking import init_experiment, redact_uri, resolve_tracking_uri
+    from tunegrid.track.store import init_experiment, redact_uri, resolve_tracking_uri
 
     uri = resolve_tracking_uri(args.tracking_uri)
     experiment_id = init_experiment(uri, args.experiment, Path(args.artifact_root))
@@ -98,7 +98,8 @@ def summary(args: argparse.Namespace) -> None:
 
 
 def sync(args: argparse.Namespace) -> None:
-    from tunegrid.track.tracking import sync_cell, tracking_uri_for_cells
+    from tunegrid.track.store import tracking_uri_for_cells
+    from tunegrid.track.tracking import sync_cell
 
     tracking = read_json(args.tracking)
     uri = tracking_uri_for_cells(tracking)
@@ -164,7 +165,7 @@ def report(args: argparse.Namespace) -> None:
 
 def execution_end(args: argparse.Namespace) -> None:
     from tunegrid.track.execution import close_execution
-    from tunegrid.track.tracking import tracking_uri_for_cells
+    from tunegrid.track.store import tracking_uri_for_cells
 
     tracking = read_json(args.tracking)
     closed = close_execution(
@@ -180,7 +181,7 @@ def execution_end(args: argparse.Namespace) -> None:
 def screenshots(args: argparse.Namespace) -> None:
     """The report and MLflow's runs and compare pages as PNGs (docs/), through MLflow's own server."""
     from tunegrid.run.ui import compare_page, mlflow_server, rest, runs_page, screenshot
-    from tunegrid.track.tracking import tracking_uri_for_cells
+    from tunegrid.track.store import tracking_uri_for_cells
 
     study_dir, out = Path(args.study_dir), Path(args.out)
     tracking = read_json(study_dir / "tracking.json")
@@ -198,7 +199,8 @@ def screenshots(args: argparse.Namespace) -> None:
 
 
 def probe_tracking(args: argparse.Namespace) -> None:
-    from tunegrid.track.tracking import log_probe_run, tracking_uri_for_cells
+    from tunegrid.track.store import tracking_uri_for_cells
+    from tunegrid.track.tracking import log_probe_run
 
     tracking = read_json(args.tracking)
     run_id = log_probe_run(tracking_uri_for_cells(tracking), tracking["experiment_id"], read_json(args.capabilities))
@@ -208,7 +210,7 @@ def probe_tracking(args: argparse.Namespace) -> None:
 
 def mlflow_ui(args: argparse.Namespace) -> None:
     from tunegrid.run.ui import serve_until_stopped
-    from tunegrid.track.tracking import tracking_uri_for_cells
+    from tunegrid.track.store import tracking_uri_for_cells
 
     store = tracking_uri_for_cells(read_json(args.tracking))  # the store the cells wrote: one resolver for all
     raise SystemExit(

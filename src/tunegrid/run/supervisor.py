@@ -241,7 +241,8 @@ def _open_run(
 ) -> Any:
     """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
     from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
-    from tunegrid.track.tracking import CellRun, flatten, tracking_uri_for_cells
+    from tunegrid.track.store import tracking_uri_for_cells
+    from tunegrid.track.tracking import CellRun, flatten
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
     tags = axis_tags(spec["axes"])

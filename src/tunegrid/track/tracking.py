@@ -14,32 +14,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tunegrid.track.store import (  # noqa: F401 — the store's API, re-exported for the cell runs' callers
-    client,
-    default_store_uri,
-    experiment_name,
-    init_experiment,
-    redact_uri,
-    resolve_tracking_uri,
-    tracking_uri_for_cells,
-    with_retries,
-)
-from tunegrid.vocabulary import Outcome
+from tunegrid.track.store import client, with_retries
+from tunegrid.vocabulary import METRIC_KEYS, Outcome
 
 log = logging.getLogger(__name__)
 
-# Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
-METRIC_KEYS = (
-    "loss",
-    "grad_norm",
-    "lr",
-    "tokens_per_s",
-    "step_time_s",
-    "mem_peak_bytes",
-    "loss_scale",
-    "skipped_steps",
-    "fp16_headroom_max_ratio",
-)
 CELL_TAG = "tunegrid.cell_id"
 FAILED: Any = object()  # what CellRun._try returns when the store call failed (None is a valid result)
 MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from tunegrid.track.execution import EXECUTION_ENV, cell_ended, close_execution, needs_closing, parent_run_id
-from tunegrid.track.tracking import client, init_experiment
+from tunegrid.track.store import client, init_experiment
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import one_cell, processes_mentioning, run_supervised
+from conftest import REPO, one_cell, processes_mentioning, run_supervised
 
 from tunegrid.config import ConfigError
 from tunegrid.files import read_json
@@ -99,9 +99,8 @@ def test_a_rank_that_fails_on_its_own_is_named_with_its_error_and_never_retried(
 
 
 def test_more_ranks_than_gpus_is_unsupported_before_launch(checkpoints, dataset_path, tmp_path):
-    from pathlib import Path
 
-    capabilities = Path(__file__).parent / "data" / "capabilities-h100.json"  # recorded on a one-GPU machine
+    capabilities = REPO / "tests" / "data" / "capabilities-h100.json"  # recorded on a one-GPU machine
     spec = _spec(world=2)
     spec["hardware"]["gpus_per_rank"] = 1
     run_dir = tmp_path / "runs" / spec["cell_id"]

@@ -116,7 +116,7 @@ def test_importing_the_warm_modules_never_initialises_cuda():
         "for name in PRELOAD: importlib.import_module(name)\n"
         "assert not calls and not torch.cuda.is_initialized(), 'importing the warm modules initialised CUDA'\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
 

@@ -1,6 +1,7 @@
 import re
 
-from tunegrid.track.tracking import flatten, metrics_from_records, redact_uri, resolve_tracking_uri
+from tunegrid.track.store import redact_uri, resolve_tracking_uri
+from tunegrid.track.tracking import flatten, metrics_from_records
 
 
 def test_credentials_never_leave_the_uri():
@@ -32,14 +33,14 @@ def test_every_metric_a_step_writes_or_readme_names_reaches_mlflow():
     import re
     from pathlib import Path
 
-    from tunegrid.track.tracking import METRIC_KEYS
+    from tunegrid.vocabulary import METRIC_KEYS
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     listed = readme[readme.index("Metrics have the same names in every cell") :]
     listed = listed[: listed.index(")")]
     named = set(re.findall(r"`([a-z0-9_]+)`", listed))
     assert named == set(METRIC_KEYS), f"README names {sorted(named ^ set(METRIC_KEYS))} differently from METRIC_KEYS"
-    source = (Path(__file__).resolve().parents[1] / "src" / "tunegrid" / "cell" / "records.py").read_text()
+    source = (Path(__file__).resolve().parents[2] / "src" / "tunegrid" / "cell" / "records.py").read_text()
     record = source[source.index("record = {") : source.index('logs["metrics"].write(record)')]
     written = set(re.findall(r'"([a-z0-9_]+)":', record)) | set(re.findall(r'record\["([a-z0-9_]+)"\]', record))
     assert written - {"step", "time"} <= set(METRIC_KEYS), (
@@ -53,7 +54,7 @@ def test_pyproject_declares_every_third_party_package_the_package_imports():
     import tomllib
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     declared = {
         re.split(r"[<>=\[ ]", d)[0].lower().replace("-", "_")
         for d in tomllib.loads((repo / "pyproject.toml").read_text())["project"]["dependencies"]

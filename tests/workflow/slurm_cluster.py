@@ -30,7 +30,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-MARKER = "# written by tunegrid's tests/slurm_cluster.py; removed when the test ends"
+MARKER = "# written by tunegrid's tests/workflow/slurm_cluster.py; removed when the test ends"
 ETC = Path("/etc/slurm")
 
 

@@ -1,6 +1,6 @@
 """`snakemake --profile slurm` from the repository root against a real one-node SLURM (slurm-wlm + munge).
 
-The daemons are started and stopped by the test (tests/slurm_cluster.py). CI installs slurm-wlm and
+The daemons are started and stopped by the test (tests/workflow/slurm_cluster.py). CI installs slurm-wlm and
 sets TUNEGRID_REQUIRE_SYSTEM_TOOLS=1, so there this test fails rather than skips when SLURM is missing.
 """
 
@@ -18,7 +18,8 @@ from conftest import REPO, make_study
 from slurm_cluster import available, slurm_cluster
 
 from tunegrid.files import read_json
-from tunegrid.track.tracking import CELL_TAG, client
+from tunegrid.track.store import client
+from tunegrid.track.tracking import CELL_TAG
 
 pytestmark = [
     pytest.mark.slow,

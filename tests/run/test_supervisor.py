@@ -11,7 +11,8 @@ from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.run.supervisor import compose_result
-from tunegrid.track.tracking import CELL_TAG, client, init_experiment, metrics_from_records, sync_cell
+from tunegrid.track.store import client, init_experiment
+from tunegrid.track.tracking import CELL_TAG, metrics_from_records, sync_cell
 
 
 def _spec(model="qwen3moe-tiny", train=None):

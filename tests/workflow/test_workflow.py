@@ -15,7 +15,8 @@ import yaml
 from conftest import REPO, make_study, processes_mentioning
 
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.track.tracking import CELL_TAG, client
+from tunegrid.track.store import client
+from tunegrid.track.tracking import CELL_TAG
 
 pytestmark = pytest.mark.slow
 

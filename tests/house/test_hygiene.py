@@ -6,7 +6,7 @@ import re
 import subprocess
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Pointers outside the project (a sibling folder, design notes that do not ship) or to how it was built.
 # (spaces written as [ ] so that this line does not match itself)

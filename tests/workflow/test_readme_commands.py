@@ -75,7 +75,7 @@ HOW: dict[str, tuple[str, str]] = {
     "snakemake --unlock": ("run", "recovery after a kill"),
     "snakemake --profile slurm --configfile configs/<study>.yaml": (
         "elsewhere",
-        "tests/test_slurm.py runs `--profile slurm` on a real one-node SLURM",
+        "tests/workflow/test_slurm.py runs `--profile slurm` on a real one-node SLURM",
     ),
     "snakemake all --cores 8 --resources gpu=1": ("dry", "the GPU form of the main job"),
     "export HF_TOKEN=…": ("cannot", "sets a secret for the hub"),
@@ -85,7 +85,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "snakemake all --cores 8 --configfile configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": (
         "dry",
-        "trains on a GPU (tests/test_gpu.py)",
+        "trains on a GPU (tests/workflow/test_gpu.py)",
     ),
     "snakemake all --cores 8 --configfile configs/moe-qlora-memory.yaml --resources gpu=1": (
         "dry",
@@ -93,7 +93,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "snakemake all --cores 8 --configfile configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": (
         "dry",
-        "trains on a GPU (tests/test_gpu.py)",
+        "trains on a GPU (tests/workflow/test_gpu.py)",
     ),
     "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=8": (
         "dry",
@@ -101,7 +101,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "python benchmarks/nan_overhead.py": (
         "elsewhere",
-        "a benchmark of minutes; its `--quick` form runs in tests/test_readme_commands.py",
+        "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py",
     ),
     "python -m pytest": ("elsewhere", ".ci/run"),
     'python -m pytest -m "not slow"': ("elsewhere", "a subset of what .ci/run runs"),

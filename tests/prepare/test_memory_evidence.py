@@ -20,7 +20,7 @@ import pytest
 
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 EVIDENCE = json.loads((DATA / "evidence-h100-memory.json").read_text())
 CAPABILITIES = json.loads((DATA / "capabilities-h100.json").read_text())
 CELLS = [
