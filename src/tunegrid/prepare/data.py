@@ -138,6 +138,7 @@ class BatchStream:
         ]
 
     def shaped(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A (micro-)batch in the layout the model reads: rows as drawn (a flattening stream makes them one)."""
         return batch
 
     def real_tokens(self, step: int) -> int:
