@@ -107,7 +107,7 @@ def measure(trainer: CellTrainer, rounds: int, steps_per_round: int) -> dict[str
                 batch = trainer.stream.batch(step)
                 started = time.perf_counter()
                 if variant == "tunegrid":
-                    trainer.train_step(step, batch)
+                    trainer.train_step(step, [batch])
                 else:
                     bare_step(trainer, batch, anomaly=variant == "detect_anomaly")
                 times[variant].append(time.perf_counter() - started)

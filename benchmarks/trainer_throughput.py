@@ -106,7 +106,7 @@ def ours(trainer: CellTrainer) -> float:
     for step in range(STEPS):
         batch = trainer.stream.batch(step)
         started = time.perf_counter()
-        trainer.train_step(step, batch)
+        trainer.train_step(step, [batch])
         times.append(time.perf_counter() - started)
     return statistics.median(times[2:])
 

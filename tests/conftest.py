@@ -92,6 +92,7 @@ def one_cell(
     quant: str = "none",
     seed: int = 0,
     world: int = 1,
+    accum: int = 1,
     train: dict[str, Any] | None = None,
     **sections: Any,
 ) -> dict[str, Any]:
@@ -106,6 +107,7 @@ def one_cell(
         "quant": [quant],
         "seed": [seed],
         "world_size": [world],
+        "grad_accum": [accum],
     }
     study = resolve_study(
         make_study(grid=grid, train={"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}, **sections)

@@ -19,6 +19,7 @@ import yaml
 
 from tunegrid.errors import ConfigError
 from tunegrid.input_limits import known_architecture, secret_problems, size_problems, study_file_problems
+from tunegrid.vocabulary import AXES
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -28,9 +29,6 @@ SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Quant = Literal["none", "nf4", "nf4-experts"]
-
-# Order of the axes in a cell id; a new axis is appended here and nowhere else.
-AXES: tuple[str, ...] = ("model", "precision", "batch_size", "quant", "seed", "world_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,12 +41,15 @@ class Cell:
     quant: Quant
     seed: int
     world_size: int = 1
+    grad_accum: int = 1  # micro-batches of batch_size per optimizer step
 
     @property
     def cell_id(self) -> str:
-        # single-process cells keep the id they had before world_size existed (no re-run of old results)
-        suffix = f"_ws{self.world_size}" if self.world_size > 1 else ""
-        return f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}{suffix}"
+        # a cell at 1 process and no accumulation keeps the id it had before those axes existed (no re-run
+        # of old results)
+        world = f"_ws{self.world_size}" if self.world_size > 1 else ""
+        accum = f"_ga{self.grad_accum}" if self.grad_accum > 1 else ""
+        return f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}{world}{accum}"
 
     def axes(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,6 +179,15 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
         if rank >= 0 and rank >= max(worlds):
             problems.append(
                 f"config key 'debug.{key}.rank': {rank} does not exist; grid.world_size is at most {max(worlds)} (ranks 0..{max(worlds) - 1})"
+            )
+    injection, accums = debug["inject_nonfinite"], config["grid"]["grad_accum"]
+    for index, request in enumerate([injection, *injection.get("also", [])]):
+        micro = request.get("micro_batch", 0)
+        if request.get("module") and micro >= max(accums):
+            key = "debug.inject_nonfinite" + (f".also.{index - 1}" if index else "")
+            problems.append(
+                f"config key '{key}.micro_batch': {micro} does not exist; grid.grad_accum is at most {max(accums)} "
+                f"(micro-batches 0..{max(accums) - 1})"
             )
     tracking = config["tracking"]
     if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:

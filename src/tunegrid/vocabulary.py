@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size")
+# Order of the axes in a cell id; a new axis is appended here and nowhere else.
+AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size", "grad_accum")
 PRECISIONS = ("fp32", "bf16", "fp16")
 QUANTS = ("none", "nf4", "nf4-experts")
 # Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
@@ -45,7 +46,8 @@ FAILED = frozenset(OUTCOMES) - {Outcome.OK}
 
 
 def cell_id_pattern() -> str:
-    """The regex of a cell id (Snakemake's wildcard constraint): model, precision, batch, quant, seed, world."""
+    """The regex of a cell id (Snakemake's wildcard constraint): model, precision, batch, quant, seed, and
+    world size and gradient accumulation where they are not 1."""
     precisions = "|".join(PRECISIONS)
     quants = "|".join(QUANTS)
-    return rf"[A-Za-z0-9][A-Za-z0-9.-]*_({precisions})_bs[0-9]+_({quants})_s[0-9]+(_ws[0-9]+)?"
+    return rf"[A-Za-z0-9][A-Za-z0-9.-]*_({precisions})_bs[0-9]+_({quants})_s[0-9]+(_ws[0-9]+)?(_ga[0-9]+)?"

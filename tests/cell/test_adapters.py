@@ -16,7 +16,9 @@ from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.prepare.checkpoints import verify_checkpoint
+from tunegrid.review.summary import summary_row
 from tunegrid.run.supervisor import run_cell
+from tunegrid.track.tags import run_tags
 
 MODEL = "qwen3moe-tiny"
 # attention only: peft wraps the fused experts as parameters, which refuse dropout
@@ -78,6 +80,49 @@ def test_saved_adapter_reloads_onto_its_base_with_the_cells_loss(checkpoints, da
     )
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_saved_nf4_adapter_reloads_onto_its_4bit_base_with_the_cells_loss(
+    checkpoints, dataset_path, tmp_path, precision
+):
+    """Rebuilt from base_model.json alone: the same NF4 quantization (deterministic), the same layout, the
+    same loss, exactly. Without the layout guard, on a CPU with AVX512-BF16 the eval forward repacks the
+    4-bit weights for bitsandbytes' inference kernel: measured 3.1e-4 (fp32) and 2.0e-4 (bf16) relative
+    off the cell's loss there, kernel rounding and not a wrong adapter."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tunegrid.cell.quant_audit import disable_cpu_inference_packing
+
+    grid = {"model": [MODEL], "precision": [precision], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
+    study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, "lr": 0.01}, lora=LORA))
+    spec = cell_spec(study, expand_cells(study)[0])
+    run_dir = tmp_path / spec["cell_id"]
+    run_worker(spec, str(checkpoints[MODEL]), str(dataset_path), str(run_dir))
+    facts = read_json(run_dir / "worker.json")
+    assert facts["outcome"] == "ok", facts["reason"]
+    expected = facts["training"]["reference_batch_loss"]
+    load = read_json(run_dir / "adapter" / BASE_FILE)["load"]
+    assert load["quant"] == "nf4" and load["cpu_inference_packing"] is False
+
+    bnb = {**load["bnb_4bit"], "bnb_4bit_compute_dtype": getattr(torch, load["bnb_4bit"]["bnb_4bit_compute_dtype"])}
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the cell trained
+    base = AutoModelForCausalLM.from_pretrained(
+        checkpoints[MODEL],
+        dtype=getattr(torch, load["storage_dtype"]),
+        quantization_config=BitsAndBytesConfig(**bnb),
+        device_map={"": device},
+    )
+    assert disable_cpu_inference_packing(base) > 0
+    model = PeftModel.from_pretrained(base, run_dir / "adapter").eval()
+    batch = {k: v.to(device) for k, v in load_file(str(run_dir / "adapter" / REFERENCE_BATCH_FILE)).items()}
+    compute = getattr(torch, load["compute_dtype"])
+    with torch.no_grad(), torch.autocast(device, dtype=compute, enabled=precision != "fp32"):
+        loss = model(**batch).loss.float().item()
+    assert loss == pytest.approx(expected, rel=1e-6), "0 measured on CPU: the same weights through the same kernels"
+
+
 def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(checkpoints, dataset_path, tmp_path):
     train = {"steps": 8, "checkpoint_every": 3, "retries": 0}
     killed = _spec(train, debug={"kill_rank": {"rank": 0, "step": 5}})
@@ -91,6 +136,7 @@ def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(chec
     again = _run_cell(_spec(train), checkpoints, dataset_path, run_dir)  # the kill hook is not training: same key
     assert again["outcome"] == "ok", again["reason"]
     assert again["resumed_from_step"] == 3
+    assert summary_row(again)["resumed_from_step"] == 3 and run_tags(again)["resumed_from_step"] == "3"
     assert not (run_dir / CHECKPOINT_DIR).exists(), "a concluded cell keeps no checkpoint"
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(8))

@@ -57,6 +57,11 @@ def test_cell_spec_is_canonical_json():
         ),
         (lambda s: s["models"].update({"loc": {"source": "local", "path": "/does/not/exist"}}), "models.loc.path"),
         (lambda s: s.update(study="../escape"), "config key 'study'"),
+        (lambda s: s["grid"].update(grad_accum=[0]), "grid.grad_accum.0"),
+        (
+            lambda s: s.update(debug={"inject_nonfinite": {"module": "model.norm", "step": 1, "micro_batch": 2}}),
+            "config key 'debug.inject_nonfinite.micro_batch': 2 does not exist; grid.grad_accum is at most 1",
+        ),
     ],
 )
 def test_invalid_configs_name_the_key(mutate, expected):

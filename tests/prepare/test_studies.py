@@ -80,3 +80,48 @@ def test_real_width_variant_trains_a_step_on_cpu_with_one_layer(config, model, d
     assert facts["training"]["steps_run"] == 1
     hidden = yaml.safe_load((REPO / "configs" / f"{config}.yaml").read_text())["models"][model]["config"]["hidden_size"]
     assert read_json(tmp_path / model / "config.json")["hidden_size"] == hidden  # real width kept
+
+
+GPU_STUDIES = ("gemma3-4b-t4", "gemma3-4b-t4-synthetic", "moe-qlora-memory", "moe-qlora-memory-synthetic")
+
+
+@pytest.mark.parametrize("name", [*GPU_STUDIES, "collective-timeout"])
+def test_gpu_studies_fill_every_row_they_draw(name, checkpoints):
+    """Dry: the study's generated set, packed at its seq_len by a tokenizer of the same kind its synthetic
+    models train (byte-level BPE on this data), gives every step of the study rows >= 90 % real tokens, and
+    one pass over the set holds every row the steps draw (no step trains on a row twice)."""
+    from transformers import AutoTokenizer
+
+    from tunegrid.cell.packing import build_stream
+    from tunegrid.prepare.data import generate_examples
+
+    class PackedModel:  # what packing_mode reads; packed either way (a test module builds no causal mask: EOS)
+        config = type("Config", (), {"_attn_implementation": "sdpa"})()
+
+    study = load_study(REPO / "configs" / f"{name}.yaml")
+    data, train, grid = study["data"], study["train"], study["grid"]
+    assert train["seq_len"] == 2048 and data["packing"]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoints["gemma3-hot"])
+    records = generate_examples(data["examples"], data["seed"])
+    for batch in grid["batch_size"]:
+        stream, facts = build_stream(
+            records, tokenizer, PackedModel(), data, train["seq_len"], batch, 0, accum=max(grid["grad_accum"])
+        )
+        assert facts["packing"] != "off"
+        assert facts["rows"] >= train["steps"] * stream.rows_per_step, (batch, facts["rows"])
+        for step in range(train["steps"]):
+            drawn = stream.row_tokens[stream.indices(step)]
+            assert int(drawn.min()) >= 0.9 * train["seq_len"], (batch, step, drawn.tolist())
+
+
+def test_a_packed_remainder_row_is_dropped_only_when_emptier_than_every_other_row_can_be():
+    from tunegrid.cell.packing import pack
+
+    def examples(*lengths):
+        return [([5] * n, [5] * n) for n in lengths]
+
+    kept = pack(examples(40, 40, 10), 64, 0, 1, "position_ids")  # the last row holds 40 >= 64 - 40
+    assert kept.row_tokens.tolist() == [50, 40] and (kept.examples, kept.dropped_examples) == (3, 0)
+    dropped = pack(examples(20, 20, 20, 5), 64, 0, 1, "position_ids")  # 5 < 64 - 20: a mostly padded row
+    assert dropped.row_tokens.tolist() == [60] and (dropped.examples, dropped.dropped_examples) == (3, 1)
+    assert pack(examples(20, 20, 20, 5), 64, 0, 1, "off").row_tokens.tolist() == [20, 20, 20, 5]

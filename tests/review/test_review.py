@@ -9,21 +9,23 @@ from pathlib import Path
 import pandas as pd
 
 from tunegrid.review.recommend import recommend
-from tunegrid.review.report import _fmt, failure_groups
+from tunegrid.review.report import ALL_CELLS_COLUMNS, _fmt, _table, failure_groups
 from tunegrid.units import human_bytes
 
 MIB = 2**20
 
 
-def _cell(model="moe", precision="fp16", batch=8, quant="none", outcome="ok", **extra):
+def _cell(model="moe", precision="fp16", batch=8, quant="none", outcome="ok", accum=1, **extra):
     row = {
-        "cell_id": f"{model}_{precision}_bs{batch}_{quant}_s0",
+        "cell_id": f"{model}_{precision}_bs{batch}_{quant}_s0" + (f"_ga{accum}" if accum > 1 else ""),
         "model": model,
         "precision": precision,
         "batch_size": batch,
         "quant": quant,
         "seed": 0,
         "world_size": 1,
+        "grad_accum": accum,
+        "effective_batch": batch * accum,
         "outcome": outcome,
         "reason": "trained all steps with finite loss",
         "nan_step": float("nan"),
@@ -70,28 +72,64 @@ def test_expert_quantization_is_recommended_only_where_the_peaks_fell():
     assert "792.0 MiB -> 914.0 MiB" in rose.text and "Not recommended" in rose.text
 
 
+NATIVE = {"precision": {"bf16": "native", "fp16": "native", "fp32": "native"}}
+
+
+def _fp16_overflow(batch=8, accum=1):
+    return _cell(
+        model="g",
+        precision="fp16",
+        batch=batch,
+        accum=accum,
+        outcome="nan",
+        reason="non-finite loss",
+        nan_step=9.0,
+        nan_kind="loss_nonfinite",
+        nan_forward_module="model.layers.0.mlp.down_proj",
+    )
+
+
 def test_nan_alternatives_are_separate_fixes_and_only_failed_cells_are_failing():
     frame = pd.DataFrame(
         [
-            _cell(
-                model="g",
-                precision="fp16",
-                batch=8,
-                outcome="nan",
-                reason="non-finite loss",
-                nan_step=9.0,
-                nan_kind="loss_nonfinite",
-                nan_forward_module="model.layers.0.mlp.down_proj",
-            ),
-            _cell(model="g", precision="fp16", batch=2),
+            _fp16_overflow(),
+            _cell(model="g", precision="fp16", batch=2, accum=4),
             _cell(model="g", precision="bf16", batch=8),
-            _cell(model="g", precision="bf16", batch=2),
+            _cell(model="g", precision="bf16", batch=2, accum=4),
         ]
     )
-    (rec,) = recommend(frame, {"precision": {"bf16": "native", "fp16": "native", "fp32": "native"}})
-    assert [fix.change for fix in rec.fixes] == [{"precision": "bf16"}, {"batch_size": 2}]
+    (rec,) = recommend(frame, NATIVE)
+    assert [fix.change for fix in rec.fixes] == [{"precision": "bf16"}, {"batch_size": 2, "grad_accum": 4}]
     assert rec.failing == ["g_fp16_bs8_none_s0"] and all(c != rec.failing[0] for c in rec.evidence)
     assert "()" not in rec.text and "()" not in rec.title
+
+
+def test_a_smaller_micro_batch_keeps_the_effective_batch():
+    frame = pd.DataFrame(
+        [
+            _fp16_overflow(),
+            _cell(model="g", precision="fp16", batch=2),  # ok, but 2 sequences a step: another recipe
+            _cell(model="g", precision="fp16", batch=2, accum=4),
+            _cell(model="g", precision="fp16", batch=4, accum=2, outcome="nan"),
+        ]
+    )
+    (rec,) = recommend(frame, NATIVE)
+    (fix,) = rec.fixes
+    assert fix.change == {"batch_size": 2, "grad_accum": 4} and fix.evidence == ["g_fp16_bs2_none_s0_ga4"]
+    assert "keep fp16 with batch_size 2 with grad_accum 4" in rec.text and "effective batch of 8" in rec.text
+    assert rec.failing == ["g_fp16_bs4_none_s0_ga2", "g_fp16_bs8_none_s0"]
+
+
+def test_no_smaller_micro_batch_is_advised_that_the_grid_has_not_run_at_the_effective_batch():
+    frame = pd.DataFrame([_fp16_overflow(), _cell(model="g", precision="fp16", batch=2)])
+    (rec,) = recommend(frame, NATIVE)
+    assert rec.fixes == [], "batch_size 2 alone changes the recipe; batch_size 2 x grad_accum 4 never ran"
+    assert "effective batch of 2, not 8" in rec.text
+    assert "no cell with batch_size 2 and grad_accum 4" in rec.text and "Fix:" not in rec.text
+    # a summary written before the axis existed has no grad_accum column: every cell ran without accumulation
+    old = frame.drop(columns=["grad_accum", "effective_batch"])
+    (rec,) = recommend(old, NATIVE)
+    assert rec.fixes == [] and "no cell with batch_size 2 and grad_accum 4" in rec.text
 
 
 def test_numbers_are_written_for_people():
@@ -120,3 +158,32 @@ def test_failures_are_grouped_by_cause_with_the_log_tail_and_path(tmp_path: Path
     error = groups[0]
     assert error["reason"] == reason and error["log_path"].endswith("moe_fp16_bs2_none_s0.log")
     assert error["traceback_tail"].endswith("RuntimeError: boom") and "step 2" in error["log_tail"]
+
+
+def test_the_table_of_all_cells_says_where_a_cell_resumed_and_its_effective_batch():
+    rows = [_cell(batch=2, accum=4, resumed_from_step=3.0), _cell(batch=8, resumed_from_step=float("nan"))]
+    page = _table(rows, [c for c in ALL_CELLS_COLUMNS if c in rows[0]])
+    assert "<th>resumed from step</th>" in page and "<td>3</td>" in page
+    assert "effective batch (micro-batch x accumulation x ranks)" in page and page.count("<td>8</td>") == 2
+
+
+def test_out_of_memory_advice_keeps_the_effective_batch_too():
+    oom = _cell(model="g", precision="bf16", batch=8, outcome="oom", reason="CUDA out of memory", peak_bytes=None)
+    kept = _cell(model="g", precision="bf16", batch=2, accum=4, peak_bytes=300 * MIB)
+    other = _cell(model="g", precision="bf16", batch=2, peak_bytes=290 * MIB)
+    (rec,) = recommend(pd.DataFrame([oom, kept, other]), NATIVE)
+    assert [fix.change for fix in rec.fixes] == [{"batch_size": 2, "grad_accum": 4}]
+    assert "batch_size 2 with grad_accum 4 fits at the same effective batch of 8 (peak 300.0 MiB)" in rec.text
+    (rec,) = recommend(pd.DataFrame([oom, other]), NATIVE)
+    assert rec.fixes == [] and "batch_size 2 fits (g_bf16_bs2_none_s0), but at an effective batch of 2" in rec.text
+
+
+def test_the_outcome_matrix_tells_accumulated_batches_apart():
+    from tunegrid.review.plots import _batch_label, _matrix_layout
+
+    frame = pd.DataFrame([_fp16_overflow(), _cell(model="g", precision="fp16", batch=2, accum=4)])
+    _, cols, _, col_axes = _matrix_layout(frame)
+    assert col_axes == ["precision", "batch_size", "grad_accum"]
+    assert [_batch_label(c[1:]) for c in cols] == ["bs 2 x ga 4", "bs 8 x ga 1"]
+    _, cols, _, col_axes = _matrix_layout(frame[frame["batch_size"] == 8])  # one accumulation: labels as before
+    assert col_axes == ["precision", "batch_size"] and [_batch_label(c[1:]) for c in cols] == ["bs 8"]

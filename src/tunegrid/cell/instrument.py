@@ -194,7 +194,7 @@ class HeadroomMeter:
 
 
 class NonfiniteInjector:
-    """Fault injection for testing the pipeline: a non-finite value at one module, one step.
+    """Fault injection for testing the pipeline: a non-finite value at one module, one step (and micro-batch).
 
     Off unless the study's `debug.inject_nonfinite` asks for it. The module is matched by name suffix
     (`model.layers.0.mlp.down_proj` matches the peft-wrapped `base_model.model.model.layers.0.mlp.down_proj`).
@@ -208,8 +208,12 @@ class NonfiniteInjector:
         self.step, self.phase, self.module_name = first.step, first.phase, first.module_name
 
     @contextlib.contextmanager
-    def attached(self, step: int) -> Iterator[None]:
-        handles = [i.module.register_forward_hook(i.on_forward) for i in self.injections if i.step == step]
+    def attached(self, step: int, micro_batch: int = 0) -> Iterator[None]:
+        handles = [
+            i.module.register_forward_hook(i.on_forward)
+            for i in self.injections
+            if (i.step, i.micro_batch) == (step, micro_batch)
+        ]
         try:
             yield
         finally:
@@ -220,6 +224,7 @@ class NonfiniteInjector:
 class _Injection:
     def __init__(self, model: Any, request: dict[str, Any]) -> None:
         self.step = int(request.get("step", 0))
+        self.micro_batch = int(request.get("micro_batch", 0))
         self.phase = request.get("phase", "forward")
         self.value = float(request.get("value", "inf"))
         wanted = request["module"]

@@ -16,12 +16,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         "use_safetensors": True,  # never a pickle
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
-    bnb = {
-        "load_in_4bit": True,
-        "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": True,
-        "bnb_4bit_compute_dtype": plan.torch_dtype("compute"),
-    }
+    bnb = {**four_bit_settings(plan), "bnb_4bit_compute_dtype": plan.torch_dtype("compute")}
     if spec["axes"]["quant"] == "nf4":
         kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     if device.type == "cuda":
@@ -42,6 +37,16 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if device.type != "cuda":
         model.to(device)
     return model
+
+
+def four_bit_settings(plan: Any) -> dict[str, Any]:
+    """BitsAndBytesConfig's arguments for a 4-bit cell, the compute dtype by name (as an adapter's record keeps them)."""
+    return {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": plan.compute_dtype,
+    }
 
 
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:

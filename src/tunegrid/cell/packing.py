@@ -118,16 +118,28 @@ class Rows:
     tensors: dict[str, Any]
     row_tokens: Any
     examples: int
+    dropped_examples: int = 0  # in the packing's remainder row (see `pack`)
 
 
 def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, mode: str) -> Rows:
-    """Rows of seq_len tokens: one example each (off), or as many whole examples as fit (packed)."""
+    """Rows of seq_len tokens: one example each (off), or as many whole examples as fit (packed).
+
+    Packed, every row but the last opened is at least seq_len minus the longest example full (an example
+    that fit no open row opened a new one); the last is the remainder and may hold a few tokens. A remainder
+    emptier than that is dropped, as a chunked stream drops its last partial chunk, so that no step the
+    stream draws it into trains on a mostly padded row.
+    """
     import torch
 
     examples = [(ids[:seq_len], labels[:seq_len]) for ids, labels in encoded if ids]
     if mode == "eos_separated":
         examples = [_ends_with_eos(ids, labels, eos_id, seq_len) for ids, labels in examples]
     rows = [[ex] for ex in examples] if mode == "off" else _fill_rows(examples, seq_len)
+    dropped = 0
+    if mode != "off" and len(rows) > 1:
+        guaranteed = seq_len - max(len(ids) for ids, _ in examples)
+        if sum(len(ids) for ids, _ in rows[-1]) < guaranteed:
+            dropped = len(rows.pop())
     ids_rows, label_rows, extra_rows, counts = [], [], [], []
     for row in rows:
         ids = [t for ex_ids, _ in row for t in ex_ids]
@@ -146,7 +158,7 @@ def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, 
         extra: torch.tensor(extra_rows, dtype=torch.long),
         "labels": torch.tensor(label_rows, dtype=torch.long),
     }
-    return Rows(tensors, torch.tensor(counts, dtype=torch.long), len(examples))
+    return Rows(tensors, torch.tensor(counts, dtype=torch.long), len(examples) - dropped, dropped)
 
 
 def _ends_with_eos(ids: list[int], labels: list[int], eos_id: int | None, seq_len: int) -> Encoded:
@@ -179,10 +191,10 @@ def _fill_rows(examples: list[Encoded], seq_len: int) -> list[list[Encoded]]:
 
 
 class FlatBatchStream(BatchStream):
-    """A batch as one row of batch_size x seq_len tokens: flash attention reads boundaries only then."""
+    """A (micro-)batch as one row of batch_size x seq_len tokens: flash attention reads boundaries only then."""
 
-    def batch(self, step: int) -> dict[str, Any]:
-        return {k: v.reshape(1, -1) for k, v in super().batch(step).items()}
+    def shaped(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.reshape(1, -1) for k, v in batch.items()}
 
 
 def build_stream(
@@ -193,6 +205,7 @@ def build_stream(
     seq_len: int,
     batch_size: int,
     seed: int,
+    accum: int = 1,
 ) -> tuple[BatchStream, dict[str, Any]]:
     """The cell's batches and the facts about them (result["data"])."""
     mode = packing_mode(model, data.get("packing", True))
@@ -202,7 +215,7 @@ def build_stream(
     if mode == "position_ids":
         keep_boundaries(model)
     flat = mode == "position_ids" and flattens_rows(model)
-    stream = (FlatBatchStream if flat else BatchStream)(rows.tensors, batch_size, seed, rows.row_tokens)
+    stream = (FlatBatchStream if flat else BatchStream)(rows.tensors, batch_size, seed, rows.row_tokens, accum)
     n_rows = int(rows.row_tokens.numel())
     facts = {
         "source": data.get("source", "synthetic"),
@@ -211,6 +224,7 @@ def build_stream(
         "template": "chat_template" if has_chat_template(tokenizer) else "prompt_template",
         "loss_on": loss_on,
         "examples": rows.examples,
+        "examples_dropped": rows.dropped_examples,  # the packing's underfilled remainder row
         "rows": n_rows,
         "tokens": int(rows.row_tokens.sum()),  # real tokens of one pass over the set
         "fill": float(rows.row_tokens.sum()) / max(1, n_rows * seq_len),  # real tokens / row capacity

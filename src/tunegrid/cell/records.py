@@ -49,7 +49,12 @@ class StepRecords:
         logs["metrics"].write(record)
 
     def on_nonfinite(
-        self, step: int, batch: dict[str, Any], fact: dict[str, Any], state: LoopState, logs: dict[str, Any]
+        self,
+        step: int,
+        micro_batches: list[dict[str, Any]],
+        fact: dict[str, Any],
+        state: LoopState,
+        logs: dict[str, Any],
     ) -> bool:
         """A step whose loss or gradient is not finite becomes an event with its origin; True ends the loop."""
         train = self.spec["train"]
@@ -75,7 +80,8 @@ class StepRecords:
         # Every event that ends the cell or is the first of its kind gets its origin (a replay of that
         # step); repeats of a kind already traced under `continue` are recorded without one.
         if stop or kind not in {e["kind"] for e in state.nonfinite_events}:
-            event["origin"] = self.replay_origin(step, batch, fact["rng_state"], fact["scale"], state.headroom)
+            event["origin"] = self.replay_origin(step, micro_batches, fact, state.headroom)
+            event["micro_batch"] = event["origin"]["micro_batch"]
             event["headroom"] = event["origin"].pop("headroom")
             logs["headroom"].write({**event["headroom"], "failing_step": True})
             state.headroom_steps.append(step)
@@ -148,9 +154,15 @@ class StepRecords:
             origin = deciding.get("origin") or {}
             where = (origin.get("forward") or origin.get("backward") or {}).get("module", "unknown module")
             stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
+            accum = self.spec["axes"].get("grad_accum", 1)
+            micro = (
+                f" (micro-batch {deciding['micro_batch']} of {accum})"
+                if accum > 1 and deciding.get("micro_batch") is not None
+                else ""
+            )
             self.facts.update(
                 outcome=Outcome.NAN,
-                reason=f"{deciding['kind']} at step {deciding['step']}, first non-finite at {where}{stopped}",
+                reason=f"{deciding['kind']} at step {deciding['step']}{micro}, first non-finite at {where}{stopped}",
                 diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
             )
         elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason

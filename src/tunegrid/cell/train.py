@@ -119,11 +119,13 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             self.spec["train"]["seq_len"],
             self.spec["axes"]["batch_size"],
             seed,
+            self.spec["axes"].get("grad_accum", 1),
         )
 
     # ---------------------------------------------------------------- loop
     def loop(self) -> None:
-        """The recipe: for each step, train it, record it, and stop where a non-finite event says so."""
+        """The recipe: for each optimizer step (grad_accum micro-batches), train it, record it, and stop where
+        a non-finite event says so."""
         from tqdm.auto import tqdm
 
         steps, every = self.spec["train"]["steps"], self.spec["train"]["headroom_every"]
@@ -146,16 +148,21 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
                         state.census,
                         state.headroom,
                     )
-                batch = {k: v.to(self.device) for k, v in self.stream.batch(step).items()}
-                self.last_batch = batch
+                micro_batches = [
+                    {k: v.to(self.device) for k, v in micro.items()} for micro in self.stream.micro_batches(step)
+                ]
+                self.last_batch = micro_batches[-1]
                 measure_headroom = every > 0 and step % every == 0
                 fact = self.train_step(
-                    step, batch, state.census if step == 0 else None, state.headroom if measure_headroom else None
+                    step,
+                    micro_batches,
+                    state.census if step == 0 else None,
+                    state.headroom if measure_headroom else None,
                 )
                 self.record(step, fact, measure_headroom, state, logs)
                 progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
                 progress.update()
-                if state.unsupported or self.on_nonfinite(step, batch, fact, state, logs):
+                if state.unsupported or self.on_nonfinite(step, micro_batches, fact, state, logs):
                     break
         finally:
             progress.close()

@@ -102,11 +102,18 @@ def tokenize_examples(examples: list[dict[str, str]], tokenizer: Any, seq_len: i
 
 
 class BatchStream:
-    """Endless seeded shuffles of a tokenized set; batch k is a pure function of (seed, k)."""
+    """Endless seeded shuffles of a tokenized set; the rows of step k are a pure function of (seed, k).
 
-    def __init__(self, tensors: dict[str, Any], batch_size: int, seed: int, row_tokens: Any = None) -> None:
+    A step draws batch_size x accum rows (the effective batch) and hands them out as `accum` micro-batches
+    of batch_size rows, so how a step is split changes no row it trains on.
+    """
+
+    def __init__(
+        self, tensors: dict[str, Any], batch_size: int, seed: int, row_tokens: Any = None, accum: int = 1
+    ) -> None:
         self.tensors = tensors
         self.batch_size = batch_size
+        self.accum = accum
         self.seed = seed
         self.n, width = tensors["input_ids"].shape[:2]
         if row_tokens is None:  # packed rows carry no attention mask to count real tokens from: they pass row_tokens
@@ -114,21 +121,39 @@ class BatchStream:
             row_tokens = mask.sum(dim=1) if mask is not None else tensors["input_ids"].new_full((self.n,), width)
         self.row_tokens = row_tokens
 
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.accum
+
     def batch(self, step: int) -> dict[str, Any]:
+        """Every row of the step at once (the effective batch)."""
         idx = self.indices(step)
-        return {k: v[idx] for k, v in self.tensors.items()}
+        return self.shaped({k: v[idx] for k, v in self.tensors.items()})
+
+    def micro_batches(self, step: int) -> list[dict[str, Any]]:
+        """The step's rows as `accum` micro-batches of batch_size rows, in order."""
+        return [
+            self.shaped({k: v[part] for k, v in self.tensors.items()})
+            for part in self.indices(step).split(self.batch_size)
+        ]
+
+    def shaped(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A (micro-)batch in the layout the model reads: rows as drawn (a flattening stream makes them one)."""
+        return batch
 
     def real_tokens(self, step: int) -> int:
+        """Tokens of the whole step (every micro-batch), padding excluded."""
         return int(self.row_tokens[self.indices(step)].sum())
 
     def indices(self, step: int) -> Any:
         import torch
 
-        per_epoch = max(1, self.n // self.batch_size)
+        size = self.rows_per_step
+        per_epoch = max(1, self.n // size)
         epoch, offset = divmod(step, per_epoch)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         order = torch.randperm(self.n, generator=gen)
-        idx = order[offset * self.batch_size : (offset + 1) * self.batch_size]
-        if idx.numel() < self.batch_size:  # batch larger than the set: wrap around
-            idx = order[torch.arange(offset * self.batch_size, (offset + 1) * self.batch_size) % self.n]
+        idx = order[offset * size : (offset + 1) * size]
+        if idx.numel() < size:  # batch larger than the set: wrap around
+            idx = order[torch.arange(offset * size, (offset + 1) * size) % self.n]
         return idx

@@ -155,7 +155,7 @@ def estimate_from_shapes(
     # LoRA: fp32 params + grads + AdamW's two moments
     lora_bytes = lora_params * 4 * 4
 
-    batch, seq = axes["batch_size"], train["seq_len"]
+    batch, seq = axes["batch_size"], train["seq_len"]  # the micro-batch: accumulated ones hold no activations
     tokens = batch * seq
     act = DTYPE_BYTES[axes["precision"]]
     layers = int(config.get("num_hidden_layers", 1))

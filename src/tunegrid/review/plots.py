@@ -20,13 +20,26 @@ PRECISION_STYLE = {"fp32": "-", "bf16": "--", "fp16": ":"}
 MIB = 2**20
 
 
+def _batch_axes(frame: Any) -> list[str]:
+    """How a cell's batch is told apart: its micro-batch, and its accumulation where that varies."""
+    return ["batch_size"] + [a for a in ("grad_accum",) if a in frame.columns and frame[a].nunique() > 1]
+
+
+def _batch_label(values: tuple[Any, ...]) -> str:
+    """'bs 2', or 'bs 2 x ga 4' (micro-batch x accumulation) where accumulation varies."""
+    return f"bs {values[0]}" + (f" x ga {values[1]}" if len(values) > 1 else "")
+
+
 def _matrix_layout(frame: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[str], list[str]]:
-    """Rows: model x quant (x seed, x world size when they vary); columns: precision x batch size."""
+    """Rows: model x quant (x seed, x world size when they vary); columns: precision x batch size (x gradient
+    accumulation when it varies)."""
     row_axes = ["model", "quant"] + [a for a in ("world_size", "seed") if a in frame.columns and frame[a].nunique() > 1]
-    col_axes = ["precision", "batch_size"]
+    batch_axes = _batch_axes(frame)
+    col_axes = ["precision", *batch_axes]
     rows = sorted({tuple(r) for r in frame[row_axes].itertuples(index=False)}, key=str)
     precisions = [p for p in ("fp32", "bf16", "fp16") if p in set(frame["precision"])]
-    cols = [(p, b) for p in precisions for b in sorted(set(frame["batch_size"]))]
+    batches = sorted({tuple(r) for r in frame[batch_axes].itertuples(index=False)})
+    cols = [(p, *b) for p in precisions for b in batches]
     return rows, cols, row_axes, col_axes
 
 
@@ -64,7 +77,7 @@ def plot_outcomes(frame: Any, path: Path) -> None:
                 )
     ax.set_xlim(0, len(cols))
     ax.set_ylim(len(rows), 0)
-    ax.set_xticks([x + 0.5 for x in range(len(cols))], [f"{p}\nbs {b}" for p, b in cols], fontsize=8)
+    ax.set_xticks([x + 0.5 for x in range(len(cols))], [f"{c[0]}\n{_batch_label(c[1:])}" for c in cols], fontsize=8)
     ax.set_yticks([y + 0.5 for y in range(len(rows))], [" / ".join(map(str, r)) for r in rows], fontsize=8)
     ax.tick_params(length=0)
     for side in ax.spines.values():
@@ -84,17 +97,20 @@ def plot_outcomes(frame: Any, path: Path) -> None:
 
 
 def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """One panel per model x batch size; one line per precision (colour) and quant (style)."""
+    """One panel per model x batch size (x accumulation); one line per precision (colour) and quant (style)."""
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r.model, r.batch_size) for r in frame.itertuples()}, key=str)
+    batch_axes = _batch_axes(frame)
+    panels = sorted({(r["model"], *(r[a] for a in batch_axes)) for _, r in frame.iterrows()}, key=str)
     ncols = min(2, len(panels)) or 1
     nrows = (len(panels) + ncols - 1) // ncols or 1
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.4 * nrows), squeeze=False)
     colours = {"fp32": "#1e88e5", "bf16": "#43a047", "fp16": "#e53935"}
     quant_style = {"none": "-", "nf4": "--", "nf4-experts": ":"}
-    for ax, (model, batch) in zip(axes.flat, panels):
-        sub = frame[(frame["model"] == model) & (frame["batch_size"] == batch)]
+    for ax, (model, *batch) in zip(axes.flat, panels):
+        sub = frame[frame["model"] == model]
+        for axis, value in zip(batch_axes, batch):
+            sub = sub[sub[axis] == value]
         for _, row in sub.iterrows():
             points = [r for r in curves.get(row["cell_id"], []) if r.get("loss") is not None]
             if not points:
@@ -113,7 +129,7 @@ def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path)
             if row["outcome"] == Outcome.NAN and row["nan_step"] == row["nan_step"]:
                 before = [loss for s, loss in zip(steps, losses) if s < row["nan_step"] and loss == loss]
                 ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
-        ax.set_title(f"{model}, batch {batch}", fontsize=9)
+        ax.set_title(f"{model}, {_batch_label(tuple(batch))}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("loss", fontsize=8)
         ax.legend(fontsize=6, ncol=2)

@@ -3,7 +3,8 @@
 Every recommendation names the cells that failed and the cells that prove the fix (same model and
 every other axis equal, one setting changed, outcome ok). A fix the grid has not run is never
 suggested: where no sibling cell supports a fix, the failure stays in the failures table only. Each
-alternative is a fix of its own (one changed setting, its reason and its evidence), and a change is
+alternative is a fix of its own (one changed setting, or a smaller micro-batch with the accumulation that
+keeps the effective batch; its reason and its evidence), and a change is
 never recommended for a goal the grid's own measurements contradict (a memory fix whose peaks rose).
 """
 
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tunegrid.prepare.targets import TARGETS
+from tunegrid.review.batch_advice import memory_batch_fix, smaller_batch_fix
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import AXES, Outcome
 
@@ -83,17 +85,14 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
     for (model, precision, target), rows in groups.items():
         support = precision_support(target, capabilities)
         by_precision: dict[str, set[str]] = defaultdict(set)
-        by_batch: dict[int, set[str]] = defaultdict(set)
         by_quant: dict[str, set[str]] = defaultdict(set)
         for row in rows:
             for _, sib in _ok(siblings(frame, row, "quant")).iterrows():
                 by_quant[sib["quant"]].add(sib["cell_id"])
             for _, sib in _ok(siblings(frame, row, "precision")).iterrows():
                 by_precision[sib["precision"]].add(sib["cell_id"])
-            for _, sib in _ok(siblings(frame, row, "batch_size")).iterrows():
-                if sib["batch_size"] < row["batch_size"]:
-                    by_batch[int(sib["batch_size"])].add(sib["cell_id"])
-        if not by_precision and not by_batch and not by_quant:
+        batch_fix, batch_note = smaller_batch_fix(frame, rows, precision)  # the effective batch kept, or why not
+        if not by_precision and not batch_fix and not batch_note and not by_quant:
             continue
         first = min(rows, key=lambda r: r["nan_step"] if r["nan_step"] == r["nan_step"] else 1e9)
         where = _short(first["nan_forward_module"] or first["nan_backward_module"])
@@ -118,21 +117,22 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
                     f"The same cells in {alt} were ok, but {where_target} has {support.get(alt, 'no')} {alt}"
                     f" ({'slow software path' if support.get(alt) == 'emulated' else 'not available'})."
                 )
-        if by_batch:
-            batch = max(by_batch)
-            cells = sorted(by_batch[batch])
-            evidence += cells
-            options.append(f"keep {precision} with batch_size {batch} (ok in {precision})")
-            fixes.append(Fix({"batch_size": batch}, options[-1], cells))
+        if batch_fix:
+            evidence += batch_fix["evidence"]
+            options.append(batch_fix["why"])
+            fixes.append(Fix(**batch_fix))
+        if batch_note:
+            parts.append(batch_note)
         for quant, cells in sorted(by_quant.items()):
             evidence += sorted(cells)
             options.append(
                 f"keep {precision} with quant={quant} (ok in {precision}; it changes the weights the overflow came from)"
             )
             fixes.append(Fix({"quant": quant}, options[-1], sorted(cells)))
-        if not options:
+        if not options and not batch_note:
             continue
-        parts.append("Fix: " + "; or ".join(options) + ".")
+        if options:
+            parts.append("Fix: " + "; or ".join(options) + ".")
         first_fix = fixes[0].change.get("precision", "") if fixes else ""
         if precision == "fp16" and first_fix != "fp32" and support.get("bf16") != "native":
             parts.append("On a target without native bf16, fp32 costs about twice the activation memory of fp16.")
@@ -227,13 +227,11 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
     out = []
     for _, row in frame[frame["outcome"].isin([Outcome.OOM, Outcome.PREDICTED_OOM])].iterrows():
         options, evidence, fixes = [], [], []
-        smaller = _ok(siblings(frame, row, "batch_size"))
-        smaller = smaller[smaller["batch_size"] < row["batch_size"]]
-        if not smaller.empty:
-            best = smaller.sort_values("batch_size").iloc[-1]
-            options.append(f"batch_size {int(best['batch_size'])} fits (peak {human_bytes(best['peak_bytes'])})")
-            evidence.append(best["cell_id"])
-            fixes.append(Fix({"batch_size": int(best["batch_size"])}, options[-1], [best["cell_id"]]))
+        batch_fix, batch_note = memory_batch_fix(frame, row)  # the effective batch kept, or why not
+        if batch_fix:
+            options.append(batch_fix["why"])
+            evidence += batch_fix["evidence"]
+            fixes.append(Fix(**batch_fix))
         for quant in ("nf4-experts", "nf4"):
             alt = _ok(siblings(frame, row, "quant"))
             alt = alt[alt["quant"] == quant]
@@ -242,7 +240,7 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
                 evidence.append(alt.iloc[0]["cell_id"])
                 fixes.append(Fix({"quant": quant}, options[-1], [alt.iloc[0]["cell_id"]]))
                 break
-        if not options:
+        if not options and not batch_note:
             continue
         stage = (
             f" at {row['oom_stage']}" if row.get("oom_stage") == row.get("oom_stage") and row.get("oom_stage") else ""
@@ -251,9 +249,9 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
             Recommendation(
                 signature=f"{row['outcome']}",
                 title=f"{row['cell_id']}: out of memory{stage}",
-                text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']}). Fix: "
-                + "; or ".join(options)
-                + ".",
+                text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']})."
+                + (" Fix: " + "; or ".join(options) + "." if options else "")
+                + (f" {batch_note}" if batch_note else ""),
                 failing=[row["cell_id"]],
                 evidence=evidence,
                 fixes=fixes,

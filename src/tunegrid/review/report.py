@@ -34,6 +34,8 @@ LABELS = {
     "fp16_headroom_worst_module": "worst fp16 headroom: module",
     "fp16_headroom_worst_ratio": "worst |activation| / 65504 (sampled steps + the failing step)",
     "steps_run": "steps",
+    "effective_batch": "effective batch (micro-batch x accumulation x ranks)",
+    "resumed_from_step": "resumed from step",
     "final_loss": "final loss",
     "skipped_steps": "skipped",
     "peak_bytes": "peak memory",
@@ -41,7 +43,21 @@ LABELS = {
     "tokens_per_s": "tokens/s",
     "mlflow_run_id": "MLflow run",
 }
-COUNT_COLUMNS = ("steps_run", "skipped_steps", "nan_step")
+COUNT_COLUMNS = ("steps_run", "skipped_steps", "nan_step", "effective_batch", "resumed_from_step")
+ALL_CELLS_COLUMNS = (
+    "cell_id",
+    "outcome",
+    "reason",
+    "effective_batch",
+    "steps_run",
+    "resumed_from_step",
+    "final_loss",
+    "skipped_steps",
+    "peak_bytes",
+    "estimate_over_measured",
+    "tokens_per_s",
+    "mlflow_run_id",
+)
 
 
 def _label(column: str) -> str:
@@ -284,7 +300,7 @@ def build_report(
 <h2>Loss curves</h2><img alt="loss curves" src="{_png(plots["loss"])}">
 <h2>Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
 <h2>MoE quantization audit</h2>{_table(_audit_rows(results), ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"])}
-<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ["cell_id", "outcome", "reason", "steps_run", "final_loss", "skipped_steps", "peak_bytes", "estimate_over_measured", "tokens_per_s", "mlflow_run_id"] if c in frame.columns])}
+<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if c in frame.columns])}
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
     return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}

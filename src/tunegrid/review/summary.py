@@ -11,7 +11,8 @@ from tunegrid.files import read_json
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
-    axes = result["cell"]["axes"]
+    # results written before an axis existed ran at its neutral value
+    axes = {"world_size": 1, "grad_accum": 1, **result["cell"]["axes"]}
     nan = (result.get("diagnosis") or {}).get("nan") or {}
     origin = nan.get("origin") or {}
     memory = result.get("memory") or {}
@@ -26,9 +27,12 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     return {
         "cell_id": result["cell_id"],
         **axes,
+        # sequences per optimizer step: micro-batch x accumulation x ranks
+        "effective_batch": axes["batch_size"] * axes["grad_accum"] * axes["world_size"],
         "outcome": result["outcome"],
         "reason": result["reason"],
         "steps_run": training.get("steps_run"),
+        "resumed_from_step": result.get("resumed_from_step"),
         "initial_loss": training.get("initial_loss"),
         "final_loss": training.get("final_loss"),
         "skipped_steps": training.get("skipped_steps"),
@@ -94,7 +98,9 @@ NUMERIC_COLUMNS = (
     "wall_s",
 )
 INTEGER_COLUMNS = (
+    "effective_batch",
     "steps_run",
+    "resumed_from_step",
     "skipped_steps",
     "nan_step",
     "flagged_tensors",

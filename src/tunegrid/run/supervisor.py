@@ -24,7 +24,15 @@ from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
-from tunegrid.track.tags import ARTIFACT_FILES, dataset_input, env_tags, rerun_tags, result_params, run_tags
+from tunegrid.track.tags import (
+    ARTIFACT_FILES,
+    axis_tags,
+    dataset_input,
+    env_tags,
+    rerun_tags,
+    result_params,
+    run_tags,
+)
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
 
@@ -237,7 +245,7 @@ def _open_run(
     from tunegrid.track.tracking import CellRun, flatten
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
-    tags = {k: str(v) for k, v in spec["axes"].items()}
+    tags = axis_tags(spec["axes"])
     tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
     tags.update(env_tags(capabilities))
     tags.update(rerun_tags(result_path, snakemake_job))

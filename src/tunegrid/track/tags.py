@@ -16,8 +16,18 @@ from typing import Any
 ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "adapter")
 
 
+def axis_tags(axes: dict[str, Any]) -> dict[str, str]:
+    """The cell's axes as tags, and the effective batch they make (micro-batch x accumulation x ranks)."""
+    tags = {k: str(v) for k, v in axes.items()}
+    effective = axes["batch_size"] * axes.get("grad_accum", 1) * axes.get("world_size", 1)
+    tags["effective_batch"] = str(effective)
+    return tags
+
+
 def run_tags(result: dict[str, Any]) -> dict[str, str]:
     tags = {"outcome": result["outcome"], "outcome.reason": result["reason"], "device": result["env"].get("device", "")}
+    if result.get("resumed_from_step") is not None:
+        tags["resumed_from_step"] = str(result["resumed_from_step"])
     slurm_job = (result["env"].get("scheduler") or {}).get("SLURM_JOB_ID")
     if slurm_job:
         tags["slurm.job_id"] = slurm_job

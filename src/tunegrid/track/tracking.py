@@ -237,7 +237,7 @@ def sync_cell(
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.track.tags import ARTIFACT_FILES, result_params, run_tags
+    from tunegrid.track.tags import ARTIFACT_FILES, axis_tags, result_params, run_tags
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
@@ -249,7 +249,7 @@ def sync_cell(
         from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
 
         spec = result["cell"]
-        tags = {k: str(v) for k, v in spec["axes"].items()}
+        tags = axis_tags(spec["axes"])
         tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
         parent = parent_run_id(uri, experiment_id, spec["study"], run_dir.parents[1])
         if parent:
