@@ -68,6 +68,20 @@ class DtypeCensus:
         return {"forward": dict(self.forward), "backward": dict(self.backward)}
 
 
+def _position_mask(t: Any, real: Any) -> Any:
+    """`real` (True at real tokens, shaped like the batch's input_ids) broadcast over t, when t's leading dims
+    are the batch's (batch, seq) or the two flattened into one; None for any other shape (a routed expert's
+    subset of tokens, attention weights), which is then read whole. A (batch, heads, ...) tensor with as many
+    heads as the sequence has tokens would be read as positions: no model here has such a shape."""
+    if real is None or t.dim() == 0:
+        return None
+    if t.dim() >= 2 and tuple(t.shape[:2]) == tuple(real.shape):
+        return real.reshape(*real.shape, *([1] * (t.dim() - 2)))
+    if t.shape[0] == real.numel():
+        return real.reshape(-1, *([1] * (t.dim() - 1)))
+    return None
+
+
 def _finite_max_abs(t: Any) -> float | None:
     import torch
 
@@ -75,11 +89,14 @@ def _finite_max_abs(t: Any) -> float | None:
     return float(finite.abs().max()) if finite.numel() else None
 
 
-def _nonfinite_fact(name: str, t: Any, order: int) -> dict[str, Any]:
+def _nonfinite_fact(name: str, t: Any, order: int, at: str) -> dict[str, Any]:
+    """What a non-finite tensor held: t is the values at `at` (real or padding positions, or the whole tensor
+    when its shape has no positions: then `at` is real, since it cannot be set aside as padding)."""
     import torch
 
     return {
         "module": name,
+        "at": at,
         "order": order,
         "dtype": str(t.dtype).removeprefix("torch."),
         "nan": int(torch.isnan(t).sum()),
@@ -94,28 +111,29 @@ class OriginTracer:
 
     'First' is in execution order: in forward, leaf modules finish before their parents, so the
     first output seen non-finite is the innermost module where the overflow appeared; in backward,
-    grads arrive from the loss back towards the input.
+    grads arrive from the loss back towards the input. Given the micro-batch's real-token mask, the
+    origin is the first module non-finite at a real position (`"at": "real"`); a value non-finite only at
+    padding positions is no loss term, but it can still poison gradients (0 * inf in backward), so when
+    nothing is non-finite at a real position the first padding one is the origin (`"at": "padding"`), and
+    a real origin that a padding one preceded names it (`after_padding_at`).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, real: Any = None) -> None:
         self.model = model
+        self.real = real
         self.names = {id(m): (n or "<root>") for n, m in model.named_modules()}
-        self.forward_origin: dict[str, Any] | None = None
-        self.backward_origin: dict[str, Any] | None = None
+        self.found: dict[str, dict[str, Any]] = {}  # "forward"/"backward" + ":real"/":padding" -> first fact
         self._order = 0
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[None]:
-        import torch
-
         def on_forward(module: Any, _inputs: Any, output: Any) -> None:
             name = self.names.get(id(module), "?")
             for t in _tensors(output):
                 if not t.is_floating_point():
                     continue
                 self._order += 1
-                if self.forward_origin is None and not bool(torch.isfinite(t).all()):
-                    self.forward_origin = _nonfinite_fact(name, t.detach(), self._order)
+                self._inspect("forward", name, t.detach())
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(name))
 
@@ -123,14 +141,43 @@ class OriginTracer:
             yield
 
     def _grad_hook(self, name: str) -> Callable[[Any], None]:
-        import torch
-
         def on_grad(grad: Any) -> None:
             self._order += 1
-            if self.backward_origin is None and not bool(torch.isfinite(grad).all()):
-                self.backward_origin = _nonfinite_fact(name, grad.detach(), self._order)
+            self._inspect("backward", name, grad.detach())
 
         return on_grad
+
+    def _inspect(self, phase: str, name: str, t: Any) -> None:
+        import torch
+
+        if f"{phase}:real" in self.found:
+            return
+        bad = ~torch.isfinite(t)
+        if not bool(bad.any()):
+            return
+        mask = _position_mask(t, self.real)
+        if mask is None:
+            self.found[f"{phase}:real"] = _nonfinite_fact(name, t, self._order, "real")
+            return
+        real = mask.expand_as(t)
+        if bool((bad & real).any()):
+            self.found[f"{phase}:real"] = _nonfinite_fact(name, t[real], self._order, "real")
+        elif f"{phase}:padding" not in self.found:
+            self.found[f"{phase}:padding"] = _nonfinite_fact(name, t[~real], self._order, "padding")
+
+    def origin(self, phase: str) -> dict[str, Any] | None:
+        real, padding = self.found.get(f"{phase}:real"), self.found.get(f"{phase}:padding")
+        if real is not None and padding is not None and padding["order"] < real["order"]:
+            return {**real, "after_padding_at": padding["module"]}
+        return real or padding
+
+    @property
+    def forward_origin(self) -> dict[str, Any] | None:
+        return self.origin("forward")
+
+    @property
+    def backward_origin(self) -> dict[str, Any] | None:
+        return self.origin("backward")
 
     def as_dict(self) -> dict[str, Any]:
         return {"forward": self.forward_origin, "backward": self.backward_origin}
@@ -151,6 +198,8 @@ class HeadroomMeter:
         self._names: list[str] = []
         self._maxima: list[Any] = []
         self.worst_seen: dict[str, float] = {}
+        self.real: Any = None  # the current micro-batch's real-token mask (set by the trainer before its forward)
+        self.positions = "real"  # "all" once any micro-batch was measured without a mask
 
     @contextlib.contextmanager
     def attached(self, model: Any) -> Iterator[None]:
@@ -159,10 +208,16 @@ class HeadroomMeter:
         def on_forward(module: Any, _inputs: Any, output: Any) -> None:
             if any(True for _ in module.children()):
                 return
+            if self.real is None:
+                self.positions = "all"
             for t in _tensors(output):
                 if t.is_floating_point() and t.numel():
                     self._names.append(names.get(id(module), "?"))
-                    self._maxima.append(t.detach().abs().amax().float())
+                    magnitude = t.detach().abs()
+                    mask = _position_mask(magnitude, self.real)
+                    if mask is not None:  # padding reads as 0: no sync, unlike selecting the real values
+                        magnitude = magnitude.masked_fill(~mask, 0)
+                    self._maxima.append(magnitude.amax().float())
 
         with _hooks_on(model, on_forward):
             yield
@@ -180,6 +235,7 @@ class HeadroomMeter:
         worst = sorted(per_module.items(), key=lambda item: -item[1])[: self.top]
         return {
             "step": step,
+            "positions": self.positions,  # real: padding positions of (batch, seq) outputs were not counted
             "max_ratio": worst[0][1] / FP16_MAX if worst else None,
             "modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
         }
@@ -188,6 +244,7 @@ class HeadroomMeter:
         worst = sorted(self.worst_seen.items(), key=lambda item: -item[1])[: self.top]
         return {
             "fp16_max": FP16_MAX,
+            "positions": self.positions,
             "worst_modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
             "modules_over_fp16_max": sum(1 for v in self.worst_seen.values() if v > FP16_MAX),
         }
@@ -202,8 +259,10 @@ class NonfiniteInjector:
     followed by a later overflow.
     """
 
-    def __init__(self, model: Any, request: dict[str, Any]) -> None:
-        self.injections = [_Injection(model, r) for r in (request, *(request.get("also") or ())) if r.get("module")]
+    def __init__(self, model: Any, request: dict[str, Any], seq_len: int = 0) -> None:
+        self.injections = [
+            _Injection(model, r, seq_len) for r in (request, *(request.get("also") or ())) if r.get("module")
+        ]
         first = self.injections[0]
         self.step, self.phase, self.module_name = first.step, first.phase, first.module_name
 
@@ -222,7 +281,10 @@ class NonfiniteInjector:
 
 
 class _Injection:
-    def __init__(self, model: Any, request: dict[str, Any]) -> None:
+    def __init__(self, model: Any, request: dict[str, Any], seq_len: int) -> None:
+        position = request.get("position") or {}
+        # (row, token) of the micro-batch as drawn; rows of seq_len tokens, one after another when flattened
+        self.flat_position = position["row"] * seq_len + position["token"] if position else None
         self.step = int(request.get("step", 0))
         self.micro_batch = int(request.get("micro_batch", 0))
         self.phase = request.get("phase", "forward")
@@ -236,14 +298,19 @@ class _Injection:
     def on_forward(self, _module: Any, _inputs: Any, output: Any) -> Any:
         tensor = output[0] if isinstance(output, tuple) else output
         if self.phase == "forward":
-            poisoned = tensor.clone()
-            poisoned.view(-1)[0] = self.value
+            poisoned = self._poisoned(tensor)
             return (poisoned, *output[1:]) if isinstance(output, tuple) else poisoned
         if tensor.requires_grad:
-            tensor.register_hook(self._poison_grad)
+            tensor.register_hook(self._poisoned)
         return None
 
-    def _poison_grad(self, grad: Any) -> Any:
-        poisoned = grad.clone()
-        poisoned.view(-1)[0] = self.value
+    def _poisoned(self, tensor: Any) -> Any:
+        """A copy with the value at the first element, or at the first feature of the asked token position
+        (outputs are (batch, seq, ...), one flattened row, or (batch*seq, ...))."""
+        poisoned = tensor.clone()
+        if self.flat_position is None:
+            poisoned.view(-1)[0] = self.value
+        else:
+            by_position = poisoned.flatten(0, 1) if poisoned.dim() >= 3 else poisoned
+            by_position[self.flat_position].view(-1)[0] = self.value
         return poisoned

@@ -10,6 +10,13 @@ from typing import Any
 from tunegrid.files import read_json
 
 
+def _origin_module(fact: dict[str, Any] | None) -> str | None:
+    """The origin's module, marked when its only non-finite values were at padding positions."""
+    if not fact:
+        return None
+    return f"{fact['module']} (padding)" if fact.get("at") == "padding" else fact["module"]
+
+
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     # results written before an axis existed ran at its neutral value
     axes = {"world_size": 1, "grad_accum": 1, **result["cell"]["axes"]}
@@ -38,8 +45,8 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "skipped_steps": training.get("skipped_steps"),
         "nan_step": nan.get("step"),
         "nan_kind": nan.get("kind"),
-        "nan_forward_module": (origin.get("forward") or {}).get("module"),
-        "nan_backward_module": (origin.get("backward") or {}).get("module"),
+        "nan_forward_module": _origin_module(origin.get("forward")),
+        "nan_backward_module": _origin_module(origin.get("backward")),
         "target": memory.get("target"),
         "budget_bytes": memory.get("budget_bytes"),
         "estimate_bytes": memory.get("estimate_bytes"),
