@@ -90,8 +90,8 @@ def _finite_max_abs(t: Any) -> float | None:
 
 
 def _nonfinite_fact(name: str, t: Any, order: int, at: str) -> dict[str, Any]:
-    """What a non-finite tensor held: t is the values at `at` (real or padding positions, or the whole tensor
-    when its shape has no positions: then `at` is real, since it cannot be set aside as padding)."""
+    """What a non-finite tensor held at `at`: t is its values at real or at padding positions, or the whole
+    tensor when its shape has no token positions (`unlocated`) or no mask was given (`real`)."""
     import torch
 
     return {
@@ -114,15 +114,16 @@ class OriginTracer:
     grads arrive from the loss back towards the input. Given the micro-batch's real-token mask, the
     origin is the first module non-finite at a real position (`"at": "real"`); a value non-finite only at
     padding positions is no loss term, but it can still poison gradients (0 * inf in backward), so when
-    nothing is non-finite at a real position the first padding one is the origin (`"at": "padding"`), and
-    a real origin that a padding one preceded names it (`after_padding_at`).
+    nothing is non-finite at a real position the first other one is the origin: `"at": "padding"`, or
+    `"unlocated"` for a tensor without token positions (a routed expert's tokens, which padding tokens
+    join). A real origin that such a value preceded names it (`preceded_by`).
     """
 
     def __init__(self, model: Any, real: Any = None) -> None:
         self.model = model
         self.real = real
         self.names = {id(m): (n or "<root>") for n, m in model.named_modules()}
-        self.found: dict[str, dict[str, Any]] = {}  # "forward"/"backward" + ":real"/":padding" -> first fact
+        self.found: dict[str, dict[str, Any]] = {}  # "<phase>:<at>" -> the first fact of that kind
         self._order = 0
 
     @contextlib.contextmanager
@@ -157,19 +158,25 @@ class OriginTracer:
             return
         mask = _position_mask(t, self.real)
         if mask is None:
-            self.found[f"{phase}:real"] = _nonfinite_fact(name, t, self._order, "real")
+            self._keep(phase, _nonfinite_fact(name, t, self._order, "real" if self.real is None else "unlocated"))
             return
         real = mask.expand_as(t)
         if bool((bad & real).any()):
-            self.found[f"{phase}:real"] = _nonfinite_fact(name, t[real], self._order, "real")
-        elif f"{phase}:padding" not in self.found:
-            self.found[f"{phase}:padding"] = _nonfinite_fact(name, t[~real], self._order, "padding")
+            self._keep(phase, _nonfinite_fact(name, t[real], self._order, "real"))
+        else:
+            self._keep(phase, _nonfinite_fact(name, t[~real], self._order, "padding"))
+
+    def _keep(self, phase: str, fact: dict[str, Any]) -> None:
+        self.found.setdefault(f"{phase}:{fact['at']}", fact)
 
     def origin(self, phase: str) -> dict[str, Any] | None:
-        real, padding = self.found.get(f"{phase}:real"), self.found.get(f"{phase}:padding")
-        if real is not None and padding is not None and padding["order"] < real["order"]:
-            return {**real, "after_padding_at": padding["module"]}
-        return real or padding
+        facts = sorted((f for k, f in self.found.items() if k.startswith(f"{phase}:")), key=lambda f: f["order"])
+        real = next((f for f in facts if f["at"] == "real"), None)
+        if real is None:
+            return facts[0] if facts else None
+        if facts[0] is not real:
+            return {**real, "preceded_by": {"module": facts[0]["module"], "at": facts[0]["at"]}}
+        return real
 
     @property
     def forward_origin(self) -> dict[str, Any] | None:

@@ -183,6 +183,9 @@ def origin_text(fact: dict[str, Any] | None) -> str:
         return "unknown module"
     if fact.get("at") == "padding":
         return f"{fact['module']} (at padding positions only: no loss term, but it reaches the gradients)"
-    if fact.get("after_padding_at"):
-        return f"{fact['module']} (after a non-finite value at padding positions of {fact['after_padding_at']})"
+    if fact.get("at") == "unlocated":
+        return f"{fact['module']} (in a tensor without token positions; no real position went non-finite)"
+    earlier = fact.get("preceded_by")
+    if earlier:
+        return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {earlier['module']})"
     return fact["module"]

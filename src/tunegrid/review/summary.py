@@ -11,10 +11,10 @@ from tunegrid.files import read_json
 
 
 def _origin_module(fact: dict[str, Any] | None) -> str | None:
-    """The origin's module, marked when its only non-finite values were at padding positions."""
+    """The origin's module, marked when no real position of it went non-finite (padding, or no positions)."""
     if not fact:
         return None
-    return f"{fact['module']} (padding)" if fact.get("at") == "padding" else fact["module"]
+    return f"{fact['module']} ({fact['at']})" if fact.get("at") in ("padding", "unlocated") else fact["module"]
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
