@@ -1,7 +1,9 @@
-"""Instruments around the training step: memory peaks, dtypes in effect, non-finite origin.
+"""Instruments around the training step: memory peaks, dtypes in effect, non-finite origin, fp16 headroom.
 
 The normal step pays only for the memory meter (a /proc read on CPU, allocator stats on CUDA);
-hooks are attached on step 0 (dtype census) or on a replay of a failing step (origin), never in steady state.
+hooks are attached on step 0 (dtype census), on the steps the headroom meter samples, or on a replay of a
+failing step (origin). The headroom meter and the origin tracer read real tokens only, given the micro-batch's
+real-token mask: padding holds no loss term, and its values say nothing about the data's range.
 """
 
 from __future__ import annotations
@@ -68,18 +70,35 @@ class DtypeCensus:
         return {"forward": dict(self.forward), "backward": dict(self.backward)}
 
 
-def _position_mask(t: Any, real: Any) -> Any:
-    """`real` (True at real tokens, shaped like the batch's input_ids) broadcast over t, when t's leading dims
-    are the batch's (batch, seq) or the two flattened into one; None for any other shape (a routed expert's
-    subset of tokens, attention weights), which is then read whole. A (batch, heads, ...) tensor with as many
-    heads as the sequence has tokens would be read as positions: no model here has such a shape."""
+def _position_dims(t: Any, real: Any) -> int:
+    """How many leading dims of t are token positions: 2 when they are the batch's (batch, seq) as `real` (True
+    at real tokens, shaped like the batch's input_ids) has them, 1 when the two are flattened into one, 0 for
+    any other shape (a routed expert's subset of tokens, attention weights), which is then read whole. A
+    (batch, heads, ...) tensor with as many heads as the sequence has tokens would be read as positions: no
+    model here has such a shape."""
     if real is None or t.dim() == 0:
-        return None
+        return 0
     if t.dim() >= 2 and tuple(t.shape[:2]) == tuple(real.shape):
-        return real.reshape(*real.shape, *([1] * (t.dim() - 2)))
-    if t.shape[0] == real.numel():
-        return real.reshape(-1, *([1] * (t.dim() - 1)))
-    return None
+        return 2
+    return 1 if t.shape[0] == real.numel() else 0
+
+
+def _position_mask(t: Any, real: Any) -> Any:
+    """`real` broadcast over t (see _position_dims); None when t has no token positions."""
+    dims = _position_dims(t, real)
+    return real.reshape(*t.shape[:dims], *([1] * (t.dim() - dims))) if dims else None
+
+
+def _real_max_abs(t: Any, real: Any) -> Any:
+    """max |t| over real positions, on the device: the max per position first, then padding's set to 0 (a
+    fifth of the cost of masking every element: 0.44 against 2.16 ms for an (8, 512, 1024) fp32 output on
+    2 CPU threads, the unmasked max 0.28), and no host sync as selecting the real values would need."""
+    magnitude = t.detach().abs()
+    dims = _position_dims(magnitude, real)
+    if not dims:
+        return magnitude.amax()
+    per_position = magnitude.flatten(dims).amax(-1) if magnitude.dim() > dims else magnitude
+    return per_position.masked_fill(~real.reshape(per_position.shape), 0).amax()
 
 
 def _finite_max_abs(t: Any) -> float | None:
@@ -220,11 +239,7 @@ class HeadroomMeter:
             for t in _tensors(output):
                 if t.is_floating_point() and t.numel():
                     self._names.append(names.get(id(module), "?"))
-                    magnitude = t.detach().abs()
-                    mask = _position_mask(magnitude, self.real)
-                    if mask is not None:  # padding reads as 0: no sync, unlike selecting the real values
-                        magnitude = magnitude.masked_fill(~mask, 0)
-                    self._maxima.append(magnitude.amax().float())
+                    self._maxima.append(_real_max_abs(t, self.real).float())
 
         with _hooks_on(model, on_forward):
             yield
@@ -255,69 +270,3 @@ class HeadroomMeter:
             "worst_modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
             "modules_over_fp16_max": sum(1 for v in self.worst_seen.values() if v > FP16_MAX),
         }
-
-
-class NonfiniteInjector:
-    """Fault injection for testing the pipeline: a non-finite value at one module, one step (and micro-batch).
-
-    Off unless the study's `debug.inject_nonfinite` asks for it. The module is matched by name suffix
-    (`model.layers.0.mlp.down_proj` matches the peft-wrapped `base_model.model.model.layers.0.mlp.down_proj`).
-    `also` lists further injections (same fields), for sequences such as a recovered scaler skip
-    followed by a later overflow.
-    """
-
-    def __init__(self, model: Any, request: dict[str, Any], seq_len: int = 0) -> None:
-        self.injections = [
-            _Injection(model, r, seq_len) for r in (request, *(request.get("also") or ())) if r.get("module")
-        ]
-        first = self.injections[0]
-        self.step, self.phase, self.module_name = first.step, first.phase, first.module_name
-
-    @contextlib.contextmanager
-    def attached(self, step: int, micro_batch: int = 0) -> Iterator[None]:
-        handles = [
-            i.module.register_forward_hook(i.on_forward)
-            for i in self.injections
-            if (i.step, i.micro_batch) == (step, micro_batch)
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
-class _Injection:
-    def __init__(self, model: Any, request: dict[str, Any], seq_len: int) -> None:
-        position = request.get("position") or {}
-        # (row, token) of the micro-batch as drawn; rows of seq_len tokens, one after another when flattened
-        self.flat_position = position["row"] * seq_len + position["token"] if position else None
-        self.step = int(request.get("step", 0))
-        self.micro_batch = int(request.get("micro_batch", 0))
-        self.phase = request.get("phase", "forward")
-        self.value = float(request.get("value", "inf"))
-        wanted = request["module"]
-        matches = [(n, m) for n, m in model.named_modules() if n == wanted or n.endswith("." + wanted)]
-        if not matches:
-            raise ValueError(f"debug.inject_nonfinite.module {wanted!r} matches no module of the model")
-        self.module_name, self.module = min(matches, key=lambda item: len(item[0]))  # the outermost match
-
-    def on_forward(self, _module: Any, _inputs: Any, output: Any) -> Any:
-        tensor = output[0] if isinstance(output, tuple) else output
-        if self.phase == "forward":
-            poisoned = self._poisoned(tensor)
-            return (poisoned, *output[1:]) if isinstance(output, tuple) else poisoned
-        if tensor.requires_grad:
-            tensor.register_hook(self._poisoned)
-        return None
-
-    def _poisoned(self, tensor: Any) -> Any:
-        """A copy with the value at the first element, or at the first feature of the asked token position
-        (outputs are (batch, seq, ...), one flattened row, or (batch*seq, ...))."""
-        poisoned = tensor.clone()
-        if self.flat_position is None:
-            poisoned.view(-1)[0] = self.value
-        else:
-            by_position = poisoned.flatten(0, 1) if poisoned.dim() >= 3 else poisoned
-            by_position[self.flat_position].view(-1)[0] = self.value
-        return poisoned

@@ -56,7 +56,7 @@ class OptimizerSteps:
         import torch
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-        from tunegrid.cell.instrument import NonfiniteInjector
+        from tunegrid.cell.injection import NonfiniteInjector
         from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
