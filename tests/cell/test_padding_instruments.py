@@ -11,6 +11,7 @@ from conftest import make_study, one_cell, run_in_process
 
 from tunegrid.config import ConfigError, resolve_study
 from tunegrid.files import read_jsonl
+from tunegrid.outcome import origin_label
 
 MODEL = "qwen3moe-tiny"  # routed experts: their (batch*seq, ...) and token-subset outputs are read too
 LAST_MLP = "model.layers.1.mlp"  # nothing attends after it, so a padding value reaches no real position in forward
@@ -70,6 +71,7 @@ def test_a_value_at_padding_is_traced_as_padding_and_left_out_of_the_headroom(
     backward = origin["backward"]
     assert backward["at"] == "padding" or backward["preceded_by"]["at"] == "padding", backward
     assert "at padding positions only" in at_padding["reason"]
+    assert origin_label(origin["forward"]).endswith(f"{LAST_MLP} (padding)")  # summary.csv's and the tags' label
     headroom = read_jsonl(tmp_path / "padding" / "headroom.jsonl")
     assert headroom and all(line["positions"] == "real" for line in headroom)
     assert all(math.isfinite(m["max_abs"]) for line in headroom for m in line["modules"]), "padding was measured"
@@ -81,6 +83,7 @@ def test_a_value_at_padding_is_traced_as_padding_and_left_out_of_the_headroom(
     assert origin["forward"]["module"].endswith(LAST_MLP) and origin["forward"]["at"] == "real"
     assert "padding" not in at_real["reason"]
     assert origin["backward"]["at"] == "real" and "preceded_by" not in origin["backward"]
+    assert origin_label(origin["forward"]).endswith(LAST_MLP)
 
 
 def test_instruments_read_a_flattened_row_and_flattened_tokens_by_position():

@@ -8,13 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json
-
-
-def _origin_module(fact: dict[str, Any] | None) -> str | None:
-    """The origin's module, marked when no real position of it went non-finite (padding, or no positions)."""
-    if not fact:
-        return None
-    return f"{fact['module']} ({fact['at']})" if fact.get("at") in ("padding", "unlocated") else fact["module"]
+from tunegrid.outcome import origin_label
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
@@ -45,8 +39,8 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "skipped_steps": training.get("skipped_steps"),
         "nan_step": nan.get("step"),
         "nan_kind": nan.get("kind"),
-        "nan_forward_module": _origin_module(origin.get("forward")),
-        "nan_backward_module": _origin_module(origin.get("backward")),
+        "nan_forward_module": origin_label(origin.get("forward")),
+        "nan_backward_module": origin_label(origin.get("backward")),
         "target": memory.get("target"),
         "budget_bytes": memory.get("budget_bytes"),
         "estimate_bytes": memory.get("estimate_bytes"),
