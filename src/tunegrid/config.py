@@ -189,6 +189,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 f"config key '{key}.micro_batch': {micro} does not exist; grid.grad_accum is at most {max(accums)} "
                 f"(micro-batches 0..{max(accums) - 1})"
             )
+        problems += _position_problems(request.get("position"), index, config)
     tracking = config["tracking"]
     if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:
         problems.append(
@@ -322,3 +323,23 @@ def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
 def spec_json(spec: dict[str, Any]) -> str:
     """Canonical JSON of a spec: identical config gives identical text (Snakemake's params trigger)."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def _position_problems(position: dict[str, int] | None, index: int, config: dict[str, Any]) -> list[str]:
+    """An injection's (row, token) must lie inside every cell's micro-batch."""
+    if not position:
+        return []
+    key = "debug.inject_nonfinite" + (f".also.{index - 1}" if index else "") + ".position"
+    rows, seq_len = min(config["grid"]["batch_size"]), config["train"]["seq_len"]
+    problems = []
+    if position["row"] >= rows:
+        problems.append(
+            f"config key '{key}.row': {position['row']} does not exist; the smallest grid.batch_size is {rows} "
+            f"(rows 0..{rows - 1})"
+        )
+    if position["token"] >= seq_len:
+        problems.append(
+            f"config key '{key}.token': {position['token']} does not exist; train.seq_len is {seq_len} "
+            f"(tokens 0..{seq_len - 1})"
+        )
+    return problems

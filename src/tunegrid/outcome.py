@@ -15,6 +15,14 @@ from tunegrid.rundir import heartbeat_stage
 from tunegrid.vocabulary import Outcome
 
 
+def origin_label(fact: dict[str, Any] | None) -> str | None:
+    """A traced non-finite origin's module, marked when no real token position of it was non-finite (its
+    `at`: padding, or unlocated for a tensor without positions); one label for summary.csv and run tags."""
+    if not fact:
+        return None
+    return f"{fact['module']} ({fact['at']})" if fact.get("at") in ("padding", "unlocated") else fact["module"]
+
+
 def infrastructure_fault(result: dict[str, Any]) -> bool:
     """A process that died without writing its facts (signal, lost rank): not a property of the cell's
     settings, so worth one more attempt. Exceptions the worker caught and classified are not retried."""

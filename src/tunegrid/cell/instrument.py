@@ -1,7 +1,9 @@
-"""Instruments around the training step: memory peaks, dtypes in effect, non-finite origin.
+"""Instruments around the training step: memory peaks, dtypes in effect, non-finite origin, fp16 headroom.
 
 The normal step pays only for the memory meter (a /proc read on CPU, allocator stats on CUDA);
-hooks are attached on step 0 (dtype census) or on a replay of a failing step (origin), never in steady state.
+hooks are attached on step 0 (dtype census), on the steps the headroom meter samples, or on a replay of a
+failing step (origin). The headroom meter and the origin tracer read real tokens only, given the micro-batch's
+real-token mask: padding holds no loss term, and its values say nothing about the data's range.
 """
 
 from __future__ import annotations
@@ -68,6 +70,37 @@ class DtypeCensus:
         return {"forward": dict(self.forward), "backward": dict(self.backward)}
 
 
+def _position_dims(t: Any, real: Any) -> int:
+    """How many leading dims of t are token positions: 2 when they are the batch's (batch, seq) as `real` (True
+    at real tokens, shaped like the batch's input_ids) has them, 1 when the two are flattened into one, 0 for
+    any other shape (a routed expert's subset of tokens, attention weights), which is then read whole. A
+    (batch, heads, ...) tensor with as many heads as the sequence has tokens would be read as positions: no
+    model here has such a shape."""
+    if real is None or t.dim() == 0:
+        return 0
+    if t.dim() >= 2 and tuple(t.shape[:2]) == tuple(real.shape):
+        return 2
+    return 1 if t.shape[0] == real.numel() else 0
+
+
+def _position_mask(t: Any, real: Any) -> Any:
+    """`real` broadcast over t (see _position_dims); None when t has no token positions."""
+    dims = _position_dims(t, real)
+    return real.reshape(*t.shape[:dims], *([1] * (t.dim() - dims))) if dims else None
+
+
+def _real_max_abs(t: Any, real: Any) -> Any:
+    """max |t| over real positions, on the device: the max per position first, then padding's set to 0 (a
+    fifth of the cost of masking every element: 0.44 against 2.16 ms for an (8, 512, 1024) fp32 output on
+    2 CPU threads, the unmasked max 0.28), and no host sync as selecting the real values would need."""
+    magnitude = t.detach().abs()
+    dims = _position_dims(magnitude, real)
+    if not dims:
+        return magnitude.amax()
+    per_position = magnitude.flatten(dims).amax(-1) if magnitude.dim() > dims else magnitude
+    return per_position.masked_fill(~real.reshape(per_position.shape), 0).amax()
+
+
 def _finite_max_abs(t: Any) -> float | None:
     import torch
 
@@ -75,11 +108,14 @@ def _finite_max_abs(t: Any) -> float | None:
     return float(finite.abs().max()) if finite.numel() else None
 
 
-def _nonfinite_fact(name: str, t: Any, order: int) -> dict[str, Any]:
+def _nonfinite_fact(name: str, t: Any, order: int, at: str) -> dict[str, Any]:
+    """What a non-finite tensor held at `at`: t is its values at real or at padding positions, or the whole
+    tensor when its shape has no token positions (`unlocated`) or no mask was given (`real`)."""
     import torch
 
     return {
         "module": name,
+        "at": at,
         "order": order,
         "dtype": str(t.dtype).removeprefix("torch."),
         "nan": int(torch.isnan(t).sum()),
@@ -94,28 +130,30 @@ class OriginTracer:
 
     'First' is in execution order: in forward, leaf modules finish before their parents, so the
     first output seen non-finite is the innermost module where the overflow appeared; in backward,
-    grads arrive from the loss back towards the input.
+    grads arrive from the loss back towards the input. Given the micro-batch's real-token mask, the
+    origin is the first module non-finite at a real position (`"at": "real"`); a value non-finite only at
+    padding positions is no loss term, but it can still poison gradients (0 * inf in backward), so when
+    nothing is non-finite at a real position the first other one is the origin: `"at": "padding"`, or
+    `"unlocated"` for a tensor without token positions (a routed expert's tokens, which padding tokens
+    join). A real origin that such a value preceded names it (`preceded_by`).
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, real: Any = None) -> None:
         self.model = model
+        self.real = real
         self.names = {id(m): (n or "<root>") for n, m in model.named_modules()}
-        self.forward_origin: dict[str, Any] | None = None
-        self.backward_origin: dict[str, Any] | None = None
+        self.found: dict[str, dict[str, Any]] = {}  # "<phase>:<at>" -> the first fact of that kind
         self._order = 0
 
     @contextlib.contextmanager
     def attached(self) -> Iterator[None]:
-        import torch
-
         def on_forward(module: Any, _inputs: Any, output: Any) -> None:
             name = self.names.get(id(module), "?")
             for t in _tensors(output):
                 if not t.is_floating_point():
                     continue
                 self._order += 1
-                if self.forward_origin is None and not bool(torch.isfinite(t).all()):
-                    self.forward_origin = _nonfinite_fact(name, t.detach(), self._order)
+                self._inspect("forward", name, t.detach())
                 if t.requires_grad:
                     t.register_hook(self._grad_hook(name))
 
@@ -123,14 +161,49 @@ class OriginTracer:
             yield
 
     def _grad_hook(self, name: str) -> Callable[[Any], None]:
-        import torch
-
         def on_grad(grad: Any) -> None:
             self._order += 1
-            if self.backward_origin is None and not bool(torch.isfinite(grad).all()):
-                self.backward_origin = _nonfinite_fact(name, grad.detach(), self._order)
+            self._inspect("backward", name, grad.detach())
 
         return on_grad
+
+    def _inspect(self, phase: str, name: str, t: Any) -> None:
+        import torch
+
+        if f"{phase}:real" in self.found:
+            return
+        bad = ~torch.isfinite(t)
+        if not bool(bad.any()):
+            return
+        mask = _position_mask(t, self.real)
+        if mask is None:
+            self._keep(phase, _nonfinite_fact(name, t, self._order, "real" if self.real is None else "unlocated"))
+            return
+        real = mask.expand_as(t)
+        if bool((bad & real).any()):
+            self._keep(phase, _nonfinite_fact(name, t[real], self._order, "real"))
+        else:
+            self._keep(phase, _nonfinite_fact(name, t[~real], self._order, "padding"))
+
+    def _keep(self, phase: str, fact: dict[str, Any]) -> None:
+        self.found.setdefault(f"{phase}:{fact['at']}", fact)
+
+    def origin(self, phase: str) -> dict[str, Any] | None:
+        facts = sorted((f for k, f in self.found.items() if k.startswith(f"{phase}:")), key=lambda f: f["order"])
+        real = next((f for f in facts if f["at"] == "real"), None)
+        if real is None:
+            return facts[0] if facts else None
+        if facts[0] is not real:
+            return {**real, "preceded_by": {"module": facts[0]["module"], "at": facts[0]["at"]}}
+        return real
+
+    @property
+    def forward_origin(self) -> dict[str, Any] | None:
+        return self.origin("forward")
+
+    @property
+    def backward_origin(self) -> dict[str, Any] | None:
+        return self.origin("backward")
 
     def as_dict(self) -> dict[str, Any]:
         return {"forward": self.forward_origin, "backward": self.backward_origin}
@@ -151,6 +224,8 @@ class HeadroomMeter:
         self._names: list[str] = []
         self._maxima: list[Any] = []
         self.worst_seen: dict[str, float] = {}
+        self.real: Any = None  # the current micro-batch's real-token mask (set by the trainer before its forward)
+        self.positions = "real"  # "all" once any micro-batch was measured without a mask
 
     @contextlib.contextmanager
     def attached(self, model: Any) -> Iterator[None]:
@@ -159,10 +234,12 @@ class HeadroomMeter:
         def on_forward(module: Any, _inputs: Any, output: Any) -> None:
             if any(True for _ in module.children()):
                 return
+            if self.real is None:
+                self.positions = "all"
             for t in _tensors(output):
                 if t.is_floating_point() and t.numel():
                     self._names.append(names.get(id(module), "?"))
-                    self._maxima.append(t.detach().abs().amax().float())
+                    self._maxima.append(_real_max_abs(t, self.real).float())
 
         with _hooks_on(model, on_forward):
             yield
@@ -180,6 +257,7 @@ class HeadroomMeter:
         worst = sorted(per_module.items(), key=lambda item: -item[1])[: self.top]
         return {
             "step": step,
+            "positions": self.positions,  # real: padding positions of (batch, seq) outputs were not counted
             "max_ratio": worst[0][1] / FP16_MAX if worst else None,
             "modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
         }
@@ -188,62 +266,7 @@ class HeadroomMeter:
         worst = sorted(self.worst_seen.items(), key=lambda item: -item[1])[: self.top]
         return {
             "fp16_max": FP16_MAX,
+            "positions": self.positions,
             "worst_modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
             "modules_over_fp16_max": sum(1 for v in self.worst_seen.values() if v > FP16_MAX),
         }
-
-
-class NonfiniteInjector:
-    """Fault injection for testing the pipeline: a non-finite value at one module, one step (and micro-batch).
-
-    Off unless the study's `debug.inject_nonfinite` asks for it. The module is matched by name suffix
-    (`model.layers.0.mlp.down_proj` matches the peft-wrapped `base_model.model.model.layers.0.mlp.down_proj`).
-    `also` lists further injections (same fields), for sequences such as a recovered scaler skip
-    followed by a later overflow.
-    """
-
-    def __init__(self, model: Any, request: dict[str, Any]) -> None:
-        self.injections = [_Injection(model, r) for r in (request, *(request.get("also") or ())) if r.get("module")]
-        first = self.injections[0]
-        self.step, self.phase, self.module_name = first.step, first.phase, first.module_name
-
-    @contextlib.contextmanager
-    def attached(self, step: int, micro_batch: int = 0) -> Iterator[None]:
-        handles = [
-            i.module.register_forward_hook(i.on_forward)
-            for i in self.injections
-            if (i.step, i.micro_batch) == (step, micro_batch)
-        ]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
-class _Injection:
-    def __init__(self, model: Any, request: dict[str, Any]) -> None:
-        self.step = int(request.get("step", 0))
-        self.micro_batch = int(request.get("micro_batch", 0))
-        self.phase = request.get("phase", "forward")
-        self.value = float(request.get("value", "inf"))
-        wanted = request["module"]
-        matches = [(n, m) for n, m in model.named_modules() if n == wanted or n.endswith("." + wanted)]
-        if not matches:
-            raise ValueError(f"debug.inject_nonfinite.module {wanted!r} matches no module of the model")
-        self.module_name, self.module = min(matches, key=lambda item: len(item[0]))  # the outermost match
-
-    def on_forward(self, _module: Any, _inputs: Any, output: Any) -> Any:
-        tensor = output[0] if isinstance(output, tuple) else output
-        if self.phase == "forward":
-            poisoned = tensor.clone()
-            poisoned.view(-1)[0] = self.value
-            return (poisoned, *output[1:]) if isinstance(output, tuple) else poisoned
-        if tensor.requires_grad:
-            tensor.register_hook(self._poison_grad)
-        return None
-
-    def _poison_grad(self, grad: Any) -> Any:
-        poisoned = grad.clone()
-        poisoned.view(-1)[0] = self.value
-        return poisoned

@@ -41,7 +41,10 @@ class OriginReplay:
 
         self.optimizer.zero_grad(set_to_none=True)
         torch.set_rng_state(fact["rng_states"][index])
-        tracer = OriginTracer(self.model)
+        real = fact.get("real_positions", [None] * (index + 1))[index]
+        tracer = OriginTracer(self.model, real)
+        if headroom is not None:
+            headroom.real = real
         with contextlib.ExitStack() as hooks:
             # Under activation checkpointing the hooked forward and its recomputation save different
             # tensor counts (CheckpointError); the replay is one step, so it runs without checkpointing.

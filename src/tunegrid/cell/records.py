@@ -152,7 +152,7 @@ class StepRecords:
         diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
         if deciding is not None:
             origin = deciding.get("origin") or {}
-            where = (origin.get("forward") or origin.get("backward") or {}).get("module", "unknown module")
+            where = origin_text(origin.get("forward") or origin.get("backward"))
             stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
             accum = self.spec["axes"].get("grad_accum", 1)
             micro = (
@@ -175,3 +175,17 @@ class StepRecords:
             self.facts.update(
                 outcome=Outcome.OK, reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis
             )
+
+
+def origin_text(fact: dict[str, Any] | None) -> str:
+    """Where a traced non-finite value first appeared, saying when only padding positions held it."""
+    if not fact:
+        return "unknown module"
+    if fact.get("at") == "padding":
+        return f"{fact['module']} (at padding positions only: no loss term, but it reaches the gradients)"
+    if fact.get("at") == "unlocated":
+        return f"{fact['module']} (in a tensor without token positions; no real position went non-finite)"
+    earlier = fact.get("preceded_by")
+    if earlier:
+        return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {earlier['module']})"
+    return fact["module"]

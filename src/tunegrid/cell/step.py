@@ -56,7 +56,7 @@ class OptimizerSteps:
         import torch
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-        from tunegrid.cell.instrument import NonfiniteInjector
+        from tunegrid.cell.injection import NonfiniteInjector
         from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
@@ -68,16 +68,26 @@ class OptimizerSteps:
         self.scaler = make_grad_scaler(self.plan)
         self.loss_by_count = accepts_loss_kwargs(self.model)
         injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
-        self.injector = NonfiniteInjector(self.model, injection) if injection and injection.get("module") else None
+        self.injector = (
+            NonfiniteInjector(self.model, injection, train["seq_len"])
+            if injection and injection.get("module")
+            else None
+        )
         if self.ranks.distributed:
             self.wrap_ddp()
 
     # ---------------------------------------------------------------- one step
     def train_step(
-        self, step: int, micro_batches: list[dict[str, Any]], census: Any = None, headroom: Any = None
+        self,
+        step: int,
+        micro_batches: list[dict[str, Any]],
+        census: Any = None,
+        headroom: Any = None,
+        real_positions: list[Any] | None = None,
     ) -> dict[str, Any]:
         """One optimizer step over its micro-batches, with the always-on instruments: memory peak and the fused
-        finiteness check.
+        finiteness check. `real_positions` (one real-token mask per micro-batch, never given to the model)
+        lets the headroom meter, and a replay's origin tracer, read real tokens only.
 
         Every micro-batch's backward adds into the same gradients (each scaled by the GradScaler under fp16;
         DDP all-reduces them on the last one only); then, once per step, the scaler unscales, the norm is
@@ -94,6 +104,7 @@ class OptimizerSteps:
             "rng_states": [],  # at the start of each micro-batch: what a replay of it starts from
             "scale": scaler.get_scale() if scaler is not None else None,
             "step_tokens": step_tokens,
+            "real_positions": real_positions or [None] * len(micro_batches),
         }
         self.meter.reset()
         started = time.perf_counter()
@@ -105,6 +116,8 @@ class OptimizerSteps:
                     hooks.enter_context(instrument.attached(self.model))
             for index, micro in enumerate(micro_batches):
                 fact["rng_states"].append(torch.get_rng_state())
+                if headroom is not None:
+                    headroom.real = fact["real_positions"][index]
                 with contextlib.ExitStack() as around:
                     if self.injector is not None:
                         around.enter_context(self.injector.attached(step, index))

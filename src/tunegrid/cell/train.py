@@ -158,6 +158,7 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
                     micro_batches,
                     state.census if step == 0 else None,
                     state.headroom if measure_headroom else None,
+                    [mask.to(self.device) for mask in self.stream.real_positions(step)],
                 )
                 self.record(step, fact, measure_headroom, state, logs)
                 progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)

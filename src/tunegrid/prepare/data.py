@@ -137,6 +137,17 @@ class BatchStream:
             for part in self.indices(step).split(self.batch_size)
         ]
 
+    def real_positions(self, step: int) -> list[Any]:
+        """Per micro-batch, True at real tokens and False at padding, shaped like its input_ids. Rows are padded at
+        their end, so row_tokens says where padding starts (token ids cannot: a tokenizer's pad may be its eos)."""
+        import torch
+
+        width = self.tensors["input_ids"].shape[1]
+        return [
+            self.shaped({"input_ids": torch.arange(width)[None, :] < self.row_tokens[part][:, None]})["input_ids"]
+            for part in self.indices(step).split(self.batch_size)
+        ]
+
     def shaped(self, batch: dict[str, Any]) -> dict[str, Any]:
         """A (micro-)batch in the layout the model reads: rows as drawn (a flattening stream makes them one)."""
         return batch

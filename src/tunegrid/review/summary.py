@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json
+from tunegrid.outcome import origin_label
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
@@ -38,8 +39,8 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "skipped_steps": training.get("skipped_steps"),
         "nan_step": nan.get("step"),
         "nan_kind": nan.get("kind"),
-        "nan_forward_module": (origin.get("forward") or {}).get("module"),
-        "nan_backward_module": (origin.get("backward") or {}).get("module"),
+        "nan_forward_module": origin_label(origin.get("forward")),
+        "nan_backward_module": origin_label(origin.get("backward")),
         "target": memory.get("target"),
         "budget_bytes": memory.get("budget_bytes"),
         "estimate_bytes": memory.get("estimate_bytes"),

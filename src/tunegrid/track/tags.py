@@ -10,6 +10,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from tunegrid.outcome import origin_label
+
 # The files of a run folder that its MLflow run keeps as artifacts.
 
 
@@ -38,8 +40,8 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
             {
                 "nan.kind": nan["kind"],
                 "nan.step": str(nan["step"]),
-                "nan.forward_module": (origin.get("forward") or {}).get("module", ""),
-                "nan.backward_module": (origin.get("backward") or {}).get("module", ""),
+                "nan.forward_module": origin_label(origin.get("forward")) or "",
+                "nan.backward_module": origin_label(origin.get("backward")) or "",
             }
         )
     audit = result.get("quant_audit") or {}
