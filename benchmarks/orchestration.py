@@ -270,29 +270,34 @@ def main() -> None:
     t = results.get("tracking")
     if t:
         share = (
-            f" = {t['loop_log_share_of_step']:.4%} of a {results['orchestration']['median_step_s'] * 1e3:.1f} ms step (goal <= 1 %)"
+            f" = {t['loop_log_share_of_step']:.4%} of a {results['orchestration']['median_step_s'] * 1e3:.1f} ms step "
+            "(goal <= 1 %)"
             if "loop_log_share_of_step" in t
             else ""
         )
         print(
-            f"tracking: 1 writer {t['writers_1']['points_per_s']:.0f} points/s, 8 writers {t['writers_8']['points_per_s']:.0f} points/s "
+            f"tracking: 1 writer {t['writers_1']['points_per_s']:.0f} points/s, 8 writers "
+            f"{t['writers_8']['points_per_s']:.0f} points/s "
             f"({t['writers_8']['errors']} errors); loop logging {t['loop_log_cost_s'] * 1e6:.1f} us per step{share}"
         )
     g = results.get("grid")
     if g:
         print(
-            f"grid of {g['cells']} cells on 2 cores: spawned workers {g['cold_s']:.1f} s / warm worker {g['warm_s']:.1f} s = {g['cold_over_warm']:.2f}x"
+            f"grid of {g['cells']} cells on 2 cores: spawned workers {g['cold_s']:.1f} s / warm worker "
+            f"{g['warm_s']:.1f} s = {g['cold_over_warm']:.2f}x"
         )
     o = results.get("orchestration")
     if o:
         parts = ", ".join(f"{k.replace('_', ' ')} {v:.2f} s" for k, v in o["fixed_parts_s"].items())
         print(f"orchestration fixed cost per cell {o['fixed_overhead_s']:.2f} s: {parts}")
         print(
-            f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / rule command alone {o['rule_command_alone_s']:.2f} s "
+            f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / rule command alone "
+            f"{o['rule_command_alone_s']:.2f} s "
             f"= {o['ratio_snakemake_only']:.3f} (Snakemake alone)"
         )
         print(
-            f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / worker alone {o['worker_alone_s']:.2f} s = {o['ratio']:.3f} "
+            f"orchestration: snakemake cell {o['snakemake_cell_s']:.2f} s / worker alone {o['worker_alone_s']:.2f} s "
+            f"= {o['ratio']:.3f} "
             f"(goal <= 1.15; met by cells from {o['cell_s_for_goal']:.0f} s)"
         )
 

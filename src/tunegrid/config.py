@@ -178,7 +178,8 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
         rank = debug[key]["rank"]
         if rank >= 0 and rank >= max(worlds):
             problems.append(
-                f"config key 'debug.{key}.rank': {rank} does not exist; grid.world_size is at most {max(worlds)} (ranks 0..{max(worlds) - 1})"
+                f"config key 'debug.{key}.rank': {rank} does not exist; grid.world_size is at most {max(worlds)} "
+                f"(ranks 0..{max(worlds) - 1})"
             )
     injection, accums = debug["inject_nonfinite"], config["grid"]["grad_accum"]
     for index, request in enumerate([injection, *injection.get("also", [])]):

@@ -42,11 +42,13 @@ def fields_problems(data: dict[str, Any]) -> list[str]:
     fields = field_map(data)
     if "messages" in fields and len(fields) > 1:
         return [
-            "config key 'data.fields': give either {messages: <column>} or {prompt: <column>, response: <column>}, not both"
+            "config key 'data.fields': give either {messages: <column>} or {prompt: <column>, response: <column>}, "
+            "not both"
         ]
     if "messages" not in fields and not {"prompt", "response"} <= set(fields):
         return [
-            "config key 'data.fields': pairs need both 'prompt' and 'response' (the column names), chats need 'messages'"
+            "config key 'data.fields': pairs need both 'prompt' and 'response' (the column names), chats need "
+            "'messages'"
         ]
     return []
 

@@ -49,7 +49,8 @@ def size_problems(raw: Any) -> list[str]:
     problems = list(long_strings)
     if total > MAX_STUDY_VALUES:
         problems.append(
-            f"config key '<top level>': the study expands to {total:,} values (YAML aliases?); the limit is {MAX_STUDY_VALUES:,}: "
+            f"config key '<top level>': the study expands to {total:,} values (YAML aliases?); the limit is "
+            f"{MAX_STUDY_VALUES:,}: "
             "write the study out without nested aliases"
         )
     return problems
@@ -69,7 +70,10 @@ def secret_problems(value: Any, key: str = "") -> list[str]:
         return [p for k, v in value.items() for p in secret_problems(v, f"{key}.{k}" if key else str(k))]
     if isinstance(value, list):
         return [p for i, v in enumerate(value) for p in secret_problems(v, f"{key}.{i}")]
-    hint = "pass secrets through the environment (HF_TOKEN, MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD), never the config"
+    hint = (
+        "pass secrets through the environment (HF_TOKEN, MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD), "
+        "never the config"
+    )
     if isinstance(value, str) and SECRET_VALUE.search(value):
         return [f"config key '{key}': holds a token-shaped value; {hint}"]
     if isinstance(value, str) and value and SECRET_KEY.search(key.rsplit(".", 1)[-1]):

@@ -123,7 +123,8 @@ def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
 
 def test_snakefile_parse_does_not_import_torch():
     code = (
-        "import sys; sys.path.insert(0, 'src'); import tunegrid.config, tunegrid.track.tracking, tunegrid.review.summary;"
+        "import sys; sys.path.insert(0, 'src'); import tunegrid.config, tunegrid.track.tracking, "
+        "tunegrid.review.summary;"
         "assert 'torch' not in sys.modules, 'torch imported at parse time'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

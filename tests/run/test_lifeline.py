@@ -38,8 +38,10 @@ def _start_supervisor(
     write_json(tmp_path / "spec.json", spec)
     code = (
         "import json; from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
-        f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
-        f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), result_path=Path({str(run_dir / 'result.json')!r}),"
+        f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), "
+        f"model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
+        f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), "
+        f"result_path=Path({str(run_dir / 'result.json')!r}),"
         " tracking_path=None, capabilities_path=None, log_path=None, command=['tunegrid', 'finetune'])\n"
     )
     proc = subprocess.Popen(

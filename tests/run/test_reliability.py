@@ -246,9 +246,12 @@ def test_result_json_appears_only_after_the_mlflow_run_is_finished(checkpoints, 
     write_json(tmp_path / "spec.json", spec)
     code = (
         "import json, sys; from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
-        f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
-        f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), result_path=Path({str(run_dir / 'result.json')!r}),"
-        f" tracking_path=Path({str(tracking)!r}), capabilities_path=None, log_path=None, command=['tunegrid', 'finetune'])\n"
+        f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), "
+        f"model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
+        f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), "
+        f"result_path=Path({str(run_dir / 'result.json')!r}),"
+        f" tracking_path=Path({str(tracking)!r}), capabilities_path=None, log_path=None, command=['tunegrid', "
+        "'finetune'])\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
     env.update(TUNEGRID_KILL_AT="before_result", PYTHONPATH=str(REPO / "src"))

@@ -4,10 +4,11 @@ template), then packed several to a row so a step is nearly all real tokens.
 Packed rows keep examples apart with `position_ids` that restart at 0 for every example and no attention
 mask, the format transformers' DataCollatorWithFlattening produces. transformers (masking_utils) turns
 such position ids into a block-diagonal causal mask for eager/sdpa/flex attention in every model that
-builds its mask with `create_causal_mask`, but only without attention mask and without KV cache; flash attention instead derives varlen boundaries from them,
-but only for a single flattened row (`_is_packed_sequence` requires batch size 1), so rows are flattened
-there. A model whose code builds its own mask would ignore the boundaries: it gets examples concatenated
-with EOS separators instead, and the cell says so (`data.packing` in its result).
+builds its mask with `create_causal_mask`, but only without attention mask and without KV cache; flash
+attention instead derives varlen boundaries from them, but only for a single flattened row
+(`_is_packed_sequence` requires batch size 1), so rows are flattened there. A model whose code builds its
+own mask would ignore the boundaries: it gets examples concatenated with EOS separators instead, and the
+cell says so (`data.packing` in its result).
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ class StepRecords:
         if state.unsupported:
             self.facts.update(
                 outcome=Outcome.UNSUPPORTED,
-                reason=f"{len(state.unsupported)} adapter tensors get no gradient with this peft/bitsandbytes combination "
+                reason=f"{len(state.unsupported)} adapter tensors get no gradient with this peft/bitsandbytes "
+                "combination "
                 f"(e.g. {state.unsupported[0]}); refusing to train fewer parameters than requested",
                 diagnosis={"params_without_grad": state.unsupported},
             )

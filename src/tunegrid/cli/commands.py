@@ -159,7 +159,8 @@ def report(args: argparse.Namespace) -> None:
         args.study,
     )
     print(
-        f"report {args.out_dir}/index.html: {facts['cells']} cells, {facts['recommendations']} recommendations, {facts['outcomes']}"
+        f"report {args.out_dir}/index.html: {facts['cells']} cells, {facts['recommendations']} recommendations, "
+        f"{facts['outcomes']}"
     )
 
 

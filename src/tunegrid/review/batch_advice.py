@@ -90,5 +90,8 @@ def memory_batch_fix(frame: Any, row: Any) -> tuple[dict[str, Any] | None, str]:
     batch, accum = max(same)
     cells = sorted(same[(batch, accum)])
     peak = frame.loc[frame["cell_id"] == cells[0], "peak_bytes"].iloc[0]
-    why = f"{micro_batch_phrase(batch, accum)} fits at the same effective batch of {batch * accum} (peak {human_bytes(peak)})"
+    why = (
+        f"{micro_batch_phrase(batch, accum)} fits at the same effective batch of {batch * accum} "
+        f"(peak {human_bytes(peak)})"
+    )
     return {"change": {"batch_size": batch, "grad_accum": accum}, "why": why, "evidence": cells}, ""

@@ -44,6 +44,16 @@ LABELS = {
     "mlflow_run_id": "MLflow run",
 }
 COUNT_COLUMNS = ("steps_run", "skipped_steps", "nan_step", "effective_batch", "resumed_from_step")
+NAN_COLUMNS = [
+    "cell_id",
+    "nan_step",
+    "nan_kind",
+    "nan_forward_module",
+    "nan_backward_module",
+    "fp16_headroom_worst_module",
+    "fp16_headroom_worst_ratio",
+]
+AUDIT_COLUMNS = ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"]
 ALL_CELLS_COLUMNS = (
     "cell_id",
     "outcome",
@@ -117,7 +127,8 @@ def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> l
         facts.append(
             {
                 "fact": f"GPU {gpu.get('index', '')}",
-                "value": f"{gpu.get('name')} cc {gpu.get('compute_capability')} {gpu.get('total_bytes', 0) / 2**30:.1f} GiB",
+                "value": f"{gpu.get('name')} cc {gpu.get('compute_capability')} "
+                f"{gpu.get('total_bytes', 0) / 2**30:.1f} GiB",
             }
         )
     packages = environment.get("packages") or {}
@@ -295,11 +306,11 @@ def build_report(
 <h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">
-<h2>Non-finite events</h2>{_table(nan_rows, ["cell_id", "nan_step", "nan_kind", "nan_forward_module", "nan_backward_module", "fp16_headroom_worst_module", "fp16_headroom_worst_ratio"])}
+<h2>Non-finite events</h2>{_table(nan_rows, NAN_COLUMNS)}
 <h2>Other failures</h2>{_failures_html(failures)}
 <h2>Loss curves</h2><img alt="loss curves" src="{_png(plots["loss"])}">
 <h2>Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
-<h2>MoE quantization audit</h2>{_table(_audit_rows(results), ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"])}
+<h2>MoE quantization audit</h2>{_table(_audit_rows(results), AUDIT_COLUMNS)}
 <h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if c in frame.columns])}
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
