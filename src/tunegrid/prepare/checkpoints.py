@@ -83,6 +83,12 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
+# Models up to this many parameters are built whole and saved by transformers (their bytes depend on
+# the architecture's own init under one seed); larger ones are written tensor by tensor, never whole.
+IN_MEMORY_PARAMS = 2**28
+SHARD_BYTES = 2 * 2**30
+
+
 def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> dict[str, Any]:
     """Random-init checkpoint of a real transformers architecture at the size the config gives."""
     import torch
@@ -101,12 +107,19 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
         config = AutoConfig.for_model(spec["architecture"], **overrides)
     except ValueError as exc:
         raise CheckpointError(f"architecture {spec['architecture']!r}: {exc}") from None
-    torch.manual_seed(spec["seed"])
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in skeleton.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    streamed = n_params > IN_MEMORY_PARAMS
+    if not streamed:
+        torch.manual_seed(spec["seed"])
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        write_streamed(skeleton, float(getattr(config, "initializer_range", 0.02)), spec["seed"], out_dir)
+        config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    n_params = sum(p.numel() for p in model.parameters())
     return write_manifest(
         out_dir,
         {
@@ -115,8 +128,54 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
             "config": overrides,
             "seed": spec["seed"],
             "params": n_params,
+            **({"written": "streamed"} if streamed else {}),
         },
     )
+
+
+def write_streamed(skeleton: Any, std: float, seed: int, out_dir: Path) -> None:
+    """Sharded safetensors (+ index) of `skeleton`'s checkpoint tensors, each drawn from its own seeded
+    generator as its shard is written: at most one shard is in memory. Names and shapes are those
+    save_pretrained would write (transformers' reverse weight conversion, run on the meta device, e.g.
+    fused experts back to one tensor per expert); matrices ~ N(0, std), 1-D weights (norm scales) ones,
+    biases zeros. Buffers are left to transformers' init at load, as for any tensor a checkpoint lacks."""
+    import zlib
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    params = dict(skeleton.named_parameters())  # a tied tensor once, as save_pretrained stores it
+    tensors = revert_weight_conversion(skeleton, params)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, meta in tensors.items():
+        nbytes = meta.numel() * meta.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    weight_map, total = {}, 0
+    for index, names in enumerate(shards, start=1):
+        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        shard = {}
+        for name in names:
+            meta = tensors[name]
+            generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+            if meta.dim() >= 2:
+                value = torch.empty(meta.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+                value = value.to(meta.dtype)
+            elif name.endswith(".weight"):
+                value = torch.ones(meta.shape, dtype=meta.dtype)
+            else:
+                value = torch.zeros(meta.shape, dtype=meta.dtype)
+            shard[name] = value
+            weight_map[name] = filename
+            total += value.numel() * value.element_size()
+        save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
+        del shard
+    write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 # --- hub ---------------------------------------------------------------------------------------------
