@@ -27,6 +27,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
+from tunegrid.cell.checkpoint_reader import unread_state_dict
 from tunegrid.cell.expert_stream import stream_expert_merges
 from tunegrid.cell.nf4_experts import install_quantized, quantize_per_expert
 
@@ -140,20 +141,6 @@ def adapter_parameters(config: Any, attach: Callable[[Any], Any]) -> set[str]:
         for name, param in before[owner].named_parameters(recurse=False)
         if param.dim() >= 3
     }
-
-
-def unread_state_dict(model_dir: Path) -> dict[str, Any]:
-    """Every checkpoint tensor as a lazy safetensors slice read with pread, not mmap: a mapped file's
-    pages stay resident in this process (counted in its RSS and peak) until the file is closed, i.e. the
-    whole checkpoint for the length of the load; read into private memory, each is freed once converted."""
-    from safetensors import safe_open
-
-    slices: dict[str, Any] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        handle = safe_open(str(path), framework="pt", device="cpu", backend="pread")
-        for key in handle.keys():
-            slices[key] = handle.get_slice(key)
-    return slices
 
 
 def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:

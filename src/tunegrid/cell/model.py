@@ -4,8 +4,17 @@ far a change (expert quantization) moved its logits.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+# transformers catches an exception raised while converting a checkpoint tensor, loads the rest, and then
+# raises a RuntimeError that only points at its logged report; the report holds the original exception
+REPORT_LOGGER = "transformers"  # the library logger its modules log through (the report: modeling_utils)
+EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", re.MULTILINE)
 
 
 def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
@@ -32,9 +41,11 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         kwargs["quantization_config"] = expert_quant.load_config(
             bnb, model_dir, lambda m: attach_lora(m, spec), kwargs["trust_remote_code"]
         )
-        model = expert_quant.load_causal_lm(model_dir, kwargs)
+        with conversion_errors_named():
+            model = expert_quant.load_causal_lm(model_dir, kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        with conversion_errors_named():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if spec["axes"]["quant"] != "none":
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 
@@ -44,6 +55,30 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if device.type != "cuda":
         model.to(device)
     return model
+
+
+@contextlib.contextmanager
+def conversion_errors_named() -> Iterator[None]:
+    """Re-raise transformers' "issues during automatic conversion" RuntimeError with the first exception
+    its report logged (e.g. an allocator's "can't allocate memory"), so the failure is classified by it."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    report = logging.getLogger(REPORT_LOGGER)
+    report.addHandler(handler)
+    try:
+        yield
+    except RuntimeError as exc:
+        found = EXCEPTION_LINE.search("\n".join(records))
+        if found is None or "conversion" not in str(exc):
+            raise
+        raise RuntimeError(f"converting a checkpoint tensor: {found.group(1)}: {found.group(2)}") from exc
+    finally:
+        report.removeHandler(handler)
 
 
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
