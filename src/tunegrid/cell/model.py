@@ -18,7 +18,7 @@ EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", 
 
 
 def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {
         "dtype": plan.torch_dtype("storage"),
@@ -35,17 +35,16 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
-    if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
-        from tunegrid.cell import expert_quant
+    from tunegrid.cell import expert_quant
 
+    if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
         kwargs["quantization_config"] = expert_quant.load_config(
             bnb, model_dir, lambda m: attach_lora(m, spec), kwargs["trust_remote_code"]
         )
-        with conversion_errors_named():
-            model = expert_quant.load_causal_lm(model_dir, kwargs)
-    else:
-        with conversion_errors_named():
-            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    # every quantization reads the checkpoint the same way (pread, no mapping), so what differs between
+    # their load peaks is what each keeps in full precision
+    with conversion_errors_named():
+        model = expert_quant.load_causal_lm(model_dir, kwargs)
     if spec["axes"]["quant"] != "none":
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 

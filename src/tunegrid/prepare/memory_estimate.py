@@ -66,8 +66,7 @@ def estimate_cell(
     spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0
 ) -> dict[str, Any]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
-    return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, file_bytes, step_overhead)
+    return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, step_overhead)
 
 
 def _expert_group(name: str, shape: list[int]) -> str:
@@ -124,7 +123,6 @@ def estimate_from_shapes(
     shapes: dict[str, list[int]],
     runtime: int,
     device: str = "cpu",
-    file_bytes: int = 0,
     step_overhead: int = 0,
     experts_quantized_at: str = EXPERTS_QUANTIZED_AT,
 ) -> dict[str, Any]:
@@ -135,7 +133,6 @@ def estimate_from_shapes(
     hidden = int(config["hidden_size"])
 
     weights = 0.0
-    full_width = 0.0  # the same weights at their storage dtype, as they exist while loading
     quantized_numel = 0
     lora_params = 0
     largest_dequant = 0
@@ -159,7 +156,6 @@ def estimate_from_shapes(
             experts_final += nf4_bytes(numel) if quantized else numel * storage
         else:
             quantized = axes["quant"] != "none" and not embedding and len(shape) == 2 and name.endswith(".weight")
-        full_width += numel * storage
         if quantized:
             weights += nf4_bytes(numel)
             quantized_numel += numel
@@ -213,13 +209,10 @@ def estimate_from_shapes(
             config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 1
         )
         load = runtime + at_load + _largest_read_at_once(shapes, expert_names, quantized_names, experts) * storage
-    elif device == "cpu":
-        # safetensors pages are mapped (counted in RSS) while the tensors are materialized at their
-        # storage dtype, and a 4-bit load holds both those and the quantized result
-        load = runtime + 0.5 * file_bytes + full_width + (weights if quantized_numel else 0)
     else:
-        # tensors go to the device one at a time, quantized as they arrive where bitsandbytes replaces
-        # the layer; fusing per-expert tensors into a 3-D parameter holds the parts and the whole at once
+        # the checkpoint is read tensor by tensor into private memory (pread, no mapped pages), quantized
+        # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
+        # parameter holds the parts and the whole at once
         load = runtime + at_load + _fused_expert_bytes(shapes, expert_names, storage)
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     train_peak = runtime + step_overhead + weights + lora_bytes + activations + transient
