@@ -89,6 +89,7 @@ class ExpertStreamConverter(WeightConverter):
             quantize_expert_into(expert, index, packed, block_max)
             del expert
         install_quantized(module, attr, packed, finish_state(block_max, shape, dtype, device))
+        _return_freed_memory()
         if loading_info is not None:
             loading_info.missing_keys.discard(layer_name)
         return {}
@@ -112,6 +113,20 @@ class ExpertStreamConverter(WeightConverter):
         if any(len(jobs) != shape[0] for jobs in self.collected_tensors.values()):
             return None
         return module, attr, shape
+
+
+def _return_freed_memory() -> None:
+    """Hand the heap pages the freed expert pieces leave back to the system (glibc's malloc_trim). The
+    pieces are a few MiB each, which glibc serves from its heap once its mmap threshold has risen, and
+    keeps after they are freed: RSS would creep by what the heap's fragmentation holds, layer by layer."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim this way
+        pass
 
 
 def _realize(jobs: list[Any], index: int) -> Any:
