@@ -108,6 +108,16 @@ def _largest_read_at_once(
     return max([largest] + [total // max(experts, 1) for total in fused.values()])
 
 
+def _largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
+    """Elements of `names` in the layer (the name up to its first index) that holds the most of them."""
+    layers: dict[str, int] = {}
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + _numel(shapes[name])
+    return max(layers.values(), default=0)
+
+
 def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str]) -> int:
     """Elements of the largest experts module: what dequantizing one MoE layer's experts materializes."""
     layers: dict[str, int] = {}
@@ -194,7 +204,10 @@ def estimate_from_shapes(
     # bitsandbytes dequantizes a 4-bit weight for each matmul. Its CPU path keeps those copies for backward;
     # on CUDA one layer's copies live at a time (a Linear's weight, or all of an MoE layer's experts), and
     # they are gone by the time the logits are built, so the step peaks at the larger of the two.
-    if device == "cpu":
+    if device == "cpu" and train["gradient_checkpointing"]:
+        # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
+        dequant = _largest_layer_numel(shapes, quantized_names) * act
+    elif device == "cpu":
         dequant = quantized_numel * act
     else:
         experts_numel = _largest_layer_experts(shapes, expert_names) if axes["quant"] == "nf4-experts" else 0
