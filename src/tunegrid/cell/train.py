@@ -361,8 +361,7 @@ class CellTrainer(RankSteps, CheckpointSteps, OriginReplay, StepRecords):
         return self.facts
 
     def meter_at_failure(self) -> dict[str, int | None]:
-        """Memory in use as the failure is handled, and the high-water mark it reached (since the load)."""
-        meter = getattr(self, "meter", None)
+        meter = getattr(self, "meter", None)  # in use as the failure is handled, and the high-water mark
         return {"bytes_at_failure": meter.current_bytes(), "peak_bytes": meter.peak_bytes()} if meter else {}
 
 
