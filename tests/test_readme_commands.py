@@ -97,7 +97,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "snakemake --cores 2 all --configfile configs/moe-oom-at-load.yaml": (
         "dry",
-        "6 min on a 2-core CPU; tests/test_studies.py runs it at reduced size end to end",
+        "5 min on a 2-core CPU; tests/test_studies.py runs it at reduced size end to end",
     ),
     "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=8": (
         "dry",
