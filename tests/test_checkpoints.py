@@ -66,13 +66,17 @@ def test_unknown_architecture_is_a_clear_error(dataset_path, tmp_path):
         build_synthetic({"architecture": "not-a-model", "config": {}, "seed": 0}, ["hello world"], tmp_path / "m")
 
 
-@pytest.mark.parametrize("spec_name", ["OLMOE", "QWEN_MOE"])
+FIXTURE_NAMES = {"OLMOE": "olmoe-tiny", "QWEN_MOE": "qwen3moe-tiny", "GEMMA_HOT": "gemma3-hot"}
+
+
+@pytest.mark.parametrize("spec_name", sorted(FIXTURE_NAMES))
 def test_streamed_synthetic_checkpoint_has_save_pretrained_names_in_shards(
     spec_name, checkpoints, dataset_path, tmp_path, monkeypatch
 ):
     """A model too large to build whole is written tensor by tensor: the same tensor names and shapes as
     transformers' save_pretrained (one tensor per expert), sharded with an index, and it loads with no
-    missing or unexpected keys, its dtype the config's."""
+    missing or unexpected keys, its dtype the config's, its values drawn by the architecture's own init
+    (Gemma's zero-centred norms zeros, others' ones; matrices at the model's scale)."""
     import conftest
     import torch
     from safetensors import safe_open
@@ -98,11 +102,23 @@ def test_streamed_synthetic_checkpoint_has_save_pretrained_names_in_shards(
                     shapes[name] = (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
         return shapes
 
-    reference = stored(checkpoints["olmoe-tiny" if spec_name == "OLMOE" else "qwen3moe-tiny"])
+    reference = stored(checkpoints[FIXTURE_NAMES[spec_name]])
     streamed = stored(out)
     assert {k: v[0] for k, v in streamed.items()} == {k: v[0] for k, v in reference.items()}
     assert {v[1] for v in streamed.values()} == {"BF16"}
     assert len(list(out.glob("*.safetensors"))) > 1
+    from safetensors.torch import load_file
+
+    ours = {k: v for path in out.glob("*.safetensors") for k, v in load_file(path).items()}
+    theirs = {
+        k: v for path in checkpoints[FIXTURE_NAMES[spec_name]].glob("*.safetensors") for k, v in load_file(path).items()
+    }
+    for name, want in theirs.items():
+        got, want = ours[name].float(), want.float()
+        if want.numel() >= 4096:
+            assert abs(got.std() / want.std() - 1) < 0.1, name
+        elif want.std() == 0 or want.numel() == 1:
+            assert torch.equal(got, want), name
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(streamed)
     model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.bfloat16)

@@ -83,8 +83,8 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
-# Models up to this many parameters are built whole and saved by transformers (their bytes depend on
-# the architecture's own init under one seed); larger ones are written tensor by tensor, never whole.
+# Models up to this many parameters are built whole and saved by transformers (one seed for the whole
+# init); larger ones are written module by module by the same init functions, never whole.
 IN_MEMORY_PARAMS = 2**28
 SHARD_BYTES = 2 * 2**30
 
@@ -117,7 +117,7 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
         model = AutoModelForCausalLM.from_config(config)
         model.save_pretrained(out_dir, safe_serialization=True)
     else:
-        write_streamed(skeleton, float(getattr(config, "initializer_range", 0.02)), spec["seed"], out_dir)
+        write_streamed(skeleton, spec["seed"], out_dir)
         config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return write_manifest(
@@ -133,48 +133,60 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
     )
 
 
-def write_streamed(skeleton: Any, std: float, seed: int, out_dir: Path) -> None:
-    """Sharded safetensors (+ index) of `skeleton`'s checkpoint tensors, each drawn from its own seeded
-    generator as its shard is written: at most one shard is in memory. Names and shapes are those
-    save_pretrained would write (transformers' reverse weight conversion, run on the meta device, e.g.
-    fused experts back to one tensor per expert); matrices ~ N(0, std), 1-D weights (norm scales) ones,
-    biases zeros. Buffers are left to transformers' init at load, as for any tensor a checkpoint lacks."""
+def write_streamed(skeleton: Any, seed: int, out_dir: Path) -> None:
+    """Sharded safetensors (+ index) of `skeleton`, one module at a time: each module that owns
+    parameters is materialized alone, initialized by the architecture's own `_init_weights` under a
+    seed of its own (the study's seed and its name), converted to the names and shapes save_pretrained
+    writes (transformers' reverse weight conversion, e.g. fused experts back to one tensor per expert),
+    queued for the current shard and dropped; at most one shard and one module are in memory."""
     import zlib
 
     import torch
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
-    params = dict(skeleton.named_parameters())  # a tied tensor once, as save_pretrained stores it
-    tensors = revert_weight_conversion(skeleton, params)
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, meta in tensors.items():
-        nbytes = meta.numel() * meta.element_size()
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    weight_map, total = {}, 0
-    for index, names in enumerate(shards, start=1):
-        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        shard = {}
-        for name in names:
-            meta = tensors[name]
-            generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
-            if meta.dim() >= 2:
-                value = torch.empty(meta.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
-                value = value.to(meta.dtype)
-            elif name.endswith(".weight"):
-                value = torch.ones(meta.shape, dtype=meta.dtype)
-            else:
-                value = torch.zeros(meta.shape, dtype=meta.dtype)
-            shard[name] = value
-            weight_map[name] = filename
-            total += value.numel() * value.element_size()
-        save_file(shard, str(out_dir / filename), metadata={"format": "pt"})
-        del shard
+    stored = dict(skeleton.named_parameters())  # a tied tensor once, as save_pretrained stores it
+    parts: list[Path] = []
+    shard: dict[str, Any] = {}
+    names_per_part: list[list[str]] = []
+    size = total = 0
+
+    def flush() -> None:
+        parts.append(out_dir / f"part-{len(parts):05d}.safetensors")
+        save_file(shard, str(parts[-1]), metadata={"format": "pt"})
+        names_per_part.append(list(shard))
+        shard.clear()
+
+    for module_name, module in skeleton.named_modules():
+        own = {
+            f"{module_name}.{name}" if module_name else name: param
+            for name, param in module.named_parameters(recurse=False)
+        }
+        own = {name: param for name, param in own.items() if stored.get(name) is param}
+        if not own:
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        torch.manual_seed(seed * 2**32 + zlib.crc32(module_name.encode()))
+        with torch.no_grad():
+            skeleton._init_weights(module)
+        values = {name: getattr(module, name.rpartition(".")[2]).detach() for name in own}
+        for name, value in revert_weight_conversion(skeleton, values).items():
+            nbytes = value.numel() * value.element_size()
+            if shard and size + nbytes > SHARD_BYTES:
+                flush()
+                size = 0
+            shard[name] = value.contiguous().clone()  # its own storage: safetensors refuses shared ones
+            size += nbytes
+            total += nbytes
+        del values
+        module.to_empty(device="meta", recurse=False)
+    if shard:
+        flush()
+    weight_map = {}
+    for index, (part, names) in enumerate(zip(parts, names_per_part, strict=True), start=1):
+        filename = f"model-{index:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(out_dir / filename)
+        weight_map.update(dict.fromkeys(names, filename))
     write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
