@@ -1,3 +1,4 @@
+import copy
 import json
 import shutil
 
@@ -63,3 +64,65 @@ def test_unknown_architecture_is_a_clear_error(dataset_path, tmp_path):
 
     with pytest.raises(CheckpointError, match="not-a-model"):
         build_synthetic({"architecture": "not-a-model", "config": {}, "seed": 0}, ["hello world"], tmp_path / "m")
+
+
+FIXTURE_NAMES = {"OLMOE": "olmoe-tiny", "QWEN_MOE": "qwen3moe-tiny", "GEMMA_HOT": "gemma3-hot"}
+
+
+@pytest.mark.parametrize("spec_name", sorted(FIXTURE_NAMES))
+def test_streamed_synthetic_checkpoint_has_save_pretrained_names_in_shards(
+    spec_name, checkpoints, dataset_path, tmp_path, monkeypatch
+):
+    """A model too large to build whole is written tensor by tensor: the same tensor names and shapes as
+    transformers' save_pretrained (one tensor per expert), sharded with an index, and it loads with no
+    missing or unexpected keys, its dtype the config's, its values drawn by the architecture's own init
+    (Gemma's zero-centred norms zeros, others' ones; matrices at the model's scale)."""
+    import conftest
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from tunegrid.prepare import checkpoints as module
+    from tunegrid.prepare.data import corpus_texts, read_dataset
+
+    spec = copy.deepcopy(getattr(conftest, spec_name))
+    spec["config"]["dtype"] = "bfloat16"
+    monkeypatch.setattr(module, "IN_MEMORY_PARAMS", 0)
+    monkeypatch.setattr(module, "SHARD_BYTES", 64 * 1024)
+    out = tmp_path / "streamed"
+    manifest = module.build_synthetic(spec, list(corpus_texts(read_dataset(dataset_path))), out)
+    assert manifest["source"]["written"] == "streamed"
+    verify_checkpoint(out, hashes=True)
+
+    def stored(folder):
+        shapes = {}
+        for path in folder.glob("*.safetensors"):
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    shapes[name] = (tuple(handle.get_slice(name).get_shape()), handle.get_slice(name).get_dtype())
+        return shapes
+
+    reference = stored(checkpoints[FIXTURE_NAMES[spec_name]])
+    streamed = stored(out)
+    assert {k: v[0] for k, v in streamed.items()} == {k: v[0] for k, v in reference.items()}
+    assert {v[1] for v in streamed.values()} == {"BF16"}
+    assert len(list(out.glob("*.safetensors"))) > 1
+    from safetensors.torch import load_file
+
+    ours = {k: v for path in out.glob("*.safetensors") for k, v in load_file(path).items()}
+    theirs = {
+        k: v for path in checkpoints[FIXTURE_NAMES[spec_name]].glob("*.safetensors") for k, v in load_file(path).items()
+    }
+    for name, want in theirs.items():
+        got, want = ours[name].float(), want.float()
+        if want.numel() >= 4096:
+            assert abs(got.std() / want.std() - 1) < 0.1, name
+        elif want.std() == 0 or want.numel() == 1:
+            assert torch.equal(got, want), name
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(streamed)
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(12).view(1, 12)).logits
+    assert torch.isfinite(logits).all() and logits.float().std() > 0

@@ -57,7 +57,8 @@ def test_estimate_matches_the_recorded_gpu_peak(study, cell):
     config, shapes = _meta_model(spec["model"])
     constants = device_constants(CAPABILITIES, spec["axes"]["precision"])
     assert constants["device"] == "cuda" and constants["step_overhead"] > 0
-    estimate = estimate_from_shapes(spec, config, shapes, **constants)
+    # these cells quantized their experts after the load (the path before load-time quantization)
+    estimate = estimate_from_shapes(spec, config, shapes, **constants, experts_quantized_at="post_load")
     ratio = estimate["estimate_bytes"] / cell["peak_bytes"]
     assert 0.9 <= ratio <= 1.1, (
         f"{spec['cell_id']}: estimate/measured {ratio:.3f} ({estimate['stage']}: {estimate['components']})"

@@ -125,3 +125,58 @@ def test_a_packed_remainder_row_is_dropped_only_when_emptier_than_every_other_ro
     dropped = pack(examples(20, 20, 20, 5), 64, 0, 1, "position_ids")  # 5 < 64 - 20: a mostly padded row
     assert dropped.row_tokens.tolist() == [60] and (dropped.examples, dropped.dropped_examples) == (3, 1)
     assert pack(examples(20, 20, 20, 5), 64, 0, 1, "off").row_tokens.tolist() == [20, 20, 20, 5]
+
+
+@pytest.mark.slow  # ~75 s on a 2-core CPU: a 1.6 GB checkpoint, two loads and a step
+def test_moe_oom_at_load_at_reduced_size_ends_oom_at_load_for_nf4_and_ok_for_nf4_experts(dataset_path, tmp_path):
+    """configs/moe-oom-at-load.yaml with OLMoE's expert layout (64 experts, 8 active) at half width and
+    half depth: plain nf4 keeps the fused experts in bf16 and runs out of memory while loading; nf4-experts
+    quantizes them as they are read and trains. The budget is the experts' own bf16 bytes: a load that
+    holds them whole cannot fit it, one that quantizes them as it reads holds about a quarter of that."""
+    from tunegrid.run.supervisor import run_cell
+
+    study = copy.deepcopy(load_study(REPO / "configs" / "moe-oom-at-load.yaml"))
+    ((name, model),) = study["models"].items()
+    config = model["config"]
+    config.update(
+        vocab_size=512,
+        hidden_size=config["hidden_size"] // 2,
+        intermediate_size=config["intermediate_size"] // 2,
+        num_hidden_layers=config["num_hidden_layers"] // 2,
+        num_attention_heads=config["num_attention_heads"] // 2,
+        num_key_value_heads=config["num_key_value_heads"] // 2,
+    )
+    experts_bf16 = config["num_hidden_layers"] * config["num_experts"] * 3 * config["intermediate_size"]
+    experts_bf16 *= config["hidden_size"] * 2
+    study["hardware"]["memory_budget_gb"] = experts_bf16 / 2**30
+    study["train"].update(steps=1)
+    produce_checkpoint(model, list(corpus_texts(read_dataset(dataset_path))), tmp_path / name)
+    capabilities = tmp_path / "capabilities.json"
+    probe = [
+        sys.executable,
+        str(REPO / "scripts" / "tunegrid.py"),
+        "probe",
+        "--budget-s",
+        "3",
+        "--out",
+        str(capabilities),
+    ]
+    subprocess.run(probe + ["--world-sizes", "2"], check=True, timeout=120)
+    results = {}
+    for cell in expand_cells(study):
+        run_dir = tmp_path / cell.quant
+        results[cell.quant] = run_cell(
+            spec=cell_spec(study, cell),
+            model_dir=tmp_path / name,
+            data_path=dataset_path,
+            run_dir=run_dir,
+            result_path=run_dir / "result.json",
+            tracking_path=None,
+            capabilities_path=capabilities,
+            log_path=None,
+            command=["tunegrid", "finetune"],
+        )
+    plain, experts = results["nf4"], results["nf4-experts"]
+    assert plain["outcome"] == "oom" and plain["diagnosis"]["oom"]["stage"] == "load", plain["reason"]
+    assert experts["outcome"] == "ok", experts["reason"]
+    assert experts["memory"]["load_peak_bytes"] < plain["diagnosis"]["oom"]["peak_bytes"]

@@ -187,3 +187,32 @@ def test_the_outcome_matrix_tells_accumulated_batches_apart():
     assert [_batch_label(c[1:]) for c in cols] == ["bs 2 x ga 4", "bs 8 x ga 1"]
     _, cols, _, col_axes = _matrix_layout(frame[frame["batch_size"] == 8])  # one accumulation: labels as before
     assert col_axes == ["precision", "batch_size"] and [_batch_label(c[1:]) for c in cols] == ["bs 8"]
+
+
+def _oom_at_load_frame(twin_outcome: str) -> pd.DataFrame:
+    failed = _cell(
+        precision="bf16",
+        batch=1,
+        quant="nf4",
+        outcome="oom",
+        reason="RuntimeError during load: converting a checkpoint tensor: ... can't allocate memory",
+        oom_stage="load",
+        oom_peak_bytes=7900 * MIB,
+        peak_bytes=float("nan"),
+    )
+    twin = _cell(precision="bf16", batch=1, quant="nf4-experts", outcome=twin_outcome, peak_bytes=5600 * MIB)
+    twin["load_peak_bytes"] = 4300 * MIB
+    if twin_outcome != "ok":
+        twin.update(oom_stage="step", reason="out of memory", oom_peak_bytes=7950 * MIB)
+    return pd.DataFrame([failed, twin])
+
+
+def test_oom_at_load_gets_nf4_experts_only_where_its_twin_loaded_and_cites_both_load_peaks():
+    (fixed,) = [r for r in recommend(_oom_at_load_frame("ok")) if r.signature == "oom"]
+    assert fixed.failing == ["moe_bf16_bs1_nf4_s0"] and fixed.evidence == ["moe_bf16_bs1_nf4-experts_s0"]
+    assert [f.change for f in fixed.fixes] == [{"quant": "nf4-experts"}]
+    assert "out of memory at load" in fixed.title
+    assert "load peak 4.2 GiB, where nf4 failed at 7.7 GiB" in fixed.text, fixed.text
+    assert not [r for r in recommend(_oom_at_load_frame("oom")) if r.signature == "oom"], (
+        "no fix the grid did not show working"
+    )

@@ -95,6 +95,10 @@ HOW: dict[str, tuple[str, str]] = {
         "dry",
         "trains on a GPU (tests/workflow/test_gpu.py)",
     ),
+    "snakemake --cores 2 all --configfile configs/moe-oom-at-load.yaml": (
+        "dry",
+        "5 min on a 2-core CPU; tests/prepare/test_studies.py runs it at reduced size end to end",
+    ),
     "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=8": (
         "dry",
         "needs 8 GPUs to train",

@@ -5,7 +5,9 @@ nn.Parameters, so a plain 4-bit load holds them in full precision. Quantizing th
 still needs the full-precision model once, at the load peak. Here the quantizer transformers already
 calls per target tensor (right after its weight conversion has fused the per-expert checkpoint
 tensors into one parameter) also quantizes every ≥3-D parameter, on the target device, and the
-full-precision tensor is dropped before the next one is read. Experts are found by rank, not by name:
+full-precision tensor is dropped before the next one is read; where the checkpoint stores experts apart,
+the fusing itself runs one expert at a time (expert_stream), so not even one fused full-precision
+tensor exists. Experts are found by rank, not by name:
 any MoE family, stored [E, out, in] or [E, in, out], with or without biases (biases are < 3-D and stay).
 
 Every expert tensor is quantized, those that will carry a LoRA adapter too: the adapters train over the
@@ -24,8 +26,11 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
+from tunegrid.cell.checkpoint_reader import unread_state_dict
+from tunegrid.cell.expert_stream import stream_expert_merges
+from tunegrid.cell.nf4_experts import install_quantized, quantize_per_expert
+
 QUANT_METHOD = "bitsandbytes_nf4_experts"
-NF4 = {"quant_type": "nf4", "compress_statistics": True}  # the same call the post-load path makes
 
 
 class ExpertNF4Config(BitsAndBytesConfig):
@@ -57,58 +62,16 @@ class ExpertNF4Quantizer(Bnb4BitHfQuantizer):
     def get_quantize_ops(self) -> ConversionOps:
         return QuantizeExpertsOnLoad(self)
 
-
-BLOCKSIZE = 64  # bitsandbytes' default, which the post-load path uses
-
-
-def quantize_per_expert(value: Any) -> tuple[Any, Any]:
-    """bitsandbytes' NF4 quantization of `value` (double-quantized statistics), run one expert at a time.
-
-    Its CPU kernel holds temporaries of about 1.5x its input; per expert they are 1/E of that. The first
-    level is blockwise over the flattened tensor, so slices whose size is a whole number of blocks give
-    the very bytes and block maxima of one call; the second level (statistics of all blocks) then runs once
-    on the whole, as quantize_4bit does: the result is bit-identical to quantize_4bit(value).
-    """
-    import torch
-    from bitsandbytes import functional as F
-
-    per_expert = value[0].numel() if value.dim() >= 3 else 0
-    if not per_expert or per_expert % (2 * BLOCKSIZE):
-        return F.quantize_4bit(value, blocksize=BLOCKSIZE, **NF4)
-    packed, absmax = [], []
-    for expert in value:
-        out, block_max = torch.ops.bitsandbytes.quantize_4bit.default(expert, BLOCKSIZE, NF4["quant_type"], torch.uint8)
-        packed.append(out)
-        absmax.append(block_max)
-    data, block_max = torch.cat(packed), torch.cat(absmax)
-    del packed, absmax
-    offset = block_max.mean()
-    qabsmax, state2 = F.quantize_blockwise(block_max - offset, blocksize=256)
-    state = F.QuantState(
-        absmax=qabsmax,
-        shape=value.shape,
-        dtype=value.dtype,
-        blocksize=BLOCKSIZE,
-        code=F.get_4bit_type(NF4["quant_type"], device=value.device),
-        quant_type=NF4["quant_type"],
-        offset=offset,
-        state2=state2,
-    )
-    return data, state
+    def update_weight_conversions(self, weight_conversions: list[Any], model: Any) -> list[Any]:
+        return stream_expert_merges(super().update_weight_conversions(weight_conversions, model))
 
 
 def quantize_into(module: Any, name: str, value: Any) -> None:
     """Install `value` as module.<name>, NF4-quantized under bitsandbytes' parametrization (as
     replace_parameter_4bit leaves it), without holding more than one expert's quantization temporaries."""
-    import torch
-    from bitsandbytes.nn.parametrize import replace_parameter_4bit_prequantized
 
     data, state = quantize_per_expert(value)
-    setattr(module, name, torch.nn.Parameter(data, requires_grad=False))
-    replace_parameter_4bit_prequantized(module, name, state.as_dict(packed=True), value.device)
-    # transformers re-initializes whatever is not marked; a random init of the dequantized view is a wasted
-    # full-precision temporary (the result is discarded, but the peak is not)
-    module.parametrizations[name].original._is_hf_initialized = True
+    install_quantized(module, name, data, state)
 
 
 class QuantizeExpertsOnLoad(ConversionOps):
@@ -145,20 +108,6 @@ def register() -> None:
     """Make QUANT_METHOD known to transformers' quantizer registry (idempotent)."""
     AUTO_QUANTIZATION_CONFIG_MAPPING.setdefault(QUANT_METHOD, ExpertNF4Config)
     AUTO_QUANTIZER_MAPPING.setdefault(QUANT_METHOD, ExpertNF4Quantizer)
-
-
-def unread_state_dict(model_dir: Path) -> dict[str, Any]:
-    """Every checkpoint tensor as a lazy safetensors slice read with pread, not mmap: a mapped file's
-    pages stay resident in this process (counted in its RSS and peak) until the file is closed, i.e. the
-    whole checkpoint for the length of the load; read into private memory, each is freed once converted."""
-    from safetensors import safe_open
-
-    slices: dict[str, Any] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        handle = safe_open(str(path), framework="pt", device="cpu", backend="pread")
-        for key in handle.keys():
-            slices[key] = handle.get_slice(key)
-    return slices
 
 
 def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:

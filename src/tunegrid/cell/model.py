@@ -1,15 +1,24 @@
-"""The model of a cell: load it at the planned precision and quantization, attach LoRA, and measure how
-far a change (expert quantization) moved its logits.
+"""The model of a cell: load it at the planned precision and quantization (a failed load named by the
+exception that caused it), and attach LoRA.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# transformers catches an exception raised while converting a checkpoint tensor, loads the rest, and then
+# raises a RuntimeError that only points at its logged report; the report holds the original exception
+REPORT_LOGGER = "transformers"  # the library logger its modules log through (the report: modeling_utils)
+EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", re.MULTILINE)
+
 
 def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import BitsAndBytesConfig
 
     kwargs: dict[str, Any] = {
         "dtype": plan.torch_dtype("storage"),
@@ -21,13 +30,14 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
-    if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
-        from tunegrid.cell import expert_quant
+    from tunegrid.cell import expert_quant
 
+    if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
         kwargs["quantization_config"] = expert_quant.load_config(bnb)
+    # every quantization reads the checkpoint the same way (pread, no mapping), so what differs between
+    # their load peaks is what each keeps in full precision
+    with conversion_errors_named():
         model = expert_quant.load_causal_lm(model_dir, kwargs)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     if spec["axes"]["quant"] != "none":
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 
@@ -40,13 +50,38 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
 
 
 def four_bit_settings(plan: Any) -> dict[str, Any]:
-    """BitsAndBytesConfig's arguments for a 4-bit cell, the compute dtype by name (as an adapter's record keeps them)."""
+    """BitsAndBytesConfig's arguments for a 4-bit cell, the compute dtype by name (as an adapter's record
+    keeps them)."""
     return {
         "load_in_4bit": True,
         "bnb_4bit_quant_type": "nf4",
         "bnb_4bit_use_double_quant": True,
         "bnb_4bit_compute_dtype": plan.compute_dtype,
     }
+
+
+@contextlib.contextmanager
+def conversion_errors_named() -> Iterator[None]:
+    """Re-raise transformers' "issues during automatic conversion" RuntimeError with the first exception
+    its report logged (e.g. an allocator's "can't allocate memory"), so the failure is classified by it."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    report = logging.getLogger(REPORT_LOGGER)
+    report.addHandler(handler)
+    try:
+        yield
+    except RuntimeError as exc:
+        found = EXCEPTION_LINE.search("\n".join(records))
+        if found is None or "conversion" not in str(exc):
+            raise
+        raise RuntimeError(f"converting a checkpoint tensor: {found.group(1)}: {found.group(2)}") from exc
+    finally:
+        report.removeHandler(handler)
 
 
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:

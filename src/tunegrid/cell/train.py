@@ -227,7 +227,7 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
                 }
             self.facts["traceback"] = traceback.format_exc()[-4000:]
             if kind == Outcome.OOM:
-                self.facts["diagnosis"] = {"oom": {"stage": stage, "bytes_at_failure": self.meter_current()}}
+                self.facts["diagnosis"] = {"oom": {"stage": stage, **self.meter_at_failure()}}
             traceback.print_exc()
         finally:
             self.facts["memory"] = getattr(self, "memory", {})
@@ -235,9 +235,9 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             write_json(self.run_dir / "worker.json", self.facts)
         return self.facts
 
-    def meter_current(self) -> int | None:
-        meter = getattr(self, "meter", None)
-        return meter.current_bytes() if meter else None
+    def meter_at_failure(self) -> dict[str, int | None]:
+        meter = getattr(self, "meter", None)  # in use as the failure is handled, and the high-water mark
+        return {"bytes_at_failure": meter.current_bytes(), "peak_bytes": meter.peak_bytes()} if meter else {}
 
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:

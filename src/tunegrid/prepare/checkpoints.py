@@ -83,6 +83,12 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
+# Models up to this many parameters are built whole and saved by transformers (one seed for the whole
+# init); larger ones are written module by module by the same init functions, never whole.
+IN_MEMORY_PARAMS = 2**28
+SHARD_BYTES = 2 * 2**30
+
+
 def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> dict[str, Any]:
     """Random-init checkpoint of a real transformers architecture at the size the config gives."""
     import torch
@@ -101,12 +107,19 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
         config = AutoConfig.for_model(spec["architecture"], **overrides)
     except ValueError as exc:
         raise CheckpointError(f"architecture {spec['architecture']!r}: {exc}") from None
-    torch.manual_seed(spec["seed"])
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in skeleton.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    streamed = n_params > IN_MEMORY_PARAMS
+    if not streamed:
+        torch.manual_seed(spec["seed"])
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(out_dir, safe_serialization=True)
+    else:
+        write_streamed(skeleton, spec["seed"], out_dir)
+        config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    n_params = sum(p.numel() for p in model.parameters())
     return write_manifest(
         out_dir,
         {
@@ -115,8 +128,66 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
             "config": overrides,
             "seed": spec["seed"],
             "params": n_params,
+            **({"written": "streamed"} if streamed else {}),
         },
     )
+
+
+def write_streamed(skeleton: Any, seed: int, out_dir: Path) -> None:
+    """Sharded safetensors (+ index) of `skeleton`, one module at a time: each module that owns
+    parameters is materialized alone, initialized by the architecture's own `_init_weights` under a
+    seed of its own (the study's seed and its name), converted to the names and shapes save_pretrained
+    writes (transformers' reverse weight conversion, e.g. fused experts back to one tensor per expert),
+    queued for the current shard and dropped; at most one shard and one module are in memory."""
+    import zlib
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    stored = dict(skeleton.named_parameters())  # a tied tensor once, as save_pretrained stores it
+    parts: list[Path] = []
+    shard: dict[str, Any] = {}
+    names_per_part: list[list[str]] = []
+    size = total = 0
+
+    def flush() -> None:
+        parts.append(out_dir / f"part-{len(parts):05d}.safetensors")
+        save_file(shard, str(parts[-1]), metadata={"format": "pt"})
+        names_per_part.append(list(shard))
+        shard.clear()
+
+    for module_name, module in skeleton.named_modules():
+        own = {
+            f"{module_name}.{name}" if module_name else name: param
+            for name, param in module.named_parameters(recurse=False)
+        }
+        own = {name: param for name, param in own.items() if stored.get(name) is param}
+        if not own:
+            continue
+        module.to_empty(device="cpu", recurse=False)
+        torch.manual_seed(seed * 2**32 + zlib.crc32(module_name.encode()))
+        with torch.no_grad():
+            skeleton._init_weights(module)
+        values = {name: getattr(module, name.rpartition(".")[2]).detach() for name in own}
+        for name, value in revert_weight_conversion(skeleton, values).items():
+            nbytes = value.numel() * value.element_size()
+            if shard and size + nbytes > SHARD_BYTES:
+                flush()
+                size = 0
+            shard[name] = value.contiguous().clone()  # its own storage: safetensors refuses shared ones
+            size += nbytes
+            total += nbytes
+        del values
+        module.to_empty(device="meta", recurse=False)
+    if shard:
+        flush()
+    weight_map = {}
+    for index, (part, names) in enumerate(zip(parts, names_per_part, strict=True), start=1):
+        filename = f"model-{index:05d}-of-{len(parts):05d}.safetensors"
+        part.rename(out_dir / filename)
+        weight_map.update(dict.fromkeys(names, filename))
+    write_json(out_dir / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 # --- hub ---------------------------------------------------------------------------------------------

@@ -17,9 +17,11 @@ from typing import Any
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 NF4_BLOCK = 64
 DQ_BLOCK = 256  # double quantization: the block absmax values are themselves quantized in blocks of 256
-# How nf4-experts quantizes the fused expert parameters: after transformers has loaded them at their
-# storage dtype, so the load holds the experts at full width before they shrink.
-EXPERTS_QUANTIZED_AT = "post_load"
+# How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
+# a time where the checkpoint stores experts apart, so only one full-precision tensor exists at once.
+# "post_load": after transformers has loaded them at their storage dtype (the path the recorded H100
+# cells ran), so the load holds the experts at full width before they shrink.
+EXPERTS_QUANTIZED_AT = "load"
 
 
 def tensor_shapes(model_dir: str | Path) -> dict[str, list[int]]:
@@ -64,8 +66,7 @@ def estimate_cell(
     spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0
 ) -> dict[str, Any]:
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    file_bytes = sum(p.stat().st_size for p in Path(model_dir).glob("*.safetensors"))
-    return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, file_bytes, step_overhead)
+    return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, step_overhead)
 
 
 def _expert_group(name: str, shape: list[int]) -> str:
@@ -89,6 +90,34 @@ def _fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], st
     return max(groups.values(), default=0)
 
 
+def _largest_read_at_once(
+    shapes: dict[str, list[int]], expert_names: set[str], quantized: set[str], experts: int
+) -> int:
+    """Elements of the largest full-precision tensor a load that quantizes as it reads holds at once: a
+    tensor that gets quantized, where a fused expert tensor assembled from per-expert checkpoint tensors
+    counts one expert's share (it is fused and quantized expert by expert)."""
+    largest = max((_numel(shapes[name]) for name in quantized - expert_names), default=0)
+    fused: dict[tuple[str, tuple[int, ...]], int] = {}
+    for name in expert_names & quantized:
+        shape = shapes[name]
+        if len(shape) >= 3:
+            largest = max(largest, _numel(shape))
+        else:
+            key = (_expert_group(name, shape), tuple(shape))
+            fused[key] = fused.get(key, 0) + _numel(shape)
+    return max([largest] + [total // max(experts, 1) for total in fused.values()])
+
+
+def _largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
+    """Elements of `names` in the layer (the name up to its first index) that holds the most of them."""
+    layers: dict[str, int] = {}
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + _numel(shapes[name])
+    return max(layers.values(), default=0)
+
+
 def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str]) -> int:
     """Elements of the largest experts module: what dequantizing one MoE layer's experts materializes."""
     layers: dict[str, int] = {}
@@ -104,8 +133,8 @@ def estimate_from_shapes(
     shapes: dict[str, list[int]],
     runtime: int,
     device: str = "cpu",
-    file_bytes: int = 0,
     step_overhead: int = 0,
+    experts_quantized_at: str = EXPERTS_QUANTIZED_AT,
 ) -> dict[str, Any]:
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
@@ -114,11 +143,11 @@ def estimate_from_shapes(
     hidden = int(config["hidden_size"])
 
     weights = 0.0
-    full_width = 0.0  # the same weights at their storage dtype, as they exist while loading
     quantized_numel = 0
     lora_params = 0
     largest_dequant = 0
     expert_names: set[str] = set()
+    quantized_names: set[str] = set()
     experts_full = 0.0  # expert bytes at storage dtype, and as they end up after quantization
     experts_final = 0.0
     # Checkpoints keep MoE experts per expert on disk (layers.N.mlp.experts.M.*); transformers v5 fuses
@@ -137,10 +166,10 @@ def estimate_from_shapes(
             experts_final += nf4_bytes(numel) if quantized else numel * storage
         else:
             quantized = axes["quant"] != "none" and not embedding and len(shape) == 2 and name.endswith(".weight")
-        full_width += numel * storage
         if quantized:
             weights += nf4_bytes(numel)
             quantized_numel += numel
+            quantized_names.add(name)
             largest_dequant = max(largest_dequant, numel)
         else:
             weights += numel * storage
@@ -175,20 +204,28 @@ def estimate_from_shapes(
     # bitsandbytes dequantizes a 4-bit weight for each matmul. Its CPU path keeps those copies for backward;
     # on CUDA one layer's copies live at a time (a Linear's weight, or all of an MoE layer's experts), and
     # they are gone by the time the logits are built, so the step peaks at the larger of the two.
-    if device == "cpu":
+    if device == "cpu" and train["gradient_checkpointing"]:
+        # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
+        dequant = _largest_layer_numel(shapes, quantized_names) * act
+    elif device == "cpu":
         dequant = quantized_numel * act
     else:
         experts_numel = _largest_layer_experts(shapes, expert_names) if axes["quant"] == "nf4-experts" else 0
         dequant = max(largest_dequant, experts_numel) * act
     # Loading. Experts quantized after the load exist at full width until then.
-    at_load = weights + (experts_full - experts_final if EXPERTS_QUANTIZED_AT == "post_load" else 0)
-    if device == "cpu":
-        # safetensors pages are mapped (counted in RSS) while the tensors are materialized at their
-        # storage dtype, and a 4-bit load holds both those and the quantized result
-        load = runtime + 0.5 * file_bytes + full_width + (weights if quantized_numel else 0)
+    streamed = axes["quant"] == "nf4-experts" and experts_quantized_at == "load"
+    at_load = weights + (0 if streamed else experts_full - experts_final)
+    if streamed:
+        # the checkpoint is read into private memory (no mapped pages) and every tensor to quantize is
+        # quantized as it arrives, an expert at a time where the experts are stored apart
+        experts = int(
+            config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 1
+        )
+        load = runtime + at_load + _largest_read_at_once(shapes, expert_names, quantized_names, experts) * storage
     else:
-        # tensors go to the device one at a time, quantized as they arrive where bitsandbytes replaces
-        # the layer; fusing per-expert tensors into a 3-D parameter holds the parts and the whole at once
+        # the checkpoint is read tensor by tensor into private memory (pread, no mapped pages), quantized
+        # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
+        # parameter holds the parts and the whole at once
         load = runtime + at_load + _fused_expert_bytes(shapes, expert_names, storage)
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     train_peak = runtime + step_overhead + weights + lora_bytes + activations + transient

@@ -223,6 +223,15 @@ def _number(value: Any) -> float:
     return float(value) if value is not None and value == value else float("inf")
 
 
+def _load_peaks(row: Any, fixed: Any) -> str:
+    """For an OOM at load that the experts quantized as they load fixed: both load peaks, as measured."""
+    at_load = row.get("oom_stage") == "load" and _number(row.get("oom_peak_bytes")) < float("inf")
+    if not at_load or fixed["quant"] != "nf4-experts":
+        return ""
+    failed = human_bytes(row["oom_peak_bytes"])
+    return f"; load peak {human_bytes(fixed['load_peak_bytes'])}, where {row['quant']} failed at {failed}"
+
+
 def _memory_fixes(frame: Any) -> list[Recommendation]:
     out = []
     for _, row in frame[frame["outcome"].isin([Outcome.OOM, Outcome.PREDICTED_OOM])].iterrows():
@@ -236,15 +245,14 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
             alt = _ok(siblings(frame, row, "quant"))
             alt = alt[alt["quant"] == quant]
             if not alt.empty:
-                options.append(f"quant={quant} fits (peak {human_bytes(alt.iloc[0]['peak_bytes'])})")
+                peak = human_bytes(alt.iloc[0]["peak_bytes"])
+                options.append(f"quant={quant} fits (peak {peak}{_load_peaks(row, alt.iloc[0])})")
                 evidence.append(alt.iloc[0]["cell_id"])
                 fixes.append(Fix({"quant": quant}, options[-1], [alt.iloc[0]["cell_id"]]))
                 break
         if not options and not batch_note:
             continue
-        stage = (
-            f" at {row['oom_stage']}" if row.get("oom_stage") == row.get("oom_stage") and row.get("oom_stage") else ""
-        )
+        stage = f" at {row['oom_stage']}" if isinstance(row.get("oom_stage"), str) and row["oom_stage"] else ""
         out.append(
             Recommendation(
                 signature=f"{row['outcome']}",
