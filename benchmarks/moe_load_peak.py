@@ -45,7 +45,10 @@ from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # n
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY = REPO / "configs" / "moe-oom-at-load.yaml"
-WORKER = "import sys, json; from tunegrid.cell.train import run_worker; run_worker(json.load(open(sys.argv[1])), *sys.argv[2:])"
+WORKER = (
+    "import sys, json; from tunegrid.cell.train import run_worker; "
+    "run_worker(json.load(open(sys.argv[1])), *sys.argv[2:])"
+)
 MiB = 2**20
 
 

@@ -66,11 +66,13 @@ baseline = runtime_baseline_bytes()  # the training stack imported, no model
 meter = MemoryMeter("cpu")
 meter.reset()
 bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
-model = expert_quant.load_causal_lm(Path(sys.argv[1]), {"dtype": torch.float32, "quantization_config": expert_quant.ExpertNF4Config(**bnb)})
+config = expert_quant.ExpertNF4Config(**bnb)
+model = expert_quant.load_causal_lm(Path(sys.argv[1]), {"dtype": torch.float32, "quantization_config": config})
 peak = meter.peak_bytes()
 after = meter.current_bytes()
 audit = quant_audit.audit_model(model, four_bit_requested=True)
-print(json.dumps({"baseline": baseline, "peak": peak, "after": after, "weights": audit["total_bytes"], "flagged": audit["flagged"]}))
+print(json.dumps({"baseline": baseline, "peak": peak, "after": after,
+                  "weights": audit["total_bytes"], "flagged": audit["flagged"]}))
 """
 
 # OLMoE-1B-7B's expert layout at half width: 64 experts, 4 layers; fp32 experts are 1.5 GiB.

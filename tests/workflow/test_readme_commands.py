@@ -30,7 +30,10 @@ from conftest import REPO
 
 STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv")
 STUDIES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
-INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements.txt && pip install --no-deps -e . && "
+INSTALL = (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements.txt && "
+    "pip install --no-deps -e . && "
+)
 HOW_MAIN = "snakemake --cores 8 all"  # the main command after its install steps
 
 HOW: dict[str, tuple[str, str]] = {
@@ -38,7 +41,8 @@ HOW: dict[str, tuple[str, str]] = {
         "run",
         "the main job: `snakemake --cores 8 all` as written, after the install",
     ),
-    "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && pip install --no-deps -e . && python -m pytest": (
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && "
+    "pip install --no-deps -e . && python -m pytest": (
         "elsewhere",
         ".ci/run reads this line from README and runs it on a clean clone",
     ),

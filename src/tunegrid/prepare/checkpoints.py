@@ -226,13 +226,19 @@ def _hub_error_sentence(repo_id: str, revision: str, exc: Exception) -> str:
     if name == "GatedRepoError":
         return f"{where} is gated: accept its licence on the hub and export HF_TOKEN (never put it in the config)"
     if name in {"RepositoryNotFoundError", "RevisionNotFoundError"}:
-        return f"{where}: repository or revision not found (check repo_id and the 40-hex revision, or HF_TOKEN for private repos)"
+        return (
+            f"{where}: repository or revision not found (check repo_id and the 40-hex revision, "
+            "or HF_TOKEN for private repos)"
+        )
     # the offline/no-network family differs across huggingface_hub releases (1.x raises httpx's ConnectError)
     if (
         name in {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout"}
         or "connect" in str(exc).lower()
     ):
-        return f"{where} cannot be downloaded: no network or HF_HUB_OFFLINE is set; download it elsewhere and use source: local"
+        return (
+            f"{where} cannot be downloaded: no network or HF_HUB_OFFLINE is set; "
+            "download it elsewhere and use source: local"
+        )
     return f"{where} could not be downloaded ({name}); see the rule log"
 
 

@@ -1,10 +1,10 @@
 """Analytic peak-memory estimate of one cell, before it trains, from the checkpoint and the cell alone.
 
-Reads tensor shapes from the safetensors headers (no weights loaded, no torch) and the model's
-config.json. Components: runtime (what the training process holds beyond its tensors, measured by the
-probe on the machine that trains: on CPU the process before a model plus a step's framework overhead,
-on CUDA the cuBLAS workspaces; nothing here is fitted to one host), weights by storage (NF4 ≈ 0.5 B/param plus double-quantized block
-constants; everything bitsandbytes leaves alone at its own dtype — the MoE experts!), LoRA params with
+Reads tensor shapes from the safetensors headers (no weights loaded, no torch) and the model's config.json.
+Components: runtime (what the training process holds beyond its tensors, measured by the probe on the machine
+that trains: on CPU the process before a model plus a step's framework overhead, on CUDA the cuBLAS
+workspaces; nothing here is fitted to one host), weights by storage (NF4 ≈ 0.5 B/param plus double-quantized
+block constants; everything bitsandbytes leaves alone at its own dtype — the MoE experts!), LoRA params with
 their grads and AdamW states, activations kept for backward, and the logits/loss buffers.
 """
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import atomic_write_text, read_json, read_jsonl
+from tunegrid.review.advice import Recommendation
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
-from tunegrid.review.recommend import Recommendation, recommend
+from tunegrid.review.recommend import recommend
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome
 

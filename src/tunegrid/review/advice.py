@@ -1,0 +1,60 @@
+"""The shape of a piece of advice and the comparisons every rule of the recommender makes: a fix (one
+changed setting, its reason, the ok cells that show it), a recommendation (the failing cells, the
+evidence, its alternatives), and the sibling cells that differ from a cell in one axis only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tunegrid.vocabulary import AXES, Outcome
+
+
+@dataclass
+class Fix:
+    """One alternative: the settings to change, why, and the ok cells that show it working."""
+
+    change: dict[str, Any]  # axis -> value
+    why: str
+    evidence: list[str]
+
+
+@dataclass
+class Recommendation:
+    signature: str  # what failed, e.g. "nan:fp16"
+    title: str
+    text: str
+    failing: list[str]  # cells that did not end ok
+    evidence: list[str]
+    fixes: list[Fix] = field(default_factory=list)  # alternatives, each on its own; empty = a finding only
+    concerns: list[str] = field(default_factory=list)  # cells the advice is about, failed or not
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def axes_of(frame: Any) -> list[str]:
+    return [a for a in AXES if a in frame.columns]
+
+
+def siblings(frame: Any, row: Any, vary: str) -> Any:
+    """Cells equal to `row` on every axis but `vary`."""
+    mask = frame[vary] != row[vary]
+    for axis in axes_of(frame):
+        if axis != vary:
+            mask &= frame[axis] == row[axis]
+    return frame[mask]
+
+
+def ok_cells(frame: Any) -> Any:
+    return frame[frame["outcome"] == Outcome.OK]
+
+
+def paren(value: Any) -> str:
+    """ " (value)", or nothing for an empty value: no "()" in what a person reads."""
+    return f" ({value})" if value is not None and value == value and str(value) else ""
+
+
+def number(value: Any) -> float:
+    return float(value) if value is not None and value == value else float("inf")

@@ -1,0 +1,90 @@
+"""Advice on MoE memory: fused experts that plain 4-bit loading left in full precision, and the
+load peaks that quantizing them as they load brought down.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from tunegrid.review.advice import Fix, Recommendation, number, siblings
+from tunegrid.units import human_bytes
+from tunegrid.vocabulary import Outcome
+
+EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
+
+
+def expert_gap(frame: Any) -> list[Recommendation]:
+    """One recommendation per model: plain-4-bit cells with unquantized experts vs their nf4-experts twins."""
+    if "quant" not in frame.columns:
+        return []
+    gap = frame[
+        (frame["quant"] == "nf4")
+        & (frame["flagged_share"].fillna(0) >= EXPERT_GAP_SHARE)
+        & frame["expert_bytes"].notna()
+    ]
+    pairs: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+    for _, row in gap.iterrows():
+        fixed = siblings(frame, row, "quant")
+        fixed = fixed[(fixed["quant"] == "nf4-experts") & (fixed["outcome"] == Outcome.OK)]
+        if not fixed.empty:
+            pairs[row["model"]].append((row, fixed.iloc[0]))
+    out = []
+    for model, members in pairs.items():
+        row, sib = members[0]
+        shares = [float(r["flagged_share"]) for r, _ in members]
+        peak_pairs = [
+            f"{human_bytes(r['peak_bytes'])} -> {human_bytes(s['peak_bytes'])} ({r['precision']}, bs "
+            f"{int(r['batch_size'])})"
+            for r, s in members
+        ]
+        failed = [r for r, _ in members if r["outcome"] != Outcome.OK]
+        # the goal is memory: recommend only where the twins' peaks show it (or a plain-4-bit cell failed
+        # and its twin ran)
+        peaks_fell = all(
+            number(s["peak_bytes"]) < number(r["peak_bytes"]) for r, s in members if r["outcome"] == Outcome.OK
+        )
+        text = (
+            f"Plain 4-bit loading left {int(row['flagged_tensors'])} tensor(s) in full precision: "
+            f"{min(shares):.0%}-{max(shares):.0%} of the weight bytes. bitsandbytes only replaces nn.Linear, and "
+            f"transformers v5 keeps fused experts as 3-D parameters. quant=nf4-experts cut the weights from "
+            f"{human_bytes(row['weight_bytes'])} to {human_bytes(sib['weight_bytes'])} ({row['cell_id']} vs "
+            f"{sib['cell_id']}); "
+            f"measured peaks: " + "; ".join(peak_pairs) + "."
+        )
+        if failed:
+            text = (
+                "; ".join(f"{r['cell_id']} ended {r['outcome']}" for r in failed)
+                + ", its nf4-experts twin was ok. "
+                + text
+            )
+        evidence = sorted(s["cell_id"] for _, s in members)
+        if peaks_fell or failed:
+            title, fixes = (
+                f"{model}: experts not quantized by plain 4-bit",
+                [Fix({"quant": "nf4-experts"}, "quantize the experts too", evidence)],
+            )
+        else:
+            title, fixes = f"{model}: nf4-experts shrinks the weights, but the peaks did not fall here", []
+            text += " Not recommended for memory on this machine: the whole-process peak is set by something else here."
+        out.append(
+            Recommendation(
+                signature="moe_expert_gap",
+                title=title,
+                text=text,
+                failing=sorted(r["cell_id"] for r in failed),
+                evidence=evidence,
+                fixes=fixes,
+                concerns=sorted(r["cell_id"] for r, _ in members),
+            )
+        )
+    return out
+
+
+def load_peaks(row: Any, fixed: Any) -> str:
+    """For an OOM at load that the experts quantized as they load fixed: both load peaks, as measured."""
+    at_load = row.get("oom_stage") == "load" and number(row.get("oom_peak_bytes")) < float("inf")
+    if not at_load or fixed["quant"] != "nf4-experts":
+        return ""
+    failed = human_bytes(row["oom_peak_bytes"])
+    return f"; load peak {human_bytes(fixed['load_peak_bytes'])}, where {row['quant']} failed at {failed}"
