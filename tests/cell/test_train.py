@@ -193,6 +193,8 @@ def test_recovered_skip_then_later_overflow_ends_nan_with_the_later_origin(check
     events = read_jsonl(run_dir / "events.jsonl")
     assert [(e["step"], e["kind"]) for e in events] == [(1, "scaler_skip"), (3, "loss_nonfinite")]
     assert all(e.get("origin") for e in events)  # each event that degraded or ended the cell has its origin
+    lr = {r["step"]: r["lr"] for r in read_jsonl(run_dir / "metrics.jsonl")}
+    assert lr[0] != lr[1] == lr[2] != lr[3]  # the skipped step 1 changed no weight, so the schedule waits a step
 
 
 def test_failing_step_headroom_is_measured_not_only_the_samples(checkpoints, dataset_path, tmp_path):

@@ -94,7 +94,7 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
 
     lora = spec["lora"]
     if spec["train"]["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_activation_checkpointing(model, True)
     config = LoraConfig(
         r=lora["r"],
         lora_alpha=lora["alpha"],
@@ -112,3 +112,20 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
     nest_in_declared_order(adapted.base_model.model)
     adopt_quantized_experts(adapted)
     return adapted
+
+
+def set_activation_checkpointing(model: Any, on: bool) -> None:
+    """Activation checkpointing on (non-reentrant, so LoRA on a frozen base gets its gradients) or off.
+
+    transformers renamed gradient_checkpointing_* to activation_checkpointing_* in v5 and warns on the old
+    names; the old ones stay the fallback for a v5 release before the rename.
+    """
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()

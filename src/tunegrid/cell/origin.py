@@ -68,8 +68,10 @@ class OriginReplay:
         if not (on if on is not None else getattr(base, "is_gradient_checkpointing", False)):
             yield
             return
-        base.gradient_checkpointing_disable()
+        from tunegrid.cell.model import set_activation_checkpointing
+
+        set_activation_checkpointing(base, False)
         try:
             yield
         finally:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            set_activation_checkpointing(base, True)

@@ -147,7 +147,8 @@ class OptimizerSteps:
             skipped = True  # never apply a non-finite update to the weights
         self.optimizer.zero_grad(set_to_none=True)
         fact.update(lr=self.scheduler.get_last_lr()[0], loss=loss_value, grad_norm=norm_value, skipped=skipped)
-        self.scheduler.step()
+        if not skipped:  # as accelerate does: a step that changed no weight does not advance the schedule
+            self.scheduler.step()
         fact["elapsed"] = time.perf_counter() - started
         fact["peak"] = self.meter.peak_bytes()
         return fact
