@@ -15,6 +15,18 @@ sys.path.insert(0, str(REPO / "src"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def snakemake_command(workdir: Path, *args: str) -> list[str]:
+    """This workflow's snakemake command line, run in `workdir` as in a user's own project folder."""
+    return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args]
+
+
+def workflow_env(*also_drop: str) -> dict[str, str]:
+    """The environment without the caller's MLflow store, so each run writes its own under its folder."""
+    dropped = {"MLFLOW_TRACKING_URI", *also_drop}
+    return {k: v for k, v in os.environ.items() if k not in dropped}
+
+
 GEMMA_HOT = {
     "source": "synthetic",
     "architecture": "gemma3_text",

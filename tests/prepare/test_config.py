@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO, make_study
+from conftest import REPO, make_study, snakemake_command
 
 from tunegrid.config import ConfigError, cell_spec, expand_cells, load_study, resolve_study, spec_json
 
@@ -96,20 +96,7 @@ def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text(yaml.safe_dump(raw))
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-n",
-            "--cores",
-            "1",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-            "--configfile",
-            str(config),
-        ],
+        snakemake_command(tmp_path, "-n", "--cores", "1", "--configfile", str(config)),
         capture_output=True,
         text=True,
         timeout=120,
@@ -131,26 +118,8 @@ def test_snakefile_parse_does_not_import_torch():
 
 
 def _dry_run(tmp_path, *args):
-    import subprocess
-    import sys
-
-    from conftest import REPO
-
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-            "-n",
-            "--cores",
-            "1",
-            "all",
-            *args,
-        ],
+        snakemake_command(tmp_path, "-n", "--cores", "1", "all", *args),
         capture_output=True,
         text=True,
         timeout=300,
@@ -213,7 +182,6 @@ def test_an_override_that_does_not_convert_names_the_key(tmp_path):
 
 def test_hostile_study_files_fail_fast_with_a_clear_error(tmp_path):
     import subprocess
-    import sys
     import time
 
     bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
@@ -229,21 +197,7 @@ def test_hostile_study_files_fail_fast_with_a_clear_error(tmp_path):
         path.write_text(text)
         started = time.time()
         done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "snakemake",
-                "-s",
-                str(REPO / "Snakefile"),
-                "--directory",
-                str(tmp_path),
-                "-n",
-                "--cores",
-                "1",
-                "all",
-                "--configfile",
-                str(path),
-            ],
+            snakemake_command(tmp_path, "-n", "--cores", "1", "all", "--configfile", str(path)),
             capture_output=True,
             text=True,
             timeout=60,
@@ -264,24 +218,9 @@ def test_an_unknown_architecture_is_refused_before_any_job_runs():
 
 def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
     import subprocess
-    import sys
 
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-            "-n",
-            "-p",
-            "--cores",
-            "1",
-            "all",
-            "plan",
-        ],
+        snakemake_command(tmp_path, "-n", "-p", "--cores", "1", "all", "plan"),
         capture_output=True,
         text=True,
         timeout=300,

@@ -4,14 +4,13 @@ real-width variants build and train a step on CPU at a reduced layer count."""
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, snakemake_command, workflow_env
 
 from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, load_study
@@ -32,25 +31,9 @@ def test_shipped_study_validates_and_dry_runs(path, tmp_path):
     if data_path and not Path(data_path).is_absolute():  # relative paths are the working directory's, as for a user
         (tmp_path / data_path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / data_path).write_bytes((REPO / data_path).read_bytes())
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "HF_HUB_OFFLINE")}
+    env = workflow_env("HF_HUB_OFFLINE")
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-            "all",
-            "-n",
-            "--cores",
-            "8",
-            "--configfile",
-            str(path),
-            "--resources",
-            "gpu=8",
-        ],
+        snakemake_command(tmp_path, "all", "-n", "--cores", "8", "--configfile", str(path), "--resources", "gpu=8"),
         capture_output=True,
         text=True,
         timeout=120,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, make_study
+from conftest import REPO, make_study, snakemake_command, workflow_env
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
@@ -28,23 +28,10 @@ CANARIES = {"HF_TOKEN": "hf_CANARYtokenCANARYtoken0123456789", "MLFLOW_TRACKING_
 
 
 def _snakemake(workdir: Path, config: Path, *args: str, **popen: object) -> subprocess.Popen[str]:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = workflow_env()
     env.update(CANARIES)
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(workdir),
-            "--configfile",
-            str(config),
-            "--cores",
-            "2",
-            *args,
-        ],
+        snakemake_command(workdir, "--configfile", str(config), "--cores", "2", *args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -253,7 +240,7 @@ def test_result_json_appears_only_after_the_mlflow_run_is_finished(checkpoints, 
         f" tracking_path=Path({str(tracking)!r}), capabilities_path=None, log_path=None, command=['tunegrid', "
         "'finetune'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = workflow_env()
     env.update(TUNEGRID_KILL_AT="before_result", PYTHONPATH=str(REPO / "src"))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]

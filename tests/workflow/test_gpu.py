@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import GEMMA_HOT, OLMOE, QWEN_MOE, REPO
+from conftest import GEMMA_HOT, OLMOE, QWEN_MOE, REPO, snakemake_command, workflow_env
 
 from tunegrid.files import read_json
 
@@ -57,24 +57,9 @@ OLMOE_WIDTH = {  # allenai/OLMoE-1B-7B-0924's width, 2 of 16 layers
 def _run(tmp_path: Path, study: dict, timeout: int = 420) -> pd.DataFrame:
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump(study))
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = workflow_env()
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "snakemake",
-            "-s",
-            str(REPO / "Snakefile"),
-            "--directory",
-            str(tmp_path),
-            "--cores",
-            "8",
-            "--resources",
-            "gpu=1",
-            "all",
-            "--configfile",
-            str(config),
-        ],
+        snakemake_command(tmp_path, "--cores", "8", "--resources", "gpu=1", "all", "--configfile", str(config)),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, workflow_env
 
 STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv")
 STUDIES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
@@ -140,7 +140,7 @@ def readme_commands() -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "TUNEGRID_EXECUTION_ID")}
+    env = workflow_env("TUNEGRID_EXECUTION_ID")
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`/`snakemake` of this venv
     return env
 

@@ -14,7 +14,7 @@ import time
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, make_study
+from conftest import REPO, make_study, workflow_env
 from slurm_cluster import available, slurm_cluster
 
 from tunegrid.files import read_json
@@ -52,7 +52,7 @@ def test_study_through_the_slurm_profile(tmp_path):
     config.write_text(yaml.safe_dump(study))
     workdir = tmp_path / "work"
     workdir.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = workflow_env()
     with slurm_cluster(tmp_path / "slurm") as slurm_env:
         started = time.time()
         proc = subprocess.run(

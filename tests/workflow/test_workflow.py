@@ -6,13 +6,12 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, make_study, processes_mentioning
+from conftest import REPO, make_study, processes_mentioning, snakemake_command, workflow_env
 
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.track.store import client
@@ -22,9 +21,9 @@ pytestmark = pytest.mark.slow
 
 
 def _snakemake(workdir, *args, timeout=900):
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = workflow_env()
     return subprocess.run(
-        [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args],
+        snakemake_command(workdir, *args),
         capture_output=True,
         text=True,
         timeout=timeout,
