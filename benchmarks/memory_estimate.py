@@ -25,6 +25,7 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
     DEVICE = device_from_argv()
 
 from machine import add_device_argument, describe, machine_facts  # noqa: E402
+from widths import GEMMA3_25M  # noqa: E402
 
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
 from tunegrid.files import read_json, write_json  # noqa: E402
@@ -35,16 +36,6 @@ from tunegrid.prepare.probes import probe  # noqa: E402
 from tunegrid.run.supervisor import run_cell  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-LARGER = {
-    "vocab_size": 512,
-    "hidden_size": 512,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "initializer_range": 0.02,
-}
 
 
 def row(result: dict, source: str) -> dict:
@@ -60,7 +51,7 @@ def row(result: dict, source: str) -> dict:
 
 def larger_cells(work: Path) -> list[dict]:
     study = load_study(REPO / "configs" / "config.yaml")
-    study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": LARGER}
+    study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": GEMMA3_25M}
     study["grid"].update(
         model=["gemma3-25m"], precision=["fp32", "bf16"], batch_size=[2, 8], quant=["none", "nf4"], seed=[0]
     )

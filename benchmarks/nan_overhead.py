@@ -32,6 +32,7 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
     DEVICE = device_from_argv()
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
+from widths import GEMMA3_25M, gemma3_4b_width  # noqa: E402
 
 from tunegrid.cell.train import CellTrainer  # noqa: E402
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
@@ -39,26 +40,6 @@ from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-LARGER = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
-    "vocab_size": 512,
-    "hidden_size": 512,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-}
-GEMMA3_4B_WIDTH = {  # google/gemma-3-4b-it's text width, 2 of 34 layers, a small vocabulary (GPU only)
-    "vocab_size": 4096,
-    "hidden_size": 2560,
-    "intermediate_size": 10240,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "sliding_window": 1024,
-    "query_pre_attn_scalar": 256,
-}
 
 
 def trainer_for(
@@ -134,8 +115,9 @@ def main() -> None:
     data = work / "train.jsonl"
     write_dataset(data, 256, 0)
     texts = list(corpus_texts(read_dataset(data)))
-    study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": LARGER}
-    study["models"]["gemma3-4b-width-2l"] = {**study["models"]["gemma3-tiny"], "config": GEMMA3_4B_WIDTH}
+    study["models"]["gemma3-25m"] = {**study["models"]["gemma3-tiny"], "config": GEMMA3_25M}
+    gemma3_4b_2l = gemma3_4b_width(layers=2, vocab_size=4096)
+    study["models"]["gemma3-4b-width-2l"] = {**study["models"]["gemma3-tiny"], "config": gemma3_4b_2l}
     models = [("gemma3-tiny", 8), ("qwen3moe-tiny", 8), ("gemma3-25m", 4)]
     if on_gpu:
         models.append(("gemma3-4b-width-2l", 2))

@@ -35,6 +35,8 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
 
 from machine import absolute_times, add_device_argument, describe, machine_facts, write_results  # noqa: E402
 from nan_overhead import trainer_for  # noqa: E402
+from widths import GEMMA3_25M as GEMMA3_25M_CONFIG  # noqa: E402
+from widths import gemma3_4b_width, olmoe_width, synthetic  # noqa: E402
 
 from tunegrid.cell.train import CellTrainer  # noqa: E402
 from tunegrid.config import load_study  # noqa: E402
@@ -42,54 +44,9 @@ from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
 from tunegrid.prepare.probes import cpu_inventory, cpu_precision_support  # noqa: E402
 
-GEMMA3_25M = {  # ~25M parameters: Gemma 3 text at width 512, 6 layers
-    "source": "synthetic",
-    "architecture": "gemma3_text",
-    "seed": 0,
-    "config": {
-        "vocab_size": 512,
-        "hidden_size": 512,
-        "intermediate_size": 2048,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "initializer_range": 0.02,
-    },
-}
-GEMMA3_4B_WIDTH = {  # google/gemma-3-4b-it text width, 4 of 34 layers
-    "source": "synthetic",
-    "architecture": "gemma3_text",
-    "seed": 0,
-    "config": {
-        "vocab_size": 262208,
-        "hidden_size": 2560,
-        "intermediate_size": 10240,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 4,
-        "head_dim": 256,
-        "sliding_window": 1024,
-        "query_pre_attn_scalar": 256,
-        "initializer_range": 0.02,
-    },
-}
-OLMOE_WIDTH = {  # allenai/OLMoE-1B-7B-0924 width, 4 of 16 layers
-    "source": "synthetic",
-    "architecture": "olmoe",
-    "seed": 0,
-    "config": {
-        "vocab_size": 50304,
-        "hidden_size": 2048,
-        "intermediate_size": 1024,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "num_experts": 64,
-        "num_experts_per_tok": 8,
-        "initializer_range": 0.02,
-    },
-}
+GEMMA3_25M = synthetic("gemma3_text", GEMMA3_25M_CONFIG)
+GEMMA3_4B_WIDTH = synthetic("gemma3_text", gemma3_4b_width(layers=4))
+OLMOE_WIDTH = synthetic("olmoe", olmoe_width(layers=4))
 # (model name, model spec, precision, quant, batch, seq_len) per device
 CASES = {
     "cpu": [("gemma3-25m", GEMMA3_25M, "fp32", "none", 4, 128), ("gemma3-25m", GEMMA3_25M, "bf16", "none", 4, 128)],
