@@ -63,6 +63,8 @@ def test_saved_adapter_reloads_onto_its_base_with_the_cells_loss(checkpoints, da
     assert (adapter / "adapter_model.safetensors").is_file() and (adapter / "adapter_config.json").is_file()
     base = read_json(adapter / BASE_FILE)
     assert base["base_model"] == base_model_identity(verify_checkpoint(checkpoints[MODEL]))
+    # the folder it was loaded from, not "None" (which peft's save looks up on the hub)
+    assert read_json(adapter / "adapter_config.json")["base_model_name_or_path"] == str(checkpoints[MODEL])
     expected = facts["training"]["reference_batch_loss"]
     assert base["reference"]["loss"] == expected and math.isfinite(expected)
 

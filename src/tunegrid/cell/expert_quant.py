@@ -123,7 +123,10 @@ def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:
         return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     model_class = mapping[type(config)]
     rest = {k: v for k, v in kwargs.items() if k not in ("use_safetensors", "trust_remote_code")}
-    return model_class.from_pretrained(None, config=config, state_dict=unread_state_dict(model_dir), **rest)
+    model = model_class.from_pretrained(None, config=config, state_dict=unread_state_dict(model_dir), **rest)
+    # from_pretrained(None) names the model "None"; peft's save would then look up a hub repo of that name
+    model.name_or_path = model.config.name_or_path = str(model_dir)
+    return model
 
 
 def quantized_at_load(model: Any) -> list[dict[str, Any]]:
