@@ -163,6 +163,19 @@ def run_in_process(
     return read_json(run_dir / "worker.json")
 
 
+def ready_trainer(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, tmp_path: Path) -> Any:
+    """The cell's own set-up path (load, audit and adapt, data), stopped before the first step."""
+    from tunegrid.cell.train import CellTrainer
+
+    run_dir = tmp_path / spec["cell_id"]
+    run_dir.mkdir(parents=True)
+    trainer = CellTrainer(spec, checkpoints[spec["model"]["name"]], dataset_path, run_dir)
+    trainer.setup()
+    trainer.build_model()
+    trainer.build_data()
+    return trainer
+
+
 @pytest.fixture(scope="session")
 def dataset_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tunegrid.prepare.data import write_dataset

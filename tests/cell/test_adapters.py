@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import make_study
+from conftest import make_study, run_supervised
 
 from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
 from tunegrid.cell.resume import CHECKPOINT_DIR
@@ -17,7 +17,6 @@ from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.prepare.checkpoints import verify_checkpoint
 from tunegrid.review.summary import summary_row
-from tunegrid.run.supervisor import run_cell
 from tunegrid.track.tags import run_tags
 
 MODEL = "qwen3moe-tiny"
@@ -35,17 +34,7 @@ def _spec(train: dict, debug: dict | None = None) -> dict:
 
 
 def _run_cell(spec: dict, checkpoints: dict, dataset_path: Path, run_dir: Path) -> dict:
-    return run_cell(
-        spec=spec,
-        model_dir=checkpoints[MODEL],
-        data_path=dataset_path,
-        run_dir=run_dir,
-        result_path=run_dir / "result.json",
-        tracking_path=None,
-        capabilities_path=None,
-        log_path=None,
-        command=["tunegrid", "finetune"],
-    )
+    return run_supervised(spec, checkpoints, dataset_path, run_dir)
 
 
 def test_saved_adapter_reloads_onto_its_base_with_the_cells_loss(checkpoints, dataset_path, tmp_path):

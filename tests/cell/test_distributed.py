@@ -9,7 +9,6 @@ from conftest import REPO, one_cell, processes_mentioning, run_supervised
 
 from tunegrid.config import ConfigError
 from tunegrid.files import read_json
-from tunegrid.run.supervisor import run_cell
 
 
 def _spec(world=2, train=None, debug=None, distributed=None):
@@ -104,17 +103,7 @@ def test_more_ranks_than_gpus_is_unsupported_before_launch(checkpoints, dataset_
     spec = _spec(world=2)
     spec["hardware"]["gpus_per_rank"] = 1
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    result = run_cell(
-        spec=spec,
-        model_dir=checkpoints["qwen3moe-tiny"],
-        data_path=dataset_path,
-        run_dir=run_dir,
-        result_path=run_dir / "result.json",
-        tracking_path=None,
-        capabilities_path=capabilities,
-        log_path=None,
-        command=["tunegrid", "finetune"],
-    )
+    result = run_supervised(spec, checkpoints, dataset_path, run_dir, capabilities=capabilities)
     assert result["outcome"] == "unsupported"
     assert "needs 2 GPUs" in result["reason"] and "1 present" in result["reason"]
     assert not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text() == ""

@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 import test_gradients
-from conftest import QWEN_MOE, one_cell, run_in_process
+from conftest import QWEN_MOE, one_cell, ready_trainer, run_in_process
 from test_gradients import RELATIVE_TOLERANCE, _dequantized_reference
 
-from tunegrid.cell.train import CellTrainer
 from tunegrid.files import read_json, read_jsonl
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -35,13 +34,7 @@ BF16_RELATIVE_TOLERANCE = 1e-1
 
 def _trainer(checkpoints: dict[str, Path], dataset_path: Path, tmp_path: Path, model: str, **train: Any) -> Any:
     spec = one_cell(model=model, quant="nf4-experts", lora=LORA, train={"steps": 1, **train})
-    run_dir = tmp_path / spec["cell_id"]
-    run_dir.mkdir(parents=True)
-    trainer = CellTrainer(spec, checkpoints[model], dataset_path, run_dir)
-    trainer.setup()
-    trainer.build_model()
-    trainer.build_data()
-    return trainer
+    return ready_trainer(spec, checkpoints, dataset_path, tmp_path)
 
 
 def _expert_lora(model: Any) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import one_cell
+from conftest import one_cell, ready_trainer
 
 from tunegrid.cell.train import CellTrainer, run_worker
 from tunegrid.files import read_json
@@ -63,14 +63,7 @@ def _spec(model: str, quant: str) -> dict[str, Any]:
 
 def _trainer(checkpoints: dict[str, Path], dataset_path: Path, tmp_path: Path, model: str, quant: str) -> CellTrainer:
     """The cell's own setup path: load, audit_and_adapt (with nf4-experts' reference forwards), data."""
-    spec = _spec(model, quant)
-    run_dir = tmp_path / spec["cell_id"]
-    run_dir.mkdir(parents=True)
-    trainer = CellTrainer(spec, checkpoints[model], dataset_path, run_dir)
-    trainer.setup()
-    trainer.build_model()
-    trainer.build_data()
-    return trainer
+    return ready_trainer(_spec(model, quant), checkpoints, dataset_path, tmp_path)
 
 
 def _dequantized_reference(trainer: CellTrainer, model_dir: Path) -> Any:

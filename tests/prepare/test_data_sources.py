@@ -7,14 +7,13 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_study
+from conftest import REPO, make_study, run_supervised
 
 from tunegrid.cell.train import run_worker
 from tunegrid.config import ConfigError, cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.prepare.data import read_dataset
 from tunegrid.prepare.datasets_io import DataError, write_study_dataset
-from tunegrid.run.supervisor import run_cell
 
 CHAT_FILE = REPO / "examples" / "chat.jsonl"
 PINNED = "0123456789abcdef0123456789abcdef01234567"
@@ -38,17 +37,7 @@ def test_chat_jsonl_trains_packed_through_the_cell_runner(checkpoints, tmp_path)
     assert all("messages" in r for r in read_dataset(data_path))
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    result = run_cell(
-        spec=spec,
-        model_dir=checkpoints["qwen3moe-tiny"],
-        data_path=data_path,
-        run_dir=run_dir,
-        result_path=run_dir / "result.json",
-        tracking_path=None,
-        capabilities_path=None,
-        log_path=None,
-        command=["tunegrid", "finetune"],
-    )
+    result = run_supervised(spec, checkpoints, data_path, run_dir)
     assert result["outcome"] == "ok", result["reason"]
     saved = read_json(run_dir / "result.json")
     assert saved["data"]["packing"] == "position_ids"

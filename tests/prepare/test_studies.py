@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, snakemake_command, workflow_env
+from conftest import REPO, run_supervised, snakemake_command, workflow_env
 
 from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, load_study
@@ -116,7 +116,6 @@ def test_moe_oom_at_load_at_reduced_size_ends_oom_at_load_for_nf4_and_ok_for_nf4
     half depth: plain nf4 keeps the fused experts in bf16 and runs out of memory while loading; nf4-experts
     quantizes them as they are read and trains. The budget is the experts' own bf16 bytes: a load that
     holds them whole cannot fit it, one that quantizes them as it reads holds about a quarter of that."""
-    from tunegrid.run.supervisor import run_cell
 
     study = copy.deepcopy(load_study(REPO / "configs" / "moe-oom-at-load.yaml"))
     ((name, model),) = study["models"].items()
@@ -148,16 +147,9 @@ def test_moe_oom_at_load_at_reduced_size_ends_oom_at_load_for_nf4_and_ok_for_nf4
     results = {}
     for cell in expand_cells(study):
         run_dir = tmp_path / cell.quant
-        results[cell.quant] = run_cell(
-            spec=cell_spec(study, cell),
-            model_dir=tmp_path / name,
-            data_path=dataset_path,
-            run_dir=run_dir,
-            result_path=run_dir / "result.json",
-            tracking_path=None,
-            capabilities_path=capabilities,
-            log_path=None,
-            command=["tunegrid", "finetune"],
+        spec = cell_spec(study, cell)
+        results[cell.quant] = run_supervised(
+            spec, {name: tmp_path / name}, dataset_path, run_dir, capabilities=capabilities
         )
     plain, experts = results["nf4"], results["nf4-experts"]
     assert plain["outcome"] == "oom" and plain["diagnosis"]["oom"]["stage"] == "load", plain["reason"]

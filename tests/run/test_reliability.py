@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, make_study, snakemake_command, workflow_env
+from conftest import REPO, make_study, run_supervised, snakemake_command, workflow_env
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.run.supervisor import run_cell
 from tunegrid.run.ui import free_port, mlflow_server
 from tunegrid.track.store import client, init_experiment
 from tunegrid.track.tracking import CELL_TAG, CellRun, sync_cell
@@ -195,17 +194,8 @@ def test_tracking_server_stopped_mid_run_training_goes_on_and_sync_fills(checkpo
     watcher = threading.Thread(target=stop_server_mid_run, daemon=True)
     watcher.start()
     holder = {
-        "result": run_cell(  # the supervisor needs the main thread (it installs a SIGTERM handler)
-            spec=spec,
-            model_dir=checkpoints["qwen3moe-tiny"],
-            data_path=dataset_path,
-            run_dir=run_dir,
-            result_path=run_dir / "result.json",
-            tracking_path=tracking,
-            capabilities_path=None,
-            log_path=None,
-            command=["tunegrid", "finetune"],
-        )
+        # the supervisor needs the main thread (it installs a SIGTERM handler)
+        "result": run_supervised(spec, checkpoints, dataset_path, run_dir, tracking=tracking)
     }
     watcher.join(timeout=60)
     result = holder["result"]
