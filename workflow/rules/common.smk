@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
+from tunegrid.devices import cell_gpus, gpus_per_rank
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
@@ -65,12 +66,12 @@ def get_cell_model_dir(wildcards):
 
 
 def get_cell_gpus(wildcards):
-    return get_cell(wildcards).world_size * STUDY["hardware"]["gpus_per_rank"]
+    return cell_gpus(STUDY["hardware"], get_cell(wildcards).world_size)
 
 
 def get_probe_gpus(wildcards):
     """The probe measures the devices the cells will train on, so it asks for what one rank asks for."""
-    return STUDY["hardware"]["gpus_per_rank"]
+    return gpus_per_rank(STUDY["hardware"])
 
 
 def get_cell_cpus(wildcards):
