@@ -297,3 +297,27 @@ def test_nan_replay_with_no_memory_left_is_nan_with_the_origin_unlocated_and_why
     assert origin["forward"] is None and origin["backward"] is None and origin["replay"] == "none"
     assert "forward-only replay ran out of memory" in origin["unlocated"]
     assert "out of memory" in facts["reason"] and "loss_nonfinite at step" in facts["reason"]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_a_step_where_no_adapter_gets_a_gradient_ends_unsupported_not_error(
+    checkpoints, dataset_path, tmp_path, monkeypatch, precision
+):
+    """The gradients of every adapter cut off after backward (what an op without an autograd kernel leaves):
+    under fp16 GradScaler.step used to assert "No inf checks were recorded"; the cell must end unsupported."""
+    from tunegrid.cell.step import OptimizerSteps
+
+    real = OptimizerSteps.forward_backward
+
+    def no_adapter_gradient(self, *args, **kwargs):
+        loss = real(self, *args, **kwargs)
+        for param in self.trainable:
+            param.grad = None
+        return loss
+
+    monkeypatch.setattr(OptimizerSteps, "forward_backward", no_adapter_gradient)
+    facts, run_dir = _run_with(checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision=precision)
+    assert facts["outcome"] == "unsupported", facts["reason"]
+    assert all(".lora_" in name for name in facts["diagnosis"]["params_without_grad"])
+    (line,) = read_jsonl(run_dir / "metrics.jsonl")
+    assert line["step"] == 0 and line["grad_norm"] == 0.0
