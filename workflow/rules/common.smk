@@ -53,6 +53,23 @@ wildcard_constraints:
     cell_id=cell_id_pattern(),
 
 
+# Cells measure throughput (tokens/s), so on this host the cells running at once ask for no more cores
+# than it has, whatever --cores says: `--cores 8` on a 2-core host would run eight one-thread cells on two
+# cores and make their tokens/s incomparable. `--resources host_cores=N` overrides the limit.
+HOST_CORES = len(os.sched_getaffinity(0))
+if workflow.local_exec and "host_cores" not in workflow.global_resources:
+    workflow.register_resource("host_cores", HOST_CORES)
+
+
+def get_cell_host_cores(wildcards):
+    return min(get_cell_cpus(wildcards), HOST_CORES) if workflow.local_exec else 0
+
+
+def cells_to_run():
+    """The cell jobs this invocation runs (onstart: the DAG is built by then)."""
+    return sum(1 for job in workflow.dag.needrun_jobs() if job.rule.name == "finetune")
+
+
 def get_cell(wildcards):
     try:
         return CELLS[wildcards.cell_id]

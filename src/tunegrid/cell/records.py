@@ -122,7 +122,9 @@ class StepRecords:
             "final_loss": state.losses[-1] if state.losses else None,
             "skipped_steps": state.skipped_total,
         }
-        self._conclude(state.nonfinite_events, state.stop_event, state.consecutive_skips, steps_run=steps_run)
+        self._conclude(
+            state.nonfinite_events, state.stop_event, state.consecutive_skips, steps_run, state.skipped_total
+        )
         if self.ranks.distributed:
             self.facts["lora_sha256"] = self.lora_digest()
         if state.unsupported:
@@ -135,7 +137,12 @@ class StepRecords:
             )
 
     def _conclude(
-        self, events: list[dict[str, Any]], stop_event: dict[str, Any] | None, consecutive_skips: int, steps_run: int
+        self,
+        events: list[dict[str, Any]],
+        stop_event: dict[str, Any] | None,
+        consecutive_skips: int,
+        steps_run: int,
+        skipped: int = 0,
     ) -> None:
         """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
 
@@ -174,8 +181,12 @@ class StepRecords:
                 diagnosis=diagnosis,
             )
         else:
+            # a step the GradScaler skipped ran but changed no weight: say how many updates were applied
+            applied = f", {steps_run - skipped} updates applied ({skipped} skipped by the GradScaler)"
             self.facts.update(
-                outcome=Outcome.OK, reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis
+                outcome=Outcome.OK,
+                reason=f"trained all {steps_run} steps with finite loss" + (applied if skipped else ""),
+                diagnosis=diagnosis,
             )
 
 
