@@ -164,6 +164,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 f"(ranks 0..{max(worlds) - 1})"
             )
     injection, accums = debug["inject_nonfinite"], config["grid"]["grad_accum"]
+    if injection.get("rank", 0) >= max(worlds):
+        problems.append(
+            f"config key 'debug.inject_nonfinite.rank': {injection['rank']} does not exist; grid.world_size is at "
+            f"most {max(worlds)} (ranks 0..{max(worlds) - 1})"
+        )
     for index, request in enumerate([injection, *injection.get("also", [])]):
         micro = request.get("micro_batch", 0)
         if request.get("module") and micro >= max(accums):
