@@ -130,7 +130,7 @@ def test_audit_roles_name_the_router_not_the_shared_expert_gate(model_type):
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
-    roles = {p["name"]: p["role"] for p in audit_model(model, four_bit_requested=False)["params"]}
+    roles = {p["name"]: p["role"] for p in audit_model(model, quantization_requested=False)["params"]}
     assert roles["model.layers.0.mlp.gate.weight"] == "router"
     assert [n for n, r in roles.items() if r == "router"] == ["model.layers.0.mlp.gate.weight"]
     if model_type == "qwen2_moe":
