@@ -104,6 +104,7 @@ def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
         **measured,
         "estimate_bytes": plan["estimate"]["estimate_bytes"],
         "estimate_components": plan["estimate"]["components"],
+        "estimate_not_modelled": plan["estimate"].get("not_modelled"),
         "budget_bytes": plan["budget_bytes"],
         "target": plan["target"],
     }
