@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import atomic_write_text, read_json, read_jsonl
+from tunegrid.outcome import CellResult
 from tunegrid.review.advice import Recommendation
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recommend import recommend
@@ -275,7 +276,7 @@ def build_report(
     results = {}
     curves = {}
     for path in result_paths:
-        result = read_json(path)
+        result = CellResult.from_json(read_json(path)).to_json()  # any version's file, with today's fields
         results[result["cell_id"]] = result
         curves[result["cell_id"]] = read_jsonl(Path(path).parent / "metrics.jsonl")
     recs = recommend(frame, capabilities)

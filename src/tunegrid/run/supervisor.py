@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.outcome import compose_result, infrastructure_fault
+from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
@@ -163,7 +163,10 @@ def run_cell(
         if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
             from tunegrid.cell.distributed import diagnose_ranks
 
-            result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
+            ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped)
+            # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
+            ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
+            result.update(ranks)
         attempts.append(
             {"outcome": result["outcome"], "reason": result["reason"], "infrastructure": infrastructure_fault(result)}
         )
@@ -189,6 +192,7 @@ def run_cell(
     # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
     # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
     staged = run_dir / ".staged" / "result.json"
+    result = CellResult.from_json(result).to_json()  # the declared shape: a key no field holds is an error
     write_json(staged, result)
     if tracker.enabled:
         _finish_run(tracker, result, staged, Path(data_path), log_path)

@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tunegrid.outcome import METRIC_KEYS
 from tunegrid.track.store import client, with_retries
-from tunegrid.vocabulary import METRIC_KEYS, Outcome
+from tunegrid.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
 
