@@ -114,6 +114,7 @@ class CellResult:
     ended_at: float | None = None
     command: str = ""
     attempts: list[dict[str, Any]] | None = None
+    visible_devices: str | None = None  # the job's own GPUs ("" none, None as the cluster granted)
     tracking: dict[str, Any] | None = None
 
     @classmethod
