@@ -63,6 +63,8 @@ class Diagnosis:
     rank_crash: dict[str, Any] | None = None
     rank_failure: dict[str, Any] | None = None
     params_without_grad: list[str] | None = None
+    stopped_by_peer: dict[str, Any] | None = None  # a rank that stopped because another rank's cell ended
+    decided_by_rank: int | None = None  # a distributed cell: the rank whose own outcome decided the cell's
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> Diagnosis:
