@@ -26,6 +26,7 @@ from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
+from tunegrid.study_paths import StudyPaths
 from tunegrid.track.tags import (
     ARTIFACT_FILES,
     axis_tags,
@@ -215,7 +216,7 @@ def run_cell(
             _finish_run(tracker, result, staged, Path(data_path), log_path)
             from tunegrid.track.execution import cell_ended
 
-            cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
+            cell_ended(tracker.uri, StudyPaths.of_result(result_path).study_dir, spec["cell_id"], result["outcome"])
         _kill_point("before_result")
         write_json(result_path, result)
         shutil.rmtree(staged.parent, ignore_errors=True)
@@ -224,7 +225,7 @@ def run_cell(
 
 def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None) -> None:
     """The cell's MLflow run at its end: the dataset input, outcome tags, params and artifacts."""
-    run_dir = staged.parents[1]
+    run_dir = staged.parent.parent  # <run_dir>/.staged/result.json
     if data_path.is_file():
         tracker.log_dataset(dataset_input(result, data_path))
     artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
@@ -274,7 +275,12 @@ def _open_run(
     if probe_run:
         tags["probe.run_id"] = probe_run
     parent = parent_run_id(
-        tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run, spec["cell_id"]
+        tracker.uri,
+        tracking["experiment_id"],
+        spec["study"],
+        StudyPaths.of_result(result_path).study_dir,
+        probe_run,
+        spec["cell_id"],
     )
     if parent:
         tags[INVOCATION_TAG] = parent
