@@ -11,6 +11,7 @@ from snakemake.exceptions import WorkflowError
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
+from tunegrid.study_paths import StudyPaths
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.devices import cell_gpus, gpus_per_rank
 from tunegrid.study_input import study_config
@@ -32,12 +33,13 @@ config.update(STUDY)
 
 # Absolute, so `--directory elsewhere` works and the logged command re-runs from any folder.
 SCRIPT = str(Path(workflow.basedir) / "scripts" / "tunegrid.py")
-RESULTS = f"results/{STUDY['study']}"
-LOGS = f"results/logs/{STUDY['study']}"
+PATHS = StudyPaths.of(STUDY["study"])  # every file of the study, named once
+RESULTS = str(PATHS.study_dir)
+LOGS = str(PATHS.logs_dir)
 CELLS = cells_by_id(STUDY)
 # The resolved study, written once per invocation (onstart) for the jobs: they get this path and a cell
 # id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
-STUDY_FILE = f"{RESULTS}/study.json"
+STUDY_FILE = str(PATHS.study_file)
 TRACKING = STUDY["tracking"]["enabled"]
 
 # One MLflow parent run per invocation: jobs (local, or SLURM jobs that inherit the submitting

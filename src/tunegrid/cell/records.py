@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from tunegrid.cell.loop_state import LoopState
+from tunegrid.outcome import StepMetrics
 from tunegrid.vocabulary import Outcome
 
 
@@ -29,24 +30,25 @@ class StepRecords:
             state.step_times.append(fact["elapsed"])
             state.tokens_per_s.append(tokens / fact["elapsed"])
             state.steady_peaks.append(fact["peak"])
-        record = {
-            "step": step,
-            "time": time.time(),
-            "loss": fact["loss"],
-            "grad_norm": fact["grad_norm"],
-            "lr": fact["lr"],
-            "tokens_per_s": tokens / fact["elapsed"],
-            "step_time_s": fact["elapsed"],
-            "mem_peak_bytes": fact["peak"],
-            "skipped_steps": state.skipped_total,
-        }
-        if self.scaler is not None:
-            record["loss_scale"] = fact["scale"]
+        headroom = None
         if measured_headroom:
             worst = state.headroom.collect(step)
             logs["headroom"].write(worst)
-            record["fp16_headroom_max_ratio"] = worst["max_ratio"]
-        logs["metrics"].write(record)
+            headroom = worst["max_ratio"]
+        metrics = StepMetrics(
+            step=step,
+            time=time.time(),
+            loss=fact["loss"],
+            grad_norm=fact["grad_norm"],
+            lr=fact["lr"],
+            tokens_per_s=tokens / fact["elapsed"],
+            step_time_s=fact["elapsed"],
+            mem_peak_bytes=fact["peak"],
+            skipped_steps=state.skipped_total,
+            loss_scale=fact["scale"] if self.scaler is not None else None,
+            fp16_headroom_max_ratio=headroom,
+        )
+        logs["metrics"].write(metrics.as_record())
 
     def on_nonfinite(
         self,
