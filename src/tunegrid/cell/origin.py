@@ -75,9 +75,10 @@ class OriginReplay:
         import torch
 
         from tunegrid.cell.instrument import OriginTracer
+        from tunegrid.cell.resume import set_rng_states
 
         self.optimizer.zero_grad(set_to_none=True)
-        torch.set_rng_state(fact["rng_states"][index])
+        set_rng_states(fact["rng_states"][index])  # CPU and CUDA generators: the same dropout masks
         real = fact.get("real_positions", [None] * (index + 1))[index]
         tracer = OriginTracer(self.model, real)
         if headroom is not None:
