@@ -275,3 +275,30 @@ def test_cuda_estimate_counts_every_layers_expert_weights_kept_for_backward(
     )
     assert checkpointed["components"]["experts_kept_for_backward"] == 0
     assert checkpointed["components"]["dequant_buffer"] >= max(full_width.values())  # one layer's, rebuilt
+
+
+def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_peak_it_caps(monkeypatch):
+    """Through a patched torch.cuda: the budget goes to the device this rank trains on (not device 0), and an
+    out-of-memory record carries the reserved high-water mark the fraction caps beside the allocated peak (which
+    can stay under the budget while the cell runs out of it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tunegrid.cell.train import CellTrainer
+    from tunegrid.memory import MemoryMeter, apply_memory_budget
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append((f, device))
+    )
+    enforcement = apply_memory_budget("cuda", 16 * 2**30, 1)
+    assert fractions == [(0.2, 1)] and enforcement["device"] == 1 and enforcement["caps"] == "reserved"
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 12 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: 16 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 11 * 2**30)
+    at_failure = CellTrainer.meter_at_failure(SimpleNamespace(meter=MemoryMeter("cuda")))
+    assert at_failure == {"bytes_at_failure": 11 * 2**30, "peak_bytes": 12 * 2**30, "reserved_peak_bytes": 16 * 2**30}
+    assert "reserved_peak_bytes" not in CellTrainer.meter_at_failure(SimpleNamespace(meter=MemoryMeter("cpu")))
