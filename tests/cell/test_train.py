@@ -297,7 +297,7 @@ def test_nan_replay_with_no_memory_left_is_nan_with_the_origin_unlocated_and_why
     )
     assert facts["outcome"] == "nan", facts["reason"]
     origin = facts["diagnosis"]["nan"]["origin"]
-    assert origin["forward"] is None and origin["backward"] is None and origin["replay"] == "none"
+    assert origin["forward"] is None and origin["backward"] is None and origin["replay"] == "out of memory"
     assert "forward-only replay ran out of memory" in origin["unlocated"]
     assert "out of memory" in facts["reason"] and "loss_nonfinite at step" in facts["reason"]
 
