@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", default="")
     p.add_argument("--experiment", required=True)
     p.add_argument("--artifact-root", required=True)
+    p.add_argument("--system-metrics-interval-s", type=float, default=0.0, help="MLflow's system metrics; 0: off")
     p.add_argument("--out", required=True)
     p.set_defaults(func=commands.tracking_init)
 
