@@ -270,7 +270,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def load_study(path: str | Path) -> dict[str, Any]:
-    """Read a study YAML and resolve it; a missing or unparsable file is a ConfigError too."""
+    return resolve_study(read_study_file(path))  # a missing or unparsable file is a ConfigError too
+
+
+def read_study_file(path: str | Path) -> dict[str, Any]:
+    """A study YAML as written (not yet resolved); a missing or unparsable file is a ConfigError."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -281,7 +285,7 @@ def load_study(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
-    return resolve_study(raw)
+    return raw
 
 
 def expand_cells(study: dict[str, Any]) -> list[Cell]:

@@ -13,11 +13,15 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
+from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
 try:
-    _study = study_config(config, workflow.config_settings.overwrite_config or {}, workflow.overwrite_configfiles or [])
+    # a study with `base:` starts from a training recipe (axolotl / TRL): imported here, its own keys on top
+    _study = expand_base(
+        study_config(config, workflow.config_settings.overwrite_config or {}, workflow.overwrite_configfiles or [])
+    )
     config.clear()
     config.update(_study)
     STUDY = resolve_study(config)

@@ -228,7 +228,8 @@ def mlflow_ui(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from tunegrid.config import expand_cells, load_study
+    from tunegrid.config import expand_cells, read_study_file, resolve_study
+    from tunegrid.prepare.recipe_study import expand_base
 
-    study = load_study(args.config)
+    study = resolve_study(expand_base(read_study_file(args.config)))
     print(f"study {study['study']!r}: {len(expand_cells(study))} cells")

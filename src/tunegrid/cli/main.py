@@ -9,6 +9,7 @@ import os
 import sys
 
 import tunegrid.cli.commands as commands
+import tunegrid.cli.recipes as recipes
 from tunegrid.config import ConfigError
 from tunegrid.prepare.checkpoints import CheckpointError
 
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a study config and count its cells")
     p.add_argument("config")
     p.set_defaults(func=commands.validate)
+    recipes.add_parsers(sub)
     return parser
 
 
