@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
+from tunegrid.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
@@ -27,8 +27,10 @@ try:
     STUDY = resolve_study(config)
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
-# snakemake's own validator fills the schema's defaults into `config` as well.
-validate(config, schema="../schemas/config.schema.yaml")
+# `config` as validated, defaults filled: resolve_study validates against the schema file with its grid
+# built from the axis table (which the file alone does not hold, so snakemake's validate cannot check it).
+config.clear()
+config.update(STUDY)
 
 # Absolute, so `--directory elsewhere` works and the logged command re-runs from any folder.
 SCRIPT = str(Path(workflow.basedir) / "scripts" / "tunegrid.py")
@@ -69,12 +71,12 @@ def get_cell_model_dir(wildcards):
 
 
 def get_cell_gpus(wildcards):
-    return get_cell(wildcards).world_size * STUDY["hardware"]["gpus_per_rank"]
+    return cell_gpus(STUDY["hardware"], get_cell(wildcards).world_size)
 
 
 def get_probe_gpus(wildcards):
     """The probe measures the devices the cells will train on, so it asks for what one rank asks for."""
-    return STUDY["hardware"]["gpus_per_rank"]
+    return gpus_per_rank(STUDY["hardware"])
 
 
 def get_cell_cpus(wildcards):

@@ -153,7 +153,8 @@ class StepRecords:
         diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
         if deciding is not None:
             origin = deciding.get("origin") or {}
-            where = origin_text(origin.get("forward") or origin.get("backward"))
+            traced = origin.get("forward") or origin.get("backward")
+            where = origin_text(traced) if traced or not origin.get("unlocated") else f"? ({origin['unlocated']})"
             stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
             accum = self.spec["axes"].get("grad_accum", 1)
             micro = (

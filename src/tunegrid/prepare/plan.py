@@ -34,13 +34,15 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
 def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
     """`unsupported` before launch when the cell needs more GPUs than the probe found (a rank without
     its own GPU fails at set-up with "invalid device ordinal"; a launch would only prove it)."""
+    from tunegrid.devices import gpus_per_rank
+
     world = spec["axes"].get("world_size", 1)
-    needed = world * spec["hardware"]["gpus_per_rank"]
+    per_rank = gpus_per_rank(spec["hardware"], capabilities)
+    needed = world * per_rank
     present = len(capabilities.get("gpus") or [])
     if capabilities.get("device") != "cuda" or needed <= present:
         return None
     return (
         Outcome.UNSUPPORTED,
-        f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
-        f"{present} present on this machine",
+        f"needs {needed} GPUs (world_size {world} x gpus_per_rank {per_rank}), {present} present on this machine",
     )

@@ -98,15 +98,10 @@ def _smaller_micro_batch(batch: int) -> int | None:
 
 def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], list[str]]:
     """The grid: every axis at the recipe's value, the axes that bear on `failure` varied around it."""
+    from tunegrid.vocabulary import AXES
+
     s = recipe.settings
-    grid: dict[str, list[Any]] = {
-        "precision": [s["grid.precision"]],
-        "batch_size": [s["grid.batch_size"]],
-        "grad_accum": [s["grid.grad_accum"]],
-        "quant": [s["grid.quant"]],
-        "seed": [s["grid.seed"]],
-        "world_size": [1],
-    }
+    grid: dict[str, list[Any]] = {axis: [s[f"grid.{axis}"]] for axis in AXES if f"grid.{axis}" in s}
     why: list[str] = []
     failures = {"nan", "oom", "timeout"} if failure == "all" else {failure}
     smaller = _smaller_micro_batch(s["grid.batch_size"])
@@ -158,7 +153,7 @@ def baseline_cell_id(study: dict[str, Any]) -> str:
     from tunegrid.vocabulary import AXES
 
     grid = study["grid"]
-    return Cell(**{axis: grid[axis][0] for axis in AXES}).cell_id
+    return Cell(**{axis: grid[axis][0] for axis in AXES if grid.get(axis)}).cell_id
 
 
 def header(recipe: Recipe, failure: str, study: dict[str, Any]) -> list[str]:

@@ -24,7 +24,6 @@ from tunegrid.prepare.recipe_trl import DEFAULTS as TRL_DEFAULTS
 from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS, trl_value
 from tunegrid.vocabulary import AXES
 
-RECIPE_AXES = ("precision", "batch_size", "grad_accum", "quant", "seed")
 AXOLOTL_DEFAULTS = {
     "bf16": False, "fp16": False, "load_in_4bit": False, "quantize_moe_experts": False, "micro_batch_size": 1,
     "gradient_accumulation_steps": 1, "seed": 42,
@@ -79,16 +78,18 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
     if _family(tool) != to:
         raise ConfigError(f"the recipe {base['recipe']!r} is an {tool} config; export it --to {_family(tool)}")
     cell = cells[cell_id].axes()
-    baseline = {axis: study["grid"][axis][0] for axis in AXES}
-    changes = {axis: cell[axis] for axis in RECIPE_AXES if cell[axis] != baseline[axis]}
-    notes = []
-    if cell["world_size"] != baseline["world_size"]:
-        notes.append(f"world_size {cell['world_size']}: launch {cell['world_size']} processes (not a recipe key)")
+    baseline = {axis: study["grid"][axis][0] for axis in AXES if study["grid"].get(axis)}
+    differs = {axis: cell[axis] for axis in AXES if axis in baseline and cell[axis] != baseline[axis]}
     to_keys = axolotl_value if tool == "axolotl" else trl_value
     wanted: dict[str, Any] = {}
-    for axis, value in changes.items():
+    changes: dict[str, Any] = {}
+    notes = []
+    for axis, value in differs.items():
         try:
             wanted.update(to_keys(axis, value))
+            changes[axis] = value
+        except KeyError:  # an axis no recipe key says (the ranks: how many processes the user launches)
+            notes.append(f"{axis} {value}: not a key of a {tool} config (e.g. launch that many processes)")
         except ValueError as exc:
             raise ConfigError(f"cell {cell_id}: {exc}") from None
     keys = {k: v for k, v in wanted.items() if _effective(tool, raw, k, wanted) != v}
@@ -147,7 +148,7 @@ def recommended(study: dict[str, Any], recommendations: list[dict[str, Any]]) ->
     from tunegrid.config import Cell
 
     grid = study["grid"]
-    baseline = {axis: grid[axis][0] for axis in AXES}
+    baseline = {axis: grid[axis][0] for axis in AXES if grid.get(axis)}
     baseline_id = Cell(**baseline).cell_id
     found = []
     for rec in recommendations:

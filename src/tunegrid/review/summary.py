@@ -9,11 +9,13 @@ from typing import Any
 
 from tunegrid.files import read_json
 from tunegrid.outcome import origin_label
+from tunegrid.vocabulary import axis_names, with_neutrals
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
-    # results written before an axis existed ran at its neutral value
-    axes = {"world_size": 1, "grad_accum": 1, **result["cell"]["axes"]}
+    # results written before an axis existed ran at its neutral value; the columns are the table's axes
+    recorded = with_neutrals(result["cell"]["axes"])
+    axes = {name: recorded.get(name) for name in axis_names()}
     nan = (result.get("diagnosis") or {}).get("nan") or {}
     origin = nan.get("origin") or {}
     memory = result.get("memory") or {}
