@@ -80,6 +80,10 @@ class Recipe:
         else:
             self.refused.append(f"recipe key {key!r}: {why}; change it, or pass --ignore {key} to drop it")
 
+    def need(self, key: str, why: str) -> None:
+        """Something a study cannot do without (the model, the data): an error, whatever `--ignore` says."""
+        self.refused.append(f"recipe key {key!r}: {why}")
+
     def account_rest(self, why: str) -> None:
         """Every top-level key neither carried, dropped, refused nor ignored: listed as not carried."""
         used = {k for keys in self.origin.values() for k in keys}
@@ -112,21 +116,22 @@ def read_file(path: str | Path) -> dict[str, Any]:
 def model_entry(recipe: Recipe, name_key: str, name: Any, revision_key: str, revision: Any) -> None:
     """`models.<name>`: a local folder (config.json inside), else a hub repo at a pinned 40-hex revision."""
     if not isinstance(name, str) or not name:
-        recipe.refuse(name_key, "no model: give the base model (a local folder or a hub id), or pass --model")
+        recipe.need(name_key, "no model: give the base model (a local folder or a hub id), or pass --model")
         return
     folder = resolve_local(recipe, name)
     if folder is not None:
         if not (folder / "config.json").is_file():
-            recipe.refuse(name_key, f"{name!r} is a folder without config.json; give a transformers checkpoint folder")
+            recipe.need(name_key, f"{name!r} is a folder without config.json; give a transformers checkpoint folder")
             return
         recipe.carry("model", {"source": "local", "path": str(folder)}, name_key)
         recipe.drop(revision_key, "a local folder has no revision")
         return
     rev = str(revision or "")
     if not HEX40.match(rev):
-        recipe.refuse(
+        recipe.need(
             revision_key,
-            f"the hub model {name!r} needs a pinned 40-hex commit (got {rev or 'none'}); a branch or tag can move",
+            f"{name!r} is no local folder (looked from here and beside the recipe), so it is a hub id, which needs "
+            f"a pinned 40-hex commit (got {rev or 'none'}; a branch or tag can move)",
         )
         return
     recipe.carry("model", {"source": "hub", "repo_id": name, "revision": rev}, name_key, revision_key)

@@ -112,7 +112,7 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
 
 def _datasets(recipe: Recipe, datasets: Any) -> None:
     if not datasets:
-        recipe.refuse("datasets", "no dataset: give one local file or pinned hub dataset, or pass --dataset")
+        recipe.need("datasets", "no dataset: give one local file or pinned hub dataset, or pass --dataset")
         return
     if not isinstance(datasets, list):
         datasets = [datasets]
@@ -120,7 +120,7 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
         recipe.refuse(f"datasets.{index}", "tunegrid trains each cell on one dataset (the first)")
     entry, key = datasets[0], "datasets.0"
     if not isinstance(entry, dict) or not entry.get("path"):
-        recipe.refuse(key, "a dataset entry needs a path (a local file or a hub id)")
+        recipe.need(key, "a dataset entry needs a path (a local file or a hub id)")
         return
     recipe.carry("data.dataset", dict(entry), "datasets")
     found = local_dataset(recipe, f"{key}.path", str(entry.get("data_files") or entry["path"]), entry.get("ds_type"))
@@ -129,7 +129,11 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
         from tunegrid.prepare.recipe import HEX40
 
         if not HEX40.match(revision):
-            recipe.refuse(f"{key}.revision", f"hub dataset {entry['path']!r} needs a pinned 40-hex revision")
+            recipe.need(
+                f"{key}.revision",
+                f"{entry['path']!r} is no local file (looked from here and beside the recipe), so it is a hub "
+                "dataset, which needs a pinned 40-hex revision",
+            )
             return
         if entry.get("name"):
             recipe.refuse(f"{key}.name", "tunegrid reads a hub dataset's default configuration")

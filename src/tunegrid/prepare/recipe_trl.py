@@ -100,7 +100,7 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     recipe.carry("grid.seed", int(_get(recipe, "seed")), "seed")
     length = seq_len or _get(recipe, "max_length")
     if not length:
-        recipe.refuse("max_length", "TrainingArguments holds no sequence length; pass --seq-len")
+        recipe.need("max_length", "TrainingArguments holds no sequence length; pass --seq-len")
     else:
         recipe.carry("train.seq_len", int(length), "max_length")
     total = int(raw.get("max_steps") or -1)
@@ -162,21 +162,21 @@ def _dataset(recipe: Recipe) -> None:
         if isinstance(files, str):
             found = local_dataset(recipe, "datasets.0.data_files", files, entry.get("path"))
         if found is None:
-            recipe.refuse("datasets.0", "give a local JSON-lines or parquet file (data_files) or pass --dataset")
+            recipe.need("datasets.0", "give a local JSON-lines or parquet file (data_files) or pass --dataset")
             return
         recipe.carry("data.dataset", dict(entry), "datasets")
     elif raw.get("dataset_name"):
         found = local_dataset(recipe, "dataset_name", str(raw["dataset_name"]))
         if found is None:
-            recipe.refuse(
+            recipe.need(
                 "dataset_name",
-                f"hub dataset {raw['dataset_name']!r}: TRL's arguments hold no revision to pin it; pass "
-                "--dataset <repo>@<40-hex revision> (or a local file)",
+                f"{raw['dataset_name']!r} is no local file, so a hub dataset, and TRL's arguments hold no revision "
+                "to pin it: give a local JSON-lines or parquet file (dataset_name or --dataset)",
             )
             return
         recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
     else:
-        recipe.refuse("dataset_name", "no dataset: give dataset_name (a local file) or pass --dataset")
+        recipe.need("dataset_name", "no dataset: give dataset_name (a local file) or pass --dataset")
         return
     record = first_record(found)
     text_field = raw.get("dataset_text_field") or "text"
@@ -188,7 +188,7 @@ def _dataset(recipe: Recipe) -> None:
         only = raw.get("completion_only_loss")
         recipe.carry("data.loss_on", "all" if only is False else "response", "completion_only_loss")
     else:
-        recipe.refuse(
+        recipe.need(
             "dataset_text_field",
             f"records with only a {text_field!r} text: tunegrid trains on prompt/completion pairs or messages",
         )
