@@ -121,7 +121,12 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
     assert synced["points_filled"] == len(metrics_from_records(read_jsonl(run_dir / "metrics.jsonl"))) == 4 * 7
     run = client(uri).get_run(synced["run_id"])
     assert run.data.tags["outcome"] == "ok"
+    assert run.info.run_name == f"ok · {spec['cell_id']}" and run.info.status == "FINISHED", "as a live run ends"
     assert len(client(uri).get_metric_history(run.info.run_id, "loss")) == 4
+    # a nan cell's run made from the files ends FAILED and named by its outcome too
+    nan = {**result, "outcome": "nan", "cell": {**result["cell"], "cell_id": "nan-cell"}}
+    failed = client(uri).get_run(sync_cell(uri, experiment_id, nan, run_dir, None)["run_id"])
+    assert failed.info.status == "FAILED" and failed.info.run_name == "nan · nan-cell"
     # a second sync finds nothing missing
     assert (
         sync_cell(uri, experiment_id, {**result, "tracking": {"run_id": synced["run_id"]}}, run_dir, None)[
