@@ -113,7 +113,7 @@ def test_the_grid_varies_what_bears_on_the_failure(workdir):
     assert list(zip(nan["grid"]["batch_size"], nan["grid"]["grad_accum"])) == [(2, 4), (1, 8)]  # same effective
     oom, _, _ = import_recipe({"recipe": "axolotl-fsdp-8bit-optim.yaml", "failure": "oom", "ignore": ["deepspeed",
                                "fsdp", "fsdp_config", "optimizer", "peft_use_dora"]})  # fmt: skip
-    assert oom["grid"]["quant"] == ["none", "nf4", "nf4-experts"], "an MoE checkpoint gets nf4-experts"
+    assert oom["grid"]["quant"] == ["none", "nf4-experts", "nf4", "int8"], "the memory fixes; nf4-experts for MoE"
     assert oom["grid"]["precision"] == ["fp16"]
     timeout, _, _ = import_recipe({"recipe": "trl-sft-chat.yaml", "failure": "timeout"})
     assert timeout["grid"]["world_size"] == [1, 2] and timeout["grid"]["precision"] == ["fp16"]

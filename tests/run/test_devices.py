@@ -74,3 +74,22 @@ def test_a_cell_trains_on_its_own_claimed_gpu_or_on_the_cpu_when_it_asks_for_non
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     with cell_devices(auto, 2, two_gpus, tmp_path) as granted:
         assert granted is None  # the cluster granted this job its GPUs: nothing to claim
+
+
+def test_on_slurm_a_two_rank_cell_is_judged_by_the_gpus_its_own_job_was_granted(monkeypatch):
+    """The probe job asked for one rank's GPU, so its record lists 1: that is no reason to refuse a 2-rank cell
+    whose job was granted 2 (it used to end every world_size > 1 cell `unsupported` on SLURM)."""
+    import tunegrid.devices
+    from tunegrid.prepare.plan import gpu_shortfall
+
+    probe_job = {**H100, "cluster_job": True}  # the record as a SLURM probe job writes it: 1 GPU, its own
+    spec = one_cell(world=2)
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    monkeypatch.setattr(tunegrid.devices, "visible_gpu_count", lambda: 2)  # the cell's job: --gpus=2
+    assert gpu_shortfall(spec, probe_job) is None
+    monkeypatch.setattr(tunegrid.devices, "visible_gpu_count", lambda: 1)  # a job granted too few
+    verdict = gpu_shortfall(spec, probe_job)
+    assert verdict is not None and "1 granted to this job" in verdict[1]
+    monkeypatch.delenv("SLURM_JOB_ID")  # the plan rule on the submitting host: the scheduler decides
+    assert gpu_shortfall(spec, probe_job) is None
+    assert gpu_shortfall(spec, H100) is not None  # a local probe saw the whole machine: 1 GPU for 2 ranks

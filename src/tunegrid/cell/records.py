@@ -123,6 +123,14 @@ class StepRecords:
             "skipped_steps": state.skipped_total,
         }
         self._conclude(state.nonfinite_events, state.stop_event, state.consecutive_skips, steps_run=steps_run)
+        if state.stopped_by_peer is not None and state.stop_event is None and self.facts["outcome"] == Outcome.ERROR:
+            # no event of this rank's own ended it: a peer's did (its rank folder holds that event's origin)
+            self.facts.update(
+                outcome=Outcome.NAN,
+                reason=f"stopped at step {state.stopped_by_peer} with the other ranks: another rank's step ended "
+                "the cell",
+                diagnosis={**self.facts.get("diagnosis", {}), "stopped_by_peer": {"step": state.stopped_by_peer}},
+            )
         if self.ranks.distributed:
             self.facts["lora_sha256"] = self.lora_digest()
         if state.unsupported:

@@ -75,7 +75,7 @@ class OptimizerSteps:
         injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
         self.injector = (
             NonfiniteInjector(self.model, injection, train["seq_len"])
-            if injection and injection.get("module")
+            if injection and injection.get("module") and injection.get("rank", self.ranks.rank) == self.ranks.rank
             else None
         )
         if self.ranks.distributed:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from tunegrid.errors import ConfigError
+from tunegrid.input_limits import read_study_yaml, study_file_problems
+from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
 
 MAPPED_VERSIONS = {"axolotl": "0.18.0", "trl": "1.16.0", "transformers": "5.23.0"}
 TOOLS = ("axolotl", "trl", "transformers")
@@ -103,11 +103,15 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe {str(path)!r} does not exist")
-    try:
-        text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise RecipeError(f"recipe {str(path)!r} is not valid {path.suffix.lstrip('.') or 'YAML'}: {exc}") from None
+    if path.suffix != ".json":  # read as a study file is: bounded before anything is expanded, YAML 1.2 numbers
+        raw = read_study_yaml(path)
+    else:
+        try:
+            raw = json.loads(path.read_text()) if not study_file_problems([path]) else None
+        except ValueError as exc:
+            raise RecipeError(f"recipe {str(path)!r} is not valid JSON: {exc}") from None
+        if raw is None:
+            raise RecipeError(study_file_problems([path])[0])
     if not isinstance(raw, dict):
         raise RecipeError(f"recipe {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
     return raw
@@ -218,11 +222,26 @@ def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
         recipe.refuse(key, f"{value!r}: tunegrid takes a list of module-name suffixes")
 
 
+def precision_of(dtype: str) -> str:
+    """The precision whose row (tunegrid.plans) computes in this torch dtype."""
+    return str(next(row.precision for row in PRECISION_PLANS.values() if row.dtype == dtype))
+
+
+def quant_of(bnb: dict[str, Any] | None, experts: bool = False) -> str | None:
+    """The quantization whose row loads with these BitsAndBytesConfig settings (None: none does)."""
+    for plan in QUANT_PLANS.values():
+        if bnb is None and plan.bits is None:
+            return str(plan.quant)
+        if bnb and plan.bnb and plan.experts_quantized == experts and all(plan.bnb.get(k) == v for k, v in bnb.items()):
+            return str(plan.quant)
+    return None
+
+
 def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, str], tf32_key: str = "tf32") -> None:
     if fp16 and bf16:
         recipe.refuse(keys[0], "both bf16 and fp16 are on; a run trains in one of them")
         return
-    precision = "fp16" if fp16 else "bf16" if bf16 else "fp32"
+    precision = precision_of("float16" if fp16 else "bfloat16" if bf16 else "float32")
     recipe.carry("grid.precision", precision, *keys)
     if bf16 == "auto":
         recipe.notes.append(f"{keys[0]}: auto read as bf16 (the grid tries the others where the failure asks)")
@@ -231,11 +250,16 @@ def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, str],
         recipe.not_carried[tf32_key] = "TF32 matmuls (GPU only) are not a tunegrid setting"
 
 
-def four_bit(recipe: Recipe, on: bool, quant_type: Any, keys: list[str]) -> None:
-    if not on:
-        recipe.carry("grid.quant", "none", *[k for k in keys if k in recipe.raw][:1])
+def quantization(recipe: Recipe, four: bool, eight: bool, quant_type: Any, keys: list[str]) -> None:
+    """`load_in_4bit` (with its bnb_4bit_quant_type) or `load_in_8bit` as the quantization that loads so."""
+    given = [k for k in keys if k in recipe.raw]
+    if four and eight:
+        recipe.refuse("load_in_8bit", "both 4-bit and 8-bit loading are on; a model loads in one of them")
         return
-    if str(quant_type or "nf4") != "nf4":
-        recipe.refuse(keys[-1], f"4-bit type {quant_type!r}: tunegrid quantizes to nf4")
+    bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": str(quant_type or "nf4")} if four else None
+    bnb = {"load_in_8bit": True} if eight else bnb
+    quant = quant_of(bnb)
+    if quant is None:
+        recipe.refuse(keys[-1], f"{bnb}: no tunegrid quantization loads with these bitsandbytes settings")
         return
-    recipe.carry("grid.quant", "nf4", *[k for k in keys if k in recipe.raw])
+    recipe.carry("grid.quant", quant, *given)

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
 from tunegrid.prepare.recipe import (
     Recipe,
     first_record,
-    four_bit,
     local_dataset,
     lora_targets,
     model_entry,
     optimizer,
     precision_flags,
+    quant_of,
+    quantization,
     scheduler,
     warmup,
 )
@@ -43,17 +45,16 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     if adapter not in ("lora", "qlora"):
         recipe.refuse("adapter", f"{adapter!r}: tunegrid trains LoRA adapters (adapter: lora or qlora)")
     recipe.carry("adapter", adapter, "adapter")
-    if raw.get("load_in_8bit"):
-        recipe.refuse("load_in_8bit", "tunegrid's quantizations are none, nf4 and nf4-experts (no 8-bit)")
     bnb = raw.get("bnb_config_kwargs") or {}
-    four_bit(
-        recipe,
-        bool(raw.get("load_in_4bit")) or adapter == "qlora",
-        bnb.get("bnb_4bit_quant_type", "nf4"),
-        ["load_in_4bit", "adapter", "bnb_config_kwargs"],
-    )
-    if raw.get("quantize_moe_experts") and recipe.settings.get("grid.quant") == "nf4":
-        recipe.carry("grid.quant", "nf4-experts", "quantize_moe_experts")
+    four = bool(raw.get("load_in_4bit")) or adapter == "qlora"
+    quant_type = bnb.get("bnb_4bit_quant_type", "nf4")
+    quantization(
+        recipe, four, bool(raw.get("load_in_8bit")), quant_type,
+        ["load_in_4bit", "load_in_8bit", "adapter", "bnb_config_kwargs"],
+    )  # fmt: skip
+    experts = quant_of({"load_in_4bit": True, "bnb_4bit_quant_type": quant_type}, experts=True)
+    if raw.get("quantize_moe_experts") and four and experts:
+        recipe.carry("grid.quant", experts, "quantize_moe_experts")
     if bnb.get("bnb_4bit_use_double_quant") is False:
         recipe.notes.append("bnb_config_kwargs.bnb_4bit_use_double_quant: false; tunegrid's nf4 double-quantizes")
     precision_flags(recipe, raw.get("bf16"), raw.get("fp16"), ("bf16", "fp16"))
@@ -172,7 +173,8 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
 def axolotl_value(setting: str, value: Any) -> dict[str, Any]:
     """The axolotl keys that say a tunegrid axis value (for export): only what the axis sets."""
     if setting == "precision":
-        return {"bf16": value == "bf16", "fp16": value == "fp16"}
+        dtype = PRECISION_PLANS[value].dtype
+        return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
     if setting == "batch_size":
         return {"micro_batch_size": value}
     if setting == "grad_accum":
@@ -180,7 +182,12 @@ def axolotl_value(setting: str, value: Any) -> dict[str, Any]:
     if setting == "seed":
         return {"seed": value}
     if setting == "quant":
-        if value == "none":
-            return {"load_in_4bit": False, "adapter": "lora", "quantize_moe_experts": False}
-        return {"load_in_4bit": True, "adapter": "qlora", "quantize_moe_experts": value == "nf4-experts"}
+        bnb = QUANT_PLANS[value].bnb or {}
+        four = bool(bnb.get("load_in_4bit"))
+        return {
+            "load_in_4bit": four,
+            "load_in_8bit": bool(bnb.get("load_in_8bit")),
+            "adapter": "qlora" if four else "lora",
+            "quantize_moe_experts": QUANT_PLANS[value].experts_quantized,
+        }
     raise KeyError(setting)

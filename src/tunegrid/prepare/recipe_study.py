@@ -117,7 +117,10 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
             "(the recipe's effective batch, a smaller activation peak)"
         )
     if "oom" in failures:
-        quants = ["none", "nf4"] + (["nf4-experts"] if _is_moe(recipe) else [])
+        from tunegrid.plans import QUANT_PLANS, memory_fix_quants
+
+        moe = _is_moe(recipe)
+        quants = [str(q) for q in memory_fix_quants() if moe or not QUANT_PLANS[q].experts_quantized]
         grid["quant"] += [q for q in quants if q not in grid["quant"]]
         why.append(f"oom: quantizations {quants}")
     if "timeout" in failures:

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
 from tunegrid.prepare.recipe import (
     Recipe,
     first_record,
-    four_bit,
     local_dataset,
     lora_targets,
     model_entry,
     optimizer,
     precision_flags,
+    quantization,
     scheduler,
     warmup,
 )
@@ -81,11 +82,10 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     if tool == "trl" and not raw.get("use_peft"):
         recipe.refuse("use_peft", "without use_peft TRL fine-tunes every weight; tunegrid trains LoRA adapters")
     recipe.carry("adapter", "lora", "use_peft")
-    if raw.get("load_in_8bit"):
-        recipe.refuse("load_in_8bit", "tunegrid's quantizations are none, nf4 and nf4-experts (no 8-bit)")
-    four_bit(
-        recipe, bool(raw.get("load_in_4bit")), raw.get("bnb_4bit_quant_type"), ["load_in_4bit", "bnb_4bit_quant_type"]
-    )
+    quantization(
+        recipe, bool(raw.get("load_in_4bit")), bool(raw.get("load_in_8bit")), raw.get("bnb_4bit_quant_type"),
+        ["load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"],
+    )  # fmt: skip
     if "use_bnb_nested_quant" in raw and not raw["use_bnb_nested_quant"]:
         recipe.notes.append("use_bnb_nested_quant: false; tunegrid's nf4 double-quantizes (nested)")
     bf16 = raw.get("bf16")
@@ -197,7 +197,8 @@ def _dataset(recipe: Recipe) -> None:
 def trl_value(setting: str, value: Any) -> dict[str, Any]:
     """The TRL / TrainingArguments keys that say a tunegrid axis value (for export)."""
     if setting == "precision":
-        return {"bf16": value == "bf16", "fp16": value == "fp16"}
+        dtype = PRECISION_PLANS[value].dtype
+        return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
     if setting == "batch_size":
         return {"per_device_train_batch_size": value}
     if setting == "grad_accum":
@@ -205,11 +206,10 @@ def trl_value(setting: str, value: Any) -> dict[str, Any]:
     if setting == "seed":
         return {"seed": value}
     if setting == "quant":
-        if value == "nf4-experts":
-            raise ValueError("TRL's ModelConfig has no setting that quantizes MoE experts (nf4-experts)")
-        return (
-            {"load_in_4bit": value == "nf4", "bnb_4bit_quant_type": "nf4"}
-            if value == "nf4"
-            else {"load_in_4bit": False}
-        )
+        plan = QUANT_PLANS[value]
+        if plan.experts_quantized:
+            raise ValueError(f"TRL's ModelConfig has no setting that quantizes MoE experts ({value})")
+        bnb = plan.bnb or {}
+        keys = {"load_in_4bit": bool(bnb.get("load_in_4bit")), "load_in_8bit": bool(bnb.get("load_in_8bit"))}
+        return {**keys, **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if keys["load_in_4bit"] else {})}
     raise KeyError(setting)

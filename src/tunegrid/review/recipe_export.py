@@ -25,9 +25,14 @@ from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
 from tunegrid.vocabulary import AXES
 
 AXOLOTL_DEFAULTS = {
-    "bf16": False, "fp16": False, "load_in_4bit": False, "quantize_moe_experts": False, "micro_batch_size": 1,
+    "bf16": False, "fp16": False, "load_in_4bit": False, "load_in_8bit": False, "quantize_moe_experts": False,
+    "micro_batch_size": 1,
     "gradient_accumulation_steps": 1, "seed": 42,
 }  # fmt: skip
+
+
+# SFTConfig's defaults that follow another key (trl 1.16.0 base_config.__post_init__): bf16 unless fp16
+SFT_DERIVED = {"bf16": lambda raw, updated: not updated.get("fp16", raw.get("fp16", False))}
 
 
 @dataclass
@@ -50,11 +55,17 @@ def _effective(tool: str, raw: dict[str, Any], key: str, updated: dict[str, Any]
     """What a key is worth in the tool when the file does not set it (SFTConfig's bf16: on unless fp16)."""
     if key in raw:
         return raw[key]
-    if tool == "trl" and key == "bf16":
-        return not updated.get("fp16", raw.get("fp16", False))
+    if tool == "trl" and key in SFT_DERIVED:
+        return SFT_DERIVED[key](raw, updated)
     if tool == "axolotl":
         return AXOLOTL_DEFAULTS.get(key)
-    fallback = {"bf16": False, "fp16": False, "load_in_4bit": False, "bnb_4bit_quant_type": "nf4"}
+    fallback = {
+        "bf16": False,
+        "fp16": False,
+        "load_in_4bit": False,
+        "load_in_8bit": False,
+        "bnb_4bit_quant_type": "nf4",
+    }
     return TRL_DEFAULTS.get(tool, {}).get(key, fallback.get(key))
 
 

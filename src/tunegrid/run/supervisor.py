@@ -194,6 +194,7 @@ def run_cell(
             tail = MetricsTail(run_dir / "metrics.jsonl")
             verdict = None
         result["attempts"] = attempts
+        result["visible_devices"] = visible  # the job's own GPUs ("" none, null as the cluster granted)
         tracker.log_records(pending + tail.read_new())
         filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
         if tracker.enabled:
