@@ -265,3 +265,19 @@ def test_export_refuses_what_the_tool_cannot_say(workdir):
         export_cell(study, baseline_cell_id(study), "axolotl")
     with pytest.raises(ConfigError, match="not a cell"):
         export_cell(study, "nope_fp32_bs1_none_s0", "trl")
+
+
+def test_quantization_is_read_and_written_through_the_plans_rows(workdir):
+    Path("eight.yaml").write_text(
+        "model_name_or_path: models/local-gemma\nuse_peft: true\nload_in_8bit: true\ndataset_name: data/chat.jsonl\n"
+    )
+    study = _resolved("eight.yaml", failure="oom")
+    assert study["grid"]["quant"] == ["int8", "nf4"], "8-bit loading is the int8 row; the others as memory fixes"
+    assert export_cell(study, baseline_cell_id(study).replace("int8", "nf4"), "trl").keys == {
+        "load_in_4bit": True,
+        "load_in_8bit": False,
+    }, "nf4 is the file's own bnb_4bit_quant_type default, so only the loading flags change"
+    Path("four.yaml").write_text("model_name_or_path: models/local-gemma\nuse_peft: true\nload_in_4bit: true\n"
+                                 "bnb_4bit_quant_type: fp4\ndataset_name: data/chat.jsonl\n")  # fmt: skip
+    with pytest.raises(RecipeError, match="recipe key 'bnb_4bit_quant_type'"):
+        import_recipe({"recipe": "four.yaml"})
