@@ -17,6 +17,7 @@ from tunegrid.files import atomic_write_text, read_json, read_jsonl
 from tunegrid.outcome import CellResult
 from tunegrid.review.advice import Recommendation
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
+from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
 from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
@@ -310,6 +311,7 @@ def build_report(
 <p class="counts">{len(frame)} cells: {count_html}</p>
 <h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
+{fixes_html(out_dir.parent / "study.json", [r.as_dict() for r in recs], out_dir)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">
 <h2>Non-finite events</h2>{_table(nan_rows, NAN_COLUMNS)}
 <h2>Other failures</h2>{_failures_html(failures)}
