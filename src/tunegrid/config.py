@@ -235,7 +235,8 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "lora": study["lora"],
         "data": study["data"],
         "debug": study["debug"],
-        "hardware": study["hardware"],
+        # the job's host-memory request is not how the cell trains: changing it re-runs no cell
+        "hardware": {key: value for key, value in study["hardware"].items() if key != "mem_mb"},
         "distributed": study["distributed"],
     }
 

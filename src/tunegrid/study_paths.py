@@ -4,7 +4,7 @@ find a study's files here instead of walking up from one of them (`parents[N]`) 
     results/<study>/                         study_dir
         study.json                           the resolved study the jobs read
         env/environment.json, probe/capabilities.json, data/train.jsonl, models/<model>/
-        plan.csv, runs/<cell_id>/result.json (and the run's other files), summary.csv, report/
+        plan.csv, plans/<cell_id>.json, runs/<cell_id>/result.json (and the run's other files), summary.csv, report/
         tracking.json, tracking-sync.json
     results/logs/<study>/                    logs_dir: one log per rule, finetune/<cell_id>.log per cell
 
@@ -85,6 +85,10 @@ class StudyPaths:
     @property
     def plan_table(self) -> Path:
         return self.study_dir / "plan.csv"
+
+    def cell_plan(self, cell_id: str) -> Path:
+        """The cell's plan (tunegrid.prepare.cell_plan.CellPlan) its job takes its memory request from."""
+        return self.study_dir / "plans" / f"{cell_id}.json"
 
     @property
     def summary(self) -> Path:

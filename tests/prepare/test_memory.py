@@ -203,6 +203,48 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
     assert set(plan.loc[plan.precision != "bf16", "verdict"]) == {"run"}
     assert (plan.estimate_bytes > 0).all() and set(plan.target) == {"t4"}
 
+    # each cell's own plan (the `cell_plan` rule's file, the finetune job's mem_mb) says what plan.csv says
+    from tunegrid.config import resolve_study, spec_json
+    from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, CellPlan, job_mem_mb
+
+    study_file.write_text(spec_json(resolve_study(study)))  # as the study_config rule writes it: resolved
+    for row in plan.itertuples():
+        cell_file = tmp_path / "plans" / f"{row.cell_id}.json"
+        main(
+            ["cell-plan", "--study-file", str(study_file), "--cell", row.cell_id, "--model-dir"]
+            + [str(models / row.model), "--capabilities", str(capabilities), "--out", str(cell_file)]
+        )
+        cell = CellPlan.read(cell_file)
+        assert (cell.estimate_bytes, cell.estimate_stage, cell.verdict, cell.target) == (
+            row.estimate_bytes,
+            row.estimate_stage,
+            row.verdict,
+            row.target,
+        )
+        assert cell.mem_mb == job_mem_mb(row.estimate_bytes, 1) >= MEM_FLOOR_MB_PER_RANK
+
+
+def test_job_memory_is_the_estimate_with_room_a_floor_per_rank_or_the_override():
+    from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, MEM_SAFETY_FACTOR, job_mem_mb, mem_mb_for_job
+
+    sixty_gb = 60 * 2**30
+    assert job_mem_mb(sixty_gb, 1) == round(60 * 1024 * MEM_SAFETY_FACTOR)
+    assert job_mem_mb(sixty_gb, 2) == 2 * job_mem_mb(sixty_gb, 1)  # every rank of the job loads the model
+    assert job_mem_mb(10 * 2**20, 2) == 2 * MEM_FLOOR_MB_PER_RANK
+    assert job_mem_mb(sixty_gb, 2, override_mb=123_000) == 123_000
+    # no plan yet (a dry run before the probe): the floor, or the override
+    assert mem_mb_for_job(None, {"mem_mb": 0}, 2) == 2 * MEM_FLOOR_MB_PER_RANK
+    assert mem_mb_for_job("/nonexistent/plan.json", {"mem_mb": 9000}, 1) == 9000
+
+
+def test_the_job_memory_override_re_runs_no_cell():
+    from tunegrid.config import cell_spec, expand_cells, resolve_study
+
+    studies = [resolve_study(make_study(hardware={"mem_mb": mb})) for mb in (0, 64_000)]
+    assert studies[1]["hardware"]["mem_mb"] == 64_000 and studies[0]["hardware"]["mem_mb"] == 0
+    specs = [[cell_spec(s, c) for c in expand_cells(s)] for s in studies]
+    assert specs[0] == specs[1]  # the finetune job's params: unchanged, so no cell re-runs
+
 
 def test_estimate_says_what_it_does_not_model_where_it_applies(checkpoints):
     """CPU bf16 MoE cells grow step by step in oneDNN (benchmarks/onednn_bf16_growth.py): the estimate says

@@ -14,6 +14,7 @@ from tunegrid.run import hooks
 from tunegrid.study_paths import StudyPaths
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.devices import cell_gpus, gpus_per_rank
+from tunegrid.prepare.cell_plan import mem_mb_for_job, write_cell_plan
 from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.study_input import study_config
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
@@ -41,8 +42,7 @@ PATHS = StudyPaths.of(STUDY["study"])  # every file of the study, named once
 RESULTS = str(PATHS.study_dir)
 LOGS = str(PATHS.logs_dir)
 CELLS = cells_by_id(STUDY)
-# The resolved study, written once per invocation (onstart) for the jobs: they get this path and a cell
-# id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
+# The resolved study, made by the `study_config` rule (workflow/rules/plan.smk) for the jobs.
 STUDY_FILE = str(PATHS.study_file)
 TRACKING = STUDY["tracking"]["enabled"]
 
@@ -104,8 +104,10 @@ def get_cell_cpus(wildcards):
     return get_cell(wildcards).world_size * STUDY["train"]["threads"]
 
 
-def get_cell_mem_mb(wildcards):
-    return 4000 * get_cell(wildcards).world_size
+def get_cell_mem_mb(wildcards, input):
+    """From the cell's plan: Snakemake evaluates this again when it schedules the job, with the plan made; in a
+    dry run before it exists, the floor (tunegrid.prepare.cell_plan.MEM_FLOOR_MB_PER_RANK per rank)."""
+    return mem_mb_for_job(input.get("plan"), STUDY["hardware"], get_cell(wildcards).world_size)
 
 
 def get_model_spec(wildcards):

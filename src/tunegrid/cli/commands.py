@@ -153,6 +153,12 @@ def plan(args: argparse.Namespace) -> None:
     print(frame[["cell_id", "target", "estimate_bytes", "verdict", "reason"]].to_string(index=False))
 
 
+def cell_plan(args: argparse.Namespace) -> None:
+    from tunegrid.prepare.cell_plan import write_cell_plan
+
+    print(write_cell_plan(args.study_file, args.cell, args.model_dir, args.capabilities, args.out).to_json(), end="")
+
+
 def report(args: argparse.Namespace) -> None:
     from tunegrid.review.report import build_report
 

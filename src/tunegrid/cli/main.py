@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=commands.plan)
 
+    p = sub.add_parser("cell-plan", help="one cell's plan (estimate, budget, verdict, job memory) as JSON")
+    p.add_argument("--study-file", required=True, help="the resolved study (results/<study>/study.json)")
+    p.add_argument("--cell", required=True, help="the cell id within --study-file")
+    p.add_argument("--capabilities", required=True)
+    p.add_argument("--model-dir", required=True)
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=commands.cell_plan)
+
     p = sub.add_parser("report", help="the comparison report: HTML, PNGs and recommendations")
     p.add_argument("--summary", required=True, help="summary.parquet")
     p.add_argument("--capabilities", required=True)

@@ -1,0 +1,65 @@
+"""`snakemake --profile slurm -n`: each cell's job asks for the memory its plan derives, not one figure for all."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from conftest import REPO, snakemake_command, workflow_env
+
+from tunegrid.config import expand_cells, resolve_study
+from tunegrid.input_limits import read_study_yaml
+from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, CellPlan, job_mem_mb
+from tunegrid.study_paths import StudyPaths
+
+STUDY = REPO / "configs" / "moe-qlora-memory.yaml"
+
+
+def finetune_mem_mb(workdir) -> dict[str, int]:
+    """cell id -> the mem_mb `snakemake --profile slurm -n` shows for its finetune job."""
+    proc = subprocess.run(
+        [*snakemake_command(workdir, "--profile", "slurm", "-n", "--configfile", str(STUDY))],
+        cwd=REPO,  # Snakemake finds the `slurm` profile in the folder it is started from
+        env=workflow_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = re.findall(r"rule finetune:\n(.*?)\n\n", proc.stdout + proc.stderr, flags=re.S)
+    found = {}
+    for job in jobs:
+        cell = re.search(r"runs/([^/]+)/result\.json", job).group(1)
+        found[cell] = int(re.search(r"mem_mb=(\d+)", job).group(1))
+    return found
+
+
+def test_slurm_dry_run_asks_each_cell_for_its_plans_memory(tmp_path):
+    study = resolve_study(read_study_yaml(STUDY))
+    cells = list(expand_cells(study))
+    # before any plan exists: the stated floor, per rank
+    before = finetune_mem_mb(tmp_path)
+    assert before == {c.cell_id: MEM_FLOOR_MB_PER_RANK * c.world_size for c in cells}
+    # plans as the cell_plan rule writes them, with estimates of the size these checkpoints have (the 30B MoE's
+    # bf16 experts ~58 GB); the hub checkpoints themselves are not downloaded here
+    paths = StudyPaths.of(study["study"], tmp_path / "results")
+    estimates = {}
+    for i, cell in enumerate(cells):
+        estimates[cell.cell_id] = (60 if cell.model.startswith("qwen3") else 14) * 2**30 + i * 2**20
+        plan = CellPlan(
+            cell.cell_id,
+            cell.world_size,
+            "native",
+            None,
+            estimates[cell.cell_id],
+            "load",
+            "cuda",
+            "run",
+            "",
+            job_mem_mb(estimates[cell.cell_id], cell.world_size),
+        )
+        paths.cell_plan(cell.cell_id).parent.mkdir(parents=True, exist_ok=True)
+        paths.cell_plan(cell.cell_id).write_text(plan.to_json())
+    after = finetune_mem_mb(tmp_path)
+    assert after == {c.cell_id: job_mem_mb(estimates[c.cell_id], c.world_size) for c in cells}
+    assert len(set(after.values())) == len(cells) and 4000 not in after.values()
