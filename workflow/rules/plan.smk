@@ -53,5 +53,5 @@ rule plan:
         models=lambda wildcards, input: os.path.dirname(input.models[0]),
     shell:
         f"python {SCRIPT} plan"
-        " --study-file {input.study} --capabilities {{input.capabilities}} --models {{params.models}}"
+        " --study-file {input.study} --capabilities {input.capabilities} --models {params.models}"
         " --out {output.plan} > {log} 2>&1"
