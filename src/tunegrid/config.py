@@ -20,6 +20,7 @@ import yaml
 from tunegrid.errors import ConfigError
 from tunegrid.input_limits import known_architecture, secret_problems, size_problems, study_file_problems
 from tunegrid.vocabulary import AXES
+from tunegrid.vocabulary import DEFAULT_COLLECTIVE_TIMEOUT_S as DEFAULT_TIMEOUT
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -42,14 +43,22 @@ class Cell:
     seed: int
     world_size: int = 1
     grad_accum: int = 1  # micro-batches of batch_size per optimizer step
+    optimizer: str = "adamw"
+    activation_checkpointing: bool = False  # recompute activations in backward (not a model checkpoint)
+    collective_timeout_s: float = DEFAULT_TIMEOUT
+    fault: str = "debug"  # which rank faults of the debug section this cell injects
 
     @property
     def cell_id(self) -> str:
-        # a cell at 1 process and no accumulation keeps the id it had before those axes existed (no re-run
-        # of old results)
+        # an axis at its default adds nothing: ids of cells from before the axis existed stay as they were
         world = f"_ws{self.world_size}" if self.world_size > 1 else ""
         accum = f"_ga{self.grad_accum}" if self.grad_accum > 1 else ""
-        return f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}{world}{accum}"
+        optimizer = f"_{self.optimizer}" if self.optimizer != "adamw" else ""
+        recompute = "_ac" if self.activation_checkpointing else ""
+        timeout = f"_ct{self.collective_timeout_s:g}" if self.collective_timeout_s != DEFAULT_TIMEOUT else ""
+        fault = f"_fault-{self.fault}" if self.fault != "debug" else ""
+        base = f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}"
+        return base + world + accum + optimizer + recompute + timeout + fault
 
     def axes(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,6 +134,9 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     problems = [_describe(e) for e in errors]
     if not problems:
+        from tunegrid.grid_axes import fill_setting_axes
+
+        fill_setting_axes(config)
         problems = _semantic_problems(config)
     if problems:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
@@ -173,24 +185,9 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
     from tunegrid.data_checks import config_problems
 
     problems += config_problems(config["data"])
-    debug, worlds = config["debug"], config["grid"]["world_size"]
-    for key in ("stall_rank", "kill_rank"):
-        rank = debug[key]["rank"]
-        if rank >= 0 and rank >= max(worlds):
-            problems.append(
-                f"config key 'debug.{key}.rank': {rank} does not exist; grid.world_size is at most {max(worlds)} "
-                f"(ranks 0..{max(worlds) - 1})"
-            )
-    injection, accums = debug["inject_nonfinite"], config["grid"]["grad_accum"]
-    for index, request in enumerate([injection, *injection.get("also", [])]):
-        micro = request.get("micro_batch", 0)
-        if request.get("module") and micro >= max(accums):
-            key = "debug.inject_nonfinite" + (f".also.{index - 1}" if index else "")
-            problems.append(
-                f"config key '{key}.micro_batch': {micro} does not exist; grid.grad_accum is at most {max(accums)} "
-                f"(micro-batches 0..{max(accums) - 1})"
-            )
-        problems += _position_problems(request.get("position"), index, config)
+    from tunegrid.grid_axes import debug_problems
+
+    problems += debug_problems(config)
     tracking = config["tracking"]
     if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:
         problems.append(
@@ -295,18 +292,22 @@ def cells_by_id(study: dict[str, Any]) -> dict[str, Cell]:
 
 
 def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
-    """Everything one cell needs to train, fully resolved: what result.json records as `cell`."""
+    """Everything one cell needs to train, fully resolved: what result.json records as `cell`. The axes that
+    stand for a study setting (activation checkpointing, the collective timeout, the rank faults) are written
+    into it, so the trainer reads one place."""
+    from tunegrid.grid_axes import cell_debug
+
     return {
         "study": study["study"],
         "cell_id": cell.cell_id,
         "axes": cell.axes(),
         "model": {"name": cell.model, **study["models"][cell.model]},
-        "train": study["train"],
+        "train": {**study["train"], "gradient_checkpointing": cell.activation_checkpointing},
         "lora": study["lora"],
         "data": study["data"],
-        "debug": study["debug"],
+        "debug": cell_debug(study["debug"], cell.fault),
         "hardware": study["hardware"],
-        "distributed": study["distributed"],
+        "distributed": {**study["distributed"], "collective_timeout_s": cell.collective_timeout_s},
     }
 
 
@@ -324,23 +325,3 @@ def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
 def spec_json(spec: dict[str, Any]) -> str:
     """Canonical JSON of a spec: identical config gives identical text (Snakemake's params trigger)."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
-
-
-def _position_problems(position: dict[str, int] | None, index: int, config: dict[str, Any]) -> list[str]:
-    """An injection's (row, token) must lie inside every cell's micro-batch."""
-    if not position:
-        return []
-    key = "debug.inject_nonfinite" + (f".also.{index - 1}" if index else "") + ".position"
-    rows, seq_len = min(config["grid"]["batch_size"]), config["train"]["seq_len"]
-    problems = []
-    if position["row"] >= rows:
-        problems.append(
-            f"config key '{key}.row': {position['row']} does not exist; the smallest grid.batch_size is {rows} "
-            f"(rows 0..{rows - 1})"
-        )
-    if position["token"] >= seq_len:
-        problems.append(
-            f"config key '{key}.token': {position['token']} does not exist; train.seq_len is {seq_len} "
-            f"(tokens 0..{seq_len - 1})"
-        )
-    return problems

@@ -12,9 +12,27 @@ from __future__ import annotations
 from enum import StrEnum
 
 # Order of the axes in a cell id; a new axis is appended here and nowhere else.
-AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size", "grad_accum")
+AXES = (
+    "model",
+    "precision",
+    "batch_size",
+    "quant",
+    "seed",
+    "world_size",
+    "grad_accum",
+    "optimizer",
+    "activation_checkpointing",
+    "collective_timeout_s",
+    "fault",
+)
 PRECISIONS = ("fp32", "bf16", "fp16")
 QUANTS = ("none", "nf4", "nf4-experts")
+# torch's AdamW, and bitsandbytes' 8-bit AdamW without and with paged state
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")
+# The rank faults a cell injects: `debug` = those the study's debug section sets; a named one = only that one
+# (its settings from the debug section), none = no rank fault. Twins that differ only here prove a fix.
+FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # the schema's distributed.collective_timeout_s (PyTorch's NCCL default)
 # Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
 METRIC_KEYS = (
     "loss",
@@ -22,6 +40,7 @@ METRIC_KEYS = (
     "lr",
     "tokens_per_s",
     "step_time_s",
+    "local_time_s",
     "mem_peak_bytes",
     "loss_scale",
     "skipped_steps",
@@ -47,7 +66,13 @@ FAILED = frozenset(OUTCOMES) - {Outcome.OK}
 
 def cell_id_pattern() -> str:
     """The regex of a cell id (Snakemake's wildcard constraint): model, precision, batch, quant, seed, and
-    world size and gradient accumulation where they are not 1."""
+    world size, gradient accumulation, optimizer, activation checkpointing, collective timeout and fault where
+    they are not the default."""
     precisions = "|".join(PRECISIONS)
     quants = "|".join(QUANTS)
-    return rf"[A-Za-z0-9][A-Za-z0-9.-]*_({precisions})_bs[0-9]+_({quants})_s[0-9]+(_ws[0-9]+)?(_ga[0-9]+)?"
+    optimizers = "|".join(OPTIMIZERS[1:])
+    faults = "|".join(FAULTS[1:])
+    return (
+        rf"[A-Za-z0-9][A-Za-z0-9.-]*_({precisions})_bs[0-9]+_({quants})_s[0-9]+(_ws[0-9]+)?(_ga[0-9]+)?"
+        rf"(_({optimizers}))?(_ac)?(_ct[0-9.]+)?(_fault-({faults}))?"
+    )

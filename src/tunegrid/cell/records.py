@@ -37,6 +37,7 @@ class StepRecords:
             "lr": fact["lr"],
             "tokens_per_s": tokens / fact["elapsed"],
             "step_time_s": fact["elapsed"],
+            "local_time_s": fact["local_time"],
             "mem_peak_bytes": fact["peak"],
             "skipped_steps": state.skipped_total,
         }

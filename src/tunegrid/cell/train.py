@@ -138,6 +138,8 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
         )
         try:
             for step in range(state.start, steps):
+                if self.leaves_loop(step):
+                    break
                 state.last_step = step
                 if self.checkpointer is not None and self.checkpointer.due(step, state.start):
                     self.save_checkpoint(
@@ -164,7 +166,10 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
                 progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
                 progress.update()
                 if state.unsupported or self.on_nonfinite(step, micro_batches, fact, state, logs):
+                    state.stopped = True
                     break
+            if self.ranks.distributed and not state.stopped:
+                self.agree_finished(state.last_step)
         finally:
             progress.close()
             for log in logs.values():

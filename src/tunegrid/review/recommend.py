@@ -17,6 +17,7 @@ from tunegrid.prepare.targets import TARGETS
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, paren, siblings
 from tunegrid.review.batch_advice import memory_batch_fix, smaller_batch_fix
 from tunegrid.review.moe_advice import expert_gap, load_peaks
+from tunegrid.review.timeout_advice import timeout_fixes
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome
 
@@ -178,42 +179,6 @@ def _unsupported_fixes(frame: Any) -> list[Recommendation]:
     return out
 
 
-def _timeout_fixes(frame: Any) -> list[Recommendation]:
-    out = []
-    if "collective_op" not in frame.columns:
-        return out
-    for _, row in frame[(frame["outcome"] == Outcome.TIMEOUT) & frame["collective_op"].notna()].iterrows():
-        evidence, options, fixes = [], [], []
-        if "world_size" in frame.columns:
-            alt = ok_cells(siblings(frame, row, "world_size"))
-            if not alt.empty:
-                best = alt.sort_values("world_size").iloc[-1]
-                evidence.append(best["cell_id"])
-                options.append(f"world_size {int(best['world_size'])} was ok")
-                fixes.append(Fix({"world_size": int(best["world_size"])}, options[-1], [best["cell_id"]]))
-        missing = row.get("collective_missing_ranks") or "unknown"
-        text = (
-            f"Collective timeout: rank(s) {missing} never reached {row['collective_op']} "
-            f"(seq {row.get('collective_seq') or 'n/a'}); the other ranks waited {row.get('collective_timeout_s')} s, "
-            f"the timeout in effect. The straggler, not the network, is the cause to chase: its last step was "
-            f"{row.get('collective_last_steps') or 'n/a'}."
-        )
-        if options:
-            text += " In this grid, " + "; ".join(options) + "."
-        out.append(
-            Recommendation(
-                signature="timeout:collective",
-                title=f"{row['cell_id']}: collective timeout",
-                text=text,
-                failing=[row["cell_id"]],
-                evidence=evidence,
-                fixes=fixes,
-                concerns=[row["cell_id"]],
-            )
-        )
-    return out
-
-
 def recommend(frame: Any, capabilities: dict[str, Any] | None = None) -> list[Recommendation]:
     """Every recommendation the grid supports, most severe failure kinds first."""
     capabilities = capabilities or {}
@@ -221,6 +186,6 @@ def recommend(frame: Any, capabilities: dict[str, Any] | None = None) -> list[Re
         *_nan_fixes(frame, capabilities),
         *_memory_fixes(frame),
         *expert_gap(frame),
-        *_timeout_fixes(frame),
+        *timeout_fixes(frame),
         *_unsupported_fixes(frame),
     ]

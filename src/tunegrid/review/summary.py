@@ -12,8 +12,17 @@ from tunegrid.outcome import origin_label
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
-    # results written before an axis existed ran at its neutral value
-    axes = {"world_size": 1, "grad_accum": 1, **result["cell"]["axes"]}
+    # results written before an axis existed ran at its neutral value, or at the study setting it stands for
+    cell = result["cell"]
+    axes = {
+        "world_size": 1,
+        "grad_accum": 1,
+        "optimizer": "adamw",
+        "activation_checkpointing": bool((cell.get("train") or {}).get("gradient_checkpointing")),
+        "collective_timeout_s": (cell.get("distributed") or {}).get("collective_timeout_s"),
+        "fault": "debug",
+        **cell["axes"],
+    }
     nan = (result.get("diagnosis") or {}).get("nan") or {}
     origin = nan.get("origin") or {}
     memory = result.get("memory") or {}
@@ -65,10 +74,11 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
         "collective_op": collective.get("op"),
         "collective_missing_ranks": ",".join(map(str, collective.get("missing_ranks", []))) or None,
-        "collective_timeout_s": collective.get("timeout_s"),
+        "collective_diagnosis": collective.get("kind"),
         "collective_step": collective.get("step"),
         "collective_seq": collective.get("seq"),
         "collective_last_steps": json.dumps(collective["last_step_per_rank"]) if collective else None,
+        **_straggler_columns(result),
         "crashed_ranks": ",".join(map(str, crash.get("ranks", []))) or None,
         "attempts": len(result.get("attempts") or [None]),
         "wall_s": result.get("wall_s"),
@@ -98,6 +108,7 @@ NUMERIC_COLUMNS = (
     "flagged_share",
     "fp16_headroom_worst_ratio",
     "collective_timeout_s",
+    "straggler_ratio",
     "wall_s",
 )
 INTEGER_COLUMNS = (
@@ -109,6 +120,7 @@ INTEGER_COLUMNS = (
     "flagged_tensors",
     "collective_step",
     "collective_seq",
+    "straggler_rank",
     "attempts",
 )
 
@@ -129,6 +141,21 @@ def typed(frame: Any) -> Any:
                 values = values.map(lambda v: None if v is None else str(v))
             frame[column] = values
     return frame
+
+
+def _straggler_columns(result: dict[str, Any]) -> dict[str, Any]:
+    """The straggler a timeout was blamed on, else the early warning of a cell that did not time out."""
+    evidence = ((result.get("diagnosis") or {}).get("collective") or {}).get("evidence") or {}
+    straggler = evidence.get("before_the_stall") or (result.get("distributed") or {}).get("straggler") or {}
+    return {
+        "straggler_rank": straggler.get("rank"),
+        "straggler_ratio": straggler.get("median_ratio"),
+        "collective_parted": (
+            f"rank(s) {','.join(map(str, evidence['parted_ranks']))} at step {evidence['parted_at_step']}"
+            if evidence.get("parted_ranks")
+            else None
+        ),
+    }
 
 
 def _worst_headroom(result: dict[str, Any]) -> dict[str, Any]:

@@ -66,6 +66,13 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
                 "collective.step": str(collective["step"]),
             }
         )
+        if collective.get("kind"):
+            tags["collective.diagnosis"] = collective["kind"]
+    straggler = ((collective or {}).get("evidence") or {}).get("before_the_stall") or (
+        result.get("distributed") or {}
+    ).get("straggler")
+    if straggler:  # the straggler a timeout is blamed on, or an early warning in a cell that did not time out
+        tags.update({"straggler.rank": str(straggler["rank"]), "straggler.ratio": f"{straggler['median_ratio']:g}"})
     crash = (result.get("diagnosis") or {}).get("rank_crash")
     if crash:
         tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
