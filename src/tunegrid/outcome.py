@@ -83,6 +83,7 @@ def compose_result(
         "data": facts.get("data", {}),
         "fp16_headroom": facts.get("fp16_headroom", {}),
         "quant_audit": facts.get("quant_audit", {}),
+        "optimizer": facts.get("optimizer", {}),
         "training": facts.get("training", {}),
         "resumed_from_step": facts.get("resumed_from_step"),
         "checkpoint": facts.get("checkpoint", {}),

@@ -54,14 +54,16 @@ class OptimizerSteps:
         return loss
 
     def build_optimizer(self) -> None:
-        import torch
         from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
         from tunegrid.cell.injection import NonfiniteInjector
         from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
+        from tunegrid.cell.optimizers import make_optimizer
+
+        self.optimizer_name = self.spec["axes"].get("optimizer", "adamw")
+        self.optimizer = make_optimizer(self.trainable, self.optimizer_name, train["lr"], train["weight_decay"])
         # linear warm-up from 0, cosine decay to a tenth of the peak (transformers' own schedule)
         self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
             self.optimizer, num_warmup_steps=train["warmup_steps"], num_training_steps=train["steps"], min_lr_rate=0.1

@@ -236,6 +236,10 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             traceback.print_exc()
         finally:
             self.facts["memory"] = getattr(self, "memory", {})
+            if getattr(self, "optimizer", None) is not None:
+                from tunegrid.cell.optimizers import optimizer_facts
+
+                self.facts["optimizer"] = optimizer_facts(self.optimizer, self.optimizer_name, self.device.type)
             self.facts["wall_s"] = time.time() - started
             write_json(self.run_dir / "worker.json", self.facts)
         return self.facts

@@ -76,6 +76,9 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
     crash = (result.get("diagnosis") or {}).get("rank_crash")
     if crash:
         tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
+    optimizer = result.get("optimizer") or {}
+    if optimizer.get("state_bytes") is not None:
+        tags.update({"optimizer.state_bytes": str(optimizer["state_bytes"]), "optimizer.paging": optimizer["paging"]})
     oom = (result.get("diagnosis") or {}).get("oom")
     if oom:
         tags["oom.stage"] = str(oom.get("stage"))
