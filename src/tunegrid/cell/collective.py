@@ -23,9 +23,12 @@ STEP_RE = re.compile(r"step (\d+)")
 MIN_STEPS_COMPARED = 2  # fewer steps say nothing about "most steps"
 
 
-def find_straggler(local_times: dict[int, dict[int, float]], factor: float) -> dict[str, Any] | None:
-    """The rank whose local time is >= factor x the other ranks' median on more than half of the steps every
-    rank completed (step 0, the warm-up, left out); None when no rank is. `local_times`: rank -> step -> s."""
+def find_straggler(
+    local_times: dict[int, dict[int, float]], factor: float, min_lag_s: float = 0.0
+) -> dict[str, Any] | None:
+    """The rank whose local time is >= factor x the other ranks' median, and at least min_lag_s more, on more
+    than half of the steps every rank completed (step 0, the warm-up, left out); None when no rank is.
+    `local_times`: rank -> step -> seconds."""
     ranks = sorted(local_times)
     if len(ranks) < 2:
         return None
@@ -34,11 +37,12 @@ def find_straggler(local_times: dict[int, dict[int, float]], factor: float) -> d
         return None
     found = []
     for rank in ranks:
-        ratios = []
+        ratios, slow = [], 0
         for step in steps:
+            own = local_times[rank][step]
             others = statistics.median(local_times[o][step] for o in ranks if o != rank)
-            ratios.append(local_times[rank][step] / others if others > 0 else float("inf"))
-        slow = sum(ratio >= factor for ratio in ratios)
+            ratios.append(own / others if others > 0 else float("inf"))
+            slow += ratios[-1] >= factor and own - others >= min_lag_s
         if slow * 2 > len(ratios):
             found.append(
                 {
@@ -47,6 +51,7 @@ def find_straggler(local_times: dict[int, dict[int, float]], factor: float) -> d
                     "slow_steps": slow,
                     "steps_compared": len(ratios),
                     "factor": factor,
+                    "min_lag_s": min_lag_s,
                     "local_time_s_median": round(statistics.median(local_times[rank][s] for s in steps), 4),
                     "others_local_time_s_median": round(
                         statistics.median(local_times[o][s] for o in ranks if o != rank for s in steps), 4
@@ -91,7 +96,13 @@ def _mismatch(ranks: list[dict[str, Any]], recorder_verdict: str) -> dict[str, A
 
 
 def classify_timeout(
-    ranks: list[dict[str, Any]], missing: list[int], step: int | None, timeout_s: float, factor: float, verdict: str
+    ranks: list[dict[str, Any]],
+    missing: list[int],
+    step: int | None,
+    timeout_s: float,
+    factor: float,
+    verdict: str,
+    min_lag_s: float = 0.0,
 ) -> dict[str, Any]:
     """The kind of a collective timeout and the evidence it rests on; `ranks` as rank_record gives them (with
     `local_times` and `last_heartbeat_at`), `missing` the ranks that did not arrive, `step` the timed-out one."""
@@ -100,7 +111,7 @@ def classify_timeout(
         return {"kind": "mismatch", **mismatch}
     local = {r["rank"]: r["local_times"] for r in ranks}
     before = {rank: {s: t for s, t in times.items() if step is None or s < step} for rank, times in local.items()}
-    straggler = find_straggler(before, factor)
+    straggler = find_straggler(before, factor, min_lag_s)
     if straggler is not None and (not missing or straggler["rank"] in missing):
         return {"kind": "straggler", "rank": straggler["rank"], "step": step, "before_the_stall": straggler}
     paused = missing[0] if missing else None

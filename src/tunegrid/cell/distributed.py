@@ -229,8 +229,9 @@ def diagnose_ranks(
             missing,
             collective["step"],
             timeout_s,
-            spec["distributed"].get("straggler_factor", 1.5),
+            spec["distributed"]["straggler_factor"],
             recorder["verdict"] if recorder else "",
+            spec["distributed"]["straggler_min_lag_s"],
         )
         collective.update(kind=kind["kind"], evidence=kind)
         op, missing, waiting = _on_the_main_path(collective, kind, ranks, waiting)
@@ -247,8 +248,11 @@ def diagnose_ranks(
         )
         return update
 
+    settings = spec["distributed"]
     warning = find_straggler(
-        {r["rank"]: r["local_times"] for r in ranks}, spec["distributed"].get("straggler_factor", 1.5)
+        {r["rank"]: r["local_times"] for r in ranks},
+        settings["straggler_factor"],
+        settings["straggler_min_lag_s"],
     )
     if warning is not None:  # an early warning: slow on most steps, not (yet) slow enough to time out
         update["distributed"]["straggler"] = warning

@@ -42,6 +42,8 @@ class RankSteps:
 
         self.facts["stage"] = "ddp"
         self.heartbeat.beat("ddp")
+        # when DDP hands over to the model: what DDP did before (a sync of the ranks) is no rank's local time
+        self.model.register_forward_pre_hook(lambda *_: setattr(self, "inner_forward_at", time.perf_counter()))
         self.ddp = DistributedDataParallel(
             self.model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
