@@ -31,7 +31,7 @@ def _timeout_twins(frame: Any, row: Any) -> tuple[Any, Any]:
 def _long_pause(frame: Any, row: Any) -> tuple[str, list[Fix]]:
     ok, _ = _timeout_twins(frame, row)
     text = (
-        f"rank {row['collective_missing_ranks']} paused once at step {row['collective_step']} for longer than the "
+        f"rank {row['collective_missing_ranks']} paused once at step {int(row['collective_step'])} for longer than the "
         f"{_seconds(row['collective_timeout_s'])} timeout after keeping pace with the others (a save, an evaluation "
         "or a data load on one rank)."
     )
@@ -50,8 +50,8 @@ def _long_pause(frame: Any, row: Any) -> tuple[str, list[Fix]]:
 def _straggler(frame: Any, row: Any) -> tuple[str, list[Fix]]:
     ok, late = _timeout_twins(frame, row)
     text = (
-        f"rank {row['straggler_rank']} was a straggler: {row['straggler_ratio']:g}x the other ranks' local time per "
-        f"step before it failed to arrive at step {row['collective_step']} (uneven data, a slow device)."
+        f"rank {int(row['straggler_rank'])} was a straggler: {row['straggler_ratio']:.3g}x the other ranks' local "
+        f"time per step before it failed to arrive at step {int(row['collective_step'])} (uneven data, a slow device)."
     )
     fixes = []
     if "fault" in frame.columns:
@@ -119,7 +119,7 @@ def timeout_fixes(frame: Any) -> list[Recommendation]:
                     title=f"{row['cell_id']}: straggler (early warning)",
                     text=(
                         f"{row['cell_id']} ended {row['outcome']}, but rank {int(row['straggler_rank'])} was "
-                        f"{row['straggler_ratio']:g}x the other ranks' local time on most steps: every step waits "
+                        f"{row['straggler_ratio']:.3g}x the other ranks' local time on most steps: every step waits "
                         "for it, and a longer delay on it will end in a collective timeout. Balance the ranks' "
                         "data or devices."
                     ),
