@@ -10,17 +10,21 @@ import copy
 import itertools
 import json
 import os
-import re
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from tunegrid.errors import ConfigError
-from tunegrid.input_limits import known_architecture, secret_problems, size_problems, study_file_problems
-from tunegrid.vocabulary import AXES
-from tunegrid.vocabulary import DEFAULT_COLLECTIVE_TIMEOUT_S as DEFAULT_TIMEOUT
+from tunegrid.grid import Cell, cell_class
+from tunegrid.input_limits import (
+    known_architecture,
+    number_problems,
+    read_study_yaml,
+    secret_problems,
+    size_problems,
+)
+from tunegrid.vocabulary import axis_table, grid_schema
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -28,49 +32,17 @@ if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cel
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
-Precision = Literal["fp32", "bf16", "fp16"]
-Quant = Literal["none", "nf4", "nf4-experts"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cell:
-    """One point of the grid: the axes only. Everything else comes from the study."""
-
-    model: str
-    precision: Precision
-    batch_size: int
-    quant: Quant
-    seed: int
-    world_size: int = 1
-    grad_accum: int = 1  # micro-batches of batch_size per optimizer step
-    optimizer: str = "adamw"
-    activation_checkpointing: bool = False  # recompute activations in backward (not a model checkpoint)
-    collective_timeout_s: float = DEFAULT_TIMEOUT
-    fault: str = "debug"  # which rank faults of the debug section this cell injects
-
-    @property
-    def cell_id(self) -> str:
-        # an axis at its default adds nothing: ids of cells from before the axis existed stay as they were
-        world = f"_ws{self.world_size}" if self.world_size > 1 else ""
-        accum = f"_ga{self.grad_accum}" if self.grad_accum > 1 else ""
-        optimizer = f"_{self.optimizer}" if self.optimizer != "adamw" else ""
-        recompute = "_ac" if self.activation_checkpointing else ""
-        timeout = f"_ct{self.collective_timeout_s:g}" if self.collective_timeout_s != DEFAULT_TIMEOUT else ""
-        fault = f"_fault-{self.fault}" if self.fault != "debug" else ""
-        base = f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}"
-        return base + world + accum + optimizer + recompute + timeout + fault
-
-    def axes(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # libyaml's loader when PyYAML has it: the schema is read at every `snakemake` parse (0.13 s in pure Python)
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def load_schema() -> dict[str, Any]:
+    """The study's JSON schema: the YAML file, with its `grid` built from the axis table."""
     with open(SCHEMA_PATH) as fh:
-        return yaml.load(fh, Loader=_SAFE_LOADER)  # a safe loader (libyaml when present)
+        schema = yaml.load(fh, Loader=_SAFE_LOADER)  # a safe loader (libyaml when present)
+    schema["properties"]["grid"] = grid_schema()
+    return schema
 
 
 def _key_path(error: jsonschema.ValidationError) -> str:
@@ -124,19 +96,20 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     Returns a new dict; raises ConfigError with every problem found, one per line.
     """
     bounds = size_problems(raw)  # before anything walks or copies it: a hostile file must not hang us
+    bounds = bounds or number_problems(raw)  # NaN, infinities, 1e400: before any step computes with them
     if bounds:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(bounds))
     config = copy.deepcopy(raw)
     secrets = secret_problems(config)  # first, and alone: other messages may quote values
     if secrets:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(secrets))
+    from tunegrid.grid_axes import fill_setting_axes
+
+    fill_setting_axes(config)  # before the schema's defaults: an axis not listed takes its study setting
     validator = _defaulting_validator()(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     problems = [_describe(e) for e in errors]
     if not problems:
-        from tunegrid.grid_axes import fill_setting_axes
-
-        fill_setting_axes(config)
         problems = _semantic_problems(config)
     if problems:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
@@ -202,80 +175,16 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no --configfile is given
 
-_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
-
-def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
-    """Command-line overrides typed by the schema.
-
-    Snakemake passes nested `--config` values as strings (`train={steps: 5}` arrives as {"steps": "5"}),
-    so each string is converted to the type the schema declares at its key (boolean, integer, number,
-    or a list of those, also from a "[2, 4]" literal). A string that does not convert is left as it is:
-    validation then names the key and what is allowed, as for a study file.
-    """
-    schema = load_schema() if schema is None else schema
-    types = schema.get("type")
-    types = set(types) if isinstance(types, list) else {types} if types else set()
-    if isinstance(values, dict):
-        props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties")
-        return {
-            k: coerce_overrides(v, props.get(k) or (extra if isinstance(extra, dict) else {}))
-            for k, v in values.items()
-        }
-    if isinstance(values, list):
-        return [coerce_overrides(v, schema.get("items") or {}) for v in values]
-    if not isinstance(values, str):
-        return values
-    text = values.strip()
-    if "array" in types and text.startswith("["):
-        try:
-            parsed = yaml.safe_load(text)
-        except yaml.YAMLError:
-            return values
-        return coerce_overrides(parsed, schema) if isinstance(parsed, list) else values
-    if "boolean" in types and text.lower() in _TRUE | _FALSE:
-        return text.lower() in _TRUE
-    if "integer" in types and re.fullmatch(r"[-+]?\d+", text):
-        return int(text)
-    if "number" in types:
-        try:
-            return float(text)
-        except ValueError:
-            return values
-    if "null" in types and text.lower() in {"null", "none", "~"}:
-        return None
-    return values
-
-
-def study_config(config: dict[str, Any], overrides: dict[str, Any], study_files: list[Any]) -> dict[str, Any]:
-    """The study Snakemake should run: the study file(s) given, or the default study when none is,
-    with the command-line overrides (typed by the schema) on top. The schema supplies the rest."""
-    from snakemake.utils import update_config
-
-    problems = study_file_problems(study_files) + size_problems(config)
-    if problems:
-        raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
-    base = copy.deepcopy(config) if study_files else _read_yaml(DEFAULT_STUDY_PATH)
-    update_config(base, coerce_overrides(copy.deepcopy(overrides)))
-    return base
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     with open(path) as fh:
         return yaml.load(fh, Loader=_SAFE_LOADER) or {}
 
 
 def load_study(path: str | Path) -> dict[str, Any]:
-    """Read a study YAML and resolve it; a missing or unparsable file is a ConfigError too."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        with open(path) as fh:
-            raw = yaml.load(fh, Loader=_SAFE_LOADER) or {}  # a safe loader (libyaml when present)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    """Read a study YAML (bounded: input_limits.read_study_yaml) and resolve it; a missing or unparsable
+    file is a ConfigError too."""
+    raw = read_study_yaml(Path(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
     return resolve_study(raw)
@@ -283,8 +192,10 @@ def load_study(path: str | Path) -> dict[str, Any]:
 
 def expand_cells(study: dict[str, Any]) -> list[Cell]:
     """The grid as cells, in a stable order (the product of the axes as listed in the config)."""
-    grid = study["grid"]
-    return [Cell(**dict(zip(AXES, values))) for values in itertools.product(*(grid[a] for a in AXES))]
+    grid, table = study["grid"], axis_table()
+    cell = cell_class(table)
+    names = [a.name for a in table]
+    return [cell(**dict(zip(names, values))) for values in itertools.product(*(grid[name] for name in names))]
 
 
 def cells_by_id(study: dict[str, Any]) -> dict[str, Cell]:

@@ -18,13 +18,25 @@ RANK_FAULTS = {
 }
 
 
+# axis -> the study setting it stands for, as (section, key)
+SETTING_AXES = {
+    "activation_checkpointing": ("train", "gradient_checkpointing"),
+    "collective_timeout_s": ("distributed", "collective_timeout_s"),
+}
+
+
 def fill_setting_axes(config: dict[str, Any]) -> None:
-    """An axis the grid does not list takes its study setting's single value: train.gradient_checkpointing
-    for activation_checkpointing, distributed.collective_timeout_s for collective_timeout_s (studies written
-    before these axes existed keep their meaning and their cell ids)."""
-    grid = config["grid"]
-    grid.setdefault("activation_checkpointing", [config["train"]["gradient_checkpointing"]])
-    grid.setdefault("collective_timeout_s", [config["distributed"]["collective_timeout_s"]])
+    """An axis the grid does not list takes its study setting's single value where the study sets it:
+    train.gradient_checkpointing for activation_checkpointing, distributed.collective_timeout_s for
+    collective_timeout_s (studies written before these axes existed keep their meaning). Runs on the raw
+    config, before the schema fills defaults; what neither sets takes the axis's schema default."""
+    grid = config.get("grid")
+    if not isinstance(grid, dict):
+        return  # the schema names what is wrong
+    for axis, (section, key) in SETTING_AXES.items():
+        setting = config.get(section)
+        if axis not in grid and isinstance(setting, dict) and key in setting:
+            grid[axis] = [setting[key]]
 
 
 def cell_debug(debug: dict[str, Any], fault: str) -> dict[str, Any]:
@@ -57,6 +69,11 @@ def debug_problems(config: dict[str, Any]) -> list[str]:
                 f"debug.{key}.rank (and its step/seconds)"
             )
     injection, accums = debug["inject_nonfinite"], grid["grad_accum"]
+    if injection.get("rank", 0) >= max(worlds):
+        problems.append(
+            f"config key 'debug.inject_nonfinite.rank': {injection['rank']} does not exist; grid.world_size is at "
+            f"most {max(worlds)} (ranks 0..{max(worlds) - 1})"
+        )
     for index, request in enumerate([injection, *injection.get("also", [])]):
         micro = request.get("micro_batch", 0)
         if request.get("module") and micro >= max(accums):

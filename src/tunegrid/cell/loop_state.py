@@ -24,6 +24,7 @@ class LoopState:
     stop_event: dict[str, Any] | None = None
     stopped: bool = False  # the loop ended at a non-finite or unsupported step (the ranks' stop, not their end)
     unsupported: list[str] = field(default_factory=list)  # adapter tensors that got no gradient on step 0
+    stopped_by_peer: int | None = None  # the step at which another rank's decision ended this rank's loop
 
     def tallies(self) -> dict[str, list[Any]]:
         """The lists a checkpoint saves, as the same objects (a resume extends them in place)."""

@@ -13,11 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tunegrid.plans import memory_fix_quants
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, siblings
 from tunegrid.review.batch_advice import memory_batch_fix
 from tunegrid.review.moe_advice import load_peaks
 from tunegrid.units import human_bytes
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import Outcome, axis_names
 
 MEMORY_SETTINGS = ("optimizer", "activation_checkpointing")  # besides quant and the micro-batch
 
@@ -53,7 +54,7 @@ def _candidates(frame: Any, row: Any) -> list[tuple[dict[str, Any], str, Any]]:
     if batch_fix:
         twin = frame[frame["cell_id"] == batch_fix["evidence"][0]].iloc[0]
         found.append((batch_fix["change"], batch_fix["why"], twin))
-    for quant in ("nf4-experts", "nf4"):
+    for quant in memory_fix_quants():
         alt = ok_cells(siblings(frame, row, "quant"))
         alt = alt[alt["quant"] == quant]
         if not alt.empty:
@@ -118,22 +119,7 @@ def memory_setting_rows(frame: Any) -> list[dict[str, Any]]:
         return []
     ok = ok_cells(frame)
     plain = ok[(ok["optimizer"] == "adamw") & (~ok["activation_checkpointing"].astype(bool))]
-    others = [
-        a
-        for a in frame.columns
-        if a
-        in (
-            "model",
-            "precision",
-            "batch_size",
-            "quant",
-            "seed",
-            "world_size",
-            "grad_accum",
-            "collective_timeout_s",
-            "fault",
-        )
-    ]
+    others = [a for a in axis_names() if a in frame.columns and a not in MEMORY_SETTINGS]
     rows = []
     for _, cell in ok.iterrows():
         if cell["optimizer"] == "adamw" and not bool(cell["activation_checkpointing"]):

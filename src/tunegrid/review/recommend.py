@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from tunegrid.plans import PRECISION_PLANS
 from tunegrid.prepare.targets import TARGETS
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, paren, siblings
 from tunegrid.review.batch_advice import smaller_batch_fix
 from tunegrid.review.memory_advice import memory_fixes
 from tunegrid.review.moe_advice import expert_gap
 from tunegrid.review.timeout_advice import timeout_fixes
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import Outcome, Precision
 
 
 def precision_support(target: str | None, capabilities: dict[str, Any]) -> dict[str, str]:
@@ -62,7 +63,7 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             f"{int(first['nan_step'])}; the first non-finite output in the {direction} pass was {where}."
         ]
         options, evidence, fixes = [], [], []
-        for alt in ("bf16", "fp32", "fp16"):
+        for alt in sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank):
             cells = sorted(by_precision.get(alt, ()))
             if not cells:
                 continue
@@ -95,7 +96,8 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
         if options:
             parts.append("Fix: " + "; or ".join(options) + ".")
         first_fix = fixes[0].change.get("precision", "") if fixes else ""
-        if precision == "fp16" and first_fix != "fp32" and support.get("bf16") != "native":
+        scaled = PRECISION_PLANS[Precision(precision)].grad_scaler  # fp16: the narrow range that overflowed
+        if scaled and first_fix != Precision.FP32 and support.get(Precision.BF16) != "native":
             parts.append("On a target without native bf16, fp32 costs about twice the activation memory of fp16.")
         out.append(
             Recommendation(
@@ -124,7 +126,7 @@ def _unsupported_fixes(frame: Any) -> list[Recommendation]:
                 ok[sib["precision"]].add(sib["cell_id"])
         if not ok:
             continue
-        choice = "fp32" if "fp32" in ok else sorted(ok)[0]
+        choice = Precision.FP32 if Precision.FP32 in ok else sorted(ok)[0]
         out.append(
             Recommendation(
                 signature=f"unsupported:{precision}",

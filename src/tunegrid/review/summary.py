@@ -8,21 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json
+from tunegrid.grid_axes import SETTING_AXES
 from tunegrid.outcome import origin_label
+from tunegrid.vocabulary import axis_names, with_neutrals
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
     # results written before an axis existed ran at its neutral value, or at the study setting it stands for
     cell = result["cell"]
-    axes = {
-        "world_size": 1,
-        "grad_accum": 1,
-        "optimizer": "adamw",
-        "activation_checkpointing": bool((cell.get("train") or {}).get("gradient_checkpointing")),
-        "collective_timeout_s": (cell.get("distributed") or {}).get("collective_timeout_s"),
-        "fault": "debug",
-        **cell["axes"],
-    }
+    settings = {axis: (cell.get(section) or {}).get(key) for axis, (section, key) in SETTING_AXES.items()}
+    recorded = with_neutrals({**{k: v for k, v in settings.items() if v is not None}, **cell["axes"]})
+    axes = {name: recorded.get(name) for name in axis_names()}
     nan = (result.get("diagnosis") or {}).get("nan") or {}
     origin = nan.get("origin") or {}
     memory = result.get("memory") or {}

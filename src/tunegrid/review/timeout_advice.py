@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, siblings
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import NO_FAULT, Outcome
 
 
 def _seconds(value: Any) -> str:
@@ -56,10 +56,10 @@ def _straggler(frame: Any, row: Any) -> tuple[str, list[Fix]]:
     fixes = []
     if "fault" in frame.columns:
         balanced = ok_cells(siblings(frame, row, "fault"))
-        balanced = balanced[balanced["fault"] == "none"]
+        balanced = balanced[balanced["fault"] == NO_FAULT]
         if not balanced.empty:
             why = "remove the imbalance: the same cell without the slow rank ran ok"
-            fixes.append(Fix({"fault": "none"}, why, [balanced.iloc[0]["cell_id"]]))
+            fixes.append(Fix({"fault": NO_FAULT}, why, [balanced.iloc[0]["cell_id"]]))
             text += f" Fix: {why}."
     larger = late[late["collective_timeout_s"] > row["collective_timeout_s"]]
     if not larger.empty:
