@@ -190,3 +190,30 @@ def test_slow_rank_that_does_not_time_out_ends_ok_with_a_straggler_warning(check
     assert warning["rank"] == 1 and warning["slow_steps"] * 2 > warning["steps_compared"]
     metrics = [json.loads(line) for line in (run_dir / "ranks" / "rank1" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["local_time_s"] >= 0.6 for m in metrics)  # the injected delay is inside the local time
+
+
+def test_the_diagnosis_and_a_straggler_reach_the_run_tags_and_the_summary():
+    from tunegrid.review.summary import summary_row
+    from tunegrid.track.tags import run_tags
+
+    evidence = {"kind": "straggler", "rank": 1, "before_the_stall": {"rank": 1, "median_ratio": 145.0}}
+    collective = {"op": "ALLREDUCE", "missing_ranks": [1], "timeout_s": 5, "step": 3, "last_step_per_rank": {}}
+    timed_out = {
+        "cell_id": "q_fp32_bs2_none_s0_ws2_ct5_fault-slow-rank",
+        "cell": {"axes": {"model": "q", "precision": "fp32", "batch_size": 2, "quant": "none", "seed": 0}},
+        "outcome": "timeout",
+        "reason": "collective timeout",
+        "env": {},
+        "diagnosis": {"collective": {**collective, "kind": "straggler", "evidence": evidence}},
+    }
+    tags = run_tags(timed_out)
+    assert tags["collective.diagnosis"] == "straggler" and tags["straggler.rank"] == "1"
+    row = summary_row(timed_out)
+    assert row["collective_diagnosis"] == "straggler" and row["straggler_ratio"] == 145.0
+    warned = {
+        **timed_out,
+        "outcome": "ok",
+        "diagnosis": {},
+        "distributed": {"straggler": {"rank": 1, "median_ratio": 3.1}},
+    }
+    assert run_tags(warned)["straggler.ratio"] == "3.1" and summary_row(warned)["straggler_rank"] == 1
