@@ -217,3 +217,20 @@ def test_the_diagnosis_and_a_straggler_reach_the_run_tags_and_the_summary():
         "distributed": {"straggler": {"rank": 1, "median_ratio": 3.1}},
     }
     assert run_tags(warned)["straggler.ratio"] == "3.1" and summary_row(warned)["straggler_rank"] == 1
+
+
+def test_a_fault_axis_value_needs_its_debug_setting():
+    import pytest
+
+    from tunegrid.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"grid.fault': 'slow-rank' injects debug.slow_rank, which sets no rank"):
+        one_cell(model="qwen3moe-tiny", world=2, axes={"fault": "slow-rank"})
+    spec = one_cell(
+        model="qwen3moe-tiny",
+        world=2,
+        axes={"fault": "none"},
+        debug={"stall_rank": {"rank": 1, "step": 2, "seconds": 9}, "slow_rank": {"rank": 1, "seconds": 1}},
+    )
+    assert spec["debug"]["stall_rank"]["rank"] == -1 and spec["debug"]["slow_rank"]["rank"] == -1
+    assert spec["cell_id"].endswith("_ws2_fault-none")

@@ -43,7 +43,7 @@ def test_cpu_collective_study_tells_the_three_timeouts_apart_and_proves_their_fi
     assert row(7, "stall-rank")["straggler_rank"] == ""  # one pause is no straggler
     # the straggler that gets worse: a larger timeout only moves the failure to a later step
     slow5, slow7 = row(5, "slow-rank"), row(7, "slow-rank")
-    assert slow5["collective_diagnosis"] == "straggler" and int(slow5["straggler_rank"]) == 1
+    assert slow5["collective_diagnosis"] == "straggler" and int(float(slow5["straggler_rank"])) == 1
     assert slow7["collective_diagnosis"] == "straggler"
     assert int(slow7["collective_step"]) > int(slow5["collective_step"])
 
