@@ -45,7 +45,7 @@ def test_cpu_collective_study_tells_the_three_timeouts_apart_and_proves_their_fi
     slow5, slow7 = row(5, "slow-rank"), row(7, "slow-rank")
     assert slow5["collective_diagnosis"] == "straggler" and int(float(slow5["straggler_rank"])) == 1
     assert slow7["collective_diagnosis"] == "straggler"
-    assert int(slow7["collective_step"]) > int(slow5["collective_step"])
+    assert float(slow7["collective_step"]) > float(slow5["collective_step"])
 
     advice = {r["title"].split(":")[0]: r for r in read_json(out / "report" / "recommendations.json")}
     pause = advice[CELL.format(5, "stall-rank")]
