@@ -101,6 +101,8 @@ class OptimizerSteps:
         """
         import torch
 
+        from tunegrid.cell.resume import rng_states
+
         scaler = self.scaler
         if self.ranks.distributed:
             self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
@@ -125,7 +127,7 @@ class OptimizerSteps:
                 if instrument is not None:
                     hooks.enter_context(instrument.attached(self.model))
             for index, micro in enumerate(micro_batches):
-                fact["rng_states"].append(torch.get_rng_state())
+                fact["rng_states"].append(rng_states())
                 if headroom is not None:
                     headroom.real = fact["real_positions"][index]
                 with contextlib.ExitStack() as around:

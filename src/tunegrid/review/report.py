@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import atomic_write_text, read_json, read_jsonl
+from tunegrid.outcome import CellResult
 from tunegrid.review.advice import Recommendation
 from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recommend import recommend
+from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
 
@@ -296,7 +298,7 @@ def build_report(
     results = {}
     curves = {}
     for path in result_paths:
-        result = read_json(path)
+        result = CellResult.from_json(read_json(path)).to_json()  # any version's file, with today's fields
         results[result["cell_id"]] = result
         curves[result["cell_id"]] = read_jsonl(Path(path).parent / "metrics.jsonl")
     recs = recommend(frame, capabilities, curves)
@@ -321,7 +323,7 @@ def build_report(
         .sort_values([a for a in axis_names() if a in frame.columns])
         .to_dict("records")
     )
-    logs_dir = Path(result_paths[0]).parents[3] / "logs" / study / "finetune" if result_paths else out_dir
+    logs_dir = StudyPaths.of_result(result_paths[0]).cell_logs_dir if result_paths else out_dir
     failures = failure_groups(frame, results, logs_dir)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
