@@ -75,7 +75,7 @@ def test_invalid_configs_name_the_key(mutate, expected):
 def test_enum_error_lists_allowed_values():
     raw = make_study()
     raw["grid"]["quant"] = ["int3"]
-    with pytest.raises(ConfigError, match=r"choose one of \['none', 'nf4', 'nf4-experts'\]"):
+    with pytest.raises(ConfigError, match=r"choose one of \['none', 'nf4', 'nf4-experts', 'int8'\]"):
         resolve_study(raw)
 
 
@@ -231,3 +231,19 @@ def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
     ]
     assert commands and all("--study-file results/default/study.json" in c for c in commands)
     assert not any('"axes"' in c or "--spec" in c or "--study '" in c for c in commands)
+
+
+def test_cells_at_once_ask_for_no_more_than_the_hosts_cores(tmp_path):
+    """--cores 8 on a smaller host: each cell asks for its threads of a `host_cores` resource whose limit is
+    the host's cores (common.smk registers it; a dry run does not print the limit), so cells running at
+    once never share cores and their tokens/s stay comparable."""
+    done = subprocess.run(
+        snakemake_command(tmp_path, "-n", "--cores", "8", "all", "--config", "grid={batch_size: [2]}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    blocks = done.stdout.split("\n\n")
+    finetune = [b for b in blocks if "rule finetune:" in b]
+    assert finetune and all("host_cores=1" in b for b in finetune), finetune[:1]

@@ -202,3 +202,18 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
     assert set(plan.loc[plan.precision == "bf16", "verdict"]) == {"unsupported"}
     assert set(plan.loc[plan.precision != "bf16", "verdict"]) == {"run"}
     assert (plan.estimate_bytes > 0).all() and set(plan.target) == {"t4"}
+
+
+def test_estimate_says_what_it_does_not_model_where_it_applies(checkpoints):
+    """CPU bf16 MoE cells grow step by step in oneDNN (benchmarks/onednn_bf16_growth.py): the estimate says
+    so for them, and only for them."""
+    said = {
+        (model, precision, device): estimate_cell(
+            _spec(model=model, precision=precision), checkpoints[model], 0, device
+        )["not_modelled"]
+        for model in ("qwen3moe-tiny", "gemma3-hot")
+        for precision in ("fp32", "bf16")
+        for device in ("cpu", "cuda")
+    }
+    assert "oneDNN" in said[("qwen3moe-tiny", "bf16", "cpu")]
+    assert [k for k, v in said.items() if v] == [("qwen3moe-tiny", "bf16", "cpu")]

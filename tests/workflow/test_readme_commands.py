@@ -75,6 +75,10 @@ HOW: dict[str, tuple[str, str]] = {
         "dry",
         "typed overrides",
     ),
+    "snakemake --cores 2 all --config study_path=their-study.yaml": (
+        "elsewhere",
+        "tests/prepare/test_hostile_studies.py runs it (dry) on generated hostile study files",
+    ),
     "python benchmarks/memory_estimate.py": ("run", "re-estimates the default study's ok cells"),
     "snakemake --cores 8 plan": ("run", "the plan before training"),
     "snakemake --unlock": ("run", "recovery after a kill"),

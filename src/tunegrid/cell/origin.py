@@ -35,7 +35,7 @@ class OriginReplay:
                 break
             if traced["replay"] != "full":  # a degraded replay found nothing: say why, not "unknown"
                 origin.update(replay=traced["replay"], unlocated=traced["unlocated"])
-            if traced["replay"] == "none":  # the next micro-batch's replay needs the same memory
+            if traced["replay"] not in ("full", "forward only"):  # nothing replayed: the next needs the same memory
                 break
         if headroom is not None:
             origin["headroom"] = headroom.collect(step)

@@ -16,12 +16,18 @@ from typing import Any
 _WARM: list[tuple[Any, Path]] = []  # (process, socket path) of this invocation's warm worker
 
 
-def on_start(study: dict[str, Any], results: str, logs: str, study_file: str, local: bool) -> None:
+def on_start(
+    study: dict[str, Any], results: str, logs: str, study_file: str, local: bool, cells_to_run: int | None = None
+) -> None:
+    """`cells_to_run`: the cell jobs this invocation will run (None: not known). The warm worker (torch and
+    peft imported, ~1 s and hundreds of MiB) serves cells only, so `snakemake mlflow_ui`, `report` or a
+    run with every cell done does not start one."""
     from tunegrid.config import spec_json
     from tunegrid.files import write_text_if_changed
 
     write_text_if_changed(study_file, spec_json(study))  # rewritten only when it changed
-    _start_warm_worker(study, logs, local)
+    if cells_to_run != 0:
+        _start_warm_worker(study, logs, local)
 
 
 def on_end(

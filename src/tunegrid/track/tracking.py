@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tunegrid.outcome import METRIC_KEYS
+from tunegrid.study_paths import StudyPaths
 from tunegrid.track.store import client, with_retries
-from tunegrid.vocabulary import METRIC_KEYS, Outcome
+from tunegrid.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +268,7 @@ def sync_cell(
         spec = result["cell"]
         tags = axis_tags(spec["axes"])
         tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
-        parent = parent_run_id(uri, experiment_id, spec["study"], run_dir.parents[1])
+        parent = parent_run_id(uri, experiment_id, spec["study"], StudyPaths.of_run_dir(run_dir).study_dir)
         if parent:
             tags[INVOCATION_TAG] = parent
         run.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=result.get("started_at"))
