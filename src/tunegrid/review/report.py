@@ -304,6 +304,7 @@ def build_report(
         .to_dict("records")
     )
     logs_dir = StudyPaths.of_result(result_paths[0]).cell_logs_dir if result_paths else out_dir
+    study_file = StudyPaths.of_result(result_paths[0]).study_file if result_paths else out_dir / "none"
     failures = failure_groups(frame, results, logs_dir)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
@@ -311,7 +312,7 @@ def build_report(
 <p class="counts">{len(frame)} cells: {count_html}</p>
 <h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
-{fixes_html(out_dir.parent / "study.json", [r.as_dict() for r in recs], out_dir)}
+{fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">
 <h2>Non-finite events</h2>{_table(nan_rows, NAN_COLUMNS)}
 <h2>Other failures</h2>{_failures_html(failures)}
