@@ -30,8 +30,8 @@ onstart:
 
 
 onsuccess:
-    hooks.on_end("FINISHED", STUDY, RESULTS, LOGS, SCRIPT)
+    hooks.on_end("FINISHED", STUDY, RESULTS, LOGS, SCRIPT, cell_ids=list(CELLS))
 
 
 onerror:
-    hooks.on_end("FAILED", STUDY, RESULTS, LOGS, SCRIPT)
+    hooks.on_end("FAILED", STUDY, RESULTS, LOGS, SCRIPT, cell_ids=list(CELLS))

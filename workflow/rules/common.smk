@@ -14,13 +14,17 @@ from tunegrid.run import hooks
 from tunegrid.study_paths import StudyPaths
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.devices import cell_gpus, gpus_per_rank
+from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.study_input import study_config
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
 try:
-    # the `--config` values only: the study files are read by tunegrid itself (bounded, YAML 1.2 numbers)
-    _study = study_config(config, workflow.config_settings.config or {}, workflow.overwrite_configfiles or [])
+    # the `--config` values only: the study files are read by tunegrid itself (bounded, YAML 1.2 numbers);
+    # a study with `base:` starts from a training recipe (axolotl / TRL), imported here, its own keys on top
+    _study = expand_base(
+        study_config(config, workflow.config_settings.config or {}, workflow.overwrite_configfiles or [])
+    )
     config.clear()
     config.update(_study)
     STUDY = resolve_study(config)

@@ -57,19 +57,23 @@ class OptimizerSteps:
         return loss
 
     def build_optimizer(self) -> None:
-        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+        from transformers import get_scheduler
 
         from tunegrid.cell.injection import NonfiniteInjector
+        from tunegrid.cell.optimizers import make_optimizer
         from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
-        from tunegrid.cell.optimizers import make_optimizer
-
         self.optimizer_name = self.spec["axes"].get("optimizer", "adamw")
         self.optimizer = make_optimizer(self.trainable, self.optimizer_name, train["lr"], train["weight_decay"])
-        # linear warm-up from 0, cosine decay to a tenth of the peak (transformers' own schedule)
-        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            self.optimizer, num_warmup_steps=train["warmup_steps"], num_training_steps=train["steps"], min_lr_rate=0.1
+        # transformers' own schedules; the default: linear warm-up from 0, cosine decay to min_lr_rate of the peak
+        name = train["lr_scheduler"]
+        self.scheduler = get_scheduler(
+            name,
+            self.optimizer,
+            num_warmup_steps=train["warmup_steps"],
+            num_training_steps=train["steps"],
+            scheduler_specific_kwargs={"min_lr_rate": train["min_lr_rate"]} if name == "cosine_with_min_lr" else None,
         )
         self.scaler = make_grad_scaler(self.plan)
         self.loss_by_count = accepts_loss_kwargs(self.model)

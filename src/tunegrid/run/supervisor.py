@@ -34,7 +34,9 @@ from tunegrid.track.tags import (
     env_tags,
     rerun_tags,
     result_params,
+    run_name,
     run_tags,
+    spec_id,
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
@@ -235,9 +237,10 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
     tracker.finish(
         {**run_tags(result), "attempts": str(len(result["attempts"]))},
         artifacts,
-        failed=result["outcome"] == Outcome.ERROR,
+        failed=result["outcome"] != Outcome.OK,
         params=result_params(result),
         end_time=result["ended_at"],
+        name=run_name(result["outcome"], spec_id(result)),
     )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
         result["tracking"]["errors"] = tracker.errors
@@ -285,4 +288,5 @@ def _open_run(
     if parent:
         tags[INVOCATION_TAG] = parent
     tracker.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=started)
+    tracker.monitor_system(float(tracking.get("system_metrics_interval_s", 0)))
     return tracker

@@ -18,6 +18,15 @@ from tunegrid.outcome import CellResult, origin_label
 ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "adapter")
 
 
+def run_name(outcome: str, cell_id: str) -> str:
+    """A cell run's name once it ended: the outcome first, so the runs page reads at a glance."""
+    return f"{outcome} · {cell_id}"
+
+
+def spec_id(result: dict[str, Any]) -> str:
+    return str(result["cell"]["cell_id"])
+
+
 def axis_tags(axes: dict[str, Any]) -> dict[str, str]:
     """The cell's axes as tags, and the effective batch they make (micro-batch x accumulation x ranks)."""
     tags = {k: str(v) for k, v in axes.items()}
