@@ -103,9 +103,6 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     secrets = secret_problems(config)  # first, and alone: other messages may quote values
     if secrets:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(secrets))
-    from tunegrid.grid_axes import fill_setting_axes
-
-    fill_setting_axes(config)  # before the schema's defaults: an axis not listed takes its study setting
     validator = _defaulting_validator()(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     problems = [_describe(e) for e in errors]
@@ -211,25 +208,26 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
     """Everything one cell needs to train, fully resolved: what result.json records as `cell`. The axes that
     stand for a study setting (activation checkpointing, the collective timeout, the rank faults) are written
     into it, so the trainer reads one place."""
-    from tunegrid.grid_axes import cell_debug
+    from tunegrid.grid_axes import cell_debug, setting_values
 
+    settings = setting_values(study, cell)
     return {
         "study": study["study"],
         "cell_id": cell.cell_id,
         "axes": cell.axes(),
         "model": {"name": cell.model, **study["models"][cell.model]},
-        "train": {**study["train"], "gradient_checkpointing": cell.activation_checkpointing},
+        "train": {**study["train"], "gradient_checkpointing": settings["activation_checkpointing"]},
         "lora": study["lora"],
         "data": study["data"],
         "debug": cell_debug(study["debug"], cell.fault),
         # the job's host-memory request is not how the cell trains: changing it re-runs no cell
         "hardware": {key: value for key, value in study["hardware"].items() if key != "mem_mb"},
-        "distributed": {**study["distributed"], "collective_timeout_s": cell.collective_timeout_s},
+        "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},
     }
 
 
 def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
-    """A cell's spec from the resolved study the workflow wrote once (results/<study>/study.json): jobs
+    """A cell's spec from the resolved study the study_config rule wrote (results/<study>/study.json): jobs
     get a file path and a cell id, never the spec itself on their command line."""
     with open(study_file) as fh:
         study = json.load(fh)

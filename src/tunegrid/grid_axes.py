@@ -1,6 +1,6 @@
 """The grid axes that stand for a study setting (activation checkpointing, the collective timeout, the rank
-faults injected): their defaults taken from that setting, what one cell's spec holds for them, and the checks
-of the debug section's fault injection against the grid.
+faults injected): at their neutral value the study's setting holds, what one cell's spec holds for them, and
+the checks of the debug section's fault injection against the grid.
 
 Light module (the Snakefile reads it through tunegrid.config at parse time): standard library only.
 """
@@ -18,25 +18,36 @@ RANK_FAULTS = {
 }
 
 
-# axis -> the study setting it stands for, as (section, key)
+# axis -> the study setting it stands for, as (section, key); the axis's neutral value defers to the setting
+NEUTRAL = {"activation_checkpointing": False, "collective_timeout_s": 600}
 SETTING_AXES = {
     "activation_checkpointing": ("train", "gradient_checkpointing"),
     "collective_timeout_s": ("distributed", "collective_timeout_s"),
 }
 
 
-def fill_setting_axes(config: dict[str, Any]) -> None:
-    """An axis the grid does not list takes its study setting's single value where the study sets it:
-    train.gradient_checkpointing for activation_checkpointing, distributed.collective_timeout_s for
-    collective_timeout_s (studies written before these axes existed keep their meaning). Runs on the raw
-    config, before the schema fills defaults; what neither sets takes the axis's schema default."""
-    grid = config.get("grid")
-    if not isinstance(grid, dict):
-        return  # the schema names what is wrong
+def setting_values(study: dict[str, Any], cell: Any) -> dict[str, Any]:
+    """What a cell trains with for the axes that stand for a study setting: the axis where it leaves its
+    neutral value, else the study's setting (studies written before these axes keep their meaning and ids)."""
+    values = {}
     for axis, (section, key) in SETTING_AXES.items():
-        setting = config.get(section)
-        if axis not in grid and isinstance(setting, dict) and key in setting:
-            grid[axis] = [setting[key]]
+        own = getattr(cell, axis)
+        values[axis] = own if own != NEUTRAL[axis] else study[section][key]
+    return values
+
+
+def setting_problems(config: dict[str, Any]) -> list[str]:
+    """A grid that lists an axis's neutral value beside others while the study's setting says otherwise
+    would train its neutral cells at the setting, not at the value their id names."""
+    problems = []
+    for axis, (section, key) in SETTING_AXES.items():
+        listed, setting = config["grid"][axis], config[section][key]
+        if len(listed) > 1 and NEUTRAL[axis] in listed and setting != NEUTRAL[axis]:
+            problems.append(
+                f"config key 'grid.{axis}': lists {NEUTRAL[axis]!r} while {section}.{key} is {setting!r}; remove "
+                f"{section}.{key} (the axis decides per cell) or list only the other values"
+            )
+    return problems
 
 
 def cell_debug(debug: dict[str, Any], fault: str) -> dict[str, Any]:
@@ -53,7 +64,7 @@ def debug_problems(config: dict[str, Any]) -> list[str]:
     name a fault the debug section sets."""
     debug, grid = config["debug"], config["grid"]
     worlds = grid["world_size"]
-    problems = []
+    problems = setting_problems(config)
     for key in RANK_FAULTS.values():
         rank = debug[key]["rank"]
         if rank >= 0 and rank >= max(worlds):

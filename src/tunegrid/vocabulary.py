@@ -89,7 +89,9 @@ class Axis:
         """This axis's part of a cell id, empty at the neutral value (a flag: its prefix alone when set)."""
         if self.neutral is not None and value == self.neutral:
             return ""
-        return self.id_prefix if self.type is bool else f"{self.id_prefix}{value}"
+        if self.type is bool:
+            return self.id_prefix
+        return f"{self.id_prefix}{value:g}" if self.type is float else f"{self.id_prefix}{value}"
 
     def value_pattern(self) -> str:
         if self.type is bool:
@@ -204,8 +206,8 @@ AXIS_TABLE: tuple[Axis, ...] = (
         items={"type": "boolean"},
         description=(
             "recompute each layer's activations in backward instead of keeping them (saves activation memory, "
-            "costs about one more forward; not a model checkpoint). Not listed: [train.gradient_checkpointing] "
-            "where the study sets it. Cells with true get `_ac` appended to their id"
+            "costs about one more forward; not a model checkpoint). At false a cell follows "
+            "train.gradient_checkpointing. Cells with true get `_ac` appended to their id"
         ),
         default=(False,),
         id_prefix="ac",
@@ -218,8 +220,8 @@ AXIS_TABLE: tuple[Axis, ...] = (
         items={"type": "number", "exclusiveMinimum": 0},
         description=(
             "the torch.distributed timeout of every collective, per cell (a twin with a larger one proves or "
-            "refutes raising it). Not listed: [distributed.collective_timeout_s] where the study sets it. Cells "
-            "other than 600 s get `_ct<seconds>` appended to their id"
+            "refutes raising it). At 600 a cell follows distributed.collective_timeout_s. Cells other than 600 s "
+            "get `_ct<seconds>` appended to their id"
         ),
         default=(DEFAULT_COLLECTIVE_TIMEOUT_S,),
         id_prefix="ct",

@@ -19,7 +19,8 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
     # results written before an axis existed ran at its neutral value, or at the study setting it stands for
     cell = result.cell
     settings = {axis: (cell.get(section) or {}).get(key) for axis, (section, key) in SETTING_AXES.items()}
-    recorded = with_neutrals({**{k: v for k, v in settings.items() if v is not None}, **result.axes})
+    # the axes that stand for a setting read as trained: the cell's own train/distributed values
+    recorded = {**with_neutrals(result.axes), **{k: v for k, v in settings.items() if v is not None}}
     axes = {name: recorded.get(name) for name in axis_names()}
     diagnosis = result.diagnosis
     nan = diagnosis.nan or {}
