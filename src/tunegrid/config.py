@@ -227,7 +227,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
 
 
 def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
-    """A cell's spec from the resolved study the study_config rule wrote (results/<study>/study.json): jobs
+    """A cell's spec from the resolved study the workflow wrote once (results/<study>/study.json): jobs
     get a file path and a cell id, never the spec itself on their command line."""
     with open(study_file) as fh:
         study = json.load(fh)

@@ -42,7 +42,8 @@ PATHS = StudyPaths.of(STUDY["study"])  # every file of the study, named once
 RESULTS = str(PATHS.study_dir)
 LOGS = str(PATHS.logs_dir)
 CELLS = cells_by_id(STUDY)
-# The resolved study, made by the `study_config` rule (workflow/rules/plan.smk) for the jobs.
+# The resolved study, written once per invocation (onstart) for the jobs: they get this path and a cell
+# id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
 STUDY_FILE = str(PATHS.study_file)
 TRACKING = STUDY["tracking"]["enabled"]
 

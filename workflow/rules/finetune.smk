@@ -7,8 +7,8 @@ rule finetune:
         tracking=get_tracking_file,
         capabilities=rules.probe.output.capabilities,
         probe_run=get_probe_run_file,  # read beside the capabilities: the probe's MLflow run id
-        study=ancient(STUDY_FILE),  # ancient: a study change re-runs the cells whose spec changed (params), only
-        plan=ancient(str(PATHS.cell_plan("{cell_id}"))),  # its mem_mb; re-made only when the spec or probe is
+        # its mem_mb; re-made only when the cell's spec, model or probe changes, each of which re-runs the cell anyway
+        plan=str(PATHS.cell_plan("{cell_id}")),
     output:
         result=f"{RESULTS}/runs/{{cell_id}}/result.json",
     log:
@@ -34,7 +34,7 @@ rule finetune:
         job=lambda wildcards, output: f"finetune {output.result}",
     shell:
         f"python {SCRIPT} finetune"
-        " --study-file {input.study} --cell {wildcards.cell_id} --model-dir {input.model}"
+        f" --study-file {STUDY_FILE} --cell {{wildcards.cell_id}} --model-dir {{input.model}}"
         " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
         " --tracking={input.tracking} --capabilities {input.capabilities} --log {log}"
         " --snakemake-job {params.job:q} > {log} 2>&1"
