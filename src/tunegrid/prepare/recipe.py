@@ -192,8 +192,10 @@ def optimizer(recipe: Recipe, key: str, name: Any) -> None:
     name = str(getattr(name, "value", name))
     if name in OPTIMIZER_AXIS:
         recipe.carry("grid.optimizer", OPTIMIZER_AXIS[name], key)
-        if name not in TOOL_OPTIMIZER.values():
-            recipe.notes.append(f"{key}: {name} trains as {TOOL_OPTIMIZER[OPTIMIZER_AXIS[name]]} (the same update)")
+        if OPTIMIZER_AXIS[name] == "adamw" and name != "adamw_torch":
+            recipe.notes.append(f"{key}: {name} trains as torch AdamW (the same update; fused is a kernel choice)")
+        elif name == "adamw_8bit":
+            recipe.notes.append(f"{key}: adamw_8bit is transformers' alias of adamw_bnb_8bit (bitsandbytes AdamW8bit)")
     elif name in OTHER_OPTIMIZERS:
         recipe.refuse(key, f"optimizer {name!r} is not one tunegrid trains with ({sorted(OPTIMIZER_AXIS)})")
     else:
