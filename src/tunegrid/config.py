@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cel
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp16-islands"]
 Quant = Literal["none", "nf4", "nf4-experts"]
 
 

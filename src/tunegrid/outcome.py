@@ -82,6 +82,7 @@ def compose_result(
         "throughput": facts.get("throughput", {}),
         "data": facts.get("data", {}),
         "fp16_headroom": facts.get("fp16_headroom", {}),
+        "fp32_islands": facts.get("fp32_islands"),  # fp16-islands: the modules kept in fp32 and their maxima
         "quant_audit": facts.get("quant_audit", {}),
         "training": facts.get("training", {}),
         "resumed_from_step": facts.get("resumed_from_step"),

@@ -13,7 +13,10 @@ from enum import StrEnum
 
 # Order of the axes in a cell id; a new axis is appended here and nowhere else.
 AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size", "grad_accum")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp16-islands")
+# The hardware arithmetic each precision runs its matmuls in: what decides native/emulated support on a target
+# and the probe's per-precision constants. fp16-islands is fp16 with the overflowing modules kept in fp32.
+PRECISION_ARITHMETIC = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp16-islands": "fp16"}
 QUANTS = ("none", "nf4", "nf4-experts")
 # Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
 METRIC_KEYS = (

@@ -86,7 +86,7 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 def test_shipped_default_config_is_valid():
     study = load_study(REPO / "configs" / "config.yaml")
-    assert len(expand_cells(study)) == 36
+    assert len(expand_cells(study)) == 48
     assert {"gemma3-tiny", "qwen3moe-tiny"} <= set(study["models"])
 
 
@@ -104,7 +104,7 @@ def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "config key 'grid.precision.0'" in out
-    assert "choose one of ['fp32', 'bf16', 'fp16']" in out
+    assert "choose one of ['fp32', 'bf16', 'fp16', 'fp16-islands']" in out
     assert "Traceback" not in out
 
 
@@ -145,7 +145,7 @@ def test_a_study_file_is_the_whole_study_and_the_default_applies_only_without_on
         )
     )
     assert _dry_run(tmp_path, "--configfile", str(study)) == {"finetune": 1, "model_checkpoint": 1}
-    assert _dry_run(tmp_path)["finetune"] == 36  # no study file: configs/config.yaml
+    assert _dry_run(tmp_path)["finetune"] == 48  # no study file: configs/config.yaml
 
 
 def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
@@ -170,7 +170,7 @@ def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
         "train={gradient_checkpointing: true}",
         "grid={batch_size: [2]}",
     )
-    assert counts["finetune"] == 18
+    assert counts["finetune"] == 24
 
 
 def test_an_override_that_does_not_convert_names_the_key(tmp_path):

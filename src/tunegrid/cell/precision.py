@@ -10,7 +10,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp16-islands": "float16"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +23,7 @@ class PrecisionPlan:
     autocast: bool
     grad_scaler: bool
     reason: str
+    fp32_islands: bool = False  # the modules that overflow fp16 compute and return fp32 (cell/islands.py)
 
     def torch_dtype(self, which: str = "compute") -> Any:
         import torch
@@ -33,7 +34,8 @@ class PrecisionPlan:
         return (
             f"precision={self.precision} on {self.device_type}: compute {self.compute_dtype}, base weights "
             f"{self.storage_dtype}, adapters {self.adapter_dtype}, autocast={'on' if self.autocast else 'off'}, "
-            f"GradScaler={'on' if self.grad_scaler else 'off'} ({self.reason})"
+            f"GradScaler={'on' if self.grad_scaler else 'off'}{', fp32 islands' if self.fp32_islands else ''} "
+            f"({self.reason})"
         )
 
 
@@ -45,8 +47,13 @@ def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
         reason = "full precision, nothing to scale"
     elif precision == "bf16":
         reason = "bf16 has fp32's exponent range, so no loss scaling is needed"
-    else:
+    elif precision == "fp16":
         reason = "fp16 overflows past 65504 and underflows small grads: dynamic loss scaling"
+    else:
+        reason = (
+            "fp16 matmuls with dynamic loss scaling; the modules whose activations near 65504 compute and return "
+            "fp32, so the residual stream they feed stays fp32"
+        )
     return PrecisionPlan(
         precision=precision,
         device_type=device_type,
@@ -54,8 +61,9 @@ def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
         storage_dtype=dtype,
         adapter_dtype="float32",
         autocast=precision != "fp32",
-        grad_scaler=precision == "fp16",
+        grad_scaler=dtype == "float16",
         reason=reason,
+        fp32_islands=precision == "fp16-islands",
     )
 
 

@@ -14,7 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from tunegrid.vocabulary import PRECISION_ARITHMETIC
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp16-islands": 2}  # islands: a few modules more, not counted
 NF4_BLOCK = 64
 DQ_BLOCK = 256  # double quantization: the block absmax values are themselves quantized in blocks of 256
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
@@ -54,7 +56,8 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 def device_constants(capabilities: dict[str, Any], precision: str) -> dict[str, Any]:
     """The probe's measured constants for a cell in this precision: the process before a model, and what
     a training step holds beyond its tensors (0 where the probe did not measure them)."""
-    overhead = (capabilities.get("step_overhead_bytes") or {}).get(precision) or 0
+    arithmetic = PRECISION_ARITHMETIC.get(precision, precision)
+    overhead = (capabilities.get("step_overhead_bytes") or {}).get(arithmetic) or 0
     return {
         "runtime": int(capabilities.get("runtime_baseline_bytes") or 0),
         "step_overhead": int(overhead),
