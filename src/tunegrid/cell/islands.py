@@ -67,10 +67,10 @@ def matching_modules(model: Any, patterns: list[str]) -> list[str]:
     for pattern in patterns:
         hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
         if not hits:
-            examples = ", ".join(n for n in names if n.count(".") >= 3)[:200] or ", ".join(names[:5])
+            deep = [n for n in names if n.count(".") >= 3] or names
             raise IslandError(
-                f"train.fp32_islands pattern {pattern!r} matches no module of this model; patterns are globs over "
-                f"names such as {examples} (e.g. '*.mlp.down_proj')"
+                f"train.fp32_islands pattern {pattern!r} matches no module; use a glob such as '*.mlp.down_proj' "
+                f"over names like {', '.join(deep[:2])}"
             )
         chosen += hits
     return outermost(chosen)
