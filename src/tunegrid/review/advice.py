@@ -18,6 +18,10 @@ class Fix:
     change: dict[str, Any]  # axis -> value
     why: str
     evidence: list[str]
+    # the largest loss deviation of the evidence from its reference twin (review/quality.py); None: not compared
+    parity: float | None = None
+    # against the failing setting, same grid: {"tokens_per_s_ratio": …, "peak_bytes_ratio": …}; None: not measured
+    cost: dict[str, float | None] | None = None
 
 
 @dataclass

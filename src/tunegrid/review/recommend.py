@@ -13,18 +13,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from tunegrid.prepare.targets import TARGETS
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, paren, siblings
 from tunegrid.review.batch_advice import memory_batch_fix, smaller_batch_fix
 from tunegrid.review.moe_advice import expert_gap, load_peaks
+from tunegrid.review.precision_advice import candidates, holds, precision_fixes
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome
-
-
-def precision_support(target: str | None, capabilities: dict[str, Any]) -> dict[str, str]:
-    if target and target in TARGETS:
-        return dict(TARGETS[target].precision)
-    return dict(capabilities.get("precision") or {})
 
 
 def _short(module: Any) -> str:
@@ -42,14 +36,12 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
         groups[(row["model"], row["precision"], row.get("target"))].append(row)
     out = []
     for (model, precision, target), rows in groups.items():
-        support = precision_support(target, capabilities)
-        by_precision: dict[str, set[str]] = defaultdict(set)
         by_quant: dict[str, set[str]] = defaultdict(set)
         for row in rows:
             for _, sib in ok_cells(siblings(frame, row, "quant")).iterrows():
-                by_quant[sib["quant"]].add(sib["cell_id"])
-            for _, sib in ok_cells(siblings(frame, row, "precision")).iterrows():
-                by_precision[sib["precision"]].add(sib["cell_id"])
+                if holds(sib):
+                    by_quant[sib["quant"]].add(sib["cell_id"])
+        by_precision = candidates(frame, rows, precision)
         batch_fix, batch_note = smaller_batch_fix(frame, rows, precision)  # the effective batch kept, or why not
         if not by_precision and not batch_fix and not batch_note and not by_quant:
             continue
@@ -60,22 +52,12 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             f"{model} in {precision} went non-finite{paren(first['nan_kind'])} in {len(rows)} cell(s), first at step "
             f"{int(first['nan_step'])}; the first non-finite output in the {direction} pass was {where}."
         ]
-        options, evidence, fixes = [], [], []
-        for alt in ("bf16", "fp32", "fp16"):
-            cells = sorted(by_precision.get(alt, ()))
-            if not cells:
-                continue
-            evidence += cells
-            native = support.get(alt, "absent") == "native"
-            where_target = f"target {target}" if target and target != "native" else "this machine"
-            if native:
-                options.append(f"switch to {alt}: the same cells in {alt} trained without a non-finite step")
-                fixes.append(Fix({"precision": alt}, options[-1], cells))
-            else:
-                parts.append(
-                    f"The same cells in {alt} were ok, but {where_target} has {support.get(alt, 'no')} {alt}"
-                    f" ({'slow software path' if support.get(alt) == 'emulated' else 'not available'})."
-                )
+        options, evidence = [], []
+        fixes, notes = precision_fixes(frame, rows, precision, target, capabilities, _short)
+        for fix in fixes:
+            evidence += fix.evidence
+            options.append(fix.why)
+        parts += notes
         if batch_fix:
             evidence += batch_fix["evidence"]
             options.append(batch_fix["why"])
@@ -93,9 +75,6 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             continue
         if options:
             parts.append("Fix: " + "; or ".join(options) + ".")
-        first_fix = fixes[0].change.get("precision", "") if fixes else ""
-        if precision == "fp16" and first_fix != "fp32" and support.get("bf16") != "native":
-            parts.append("On a target without native bf16, fp32 costs about twice the activation memory of fp16.")
         out.append(
             Recommendation(
                 signature=f"nan:{precision}",
@@ -157,7 +136,8 @@ def _unsupported_fixes(frame: Any) -> list[Recommendation]:
         ok: dict[str, set[str]] = defaultdict(set)
         for row in members:
             for _, sib in ok_cells(siblings(frame, row, "precision")).iterrows():
-                ok[sib["precision"]].add(sib["cell_id"])
+                if holds(sib):
+                    ok[sib["precision"]].add(sib["cell_id"])
         if not ok:
             continue
         choice = "fp32" if "fp32" in ok else sorted(ok)[0]

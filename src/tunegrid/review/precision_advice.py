@@ -1,0 +1,144 @@
+"""The precision fixes for a non-finite failure, each with its evidence, its loss parity and its cost.
+
+A precision is a candidate fix where a twin of a failing cell (every other axis equal) ran in it, ended ok and
+its quality `holds` (review/quality.py: it learned, and its loss matched the reference twin's within
+tolerance); an ok twin that did not learn or deviates is named as no evidence. bf16 is offered only where it
+is native on both the study's target and the probed device (a T4 target never gets it); any other precision
+where its arithmetic is not absent there. Each fix carries its cost against the failing setting, measured in
+the same grid: the median over failing/fixed pairs of the tokens/s and peak-memory ratios. Fixes are ranked by
+throughput: the fastest that holds first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+from tunegrid.prepare.targets import TARGETS
+from tunegrid.review.advice import Fix, ok_cells, siblings
+from tunegrid.review.quality import HOLDS
+from tunegrid.vocabulary import PRECISION_ARITHMETIC
+
+CANDIDATES = ("bf16", "fp16-islands", "fp32", "fp16")
+
+
+def support_of(precision: str, target: str | None, capabilities: dict[str, Any]) -> str:
+    """native | emulated | absent for a precision's arithmetic on the target and the probed device together:
+    the weaker of the two (a named target's data sheet, and what the probe measured here)."""
+    arithmetic = PRECISION_ARITHMETIC.get(precision, precision)
+    rank = {"native": 2, "emulated": 1, "absent": 0}
+    found = [(capabilities.get("precision") or {}).get(arithmetic)]
+    if target and target in TARGETS and target != "native":
+        found.append(TARGETS[target].precision.get(arithmetic, "absent"))
+    known = [s for s in found if s in rank]
+    return min(known, key=rank.__getitem__) if known else "absent"
+
+
+def holds(row: Any) -> bool:
+    """An ok cell that is evidence of a fix; a summary without quality columns (older) counts ok alone."""
+    return "quality" not in row.index or row["quality"] == HOLDS
+
+
+@dataclass
+class Candidate:
+    precision: str
+    evidence: list[str]
+    unproven: list[str]  # ok twins that are no evidence, with why
+    tokens_ratio: float | None
+    peak_ratio: float | None
+    parity: float | None  # the largest loss deviation from the reference among the evidence
+    islands: list[str]
+
+    def cost_text(self, failing: str) -> str:
+        parts = []
+        if self.tokens_ratio is not None:
+            parts.append(f"{self.tokens_ratio:.2f}x the tokens/s")
+        if self.peak_ratio is not None:
+            parts.append(f"{self.peak_ratio:.2f}x the peak memory")
+        return f"{' and '.join(parts)} of {failing}" if parts else "cost not measured"
+
+    def parity_text(self) -> str:
+        return f"loss within {self.parity:.1%} of the reference" if self.parity is not None else "parity unknown"
+
+
+def _ratio(values: list[float]) -> float | None:
+    finite = [v for v in values if v == v and v not in (float("inf"), 0.0)]
+    return median(finite) if finite else None
+
+
+def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
+    out = []
+    for precision in CANDIDATES:
+        if precision == failing or (precision == "fp16-islands" and failing != "fp16"):
+            continue
+        evidence, unproven, tokens, peaks, parity, islands = [], [], [], [], [], set()
+        for row in rows:
+            twins = ok_cells(siblings(frame, row, "precision"))
+            for _, twin in twins[twins["precision"] == precision].iterrows():
+                if not holds(twin):
+                    unproven.append(f"{twin['cell_id']} ({twin.get('quality')})")
+                    continue
+                evidence.append(twin["cell_id"])
+                tokens.append(float(twin.get("tokens_per_s") or "nan") / float(row.get("tokens_per_s") or "nan"))
+                peaks.append(float(twin.get("peak_bytes") or "nan") / float(row.get("peak_bytes") or "nan"))
+                if twin.get("loss_deviation") == twin.get("loss_deviation") and twin.get("loss_deviation") is not None:
+                    parity.append(float(twin["loss_deviation"]))
+                if isinstance(twin.get("fp32_islands"), str):
+                    islands.update(twin["fp32_islands"].split(","))
+        if evidence or unproven:
+            out.append(
+                Candidate(
+                    precision,
+                    sorted(set(evidence)),
+                    sorted(set(unproven)),
+                    _ratio(tokens),
+                    _ratio(peaks),
+                    max(parity) if parity else None,
+                    sorted(islands),
+                )
+            )
+    return out
+
+
+def precision_fixes(
+    frame: Any, rows: list[Any], failing: str, target: str | None, capabilities: dict[str, Any], short: Any
+) -> tuple[list[Fix], list[str]]:
+    """(the fixes ranked fastest first, sentences on what is not offered and why)."""
+    where = f"target {target}" if target and target != "native" else "this machine"
+    fixes, notes, offered = [], [], []
+    for candidate in candidates(frame, rows, failing):
+        if candidate.unproven:
+            notes.append(
+                f"{candidate.precision} ran ok in {', '.join(candidate.unproven)}: no evidence of a fix "
+                "(a fix must learn and match the reference)."
+            )
+        if not candidate.evidence:
+            continue
+        support = support_of(candidate.precision, target, capabilities)
+        wanted = "native" if candidate.precision == "bf16" else "emulated"
+        if support == "absent" or (wanted == "native" and support != "native"):
+            notes.append(
+                f"The same cells in {candidate.precision} were ok, but {where} has {support} "
+                f"{PRECISION_ARITHMETIC.get(candidate.precision, candidate.precision)}"
+                f" ({'slow software path' if support == 'emulated' else 'not available'})."
+            )
+            continue
+        offered.append(candidate)
+    offered.sort(key=lambda c: -(c.tokens_ratio if c.tokens_ratio is not None else -1.0))
+    for candidate in offered:
+        kept = f" (islands: {', '.join(short(i) for i in candidate.islands)})" if candidate.islands else ""
+        why = (
+            f"switch to {candidate.precision}{kept}: ok in {len(candidate.evidence)} cell(s), "
+            f"{candidate.parity_text()}, {candidate.cost_text(failing)}"
+        )
+        cost = {"tokens_per_s_ratio": candidate.tokens_ratio, "peak_bytes_ratio": candidate.peak_ratio}
+        fixes.append(Fix({"precision": candidate.precision}, why, candidate.evidence, candidate.parity, cost))
+    if len(offered) > 1:
+        speeds = ", ".join(f"{c.precision} {c.tokens_ratio:.2f}x" for c in offered if c.tokens_ratio is not None)
+        measured = "" if where == "this machine" else " on this machine"
+        notes.append(
+            f"Ranked by throughput among the fixes that hold: {offered[0].precision} first ({speeds} the tokens/s "
+            f"of {failing}, measured in this grid{measured})."
+        )
+    return fixes, notes
