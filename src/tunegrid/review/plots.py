@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import PRECISIONS, Outcome
 
 OUTCOME_COLOURS = {
     Outcome.OK: "#4caf50",
@@ -16,7 +16,7 @@ OUTCOME_COLOURS = {
     Outcome.ERROR: "#424242",
     Outcome.UNSUPPORTED: "#bdbdbd",
 }
-PRECISION_STYLE = {"fp32": "-", "bf16": "--", "fp16": ":"}
+PRECISION_STYLE = {"fp32": "-", "bf16": "--", "fp16": ":", "fp16-islands": "-."}
 MIB = 2**20
 
 
@@ -37,7 +37,7 @@ def _matrix_layout(frame: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, .
     batch_axes = _batch_axes(frame)
     col_axes = ["precision", *batch_axes]
     rows = sorted({tuple(r) for r in frame[row_axes].itertuples(index=False)}, key=str)
-    precisions = [p for p in ("fp32", "bf16", "fp16") if p in set(frame["precision"])]
+    precisions = [p for p in PRECISIONS if p in set(frame["precision"])]
     batches = sorted({tuple(r) for r in frame[batch_axes].itertuples(index=False)})
     cols = [(p, *b) for p in precisions for b in batches]
     return rows, cols, row_axes, col_axes
@@ -105,7 +105,7 @@ def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path)
     ncols = min(2, len(panels)) or 1
     nrows = (len(panels) + ncols - 1) // ncols or 1
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.4 * nrows), squeeze=False)
-    colours = {"fp32": "#1e88e5", "bf16": "#43a047", "fp16": "#e53935"}
+    colours = {"fp32": "#1e88e5", "bf16": "#43a047", "fp16": "#e53935", "fp16-islands": "#8e24aa"}
     quant_style = {"none": "-", "nf4": "--", "nf4-experts": ":"}
     for ax, (model, *batch) in zip(axes.flat, panels):
         sub = frame[frame["model"] == model]

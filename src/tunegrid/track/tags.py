@@ -66,6 +66,13 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
                 "collective.step": str(collective["step"]),
             }
         )
+    islands = result.get("fp32_islands")
+    if islands:  # fp16-islands: which modules computed in fp32, and what the calibration measured there
+        tags["fp32_islands"] = ",".join(m["module"] for m in islands["modules"]) or "none"
+        tags["fp32_islands.mode"] = islands["mode"]
+        tags["fp32_islands.max_abs"] = ",".join(
+            f"{m['max_abs']:.0f}" if m.get("max_abs") is not None else "" for m in islands["modules"]
+        )
     crash = (result.get("diagnosis") or {}).get("rank_crash")
     if crash:
         tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
