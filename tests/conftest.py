@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Every process this test session starts inherits this marker (snakemake, supervisors, warm workers and the
+# workers they fork, even once reparented), so processes_mentioning sees this session's processes only and
+# not those of another checkout's suite or pipeline running on the same host.
+SESSION_ENV = "TUNEGRID_TEST_SESSION"
+os.environ[SESSION_ENV] = uuid.uuid4().hex
 
 
 def snakemake_command(workdir: Path, *args: str) -> list[str]:
@@ -200,14 +207,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) ->
 
 
 def processes_mentioning(path: Path) -> list[str]:
-    """PIDs whose command line names `path`: what a cell left behind (must be none)."""
+    """PIDs of this test session's processes whose command line names `path`: what a cell left behind (must
+    be none). Only processes carrying this session's marker in their environment count."""
     found = []
+    marker = f"{SESSION_ENV}={os.environ[SESSION_ENV]}".encode()
     for pid in os.listdir("/proc"):
-        if pid.isdigit():
+        if pid.isdigit() and int(pid) != os.getpid():
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            except OSError:
+                if str(path) not in cmdline:
+                    continue
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:  # gone meanwhile, or another user's
                 continue
-            if str(path) in cmdline:
+            if marker in environ:
                 found.append(pid)
     return found

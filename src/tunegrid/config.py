@@ -11,15 +11,15 @@ import itertools
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from tunegrid.errors import ConfigError
+from tunegrid.grid import Cell, cell_class
 from tunegrid.input_limits import known_architecture, secret_problems, size_problems, study_file_problems
-from tunegrid.vocabulary import AXES
+from tunegrid.vocabulary import axis_table, grid_schema
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -27,41 +27,17 @@ if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cel
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
-Precision = Literal["fp32", "bf16", "fp16", "fp16-islands"]
-Quant = Literal["none", "nf4", "nf4-experts"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Cell:
-    """One point of the grid: the axes only. Everything else comes from the study."""
-
-    model: str
-    precision: Precision
-    batch_size: int
-    quant: Quant
-    seed: int
-    world_size: int = 1
-    grad_accum: int = 1  # micro-batches of batch_size per optimizer step
-
-    @property
-    def cell_id(self) -> str:
-        # a cell at 1 process and no accumulation keeps the id it had before those axes existed (no re-run
-        # of old results)
-        world = f"_ws{self.world_size}" if self.world_size > 1 else ""
-        accum = f"_ga{self.grad_accum}" if self.grad_accum > 1 else ""
-        return f"{self.model}_{self.precision}_bs{self.batch_size}_{self.quant}_s{self.seed}{world}{accum}"
-
-    def axes(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 # libyaml's loader when PyYAML has it: the schema is read at every `snakemake` parse (0.13 s in pure Python)
 _SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def load_schema() -> dict[str, Any]:
+    """The study's JSON schema: the YAML file, with its `grid` built from the axis table."""
     with open(SCHEMA_PATH) as fh:
-        return yaml.load(fh, Loader=_SAFE_LOADER)  # a safe loader (libyaml when present)
+        schema = yaml.load(fh, Loader=_SAFE_LOADER)  # a safe loader (libyaml when present)
+    schema["properties"]["grid"] = grid_schema()
+    return schema
 
 
 def _key_path(error: jsonschema.ValidationError) -> str:
@@ -286,8 +262,10 @@ def load_study(path: str | Path) -> dict[str, Any]:
 
 def expand_cells(study: dict[str, Any]) -> list[Cell]:
     """The grid as cells, in a stable order (the product of the axes as listed in the config)."""
-    grid = study["grid"]
-    return [Cell(**dict(zip(AXES, values))) for values in itertools.product(*(grid[a] for a in AXES))]
+    grid, table = study["grid"], axis_table()
+    cell = cell_class(table)
+    names = [a.name for a in table]
+    return [cell(**dict(zip(names, values))) for values in itertools.product(*(grid[name] for name in names))]
 
 
 def cells_by_id(study: dict[str, Any]) -> dict[str, Cell]:

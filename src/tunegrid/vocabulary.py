@@ -1,23 +1,257 @@
-"""The words every stage shares, defined once: the grid's axes and their values, the metric names a step
-writes, and a cell's outcomes.
+"""The words every stage shares, defined once: the grid's axes (one table), the precisions and
+quantizations, the metric names a step writes, and a cell's outcomes.
 
-The Snakefile's wildcard pattern, the recommender's axes, the MLflow metric list and the schema's enums
-are derived from or checked against these (tests/house/test_vocabulary.py), so a new precision, metric or
-outcome is added here only.
+The schema's grid keys, `Cell`, a cell id and its parser, the Snakefile's wildcard pattern, the summary's
+axis columns and the report's plot layout are all derived from AXIS_TABLE (tests/house/test_vocabulary.py),
+so a new axis is one row here plus its effect where it acts (the cell spec, the trainer).
 Light module: no imports beyond the standard library (the Snakefile reads it at parse time).
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
-# Order of the axes in a cell id; a new axis is appended here and nowhere else.
-AXES = ("model", "precision", "batch_size", "quant", "seed", "world_size", "grad_accum")
-PRECISIONS = ("fp32", "bf16", "fp16", "fp16-islands")
+
+class Precision(StrEnum):
+    """Compute precision of a cell. A StrEnum: each member equals its name as written in configs and ids."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP16_ISLANDS = "fp16-islands"  # fp16 with the modules that overflow it computing in fp32 (cell/islands.py)
+
+
+class Quant(StrEnum):
+    """Base-weight quantization of a cell."""
+
+    NONE = "none"
+    NF4 = "nf4"
+    NF4_EXPERTS = "nf4-experts"
+
+
+PRECISIONS = tuple(p.value for p in Precision)
 # The hardware arithmetic each precision runs its matmuls in: what decides native/emulated support on a target
 # and the probe's per-precision constants. fp16-islands is fp16 with the overflowing modules kept in fp32.
 PRECISION_ARITHMETIC = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp16-islands": "fp16"}
-QUANTS = ("none", "nf4", "nf4-experts")
+QUANTS = tuple(q.value for q in Quant)
+
+
+class MatrixPlace(StrEnum):
+    """Where an axis sits in the report's outcome matrix."""
+
+    ROW = "row"
+    COLUMN = "column"
+
+
+class CurvePlace(StrEnum):
+    """How an axis tells loss curves apart: a panel of its own, a line colour or a line style."""
+
+    PANEL = "panel"
+    COLOUR = "colour"
+    STYLE = "style"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlotRole:
+    """An axis's place in the report's figures. `always`: shown even where the grid holds one value."""
+
+    matrix: MatrixPlace
+    curves: CurvePlace
+    always: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)  # hashed by identity: a Cell class is cached per table
+class Axis:
+    """One axis of the grid: everything every stage needs to know about it.
+
+    `id_prefix`: what precedes the value in the cell id (`bs` in `bs8`). `neutral`: the value a cell ran at
+    before the axis existed; at it the id leaves the axis out (old ids and results stay valid) and results
+    that lack the axis read as it. None: the axis is always in the id and every result has it.
+    `items`: the JSON schema of one value (the grid's schema is built from it). `plot`: its place in the
+    report's figures; None for an axis the figures cannot show (they refuse a grid where it varies).
+    """
+
+    name: str
+    type: type
+    items: dict[str, Any]
+    description: str
+    default: tuple[Any, ...] | None = None  # None: the study must list it
+    id_prefix: str = ""
+    neutral: Any = None
+    plot: PlotRole | None = None
+
+    def id_part(self, value: Any) -> str:
+        """This axis's part of a cell id, empty at the neutral value."""
+        return "" if self.neutral is not None and value == self.neutral else f"{self.id_prefix}{value}"
+
+    def value_pattern(self) -> str:
+        if "enum" in self.items:
+            return "|".join(re.escape(str(v)) for v in self.items["enum"])
+        if self.type is int:
+            return "[0-9]+"
+        return "[A-Za-z0-9][A-Za-z0-9.-]*"  # a name (#/definitions/name): no underscore, the id's separator
+
+
+def _enum(values: tuple[str, ...]) -> dict[str, Any]:
+    return {"enum": list(values)}
+
+
+# The grid's axes, in cell-id order. A new axis is a row here (appended, with a neutral value, so existing
+# ids and results stay valid) plus its effect where it acts.
+AXIS_TABLE: tuple[Axis, ...] = (
+    Axis(
+        name="model",
+        type=str,
+        items={"$ref": "#/definitions/name"},
+        description="model names from `models`",
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL, always=True),
+    ),
+    Axis(
+        name="precision",
+        type=str,
+        items=_enum(PRECISIONS),
+        description=(
+            "compute precision (bf16/fp16 use autocast; fp16 adds a GradScaler); fp16-islands is fp16 with the "
+            "modules whose activations near fp16's 65504 computing and returning fp32 (train.fp32_islands)"
+        ),
+        default=(Precision.FP32.value,),
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.COLOUR, always=True),
+    ),
+    Axis(
+        name="batch_size",
+        type=int,
+        items={"type": "integer", "minimum": 1, "maximum": 4096},
+        description="sequences per forward/backward (the micro-batch; per rank); see grad_accum",
+        default=(2,),
+        id_prefix="bs",
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL, always=True),
+    ),
+    Axis(
+        name="quant",
+        type=str,
+        items=_enum(QUANTS),
+        description=(
+            "base-weight quantization. none: plain LoRA; nf4: QLoRA through BitsAndBytesConfig (bitsandbytes "
+            "replaces nn.Linear only, so fused 3-D MoE experts stay in full precision); nf4-experts: nf4 plus "
+            "post-load NF4 quantization of every >=3-D parameter left unquantized (bitsandbytes "
+            "replace_parameter_4bit)"
+        ),
+        default=(Quant.NF4.value,),
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.STYLE, always=True),
+    ),
+    Axis(
+        name="seed",
+        type=int,
+        items={"type": "integer", "minimum": 0},
+        description="training seeds (data order, LoRA init, dropout)",
+        default=(0,),
+        id_prefix="s",
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="world_size",
+        type=int,
+        items={"type": "integer", "minimum": 1, "maximum": 64},
+        description=(
+            "processes per cell (DDP over the LoRA parameters; gloo on CPU, NCCL on GPU, one GPU per rank). "
+            "batch_size is per rank. Cells with world_size > 1 get `_ws<N>` appended to their id"
+        ),
+        default=(1,),
+        id_prefix="ws",
+        neutral=1,
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="grad_accum",
+        type=int,
+        items={"type": "integer", "minimum": 1, "maximum": 1024},
+        description=(
+            "gradient accumulation: micro-batches of batch_size per optimizer step, so the effective batch is "
+            "batch_size x grad_accum (x world_size). The loss is normalised over the loss tokens of the whole "
+            "effective batch, so 2 x 4 trains the same recipe as 8 x 1 with the activations of 2. Cells with "
+            "grad_accum > 1 get `_ga<N>` appended to their id"
+        ),
+        default=(1,),
+        id_prefix="ga",
+        neutral=1,
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
+    ),
+)
+
+AXES = tuple(axis.name for axis in AXIS_TABLE)  # kept for readers that need the names only
+
+
+def axis_table() -> tuple[Axis, ...]:
+    """The table as it is now (read at call time, so a test may extend it)."""
+    return AXIS_TABLE
+
+
+def axis(name: str) -> Axis:
+    for row in axis_table():
+        if row.name == name:
+            return row
+    raise KeyError(f"{name!r} is not an axis; axes: {[a.name for a in axis_table()]}")
+
+
+def axis_names() -> tuple[str, ...]:
+    return tuple(a.name for a in axis_table())
+
+
+def with_neutrals(axes: dict[str, Any]) -> dict[str, Any]:
+    """A cell's axes as recorded, completed with the neutral value of every axis it predates."""
+    return {**{a.name: a.neutral for a in axis_table() if a.neutral is not None}, **axes}
+
+
+def grid_schema() -> dict[str, Any]:
+    """The JSON schema of the study's `grid` key, built from the table: one array property per axis."""
+    properties: dict[str, Any] = {}
+    for row in axis_table():
+        prop: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "uniqueItems": True,
+            "items": dict(row.items),
+            "description": row.description,
+        }
+        if row.default is not None:
+            prop["default"] = list(row.default)
+        properties[row.name] = prop
+    return {
+        "type": "object",
+        "description": "the axes crossed into cells (every combination is one fine-tune)",
+        "additionalProperties": False,
+        "required": [a.name for a in axis_table() if a.default is None],
+        "default": {},
+        "properties": properties,
+    }
+
+
+def format_cell_id(axes: dict[str, Any]) -> str:
+    """A readable slug of a cell's axes, e.g. `gemma3-tiny_fp16_bs8_nf4_s0` (`_ws2`, `_ga4` where not 1)."""
+    return "_".join(part for row in axis_table() if (part := row.id_part(axes[row.name])))
+
+
+def cell_id_pattern(named: bool = False) -> str:
+    """The regex of a cell id (Snakemake's wildcard constraint), from the table; `named`: a group per axis."""
+    pattern = ""
+    for row in axis_table():
+        value = f"(?P<{row.name}>{row.value_pattern()})" if named else f"({row.value_pattern()})"
+        part = f"{'_' if pattern else ''}{row.id_prefix}{value}"
+        pattern += f"({part})?" if row.neutral is not None else part
+    return pattern
+
+
+def parse_cell_id(cell_id: str) -> dict[str, Any]:
+    """A cell id's axes (typed, neutral values where the id leaves an axis out); ValueError if it is none."""
+    found = re.fullmatch(cell_id_pattern(named=True), cell_id)
+    if found is None:
+        raise ValueError(f"{cell_id!r} is not a cell id (e.g. gemma3-tiny_fp16_bs8_nf4_s0)")
+    return {row.name: row.neutral if found[row.name] is None else row.type(found[row.name]) for row in axis_table()}
+
+
 # Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
 METRIC_KEYS = (
     "loss",
@@ -46,11 +280,3 @@ class Outcome(StrEnum):
 
 OUTCOMES = tuple(outcome.value for outcome in Outcome)
 FAILED = frozenset(OUTCOMES) - {Outcome.OK}
-
-
-def cell_id_pattern() -> str:
-    """The regex of a cell id (Snakemake's wildcard constraint): model, precision, batch, quant, seed, and
-    world size and gradient accumulation where they are not 1."""
-    precisions = "|".join(PRECISIONS)
-    quants = "|".join(QUANTS)
-    return rf"[A-Za-z0-9][A-Za-z0-9.-]*_({precisions})_bs[0-9]+_({quants})_s[0-9]+(_ws[0-9]+)?(_ga[0-9]+)?"

@@ -10,8 +10,9 @@ import pytest
 from conftest import GEMMA_HOT, make_study, one_cell, ready_trainer, run_in_process, run_supervised
 
 from tunegrid.files import read_jsonl
-from tunegrid.review.quality import loss_curve, loss_deviation, loss_fall
-from tunegrid.review.summary import DEFAULT_REVIEW
+from tunegrid.review.quality import default_review, loss_curve, loss_deviation, loss_fall
+
+DEFAULT_REVIEW = default_review()
 
 LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 

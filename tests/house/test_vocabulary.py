@@ -1,22 +1,82 @@
-"""One vocabulary: the schema's enums, the cell ids and the wildcard pattern agree with tunegrid.vocabulary."""
+"""One vocabulary: the schema's grid, the cell ids, their parser and the wildcard pattern come from
+tunegrid.vocabulary's axis table, and no other module keeps its own list of axes."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 import yaml
 from conftest import REPO, make_study
 
-from tunegrid.config import expand_cells, resolve_study
-from tunegrid.vocabulary import AXES, OUTCOMES, PRECISIONS, QUANTS, Outcome, cell_id_pattern
+from tunegrid.config import expand_cells, load_schema, resolve_study
+from tunegrid.vocabulary import (
+    AXIS_TABLE,
+    OUTCOMES,
+    PRECISIONS,
+    QUANTS,
+    CurvePlace,
+    Outcome,
+    axis_names,
+    cell_id_pattern,
+    parse_cell_id,
+)
 
 
-def test_schema_enums_are_the_vocabulary():
-    schema = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
-    grid = schema["properties"]["grid"]["properties"]
-    assert tuple(grid["precision"]["items"]["enum"]) == PRECISIONS
-    assert tuple(grid["quant"]["items"]["enum"]) == QUANTS
-    assert set(AXES) <= set(grid)
+def test_the_schema_grid_is_the_axis_table():
+    grid = load_schema()["properties"]["grid"]
+    assert tuple(grid["properties"]) == axis_names()
+    assert tuple(grid["properties"]["precision"]["items"]["enum"]) == PRECISIONS
+    assert tuple(grid["properties"]["quant"]["items"]["enum"]) == QUANTS
+    assert grid["additionalProperties"] is False and grid["required"] == ["model"]
+    # the file itself lists no axis: nothing to keep in step by hand
+    on_disk = yaml.safe_load((REPO / "workflow" / "schemas" / "config.schema.yaml").read_text())
+    assert "properties" not in on_disk["properties"]["grid"]
+
+
+def test_the_loss_figure_has_one_colour_and_one_style_axis():
+    roles = [a.plot.curves for a in AXIS_TABLE if a.plot]
+    assert roles.count(CurvePlace.COLOUR) == 1 and roles.count(CurvePlace.STYLE) == 1
+
+
+def _literal_axis_lists(tree: ast.AST) -> list[tuple[int, list[str]]]:
+    """Collections written out in the source that name two or more axes: a hand-kept list of axes."""
+    names = set(axis_names())
+    found = []
+    for node in ast.walk(tree):
+        elements = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+        if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) or not elements:
+            continue
+        named = [e.value for e in elements if isinstance(e, ast.Constant) and e.value in names]
+        if len(named) >= 2:
+            found.append((node.lineno, named))
+    return found
+
+
+# Where two axes are named together for what they do, not to enumerate the grid
+AXIS_EFFECTS = {
+    "vocabulary.py": "the table itself",
+    "review/batch_advice.py": "a micro-batch recipe is batch_size x grad_accum",
+}
+
+
+def test_no_module_keeps_its_own_list_of_axes():
+    """cell_id, the summary's columns, the plots and the recommender take their axes from AXIS_TABLE: a list
+    of axis names written elsewhere would miss the next axis (cells differing in it would overwrite each
+    other in the outcome matrix)."""
+    offenders = []
+    for path in (REPO / "src" / "tunegrid").rglob("*.py"):
+        if path.relative_to(REPO / "src" / "tunegrid").as_posix() in AXIS_EFFECTS:
+            continue
+        for line, named in _literal_axis_lists(ast.parse(path.read_text())):
+            offenders.append(f"{path.relative_to(REPO)}:{line} {named}")
+    assert not offenders, "axes listed outside tunegrid.vocabulary.AXIS_TABLE:\n" + "\n".join(offenders)
+
+
+def test_a_cell_id_parses_back_to_its_axes():
+    study = resolve_study(make_study(grid={"model": ["gemma3-hot"], "precision": ["fp16"], "grad_accum": [1, 4]}))
+    for cell in expand_cells(study):
+        assert parse_cell_id(cell.cell_id) == cell.axes()
 
 
 def test_every_cell_id_matches_the_wildcard_pattern_and_nothing_else_does():

@@ -9,9 +9,11 @@ import pandas as pd
 import pytest
 from test_review import _cell, _fp16_overflow
 
-from tunegrid.review.quality import loss_deviation, loss_fall, quality_columns
+from tunegrid.review.quality import default_review, loss_deviation, loss_fall, quality_columns
 from tunegrid.review.recommend import recommend
-from tunegrid.review.summary import DEFAULT_REVIEW, build_summary
+from tunegrid.review.summary import build_summary
+
+DEFAULT_REVIEW = default_review()
 
 NATIVE = {"precision": {"bf16": "native", "fp16": "native", "fp32": "native"}}
 H100_PROBE = NATIVE  # a probe on a GPU with native bf16, while the study targets a T4

@@ -179,14 +179,14 @@ def test_out_of_memory_advice_keeps_the_effective_batch_too():
 
 
 def test_the_outcome_matrix_tells_accumulated_batches_apart():
-    from tunegrid.review.plots import _batch_label, _matrix_layout
+    from tunegrid.review.plots import _matrix_layout, _sub_label
 
     frame = pd.DataFrame([_fp16_overflow(), _cell(model="g", precision="fp16", batch=2, accum=4)])
     _, cols, _, col_axes = _matrix_layout(frame)
     assert col_axes == ["precision", "batch_size", "grad_accum"]
-    assert [_batch_label(c[1:]) for c in cols] == ["bs 2 x ga 4", "bs 8 x ga 1"]
+    assert [_sub_label(col_axes[1:], c[1:]) for c in cols] == ["bs 2 x ga 4", "bs 8 x ga 1"]
     _, cols, _, col_axes = _matrix_layout(frame[frame["batch_size"] == 8])  # one accumulation: labels as before
-    assert col_axes == ["precision", "batch_size"] and [_batch_label(c[1:]) for c in cols] == ["bs 8"]
+    assert col_axes == ["precision", "batch_size"] and [_sub_label(col_axes[1:], c[1:]) for c in cols] == ["bs 8"]
 
 
 def _oom_at_load_frame(twin_outcome: str) -> pd.DataFrame:

@@ -107,3 +107,23 @@ def test_a_worker_forked_by_the_warm_worker_dies_with_its_supervisor(checkpoints
         assert left == []
     finally:
         warm.stop(warm_proc, path)
+
+
+def test_processes_mentioning_sees_only_this_sessions_processes(tmp_path):
+    """Another checkout's suite or pipeline on the same host (its own marker, or none) is not this test's
+    leftover, even with the same words on its command line."""
+    from conftest import SESSION_ENV
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path)]
+    foreign = {k: v for k, v in os.environ.items() if k != SESSION_ENV}
+    procs = {
+        "ours": subprocess.Popen(sleeper, env=dict(os.environ)),
+        "another session": subprocess.Popen(sleeper, env={**foreign, SESSION_ENV: "another"}),
+        "no session": subprocess.Popen(sleeper, env=foreign),
+    }
+    try:
+        assert processes_mentioning(tmp_path) == [str(procs["ours"].pid)]
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()

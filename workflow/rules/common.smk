@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
-from snakemake.utils import validate
 
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
@@ -23,8 +22,10 @@ try:
     STUDY = resolve_study(config)
 except ConfigError as exc:
     raise WorkflowError(str(exc)) from None
-# snakemake's own validator fills the schema's defaults into `config` as well.
-validate(config, schema="../schemas/config.schema.yaml")
+# `config` as validated, defaults filled: resolve_study validates against the schema file with its grid
+# built from the axis table (which the file alone does not hold, so snakemake's validate cannot check it).
+config.clear()
+config.update(STUDY)
 
 # Absolute, so `--directory elsewhere` works and the logged command re-runs from any folder.
 SCRIPT = str(Path(workflow.basedir) / "scripts" / "tunegrid.py")

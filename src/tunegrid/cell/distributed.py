@@ -22,6 +22,11 @@ from tunegrid.rundir import rank_dir
 from tunegrid.vocabulary import Outcome
 
 STEP_RE = re.compile(r"step (\d+)")
+# What ProcessGroupNCCL's watchdog logs (to the rank's stderr, its log here) before it takes the process down
+# with SIGABRT: on NCCL a collective timeout never reaches Python as an exception, so no worker.json says so.
+NCCL_WATCHDOG_RE = re.compile(
+    r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)"
+)
 
 
 def _tail(path: Path, lines: int = 15) -> list[str]:
@@ -38,12 +43,28 @@ def _exit_text(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def nccl_watchdog_timeout(log_path: Path) -> dict[str, Any] | None:
+    """The NCCL watchdog's timeout line in a rank's log: the collective it waited in and its sequence number."""
+    if not log_path.exists():
+        return None
+    for line in log_path.read_text(errors="replace").splitlines():
+        found = NCCL_WATCHDOG_RE.search(line)
+        if found:
+            return {"op": found["op"], "seq": int(found["seq"]), "message": line.strip()[:400]}
+    return None
+
+
 def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> dict[str, Any]:
     folder = rank_dir(run_dir, rank)
     facts_path = folder / "worker.json"
     facts = read_json(facts_path) if facts_path.exists() else {}
     heartbeat = (folder / "heartbeat").read_text().strip() if (folder / "heartbeat").exists() else ""
     step = STEP_RE.search(heartbeat)
+    diagnosis = facts.get("diagnosis") or {}
+    watchdog = nccl_watchdog_timeout(run_dir / "ranks" / f"rank{rank}.log") if not stopped else None
+    if watchdog is not None and "collective_timeout" not in diagnosis:
+        # the rank died (SIGABRT) in the NCCL watchdog before it could write its facts: a waiting rank
+        diagnosis = {"collective_timeout": {"rank": rank, "waiting_in": heartbeat, **watchdog}}
     return {
         "rank": rank,
         "exit_code": code,
@@ -54,13 +75,16 @@ def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> di
         "last_heartbeat": heartbeat,
         "last_step": int(step.group(1)) if step else None,
         "lora_sha256": facts.get("lora_sha256"),
-        "diagnosis": facts.get("diagnosis") or {},
+        "diagnosis": diagnosis,
         "traceback": facts.get("traceback"),
         "log_tail": _tail(run_dir / "ranks" / f"rank{rank}.log"),
     }
 
 
-def _collective_op(waiting_in: str) -> str:
+def _collective_op(waiting: dict[str, Any]) -> str:
+    waiting_in = waiting["waiting_in"]
+    if waiting.get("op"):  # named by the NCCL watchdog itself
+        return str(waiting["op"])
     if "all-reduce" in waiting_in:
         return "ALLREDUCE"
     if "init_process_group" in waiting_in or "ddp" in waiting_in:
@@ -172,19 +196,19 @@ def diagnose_ranks(
     waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
     if waiting:
         missing = [r["rank"] for r in ranks if r not in waiting]
-        waiting_in = waiting[0]["diagnosis"]["collective_timeout"]["waiting_in"]
-        op = _collective_op(waiting_in)
-        step = STEP_RE.search(waiting_in)
+        waited = waiting[0]["diagnosis"]["collective_timeout"]
+        op = _collective_op(waited)
+        step = STEP_RE.search(waited["waiting_in"])
         collective = {
             "op": op,
             "waiting_ranks": [r["rank"] for r in waiting],
             "missing_ranks": missing,
             "timeout_s": timeout_s,
             "step": int(step.group(1)) if step else None,
-            "seq": None,  # NCCL's sequence number comes from the flight recorder; gloo does not report one
+            "seq": waited.get("seq"),  # NCCL's watchdog names it; gloo does not report one
             "last_step_per_rank": last_steps,
             "last_heartbeat_per_rank": {r["rank"]: r["last_heartbeat"] for r in ranks},
-            "message": waiting[0]["diagnosis"]["collective_timeout"]["message"],
+            "message": waited["message"],
         }
         if recorder:
             collective["flight_recorder_verdict"] = recorder["verdict"]

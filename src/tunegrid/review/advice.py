@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tunegrid.vocabulary import AXES, Outcome
+from tunegrid.vocabulary import Outcome, axis_names
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Recommendation:
 
 
 def axes_of(frame: Any) -> list[str]:
-    return [a for a in AXES if a in frame.columns]
+    return [a for a in axis_names() if a in frame.columns]
 
 
 def siblings(frame: Any, row: Any, vary: str) -> Any:

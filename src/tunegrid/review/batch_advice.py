@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.vocabulary import AXES, Outcome
+from tunegrid.vocabulary import Outcome, axis_names
 
 
 def accumulation(row: Any) -> int:
@@ -26,7 +26,7 @@ def micro_batch_phrase(batch: int, accum: int) -> str:
 def _smaller_ok(frame: Any, row: Any) -> list[Any]:
     """ok cells equal to `row` on every axis but the batch's two, with a smaller micro-batch."""
     mask = (frame["outcome"] == Outcome.OK) & (frame["batch_size"] < row["batch_size"])
-    for axis in AXES:
+    for axis in axis_names():
         if axis in frame.columns and axis not in ("batch_size", "grad_accum"):
             mask &= frame[axis] == row[axis]
     return [sib for _, sib in frame[mask].iterrows()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tunegrid.vocabulary import PRECISIONS, Outcome
+from tunegrid.vocabulary import Axis, CurvePlace, MatrixPlace, Outcome, axis, axis_table
 
 OUTCOME_COLOURS = {
     Outcome.OK: "#4caf50",
@@ -16,31 +16,62 @@ OUTCOME_COLOURS = {
     Outcome.ERROR: "#424242",
     Outcome.UNSUPPORTED: "#bdbdbd",
 }
-PRECISION_STYLE = {"fp32": "-", "bf16": "--", "fp16": ":", "fp16-islands": "-."}
 MIB = 2**20
+# Line colours and styles by the value's place in its axis's list (fp32/bf16/fp16; none/nf4/nf4-experts)
+LINE_COLOURS = ("#1e88e5", "#43a047", "#e53935", "#6d4c41", "#00897b", "#fdd835")
+LINE_STYLES = ("-", "--", ":", "-.")
 
 
-def _batch_axes(frame: Any) -> list[str]:
-    """How a cell's batch is told apart: its micro-batch, and its accumulation where that varies."""
-    return ["batch_size"] + [a for a in ("grad_accum",) if a in frame.columns and frame[a].nunique() > 1]
+class PlotLayoutError(ValueError):
+    """The grid varies an axis the figures cannot place."""
 
 
-def _batch_label(values: tuple[Any, ...]) -> str:
+def _varying(frame: Any, name: str) -> bool:
+    return name in frame.columns and frame[name].nunique() > 1
+
+
+def _placed(frame: Any) -> list[Axis]:
+    """The axes the figures show: those whose role says always, and those that vary in this grid. A varying
+    axis without a role is refused: its cells would overwrite each other in the matrix."""
+    unplaced = [a.name for a in axis_table() if a.plot is None and _varying(frame, a.name)]
+    if unplaced:
+        raise PlotLayoutError(
+            f"axis {unplaced} varies in this grid but has no plot role; give it a PlotRole in "
+            "tunegrid.vocabulary.AXIS_TABLE (a matrix row or column, a curve panel, colour or style)"
+        )
+    return [a for a in axis_table() if a.plot is not None and (a.plot.always or _varying(frame, a.name))]
+
+
+def _order(name: str) -> Any:
+    """Values of an axis in its declared order (an enum's listing), else sorted by value."""
+    listed = axis(name).items.get("enum")
+    return (lambda v: listed.index(v) if v in listed else len(listed)) if listed else (lambda v: (str(type(v)), v))
+
+
+def _keys(frame: Any, names: list[str]) -> list[tuple[Any, ...]]:
+    present = {tuple(r) for r in frame[names].itertuples(index=False)}
+    orders = [_order(n) for n in names]
+    return sorted(present, key=lambda key: tuple(order(v) for order, v in zip(orders, key)))
+
+
+def _value_label(name: str, value: Any) -> str:
+    """'bs 2' for an axis shown by prefix in the id, the value alone for a named one (fp16, nf4)."""
+    row = axis(name)
+    return f"{row.id_prefix} {value}" if row.id_prefix else str(value)
+
+
+def _sub_label(names: list[str], values: tuple[Any, ...]) -> str:
     """'bs 2', or 'bs 2 x ga 4' (micro-batch x accumulation) where accumulation varies."""
-    return f"bs {values[0]}" + (f" x ga {values[1]}" if len(values) > 1 else "")
+    return " x ".join(_value_label(n, v) for n, v in zip(names, values))
 
 
 def _matrix_layout(frame: Any) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]], list[str], list[str]]:
-    """Rows: model x quant (x seed, x world size when they vary); columns: precision x batch size (x gradient
-    accumulation when it varies)."""
-    row_axes = ["model", "quant"] + [a for a in ("world_size", "seed") if a in frame.columns and frame[a].nunique() > 1]
-    batch_axes = _batch_axes(frame)
-    col_axes = ["precision", *batch_axes]
-    rows = sorted({tuple(r) for r in frame[row_axes].itertuples(index=False)}, key=str)
-    precisions = [p for p in PRECISIONS if p in set(frame["precision"])]
-    batches = sorted({tuple(r) for r in frame[batch_axes].itertuples(index=False)})
-    cols = [(p, *b) for p in precisions for b in batches]
-    return rows, cols, row_axes, col_axes
+    """Rows and columns from the axis table's roles, e.g. rows model x quant (x seed, x world size when they
+    vary); columns precision x batch size (x gradient accumulation when it varies)."""
+    placed = _placed(frame)
+    row_axes = [a.name for a in placed if a.plot.matrix == MatrixPlace.ROW]
+    col_axes = [a.name for a in placed if a.plot.matrix == MatrixPlace.COLUMN]
+    return _keys(frame, row_axes), _keys(frame, col_axes), row_axes, col_axes
 
 
 def _cell_label(row: Any) -> str:
@@ -77,7 +108,8 @@ def plot_outcomes(frame: Any, path: Path) -> None:
                 )
     ax.set_xlim(0, len(cols))
     ax.set_ylim(len(rows), 0)
-    ax.set_xticks([x + 0.5 for x in range(len(cols))], [f"{c[0]}\n{_batch_label(c[1:])}" for c in cols], fontsize=8)
+    labels = [f"{c[0]}\n{_sub_label(col_axes[1:], c[1:])}" for c in cols]
+    ax.set_xticks([x + 0.5 for x in range(len(cols))], labels, fontsize=8)
     ax.set_yticks([y + 0.5 for y in range(len(rows))], [" / ".join(map(str, r)) for r in rows], fontsize=8)
     ax.tick_params(length=0)
     for side in ax.spines.values():
@@ -97,39 +129,42 @@ def plot_outcomes(frame: Any, path: Path) -> None:
 
 
 def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path) -> None:
-    """One panel per model x batch size (x accumulation); one line per precision (colour) and quant (style)."""
+    """One panel per model x batch size (x accumulation, seed, world size where they vary); one line per
+    precision (colour) and quant (style): the roles in the axis table."""
     import matplotlib.pyplot as plt
 
-    batch_axes = _batch_axes(frame)
-    panels = sorted({(r["model"], *(r[a] for a in batch_axes)) for _, r in frame.iterrows()}, key=str)
+    placed = _placed(frame)
+    panel_axes = [a.name for a in placed if a.plot.curves == CurvePlace.PANEL]
+    (colour_axis,) = [a.name for a in placed if a.plot.curves == CurvePlace.COLOUR]
+    (style_axis,) = [a.name for a in placed if a.plot.curves == CurvePlace.STYLE]
+    panels = _keys(frame, panel_axes)
     ncols = min(2, len(panels)) or 1
     nrows = (len(panels) + ncols - 1) // ncols or 1
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.2 * ncols, 3.4 * nrows), squeeze=False)
-    colours = {"fp32": "#1e88e5", "bf16": "#43a047", "fp16": "#e53935", "fp16-islands": "#8e24aa"}
-    quant_style = {"none": "-", "nf4": "--", "nf4-experts": ":"}
-    for ax, (model, *batch) in zip(axes.flat, panels):
-        sub = frame[frame["model"] == model]
-        for axis, value in zip(batch_axes, batch):
-            sub = sub[sub[axis] == value]
+    colour_of, style_of = _order(colour_axis), _order(style_axis)
+    for ax, panel in zip(axes.flat, panels):
+        sub = frame
+        for name, value in zip(panel_axes, panel):
+            sub = sub[sub[name] == value]
         for _, row in sub.iterrows():
             points = [r for r in curves.get(row["cell_id"], []) if r.get("loss") is not None]
             if not points:
                 continue
             steps = [p["step"] for p in points]
             losses = [_finite_or_nan(p["loss"]) for p in points]
-            label = f"{row['precision']} {row['quant']}" + (" (nan)" if row["outcome"] == Outcome.NAN else "")
+            label = f"{row[colour_axis]} {row[style_axis]}" + (" (nan)" if row["outcome"] == Outcome.NAN else "")
             ax.plot(
                 steps,
                 losses,
-                quant_style.get(row["quant"], "-"),
-                color=colours.get(row["precision"], "grey"),
+                LINE_STYLES[style_of(row[style_axis]) % len(LINE_STYLES)],
+                color=LINE_COLOURS[colour_of(row[colour_axis]) % len(LINE_COLOURS)],
                 label=label,
                 linewidth=1.2,
             )
             if row["outcome"] == Outcome.NAN and row["nan_step"] == row["nan_step"]:
                 before = [loss for s, loss in zip(steps, losses) if s < row["nan_step"] and loss == loss]
                 ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
-        ax.set_title(f"{model}, {_batch_label(tuple(batch))}", fontsize=9)
+        ax.set_title(f"{panel[0]}, {_sub_label(panel_axes[1:], panel[1:])}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("loss", fontsize=8)
         ax.legend(fontsize=6, ncol=2)

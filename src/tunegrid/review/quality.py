@@ -27,12 +27,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import Outcome, axis_names
 
-# The axes a reference twin shares with its cell (all but the ones the reference settings fix)
-TWIN_AXES = ("model", "batch_size", "grad_accum", "seed", "world_size")
 QUALITY_COLUMNS = ("loss_fall", "learned", "reference_cell", "loss_deviation", "within_tolerance", "quality")
 HOLDS = "holds"
+
+
+def default_review() -> dict[str, Any]:
+    """The review settings of a summary built without a study: the schema's defaults."""
+    from tunegrid.config import load_schema
+
+    properties = load_schema()["properties"]["review"]["properties"]
+    settings = {name: spec["default"] for name, spec in properties.items() if name != "reference"}
+    settings["reference"] = {name: spec["default"] for name, spec in properties["reference"]["properties"].items()}
+    return settings
 
 
 def loss_curve(metric_lines: Sequence[Mapping[str, Any]]) -> list[float]:
@@ -69,12 +77,11 @@ def quality_columns(
 ) -> list[dict[str, Any]]:
     """Per row (in order) its quality columns; `rows` are summary rows (axes, outcome, cell_id)."""
     reference = review["reference"]
+    shared = [axis for axis in axis_names() if axis not in reference]  # a twin differs only where the reference says
     twins = {
-        tuple(row.get(axis) for axis in TWIN_AXES): row["cell_id"]
+        tuple(row.get(axis) for axis in shared): row["cell_id"]
         for row in rows
-        if row["outcome"] == Outcome.OK
-        and row["precision"] == reference["precision"]
-        and row["quant"] == reference["quant"]
+        if row["outcome"] == Outcome.OK and all(row.get(axis) == value for axis, value in reference.items())
     }
     out = []
     for row in rows:
@@ -84,7 +91,7 @@ def quality_columns(
         curve = curves.get(row["cell_id"]) or []
         fall = loss_fall(curve)
         learned = _finite(fall) and fall >= review["min_loss_fall"]
-        twin = twins.get(tuple(row.get(axis) for axis in TWIN_AXES))
+        twin = twins.get(tuple(row.get(axis) for axis in shared))
         deviation = loss_deviation(curve, curves.get(twin) or []) if twin else None
         within = _finite(deviation) and deviation <= review["loss_tolerance"] if twin else None
         if not learned:

@@ -18,7 +18,7 @@ from tunegrid.review.advice import Recommendation
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recommend import recommend
 from tunegrid.units import human_bytes
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import Outcome, axis_names
 
 
 def _png(path: Path) -> str:
@@ -300,7 +300,9 @@ def build_report(
         for k, v in sorted(counts.items())
     )
     nan_rows = (
-        frame[frame["outcome"] == Outcome.NAN].sort_values(["model", "precision", "batch_size"]).to_dict("records")
+        frame[frame["outcome"] == Outcome.NAN]
+        .sort_values([a for a in axis_names() if a in frame.columns])
+        .to_dict("records")
     )
     logs_dir = Path(result_paths[0]).parents[3] / "logs" / study / "finetune" if result_paths else out_dir
     failures = failure_groups(frame, results, logs_dir)

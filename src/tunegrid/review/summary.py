@@ -9,15 +9,14 @@ from typing import Any
 
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.outcome import origin_label
-from tunegrid.review.quality import loss_curve, quality_columns
-
-# review settings of a summary built without a study (the schema's defaults)
-DEFAULT_REVIEW = {"reference": {"precision": "fp32", "quant": "none"}, "loss_tolerance": 0.05, "min_loss_fall": 0.05}
+from tunegrid.review.quality import default_review, loss_curve, quality_columns
+from tunegrid.vocabulary import axis_names, with_neutrals
 
 
 def summary_row(result: dict[str, Any]) -> dict[str, Any]:
-    # results written before an axis existed ran at its neutral value
-    axes = {"world_size": 1, "grad_accum": 1, **result["cell"]["axes"]}
+    # results written before an axis existed ran at its neutral value; the columns are the table's axes
+    recorded = with_neutrals(result["cell"]["axes"])
+    axes = {name: recorded.get(name) for name in axis_names()}
     nan = (result.get("diagnosis") or {}).get("nan") or {}
     origin = nan.get("origin") or {}
     memory = result.get("memory") or {}
@@ -161,7 +160,7 @@ def build_summary(
         metrics = Path(path).parent / "metrics.jsonl"
         curves[row["cell_id"]] = loss_curve(read_jsonl(metrics)) if metrics.exists() else []
         rows.append(row)
-    for row, quality in zip(rows, quality_columns(rows, curves, review or DEFAULT_REVIEW), strict=True):
+    for row, quality in zip(rows, quality_columns(rows, curves, review or default_review()), strict=True):
         row.update(quality)
     return typed(pd.DataFrame(rows))
 
