@@ -231,3 +231,15 @@ def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
     ]
     assert commands and all("--study-file results/default/study.json" in c for c in commands)
     assert not any('"axes"' in c or "--spec" in c or "--study '" in c for c in commands)
+
+
+def test_the_t4_study_plans_fp16_islands_and_its_target_runs_it_as_fp16(tmp_path):
+    """fp16-islands runs on fp16 arithmetic: planned on a T4 target (native fp16), where bf16 is refused."""
+    from tunegrid.prepare.targets import TARGETS, feasibility
+
+    hardware = {"refuse_emulated": True, "predicted_oom": "run", "oom_margin": 1.0}
+    assert feasibility("fp16-islands", TARGETS["t4"], hardware, None) is None
+    assert feasibility("bf16", TARGETS["t4"], hardware, None)[0] == "unsupported"
+    assert _dry_run(tmp_path, "--configfile", str(REPO / "configs" / "gemma3-4b-t4-synthetic.yaml"))["finetune"] == 12
+    study = load_study(REPO / "configs" / "gemma3-4b-t4.yaml")
+    assert "fp16-islands" in study["grid"]["precision"] and study["review"]["reference"]["quant"] == "nf4"
