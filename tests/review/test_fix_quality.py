@@ -115,12 +115,25 @@ def test_the_fastest_fix_that_holds_comes_first_with_its_parity_and_cost():
     (rec,) = recommend(_fix_frame(), NATIVE)
     assert [fix.change["precision"] for fix in rec.fixes] == ["bf16", "fp16-islands", "fp32"]
     islands = rec.fixes[1]
-    assert islands.cost == {"tokens_per_s_ratio": 0.9, "peak_bytes_ratio": pytest.approx(1.1)}
+    assert islands.cost == {"tokens_per_s_ratio": 0.9, "peak_bytes_ratio": pytest.approx(1.1), "against": "fp16"}
     assert islands.parity == 0.002 and "layers.0.mlp.down_proj" in islands.why
     assert "loss within 0.2% of the reference" in islands.why and "0.90x the tokens/s" in islands.why
     (rec,) = recommend(_fix_frame(islands_tokens=40.0), NATIVE)
     assert [fix.change["precision"] for fix in rec.fixes] == ["bf16", "fp32", "fp16-islands"]
     assert "Ranked by throughput among the fixes that hold: bf16 first" in rec.text
+
+
+def test_a_failure_in_its_first_step_is_costed_against_its_fp32_twin():
+    frame = _fix_frame()
+    frame.loc[frame["precision"] == "fp16", "tokens_per_s"] = float("nan")  # stopped before a timed step
+    (rec,) = recommend(frame, NATIVE)
+    islands = next(fix for fix in rec.fixes if fix.change["precision"] == "fp16-islands")
+    assert islands.cost == {
+        "tokens_per_s_ratio": 1.8,
+        "peak_bytes_ratio": pytest.approx(1100 / 1800),
+        "against": "fp32",
+    }
+    assert "1.80x the tokens/s and 0.61x the peak memory of fp32 in this grid" in islands.why
 
 
 def test_a_t4_target_is_never_offered_bf16_even_from_a_probe_that_has_it():

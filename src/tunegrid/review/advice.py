@@ -20,8 +20,8 @@ class Fix:
     evidence: list[str]
     # the largest loss deviation of the evidence from its reference twin (review/quality.py); None: not compared
     parity: float | None = None
-    # against the failing setting, same grid: {"tokens_per_s_ratio": …, "peak_bytes_ratio": …}; None: not measured
-    cost: dict[str, float | None] | None = None
+    # same grid: {"tokens_per_s_ratio", "peak_bytes_ratio", "against": the precision it was measured against}
+    cost: dict[str, Any] | None = None
 
 
 @dataclass

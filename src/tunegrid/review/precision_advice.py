@@ -5,8 +5,9 @@ its quality `holds` (review/quality.py: it learned, and its loss matched the ref
 tolerance); an ok twin that did not learn or deviates is named as no evidence. bf16 is offered only where it
 is native on both the study's target and the probed device (a T4 target never gets it); any other precision
 where its arithmetic is not absent there. Each fix carries its cost against the failing setting, measured in
-the same grid: the median over failing/fixed pairs of the tokens/s and peak-memory ratios. Fixes are ranked by
-throughput: the fastest that holds first.
+the same grid: the median over failing/fixed pairs of the tokens/s and peak-memory ratios (against the failing
+cell where it ran a timed step; one that failed in its first step has no throughput, so then against its fp32
+twin, and the text says so). Fixes are ranked by throughput: the fastest that holds first.
 """
 
 from __future__ import annotations
@@ -49,14 +50,15 @@ class Candidate:
     peak_ratio: float | None
     parity: float | None  # the largest loss deviation from the reference among the evidence
     islands: list[str]
+    against: str  # the precision its cost is measured against (the failing one where it ran a timed step)
 
-    def cost_text(self, failing: str) -> str:
+    def cost_text(self) -> str:
         parts = []
         if self.tokens_ratio is not None:
             parts.append(f"{self.tokens_ratio:.2f}x the tokens/s")
         if self.peak_ratio is not None:
             parts.append(f"{self.peak_ratio:.2f}x the peak memory")
-        return f"{' and '.join(parts)} of {failing}" if parts else "cost not measured"
+        return f"{' and '.join(parts)} of {self.against} in this grid" if parts else "cost not measured"
 
     def parity_text(self) -> str:
         return f"loss within {self.parity:.1%} of the reference" if self.parity is not None else "parity unknown"
@@ -67,23 +69,44 @@ def _ratio(values: list[float]) -> float | None:
     return median(finite) if finite else None
 
 
+def _measured(row: Any, column: str) -> float | None:
+    value = row.get(column)
+    return float(value) if value is not None and value == value and float(value) > 0 else None
+
+
+def baseline(frame: Any, row: Any) -> tuple[Any, str] | None:
+    """What a fix's cost is measured against: the failing cell where it ran a step that was timed, else (it
+    failed in its first step) its twin in fp32, which every precision fix can be read against alike."""
+    if _measured(row, "tokens_per_s") is not None:
+        return row, row["precision"]
+    twins = ok_cells(siblings(frame, row, "precision"))
+    twins = twins[twins["precision"] == "fp32"]
+    return (twins.iloc[0], "fp32") if not twins.empty else None
+
+
 def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
     out = []
     for precision in CANDIDATES:
         if precision == failing or (precision == "fp16-islands" and failing != "fp16"):
             continue
-        evidence, unproven, tokens, peaks, parity, islands = [], [], [], [], [], set()
+        evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
         for row in rows:
             twins = ok_cells(siblings(frame, row, "precision"))
+            base = baseline(frame, row)
             for _, twin in twins[twins["precision"] == precision].iterrows():
                 if not holds(twin):
                     unproven.append(f"{twin['cell_id']} ({twin.get('quality')})")
                     continue
                 evidence.append(twin["cell_id"])
-                tokens.append(float(twin.get("tokens_per_s") or "nan") / float(row.get("tokens_per_s") or "nan"))
-                peaks.append(float(twin.get("peak_bytes") or "nan") / float(row.get("peak_bytes") or "nan"))
-                if twin.get("loss_deviation") == twin.get("loss_deviation") and twin.get("loss_deviation") is not None:
-                    parity.append(float(twin["loss_deviation"]))
+                if base is not None:
+                    against.add(base[1])
+                    for column, ratios in (("tokens_per_s", tokens), ("peak_bytes", peaks)):
+                        mine, theirs = _measured(twin, column), _measured(base[0], column)
+                        if mine is not None and theirs is not None:
+                            ratios.append(mine / theirs)
+                deviation = twin.get("loss_deviation")
+                if deviation is not None and deviation == deviation:
+                    parity.append(float(deviation))
                 if isinstance(twin.get("fp32_islands"), str):
                     islands.update(twin["fp32_islands"].split(","))
         if evidence or unproven:
@@ -96,6 +119,7 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
                     _ratio(peaks),
                     max(parity) if parity else None,
                     sorted(islands),
+                    " and ".join(sorted(against)) or failing,
                 )
             )
     return out
@@ -130,15 +154,19 @@ def precision_fixes(
         kept = f" (islands: {', '.join(short(i) for i in candidate.islands)})" if candidate.islands else ""
         why = (
             f"switch to {candidate.precision}{kept}: ok in {len(candidate.evidence)} cell(s), "
-            f"{candidate.parity_text()}, {candidate.cost_text(failing)}"
+            f"{candidate.parity_text()}, {candidate.cost_text()}"
         )
-        cost = {"tokens_per_s_ratio": candidate.tokens_ratio, "peak_bytes_ratio": candidate.peak_ratio}
+        cost = {
+            "tokens_per_s_ratio": candidate.tokens_ratio,
+            "peak_bytes_ratio": candidate.peak_ratio,
+            "against": candidate.against,
+        }
         fixes.append(Fix({"precision": candidate.precision}, why, candidate.evidence, candidate.parity, cost))
     if len(offered) > 1:
         speeds = ", ".join(f"{c.precision} {c.tokens_ratio:.2f}x" for c in offered if c.tokens_ratio is not None)
         measured = "" if where == "this machine" else " on this machine"
         notes.append(
             f"Ranked by throughput among the fixes that hold: {offered[0].precision} first ({speeds} the tokens/s "
-            f"of {failing}, measured in this grid{measured})."
+            f"of {offered[0].against}, measured in this grid{measured})."
         )
     return fixes, notes
