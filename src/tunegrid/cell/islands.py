@@ -228,4 +228,7 @@ class IslandSteps:
         ]
         record["weights_widened_bytes"] = grown
         self.facts["fp32_islands"] = record
+        self.facts["precision_in_effect"]["base_weight_dtypes"] = sorted(  # islands' weights are fp32 now
+            {str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}
+        )
         print(f"fp32 islands ({record['mode']}): {', '.join(chosen) or 'none over the threshold'}", flush=True)
