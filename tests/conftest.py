@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every process this test session starts inherits this marker (snakemake, supervisors, warm workers and the
 # workers they fork, even once reparented), so processes_mentioning sees this session's processes only and
 # not those of another checkout's suite or pipeline running on the same host.
+# The suite's studies read data files from its temporary folders, outside the folder they run in.
+os.environ.setdefault("TUNEGRID_DATA_ROOTS", tempfile.gettempdir())
+
 SESSION_ENV = "TUNEGRID_TEST_SESSION"
 os.environ[SESSION_ENV] = uuid.uuid4().hex
 

@@ -10,7 +10,6 @@ import copy
 import itertools
 import json
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,13 @@ import yaml
 
 from tunegrid.errors import ConfigError
 from tunegrid.grid import Cell, cell_class
-from tunegrid.input_limits import known_architecture, secret_problems, size_problems, study_file_problems
+from tunegrid.input_limits import (
+    known_architecture,
+    number_problems,
+    read_study_yaml,
+    secret_problems,
+    size_problems,
+)
 from tunegrid.vocabulary import axis_table, grid_schema
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
@@ -91,6 +96,7 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     Returns a new dict; raises ConfigError with every problem found, one per line.
     """
     bounds = size_problems(raw)  # before anything walks or copies it: a hostile file must not hang us
+    bounds = bounds or number_problems(raw)  # NaN, infinities, 1e400: before any step computes with them
     if bounds:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(bounds))
     config = copy.deepcopy(raw)
@@ -158,6 +164,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 f"(ranks 0..{max(worlds) - 1})"
             )
     injection, accums = debug["inject_nonfinite"], config["grid"]["grad_accum"]
+    if injection.get("rank", 0) >= max(worlds):
+        problems.append(
+            f"config key 'debug.inject_nonfinite.rank': {injection['rank']} does not exist; grid.world_size is at "
+            f"most {max(worlds)} (ranks 0..{max(worlds) - 1})"
+        )
     for index, request in enumerate([injection, *injection.get("also", [])]):
         micro = request.get("micro_batch", 0)
         if request.get("module") and micro >= max(accums):
@@ -181,80 +192,16 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no --configfile is given
 
-_TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 
-
-def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
-    """Command-line overrides typed by the schema.
-
-    Snakemake passes nested `--config` values as strings (`train={steps: 5}` arrives as {"steps": "5"}),
-    so each string is converted to the type the schema declares at its key (boolean, integer, number,
-    or a list of those, also from a "[2, 4]" literal). A string that does not convert is left as it is:
-    validation then names the key and what is allowed, as for a study file.
-    """
-    schema = load_schema() if schema is None else schema
-    types = schema.get("type")
-    types = set(types) if isinstance(types, list) else {types} if types else set()
-    if isinstance(values, dict):
-        props = schema.get("properties") or {}
-        extra = schema.get("additionalProperties")
-        return {
-            k: coerce_overrides(v, props.get(k) or (extra if isinstance(extra, dict) else {}))
-            for k, v in values.items()
-        }
-    if isinstance(values, list):
-        return [coerce_overrides(v, schema.get("items") or {}) for v in values]
-    if not isinstance(values, str):
-        return values
-    text = values.strip()
-    if "array" in types and text.startswith("["):
-        try:
-            parsed = yaml.safe_load(text)
-        except yaml.YAMLError:
-            return values
-        return coerce_overrides(parsed, schema) if isinstance(parsed, list) else values
-    if "boolean" in types and text.lower() in _TRUE | _FALSE:
-        return text.lower() in _TRUE
-    if "integer" in types and re.fullmatch(r"[-+]?\d+", text):
-        return int(text)
-    if "number" in types:
-        try:
-            return float(text)
-        except ValueError:
-            return values
-    if "null" in types and text.lower() in {"null", "none", "~"}:
-        return None
-    return values
-
-
-def study_config(config: dict[str, Any], overrides: dict[str, Any], study_files: list[Any]) -> dict[str, Any]:
-    """The study Snakemake should run: the study file(s) given, or the default study when none is,
-    with the command-line overrides (typed by the schema) on top. The schema supplies the rest."""
-    from snakemake.utils import update_config
-
-    problems = study_file_problems(study_files) + size_problems(config)
-    if problems:
-        raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
-    base = copy.deepcopy(config) if study_files else _read_yaml(DEFAULT_STUDY_PATH)
-    update_config(base, coerce_overrides(copy.deepcopy(overrides)))
-    return base
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml(path: Path) -> dict[str, Any]:
     with open(path) as fh:
         return yaml.load(fh, Loader=_SAFE_LOADER) or {}
 
 
 def load_study(path: str | Path) -> dict[str, Any]:
-    """Read a study YAML and resolve it; a missing or unparsable file is a ConfigError too."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        with open(path) as fh:
-            raw = yaml.load(fh, Loader=_SAFE_LOADER) or {}  # a safe loader (libyaml when present)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    """Read a study YAML (bounded: input_limits.read_study_yaml) and resolve it; a missing or unparsable
+    file is a ConfigError too."""
+    raw = read_study_yaml(Path(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
     return resolve_study(raw)

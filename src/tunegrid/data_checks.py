@@ -7,6 +7,7 @@ parse time and name the key at fault; the dataset rule checks every record again
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,6 +25,30 @@ ROLES = ("system", "user", "assistant")
 
 
 SAMPLE_RECORDS = 100  # records checked at config time; every record is checked when the set is written
+
+
+DATA_ROOTS_ENV = "TUNEGRID_DATA_ROOTS"  # more folders data.path may lie in, os.pathsep-separated
+
+
+def data_roots() -> list[Path]:
+    """Where a study's data.path may lie, symlinks resolved: the folder Snakemake runs in (the project), and
+    the folders the person running the pipeline lists in TUNEGRID_DATA_ROOTS. A study file cannot widen
+    this: a study from elsewhere must not copy ~/.ssh or /etc files into results/ and the tracking store."""
+    extra = [Path(p).expanduser().resolve() for p in os.environ.get(DATA_ROOTS_ENV, "").split(os.pathsep) if p]
+    return [Path.cwd().resolve(), *extra]
+
+
+def outside_roots_problem(path: Path) -> str | None:
+    real = path.resolve()
+    roots = data_roots()
+    if any(real.is_relative_to(root) for root in roots):
+        return None
+    via = f" (through a symlink, it is {str(real)!r})" if real != path.absolute() else ""
+    return (
+        f"config key 'data.path': {str(path)!r} lies outside the project folder{via}; a study reads data from the "
+        f"folder Snakemake runs in, or from folders listed in the environment variable {DATA_ROOTS_ENV} "
+        f"(now: {[str(r) for r in roots[1:]]})"
+    )
 
 
 class DataError(ConfigError):
@@ -74,6 +99,9 @@ def config_problems(data: dict[str, Any]) -> list[str]:
             f"config key 'data.path': {data['path']!r} is not a file; give the {source} file of the training records"
         )
         return problems
+    outside = outside_roots_problem(path)
+    if outside:
+        return [*problems, outside]
     if not problems:
         problems += [str(exc) for exc in _sample_errors(data, path)]
     return problems
@@ -84,10 +112,15 @@ def _sample_errors(data: dict[str, Any], path: Path) -> list[DataError]:
         if data["source"] == "parquet":
             import pyarrow.parquet as pq
 
+            if pq.read_metadata(path).num_rows == 0:
+                return [DataError(f"config key 'data.path': {str(path)!r} holds no records (0 rows)")]
             columns = set(pq.read_schema(path).names)
             missing = [k for k, col in field_map(data).items() if col not in columns]
             return [_missing(k, field_map(data)[k], sorted(columns)) for k in missing]
-        check_records(_first_jsonl_records(path, SAMPLE_RECORDS), data)
+        sample = read_jsonl(path, limit=SAMPLE_RECORDS)
+        if not sample:
+            return [DataError(f"config key 'data.path': {str(path)!r} holds no records (an empty file)")]
+        check_records([record for _, record in sample], data, [line for line, _ in sample], path)
     except DataError as exc:
         return [exc]
     except (OSError, ValueError) as exc:
@@ -95,37 +128,51 @@ def _sample_errors(data: dict[str, Any], path: Path) -> list[DataError]:
     return []
 
 
-def _first_jsonl_records(path: Path, n: int) -> list[dict[str, Any]]:
+def read_jsonl(path: Path, limit: int | None = None) -> list[tuple[int, Any]]:
+    """(1-based line, record) of a JSON-lines file, blank lines skipped; a line that is not one JSON value is a
+    DataError naming the file, the line and what is wrong (never the line's text: it may not be ours to show)."""
     records = []
-    with open(path) as fh:
-        for line in fh:
-            if line.strip():
-                records.append(json.loads(line))
-            if len(records) >= n:
+    with open(path, encoding="utf-8", errors="strict") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((number, json.loads(line)))
+            except json.JSONDecodeError as exc:
+                raise DataError(
+                    f"config key 'data.path': {str(path)!r} line {number}, column {exc.colno}: not one JSON "
+                    f"value ({exc.msg}); each line holds one JSON object"
+                ) from None
+            if limit is not None and len(records) >= limit:
                 break
     return records
 
 
-def _missing(key: str, column: str, present: Iterable[str]) -> DataError:
+def _missing(key: str, column: str, present: Iterable[str], where: str = "") -> DataError:
     return DataError(
-        f"config key 'data.fields.{key}': the records have no field {column!r} (they have {sorted(present)}); "
-        "set data.fields to the records' own field names"
+        f"config key 'data.fields.{key}': {where + ' has' if where else 'the records have'} no field {column!r} "
+        f"(it has {sorted(present)}); set data.fields to the records' own field names"
     )
 
 
-def check_records(records: Iterable[dict[str, Any]], data: dict[str, Any]) -> None:
+def check_records(
+    records: Iterable[dict[str, Any]], data: dict[str, Any], lines: list[int] | None = None, path: Path | None = None
+) -> None:
+    """Every record has the study's fields; a problem names the record by its file's 1-based line (JSON lines)
+    or its 1-based row (parquet, hub)."""
     fields = field_map(data)
     for i, record in enumerate(records):
+        where = f"{str(path)!r} line {lines[i]}" if lines is not None and path else f"record {i + 1}"
         if not isinstance(record, dict):
-            raise DataError(f"config key 'data.path': record {i} is a {type(record).__name__}, not an object of fields")
+            raise DataError(f"config key 'data.path': {where} is a {type(record).__name__}, not an object of fields")
         for key, column in fields.items():
             if record.get(column) is None:  # datasets fills a field absent from some records with None
-                raise _missing(key, column, [k for k, v in record.items() if v is not None])
+                raise _missing(key, column, [k for k, v in record.items() if v is not None], where)
         if "messages" in fields:
-            _check_messages(record[fields["messages"]], i, fields["messages"])
+            _check_messages(record[fields["messages"]], where, fields["messages"])
 
 
-def _check_messages(messages: Any, i: int, column: str) -> None:
+def _check_messages(messages: Any, where: str, column: str) -> None:
     ok = (
         isinstance(messages, list)
         and messages
@@ -133,6 +180,6 @@ def _check_messages(messages: Any, i: int, column: str) -> None:
     )
     if not ok or not any(m["role"] == "assistant" for m in messages):
         raise DataError(
-            f"config key 'data.fields.messages': record {i}'s {column!r} is not a list of {{role, content}} with roles "
+            f"config key 'data.fields.messages': {where}: {column!r} is not a list of {{role, content}} with roles "
             f"{list(ROLES)} and at least one assistant turn"
         )

@@ -25,17 +25,16 @@ class Precision(StrEnum):
 
 
 class Quant(StrEnum):
-    """Base-weight quantization of a cell."""
+    """Base-weight quantization of a cell; what each one loads, audits and estimates is its row of
+    tunegrid.plans.QUANT_PLANS."""
 
     NONE = "none"
     NF4 = "nf4"
     NF4_EXPERTS = "nf4-experts"
+    INT8 = "int8"
 
 
 PRECISIONS = tuple(p.value for p in Precision)
-# The hardware arithmetic each precision runs its matmuls in: what decides native/emulated support on a target
-# and the probe's per-precision constants. fp16-islands is fp16 with the overflowing modules kept in fp32.
-PRECISION_ARITHMETIC = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp16-islands": "fp16"}
 QUANTS = tuple(q.value for q in Quant)
 
 
@@ -136,8 +135,8 @@ AXIS_TABLE: tuple[Axis, ...] = (
         description=(
             "base-weight quantization. none: plain LoRA; nf4: QLoRA through BitsAndBytesConfig (bitsandbytes "
             "replaces nn.Linear only, so fused 3-D MoE experts stay in full precision); nf4-experts: nf4 plus "
-            "post-load NF4 quantization of every >=3-D parameter left unquantized (bitsandbytes "
-            "replace_parameter_4bit)"
+            "NF4 quantization of every >=3-D expert parameter as the checkpoint is read; int8: bitsandbytes "
+            "8-bit (LLM.int8) base weights through BitsAndBytesConfig(load_in_8bit), nn.Linear only"
         ),
         default=(Quant.NF4.value,),
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.STYLE, always=True),

@@ -11,9 +11,10 @@ from tunegrid.config import ConfigError
 from tunegrid.files import read_json
 
 
-def _spec(world=2, train=None, debug=None, distributed=None):
+def _spec(world=2, train=None, debug=None, distributed=None, precision="fp32"):
     return one_cell(
         model="qwen3moe-tiny",
+        precision=precision,
         world=world,
         train={"steps": 4, "threads": 1, **(train or {})},
         debug=debug or {},
@@ -165,3 +166,25 @@ def test_a_rank_killed_without_the_watchdog_line_is_still_a_crash(tmp_path):
     base = {"outcome": "error", "reason": "worker killed by SIGABRT", "worker_exit_code": -6}
     update = diagnose_ranks(spec, run_dir, base, [-6, -15], [1])
     assert update["outcome"] == "error" and update["diagnosis"]["rank_crash"]["ranks"] == [0]
+
+
+def test_ranks_stop_together_when_only_one_ranks_loss_goes_nonfinite(checkpoints, dataset_path, tmp_path):
+    """fp16, two ranks, an overflow in rank 1's forward only: rank 1's loss is non-finite (it stops), rank 0's
+    loss is finite and the all-reduced gradient makes its step a GradScaler skip (alone, it would go on and
+    wait in the next all-reduce). The decision is collective: both stop at that step, the cell ends `nan`
+    with rank 1's event and origin."""
+    module = "model.layers.0.self_attn.o_proj"
+    spec = _spec(
+        debug={"inject_nonfinite": {"module": module, "step": 1, "rank": 1}},
+        train={"steps": 4, "on_nonfinite": "stop_after_skips"},
+        distributed={"collective_timeout_s": 30, "exit_grace_s": 2},
+        precision="fp16",
+    )
+    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
+    assert result["outcome"] == "nan", result["reason"]
+    assert result["diagnosis"]["decided_by_rank"] == 1 and result["reason"].startswith("rank 1: loss_nonfinite")
+    assert result["diagnosis"]["nan"]["origin"]["forward"]["module"].endswith(module)
+    assert [r["exit_code"] for r in result["ranks"]] == [0, 0]  # nobody waited for a peer that had left
+    assert [r["last_step"] for r in result["ranks"]] == [1, 1]
+    assert read_json(run_dir / "worker.json")["diagnosis"]["stopped_by_peer"] == {"step": 1}
+    assert len(result["attempts"]) == 1

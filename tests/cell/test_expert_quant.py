@@ -70,7 +70,7 @@ config = expert_quant.ExpertNF4Config(**bnb)
 model = expert_quant.load_causal_lm(Path(sys.argv[1]), {"dtype": torch.float32, "quantization_config": config})
 peak = meter.peak_bytes()
 after = meter.current_bytes()
-audit = quant_audit.audit_model(model, four_bit_requested=True)
+audit = quant_audit.audit_model(model, quantization_requested=True)
 print(json.dumps({"baseline": baseline, "peak": peak, "after": after,
                   "weights": audit["total_bytes"], "flagged": audit["flagged"]}))
 """

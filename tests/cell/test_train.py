@@ -230,3 +230,94 @@ def test_nan_origin_under_gradient_checkpointing(checkpoints, dataset_path, tmp_
     )
     assert facts["outcome"] == "nan", facts["reason"]
     assert ".layers.0.mlp.down_proj" in facts["diagnosis"]["nan"]["origin"]["forward"]["module"]
+
+
+def _replay_memory_budget(monkeypatch, forward_only_fits):
+    """A memory budget that holds the checkpointed training step but not the origin replay without
+    checkpointing: while checkpointing is switched off, a forward with gradients raises torch's own
+    OutOfMemoryError (and, with `forward_only_fits` False, a forward without them too)."""
+    import torch
+
+    import tunegrid.cell.model as model_module
+
+    real_switch, handles = model_module.set_activation_checkpointing, []
+
+    def over_budget(module, args, kwargs):
+        if torch.is_grad_enabled() or not forward_only_fits:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected budget)")
+
+    def switch(model, on):
+        real_switch(model, on)
+        if not on:
+            handles.append(model.register_forward_pre_hook(over_budget, with_kwargs=True))
+        elif handles:  # (on at load time too)
+            handles.pop().remove()
+
+    monkeypatch.setattr(model_module, "set_activation_checkpointing", switch)
+    return handles
+
+
+def test_nan_replay_out_of_memory_keeps_the_outcome_and_finds_the_forward_origin(
+    checkpoints, dataset_path, tmp_path, monkeypatch
+):
+    handles = _replay_memory_budget(monkeypatch, forward_only_fits=True)
+    facts, run_dir = _run_with(
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="gemma3-hot",
+        precision="fp16",
+        batch=8,
+        train={"steps": 12, "gradient_checkpointing": True},
+    )
+    assert handles == []  # checkpointing was switched back on after the replay
+    assert facts["outcome"] == "nan", facts["reason"]  # never `oom` at stage step
+    origin = facts["diagnosis"]["nan"]["origin"]
+    assert ".layers.0.mlp.down_proj" in origin["forward"]["module"]  # as with a full replay
+    assert origin["replay"] == "forward only" and origin["backward"] is None
+    assert "backward origin not traced" in origin["unlocated"] and "ran out of memory" in origin["unlocated"]
+    assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")] == ["loss_nonfinite"]
+
+
+def test_nan_replay_with_no_memory_left_is_nan_with_the_origin_unlocated_and_why(
+    checkpoints, dataset_path, tmp_path, monkeypatch
+):
+    _replay_memory_budget(monkeypatch, forward_only_fits=False)
+    facts, run_dir = _run_with(
+        checkpoints,
+        dataset_path,
+        tmp_path,
+        model="gemma3-hot",
+        precision="fp16",
+        batch=8,
+        train={"steps": 12, "gradient_checkpointing": True},
+    )
+    assert facts["outcome"] == "nan", facts["reason"]
+    origin = facts["diagnosis"]["nan"]["origin"]
+    assert origin["forward"] is None and origin["backward"] is None and origin["replay"] == "none"
+    assert "forward-only replay ran out of memory" in origin["unlocated"]
+    assert "out of memory" in facts["reason"] and "loss_nonfinite at step" in facts["reason"]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_a_step_where_no_adapter_gets_a_gradient_ends_unsupported_not_error(
+    checkpoints, dataset_path, tmp_path, monkeypatch, precision
+):
+    """The gradients of every adapter cut off after backward (what an op without an autograd kernel leaves):
+    under fp16 GradScaler.step used to assert "No inf checks were recorded"; the cell must end unsupported."""
+    from tunegrid.cell.step import OptimizerSteps
+
+    real = OptimizerSteps.forward_backward
+
+    def no_adapter_gradient(self, *args, **kwargs):
+        loss = real(self, *args, **kwargs)
+        for param in self.trainable:
+            param.grad = None
+        return loss
+
+    monkeypatch.setattr(OptimizerSteps, "forward_backward", no_adapter_gradient)
+    facts, run_dir = _run_with(checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision=precision)
+    assert facts["outcome"] == "unsupported", facts["reason"]
+    assert all(".lora_" in name for name in facts["diagnosis"]["params_without_grad"])
+    (line,) = read_jsonl(run_dir / "metrics.jsonl")
+    assert line["step"] == 0 and line["grad_norm"] == 0.0

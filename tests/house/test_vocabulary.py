@@ -92,10 +92,10 @@ def test_every_cell_id_matches_the_wildcard_pattern_and_nothing_else_does():
     study = resolve_study(make_study(grid=grid))
     pattern = re.compile(cell_id_pattern())
     ids = [cell.cell_id for cell in expand_cells(study)]
-    assert len(ids) == 2 * len(PRECISIONS) * 2 * 3 * 2 * 2 * 2 and all(pattern.fullmatch(i) for i in ids)
+    assert len(ids) == 2 * len(PRECISIONS) * 2 * len(QUANTS) * 2 * 2 * 2 and all(pattern.fullmatch(i) for i in ids)
     # a suffix only where the axis is not 1: ids of cells from before the axis existed stay as they were
     assert "gemma3-hot_fp32_bs2_none_s0" in ids and "gemma3-hot_fp32_bs2_none_s0_ws2_ga4" in ids
-    assert not pattern.fullmatch("gemma3-hot_fp8_bs2_none_s0") and not pattern.fullmatch("gemma3-hot_fp16_bs2_int8_s0")
+    assert not pattern.fullmatch("gemma3-hot_fp8_bs2_none_s0") and not pattern.fullmatch("gemma3-hot_fp16_bs2_int3_s0")
 
 
 def test_outcomes_are_strings_as_written_in_results():
@@ -107,3 +107,33 @@ def test_every_outcome_has_a_colour_in_the_report():
     from tunegrid.review.plots import OUTCOME_COLOURS
 
     assert set(OUTCOME_COLOURS) == set(OUTCOMES)
+
+
+def _named_constants(node: ast.AST, names: set[str]) -> list[str]:
+    if isinstance(node, ast.Constant) and node.value in names:
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):  # a list of names (not YAML's "none" among "null", "~")
+        values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+        return values if values and set(values) <= names else []
+    return []
+
+
+def test_no_module_compares_quantization_or_precision_names():
+    """What a precision or quantization does is read from its row in tunegrid.plans, never decided by comparing
+    its name (four places once read `quant != "none"` as "4-bit", so an int8 cell would have been audited,
+    estimated and recorded as 4-bit)."""
+    names = set(PRECISIONS) | set(QUANTS)
+    offenders = []
+    for path in (REPO / "src" / "tunegrid").rglob("*.py"):
+        if path.name in ("vocabulary.py", "plans.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            operands = []
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "isin":
+                operands = list(node.args)
+            found = [name for operand in operands for name in _named_constants(operand, names)]
+            if found:
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {found}")
+    assert not offenders, "names compared outside tunegrid.plans:\n" + "\n".join(offenders)

@@ -149,7 +149,7 @@ def test_a_study_file_is_the_whole_study_and_the_default_applies_only_without_on
 
 
 def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
-    from tunegrid.config import coerce_overrides
+    from tunegrid.study_input import coerce_overrides
 
     raw = {
         "execution": {"warm_worker": "False"},
@@ -174,7 +174,7 @@ def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
 
 
 def test_an_override_that_does_not_convert_names_the_key(tmp_path):
-    from tunegrid.config import coerce_overrides
+    from tunegrid.study_input import coerce_overrides
 
     with pytest.raises(ConfigError, match="train.steps"):
         resolve_study(make_study(train={"steps": coerce_overrides({"train": {"steps": "many"}})["train"]["steps"]}))

@@ -30,6 +30,14 @@ def _problems(data: dict) -> str:
     return str(caught.value)
 
 
+def _any_problems(data: dict) -> str:
+    try:
+        resolve_study(make_study(data=data))
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
 def test_chat_jsonl_trains_packed_through_the_cell_runner(checkpoints, tmp_path):
     study = _study({"source": "jsonl", "path": str(CHAT_FILE), "fields": {"messages": "messages"}})
     data_path = tmp_path / "train.jsonl"
@@ -154,3 +162,73 @@ def test_dataset_command_reports_a_bad_source_as_a_config_error(tmp_path, capsys
     assert main(["dataset", "--data-spec", json.dumps(spec), "--out", str(tmp_path / "o.jsonl")]) == 2
     err = capsys.readouterr().err
     assert "'data.path'" in err and "Traceback" not in err and not Path(tmp_path / "o.jsonl").exists()
+
+
+def test_an_empty_data_file_is_refused_at_validation(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    for name in ("empty.jsonl", "blank.jsonl"):
+        message = _problems({"source": "jsonl", "path": str(tmp_path / name)})
+        assert "'data.path'" in message and "no records" in message and name in message
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"prompt": pa.array([], pa.string()), "response": pa.array([], pa.string())}), tmp_path / "e.parquet"
+    )
+    assert "no records" in _problems({"source": "parquet", "path": str(tmp_path / "e.parquet")})
+
+
+@pytest.mark.parametrize("bad_line", [17, 142])  # inside the sample validation reads, and past it
+@pytest.mark.parametrize("defect", ["trailing", "truncated", "not_an_object", "missing_field"])
+def test_a_bad_json_line_is_named_by_file_and_1_based_line(tmp_path, bad_line, defect):
+    good = json.dumps({"prompt": "q", "response": "a"})
+    bad = {
+        "trailing": good + ' {"x": 1}',
+        "truncated": good[:-5],
+        "not_an_object": "[1, 2]",
+        "missing_field": json.dumps({"prompt": "q"}),
+    }[defect]
+    path = tmp_path / "pairs.jsonl"
+    lines = [good] * 200
+    lines[bad_line - 1] = bad
+    lines.insert(3, "")  # blank lines still count: the number is the file's own line number
+    path.write_text("\n".join(lines) + "\n")
+    where = f"{str(path)!r} line {bad_line + 1}"
+    data = {"source": "jsonl", "path": str(path)}
+    if bad_line <= 100:  # within the records validation samples: refused before any job runs
+        message = _problems(data)
+    else:
+        study = resolve_study(make_study(data=data))
+        with pytest.raises(DataError) as caught:
+            write_study_dataset(tmp_path / "train.jsonl", study["data"])
+        message = str(caught.value)
+    assert where in message, message
+    assert {
+        "trailing": "Extra data",
+        "truncated": "column",
+        "not_an_object": "not an object",
+        "missing_field": "no field 'response'",
+    }[defect] in message, message
+    assert good[:10] not in message  # the line's text is not echoed
+
+
+def test_data_path_outside_the_project_is_refused_even_through_a_symlink(tmp_path, monkeypatch):
+    """A study reads data from the folder it runs in (or folders the runner lists in TUNEGRID_DATA_ROOTS),
+    never from wherever a study file points: a symlink inside the project to a file outside is refused."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir(), elsewhere.mkdir()
+    secret = elsewhere / "secrets.jsonl"
+    secret.write_text(json.dumps({"prompt": "q", "response": "a"}) + "\n")
+    (project / "data.jsonl").symlink_to(secret)
+    (project / "own.jsonl").write_text(secret.read_text())
+    monkeypatch.chdir(project)
+    monkeypatch.delenv("TUNEGRID_DATA_ROOTS", raising=False)
+    for given in ("data.jsonl", str(secret), "../elsewhere/secrets.jsonl"):
+        message = _problems({"source": "jsonl", "path": given})
+        assert "'data.path'" in message and "outside the project folder" in message, message
+    assert "through a symlink" in _problems({"source": "jsonl", "path": "data.jsonl"})
+    assert _any_problems({"source": "jsonl", "path": "own.jsonl"}) == ""
+    monkeypatch.setenv("TUNEGRID_DATA_ROOTS", str(elsewhere))  # the runner's choice, not the study's
+    assert _any_problems({"source": "jsonl", "path": "data.jsonl"}) == ""

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import GEMMA_HOT, OLMOE, QWEN_MOE, REPO, snakemake_command, workflow_env
 
-from tunegrid.files import read_json
+from tunegrid.files import read_json, read_jsonl
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -54,12 +54,13 @@ OLMOE_WIDTH = {  # allenai/OLMoE-1B-7B-0924's width, 2 of 16 layers
 }
 
 
-def _run(tmp_path: Path, study: dict, timeout: int = 420) -> pd.DataFrame:
+def _run(tmp_path: Path, study: dict, timeout: int = 420, resources: tuple[str, ...] = ("gpu=1",)) -> pd.DataFrame:
     config = tmp_path / "study.yaml"
     config.write_text(yaml.safe_dump(study))
     env = workflow_env()
+    limits = ("--resources", *resources) if resources else ()
     done = subprocess.run(
-        snakemake_command(tmp_path, "--cores", "8", "--resources", "gpu=1", "all", "--configfile", str(config)),
+        snakemake_command(tmp_path, "--cores", "8", *limits, "all", "--configfile", str(config)),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -74,6 +75,8 @@ def _check_common(summary: pd.DataFrame, results: Path) -> None:
     for cell_id, row in summary.iterrows():
         result = read_json(results / "runs" / cell_id / "result.json")
         assert result["memory"]["device"] == "cuda"
+        # gpus_per_rank is not set by these studies: auto gives each rank one GPU, claimed by the cell's job
+        assert result["visible_devices"] not in ("", None), result["visible_devices"]
         if row["outcome"] == "ok":
             assert row["steps_run"] == result["cell"]["train"]["steps"]
             assert 0.9 <= row["estimate_over_measured"] <= 1.1, (cell_id, row["estimate_over_measured"])
@@ -156,3 +159,83 @@ def test_moe_width_expert_quantization_cuts_weights_and_peak(tmp_path):
     nf4, experts = summary.loc["olmoe-width_bf16_bs1_nf4_s0"], summary.loc["olmoe-width_bf16_bs1_nf4-experts_s0"]
     assert nf4["flagged_share"] > 0.5 and experts["weight_bytes"] < 0.5 * nf4["weight_bytes"]
     assert experts["steady_peak_bytes"] < nf4["steady_peak_bytes"]
+
+
+GEMMA3_4B_34_LAYERS = {**GEMMA3_4B_WIDTH, "config": {**GEMMA3_4B_WIDTH["config"], "num_hidden_layers": 34}}
+
+
+def test_fp16_nan_replay_keeps_the_outcome_under_the_t4_budget(tmp_path):
+    """configs/gemma3-4b-t4.yaml's shape: 34 layers of Gemma 3 4B width at seq 2048, checkpointing on, judged
+    as on a T4. The checkpointed step fits the budget; the origin replay without checkpointing would keep every
+    layer's activations (more than the budget). The cell must end `nan` as it would with memory to spare, never
+    `oom`: the replay degrades (forward only, or unlocated with why)."""
+    study = {
+        "study": "gpu-t4-replay",
+        "models": {"gemma3-4b-34": GEMMA3_4B_34_LAYERS},
+        "grid": {"model": ["gemma3-4b-34"], "precision": ["fp16"], "batch_size": [1], "quant": ["nf4"], "seed": [0]},
+        "train": {"steps": 6, "seq_len": 2048, "gradient_checkpointing": True},
+        "hardware": {"target": "t4"},
+        "data": {"examples": 4000},  # packed: full 2048-token rows
+    }
+    summary = _run(tmp_path, study, timeout=900)
+    (cell_id,) = summary.index
+    result = read_json(tmp_path / "results" / "gpu-t4-replay" / "runs" / cell_id / "result.json")
+    assert result["outcome"] == "nan", result["reason"]
+    origin = result["diagnosis"]["nan"]["origin"]
+    assert origin["replay"] in ("full", "forward only", "none")
+    if origin["replay"] != "full":
+        assert "out of memory" in origin["unlocated"]
+    if origin["replay"] != "none":
+        assert "down_proj" in origin["forward"]["module"]
+
+
+def test_cells_side_by_side_never_share_a_gpu(tmp_path):
+    """No --resources limit: Snakemake would start both cells at once; each job claims its own GPU, so on a
+    one-GPU machine the second waits for the first (their training never overlaps) and both train on it."""
+    study = {
+        "study": "gpu-claims",
+        "models": {"gemma3-hot": GEMMA_HOT},
+        "grid": {"model": ["gemma3-hot"], "precision": ["fp32"], "batch_size": [2, 4], "quant": ["none"], "seed": [0]},
+        "train": {"steps": 6, "seq_len": 64},
+    }
+    summary = _run(tmp_path, study, resources=())
+    results = tmp_path / "results" / "gpu-claims"
+    runs = [read_json(results / "runs" / cell_id / "result.json") for cell_id in summary.index]
+    assert [r["outcome"] for r in runs] == ["ok", "ok"]
+    if torch.cuda.device_count() == 1:
+        assert [r["visible_devices"] for r in runs] == ["0", "0"]
+        steps = [read_jsonl(results / "runs" / cell_id / "metrics.jsonl") for cell_id in summary.index]
+        first, second = sorted(steps, key=lambda lines: lines[0]["time"])
+        assert second[0]["time"] > first[-1]["time"]  # the second trained only once the first had finished
+    else:
+        assert len({r["visible_devices"] for r in runs}) == 2
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs a GPU per rank")
+def test_nccl_collective_timeout_is_timeout_not_a_retried_crash(tmp_path):
+    """configs/collective-timeout.yaml in small: rank 1 stalls before step 2; NCCL's watchdog aborts rank 0
+    (SIGABRT, no Python exception) after the collective timeout. The cell ends `timeout`, naming ALLREDUCE,
+    its sequence number and rank 1, and is not retried."""
+    study = {
+        "study": "gpu-nccl-timeout",
+        "models": {"qwen3moe-tiny": QWEN_MOE},
+        "grid": {
+            "model": ["qwen3moe-tiny"],
+            "precision": ["bf16"],
+            "batch_size": [2],
+            "quant": ["none"],
+            "seed": [0],
+            "world_size": [2],
+        },
+        "train": {"steps": 6, "seq_len": 64, "retries": 1},
+        "debug": {"stall_rank": {"rank": 1, "step": 2, "seconds": 300}},
+        "distributed": {"collective_timeout_s": 20, "exit_grace_s": 5},
+    }
+    summary = _run(tmp_path, study, resources=("gpu=2",))
+    (cell_id,) = summary.index
+    result = read_json(tmp_path / "results" / "gpu-nccl-timeout" / "runs" / cell_id / "result.json")
+    assert result["outcome"] == "timeout", result["reason"]
+    collective = result["diagnosis"]["collective"]
+    assert collective["op"] == "ALLREDUCE" and collective["missing_ranks"] == [1] and collective["step"] == 2
+    assert isinstance(collective["seq"], int)
+    assert len(result["attempts"]) == 1

@@ -11,12 +11,15 @@ from snakemake.exceptions import WorkflowError
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
-from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json, study_config
+from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid.devices import cell_gpus, gpus_per_rank
+from tunegrid.study_input import study_config
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
 try:
-    _study = study_config(config, workflow.config_settings.overwrite_config or {}, workflow.overwrite_configfiles or [])
+    # the `--config` values only: the study files are read by tunegrid itself (bounded, YAML 1.2 numbers)
+    _study = study_config(config, workflow.config_settings.config or {}, workflow.overwrite_configfiles or [])
     config.clear()
     config.update(_study)
     STUDY = resolve_study(config)
@@ -66,12 +69,12 @@ def get_cell_model_dir(wildcards):
 
 
 def get_cell_gpus(wildcards):
-    return get_cell(wildcards).world_size * STUDY["hardware"]["gpus_per_rank"]
+    return cell_gpus(STUDY["hardware"], get_cell(wildcards).world_size)
 
 
 def get_probe_gpus(wildcards):
     """The probe measures the devices the cells will train on, so it asks for what one rank asks for."""
-    return STUDY["hardware"]["gpus_per_rank"]
+    return gpus_per_rank(STUDY["hardware"])
 
 
 def get_cell_cpus(wildcards):

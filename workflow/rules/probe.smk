@@ -12,7 +12,9 @@ rule probe:
     params:
         world_sizes=" ".join(map(str, STUDY["probe"]["world_sizes"])),
         budget_s=STUDY["probe"]["budget_s"],
+        # gpus_per_rank 0: the cells train on the CPU even where a GPU is visible, so the probe measures it
+        hide_gpus="CUDA_VISIBLE_DEVICES= " if STUDY["hardware"]["gpus_per_rank"] == 0 else "",
     shell:
-        f"python {SCRIPT} probe"
+        f"{{params.hide_gpus}}python {SCRIPT} probe"
         " --budget-s {params.budget_s} --world-sizes {params.world_sizes}"
         " --out {output.capabilities} > {log} 2>&1"

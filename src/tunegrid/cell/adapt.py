@@ -8,6 +8,7 @@ from typing import Any
 
 from tunegrid.cell.model import attach_lora
 from tunegrid.files import write_json
+from tunegrid.plans import quant_plan
 
 
 class AdaptSteps:
@@ -27,26 +28,27 @@ class AdaptSteps:
 
         from tunegrid.cell import quant_audit
 
-        quant, lora = self.spec["axes"]["quant"], self.spec["lora"]
-        four_bit = quant != "none"
+        quant, lora = quant_plan(self.spec["axes"]["quant"]), self.spec["lora"]
+        quantized = quant.quantizes  # any quantization: what it left in full precision is flagged
         report: dict[str, Any] = {
-            "quant": quant,
-            "after_load": quant_audit.audit_model(self.model, four_bit_requested=four_bit),
+            "quant": quant.quant.value,
+            "bits": quant.bits,  # of a quantized base weight, as the plan says; the audit shows the storage
+            "after_load": quant_audit.audit_model(self.model, quantization_requested=quantized),
         }
-        if quant == "nf4-experts":
+        if quant.experts_quantized:
             from tunegrid.cell.expert_quant import quantized_at_load
 
             at_load = quantized_at_load(self.model)
-        if four_bit and lora["prepare_kbit_training"]:
-            before = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
+        if quantized and lora["prepare_kbit_training"]:
+            before = quant_audit.audit_model(self.model, quantization_requested=quantized)
             self.model = prepare_model_for_kbit_training(
                 self.model, use_gradient_checkpointing=self.spec["train"]["gradient_checkpointing"]
             )
             report["prepare_kbit_training"] = quant_audit.growth(
-                before, quant_audit.audit_model(self.model, four_bit_requested=four_bit)
+                before, quant_audit.audit_model(self.model, quantization_requested=quantized)
             )
         self.model = attach_lora(self.model, self.spec)
-        if quant == "nf4-experts":
+        if quant.experts_quantized:
             # the load quantized every expert tensor, those with adapters too; the pass would catch any it missed
             after_load = quant_audit.quantize_experts_post_load(self.model)
             report["expert_quantization"] = {
@@ -55,7 +57,7 @@ class AdaptSteps:
                 "changed_after_load": [c["name"] for c in after_load["changed"]],
                 "kept_for_lora": after_load["kept_for_lora"],
             }
-        report["after_adapters"] = quant_audit.audit_model(self.model, four_bit_requested=four_bit)
+        report["after_adapters"] = quant_audit.audit_model(self.model, quantization_requested=quantized)
         report["lora"] = quant_audit.lora_attachment(self.model, lora["target_modules"], lora["target_parameters"])
         if report["lora"]["unmatched"]:
             print(

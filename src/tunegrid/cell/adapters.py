@@ -73,11 +73,13 @@ def base_record(spec: dict[str, Any], manifest: dict[str, Any], plan: Any) -> di
     """Everything needed to rebuild the base the adapter was trained on: for a 4-bit cell, BitsAndBytesConfig's
     arguments too, and that its 4-bit layers kept bitsandbytes' training layout (on a CPU with AVX512-BF16 a
     no-grad eval forward otherwise repacks them for another kernel, which rounds differently)."""
-    from tunegrid.cell.model import four_bit_settings
+    from tunegrid.cell.model import bnb_settings
+    from tunegrid.plans import quant_plan
 
     load = {"storage_dtype": plan.storage_dtype, "compute_dtype": plan.compute_dtype, "quant": spec["axes"]["quant"]}
-    if spec["axes"]["quant"] != "none":
-        load["bnb_4bit"] = four_bit_settings(plan)
+    quant = quant_plan(spec["axes"]["quant"])
+    if quant.record_key:
+        load[quant.record_key] = bnb_settings(spec, plan)
         load["cpu_inference_packing"] = False  # Linear4bit.support_avx512bf16_for_cpu = False on every layer
     return {
         "base_model": base_model_identity(manifest),

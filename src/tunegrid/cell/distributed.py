@@ -224,6 +224,16 @@ def diagnose_ranks(
         )
         return update
 
+    if "stopped_by_peer" in (result.get("diagnosis") or {}):  # rank 0 stopped because another rank decided to
+        decider = next((r for r in ranks if r["outcome"] and "stopped_by_peer" not in r["diagnosis"]), None)
+        if decider is not None:
+            update.update(
+                outcome=decider["outcome"],
+                reason=f"rank {decider['rank']}: {decider['reason']}; the other ranks stopped with it",
+                diagnosis={**decider["diagnosis"], "decided_by_rank": decider["rank"]},
+            )
+        return update
+
     if result["outcome"] == Outcome.OK:
         digests = {r["lora_sha256"] for r in ranks}
         update["distributed"]["lora_identical"] = len(digests) == 1 and None not in digests

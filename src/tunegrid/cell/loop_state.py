@@ -23,6 +23,7 @@ class LoopState:
     headroom_steps: list[int] = field(default_factory=list)  # the failing steps whose headroom was measured on replay
     stop_event: dict[str, Any] | None = None
     unsupported: list[str] = field(default_factory=list)  # adapter tensors that got no gradient on step 0
+    stopped_by_peer: int | None = None  # the step at which another rank's decision ended this rank's loop
 
     def tallies(self) -> dict[str, list[Any]]:
         """The lists a checkpoint saves, as the same objects (a resume extends them in place)."""

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tunegrid.plans import quant_plan
+
 # transformers catches an exception raised while converting a checkpoint tensor, loads the rest, and then
 # raises a RuntimeError that only points at its logged report; the report holds the original exception
 REPORT_LOGGER = "transformers"  # the library logger its modules log through (the report: modeling_utils)
@@ -25,20 +27,21 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         "use_safetensors": True,  # never a pickle
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
-    bnb = {**four_bit_settings(plan), "bnb_4bit_compute_dtype": plan.torch_dtype("compute")}
-    if spec["axes"]["quant"] == "nf4":
-        kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
+    quant = quant_plan(spec["axes"]["quant"])
+    bnb = quant.bnb_settings(plan.torch_dtype("compute"))
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
     from tunegrid.cell import expert_quant
 
-    if spec["axes"]["quant"] == "nf4-experts":  # experts quantized as they are read: never all in full precision
+    if quant.experts_quantized:  # experts quantized as they are read: never all in full precision
         kwargs["quantization_config"] = expert_quant.load_config(bnb)
+    elif quant.quantizes:  # bitsandbytes replaces nn.Linear (4-bit or 8-bit as the plan's settings say)
+        kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     # every quantization reads the checkpoint the same way (pread, no mapping), so what differs between
     # their load peaks is what each keeps in full precision
     with conversion_errors_named():
         model = expert_quant.load_causal_lm(model_dir, kwargs)
-    if spec["axes"]["quant"] != "none":
+    if quant.quantizes:
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 
         # before any forward: an eval-mode no_grad forward on an AVX512-BF16 CPU would repack the
@@ -49,15 +52,10 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     return model
 
 
-def four_bit_settings(plan: Any) -> dict[str, Any]:
-    """BitsAndBytesConfig's arguments for a 4-bit cell, the compute dtype by name (as an adapter's record
-    keeps them)."""
-    return {
-        "load_in_4bit": True,
-        "bnb_4bit_quant_type": "nf4",
-        "bnb_4bit_use_double_quant": True,
-        "bnb_4bit_compute_dtype": plan.compute_dtype,
-    }
+def bnb_settings(spec: dict[str, Any], plan: Any) -> dict[str, Any]:
+    """BitsAndBytesConfig's arguments for the cell's quantization (its plan's row), the compute dtype by name
+    (as an adapter's record keeps them); empty for a cell without quantization."""
+    return quant_plan(spec["axes"]["quant"]).bnb_settings(plan.compute_dtype)
 
 
 @contextlib.contextmanager

@@ -1,12 +1,19 @@
 """Where a non-finite value came from: the failing step's micro-batch replayed from the same state with hooks on, and
 gradient checkpointing switched off for that replay (its recomputation would re-run the hooks and save a
 different number of tensors). Mixed into CellTrainer.
+
+Without checkpointing the replay keeps every layer's activations, more than the training step did: where that
+runs out of memory the replay degrades and never changes the cell's outcome. It falls back to a forward-only
+replay without gradients (one layer's activations at a time: the forward origin is still found, the backward
+one is marked unlocated), and where even that runs out of memory the origin is unlocated, saying why.
 """
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
+
+NO_REPLAY = "none"  # what a replay that could not run at all records (a word, not a quantization)
 
 
 class OriginReplay:
@@ -28,12 +35,44 @@ class OriginReplay:
             if traced["forward"] or traced["backward"]:
                 origin = {**traced, "micro_batch": index}
                 break
+            if traced["replay"] != "full":  # a degraded replay found nothing: say why, not "unknown"
+                origin.update(replay=traced["replay"], unlocated=traced["unlocated"])
+            if traced["replay"] == NO_REPLAY:  # the next micro-batch's replay needs the same memory
+                break
         if headroom is not None:
             origin["headroom"] = headroom.collect(step)
         return origin
 
     def replay_micro_batch(
         self, step: int, index: int, batch: dict[str, Any], fact: dict[str, Any], headroom: Any
+    ) -> dict[str, Any]:
+        """Forward and backward traced; out of memory, the forward alone; out of memory again, unlocated."""
+        try:
+            return {**self.traced_replay(step, index, batch, fact, headroom, backward=True), "replay": "full"}
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory degrades; anything else is re-raised
+            full = out_of_memory_text(exc, "the forward+backward replay without activation checkpointing")
+        self.release_replay_memory()  # outside the handler: the exception's frames held the replay's tensors
+        try:
+            traced = self.traced_replay(step, index, batch, fact, None, backward=False)
+        except Exception as exc:  # noqa: BLE001
+            forward = out_of_memory_text(exc, "the forward-only replay")
+        else:
+            return {**traced, "replay": "forward only", "unlocated": f"backward origin not traced: {full}"}
+        self.release_replay_memory()
+        return {"forward": None, "backward": None, "replay": NO_REPLAY, "unlocated": f"{full}; {forward}"}
+
+    def release_replay_memory(self) -> None:
+        import gc
+
+        import torch
+
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def traced_replay(
+        self, step: int, index: int, batch: dict[str, Any], fact: dict[str, Any], headroom: Any, backward: bool
     ) -> dict[str, Any]:
         import torch
 
@@ -56,7 +95,13 @@ class OriginReplay:
                 hooks.enter_context(headroom.attached(self.model))
             # no all-reduce on replay: every rank replays on its own (they all saw the same averaged norm)
             hooks.enter_context(self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext())
-            self.forward_backward(batch, scale=fact["scale"], step_tokens=fact["step_tokens"])
+            if backward:
+                self.forward_backward(batch, scale=fact["scale"], step_tokens=fact["step_tokens"])
+            else:  # no graph: each layer's activations are freed as the next one runs
+                from tunegrid.cell.precision import autocast_context
+
+                with torch.no_grad(), autocast_context(self.plan):
+                    self.model(**batch)
         self.optimizer.zero_grad(set_to_none=True)
         return tracer.as_dict()
 
@@ -75,3 +120,14 @@ class OriginReplay:
             yield
         finally:
             set_activation_checkpointing(base, True)
+
+
+def out_of_memory_text(exc: BaseException, what: str) -> str:
+    """Why a replay gave up; anything but out-of-memory is not the replay's to absorb and is re-raised."""
+    from tunegrid.cell.faults import classify_exception
+    from tunegrid.vocabulary import Outcome
+
+    if classify_exception(exc) != Outcome.OOM:
+        raise exc
+    first_line = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return f"{what} ran out of memory ({first_line})"

@@ -10,7 +10,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp16-islands": "float16"}
+from tunegrid.plans import PRECISION_PLANS
+from tunegrid.vocabulary import PRECISIONS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,30 +41,19 @@ class PrecisionPlan:
 
 
 def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
-    if precision not in DTYPE_NAMES:
-        raise ValueError(f"precision {precision!r}: choose one of {sorted(DTYPE_NAMES)}")
-    dtype = DTYPE_NAMES[precision]
-    if precision == "fp32":
-        reason = "full precision, nothing to scale"
-    elif precision == "bf16":
-        reason = "bf16 has fp32's exponent range, so no loss scaling is needed"
-    elif precision == "fp16":
-        reason = "fp16 overflows past 65504 and underflows small grads: dynamic loss scaling"
-    else:
-        reason = (
-            "fp16 matmuls with dynamic loss scaling; the modules whose activations near 65504 compute and return "
-            "fp32, so the residual stream they feed stays fp32"
-        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: choose one of {sorted(PRECISIONS)}")
+    row = PRECISION_PLANS[precision]  # type: ignore[index]  # a StrEnum key equals its name
     return PrecisionPlan(
         precision=precision,
         device_type=device_type,
-        compute_dtype=dtype,
-        storage_dtype=dtype,
+        compute_dtype=row.dtype,
+        storage_dtype=row.dtype,
         adapter_dtype="float32",
-        autocast=precision != "fp32",
-        grad_scaler=dtype == "float16",
-        reason=reason,
-        fp32_islands=precision == "fp16-islands",
+        autocast=row.autocast,
+        grad_scaler=row.grad_scaler,
+        reason=row.reason,
+        fp32_islands=row.fp32_islands,
     )
 
 

@@ -11,6 +11,16 @@ from collections import defaultdict
 from typing import Any
 
 DEFAULT_FLAG_BYTES = 64 * 2**20  # a 2-D tensor this large left unquantized is worth a line too
+FOUR_BIT_TYPES = frozenset({"nf4", "fp4"})  # bitsandbytes' QuantState.quant_type of a 4-bit tensor
+
+
+def _int8_scale(module: Any, storage: Any) -> Any | None:
+    """The per-row scale (SCB) of a bitsandbytes 8-bit weight, None for any other tensor. Structural: an
+    Int8Params storage, its scale on the parameter or, once a forward has run, on the layer's state."""
+    if type(storage).__name__ != "Int8Params":
+        return None
+    scale = getattr(storage, "SCB", None)
+    return scale if scale is not None else getattr(getattr(module, "state", None), "SCB", None)
 
 
 def _tensor_bytes(t: Any) -> int:
@@ -66,7 +76,7 @@ def _logical_params(model: Any) -> list[tuple[str, Any, str, Any, Any]]:
     return entries
 
 
-def audit_model(model: Any, *, four_bit_requested: bool, flag_bytes: int = DEFAULT_FLAG_BYTES) -> dict[str, Any]:
+def audit_model(model: Any, *, quantization_requested: bool, flag_bytes: int = DEFAULT_FLAG_BYTES) -> dict[str, Any]:
     entries = _logical_params(model)
     expert_modules = {
         id(m) for _, m, _, t, s in entries if (tuple(s.shape) if s is not None else tuple(t.shape)).__len__() >= 3
@@ -81,14 +91,14 @@ def audit_model(model: Any, *, four_bit_requested: bool, flag_bytes: int = DEFAU
     params, by_dtype, by_role = [], defaultdict(int), defaultdict(int)
     flagged = []
     for name, module, _param_name, storage, state in entries:
-        quantized = state is not None
-        shape = list(state.shape) if quantized else list(storage.shape)
-        stored = _tensor_bytes(storage) + (quant_state_bytes(state) if quantized else 0)
-        dtype = (
-            "nf4"
-            if quantized and getattr(state, "quant_type", "") == "nf4"
-            else str(storage.dtype).removeprefix("torch.")
-        )
+        int8_scale = _int8_scale(module, storage)
+        quantized = state is not None or type(storage).__name__ == "Int8Params"
+        shape = list(state.shape) if state is not None else list(storage.shape)
+        stored = _tensor_bytes(storage) + (quant_state_bytes(state) if state is not None else 0)
+        stored += _tensor_bytes(int8_scale) if int8_scale is not None else 0
+        # a 4-bit tensor by its quant type (nf4); an 8-bit one by its storage (int8), as any other
+        named = getattr(state, "quant_type", None) if state is not None else None
+        dtype = str(named) if named else str(storage.dtype).removeprefix("torch.")
         role = _role(name, module, len(shape), expert_modules, router_parents, output_embeddings)
         entry = {
             "name": name,
@@ -103,7 +113,7 @@ def audit_model(model: Any, *, four_bit_requested: bool, flag_bytes: int = DEFAU
         params.append(entry)
         by_dtype[dtype] += stored
         by_role[role] += stored
-        if four_bit_requested and not quantized and role != "lora" and (len(shape) >= 3 or stored >= flag_bytes):
+        if quantization_requested and not quantized and role != "lora" and (len(shape) >= 3 or stored >= flag_bytes):
             why = "≥3-D parameter left in full precision" if len(shape) >= 3 else "large tensor left in full precision"
             flagged.append({"name": name, "shape": shape, "dtype": dtype, "bytes": stored, "role": role, "why": why})
     total = sum(by_dtype.values())
@@ -215,7 +225,7 @@ def what_trains(
         entry["trainable_params"] += count
         by_role[role] += count
     for entry in trains.values():
-        entry["base_4bit"] = set(entry["base"]) <= {"nf4", "fp4"}
+        entry["base_4bit"] = set(entry["base"]) <= FOUR_BIT_TYPES
     return trains, by_role
 
 

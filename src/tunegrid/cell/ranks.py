@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 
 class RankSteps:
@@ -47,6 +48,22 @@ class RankSteps:
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             broadcast_buffers=False,  # nothing to sync, and a replayed step must not add a collective
         )
+
+    def any_rank_stops(self, stop: bool, step: int, state: Any) -> bool:
+        """The decision to stop, made by all ranks together (one all-reduce of a flag per step).
+
+        A rank's own loss is not all-reduced (only gradients are): one rank can see its loss go non-finite
+        and stop while a peer, whose loss stayed finite, records a GradScaler skip and goes on into the next
+        step's all-reduce, where it waits until the collective timeout. A rank that stops because a peer did
+        says so (`state.stopped_by_peer`)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(stop)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and not stop:
+            state.stopped_by_peer = step
+        return bool(flag.item())
 
     def inject_rank_faults(self, step: int) -> None:
         """debug.stall_rank / debug.kill_rank: a straggler or a crashed rank, on purpose."""

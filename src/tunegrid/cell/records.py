@@ -123,6 +123,14 @@ class StepRecords:
             "skipped_steps": state.skipped_total,
         }
         self._conclude(state.nonfinite_events, state.stop_event, state.consecutive_skips, steps_run=steps_run)
+        if state.stopped_by_peer is not None and state.stop_event is None and self.facts["outcome"] == Outcome.ERROR:
+            # no event of this rank's own ended it: a peer's did (its rank folder holds that event's origin)
+            self.facts.update(
+                outcome=Outcome.NAN,
+                reason=f"stopped at step {state.stopped_by_peer} with the other ranks: another rank's step ended "
+                "the cell",
+                diagnosis={**self.facts.get("diagnosis", {}), "stopped_by_peer": {"step": state.stopped_by_peer}},
+            )
         if self.ranks.distributed:
             self.facts["lora_sha256"] = self.lora_digest()
         if state.unsupported:
@@ -153,7 +161,8 @@ class StepRecords:
         diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
         if deciding is not None:
             origin = deciding.get("origin") or {}
-            where = origin_text(origin.get("forward") or origin.get("backward"))
+            traced = origin.get("forward") or origin.get("backward")
+            where = origin_text(traced) if traced or not origin.get("unlocated") else f"? ({origin['unlocated']})"
             stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
             accum = self.spec["axes"].get("grad_accum", 1)
             micro = (

@@ -70,7 +70,7 @@ class OptimizerSteps:
         injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
         self.injector = (
             NonfiniteInjector(self.model, injection, train["seq_len"])
-            if injection and injection.get("module")
+            if injection and injection.get("module") and injection.get("rank", self.ranks.rank) == self.ranks.rank
             else None
         )
         if self.ranks.distributed:
@@ -126,6 +126,8 @@ class OptimizerSteps:
                     losses.append(self.forward_backward(micro, scaler, step_tokens=step_tokens).detach().float())
         if step == 0:  # every adapter asked for must receive a gradient, or we train fewer params than requested
             fact["params_without_grad"] = [n for n, p in self.trainable_named if p.grad is None]
+            if fact["params_without_grad"]:
+                return self.step_without_update(fact, losses, started)
         if scaler is not None:
             scaler.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.spec["train"]["max_grad_norm"])
@@ -151,4 +153,26 @@ class OptimizerSteps:
             self.scheduler.step()
         fact["elapsed"] = time.perf_counter() - started
         fact["peak"] = self.meter.peak_bytes()
+        return fact
+
+    def step_without_update(self, fact: dict[str, Any], losses: list[Any], started: float) -> dict[str, Any]:
+        """Step 0 of a cell that ends `unsupported` (an adapter got no gradient): no scaler, no clipping, no
+        update. With no gradient at all, GradScaler.step asserts "No inf checks were recorded" and
+        clip_grad_norm_ returns a CPU zero that a CUDA loss cannot be concatenated with; the norm is taken here
+        over the gradients that did arrive, on the loss's device."""
+        import torch
+
+        grads = [p.grad.detach().float().norm() for p in self.trainable if p.grad is not None]
+        norm = torch.stack(grads).norm() if grads else torch.zeros((), device=losses[0].device)
+        loss_value, norm_value = torch.stack([torch.stack(losses).sum(), norm.to(losses[0].device)]).tolist()
+        self.optimizer.zero_grad(set_to_none=True)
+        fact.update(
+            lr=self.scheduler.get_last_lr()[0],
+            loss=loss_value,
+            grad_norm=norm_value,
+            skipped=True,
+            nonfinite_micro_batch=None,
+            elapsed=time.perf_counter() - started,
+            peak=self.meter.peak_bytes(),
+        )
         return fact

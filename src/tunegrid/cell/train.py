@@ -165,7 +165,10 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
                 self.record(step, fact, measure_headroom, state, logs)
                 progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
                 progress.update()
-                if state.unsupported or self.on_nonfinite(step, micro_batches, fact, state, logs):
+                stop = bool(state.unsupported) or self.on_nonfinite(step, micro_batches, fact, state, logs)
+                if self.ranks.distributed and self.any_rank_stops(stop, step, state):
+                    break  # every rank leaves at the same step, or the one that went on waits in the next all-reduce
+                if stop:
                     break
         finally:
             progress.close()

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tunegrid.data_checks import DataError, check_records, config_problems, field_map
+from tunegrid.data_checks import DataError, check_records, config_problems, field_map, read_jsonl
 
 
 def normalize(record: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -31,8 +31,13 @@ def load_records(data: dict[str, Any]) -> list[dict[str, Any]]:
     problems = config_problems(data)
     if problems:
         raise DataError("; ".join(problems))
-    table = _load_table(data)
-    check_records(table, data)
+    if data["source"] == "jsonl":  # read here, line by line: a bad line is named by its 1-based line number
+        numbered = read_jsonl(Path(data["path"]))
+        table = [record for _, record in numbered]
+        check_records(table, data, [line for line, _ in numbered], Path(data["path"]))
+    else:
+        table = _load_table(data)
+        check_records(table, data)
     return [normalize(record, data) for record in table]
 
 
@@ -44,7 +49,7 @@ def _load_table(data: dict[str, Any]) -> list[dict[str, Any]]:
             data["repo_id"], revision=data["revision"], split=data["split"], token=os.environ.get("HF_TOKEN") or None
         )
         return dataset.to_list()
-    builder = "json" if data["source"] == "jsonl" else "parquet"
+    builder = "parquet"  # JSON lines are read by data_checks.read_jsonl
     # a throwaway cache: a local file is read once, and stale arrow caches of an edited file are a trap
     with tempfile.TemporaryDirectory(prefix="tunegrid-data-") as cache:
         dataset = load_dataset(builder, data_files=str(Path(data["path"]).resolve()), split="train", cache_dir=cache)

@@ -14,11 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tunegrid.vocabulary import PRECISION_ARITHMETIC
+from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
+from tunegrid.vocabulary import Quant
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp16-islands": 2}  # islands: a few modules more, not counted
-NF4_BLOCK = 64
-DQ_BLOCK = 256  # double quantization: the block absmax values are themselves quantized in blocks of 256
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
 # a time where the checkpoint stores experts apart, so only one full-precision tensor exists at once.
 # "post_load": after transformers has loaded them at their storage dtype (the path the recorded H100
@@ -38,8 +36,8 @@ def tensor_shapes(model_dir: str | Path) -> dict[str, list[int]]:
 
 
 def nf4_bytes(numel: int) -> float:
-    blocks = numel / NF4_BLOCK
-    return numel / 2 + blocks + (blocks / DQ_BLOCK) * 4  # packed 4-bit + uint8 absmax + fp32 second level
+    """An NF4 tensor of `numel` values: packed 4-bit + uint8 absmax + fp32 second level."""
+    return QUANT_PLANS[Quant.NF4].quantized_bytes([numel])
 
 
 def _numel(shape: list[int]) -> int:
@@ -56,7 +54,7 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 def device_constants(capabilities: dict[str, Any], precision: str) -> dict[str, Any]:
     """The probe's measured constants for a cell in this precision: the process before a model, and what
     a training step holds beyond its tensors (0 where the probe did not measure them)."""
-    arithmetic = PRECISION_ARITHMETIC.get(precision, precision)
+    arithmetic = precision_plan(precision).arithmetic
     overhead = (capabilities.get("step_overhead_bytes") or {}).get(arithmetic) or 0
     return {
         "runtime": int(capabilities.get("runtime_baseline_bytes") or 0),
@@ -141,7 +139,8 @@ def estimate_from_shapes(
 ) -> dict[str, Any]:
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
-    storage = DTYPE_BYTES[axes["precision"]]
+    storage = precision_plan(axes["precision"]).bytes_per_value
+    quant = quant_plan(axes["quant"])
     vocab = int(config["vocab_size"])
     hidden = int(config["hidden_size"])
 
@@ -163,14 +162,14 @@ def estimate_from_shapes(
         embedding = len(shape) == 2 and shape[0] == vocab and not any(part.isdigit() for part in name.split("."))
         expert = len(shape) >= 3 or (moe and sum(part.isdigit() for part in name.split(".")) >= 2)
         if expert:
-            quantized = axes["quant"] == "nf4-experts"
+            quantized = quant.experts_quantized
             expert_names.add(name)
             experts_full += numel * storage
-            experts_final += nf4_bytes(numel) if quantized else numel * storage
+            experts_final += quant.quantized_bytes(shape) if quantized else numel * storage
         else:
-            quantized = axes["quant"] != "none" and not embedding and len(shape) == 2 and name.endswith(".weight")
+            quantized = quant.quantizes and not embedding and len(shape) == 2 and name.endswith(".weight")
         if quantized:
-            weights += nf4_bytes(numel)
+            weights += quant.quantized_bytes(shape)
             quantized_numel += numel
             quantized_names.add(name)
             largest_dequant = max(largest_dequant, numel)
@@ -189,7 +188,7 @@ def estimate_from_shapes(
 
     batch, seq = axes["batch_size"], train["seq_len"]  # the micro-batch: accumulated ones hold no activations
     tokens = batch * seq
-    act = DTYPE_BYTES[axes["precision"]]
+    act = storage
     layers = int(config.get("num_hidden_layers", 1))
     heads = int(config.get("num_attention_heads", 1))
     experts_per_token = int(config.get("num_experts_per_tok") or 1)
@@ -213,10 +212,10 @@ def estimate_from_shapes(
     elif device == "cpu":
         dequant = quantized_numel * act
     else:
-        experts_numel = _largest_layer_experts(shapes, expert_names) if axes["quant"] == "nf4-experts" else 0
+        experts_numel = _largest_layer_experts(shapes, expert_names) if quant.experts_quantized else 0
         dequant = max(largest_dequant, experts_numel) * act
     # Loading. Experts quantized after the load exist at full width until then.
-    streamed = axes["quant"] == "nf4-experts" and experts_quantized_at == "load"
+    streamed = quant.experts_quantized and experts_quantized_at == "load"
     at_load = weights + (0 if streamed else experts_full - experts_final)
     if streamed:
         # the checkpoint is read into private memory (no mapped pages) and every tensor to quantize is

@@ -32,15 +32,28 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
 
 
 def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
-    """`unsupported` before launch when the cell needs more GPUs than the probe found (a rank without
-    its own GPU fails at set-up with "invalid device ordinal"; a launch would only prove it)."""
+    """`unsupported` before launch when the cell needs more GPUs than it has (a rank without its own GPU fails
+    at set-up with "invalid device ordinal"; a launch would only prove it).
+
+    Locally that is the GPUs the probe found on the machine. A probe that ran as a cluster job saw only the
+    GPUs granted to its own job (one rank's): there the count is what the cell's own job was granted, and
+    outside a cluster job (the `plan` rule on the submitting host) nothing is decided."""
+    from tunegrid.devices import gpus_per_rank, placed_by_cluster, visible_gpu_count
+
     world = spec["axes"].get("world_size", 1)
-    needed = world * spec["hardware"]["gpus_per_rank"]
-    present = len(capabilities.get("gpus") or [])
-    if capabilities.get("device") != "cuda" or needed <= present:
+    per_rank = gpus_per_rank(spec["hardware"], capabilities)
+    needed = world * per_rank
+    if capabilities.get("device") != "cuda":
+        return None
+    if capabilities.get("cluster_job"):
+        if not placed_by_cluster():
+            return None
+        present, where = visible_gpu_count(), "granted to this job"
+    else:
+        present, where = len(capabilities.get("gpus") or []), "present on this machine"
+    if needed <= present:
         return None
     return (
         Outcome.UNSUPPORTED,
-        f"needs {needed} GPUs (world_size {world} x gpus_per_rank {spec['hardware']['gpus_per_rank']}), "
-        f"{present} present on this machine",
+        f"needs {needed} GPUs (world_size {world} x gpus_per_rank {per_rank}), {present} {where}",
     )

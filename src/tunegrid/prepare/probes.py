@@ -268,6 +268,7 @@ def driver_version() -> str | None:
 def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[str, Any]:
     import torch
 
+    from tunegrid.devices import placed_by_cluster
     from tunegrid.prepare.environment import bitsandbytes_backend
 
     started = time.perf_counter()
@@ -285,6 +286,8 @@ def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[
         "cpu": cpu,
         "cpu_precision": cpu_precision_support(cpu["isa_flags"]),
         "gpus": gpus,
+        # in a cluster job `gpus` are the GPUs granted to the probe's own job, not a node's or another job's
+        "cluster_job": placed_by_cluster(),
         "precision": gpus[0]["precision"] if gpus else cpu_precision_support(cpu["isa_flags"]),
         "matmul_tflops": {name: matmul_tflops(device, name, size, per_dtype) for name in dtypes},
         "matmul_size": size,

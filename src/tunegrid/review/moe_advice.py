@@ -7,10 +7,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from tunegrid.plans import QUANT_PLANS
 from tunegrid.review.advice import Fix, Recommendation, number, siblings
 from tunegrid.units import human_bytes
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import Outcome, Quant
 
+# quantizations that quantize the fused experts too (nf4-experts), from their plans
+EXPERT_QUANTS = [p.quant for p in QUANT_PLANS.values() if p.experts_quantized]
 EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
 
 
@@ -18,20 +21,22 @@ def expert_gap(frame: Any) -> list[Recommendation]:
     """One recommendation per model: plain-4-bit cells with unquantized experts vs their nf4-experts twins."""
     if "quant" not in frame.columns:
         return []
+    leaves_experts = [p.quant for p in QUANT_PLANS.values() if p.quantizes and not p.experts_quantized]
     gap = frame[
-        (frame["quant"] == "nf4")
+        frame["quant"].isin(leaves_experts)
         & (frame["flagged_share"].fillna(0) >= EXPERT_GAP_SHARE)
         & frame["expert_bytes"].notna()
     ]
     pairs: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
     for _, row in gap.iterrows():
         fixed = siblings(frame, row, "quant")
-        fixed = fixed[(fixed["quant"] == "nf4-experts") & (fixed["outcome"] == Outcome.OK)]
+        fixed = fixed[fixed["quant"].isin(EXPERT_QUANTS) & (fixed["outcome"] == Outcome.OK)]
         if not fixed.empty:
             pairs[row["model"]].append((row, fixed.iloc[0]))
     out = []
     for model, members in pairs.items():
         row, sib = members[0]
+        bits = QUANT_PLANS[Quant(row["quant"])].bits
         shares = [float(r["flagged_share"]) for r, _ in members]
         peak_pairs = [
             f"{human_bytes(r['peak_bytes'])} -> {human_bytes(s['peak_bytes'])} ({r['precision']}, bs "
@@ -45,9 +50,9 @@ def expert_gap(frame: Any) -> list[Recommendation]:
             number(s["peak_bytes"]) < number(r["peak_bytes"]) for r, s in members if r["outcome"] == Outcome.OK
         )
         text = (
-            f"Plain 4-bit loading left {int(row['flagged_tensors'])} tensor(s) in full precision: "
+            f"Plain {bits}-bit loading left {int(row['flagged_tensors'])} tensor(s) in full precision: "
             f"{min(shares):.0%}-{max(shares):.0%} of the weight bytes. bitsandbytes only replaces nn.Linear, and "
-            f"transformers v5 keeps fused experts as 3-D parameters. quant=nf4-experts cut the weights from "
+            f"transformers v5 keeps fused experts as 3-D parameters. quant={sib['quant']} cut the weights from "
             f"{human_bytes(row['weight_bytes'])} to {human_bytes(sib['weight_bytes'])} ({row['cell_id']} vs "
             f"{sib['cell_id']}); "
             f"measured peaks: " + "; ".join(peak_pairs) + "."
@@ -55,17 +60,17 @@ def expert_gap(frame: Any) -> list[Recommendation]:
         if failed:
             text = (
                 "; ".join(f"{r['cell_id']} ended {r['outcome']}" for r in failed)
-                + ", its nf4-experts twin was ok. "
+                + f", its {sib['quant']} twin was ok. "
                 + text
             )
         evidence = sorted(s["cell_id"] for _, s in members)
         if peaks_fell or failed:
             title, fixes = (
-                f"{model}: experts not quantized by plain 4-bit",
-                [Fix({"quant": "nf4-experts"}, "quantize the experts too", evidence)],
+                f"{model}: experts not quantized by plain {bits}-bit",
+                [Fix({"quant": sib["quant"]}, "quantize the experts too", evidence)],
             )
         else:
-            title, fixes = f"{model}: nf4-experts shrinks the weights, but the peaks did not fall here", []
+            title, fixes = f"{model}: {sib['quant']} shrinks the weights, but the peaks did not fall here", []
             text += " Not recommended for memory on this machine: the whole-process peak is set by something else here."
         out.append(
             Recommendation(
@@ -84,7 +89,7 @@ def expert_gap(frame: Any) -> list[Recommendation]:
 def load_peaks(row: Any, fixed: Any) -> str:
     """For an OOM at load that the experts quantized as they load fixed: both load peaks, as measured."""
     at_load = row.get("oom_stage") == "load" and number(row.get("oom_peak_bytes")) < float("inf")
-    if not at_load or fixed["quant"] != "nf4-experts":
+    if not at_load or fixed["quant"] not in EXPERT_QUANTS:
         return ""
     failed = human_bytes(row["oom_peak_bytes"])
     return f"; load peak {human_bytes(fixed['load_peak_bytes'])}, where {row['quant']} failed at {failed}"

@@ -2,12 +2,13 @@
 
 A precision is a candidate fix where a twin of a failing cell (every other axis equal) ran in it, ended ok and
 its quality `holds` (review/quality.py: it learned, and its loss matched the reference twin's within
-tolerance); an ok twin that did not learn or deviates is named as no evidence. bf16 is offered only where it
-is native on both the study's target and the probed device (a T4 target never gets it); any other precision
-where its arithmetic is not absent there. Each fix carries its cost against the failing setting, measured in
-the same grid: the median over failing/fixed pairs of the tokens/s and peak-memory ratios (against the failing
-cell where it ran a timed step; one that failed in its first step has no throughput, so then against its fp32
-twin, and the text says so). Fixes are ranked by throughput: the fastest that holds first.
+tolerance); an ok twin that did not learn or deviates is named as no evidence. A fix is offered only where its
+arithmetic is native on both the study's target and the probed device (so a T4 target never gets bf16),
+except one that keeps the arithmetic the failing setting already runs (fp16-islands for fp16). Each fix
+carries its cost measured in the same grid: the median over failing/fixed pairs of the tokens/s and
+peak-memory ratios (against the failing cell where it ran a timed step; one that failed in its first step has
+no throughput, so then against its fp32 twin, and the text says so). Fixes are ranked by throughput: the
+fastest that holds first, the plans' nan_fix_rank among equals.
 """
 
 from __future__ import annotations
@@ -16,18 +17,21 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
+from tunegrid.plans import PRECISION_PLANS, precision_plan
 from tunegrid.prepare.targets import TARGETS
 from tunegrid.review.advice import Fix, ok_cells, siblings
 from tunegrid.review.quality import HOLDS
-from tunegrid.vocabulary import PRECISION_ARITHMETIC
 
-CANDIDATES = ("bf16", "fp16-islands", "fp32", "fp16")
+# the candidates in the plans' order (the order of equals in throughput)
+CANDIDATES = sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank)
+# what a fix's cost falls back to being measured against: the precision without autocast (full precision)
+FULL_PRECISION = next(p for p, row in PRECISION_PLANS.items() if not row.autocast)
 
 
 def support_of(precision: str, target: str | None, capabilities: dict[str, Any]) -> str:
     """native | emulated | absent for a precision's arithmetic on the target and the probed device together:
     the weaker of the two (a named target's data sheet, and what the probe measured here)."""
-    arithmetic = PRECISION_ARITHMETIC.get(precision, precision)
+    arithmetic = precision_plan(precision).arithmetic
     rank = {"native": 2, "emulated": 1, "absent": 0}
     found = [(capabilities.get("precision") or {}).get(arithmetic)]
     if target and target in TARGETS and target != "native":
@@ -80,14 +84,16 @@ def baseline(frame: Any, row: Any) -> tuple[Any, str] | None:
     if _measured(row, "tokens_per_s") is not None:
         return row, row["precision"]
     twins = ok_cells(siblings(frame, row, "precision"))
-    twins = twins[twins["precision"] == "fp32"]
-    return (twins.iloc[0], "fp32") if not twins.empty else None
+    twins = twins[twins["precision"].map(lambda p: p in PRECISION_PLANS and p == FULL_PRECISION)]
+    return (twins.iloc[0], str(FULL_PRECISION)) if not twins.empty else None
 
 
 def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
     out = []
     for precision in CANDIDATES:
-        if precision == failing or (precision == "fp16-islands" and failing != "fp16"):
+        plan = PRECISION_PLANS[precision]
+        islands_elsewhere = plan.fp32_islands and plan.arithmetic != precision_plan(failing).arithmetic
+        if precision == failing or islands_elsewhere:  # islands fix the arithmetic they keep, no other
             continue
         evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
         for row in rows:
@@ -140,11 +146,11 @@ def precision_fixes(
         if not candidate.evidence:
             continue
         support = support_of(candidate.precision, target, capabilities)
-        wanted = "native" if candidate.precision == "bf16" else "emulated"
-        if support == "absent" or (wanted == "native" and support != "native"):
+        arithmetic = precision_plan(candidate.precision).arithmetic
+        # a fix runs natively, or keeps the arithmetic the failing setting already ran (fp16-islands on fp16)
+        if support != "native" and not (support == "emulated" and arithmetic == precision_plan(failing).arithmetic):
             notes.append(
-                f"The same cells in {candidate.precision} were ok, but {where} has {support} "
-                f"{PRECISION_ARITHMETIC.get(candidate.precision, candidate.precision)}"
+                f"The same cells in {candidate.precision} were ok, but {where} has {support} {arithmetic}"
                 f" ({'slow software path' if support == 'emulated' else 'not available'})."
             )
             continue

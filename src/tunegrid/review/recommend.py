@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from tunegrid.plans import memory_fix_quants
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, paren, siblings
 from tunegrid.review.batch_advice import memory_batch_fix, smaller_batch_fix
 from tunegrid.review.moe_advice import expert_gap, load_peaks
 from tunegrid.review.precision_advice import candidates, holds, precision_fixes
 from tunegrid.units import human_bytes
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import Outcome, Precision
 
 
 def _short(module: Any) -> str:
@@ -98,7 +99,7 @@ def _memory_fixes(frame: Any) -> list[Recommendation]:
             options.append(batch_fix["why"])
             evidence += batch_fix["evidence"]
             fixes.append(Fix(**batch_fix))
-        for quant in ("nf4-experts", "nf4"):
+        for quant in memory_fix_quants():
             alt = ok_cells(siblings(frame, row, "quant"))
             alt = alt[alt["quant"] == quant]
             if not alt.empty:
@@ -140,7 +141,7 @@ def _unsupported_fixes(frame: Any) -> list[Recommendation]:
                     ok[sib["precision"]].add(sib["cell_id"])
         if not ok:
             continue
-        choice = "fp32" if "fp32" in ok else sorted(ok)[0]
+        choice = Precision.FP32 if Precision.FP32 in ok else sorted(ok)[0]
         out.append(
             Recommendation(
                 signature=f"unsupported:{precision}",

@@ -35,11 +35,14 @@ def launch_ranks(
     data_path: Path,
     run_dir: Path,
     warm_socket: str | None = None,
+    visible_devices: str | None = None,
 ) -> list[Any]:
     """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
     every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
-    the invocation's warm worker forks it instead (tunegrid.run.warm)."""
+    the invocation's warm worker forks it instead (tunegrid.run.warm). `visible_devices` (the job's own GPUs,
+    tunegrid.devices.cell_devices; "" for none) becomes every rank's CUDA_VISIBLE_DEVICES; rank r trains on
+    the r-th of them."""
     world = spec["axes"].get("world_size", 1)
     command = [
         sys.executable,
@@ -59,14 +62,14 @@ def launch_ranks(
         if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
             from tunegrid.run.warm_client import fork_worker
 
-            forked = fork_worker(Path(warm_socket), ["tunegrid", *command[3:]], child_env())
+            forked = fork_worker(Path(warm_socket), ["tunegrid", *command[3:]], child_env(visible_devices))
             if forked is not None:
                 print(f"worker {forked.pid} forked by the warm worker", flush=True)
                 return [forked]
-        return [subprocess.Popen(command, start_new_session=True, env=child_env())]
+        return [subprocess.Popen(command, start_new_session=True, env=child_env(visible_devices))]
     from tunegrid.run.ui import free_port
 
-    env = child_env()
+    env = child_env(visible_devices)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
     env.update(flight_recorder_env(spec, run_dir))
     procs = []
@@ -116,11 +119,14 @@ def wait_any(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
         pass
 
 
-def child_env() -> dict[str, str]:
+def child_env(visible_devices: str | None = None) -> dict[str, str]:
     from tunegrid.config import REPO_ROOT
+    from tunegrid.devices import VISIBLE_ENV
     from tunegrid.lifeline import SUPERVISOR_PID_ENV
 
     env = dict(os.environ)
+    if visible_devices is not None:
+        env[VISIBLE_ENV] = visible_devices
     env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.lifeline)
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")

@@ -7,6 +7,7 @@ so training never blocks on the store; and whatever happens to the child, it wri
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunegrid.devices import cell_devices
 from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
@@ -49,6 +51,7 @@ def _supervise(
     tracker: Any,
     tail: MetricsTail,
     procs: list[subprocess.Popen[bytes]] | None = None,
+    visible_devices: str | None = None,
 ) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
@@ -56,7 +59,7 @@ def _supervise(
     train = spec["train"]
     grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
-    procs = procs or launch_ranks(spec, spec_path, model_dir, data_path, run_dir)
+    procs = procs or launch_ranks(spec, spec_path, model_dir, data_path, run_dir, visible_devices=visible_devices)
     stopped: list[int] = []
     previous_handler = signal.getsignal(signal.SIGTERM)
 
@@ -135,70 +138,84 @@ def run_cell(
     spec_path = run_dir / "cell.json"
     write_json(spec_path, spec)
 
-    # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
-    early = launch_ranks(spec, spec_path, model_dir, data_path, run_dir, warm_socket) if verdict is None else None
-    tracker: Any = NullRun()
-    try:
-        if tracking_path is not None:
-            tracker = _open_run(
-                spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job, started
-            )
-    except BaseException:  # never leave a started worker behind
-        for proc in early or []:
-            stop_group(proc)
-        raise
-    tail = MetricsTail(run_dir / "metrics.jsonl")
-    attempts: list[dict[str, Any]] = []
-    feasible = verdict is None
-    while True:
-        returncodes: list[int | None] = [None]
-        pending: list[dict[str, Any]] = []
-        stopped: list[int] = []
-        if feasible:
-            returncodes, verdict, pending, stopped = _supervise(
-                spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early
-            )
-            early = None
-        result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, light_env())
-        if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
-            from tunegrid.cell.distributed import diagnose_ranks
-
-            result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
-        attempts.append(
-            {"outcome": result["outcome"], "reason": result["reason"], "infrastructure": infrastructure_fault(result)}
+    # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
+    world = spec["axes"].get("world_size", 1)
+    with (
+        cell_devices(spec["hardware"], world, capabilities) if verdict is None else contextlib.nullcontext() as visible
+    ):
+        # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
+        early = (
+            launch_ranks(spec, spec_path, model_dir, data_path, run_dir, warm_socket, visible)
+            if verdict is None
+            else None
         )
-        if not attempts[-1]["infrastructure"] or len(attempts) > spec["train"]["retries"]:
-            break
-        # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
-        print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
-        tracker.log_records(pending + tail.read_new())
-        clear_run_files(run_dir)
+        tracker: Any = NullRun()
+        try:
+            if tracking_path is not None:
+                tracker = _open_run(
+                    spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job, started
+                )
+        except BaseException:  # never leave a started worker behind
+            for proc in early or []:
+                stop_group(proc)
+            raise
         tail = MetricsTail(run_dir / "metrics.jsonl")
-        verdict = None
-    result["attempts"] = attempts
-    tracker.log_records(pending + tail.read_new())
-    filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
-    if tracker.enabled:
-        result["tracking"] = {
-            "run_id": tracker.run_id,
-            "points_sent_live": tracker.sent_points,
-            "points_filled": filled,
-            "errors": tracker.errors,
-        }
-    # result.json is the job's declared output: it appears last, once everything the job owes (the
-    # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
-    # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
-    staged = run_dir / ".staged" / "result.json"
-    write_json(staged, result)
-    if tracker.enabled:
-        _finish_run(tracker, result, staged, Path(data_path), log_path)
-        from tunegrid.track.execution import cell_ended
+        attempts: list[dict[str, Any]] = []
+        feasible = verdict is None
+        while True:
+            returncodes: list[int | None] = [None]
+            pending: list[dict[str, Any]] = []
+            stopped: list[int] = []
+            if feasible:
+                returncodes, verdict, pending, stopped = _supervise(
+                    spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early, visible
+                )
+                early = None
+            result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, light_env())
+            if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
+                from tunegrid.cell.distributed import diagnose_ranks
 
-        cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
-    _kill_point("before_result")
-    write_json(result_path, result)
-    shutil.rmtree(staged.parent, ignore_errors=True)
-    return result
+                result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
+            attempts.append(
+                {
+                    "outcome": result["outcome"],
+                    "reason": result["reason"],
+                    "infrastructure": infrastructure_fault(result),
+                }
+            )
+            if not attempts[-1]["infrastructure"] or len(attempts) > spec["train"]["retries"]:
+                break
+            # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
+            print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
+            tracker.log_records(pending + tail.read_new())
+            clear_run_files(run_dir)
+            tail = MetricsTail(run_dir / "metrics.jsonl")
+            verdict = None
+        result["attempts"] = attempts
+        result["visible_devices"] = visible  # the job's own GPUs ("" none, null as the cluster granted)
+        tracker.log_records(pending + tail.read_new())
+        filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
+        if tracker.enabled:
+            result["tracking"] = {
+                "run_id": tracker.run_id,
+                "points_sent_live": tracker.sent_points,
+                "points_filled": filled,
+                "errors": tracker.errors,
+            }
+        # result.json is the job's declared output: it appears last, once everything the job owes (the
+        # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
+        # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
+        staged = run_dir / ".staged" / "result.json"
+        write_json(staged, result)
+        if tracker.enabled:
+            _finish_run(tracker, result, staged, Path(data_path), log_path)
+            from tunegrid.track.execution import cell_ended
+
+            cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
+        _kill_point("before_result")
+        write_json(result_path, result)
+        shutil.rmtree(staged.parent, ignore_errors=True)
+        return result
 
 
 def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None) -> None:

@@ -1,0 +1,211 @@
+"""What each precision and each quantization means, one row per value: the loader, the adapter record,
+the audit, the memory estimate, the plots and the recommender read these rows and compare no names.
+
+A new precision or quantization is a member of its enum in tunegrid.vocabulary, a row here, and its
+effect where it acts (for a quantization: the loader's branch if bitsandbytes needs another config).
+Light module: standard library only (the estimate and the report read it without torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tunegrid.vocabulary import Precision, Quant
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrecisionRow:
+    """One compute precision: its dtype (weights that are not quantized are stored in it too), autocast,
+    loss scaling, and where the recommender ranks it as a fix for a non-finite cell."""
+
+    precision: Precision
+    dtype: str  # torch dtype name
+    bytes_per_value: int
+    autocast: bool
+    grad_scaler: bool
+    reason: str
+    nan_fix_rank: int  # lower is proposed first where a twin in it ran ok
+    # the hardware arithmetic its matmuls run in: what a target's native/emulated support and the probe's
+    # per-precision constants are read for
+    arithmetic: Precision
+    # the modules whose activations near fp16's range compute and return fp32 (cell/islands.py)
+    fp32_islands: bool = False
+
+
+PRECISION_PLANS: dict[Precision, PrecisionRow] = {
+    row.precision: row
+    for row in (
+        PrecisionRow(
+            precision=Precision.FP32,
+            dtype="float32",
+            bytes_per_value=4,
+            autocast=False,
+            grad_scaler=False,
+            reason="full precision, nothing to scale",
+            nan_fix_rank=2,
+            arithmetic=Precision.FP32,
+        ),
+        PrecisionRow(
+            precision=Precision.BF16,
+            dtype="bfloat16",
+            bytes_per_value=2,
+            autocast=True,
+            grad_scaler=False,
+            reason="bf16 has fp32's exponent range, so no loss scaling is needed",
+            nan_fix_rank=0,
+            arithmetic=Precision.BF16,
+        ),
+        PrecisionRow(
+            precision=Precision.FP16,
+            dtype="float16",
+            bytes_per_value=2,
+            autocast=True,
+            grad_scaler=True,
+            reason="fp16 overflows past 65504 and underflows small grads: dynamic loss scaling",
+            nan_fix_rank=3,
+            arithmetic=Precision.FP16,
+        ),
+        PrecisionRow(
+            precision=Precision.FP16_ISLANDS,
+            dtype="float16",
+            bytes_per_value=2,  # the islands' few modules in fp32 are not counted
+            autocast=True,
+            grad_scaler=True,
+            reason=(
+                "fp16 matmuls with dynamic loss scaling; the modules whose activations near 65504 compute and "
+                "return fp32, so the residual stream they feed stays fp32"
+            ),
+            nan_fix_rank=1,
+            arithmetic=Precision.FP16,
+            fp32_islands=True,
+        ),
+    )
+}
+
+NF4_BLOCK = 64  # bitsandbytes' 4-bit blocksize: one absmax per 64 values
+DQ_BLOCK = 256  # double quantization: the block absmax values are themselves quantized in blocks of 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class QuantPlan:
+    """One base-weight quantization.
+
+    `bnb`: BitsAndBytesConfig's arguments (the compute dtype goes in `compute_dtype_arg`, by name); None: no
+    bitsandbytes. `record_key`: where an adapter's base_model.json keeps them. `experts_quantized`: the fused
+    >=3-D MoE experts are quantized too (as the checkpoint is read). `bytes_per_param`: storage of one
+    quantized weight value, block or row statistics besides (`block`, `row_scale_bytes`). `audit_dtype`: how
+    the audit names a quantized tensor's storage. `memory_fix_rank`: the recommender's order among
+    quantizations offered for an out-of-memory cell (None: not a memory fix).
+    """
+
+    quant: Quant
+    bits: int | None
+    bnb: dict[str, Any] | None
+    compute_dtype_arg: str | None
+    record_key: str | None
+    experts_quantized: bool
+    bytes_per_param: float
+    block: int | None  # values per absmax (double-quantized in DQ_BLOCK blocks)
+    row_scale_bytes: int  # per output row (LLM.int8's fp32 scale)
+    audit_dtype: str | None
+    memory_fix_rank: int | None
+
+    @property
+    def quantizes(self) -> bool:
+        return self.bits is not None
+
+    def quantized_bytes(self, shape: list[int]) -> float:
+        """Bytes a weight of this shape takes once quantized, statistics included."""
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        stats = 0.0
+        if self.block:
+            blocks = numel / self.block
+            stats = blocks + (blocks / DQ_BLOCK) * 4  # uint8 absmax + fp32 second level
+        if self.row_scale_bytes and shape:
+            stats += shape[0] * self.row_scale_bytes
+        return numel * self.bytes_per_param + stats
+
+    def bnb_settings(self, compute_dtype: Any) -> dict[str, Any]:
+        """BitsAndBytesConfig's arguments with this compute dtype (a torch dtype to load, its name to record)."""
+        settings = dict(self.bnb or {})
+        if self.compute_dtype_arg:
+            settings[self.compute_dtype_arg] = compute_dtype
+        return settings
+
+
+_NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
+
+QUANT_PLANS: dict[Quant, QuantPlan] = {
+    plan.quant: plan
+    for plan in (
+        QuantPlan(
+            quant=Quant.NONE,
+            bits=None,
+            bnb=None,
+            compute_dtype_arg=None,
+            record_key=None,
+            experts_quantized=False,
+            bytes_per_param=0.0,
+            block=None,
+            row_scale_bytes=0,
+            audit_dtype=None,
+            memory_fix_rank=None,
+        ),
+        QuantPlan(
+            quant=Quant.NF4,
+            bits=4,
+            bnb=_NF4,
+            compute_dtype_arg="bnb_4bit_compute_dtype",
+            record_key="bnb_4bit",
+            experts_quantized=False,  # bitsandbytes replaces nn.Linear only
+            bytes_per_param=0.5,
+            block=NF4_BLOCK,
+            row_scale_bytes=0,
+            audit_dtype="nf4",
+            memory_fix_rank=1,
+        ),
+        QuantPlan(
+            quant=Quant.NF4_EXPERTS,
+            bits=4,
+            bnb=_NF4,
+            compute_dtype_arg="bnb_4bit_compute_dtype",
+            record_key="bnb_4bit",
+            experts_quantized=True,
+            bytes_per_param=0.5,
+            block=NF4_BLOCK,
+            row_scale_bytes=0,
+            audit_dtype="nf4",
+            memory_fix_rank=0,
+        ),
+        QuantPlan(
+            quant=Quant.INT8,
+            bits=8,
+            bnb={"load_in_8bit": True},  # LLM.int8: no compute dtype (matmuls in fp16 with outliers split)
+            compute_dtype_arg=None,
+            record_key="bnb_8bit",
+            experts_quantized=False,  # bitsandbytes replaces nn.Linear only
+            bytes_per_param=1.0,
+            block=None,
+            row_scale_bytes=4,  # SCB: one fp32 absmax per output row
+            audit_dtype="int8",
+            memory_fix_rank=2,
+        ),
+    )
+}
+
+
+def memory_fix_quants() -> list[Quant]:
+    """Quantizations the recommender offers an out-of-memory cell, most preferred first."""
+    ranked = [p for p in QUANT_PLANS.values() if p.memory_fix_rank is not None]
+    return [p.quant for p in sorted(ranked, key=lambda p: p.memory_fix_rank or 0)]
+
+
+def precision_plan(precision: str) -> PrecisionRow:
+    return PRECISION_PLANS[Precision(precision)]
+
+
+def quant_plan(quant: str) -> QuantPlan:
+    return QUANT_PLANS[Quant(quant)]
