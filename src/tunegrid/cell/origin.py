@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-NO_REPLAY = "none"  # what a replay that could not run at all records (a word, not a quantization)
-
 
 class OriginReplay:
     def replay_origin(
@@ -37,7 +35,7 @@ class OriginReplay:
                 break
             if traced["replay"] != "full":  # a degraded replay found nothing: say why, not "unknown"
                 origin.update(replay=traced["replay"], unlocated=traced["unlocated"])
-            if traced["replay"] == NO_REPLAY:  # the next micro-batch's replay needs the same memory
+            if traced["replay"] not in ("full", "forward only"):  # nothing replayed: the next needs the same memory
                 break
         if headroom is not None:
             origin["headroom"] = headroom.collect(step)
@@ -59,7 +57,7 @@ class OriginReplay:
         else:
             return {**traced, "replay": "forward only", "unlocated": f"backward origin not traced: {full}"}
         self.release_replay_memory()
-        return {"forward": None, "backward": None, "replay": NO_REPLAY, "unlocated": f"{full}; {forward}"}
+        return {"forward": None, "backward": None, "replay": "none", "unlocated": f"{full}; {forward}"}
 
     def release_replay_memory(self) -> None:
         import gc
