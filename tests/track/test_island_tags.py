@@ -18,3 +18,12 @@ def test_islands_and_their_measured_maxima_are_run_tags():
     assert tags["fp32_islands"] == "model.layers.0.mlp.down_proj,model.layers.1.mlp.down_proj"
     assert tags["fp32_islands.max_abs"] == "73398,52060" and tags["fp32_islands.mode"] == "auto"
     assert "fp32_islands" not in run_tags({**result, "fp32_islands": None})
+
+
+def test_a_model_spec_keyed_by_globs_is_one_param_mlflow_accepts():
+    """init_scale's keys ("*.mlp.*") are no MLflow param names: refused, they failed every param of the run."""
+    from tunegrid.track.tracking import PARAM_NAME, flatten
+
+    params = flatten("", {"model": {"init_scale": {"*.mlp.*": 10}, "config": {"hidden_size": 64}}}, {})
+    assert params == {"model.init_scale": '{"*.mlp.*": 10}', "model.config.hidden_size": "64"}
+    assert all(PARAM_NAME.match(key) for key in params)
