@@ -26,12 +26,12 @@ rule all:
 
 
 onstart:
-    hooks.on_start(STUDY, RESULTS, LOGS, STUDY_FILE, local=workflow.local_exec)
+    hooks.on_start(STUDY, RESULTS, LOGS, STUDY_FILE, local=workflow.local_exec, cells_to_run=cells_to_run())
 
 
 onsuccess:
-    hooks.on_end("FINISHED", STUDY, RESULTS, LOGS, SCRIPT)
+    hooks.on_end("FINISHED", STUDY, RESULTS, LOGS, SCRIPT, cell_ids=list(CELLS))
 
 
 onerror:
-    hooks.on_end("FAILED", STUDY, RESULTS, LOGS, SCRIPT)
+    hooks.on_end("FAILED", STUDY, RESULTS, LOGS, SCRIPT, cell_ids=list(CELLS))

@@ -45,9 +45,9 @@ import yaml  # noqa: E402
 from conftest import make_study  # noqa: E402
 
 from tunegrid.files import JsonlAppender, read_json, read_jsonl  # noqa: E402
+from tunegrid.outcome import METRIC_KEYS  # noqa: E402
 from tunegrid.track.store import init_experiment  # noqa: E402
 from tunegrid.track.tracking import CellRun  # noqa: E402
-from tunegrid.vocabulary import METRIC_KEYS  # noqa: E402
 
 ENV = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
 

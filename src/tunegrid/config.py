@@ -201,10 +201,15 @@ def read_yaml(path: Path) -> dict[str, Any]:
 def load_study(path: str | Path) -> dict[str, Any]:
     """Read a study YAML (bounded: input_limits.read_study_yaml) and resolve it; a missing or unparsable
     file is a ConfigError too."""
+    return resolve_study(read_study_file(path))
+
+
+def read_study_file(path: str | Path) -> dict[str, Any]:
+    """A study YAML as written, read bounded (input_limits.read_study_yaml), not yet resolved."""
     raw = read_study_yaml(Path(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
-    return resolve_study(raw)
+    return raw
 
 
 def expand_cells(study: dict[str, Any]) -> list[Cell]:

@@ -38,6 +38,15 @@ class MemoryMeter:
             return int(torch.cuda.max_memory_allocated())
         return _proc_status_kib("VmHWM") * 1024
 
+    def reserved_peak_bytes(self) -> int | None:
+        """CUDA: the caching allocator's reserved high-water mark, which is what the memory budget caps (the
+        allocated peak above can stay under the budget while a cell runs out of it). None on CPU."""
+        if self.device_type != "cuda":
+            return None
+        import torch
+
+        return int(torch.cuda.max_memory_reserved())
+
     def current_bytes(self) -> int:
         if self.device_type == "cuda":
             import torch
@@ -56,19 +65,27 @@ def _proc_status_kib(field: str) -> int:
     return 0
 
 
-def apply_memory_budget(device_type: str, budget_bytes: int) -> dict[str, Any]:
+def apply_memory_budget(device_type: str, budget_bytes: int, device_index: int | None = None) -> dict[str, Any]:
     """Make allocations beyond the budget really fail, so out-of-memory is measured, not guessed.
 
-    CUDA: the caching allocator's per-process fraction. CPU: RLIMIT_AS set to the address space in use
-    now plus the budget (the runtime already mapped is not charged; what the cell allocates is).
+    CUDA: the caching allocator's per-process fraction of the device this process trains on; it caps the
+    memory the allocator reserves (its cached blocks included), so an out-of-memory cell's record carries the
+    reserved peak beside the allocated one. CPU: RLIMIT_AS set to the address space in use now plus the budget
+    (the runtime already mapped is not charged; what the cell allocates is).
     """
     if device_type == "cuda":
         import torch
 
-        total = torch.cuda.get_device_properties(0).total_memory
+        index = torch.cuda.current_device() if device_index is None else device_index
+        total = torch.cuda.get_device_properties(index).total_memory
         fraction = min(1.0, budget_bytes / total)
-        torch.cuda.set_per_process_memory_fraction(fraction)
-        return {"mechanism": "torch.cuda.set_per_process_memory_fraction", "fraction": fraction}
+        torch.cuda.set_per_process_memory_fraction(fraction, index)
+        return {
+            "mechanism": "torch.cuda.set_per_process_memory_fraction",
+            "fraction": fraction,
+            "device": index,
+            "caps": "reserved",
+        }
     import resource
 
     in_use = _proc_status_kib("VmSize") * 1024

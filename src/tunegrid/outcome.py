@@ -1,18 +1,180 @@
-"""A cell's result.json, composed from what its worker wrote (worker.json) or, where the worker could not
-say, from how it ended (a signal, an exit code, a supervisor verdict such as a timeout).
+"""A cell's outcome, typed: one line of metrics.jsonl (StepMetrics), the diagnosis of a failure (Diagnosis)
+and result.json (CellResult); and the composition of result.json from what its worker wrote (worker.json)
+or, where the worker could not say, from how it ended (a signal, an exit code, a supervisor verdict such
+as a timeout). result.json, summary.csv, the MLflow tags and the report read these types.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import signal
 import time
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from tunegrid.files import read_json
 from tunegrid.rundir import heartbeat_stage
 from tunegrid.vocabulary import Outcome
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMetrics:
+    """One line of metrics.jsonl: one optimizer step. Every field but `step` and `time` is an MLflow metric
+    of the same name (METRIC_KEYS); a field that is None was not measured in that step and is not written."""
+
+    step: int
+    time: float
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_s: float
+    step_time_s: float
+    mem_peak_bytes: int
+    skipped_steps: int
+    loss_scale: float | None = None  # fp16's GradScaler only
+    fp16_headroom_max_ratio: float | None = None  # at the steps the headroom meter measured
+
+    def as_record(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+METRIC_KEYS = tuple(f.name for f in fields(StepMetrics) if f.name not in ("step", "time"))
+
+
+@dataclass(kw_only=True)
+class Diagnosis:
+    """Why a cell ended as it did, by failure; every part is None where it does not apply.
+
+    nan: the deciding non-finite event (step, kind, origin forward/backward, micro-batch); oom: stage and
+    bytes at failure; timeout: the stage and limits in effect; collective: the op, missing ranks and the
+    steps each rank reached; rank_crash / rank_failure: the ranks, exit or error, last log lines.
+    """
+
+    nan: dict[str, Any] | None = None
+    nonfinite_events: int | None = None
+    recovered_scaler_skips: dict[str, Any] | None = None
+    oom: dict[str, Any] | None = None
+    timeout: dict[str, Any] | None = None
+    collective: dict[str, Any] | None = None
+    collective_timeout: dict[str, Any] | None = None  # a rank's own view; `collective` is the cell's
+    peer_lost: dict[str, Any] | None = None
+    rank_crash: dict[str, Any] | None = None
+    rank_failure: dict[str, Any] | None = None
+    params_without_grad: list[str] | None = None
+    stopped_by_peer: dict[str, Any] | None = None  # a rank that stopped because another rank's cell ended
+    decided_by_rank: int | None = None  # a distributed cell: the rank whose own outcome decided the cell's
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> Diagnosis:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data or {}) - known)
+        if unknown:
+            raise ValueError(f"diagnosis has keys no Diagnosis field holds: {unknown}; add them to Diagnosis")
+        return cls(**(data or {}))
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def _empty() -> dict[str, Any]:
+    return {}
+
+
+@dataclass(kw_only=True)
+class CellResult:
+    """result.json: what every consumer reads. Sections are the worker's facts as it wrote them; a file
+    written before a field existed reads with that field's default."""
+
+    cell_id: str
+    cell: dict[str, Any]  # the resolved spec: axes, model, train, lora, data, debug, hardware, plan
+    outcome: Outcome
+    reason: str
+    env: dict[str, Any] = field(default_factory=_empty)
+    diagnosis: Diagnosis = field(default_factory=Diagnosis)
+    memory: dict[str, Any] = field(default_factory=_empty)
+    precision_in_effect: dict[str, Any] = field(default_factory=_empty)
+    precision_plan: dict[str, Any] = field(default_factory=_empty)
+    throughput: dict[str, Any] = field(default_factory=_empty)
+    data: dict[str, Any] = field(default_factory=_empty)
+    fp16_headroom: dict[str, Any] = field(default_factory=_empty)
+    # fp16-islands: the modules that computed in fp32 (mode, threshold, each island's calibration max-abs, the
+    # calibration's top modules); None for every other precision (cell/islands.py)
+    fp32_islands: dict[str, Any] | None = None
+    quant_audit: dict[str, Any] = field(default_factory=_empty)
+    training: dict[str, Any] = field(default_factory=_empty)
+    resumed_from_step: int | None = None
+    checkpoint: dict[str, Any] = field(default_factory=_empty)
+    adapter: dict[str, Any] | None = None
+    params: dict[str, Any] = field(default_factory=_empty)
+    distributed: dict[str, Any] = field(default_factory=_empty)  # world size, backend, collective timeout
+    ranks: list[dict[str, Any]] | None = None  # a distributed cell: each rank's exit and last step
+    lora_sha256: str | None = None  # a distributed cell: the adapters every rank ended with
+    stage: str | None = None  # the last stage the worker reached (load, step, adapter, ...)
+    traceback: str | None = None
+    worker_exit_code: int | None = None
+    wall_s: float | None = None
+    started_at: float | None = None  # epoch seconds: the cell's MLflow run spans exactly these
+    ended_at: float | None = None
+    command: str = ""
+    attempts: list[dict[str, Any]] | None = None
+    visible_devices: str | None = None  # the job's own GPUs ("" none, None as the cluster granted)
+    tracking: dict[str, Any] | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CellResult:
+        """A result.json as written by any version: missing fields take their defaults; a key no field
+        holds is an error (nothing is dropped silently)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"result.json has keys no CellResult field holds: {unknown}")
+        values = dict(data)
+        values["outcome"] = Outcome(values["outcome"])
+        values["diagnosis"] = Diagnosis.from_json(values.get("diagnosis"))
+        return cls(**values)
+
+    # what a worker's facts (worker.json) fill directly; `rank` names the writer, `outcome`/`reason`/`wall_s`
+    # and the rest are decided here
+    FROM_WORKER: ClassVar[frozenset[str]] = frozenset(
+        {
+            "precision_in_effect",
+            "precision_plan",
+            "throughput",
+            "data",
+            "fp16_headroom",
+            "fp32_islands",
+            "quant_audit",
+            "training",
+            "resumed_from_step",
+            "checkpoint",
+            "adapter",
+            "params",
+            "distributed",
+            "lora_sha256",
+            "stage",
+            "traceback",
+        }
+    )
+    WORKER_FACTS: ClassVar[frozenset[str]] = FROM_WORKER | {
+        "outcome",
+        "reason",
+        "diagnosis",
+        "memory",
+        "rank",
+        "wall_s",
+    }
+
+    def to_json(self) -> dict[str, Any]:
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        record["outcome"] = str(self.outcome)
+        record["diagnosis"] = self.diagnosis.to_json()
+        return record
+
+    @property
+    def axes(self) -> dict[str, Any]:
+        return self.cell["axes"]
 
 
 def origin_label(fact: dict[str, Any] | None) -> str | None:
@@ -69,33 +231,25 @@ def compose_result(
         )
     env = dict(env or {})
     env["device"] = (facts.get("precision_plan") or {}).get("device_type", "")
-    return {
-        "cell_id": spec["cell_id"],
-        "cell": spec,
-        "env": env,
-        "outcome": outcome,
-        "reason": reason,
-        "diagnosis": facts.get("diagnosis", {}),
-        "memory": _memory(spec, facts.get("memory", {})),
-        "precision_in_effect": facts.get("precision_in_effect", {}),
-        "precision_plan": facts.get("precision_plan", {}),
-        "throughput": facts.get("throughput", {}),
-        "data": facts.get("data", {}),
-        "fp16_headroom": facts.get("fp16_headroom", {}),
-        "fp32_islands": facts.get("fp32_islands"),  # fp16-islands: the modules kept in fp32 and their maxima
-        "quant_audit": facts.get("quant_audit", {}),
-        "training": facts.get("training", {}),
-        "resumed_from_step": facts.get("resumed_from_step"),
-        "checkpoint": facts.get("checkpoint", {}),
-        "adapter": facts.get("adapter"),
-        "params": facts.get("params", {}),
-        "traceback": facts.get("traceback"),
-        "worker_exit_code": returncode,
-        "wall_s": time.time() - started,
-        "started_at": started,  # epoch seconds: the cell's MLflow run spans exactly these
-        "ended_at": time.time(),
-        "command": shlex.join(command),
-    }
+    unknown = sorted(set(facts) - CellResult.WORKER_FACTS)
+    if unknown:  # a fact the worker writes must have a field to land in, never be dropped
+        raise ValueError(f"worker facts with no CellResult field: {unknown}")
+    taken = {k: v for k, v in facts.items() if k in CellResult.FROM_WORKER and v is not None}
+    return CellResult(
+        **taken,
+        cell_id=spec["cell_id"],
+        cell=spec,
+        env=env,
+        outcome=Outcome(outcome),
+        reason=reason,
+        diagnosis=Diagnosis.from_json(facts.get("diagnosis")),
+        memory=_memory(spec, facts.get("memory") or {}),
+        worker_exit_code=returncode,
+        wall_s=time.time() - started,
+        started_at=started,
+        ended_at=time.time(),
+        command=shlex.join(command),
+    ).to_json()
 
 
 def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
@@ -105,6 +259,7 @@ def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
         **measured,
         "estimate_bytes": plan["estimate"]["estimate_bytes"],
         "estimate_components": plan["estimate"]["components"],
+        "estimate_not_modelled": plan["estimate"].get("not_modelled"),
         "budget_bytes": plan["budget_bytes"],
         "target": plan["target"],
     }

@@ -1,5 +1,5 @@
 """The words every stage shares, defined once: the grid's axes (one table), the precisions and
-quantizations, the metric names a step writes, and a cell's outcomes.
+quantizations, and a cell's outcomes (the metric names a step writes are tunegrid.outcome.StepMetrics' fields).
 
 The schema's grid keys, `Cell`, a cell id and its parser, the Snakefile's wildcard pattern, the summary's
 axis columns and the report's plot layout are all derived from AXIS_TABLE (tests/house/test_vocabulary.py),
@@ -249,20 +249,6 @@ def parse_cell_id(cell_id: str) -> dict[str, Any]:
     if found is None:
         raise ValueError(f"{cell_id!r} is not a cell id (e.g. gemma3-tiny_fp16_bs8_nf4_s0)")
     return {row.name: row.neutral if found[row.name] is None else row.type(found[row.name]) for row in axis_table()}
-
-
-# Every number a step writes to metrics.jsonl (besides step and time) is an MLflow metric of that name.
-METRIC_KEYS = (
-    "loss",
-    "grad_norm",
-    "lr",
-    "tokens_per_s",
-    "step_time_s",
-    "mem_peak_bytes",
-    "loss_scale",
-    "skipped_steps",
-    "fp16_headroom_max_ratio",
-)
 
 
 class Outcome(StrEnum):

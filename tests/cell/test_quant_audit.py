@@ -104,3 +104,35 @@ def test_prepare_kbit_training_growth_is_detected(checkpoints, dataset_path, tmp
     growth = audit["prepare_kbit_training"]
     assert growth["grew_bytes"] > 0
     assert growth["by_dtype_change"]["float32"] > 0 and growth["by_dtype_change"]["bfloat16"] < 0
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_audit_roles_name_the_router_not_the_shared_expert_gate(model_type):
+    """Qwen2-MoE's block holds two gates: `gate` routes tokens to experts, `shared_expert_gate` scales the
+    shared expert. Only the first is the router."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tunegrid.cell.quant_audit import audit_model
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    roles = {p["name"]: p["role"] for p in audit_model(model, quantization_requested=False)["params"]}
+    assert roles["model.layers.0.mlp.gate.weight"] == "router"
+    assert [n for n, r in roles.items() if r == "router"] == ["model.layers.0.mlp.gate.weight"]
+    if model_type == "qwen2_moe":
+        assert roles["model.layers.0.mlp.shared_expert_gate.weight"] == "other"
+        assert roles["model.layers.0.mlp.shared_expert.gate_proj.weight"] == "other"

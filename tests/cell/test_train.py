@@ -134,8 +134,11 @@ def test_scaler_skips_the_scaler_recovers_from_are_counted_not_failed(checkpoint
         train={"steps": 4},
     )
     assert facts["outcome"] == "ok"
-    assert facts["training"]["skipped_steps"] >= 1
+    skipped = facts["training"]["skipped_steps"]
+    assert skipped >= 1
     assert facts["diagnosis"]["recovered_scaler_skips"]["step"] == 1
+    # the reason says both: steps run, updates applied
+    assert f"trained all 4 steps with finite loss, {4 - skipped} updates applied ({skipped} skipped" in facts["reason"]
     assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")] == ["scaler_skip"]
 
 
@@ -294,7 +297,7 @@ def test_nan_replay_with_no_memory_left_is_nan_with_the_origin_unlocated_and_why
     )
     assert facts["outcome"] == "nan", facts["reason"]
     origin = facts["diagnosis"]["nan"]["origin"]
-    assert origin["forward"] is None and origin["backward"] is None and origin["replay"] == "none"
+    assert origin["forward"] is None and origin["backward"] is None and origin["replay"] == "out of memory"
     assert "forward-only replay ran out of memory" in origin["unlocated"]
     assert "out of memory" in facts["reason"] and "loss_nonfinite at step" in facts["reason"]
 

@@ -134,6 +134,9 @@ def test_no_module_compares_quantization_or_precision_names():
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "isin":
                 operands = list(node.args)
             found = [name for operand in operands for name in _named_constants(operand, names)]
+            # "none" is also an everyday word (a replay mode, YAML's null): a quant name only beside a quant
+            if found == ["none"] and "quant" not in ast.unparse(node).lower():
+                found = []
             if found:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {found}")
     assert not offenders, "names compared outside tunegrid.plans:\n" + "\n".join(offenders)

@@ -243,3 +243,19 @@ def test_the_t4_study_plans_fp16_islands_and_its_target_runs_it_as_fp16(tmp_path
     assert _dry_run(tmp_path, "--configfile", str(REPO / "configs" / "gemma3-4b-t4-synthetic.yaml"))["finetune"] == 12
     study = load_study(REPO / "configs" / "gemma3-4b-t4.yaml")
     assert "fp16-islands" in study["grid"]["precision"] and study["review"]["reference"]["quant"] == "nf4"
+
+
+def test_cells_at_once_ask_for_no_more_than_the_hosts_cores(tmp_path):
+    """--cores 8 on a smaller host: each cell asks for its threads of a `host_cores` resource whose limit is
+    the host's cores (common.smk registers it; a dry run does not print the limit), so cells running at
+    once never share cores and their tokens/s stay comparable."""
+    done = subprocess.run(
+        snakemake_command(tmp_path, "-n", "--cores", "8", "all", "--config", "grid={batch_size: [2]}"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    blocks = done.stdout.split("\n\n")
+    finetune = [b for b in blocks if "rule finetune:" in b]
+    assert finetune and all("host_cores=1" in b for b in finetune), finetune[:1]

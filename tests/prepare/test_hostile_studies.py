@@ -161,6 +161,16 @@ def test_validate_refuses_non_finite_and_huge_numbers_in_every_numeric_field(tmp
     assert re.search(r"not a finite number|out of range", message), message
 
 
+def test_tunegrid_validate_command_refuses_a_merge_key_bomb(tmp_path):
+    text, key = study_with_bomb("merge", 30, 2, ("anchors",))
+    study = tmp_path / "bomb.yaml"
+    study.write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "tunegrid.cli", "validate", str(study)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and _names(done.stderr, key) and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
 def test_deep_nesting_and_self_reference_are_refused_not_crashed(tmp_path):
     cases = {
         "deep": ("study: deep\nx: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested"),

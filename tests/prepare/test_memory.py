@@ -202,3 +202,118 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
     assert set(plan.loc[plan.precision == "bf16", "verdict"]) == {"unsupported"}
     assert set(plan.loc[plan.precision != "bf16", "verdict"]) == {"run"}
     assert (plan.estimate_bytes > 0).all() and set(plan.target) == {"t4"}
+
+
+def test_estimate_says_what_it_does_not_model_where_it_applies(checkpoints):
+    """CPU bf16 MoE cells grow step by step in oneDNN (benchmarks/onednn_bf16_growth.py): the estimate says
+    so for them, and only for them."""
+    said = {
+        (model, precision, device): estimate_cell(
+            _spec(model=model, precision=precision), checkpoints[model], 0, device
+        )["not_modelled"]
+        for model in ("qwen3moe-tiny", "gemma3-hot")
+        for precision in ("fp32", "bf16")
+        for device in ("cpu", "cuda")
+    }
+    assert "oneDNN" in said[("qwen3moe-tiny", "bf16", "cpu")]
+    assert [k for k, v in said.items() if v] == [("qwen3moe-tiny", "bf16", "cpu")]
+
+
+def _saved_expert_weights(trainer) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """Storages autograd keeps for backward in one training forward+backward that hold an experts-shaped
+    tensor ([experts, ...]) and are no parameter's: the full-width expert weights the forward built."""
+    import torch
+
+    from tunegrid.cell.step import loss_tokens
+
+    experts = trainer.model.get_base_model().config.num_experts
+    parameters = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    kept: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if tensor.dim() == 3 and tensor.shape[0] == experts and storage.data_ptr() not in parameters:
+            kept[storage.data_ptr()] = (storage.nbytes(), tuple(tensor.shape))
+        return tensor
+
+    trainer.build_optimizer()
+    (batch,) = trainer.stream.micro_batches(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        trainer.forward_backward(batch, step_tokens=loss_tokens(batch))
+    return kept
+
+
+@pytest.mark.parametrize(
+    "quant,target_parameters",
+    [("nf4-experts", []), ("nf4", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])],
+    ids=["nf4-experts", "nf4-with-expert-lora"],
+)
+def test_cuda_estimate_counts_every_layers_expert_weights_kept_for_backward(
+    checkpoints, dataset_path, tmp_path, quant, target_parameters
+):
+    """Without checkpointing the grouped matmul keeps each MoE layer's full-width expert weight (dequantized, or
+    base + LoRA delta) for the input's gradient until backward: measured here as autograd's saved tensors (the
+    same ops on either device), against the CUDA estimate, which counted one layer (nf4-experts) or none."""
+    from conftest import ready_trainer
+
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"], "target_parameters": target_parameters}
+    spec = one_cell(
+        model="qwen3moe-tiny",
+        precision="bf16",
+        quant=quant,
+        batch=2,
+        lora=lora,
+        train={"gradient_checkpointing": False},
+    )
+    trainer = ready_trainer(spec, checkpoints, dataset_path, tmp_path)
+    # the two weights of each layer (gate_up [4, 64, 64], down [4, 64, 32] in bf16), not the LoRA factors'
+    # products of the expert adapters (r = 4 wide)
+    weights = [kept for kept in _saved_expert_weights(trainer).values() if min(kept[1][1:]) > lora["r"]]
+    full_width = {shape: nbytes for nbytes, shape in weights}
+    measured = sum(nbytes for nbytes, _ in weights)
+    layers = trainer.model.get_base_model().config.num_hidden_layers
+    assert len(full_width) == 2 and measured == layers * sum(full_width.values())  # every layer's, both tensors
+    estimate = estimate_cell(spec, checkpoints["qwen3moe-tiny"], device="cuda")
+    assert estimate["components"]["experts_kept_for_backward"] == measured, estimate["components"]
+    if target_parameters:  # and the expert adapters themselves: r x experts x (in + out) per adapted tensor
+        adapters = sum(p.numel() for n, p in trainer.trainable_named if ".experts." in n)
+        assert adapters > 0
+        plain = estimate_cell({**spec, "lora": {**lora, "target_parameters": []}}, checkpoints["qwen3moe-tiny"])
+        added = (
+            estimate["components"]["lora_params_grads_optimizer"] - plain["components"]["lora_params_grads_optimizer"]
+        )
+        assert added == adapters * 4 * 4  # fp32 params, grads and AdamW's two moments
+    checkpointed = estimate_cell(
+        {**spec, "train": {**spec["train"], "gradient_checkpointing": True}},
+        checkpoints["qwen3moe-tiny"],
+        device="cuda",
+    )
+    assert checkpointed["components"]["experts_kept_for_backward"] == 0
+    assert checkpointed["components"]["dequant_buffer"] >= max(full_width.values())  # one layer's, rebuilt
+
+
+def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_peak_it_caps(monkeypatch):
+    """Through a patched torch.cuda: the budget goes to the device this rank trains on (not device 0), and an
+    out-of-memory record carries the reserved high-water mark the fraction caps beside the allocated peak (which
+    can stay under the budget while the cell runs out of it)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tunegrid.cell.train import CellTrainer
+    from tunegrid.memory import MemoryMeter, apply_memory_budget
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append((f, device))
+    )
+    enforcement = apply_memory_budget("cuda", 16 * 2**30, 1)
+    assert fractions == [(0.2, 1)] and enforcement["device"] == 1 and enforcement["caps"] == "reserved"
+
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 12 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: 16 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 11 * 2**30)
+    at_failure = CellTrainer.meter_at_failure(SimpleNamespace(meter=MemoryMeter("cuda")))
+    assert at_failure == {"bytes_at_failure": 11 * 2**30, "peak_bytes": 12 * 2**30, "reserved_peak_bytes": 16 * 2**30}
+    assert "reserved_peak_bytes" not in CellTrainer.meter_at_failure(SimpleNamespace(meter=MemoryMeter("cpu")))

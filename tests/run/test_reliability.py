@@ -18,10 +18,10 @@ from conftest import REPO, make_study, run_supervised, snakemake_command, workfl
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
+from tunegrid.outcome import METRIC_KEYS
 from tunegrid.run.ui import free_port, mlflow_server
 from tunegrid.track.store import client, init_experiment
 from tunegrid.track.tracking import CELL_TAG, CellRun, sync_cell
-from tunegrid.vocabulary import METRIC_KEYS
 
 CANARIES = {"HF_TOKEN": "hf_CANARYtokenCANARYtoken0123456789", "MLFLOW_TRACKING_PASSWORD": "CANARYpasswordCANARY42"}
 

@@ -23,7 +23,15 @@ def _store(tmp_path: Path) -> tuple[str, Path]:
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     experiment_id = init_experiment(uri, "tunegrid/t", tmp_path / "artifacts")
     tracking = tmp_path / "tracking.json"
-    write_json(tracking, {"tracking_uri": uri, "experiment_id": experiment_id, "experiment_name": "tunegrid/t"})
+    write_json(
+        tracking,
+        {
+            "tracking_uri": uri,
+            "experiment_id": experiment_id,
+            "experiment_name": "tunegrid/t",
+            "system_metrics_interval_s": 0.5,
+        },
+    )
     return uri, tracking
 
 
@@ -42,7 +50,9 @@ def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path
     assert read_json(run_dir / "result.json")["outcome"] == "ok"
     c = client(uri)
     run = c.get_run(result["tracking"]["run_id"])
-    assert run.info.run_name == spec["cell_id"]
+    assert run.info.run_name == f"ok · {spec['cell_id']}" and run.info.status == "FINISHED"
+    # MLflow's own system-metrics monitor sampled the host while the cell ran
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
     assert run.data.tags["outcome"] == "ok" and run.data.tags["precision"] == "fp32" and run.data.tags["quant"] == "nf4"
     assert run.data.params["train.steps"] == "4"
     assert int(run.data.params["audit.after_load.role.experts_bytes"]) > 0  # the audit, as params
@@ -111,7 +121,12 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
     assert synced["points_filled"] == len(metrics_from_records(read_jsonl(run_dir / "metrics.jsonl"))) == 4 * 7
     run = client(uri).get_run(synced["run_id"])
     assert run.data.tags["outcome"] == "ok"
+    assert run.info.run_name == f"ok · {spec['cell_id']}" and run.info.status == "FINISHED", "as a live run ends"
     assert len(client(uri).get_metric_history(run.info.run_id, "loss")) == 4
+    # a nan cell's run made from the files ends FAILED and named by its outcome too
+    nan = {**result, "outcome": "nan", "cell": {**result["cell"], "cell_id": "nan-cell"}}
+    failed = client(uri).get_run(sync_cell(uri, experiment_id, nan, run_dir, None)["run_id"])
+    assert failed.info.status == "FAILED" and failed.info.run_name == "nan · nan-cell"
     # a second sync finds nothing missing
     assert (
         sync_cell(uri, experiment_id, {**result, "tracking": {"run_id": synced["run_id"]}}, run_dir, None)[
@@ -119,3 +134,14 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
         ]
         == 0
     )
+
+
+def test_a_cell_that_did_not_end_ok_ends_its_run_failed_and_named_by_outcome(checkpoints, dataset_path, tmp_path):
+    uri, tracking = _store(tmp_path)
+    spec = one_cell(debug={"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "forward"}})
+    result, _ = _run(spec, checkpoints, dataset_path, tmp_path, tracking)
+    assert result["outcome"] == "nan", result["reason"]
+    run = client(uri).get_run(result["tracking"]["run_id"])
+    assert run.info.status == "FAILED", "the UI marks it red"
+    assert run.info.run_name == f"nan · {spec['cell_id']}" and run.data.tags["outcome"] == "nan"
+    assert "system/cpu_utilization_percentage" in run.data.metrics

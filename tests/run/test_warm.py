@@ -152,3 +152,43 @@ def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(
         assert result["outcome"] == "ok", result["reason"]
     finally:
         warm.stop(proc, path)
+
+
+def test_mlflow_ui_starts_no_warm_worker(tmp_path):
+    """The warm worker serves cells only: `snakemake mlflow_ui` (no cell to run) must not import torch for
+    nothing. Serving is checked by the port answering; then the invocation is stopped."""
+    import signal
+    import socket
+
+    import yaml
+    from conftest import make_study, snakemake_command, workflow_env
+
+    with socket.socket() as s:  # a free port: other checkouts may serve their own UI on this host
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump(make_study(tracking={"ui_port": port})))
+    proc = subprocess.Popen(
+        snakemake_command(tmp_path, "--cores", "1", "mlflow_ui", "--configfile", str(study)),
+        env=workflow_env(warm.SOCKET_ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(1)
+        assert proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        assert not list((tmp_path / "results").rglob("warm_worker.log"))
+        assert processes_mentioning(Path("tunegrid.run.warm")) == []
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -13,7 +13,14 @@ def test_islands_and_their_measured_maxima_are_run_tags():
             {"module": "model.layers.1.mlp.down_proj", "max_abs": 52060.4, "ratio_to_fp16_max": 0.79},
         ],
     }
-    result = {"outcome": "ok", "reason": "trained", "env": {"device": "cpu"}, "fp32_islands": islands}
+    result = {
+        "cell_id": "g_fp16-islands_bs2_none_s0",
+        "cell": {"axes": {}},
+        "outcome": "ok",
+        "reason": "trained",
+        "env": {"device": "cpu"},
+        "fp32_islands": islands,
+    }
     tags = run_tags(result)
     assert tags["fp32_islands"] == "model.layers.0.mlp.down_proj,model.layers.1.mlp.down_proj"
     assert tags["fp32_islands.max_abs"] == "73398,52060" and tags["fp32_islands.mode"] == "auto"

@@ -35,6 +35,7 @@ INSTALL = (
     "pip install --no-deps -e . && "
 )
 HOW_MAIN = "snakemake --cores 8 all"  # the main command after its install steps
+RECIPES = "tests/workflow/test_recipes_e2e.py runs README's recipe block in order, as written, in a fresh copy"
 
 HOW: dict[str, tuple[str, str]] = {
     INSTALL + "snakemake --cores 8 all": (
@@ -73,6 +74,10 @@ HOW: dict[str, tuple[str, str]] = {
     'snakemake --cores 8 all --config "train={steps: 20, gradient_checkpointing: true}" "grid={batch_size: [2]}"': (
         "dry",
         "typed overrides",
+    ),
+    "snakemake --cores 2 all --config study_path=their-study.yaml": (
+        "elsewhere",
+        "tests/prepare/test_hostile_studies.py runs it (dry) on generated hostile study files",
     ),
     "python benchmarks/memory_estimate.py": ("run", "re-estimates the default study's ok cells"),
     "snakemake --cores 8 plan": ("run", "the plan before training"),
@@ -118,6 +123,17 @@ HOW: dict[str, tuple[str, str]] = {
         "run",
         "the shipped chat JSONL, packed, end to end",
     ),
+    "python scripts/make_example_model.py": ("elsewhere", RECIPES),
+    "python scripts/tunegrid.py import examples/axolotl-gemma3-tiny.yaml --failure nan "
+    "--out examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "snakemake --cores 8 all --configfile examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "python scripts/tunegrid.py export recommended --to axolotl --study-dir results/axolotl-gemma3-tiny "
+    "--out results/axolotl-gemma3-tiny/fixed.yaml": ("elsewhere", RECIPES),
+    "python scripts/tunegrid.py import examples/trl-gemma3-tiny.yaml --failure nan "
+    "--out examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "snakemake --cores 8 all --configfile examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "python scripts/tunegrid.py export recommended --to trl --study-dir results/trl-gemma3-tiny "
+    "--out results/trl-gemma3-tiny/fixed.yaml": ("elsewhere", RECIPES),
 }
 
 
@@ -170,7 +186,34 @@ def clone(tmp_path_factory) -> Path:
     )
     done = _shell(HOW_MAIN, root, timeout=1500)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    (root / "main-output.txt").write_text(done.stdout + done.stderr)
     return root
+
+
+@pytest.mark.slow
+def test_the_default_study_reads_at_a_glance_in_the_terminal_and_in_mlflow(clone):
+    """The main command's last lines name the outcome counts and the report; in the MLflow store a nan cell
+    is FAILED and named by its outcome, an ok cell FINISHED, and every cell run has system metrics."""
+    import pandas as pd
+
+    from tunegrid.track.store import client
+    from tunegrid.track.tracking import CELL_TAG
+
+    summary = pd.read_csv(clone / "results" / "default" / "summary.csv", keep_default_na=False)
+    counts = summary["outcome"].value_counts()
+    tail = (clone / "main-output.txt").read_text().strip().splitlines()[-8:]
+    head = next(line for line in tail if line.startswith("tunegrid study 'default': 36 cells: "))
+    assert all(f"{n} {outcome}" in head for outcome, n in counts.items()), (head, counts)
+    assert "report: results/default/report/index.html" in tail, tail
+    c = client(f"sqlite:///{clone / 'results' / 'mlflow.db'}")
+    experiment = c.get_experiment_by_name("tunegrid/default")
+    runs = [r for r in c.search_runs([experiment.experiment_id], max_results=200) if CELL_TAG in r.data.tags]
+    assert len(runs) == 36 and counts.get("nan", 0) > 0
+    for run in runs:
+        outcome = run.data.tags["outcome"]
+        assert run.info.run_name == f"{outcome} · {run.data.tags[CELL_TAG]}"
+        assert run.info.status == ("FINISHED" if outcome == "ok" else "FAILED"), run.info.run_name
+        assert "system/cpu_utilization_percentage" in run.data.metrics, run.info.run_name
 
 
 @pytest.mark.slow
@@ -228,6 +271,7 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     # Ctrl-C is how it is meant to end: the server stops cleanly (no traceback). Snakemake, which gets the
     # Ctrl-C too, may count its interrupted job as failed (exit 1) when the signal finds it waiting.
     assert "MLflow UI stopped" in out and "Traceback" not in out, out[-3000:]
+    assert re.search(r"MLflow UI: http://127\.0\.0\.1:5000/#/experiments/\d+/runs ", out), "the study's runs page"
     assert proc.returncode in (0, 1), out[-3000:]
     assert subprocess.run(["pgrep", "-f", f"mlflow.*{clone}"], capture_output=True, check=False).stdout == b"", (
         "no server left behind"

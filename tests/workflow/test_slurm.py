@@ -102,6 +102,6 @@ def test_study_through_the_slurm_profile(tmp_path):
     c = client(f"sqlite:///{workdir / 'results' / 'mlflow.db'}")
     experiment = c.get_experiment_by_name("tunegrid/slurm")
     runs = c.search_runs([experiment.experiment_id], filter_string=f"tags.`{CELL_TAG}` != ''")
-    assert {r.info.run_name for r in runs} == set(summary.index)
+    assert {r.info.run_name for r in runs} == {f"{row.outcome} · {cell}" for cell, row in summary.iterrows()}
     assert all(r.data.tags.get("slurm.job_id") for r in runs)
     assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).stdout == b"", "no processes left behind"

@@ -59,6 +59,7 @@ def finished_study(tmp_path_factory):
     config.write_text(yaml.safe_dump(study))
     proc = _snakemake(workdir, "all", "--cores", "2", "--configfile", str(config))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (workdir / "snakemake-output.txt").write_text(proc.stdout + proc.stderr)
     return workdir, config
 
 
@@ -104,7 +105,11 @@ def test_tiny_study_end_to_end(finished_study):
     assert set(by_cell) == set(summary["cell_id"])
     for cell_id, run in by_cell.items():
         row = summary.set_index("cell_id").loc[cell_id]
-        assert run.info.run_name == cell_id
+        # the UI reads the outcome first: the name carries it, and a cell that did not end ok is FAILED (red)
+        assert run.info.run_name == f"{row['outcome']} · {cell_id}"
+        assert run.info.status == ("FINISHED" if row["outcome"] == "ok" else "FAILED")
+        # MLflow's own system-metrics monitor sampled every cell run
+        assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
         assert run.data.tags["tunegrid.invocation"] == parent.info.run_id
         assert run.data.tags["outcome"] == row["outcome"]
         for axis in ("model", "precision", "batch_size", "quant", "seed"):
@@ -124,6 +129,13 @@ def test_tiny_study_end_to_end(finished_study):
         assert row["mlflow_run_id"] == run.info.run_id
         if row["outcome"] == "nan":
             assert run.data.tags["nan.forward_module"] == row["nan_forward_module"]
+
+    # the run's last lines: the outcome counts, the failures' reasons grouped, the report's path
+    tail = (tmp_path / "snakemake-output.txt").read_text().strip().splitlines()[-6:]
+    counts = ", ".join(f"{n} {o}" for o, n in summary["outcome"].value_counts().sort_index(ascending=False).items())
+    assert f"tunegrid study 'e2e': 12 cells: {counts}" in tail, tail
+    assert any(line.startswith("  nan x") and "gemma3-hot_fp16_bs8_none_s0" in line for line in tail), tail
+    assert "report: results/e2e/report/index.html" in tail, tail
 
     # nothing left to do: a second invocation runs no job and opens no parent run
     again = _snakemake(tmp_path, "all", "-n", "--cores", "2", "--configfile", str(config))
@@ -193,7 +205,7 @@ def test_mlflow_server_rest_api_serves_every_cell(finished_study):
             url, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.outcome = 'nan'"}
         )["runs"]
         assert sorted(r["info"]["run_name"] for r in nan_runs) == sorted(
-            summary.loc[summary.outcome == "nan", "cell_id"]
+            f"nan · {c}" for c in summary.loc[summary.outcome == "nan", "cell_id"]
         )
         cells = rest(
             url,
@@ -219,7 +231,7 @@ def test_mlflow_server_rest_api_serves_every_cell(finished_study):
             history = rest(url, f"metrics/get-history?run_id={run['info']['run_id']}&metric_key=loss", method="GET")[
                 "metrics"
             ]
-            assert len(history) == int(summary.set_index("cell_id").loc[run["info"]["run_name"], "steps_run"])
+            assert len(history) == int(summary.set_index("cell_id").loc[tags["tunegrid.cell_id"], "steps_run"])
 
 
 @pytest.mark.skipif(
@@ -250,7 +262,21 @@ def test_mlflow_ui_shows_the_cells_and_filters_the_nan_ones_in_headless_chromium
         assert f"{len(nan_cells)} matching run" in text
         shown = {c for c in summary["cell_id"] if c in dom}
         assert shown == nan_cells, f"the nan filter shows {sorted(shown)}"
-        screenshot(filtered, tmp_path / "runs-nan.png")
+        assert all(f"nan · {c}" in dom for c in nan_cells), "each nan run is named by its outcome"
+        # the nan rows are red: MLflow draws a FAILED run's status in its danger red, a FINISHED one's in green
+        red_nan = _red_pixels(screenshot(filtered, tmp_path / "runs-nan.png"))
+        ok_page = runs_page(url, experiment["experiment_id"], "tags.outcome = 'ok'")
+        red_ok = _red_pixels(screenshot(ok_page, tmp_path / "runs-ok.png"))
+        assert red_nan >= red_ok + 20 * len(nan_cells), (red_nan, red_ok)
+
+
+def _red_pixels(png: Path) -> int:
+    """Pixels of a saturated red (MLflow's danger colour, about #C82D4C) in a screenshot."""
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)[..., :3]
+    red, green, blue = image[..., 0], image[..., 1], image[..., 2]
+    return int(((red > 0.6) & (green < 0.35) & (blue < 0.45)).sum())
 
 
 def test_rerun_of_one_cell_supersedes_its_run(finished_study):

@@ -11,15 +11,20 @@ from snakemake.exceptions import WorkflowError
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
+from tunegrid.study_paths import StudyPaths
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.devices import cell_gpus, gpus_per_rank
+from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.study_input import study_config
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
 try:
-    # the `--config` values only: the study files are read by tunegrid itself (bounded, YAML 1.2 numbers)
-    _study = study_config(config, workflow.config_settings.config or {}, workflow.overwrite_configfiles or [])
+    # the `--config` values only: the study files are read by tunegrid itself (bounded, YAML 1.2 numbers);
+    # a study with `base:` starts from a training recipe (axolotl / TRL), imported here, its own keys on top
+    _study = expand_base(
+        study_config(config, workflow.config_settings.config or {}, workflow.overwrite_configfiles or [])
+    )
     config.clear()
     config.update(_study)
     STUDY = resolve_study(config)
@@ -32,12 +37,13 @@ config.update(STUDY)
 
 # Absolute, so `--directory elsewhere` works and the logged command re-runs from any folder.
 SCRIPT = str(Path(workflow.basedir) / "scripts" / "tunegrid.py")
-RESULTS = f"results/{STUDY['study']}"
-LOGS = f"results/logs/{STUDY['study']}"
+PATHS = StudyPaths.of(STUDY["study"])  # every file of the study, named once
+RESULTS = str(PATHS.study_dir)
+LOGS = str(PATHS.logs_dir)
 CELLS = cells_by_id(STUDY)
 # The resolved study, written once per invocation (onstart) for the jobs: they get this path and a cell
 # id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
-STUDY_FILE = f"{RESULTS}/study.json"
+STUDY_FILE = str(PATHS.study_file)
 TRACKING = STUDY["tracking"]["enabled"]
 
 # One MLflow parent run per invocation: jobs (local, or SLURM jobs that inherit the submitting
@@ -51,6 +57,23 @@ os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.
 wildcard_constraints:
     model="[A-Za-z0-9][A-Za-z0-9.-]*",
     cell_id=cell_id_pattern(),
+
+
+# Cells measure throughput (tokens/s), so on this host the cells running at once ask for no more cores
+# than it has, whatever --cores says: `--cores 8` on a 2-core host would run eight one-thread cells on two
+# cores and make their tokens/s incomparable. `--resources host_cores=N` overrides the limit.
+HOST_CORES = len(os.sched_getaffinity(0))
+if workflow.local_exec and "host_cores" not in workflow.global_resources:
+    workflow.register_resource("host_cores", HOST_CORES)
+
+
+def get_cell_host_cores(wildcards):
+    return min(get_cell_cpus(wildcards), HOST_CORES) if workflow.local_exec else 0
+
+
+def cells_to_run():
+    """The cell jobs this invocation runs (onstart: the DAG is built by then)."""
+    return sum(1 for job in workflow.dag.needrun_jobs() if job.rule.name == "finetune")
 
 
 def get_cell(wildcards):

@@ -22,6 +22,7 @@ rule finetune:
         mem_mb=get_cell_mem_mb,
         gpu=get_cell_gpus,
         cpus_per_task=get_cell_cpus,
+        host_cores=get_cell_host_cores,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     params:
         # not on the command line: here so that a change of the cell's resolved spec re-runs it

@@ -12,9 +12,9 @@ rule probe:
     params:
         world_sizes=" ".join(map(str, STUDY["probe"]["world_sizes"])),
         budget_s=STUDY["probe"]["budget_s"],
-        # gpus_per_rank 0: the cells train on the CPU even where a GPU is visible, so the probe measures it
-        hide_gpus="CUDA_VISIBLE_DEVICES= " if STUDY["hardware"]["gpus_per_rank"] == 0 else "",
+    # gpus_per_rank 0: the cells train on the CPU even where a GPU is visible, so the probe measures it (in the
+    # command rather than a param: a study that does not hide GPUs keeps the probe's command as it was)
     shell:
-        f"{{params.hide_gpus}}python {SCRIPT} probe"
+        ("CUDA_VISIBLE_DEVICES= " if STUDY["hardware"]["gpus_per_rank"] == 0 else "") + f"python {SCRIPT} probe"
         " --budget-s {params.budget_s} --world-sizes {params.world_sizes}"
         " --out {output.capabilities} > {log} 2>&1"

@@ -21,10 +21,12 @@ rule tracking_init:
         uri=STUDY["tracking"]["tracking_uri"],
         experiment=STUDY["tracking"]["experiment"] or f"tunegrid/{STUDY['study']}",
         artifact_root="results/mlartifacts",
+        system_metrics=STUDY["tracking"]["system_metrics_interval_s"],
     shell:
         f"python {SCRIPT} tracking-init"
         " --tracking-uri={params.uri:q} --experiment {params.experiment:q}"
-        " --artifact-root {params.artifact_root} --out {output.tracking} > {log} 2>&1"
+        " --artifact-root {params.artifact_root} --system-metrics-interval-s {params.system_metrics}"
+        " --out {output.tracking} > {log} 2>&1"
 
 
 # metrics.jsonl is the source of truth: any cell whose store was down or locked while it trained

@@ -35,7 +35,7 @@ class OriginReplay:
                 break
             if traced["replay"] != "full":  # a degraded replay found nothing: say why, not "unknown"
                 origin.update(replay=traced["replay"], unlocated=traced["unlocated"])
-            if traced["replay"] not in ("full", "forward only"):  # nothing replayed: the next needs the same memory
+            if traced["replay"] == "out of memory":  # the next micro-batch's replay needs the same memory
                 break
         if headroom is not None:
             origin["headroom"] = headroom.collect(step)
@@ -57,7 +57,7 @@ class OriginReplay:
         else:
             return {**traced, "replay": "forward only", "unlocated": f"backward origin not traced: {full}"}
         self.release_replay_memory()
-        return {"forward": None, "backward": None, "replay": "none", "unlocated": f"{full}; {forward}"}
+        return {"forward": None, "backward": None, "replay": "out of memory", "unlocated": f"{full}; {forward}"}
 
     def release_replay_memory(self) -> None:
         import gc
@@ -75,9 +75,10 @@ class OriginReplay:
         import torch
 
         from tunegrid.cell.instrument import OriginTracer
+        from tunegrid.cell.resume import set_rng_states
 
         self.optimizer.zero_grad(set_to_none=True)
-        torch.set_rng_state(fact["rng_states"][index])
+        set_rng_states(fact["rng_states"][index])  # CPU and CUDA generators: the same dropout masks
         real = fact.get("real_positions", [None] * (index + 1))[index]
         tracer = OriginTracer(self.model, real)
         if headroom is not None:

@@ -48,8 +48,11 @@ def _role(
         return "embeddings_head"
     if "norm" in type(module).__name__.lower():
         return "norms"
-    parent = name.rsplit(".", 2)[0] if name.count(".") >= 2 else ""
-    if isinstance(module, torch.nn.Linear) and parent in router_parents:
+    parent, attribute = name.rsplit(".", 2)[:2] if name.count(".") >= 2 else ("", "")
+    # The router is the block's module that picks experts: `gate`/`router` (an nn.Linear, or a TopKRouter
+    # holding its own weight). Other gates of the block are not routers: Qwen2-MoE's shared_expert_gate
+    # scales the shared expert's output.
+    if parent in router_parents and (attribute in ("gate", "router") or "router" in type(module).__name__.lower()):
         return "router"
     return "other"
 

@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from tunegrid.cell.loop_state import LoopState
+from tunegrid.outcome import StepMetrics
 from tunegrid.vocabulary import Outcome
 
 
@@ -29,24 +30,25 @@ class StepRecords:
             state.step_times.append(fact["elapsed"])
             state.tokens_per_s.append(tokens / fact["elapsed"])
             state.steady_peaks.append(fact["peak"])
-        record = {
-            "step": step,
-            "time": time.time(),
-            "loss": fact["loss"],
-            "grad_norm": fact["grad_norm"],
-            "lr": fact["lr"],
-            "tokens_per_s": tokens / fact["elapsed"],
-            "step_time_s": fact["elapsed"],
-            "mem_peak_bytes": fact["peak"],
-            "skipped_steps": state.skipped_total,
-        }
-        if self.scaler is not None:
-            record["loss_scale"] = fact["scale"]
+        headroom = None
         if measured_headroom:
             worst = state.headroom.collect(step)
             logs["headroom"].write(worst)
-            record["fp16_headroom_max_ratio"] = worst["max_ratio"]
-        logs["metrics"].write(record)
+            headroom = worst["max_ratio"]
+        metrics = StepMetrics(
+            step=step,
+            time=time.time(),
+            loss=fact["loss"],
+            grad_norm=fact["grad_norm"],
+            lr=fact["lr"],
+            tokens_per_s=tokens / fact["elapsed"],
+            step_time_s=fact["elapsed"],
+            mem_peak_bytes=fact["peak"],
+            skipped_steps=state.skipped_total,
+            loss_scale=fact["scale"] if self.scaler is not None else None,
+            fp16_headroom_max_ratio=headroom,
+        )
+        logs["metrics"].write(metrics.as_record())
 
     def on_nonfinite(
         self,
@@ -122,7 +124,9 @@ class StepRecords:
             "final_loss": state.losses[-1] if state.losses else None,
             "skipped_steps": state.skipped_total,
         }
-        self._conclude(state.nonfinite_events, state.stop_event, state.consecutive_skips, steps_run=steps_run)
+        self._conclude(
+            state.nonfinite_events, state.stop_event, state.consecutive_skips, steps_run, state.skipped_total
+        )
         if state.stopped_by_peer is not None and state.stop_event is None and self.facts["outcome"] == Outcome.ERROR:
             # no event of this rank's own ended it: a peer's did (its rank folder holds that event's origin)
             self.facts.update(
@@ -143,7 +147,12 @@ class StepRecords:
             )
 
     def _conclude(
-        self, events: list[dict[str, Any]], stop_event: dict[str, Any] | None, consecutive_skips: int, steps_run: int
+        self,
+        events: list[dict[str, Any]],
+        stop_event: dict[str, Any] | None,
+        consecutive_skips: int,
+        steps_run: int,
+        skipped: int = 0,
     ) -> None:
         """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
 
@@ -182,8 +191,12 @@ class StepRecords:
                 diagnosis=diagnosis,
             )
         else:
+            # a step the GradScaler skipped ran but changed no weight: say how many updates were applied
+            applied = f", {steps_run - skipped} updates applied ({skipped} skipped by the GradScaler)"
             self.facts.update(
-                outcome=Outcome.OK, reason=f"trained all {steps_run} steps with finite loss", diagnosis=diagnosis
+                outcome=Outcome.OK,
+                reason=f"trained all {steps_run} steps with finite loss" + (applied if skipped else ""),
+                diagnosis=diagnosis,
             )
 
 

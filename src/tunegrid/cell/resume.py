@@ -58,22 +58,32 @@ class Resumed:
 
 
 def rng_states() -> dict[str, Any]:
-    """torch (CPU and every CUDA device: dropout) and python's; nothing in a cell draws from numpy's."""
+    """torch's CPU generator, the CUDA generator of the device this process trains on (dropout there draws
+    from it), and python's; nothing in a cell draws from numpy's. What a checkpoint saves and what each
+    micro-batch's replay starts from."""
     import torch
 
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+        states["cuda"] = torch.cuda.get_rng_state()  # the current device: the one this process trains on
     return states
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
+    """Put back what rng_states() took. A CUDA state goes to this process's device only: a resume that sees
+    fewer GPUs than the attempt that saved it must not address devices that are gone."""
     import torch
 
     torch.set_rng_state(states["torch"])
     random.setstate(states["python"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = states.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, (list, tuple)):  # one state per device then visible (get_rng_state_all)
+        index = torch.cuda.current_device()
+        cuda = cuda[index] if index < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 class Checkpointer:

@@ -54,16 +54,21 @@ class OptimizerSteps:
 
     def build_optimizer(self) -> None:
         import torch
-        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+        from transformers import get_scheduler
 
         from tunegrid.cell.injection import NonfiniteInjector
         from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
         self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
-        # linear warm-up from 0, cosine decay to a tenth of the peak (transformers' own schedule)
-        self.scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-            self.optimizer, num_warmup_steps=train["warmup_steps"], num_training_steps=train["steps"], min_lr_rate=0.1
+        # transformers' own schedules; the default: linear warm-up from 0, cosine decay to min_lr_rate of the peak
+        name = train["lr_scheduler"]
+        self.scheduler = get_scheduler(
+            name,
+            self.optimizer,
+            num_warmup_steps=train["warmup_steps"],
+            num_training_steps=train["steps"],
+            scheduler_specific_kwargs={"min_lr_rate": train["min_lr_rate"]} if name == "cosine_with_min_lr" else None,
         )
         self.scaler = make_grad_scaler(self.plan)
         self.loss_by_count = accepts_loss_kwargs(self.model)
@@ -95,6 +100,8 @@ class OptimizerSteps:
         """
         import torch
 
+        from tunegrid.cell.resume import rng_states
+
         scaler = self.scaler
         if self.ranks.distributed:
             self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
@@ -115,7 +122,7 @@ class OptimizerSteps:
                 if instrument is not None:
                     hooks.enter_context(instrument.attached(self.model))
             for index, micro in enumerate(micro_batches):
-                fact["rng_states"].append(torch.get_rng_state())
+                fact["rng_states"].append(rng_states())
                 if headroom is not None:
                     headroom.real = fact["real_positions"][index]
                 with contextlib.ExitStack() as around:

@@ -84,7 +84,7 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             self.memory["runtime_bytes_measured"] = runtime_baseline_bytes()
         budget = (self.spec.get("plan") or {}).get("budget_bytes")
         if budget:
-            self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget)
+            self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget, self.device.index)
         self.meter.reset()
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.model_dir, trust_remote_code=bool(self.spec["model"].get("trust_remote_code"))
@@ -243,7 +243,13 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
 
     def meter_at_failure(self) -> dict[str, int | None]:
         meter = getattr(self, "meter", None)  # in use as the failure is handled, and the high-water mark
-        return {"bytes_at_failure": meter.current_bytes(), "peak_bytes": meter.peak_bytes()} if meter else {}
+        if meter is None:
+            return {}
+        facts = {"bytes_at_failure": meter.current_bytes(), "peak_bytes": meter.peak_bytes()}
+        reserved = meter.reserved_peak_bytes()
+        if reserved is not None:  # what a CUDA budget caps: the allocated peak can stay under it
+            facts["reserved_peak_bytes"] = reserved
+        return facts
 
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:

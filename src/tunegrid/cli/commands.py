@@ -58,7 +58,13 @@ def tracking_init(args: argparse.Namespace) -> None:
     uri = resolve_tracking_uri(args.tracking_uri)
     experiment_id = init_experiment(uri, args.experiment, Path(args.artifact_root))
     write_json(
-        args.out, {"tracking_uri": redact_uri(uri), "experiment_name": args.experiment, "experiment_id": experiment_id}
+        args.out,
+        {
+            "tracking_uri": redact_uri(uri),
+            "experiment_name": args.experiment,
+            "experiment_id": experiment_id,
+            "system_metrics_interval_s": args.system_metrics_interval_s,
+        },
     )
     print(f"MLflow experiment {args.experiment!r} (id {experiment_id}) in {redact_uri(uri)}")
 
@@ -214,14 +220,17 @@ def mlflow_ui(args: argparse.Namespace) -> None:
     from tunegrid.run.ui import serve_until_stopped
     from tunegrid.track.store import tracking_uri_for_cells
 
-    store = tracking_uri_for_cells(read_json(args.tracking))  # the store the cells wrote: one resolver for all
+    tracking = read_json(args.tracking)
+    store = tracking_uri_for_cells(tracking)  # the store the cells wrote: one resolver for all
+    log = Path(args.log) if args.log else None
     raise SystemExit(
-        serve_until_stopped(store, args.host, args.port, args.allowed_hosts, Path(args.log) if args.log else None)
+        serve_until_stopped(store, args.host, args.port, args.allowed_hosts, log, str(tracking["experiment_id"]))
     )
 
 
 def validate(args: argparse.Namespace) -> None:
-    from tunegrid.config import expand_cells, load_study
+    from tunegrid.config import expand_cells, read_study_file, resolve_study
+    from tunegrid.prepare.recipe_study import expand_base
 
-    study = load_study(args.config)
+    study = resolve_study(expand_base(read_study_file(args.config)))
     print(f"study {study['study']!r}: {len(expand_cells(study))} cells")

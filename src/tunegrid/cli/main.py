@@ -9,6 +9,7 @@ import os
 import sys
 
 import tunegrid.cli.commands as commands
+import tunegrid.cli.recipes as recipes
 from tunegrid.config import ConfigError
 from tunegrid.prepare.checkpoints import CheckpointError
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", default="")
     p.add_argument("--experiment", required=True)
     p.add_argument("--artifact-root", required=True)
+    p.add_argument("--system-metrics-interval-s", type=float, default=0.0, help="MLflow's system metrics; 0: off")
     p.add_argument("--out", required=True)
     p.set_defaults(func=commands.tracking_init)
 
@@ -129,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a study config and count its cells")
     p.add_argument("config")
     p.set_defaults(func=commands.validate)
+    recipes.add_parsers(sub)
     return parser
 
 

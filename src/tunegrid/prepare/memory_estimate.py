@@ -91,6 +91,28 @@ def _fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], st
     return max(groups.values(), default=0)
 
 
+def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]) -> dict[str, list[int]]:
+    """The 3-D expert parameters transformers builds at load, by name (what `lora.target_parameters` names):
+    a fused checkpoint tensor as it is, or one layer's per-expert tensors of one shape stacked, projections
+    that share the shape concatenated (gate_proj + up_proj -> gate_up_proj [experts, 2 x out, in])."""
+    fused: dict[str, list[int]] = {}
+    groups: dict[tuple[str, tuple[int, ...]], dict[str, int]] = {}
+    for name in expert_names:
+        shape = shapes[name]
+        if len(shape) >= 3:
+            fused[name.removesuffix(".weight")] = shape
+            continue
+        parts = name.split(".")
+        index = max(i for i, part in enumerate(parts) if part.isdigit())
+        stems = groups.setdefault((".".join(parts[:index]), tuple(shape)), {})
+        stems[parts[index + 1]] = stems.get(parts[index + 1], 0) + 1
+    for (group, shape), stems in groups.items():
+        experts = max(stems.values())
+        joined = "_".join(sorted(stem.removesuffix("_proj") for stem in stems)) + "_proj"
+        fused[f"{group}.{joined}"] = [experts, len(stems) * shape[0], *shape[1:]]
+    return fused
+
+
 def _largest_read_at_once(
     shapes: dict[str, list[int]], expert_names: set[str], quantized: set[str], experts: int
 ) -> int:
@@ -152,6 +174,7 @@ def estimate_from_shapes(
     quantized_names: set[str] = set()
     experts_full = 0.0  # expert bytes at storage dtype, and as they end up after quantization
     experts_final = 0.0
+    adapted_experts = 0  # elements of expert parameters with LoRA on them (target_parameters)
     # Checkpoints keep MoE experts per expert on disk (layers.N.mlp.experts.M.*); transformers v5 fuses
     # them into 3-D parameters at load, which bitsandbytes' 4-bit load then skips. So an expert is a
     # tensor nested under two indices in a model whose config has experts, or one that is already ≥3-D.
@@ -183,6 +206,13 @@ def estimate_from_shapes(
             and any(module.endswith("." + t) for t in lora["target_modules"])
         ):
             lora_params += lora["r"] * (shape[0] + shape[1])
+
+    targets = lora.get("target_parameters") or []
+    for name, shape in fused_expert_parameters(shapes, expert_names).items():
+        if any(name == t or name.endswith("." + t) for t in targets):
+            # peft's ParamWrapper over a fused [experts, in, out] parameter: r x experts rows of A, columns of B
+            lora_params += lora["r"] * shape[0] * (shape[1] + shape[2])
+            adapted_experts += _numel(shape)
     # LoRA: fp32 params + grads + AdamW's two moments
     lora_bytes = lora_params * 4 * 4
 
@@ -195,9 +225,11 @@ def estimate_from_shapes(
     intermediate = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * hidden)
     # Saved for backward per token and layer, in units of hidden and intermediate width (norms in and
     # out, q/k/v/o, gated-MLP gate/up/act/product), fitted on this project's CPU runs (benchmarks/).
-    per_layer = (
-        tokens * (24 * hidden + 7 * intermediate * experts_per_token) * act + batch * heads * seq * seq * act * 2
-    )
+    # Attention: the CPU kernels keep the seq x seq probabilities (and their dropout mask); CUDA's SDPA kernels
+    # (flash, memory-efficient) keep only an fp32 log-sum-exp per query (torch's meta registrations of
+    # _scaled_dot_product_{flash,efficient}_attention)
+    attention = batch * heads * seq * seq * act * 2 if device == "cpu" else batch * heads * seq * 4
+    per_layer = tokens * (24 * hidden + 7 * intermediate * experts_per_token) * act + attention
     if train["gradient_checkpointing"]:
         activations = layers * tokens * hidden * act + per_layer  # layer inputs kept, one layer recomputed
     else:
@@ -206,14 +238,24 @@ def estimate_from_shapes(
     # bitsandbytes dequantizes a 4-bit weight for each matmul. Its CPU path keeps those copies for backward;
     # on CUDA one layer's copies live at a time (a Linear's weight, or all of an MoE layer's experts), and
     # they are gone by the time the logits are built, so the step peaks at the larger of the two.
+    # The experts' forward builds a full-width weight where they are NF4 (dequantized) or carry LoRA (base +
+    # delta): the grouped matmul keeps it for the input's gradient, so without checkpointing every MoE layer's
+    # copy lives until backward; with it, one layer's at a time (rebuilt in backward). On CPU the dequantized
+    # experts are already in the dequant term below.
+    checkpointed = bool(train["gradient_checkpointing"])
+    materialized_experts = quant.experts_quantized or adapted_experts > 0
+    kept_experts = 0
+    if materialized_experts and not checkpointed:
+        counted = device == "cpu" and quant.experts_quantized
+        kept_experts = 0 if counted else sum(_numel(shapes[name]) for name in expert_names) * act
     if device == "cpu" and train["gradient_checkpointing"]:
         # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
         dequant = _largest_layer_numel(shapes, quantized_names) * act
     elif device == "cpu":
         dequant = quantized_numel * act
     else:
-        experts_numel = _largest_layer_experts(shapes, expert_names) if quant.experts_quantized else 0
-        dequant = max(largest_dequant, experts_numel) * act
+        experts_numel = _largest_layer_experts(shapes, expert_names) if materialized_experts else 0
+        dequant = max(largest_dequant, experts_numel if checkpointed else 0) * act
     # Loading. Experts quantized after the load exist at full width until then.
     streamed = quant.experts_quantized and experts_quantized_at == "load"
     at_load = weights + (0 if streamed else experts_full - experts_final)
@@ -230,9 +272,19 @@ def estimate_from_shapes(
         # parameter holds the parts and the whole at once
         load = runtime + at_load + _fused_expert_bytes(shapes, expert_names, storage)
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
-    train_peak = runtime + step_overhead + weights + lora_bytes + activations + transient
+    train_peak = runtime + step_overhead + weights + lora_bytes + activations + kept_experts + transient
     total = max(load, train_peak)
+    # What this model leaves out, said where it applies rather than fitted: on CPU, oneDNN's bf16 kernels grow
+    # the process at every step as the tokens routed to each expert change shape (benchmarks/README.md,
+    # "bf16 MoE growth"), so a bf16 MoE cell's measured peak exceeds this one-steady-step estimate.
+    not_modelled = (
+        "CPU bf16 with routed experts: oneDNN's bf16 kernels grow the process step by step; the measured "
+        "peak exceeds this estimate"
+        if device == "cpu" and precision_plan(axes["precision"]).dtype == "bfloat16" and expert_names
+        else None
+    )
     return {
+        "not_modelled": not_modelled,
         "estimate_bytes": int(total),
         "stage": "load" if load > train_peak else "step",
         "load_bytes": int(load),
@@ -242,6 +294,7 @@ def estimate_from_shapes(
             "weights": int(weights),
             "lora_params_grads_optimizer": int(lora_bytes),
             "activations": int(activations),
+            "experts_kept_for_backward": int(kept_experts),
             "logits": int(logits),
             "dequant_buffer": int(dequant),
         },

@@ -162,15 +162,14 @@ def plot_losses(frame: Any, curves: dict[str, list[dict[str, Any]]], path: Path)
                 linewidth=1.2,
             )
             if row["outcome"] == Outcome.NAN and row["nan_step"] == row["nan_step"]:
-                before = [loss for s, loss in zip(steps, losses) if s < row["nan_step"] and loss == loss]
-                ax.plot([row["nan_step"]], [before[-1] if before else 0], "x", color="black", markersize=8)
+                mark_nonfinite(ax, row["nan_step"], LINE_COLOURS[colour_of(row[colour_axis]) % len(LINE_COLOURS)])
         ax.set_title(f"{panel[0]}, {_sub_label(panel_axes[1:], panel[1:])}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("loss", fontsize=8)
         ax.legend(fontsize=6, ncol=2)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.suptitle("Loss per step (x: first non-finite step)", fontsize=10)
+    fig.suptitle("Loss per step (x and dotted line: the first non-finite step)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -196,6 +195,17 @@ def plot_memory(frame: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def mark_nonfinite(ax: Any, step: float, colour: str) -> Any:
+    """The first non-finite step where it happened: a dotted line at that step across the panel and an x on
+    its top edge. A non-finite loss has no height, so the mark never sits at a loss value (0 or the last
+    finite one) that the step did not have. Returns the x marker's artist."""
+    ax.axvline(step, color=colour, linestyle=":", linewidth=1.0)
+    (marker,) = ax.plot(
+        [step], [1.0], "x", color="black", markersize=8, transform=ax.get_xaxis_transform(), clip_on=False
+    )
+    return marker
 
 
 def _finite_or_nan(value: Any) -> float:

@@ -14,9 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import atomic_write_text, read_json, read_jsonl
+from tunegrid.outcome import CellResult
 from tunegrid.review.advice import Recommendation
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
+from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
+from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
 
@@ -279,7 +282,7 @@ def build_report(
     results = {}
     curves = {}
     for path in result_paths:
-        result = read_json(path)
+        result = CellResult.from_json(read_json(path)).to_json()  # any version's file, with today's fields
         results[result["cell_id"]] = result
         curves[result["cell_id"]] = read_jsonl(Path(path).parent / "metrics.jsonl")
     recs = recommend(frame, capabilities)
@@ -304,7 +307,8 @@ def build_report(
         .sort_values([a for a in axis_names() if a in frame.columns])
         .to_dict("records")
     )
-    logs_dir = Path(result_paths[0]).parents[3] / "logs" / study / "finetune" if result_paths else out_dir
+    logs_dir = StudyPaths.of_result(result_paths[0]).cell_logs_dir if result_paths else out_dir
+    study_file = StudyPaths.of_result(result_paths[0]).study_file if result_paths else out_dir / "none"
     failures = failure_groups(frame, results, logs_dir)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
@@ -312,6 +316,7 @@ def build_report(
 <p class="counts">{len(frame)} cells: {count_html}</p>
 <h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
+{fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">
 <h2>Non-finite events</h2>{_table(nan_rows, NAN_COLUMNS)}
 <h2>Other failures</h2>{_failures_html(failures)}

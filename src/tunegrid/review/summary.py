@@ -8,35 +8,39 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.outcome import origin_label
+from tunegrid.outcome import CellResult, origin_label
 from tunegrid.review.quality import default_review, loss_curve, quality_columns
 from tunegrid.vocabulary import axis_names, with_neutrals
 
 
-def summary_row(result: dict[str, Any]) -> dict[str, Any]:
+def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
+    """A cell's row, from its result (a CellResult, or result.json as written by any version)."""
+    result = record if isinstance(record, CellResult) else CellResult.from_json(record)
     # results written before an axis existed ran at its neutral value; the columns are the table's axes
-    recorded = with_neutrals(result["cell"]["axes"])
+    recorded = with_neutrals(result.axes)
     axes = {name: recorded.get(name) for name in axis_names()}
-    nan = (result.get("diagnosis") or {}).get("nan") or {}
+    diagnosis = result.diagnosis
+    nan = diagnosis.nan or {}
     origin = nan.get("origin") or {}
-    memory = result.get("memory") or {}
-    training = result.get("training") or {}
-    throughput = result.get("throughput") or {}
-    in_effect = result.get("precision_in_effect") or {}
-    collective = (result.get("diagnosis") or {}).get("collective") or {}
-    crash = (result.get("diagnosis") or {}).get("rank_crash") or {}
-    audit = result.get("quant_audit") or {}
+    memory = result.memory
+    training = result.training
+    throughput = result.throughput
+    in_effect = result.precision_in_effect
+    collective = diagnosis.collective or {}
+    crash = diagnosis.rank_crash or {}
+    audit = result.quant_audit
     final = audit.get("after_adapters") or {}
     loaded = audit.get("after_load") or {}
+    oom = diagnosis.oom or {}
     return {
-        "cell_id": result["cell_id"],
+        "cell_id": result.cell_id,
         **axes,
         # sequences per optimizer step: micro-batch x accumulation x ranks
         "effective_batch": axes["batch_size"] * axes["grad_accum"] * axes["world_size"],
-        "outcome": result["outcome"],
-        "reason": result["reason"],
+        "outcome": str(result.outcome),
+        "reason": result.reason,
         "steps_run": training.get("steps_run"),
-        "resumed_from_step": result.get("resumed_from_step"),
+        "resumed_from_step": result.resumed_from_step,
         "initial_loss": training.get("initial_loss"),
         "final_loss": training.get("final_loss"),
         "skipped_steps": training.get("skipped_steps"),
@@ -52,8 +56,8 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "load_peak_bytes": memory.get("load_peak_bytes"),
         "first_step_peak_bytes": memory.get("first_step_peak_bytes"),
         "steady_peak_bytes": memory.get("steady_peak_bytes"),
-        "oom_stage": ((result.get("diagnosis") or {}).get("oom") or {}).get("stage"),
-        "oom_peak_bytes": ((result.get("diagnosis") or {}).get("oom") or {}).get("peak_bytes"),
+        "oom_stage": oom.get("stage"),
+        "oom_peak_bytes": oom.get("peak_bytes"),
         "tokens_per_s": throughput.get("tokens_per_s_median"),
         "step_time_s": throughput.get("step_time_s_median"),
         "weight_bytes_loaded": loaded.get("total_bytes"),
@@ -63,9 +67,9 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "flagged_share": final.get("flagged_share"),
         "flagged_tensors": len(final["flagged"]) if final else None,
         "lora_unmatched": ",".join((audit.get("lora") or {}).get("unmatched", [])) or None,
-        "fp32_islands": ",".join(m["module"] for m in (result.get("fp32_islands") or {}).get("modules", [])) or None,
+        "fp32_islands": ",".join(m["module"] for m in (result.fp32_islands or {}).get("modules", [])) or None,
         "fp32_islands_max_ratio": max(
-            (m["ratio_to_fp16_max"] or 0 for m in (result.get("fp32_islands") or {}).get("modules", [])), default=None
+            (m["ratio_to_fp16_max"] or 0 for m in (result.fp32_islands or {}).get("modules", [])), default=None
         ),
         "fp16_headroom_worst_module": _worst_headroom(result).get("module"),
         "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
@@ -77,9 +81,9 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "collective_seq": collective.get("seq"),
         "collective_last_steps": json.dumps(collective["last_step_per_rank"]) if collective else None,
         "crashed_ranks": ",".join(map(str, crash.get("ranks", []))) or None,
-        "attempts": len(result.get("attempts") or [None]),
-        "wall_s": result.get("wall_s"),
-        "mlflow_run_id": (result.get("tracking") or {}).get("run_id"),
+        "attempts": len(result.attempts or [None]),
+        "wall_s": result.wall_s,
+        "mlflow_run_id": (result.tracking or {}).get("run_id"),
     }
 
 
@@ -141,8 +145,8 @@ def typed(frame: Any) -> Any:
     return frame
 
 
-def _worst_headroom(result: dict[str, Any]) -> dict[str, Any]:
-    worst = (result.get("fp16_headroom") or {}).get("worst_modules") or [{}]
+def _worst_headroom(result: CellResult) -> dict[str, Any]:
+    worst = result.fp16_headroom.get("worst_modules") or [{}]
     return worst[0]
 
 

@@ -16,21 +16,48 @@ from typing import Any
 _WARM: list[tuple[Any, Path]] = []  # (process, socket path) of this invocation's warm worker
 
 
-def on_start(study: dict[str, Any], results: str, logs: str, study_file: str, local: bool) -> None:
+def on_start(
+    study: dict[str, Any], results: str, logs: str, study_file: str, local: bool, cells_to_run: int | None = None
+) -> None:
+    """`cells_to_run`: the cell jobs this invocation will run (None: not known). The warm worker (torch and
+    peft imported, ~1 s and hundreds of MiB) serves cells only, so `snakemake mlflow_ui`, `report` or a
+    run with every cell done does not start one."""
     from tunegrid.config import spec_json
     from tunegrid.files import write_text_if_changed
 
     write_text_if_changed(study_file, spec_json(study))  # rewritten only when it changed
-    _start_warm_worker(study, logs, local)
+    if cells_to_run != 0:
+        _start_warm_worker(study, logs, local)
 
 
-def on_end(status: str, study: dict[str, Any], results: str, logs: str, script: str) -> None:
+def on_end(
+    status: str, study: dict[str, Any], results: str, logs: str, script: str, cell_ids: list[str] | None = None
+) -> None:
     while _WARM:
         from tunegrid.run import warm
 
         warm.stop(*_WARM.pop())
     if study["tracking"]["enabled"]:
         _close_execution(status, results, logs, script)
+    if cell_ids is not None:
+        _print_glance(study, results, cell_ids)
+
+
+def _print_glance(study: dict[str, Any], results: str, cell_ids: list[str]) -> None:
+    """The outcome counts, the failures' reasons grouped and the report's path, as the run's last lines
+    (read after every job has ended: it costs no cell any time). Never fails the workflow."""
+    from tunegrid.review.glance import glance
+
+    try:
+        lines = glance(study["study"], Path(results), cell_ids)
+    except Exception as exc:  # noqa: BLE001 — a summary line must not turn a finished run into a failure
+        lines = [f"(no outcome summary: {exc})"]
+    if lines and study["tracking"]["enabled"]:
+        lines.append("MLflow: snakemake --cores 1 mlflow_ui (prints the study's runs page)")
+    if lines:  # at exit: after Snakemake's own closing lines (log path, runtime), so they end the output
+        import atexit
+
+        atexit.register(lambda: print("\n".join(lines), file=sys.stderr, flush=True))
 
 
 def _start_warm_worker(study: dict[str, Any], logs: str, local: bool) -> None:

@@ -20,12 +20,13 @@ from typing import Any
 
 from tunegrid.devices import cell_devices
 from tunegrid.files import read_json, read_jsonl, write_json
-from tunegrid.outcome import compose_result, infrastructure_fault
+from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
+from tunegrid.study_paths import StudyPaths
 from tunegrid.track.tags import (
     ARTIFACT_FILES,
     axis_tags,
@@ -33,7 +34,9 @@ from tunegrid.track.tags import (
     env_tags,
     rerun_tags,
     result_params,
+    run_name,
     run_tags,
+    spec_id,
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
@@ -175,7 +178,10 @@ def run_cell(
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
                 from tunegrid.cell.distributed import diagnose_ranks
 
-                result.update(diagnose_ranks(spec, run_dir, result, returncodes, stopped))
+                ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped)
+                # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
+                ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
+                result.update(ranks)
             attempts.append(
                 {
                     "outcome": result["outcome"],
@@ -206,12 +212,13 @@ def run_cell(
         # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
         # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
         staged = run_dir / ".staged" / "result.json"
+        result = CellResult.from_json(result).to_json()  # the declared shape: a key no field holds is an error
         write_json(staged, result)
         if tracker.enabled:
             _finish_run(tracker, result, staged, Path(data_path), log_path)
             from tunegrid.track.execution import cell_ended
 
-            cell_ended(tracker.uri, result_path.parents[2], spec["cell_id"], result["outcome"])
+            cell_ended(tracker.uri, StudyPaths.of_result(result_path).study_dir, spec["cell_id"], result["outcome"])
         _kill_point("before_result")
         write_json(result_path, result)
         shutil.rmtree(staged.parent, ignore_errors=True)
@@ -220,7 +227,7 @@ def run_cell(
 
 def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None) -> None:
     """The cell's MLflow run at its end: the dataset input, outcome tags, params and artifacts."""
-    run_dir = staged.parents[1]
+    run_dir = staged.parent.parent  # <run_dir>/.staged/result.json
     if data_path.is_file():
         tracker.log_dataset(dataset_input(result, data_path))
     artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
@@ -230,9 +237,10 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
     tracker.finish(
         {**run_tags(result), "attempts": str(len(result["attempts"]))},
         artifacts,
-        failed=result["outcome"] == Outcome.ERROR,
+        failed=result["outcome"] != Outcome.OK,
         params=result_params(result),
         end_time=result["ended_at"],
+        name=run_name(result["outcome"], spec_id(result)),
     )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
         result["tracking"]["errors"] = tracker.errors
@@ -270,9 +278,15 @@ def _open_run(
     if probe_run:
         tags["probe.run_id"] = probe_run
     parent = parent_run_id(
-        tracker.uri, tracking["experiment_id"], spec["study"], result_path.parents[2], probe_run, spec["cell_id"]
+        tracker.uri,
+        tracking["experiment_id"],
+        spec["study"],
+        StudyPaths.of_result(result_path).study_dir,
+        probe_run,
+        spec["cell_id"],
     )
     if parent:
         tags[INVOCATION_TAG] = parent
     tracker.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=started)
+    tracker.monitor_system(float(tracking.get("system_metrics_interval_s", 0)))
     return tracker

@@ -112,9 +112,15 @@ def server_running(url: str) -> bool:
 
 
 def serve_until_stopped(
-    store_uri: str, host: str, port: int, allowed_hosts: str = "", log_path: Path | None = None
+    store_uri: str,
+    host: str,
+    port: int,
+    allowed_hosts: str = "",
+    log_path: Path | None = None,
+    experiment_id: str = "",
 ) -> int:
-    """`snakemake mlflow_ui`: serve until Ctrl-C or SIGTERM, then stop the server and return 0."""
+    """`snakemake mlflow_ui`: serve until Ctrl-C or SIGTERM, then stop the server and return 0. It prints
+    the study's runs page (the experiment's training runs), not MLflow's home page."""
     import signal
     import threading
 
@@ -122,7 +128,8 @@ def serve_until_stopped(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     with mlflow_server(store_uri, host, port, timeout_s=120, allowed_hosts=allowed_hosts, log_path=log_path) as url:
-        print(f"MLflow UI: {url} (Ctrl-C stops it)", flush=True)
+        page = runs_page(url, experiment_id) if experiment_id else url
+        print(f"MLflow UI: {page} (the study's runs; Ctrl-C stops it)", flush=True)
         while not stop.wait(1.0):
             if not server_running(url):
                 print(f"mlflow server exited on its own; see {log_path or 'its output'}", flush=True)

@@ -10,12 +10,21 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from tunegrid.outcome import origin_label
+from tunegrid.outcome import CellResult, origin_label
 
 # The files of a run folder that its MLflow run keeps as artifacts.
 
 
 ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "adapter")
+
+
+def run_name(outcome: str, cell_id: str) -> str:
+    """A cell run's name once it ended: the outcome first, so the runs page reads at a glance."""
+    return f"{outcome} · {cell_id}"
+
+
+def spec_id(result: dict[str, Any]) -> str:
+    return str(result["cell"]["cell_id"])
 
 
 def axis_tags(axes: dict[str, Any]) -> dict[str, str]:
@@ -26,14 +35,17 @@ def axis_tags(axes: dict[str, Any]) -> dict[str, str]:
     return tags
 
 
-def run_tags(result: dict[str, Any]) -> dict[str, str]:
-    tags = {"outcome": result["outcome"], "outcome.reason": result["reason"], "device": result["env"].get("device", "")}
-    if result.get("resumed_from_step") is not None:
-        tags["resumed_from_step"] = str(result["resumed_from_step"])
-    slurm_job = (result["env"].get("scheduler") or {}).get("SLURM_JOB_ID")
+def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
+    """A cell run's tags, from its result (a CellResult, or result.json as written by any version)."""
+    result = record if isinstance(record, CellResult) else CellResult.from_json(record)
+    diagnosis = result.diagnosis
+    tags = {"outcome": str(result.outcome), "outcome.reason": result.reason, "device": result.env.get("device", "")}
+    if result.resumed_from_step is not None:
+        tags["resumed_from_step"] = str(result.resumed_from_step)
+    slurm_job = (result.env.get("scheduler") or {}).get("SLURM_JOB_ID")
     if slurm_job:
         tags["slurm.job_id"] = slurm_job
-    nan = (result.get("diagnosis") or {}).get("nan")
+    nan = diagnosis.nan
     if nan:
         origin = nan.get("origin") or {}
         tags.update(
@@ -44,7 +56,7 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
                 "nan.backward_module": origin_label(origin.get("backward")) or "",
             }
         )
-    audit = result.get("quant_audit") or {}
+    audit = result.quant_audit
     if audit.get("after_adapters"):
         final = audit["after_adapters"]
         tags.update(
@@ -56,7 +68,7 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
                 "lora.unmatched": ",".join(audit["lora"]["unmatched"]),
             }
         )
-    collective = (result.get("diagnosis") or {}).get("collective")
+    collective = diagnosis.collective
     if collective:
         tags.update(
             {
@@ -66,20 +78,20 @@ def run_tags(result: dict[str, Any]) -> dict[str, str]:
                 "collective.step": str(collective["step"]),
             }
         )
-    islands = result.get("fp32_islands")
+    islands = result.fp32_islands
     if islands:  # fp16-islands: which modules computed in fp32, and what the calibration measured there
         tags["fp32_islands"] = ",".join(m["module"] for m in islands["modules"]) or "none"
         tags["fp32_islands.mode"] = islands["mode"]
         tags["fp32_islands.max_abs"] = ",".join(
             f"{m['max_abs']:.0f}" if m.get("max_abs") is not None else "" for m in islands["modules"]
         )
-    crash = (result.get("diagnosis") or {}).get("rank_crash")
+    crash = diagnosis.rank_crash
     if crash:
         tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
-    oom = (result.get("diagnosis") or {}).get("oom")
+    oom = diagnosis.oom
     if oom:
         tags["oom.stage"] = str(oom.get("stage"))
-    memory = result.get("memory") or {}
+    memory = result.memory
     if memory.get("estimate_bytes"):
         tags["memory.estimate_bytes"] = str(memory["estimate_bytes"])
         tags["memory.estimate_over_measured"] = (

@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tunegrid.outcome import METRIC_KEYS
+from tunegrid.study_paths import StudyPaths
 from tunegrid.track.store import client, with_retries
-from tunegrid.vocabulary import METRIC_KEYS, Outcome
+from tunegrid.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,7 @@ class CellRun:
         self.errors: list[str] = []
         self.sent_points = 0
         self.down = False
+        self.system: Any = None  # the system-metrics monitor (track/system_metrics.py), while the cell runs
 
     def _try(self, call: Callable[[], T], what: str) -> T:
         """One store call with retries; once the store is found down, later calls are skipped
@@ -192,6 +195,13 @@ class CellRun:
         item = DatasetInput(dataset=entity, tags=[InputTag("mlflow.data.context", "training")])
         self._try(lambda: self.client.log_inputs(self.run_id, datasets=[item]), "log dataset")
 
+    def monitor_system(self, interval_s: float) -> None:
+        """MLflow's own system-metrics monitor on this run (a thread of this process), until `finish`."""
+        from tunegrid.track.system_metrics import SystemMetrics
+
+        if self.run_id is not None and not self.down:
+            self.system = SystemMetrics(self.uri, self.run_id, interval_s)
+
     def finish(
         self,
         tags: dict[str, str],
@@ -199,12 +209,19 @@ class CellRun:
         failed: bool,
         params: dict[str, str] | None = None,
         end_time: float | None = None,
+        name: str | None = None,
     ) -> None:
-        """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts."""
+        """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts;
+        the run renamed to carry its outcome and ended FAILED when the cell did not end ok."""
         from mlflow.entities import Param, RunTag
 
+        if self.system is not None:
+            self.system.stop()
+            self.system = None
         if self.run_id is None:
             return
+        if name:
+            self._try(lambda: self.client.update_run(self.run_id, name=name), "rename run")
         tag_items = [RunTag(k, v[:5000]) for k, v in tags.items()] + [RunTag("tunegrid.status", "done")]
         self._try(lambda: self.client.log_batch(self.run_id, tags=tag_items), "final tags")
         if params:
@@ -246,7 +263,7 @@ def sync_cell(
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.track.tags import ARTIFACT_FILES, axis_tags, result_params, run_tags
+    from tunegrid.track.tags import ARTIFACT_FILES, axis_tags, result_params, run_name, run_tags, spec_id
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
@@ -260,7 +277,7 @@ def sync_cell(
         spec = result["cell"]
         tags = axis_tags(spec["axes"])
         tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
-        parent = parent_run_id(uri, experiment_id, spec["study"], run_dir.parents[1])
+        parent = parent_run_id(uri, experiment_id, spec["study"], StudyPaths.of_run_dir(run_dir).study_dir)
         if parent:
             tags[INVOCATION_TAG] = parent
         run.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=result.get("started_at"))
@@ -271,9 +288,10 @@ def sync_cell(
         run.finish(
             run_tags(result),
             artifacts + ([log_path] if log_path else []),
-            failed=result["outcome"] == Outcome.ERROR,
+            failed=result["outcome"] != Outcome.OK,
             params=result_params(result),
             end_time=result.get("ended_at"),
+            name=run_name(result["outcome"], spec_id(result)),
         )
     return {
         "run_id": run.run_id,

@@ -1,0 +1,265 @@
+"""A user's training recipe (an axolotl config, or TRL / Transformers training arguments) read into the
+settings of a tunegrid study, with every key of the source accounted for.
+
+`Recipe` is what crosses from the readers (recipe_axolotl, recipe_trl) to the study builder
+(recipe_study) and back out to the exporter (review/recipe_export): `settings` maps tunegrid's own config
+paths (`grid.precision`, `train.lr`, `lora.r`, `data.fields` …) to the recipe's values; `origin` says
+which recipe keys each came from; `not_carried` lists, with the reason, every key tunegrid does not take
+over (never dropped silently); `ignored` the keys it cannot honour that the user chose to drop (`--ignore`).
+A key it cannot honour and the user did not list is a `RecipeError` naming it.
+
+The field names are read from the tools' own schemas at the versions in `MAPPED_VERSIONS`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tunegrid.errors import ConfigError
+from tunegrid.input_limits import read_study_yaml, study_file_problems
+from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
+
+MAPPED_VERSIONS = {"axolotl": "0.18.0", "trl": "1.16.0", "transformers": "5.23.0"}
+TOOLS = ("axolotl", "trl", "transformers")
+FAILURES = ("nan", "oom", "timeout", "all")
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+# torch AdamW under the names the tools give it: tunegrid's step trains with torch.optim.AdamW
+ADAMW_NAMES = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"}
+# transformers' OptimizerNames (5.23.0) that are not AdamW: known, but not what tunegrid trains with
+OTHER_OPTIMIZERS = {
+    "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "adamw_anyprecision", "adamw_torch_4bit",
+    "adamw_torch_8bit", "ademamix", "sgd", "adagrad", "adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit",
+    "lion_32bit", "paged_adamw_32bit", "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
+    "paged_lion_32bit", "paged_lion_8bit", "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
+    "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
+    "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw",
+    "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw",
+}  # fmt: skip
+SCHEDULERS = {"cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"}  # train.lr_scheduler
+LINEAR_SUFFIXES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class RecipeError(ConfigError):
+    """A recipe tunegrid cannot take as it is: every problem, one per line, each naming the recipe key."""
+
+
+@dataclass
+class Recipe:
+    tool: str
+    path: str
+    raw: dict[str, Any]
+    settings: dict[str, Any] = field(default_factory=dict)
+    origin: dict[str, list[str]] = field(default_factory=dict)
+    not_carried: dict[str, str] = field(default_factory=dict)
+    ignored: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    ignore: set[str] = field(default_factory=set)
+
+    @property
+    def version(self) -> str:
+        return MAPPED_VERSIONS[self.tool]
+
+    def carry(self, path: str, value: Any, *keys: str) -> None:
+        self.settings[path] = value
+        self.origin.setdefault(path, []).extend(k for k in keys if k not in self.origin.get(path, []))
+
+    def drop(self, key: str, why: str) -> None:
+        """A key of the recipe tunegrid does not take over (listed in the study's header)."""
+        if key in self.raw:
+            self.not_carried[key] = why
+
+    def refuse(self, key: str, why: str) -> None:
+        """A key tunegrid cannot honour: an error naming it, unless `--ignore` lists it."""
+        if key in self.ignore or key.split(".")[0] in self.ignore:
+            self.ignored[key] = why
+        else:
+            self.refused.append(f"recipe key {key!r}: {why}; change it, or pass --ignore {key} to drop it")
+
+    def need(self, key: str, why: str) -> None:
+        """Something a study cannot do without (the model, the data): an error, whatever `--ignore` says."""
+        self.refused.append(f"recipe key {key!r}: {why}")
+
+    def account_rest(self, why: str) -> None:
+        """Every top-level key neither carried, dropped, refused nor ignored: listed as not carried."""
+        used = {k for keys in self.origin.values() for k in keys}
+        for key in self.raw:
+            top = key.split(".")[0]
+            if (
+                key not in used
+                and key not in self.not_carried
+                and not any(i == key or i.startswith(top + ".") or i == top for i in self.ignored)
+            ):
+                if not any(r.startswith(f"recipe key {key!r}") for r in self.refused):
+                    self.not_carried[key] = why
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A recipe file as a mapping: YAML (.yaml/.yml) or JSON (.json)."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {str(path)!r} does not exist")
+    if path.suffix != ".json":  # read as a study file is: bounded before anything is expanded, YAML 1.2 numbers
+        raw = read_study_yaml(path)
+    else:
+        try:
+            raw = json.loads(path.read_text()) if not study_file_problems([path]) else None
+        except ValueError as exc:
+            raise RecipeError(f"recipe {str(path)!r} is not valid JSON: {exc}") from None
+        if raw is None:
+            raise RecipeError(study_file_problems([path])[0])
+    if not isinstance(raw, dict):
+        raise RecipeError(f"recipe {str(path)!r} must hold a mapping of keys, not {type(raw).__name__}")
+    return raw
+
+
+def model_entry(recipe: Recipe, name_key: str, name: Any, revision_key: str, revision: Any) -> None:
+    """`models.<name>`: a local folder (config.json inside), else a hub repo at a pinned 40-hex revision."""
+    if not isinstance(name, str) or not name:
+        recipe.need(name_key, "no model: give the base model (a local folder or a hub id), or pass --model")
+        return
+    folder = resolve_local(recipe, name)
+    if folder is not None:
+        if not (folder / "config.json").is_file():
+            recipe.need(name_key, f"{name!r} is a folder without config.json; give a transformers checkpoint folder")
+            return
+        recipe.carry("model", {"source": "local", "path": str(folder)}, name_key)
+        recipe.drop(revision_key, "a local folder has no revision")
+        return
+    rev = str(revision or "")
+    if not HEX40.match(rev):
+        recipe.need(
+            revision_key,
+            f"{name!r} is no local folder (looked from here and beside the recipe), so it is a hub id, which needs "
+            f"a pinned 40-hex commit (got {rev or 'none'}; a branch or tag can move)",
+        )
+        return
+    recipe.carry("model", {"source": "hub", "repo_id": name, "revision": rev}, name_key, revision_key)
+
+
+def resolve_local(recipe: Recipe, name: str) -> Path | None:
+    """A path as written if it exists from here, else beside the recipe file (where its author meant it)."""
+    for candidate in (Path(name), Path(recipe.path).parent / name):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def local_dataset(recipe: Recipe, key: str, path: str, fmt: str | None = None) -> Path | None:
+    """A local jsonl/parquet file: `data.source` and `data.path`; None if `path` is no local file."""
+    found = resolve_local(recipe, path)
+    if found is None or not found.is_file():
+        return None
+    suffix = (fmt or found.suffix.lstrip(".")).lower()
+    source = {"json": "jsonl", "jsonl": "jsonl", "parquet": "parquet"}.get(suffix)
+    if source is None:
+        recipe.refuse(key, f"{path!r}: tunegrid reads JSON lines (.jsonl/.json) or parquet files")
+        return None
+    recipe.carry("data.source", source, key)
+    recipe.carry("data.path", str(found), key)
+    return found
+
+
+def first_record(path: Path) -> dict[str, Any]:
+    """The first record of a local dataset file (to tell pairs from chats)."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).slice(0, 1).to_pylist()
+        return rows[0] if rows else {}
+    with open(path) as handle:
+        for line in handle:
+            if line.strip():
+                record = json.loads(line)
+                return record if isinstance(record, dict) else {}
+    return {}
+
+
+def optimizer(recipe: Recipe, key: str, name: Any) -> None:
+    name = str(getattr(name, "value", name))
+    if name in ADAMW_NAMES:
+        recipe.carry("optimizer", "adamw", key)
+        if name != "adamw_torch":
+            recipe.notes.append(f"{key}: {name} trains as torch AdamW (the same update; fused is a kernel choice)")
+    elif name in OTHER_OPTIMIZERS:
+        recipe.refuse(key, f"optimizer {name!r} is not one tunegrid trains with (torch AdamW: {sorted(ADAMW_NAMES)})")
+    else:
+        recipe.refuse(key, f"unknown optimizer {name!r} (transformers {MAPPED_VERSIONS['transformers']} names)")
+
+
+def scheduler(recipe: Recipe, key: str, name: Any, min_lr_rate: float | None = None, *keys: str) -> None:
+    name = str(getattr(name, "value", name))
+    if name not in SCHEDULERS:
+        recipe.refuse(key, f"learning-rate schedule {name!r} is not one tunegrid runs ({sorted(SCHEDULERS)})")
+        return
+    if name == "cosine" and min_lr_rate:
+        name = "cosine_with_min_lr"
+    recipe.carry("train.lr_scheduler", name, key, *keys)
+    if name == "cosine_with_min_lr":
+        recipe.carry("train.min_lr_rate", float(min_lr_rate or 0.0), key, *keys)
+
+
+def warmup(recipe: Recipe, value: Any, steps: int, key: str) -> None:
+    """An int is steps; a float in [0, 1) a share of the steps (transformers 5's `warmup_steps`)."""
+    number = float(value or 0)
+    count = round(number * steps) if 0 < number < 1 else int(number)
+    recipe.carry("train.warmup_steps", min(count, steps), key)
+
+
+def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
+    if value in (None, [], ""):
+        return
+    if value == "all-linear" or value == ["all-linear"]:
+        recipe.carry("lora.target_modules", list(LINEAR_SUFFIXES), key)
+        recipe.notes.append(f"{key}: all-linear as the decoder's projection suffixes {LINEAR_SUFFIXES}")
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        recipe.carry("lora.target_modules", list(value), key)
+    else:
+        recipe.refuse(key, f"{value!r}: tunegrid takes a list of module-name suffixes")
+
+
+def precision_of(dtype: str) -> str:
+    """The precision whose row (tunegrid.plans) computes in this torch dtype."""
+    return str(next(row.precision for row in PRECISION_PLANS.values() if row.dtype == dtype))
+
+
+def quant_of(bnb: dict[str, Any] | None, experts: bool = False) -> str | None:
+    """The quantization whose row loads with these BitsAndBytesConfig settings (None: none does)."""
+    for plan in QUANT_PLANS.values():
+        if bnb is None and plan.bits is None:
+            return str(plan.quant)
+        if bnb and plan.bnb and plan.experts_quantized == experts and all(plan.bnb.get(k) == v for k, v in bnb.items()):
+            return str(plan.quant)
+    return None
+
+
+def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, str], tf32_key: str = "tf32") -> None:
+    if fp16 and bf16:
+        recipe.refuse(keys[0], "both bf16 and fp16 are on; a run trains in one of them")
+        return
+    precision = precision_of("float16" if fp16 else "bfloat16" if bf16 else "float32")
+    recipe.carry("grid.precision", precision, *keys)
+    if bf16 == "auto":
+        recipe.notes.append(f"{keys[0]}: auto read as bf16 (the grid tries the others where the failure asks)")
+    if recipe.raw.get(tf32_key):
+        recipe.notes.append(f"{tf32_key}: tunegrid's fp32 cells run fp32 matmuls at full precision")
+        recipe.not_carried[tf32_key] = "TF32 matmuls (GPU only) are not a tunegrid setting"
+
+
+def quantization(recipe: Recipe, four: bool, eight: bool, quant_type: Any, keys: list[str]) -> None:
+    """`load_in_4bit` (with its bnb_4bit_quant_type) or `load_in_8bit` as the quantization that loads so."""
+    given = [k for k in keys if k in recipe.raw]
+    if four and eight:
+        recipe.refuse("load_in_8bit", "both 4-bit and 8-bit loading are on; a model loads in one of them")
+        return
+    bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": str(quant_type or "nf4")} if four else None
+    bnb = {"load_in_8bit": True} if eight else bnb
+    quant = quant_of(bnb)
+    if quant is None:
+        recipe.refuse(keys[-1], f"{bnb}: no tunegrid quantization loads with these bitsandbytes settings")
+        return
+    recipe.carry("grid.quant", quant, *given)

@@ -1,0 +1,216 @@
+"""A study whose baseline cell is the user's recipe, and whose grid varies, around it, the settings that bear
+on the failure the user names (`nan`, `oom`, `timeout`, or `all`).
+
+`tunegrid import` writes it with a header listing what was carried, what was not and why; a study file
+with a `base:` key is expanded the same way when Snakemake (or `tunegrid validate`) reads it, the file's
+own keys winning over the recipe's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from tunegrid.prepare.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
+from tunegrid.prepare.recipe_trl import detect_tool
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECORD_ONLY = {"model", "adapter", "optimizer", "data.dataset", "model.trust_remote_code"}  # not study paths
+BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset"}
+
+
+def read_recipe(base: dict[str, Any]) -> Recipe:
+    """The recipe a `base:` section names, read with its options (`from`, `ignore`, `model`, `dataset` …)."""
+    from tunegrid.prepare.recipe_axolotl import read_axolotl
+    from tunegrid.prepare.recipe_trl import read_trl
+
+    unknown = set(base) - BASE_KEYS
+    if unknown:
+        raise RecipeError(f"config key 'base': unknown keys {sorted(unknown)}; allowed {sorted(BASE_KEYS)}")
+    path = str(base.get("recipe") or "")
+    raw = read_file(path)
+    tool = base.get("from") or "auto"
+    if tool == "auto":
+        tool = detect_tool(raw)
+    if tool not in TOOLS:
+        raise RecipeError(f"config key 'base.from': {tool!r} is not one of {['auto', *TOOLS]}")
+    raw = _with_overrides(raw, tool, base.get("model"), base.get("dataset"))
+    recipe = Recipe(tool=tool, path=path, raw=raw, ignore=set(base.get("ignore") or []))
+    reader = read_axolotl if tool == "axolotl" else read_trl
+    reader(recipe, base.get("steps"), base.get("seq_len"))
+    if recipe.refused:
+        raise RecipeError(
+            f"recipe {path!r} (read as {tool} {recipe.version}) cannot be run as it is:\n  - "
+            + "\n  - ".join(recipe.refused)
+        )
+    return recipe
+
+
+def _with_overrides(raw: dict[str, Any], tool: str, model: str | None, dataset: str | None) -> dict[str, Any]:
+    """`--model path|repo@rev` and `--dataset file` as the tool's own keys (a TrainingArguments file names neither)."""
+    raw = copy.deepcopy(raw)
+    if model:
+        name, _, revision = model.partition("@")
+        keys = ("base_model", "revision_of_model") if tool == "axolotl" else ("model_name_or_path", "model_revision")
+        raw[keys[0]] = name
+        if revision:
+            raw[keys[1]] = revision
+    if dataset:
+        name, _, revision = dataset.partition("@")
+        if tool == "axolotl":
+            entry: dict[str, Any] = {"path": name, **({"revision": revision} if revision else {})}
+            raw["datasets"] = [entry]
+        else:
+            raw["dataset_name"] = name
+    return raw
+
+
+def model_name(recipe: Recipe) -> str:
+    model = recipe.settings["model"]
+    base = Path(model.get("path") or model.get("repo_id")).name
+    return _slug(base) or "model"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", text).strip("-.")[:64]
+
+
+def _is_moe(recipe: Recipe) -> bool:
+    model = recipe.settings["model"]
+    if model["source"] != "local":
+        return False
+    config = json.loads((Path(model["path"]) / "config.json").read_text())
+    return any((config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _smaller_micro_batch(batch: int) -> int | None:
+    """The largest divisor of `batch` at most a quarter of it (else half): the same effective batch with
+    accumulation, and a quarter of the activations."""
+    for limit in (batch // 4, batch // 2):
+        divisors = [d for d in range(1, limit + 1) if batch % d == 0]
+        if divisors:
+            return max(divisors)
+    return None
+
+
+def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], list[str]]:
+    """The grid: every axis at the recipe's value, the axes that bear on `failure` varied around it."""
+    from tunegrid.vocabulary import AXES
+
+    s = recipe.settings
+    grid: dict[str, list[Any]] = {axis: [s[f"grid.{axis}"]] for axis in AXES if f"grid.{axis}" in s}
+    why: list[str] = []
+    failures = {"nan", "oom", "timeout"} if failure == "all" else {failure}
+    smaller = _smaller_micro_batch(s["grid.batch_size"])
+    if "nan" in failures:
+        grid["precision"] += [p for p in PRECISIONS if p != s["grid.precision"]]
+        why.append("nan: every precision (fp16's range, bf16's, fp32)")
+    if ("nan" in failures or "oom" in failures) and smaller:
+        factor = s["grid.batch_size"] // smaller
+        grid["batch_size"].append(smaller)
+        grid["grad_accum"].append(s["grid.grad_accum"] * factor)
+        why.append(
+            f"nan/oom: micro-batch {smaller} with {s['grid.grad_accum'] * factor} micro-batches per step "
+            "(the recipe's effective batch, a smaller activation peak)"
+        )
+    if "oom" in failures:
+        from tunegrid.plans import QUANT_PLANS, memory_fix_quants
+
+        moe = _is_moe(recipe)
+        quants = [str(q) for q in memory_fix_quants() if moe or not QUANT_PLANS[q].experts_quantized]
+        grid["quant"] += [q for q in quants if q not in grid["quant"]]
+        why.append(f"oom: quantizations {quants}")
+    if "timeout" in failures:
+        grid["world_size"] = [1, 2]
+        why.append("timeout: one rank and two (DDP; collectives with the recipe's ddp_timeout)")
+    return grid, why
+
+
+def build_study(recipe: Recipe, failure: str, base: dict[str, Any], study: str | None = None) -> dict[str, Any]:
+    if failure not in FAILURES:
+        raise RecipeError(f"config key 'base.failure': {failure!r} is not one of {list(FAILURES)}")
+    name = model_name(recipe)
+    model = dict(recipe.settings["model"])
+    if recipe.settings.get("model.trust_remote_code"):
+        model["trust_remote_code"] = True
+    grid, _ = grid_around(recipe, failure)
+    out: dict[str, Any] = {
+        "study": study or _slug(Path(recipe.path).stem) or "recipe",
+        "base": base,
+        "models": {name: model},
+        "grid": {"model": [name], **grid},
+    }
+    for path, value in recipe.settings.items():
+        if path in RECORD_ONLY or path.startswith("grid."):
+            continue
+        section, key = path.split(".", 1)
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def baseline_cell_id(study: dict[str, Any]) -> str:
+    from tunegrid.config import Cell
+    from tunegrid.vocabulary import AXES
+
+    grid = study["grid"]
+    return Cell(**{axis: grid[axis][0] for axis in AXES if grid.get(axis)}).cell_id
+
+
+def header(recipe: Recipe, failure: str, study: dict[str, Any]) -> list[str]:
+    """What the import did, for the study file's header and the command's output."""
+    _, why = grid_around(recipe, failure)
+    lines = [
+        f"Imported from {recipe.path} (read as {recipe.tool} {recipe.version} keys) for failure: {failure}.",
+        f"Baseline cell (the recipe itself): {baseline_cell_id(study)}",
+        "Grid around it: " + ("; ".join(why) or "the baseline alone"),
+        "Carried over:",
+    ]
+    for path, keys in sorted(recipe.origin.items()):
+        if keys and path != "data.dataset":
+            value = recipe.settings[path]
+            given = [k for k in keys if k.split(".")[0] in recipe.raw] or [f"({recipe.tool}'s default)"]
+            lines.append(f"  {', '.join(given)} -> {path} = {json.dumps(value, default=str)}")
+    if recipe.not_carried:
+        lines.append(f"Not carried over ({len(recipe.not_carried)} keys):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.not_carried.items())]
+    if recipe.ignored:
+        lines.append("Ignored (--ignore; tunegrid cannot honour them):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.ignored.items())]
+    if recipe.notes:
+        lines.append("Notes:")
+        lines += [f"  {note}" for note in recipe.notes]
+    return lines
+
+
+def import_recipe(base: dict[str, Any], study: str | None = None) -> tuple[dict[str, Any], Recipe, list[str]]:
+    """The study for a `base:` section: (study, the recipe as read, header lines)."""
+    recipe = read_recipe(base)
+    failure = base.get("failure") or "all"
+    built = build_study(recipe, failure, base, study)
+    return built, recipe, header(recipe, failure, built)
+
+
+def expand_base(config: dict[str, Any]) -> dict[str, Any]:
+    """A study with `base:` = the imported study with the file's own keys on top (deep); else unchanged."""
+    if not config.get("base"):
+        return config
+    base = config["base"]
+    if not isinstance(base, dict):
+        base = {"recipe": base}
+    imported, _, _ = import_recipe(base, config.get("study"))
+    merged = _deep_merge(imported, {k: v for k, v in config.items() if k != "base"})
+    merged["base"] = base
+    return merged
+
+
+def _deep_merge(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(under)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

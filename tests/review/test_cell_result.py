@@ -1,0 +1,72 @@
+"""result.json as a type: old files still read, nothing a worker writes is dropped, and summary.csv, the
+MLflow tags and the report read the same CellResult."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import REPO
+
+from tunegrid.outcome import CellResult, Diagnosis, compose_result
+from tunegrid.review.summary import summary_row
+from tunegrid.track.tags import run_tags
+from tunegrid.vocabulary import Outcome
+
+OLD = REPO / "tests" / "data" / "result-a7de793-gemma3-tiny_fp16_bs8_nf4_s0.json"
+
+
+def test_a_result_json_from_before_the_type_still_reads():
+    raw = json.loads(OLD.read_text())
+    result = CellResult.from_json(raw)
+    assert result.outcome is Outcome.NAN and result.diagnosis.nan["kind"] == "loss_nonfinite"
+    assert result.distributed == {} and result.lora_sha256 is None  # fields it predates take their defaults
+    assert CellResult.from_json(result.to_json()) == result
+    assert {k: v for k, v in result.to_json().items() if k in raw} == {**raw, "diagnosis": raw["diagnosis"]}
+
+    row = summary_row(raw)
+    assert row["outcome"] == "nan" and row["nan_step"] == 0 and row["nan_kind"] == "loss_nonfinite"
+    assert row["nan_forward_module"].endswith("layers.0.mlp.down_proj") and row["quant"] == "nf4"
+    assert row == summary_row(result)
+    tags = run_tags(raw)
+    assert tags["nan.kind"] == "loss_nonfinite" and tags["outcome"] == "nan" and tags == run_tags(result)
+
+    # older still: a result from before the world_size and grad_accum axes reads at their neutral values
+    older = json.loads(OLD.read_text())
+    for axis in ("world_size", "grad_accum"):
+        older["cell"]["axes"].pop(axis, None)
+    assert summary_row(older)["effective_batch"] == 8 and summary_row(older)["grad_accum"] == 1
+
+
+def test_a_key_no_field_holds_is_an_error_not_a_silent_drop():
+    raw = json.loads(OLD.read_text())
+    with pytest.raises(ValueError, match="surprise"):
+        CellResult.from_json({**raw, "surprise": 1})
+    with pytest.raises(ValueError, match="hunch"):
+        Diagnosis.from_json({"hunch": {}})
+
+
+def _spec():
+    raw = json.loads(OLD.read_text())
+    return raw["cell"]
+
+
+def test_composing_keeps_every_fact_the_worker_wrote(tmp_path):
+    facts = {
+        "outcome": "ok",
+        "reason": "trained all 3 steps with finite loss",
+        "rank": 0,
+        "stage": "adapter",
+        "distributed": {"world_size": 2, "backend": "gloo", "collective_timeout_s": 60},
+        "lora_sha256": "ab" * 32,
+        "training": {"steps_run": 3},
+        "wall_s": 1.0,
+    }
+    (tmp_path / "worker.json").write_text(json.dumps(facts))
+    result = compose_result(_spec(), tmp_path, 0, None, 0.0, ["tunegrid", "finetune"])
+    assert result["distributed"]["backend"] == "gloo"  # once dropped by a whitelist of keys
+    assert result["lora_sha256"] == "ab" * 32 and result["stage"] == "adapter"
+    assert CellResult.from_json(result).training == {"steps_run": 3}
+    (tmp_path / "worker.json").write_text(json.dumps({**facts, "new_fact": 1}))
+    with pytest.raises(ValueError, match="new_fact"):
+        compose_result(_spec(), tmp_path, 0, None, 0.0, ["tunegrid", "finetune"])

@@ -1,0 +1,59 @@
+"""README's "Bring your recipe" commands, as written, in a fresh copy of this checkout: the example axolotl
+and TRL recipes import, train on the CPU, end with the study at a glance, and their recommended fix comes
+back as the user's own config, changed only where the fix changes it (a TRL one builds trl's SFTConfig)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, workflow_env
+
+from tunegrid.review.recipe_export import split_trl
+
+pytestmark = pytest.mark.slow
+
+
+def recipe_commands() -> list[str]:
+    """The fenced bash block of README's "Bring your recipe" section, line by line."""
+    text = (REPO / "README.md").read_text().split("## Bring your recipe", 1)[1].split("\n## ", 1)[0]
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip()]
+
+
+def test_readme_recipe_commands_import_run_and_export_the_examples(tmp_path: Path):
+    root = tmp_path / "tunegrid"
+    shutil.copytree(
+        REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", "models")
+    )
+    env = workflow_env("TUNEGRID_EXECUTION_ID")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    outputs = {}
+    for command in recipe_commands():
+        done = subprocess.run(
+            ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=900, check=False
+        )
+        assert done.returncode == 0, f"{command}:\n{(done.stdout + done.stderr)[-3000:]}"
+        outputs[command] = done.stdout + done.stderr
+    for tool in ("axolotl", "trl"):
+        study = f"{tool}-gemma3-tiny"
+        (run,) = [out for command, out in outputs.items() if command.startswith("snakemake") and study in command]
+        tail = run.strip().splitlines()[-5:]
+        assert any(line.startswith(f"tunegrid study '{study}': 3 cells: 2 ok, 1 nan") for line in tail), tail
+        assert f"report: results/{study}/report/index.html" in tail
+        assert "Your recipe, fixed" in (root / "results" / study / "report" / "index.html").read_text()
+        recipe = yaml.safe_load((root / "examples" / f"{study}.yaml").read_text())
+        fixed = yaml.safe_load((root / "results" / study / "fixed.yaml").read_text())
+        changed = {k for k in set(recipe) | set(fixed) if recipe.get(k) != fixed.get(k)}
+        assert changed and changed <= {"bf16", "fp16"}, changed  # the fix is a precision; nothing else moved
+        assert fixed["fp16"] is False
+    from trl import SFTConfig
+
+    trl_fixed = yaml.safe_load((root / "results" / "trl-gemma3-tiny" / "fixed.yaml").read_text())
+    config = SFTConfig(**split_trl(trl_fixed)["SFTConfig"])  # the file sets use_cpu, as a CPU recipe does
+    assert not config.fp16 and config.gradient_accumulation_steps == 8
