@@ -117,10 +117,12 @@ def one_cell(
     world: int = 1,
     accum: int = 1,
     train: dict[str, Any] | None = None,
+    axes: dict[str, Any] | None = None,
     **sections: Any,
 ) -> dict[str, Any]:
-    """The resolved spec of a one-cell study: these axes, `train` merged over the small default, and any
-    other section (debug, lora, hardware, distributed, data) replacing make_study's."""
+    """The resolved spec of a one-cell study: these axes (and any other axis's one value in `axes`), `train`
+    merged over the small default, and any other section (debug, lora, hardware, distributed, data) replacing
+    make_study's."""
     from tunegrid.config import cell_spec, expand_cells, resolve_study
 
     grid = {
@@ -131,6 +133,7 @@ def one_cell(
         "seed": [seed],
         "world_size": [world],
         "grad_accum": [accum],
+        **{axis: [value] for axis, value in (axes or {}).items()},
     }
     study = resolve_study(
         make_study(grid=grid, train={"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}, **sections)

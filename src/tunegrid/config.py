@@ -155,29 +155,9 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
     from tunegrid.data_checks import config_problems
 
     problems += config_problems(config["data"])
-    debug, worlds = config["debug"], config["grid"]["world_size"]
-    for key in ("stall_rank", "kill_rank"):
-        rank = debug[key]["rank"]
-        if rank >= 0 and rank >= max(worlds):
-            problems.append(
-                f"config key 'debug.{key}.rank': {rank} does not exist; grid.world_size is at most {max(worlds)} "
-                f"(ranks 0..{max(worlds) - 1})"
-            )
-    injection, accums = debug["inject_nonfinite"], config["grid"]["grad_accum"]
-    if injection.get("rank", 0) >= max(worlds):
-        problems.append(
-            f"config key 'debug.inject_nonfinite.rank': {injection['rank']} does not exist; grid.world_size is at "
-            f"most {max(worlds)} (ranks 0..{max(worlds) - 1})"
-        )
-    for index, request in enumerate([injection, *injection.get("also", [])]):
-        micro = request.get("micro_batch", 0)
-        if request.get("module") and micro >= max(accums):
-            key = "debug.inject_nonfinite" + (f".also.{index - 1}" if index else "")
-            problems.append(
-                f"config key '{key}.micro_batch': {micro} does not exist; grid.grad_accum is at most {max(accums)} "
-                f"(micro-batches 0..{max(accums) - 1})"
-            )
-        problems += _position_problems(request.get("position"), index, config)
+    from tunegrid.grid_axes import debug_problems
+
+    problems += debug_problems(config)
     tracking = config["tracking"]
     if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:
         problems.append(
@@ -225,18 +205,23 @@ def cells_by_id(study: dict[str, Any]) -> dict[str, Cell]:
 
 
 def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
-    """Everything one cell needs to train, fully resolved: what result.json records as `cell`."""
+    """Everything one cell needs to train, fully resolved: what result.json records as `cell`. The axes that
+    stand for a study setting (activation checkpointing, the collective timeout, the rank faults) are written
+    into it, so the trainer reads one place."""
+    from tunegrid.grid_axes import cell_debug, setting_values
+
+    settings = setting_values(study, cell)
     return {
         "study": study["study"],
         "cell_id": cell.cell_id,
         "axes": cell.axes(),
         "model": {"name": cell.model, **study["models"][cell.model]},
-        "train": study["train"],
+        "train": {**study["train"], "gradient_checkpointing": settings["activation_checkpointing"]},
         "lora": study["lora"],
         "data": study["data"],
-        "debug": study["debug"],
+        "debug": cell_debug(study["debug"], cell.fault),
         "hardware": study["hardware"],
-        "distributed": study["distributed"],
+        "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},
     }
 
 
@@ -254,23 +239,3 @@ def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
 def spec_json(spec: dict[str, Any]) -> str:
     """Canonical JSON of a spec: identical config gives identical text (Snakemake's params trigger)."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
-
-
-def _position_problems(position: dict[str, int] | None, index: int, config: dict[str, Any]) -> list[str]:
-    """An injection's (row, token) must lie inside every cell's micro-batch."""
-    if not position:
-        return []
-    key = "debug.inject_nonfinite" + (f".also.{index - 1}" if index else "") + ".position"
-    rows, seq_len = min(config["grid"]["batch_size"]), config["train"]["seq_len"]
-    problems = []
-    if position["row"] >= rows:
-        problems.append(
-            f"config key '{key}.row': {position['row']} does not exist; the smallest grid.batch_size is {rows} "
-            f"(rows 0..{rows - 1})"
-        )
-    if position["token"] >= seq_len:
-        problems.append(
-            f"config key '{key}.token': {position['token']} does not exist; train.seq_len is {seq_len} "
-            f"(tokens 0..{seq_len - 1})"
-        )
-    return problems

@@ -31,6 +31,9 @@ class StepMetrics:
     lr: float
     tokens_per_s: float
     step_time_s: float
+    # the rank's time from the step's start to its last forward, before the backward joins the gradient
+    # all-reduce (a straggler's own slowness, not its wait for others); None in lines from before it existed
+    local_time_s: float | None = None
     mem_peak_bytes: int
     skipped_steps: int
     loss_scale: float | None = None  # fp16's GradScaler only
@@ -103,6 +106,7 @@ class CellResult:
     # calibration's top modules); None for every other precision (cell/islands.py)
     fp32_islands: dict[str, Any] | None = None
     quant_audit: dict[str, Any] = field(default_factory=_empty)
+    optimizer: dict[str, Any] = field(default_factory=_empty)  # what the optimizer held: class, state bytes, paging
     training: dict[str, Any] = field(default_factory=_empty)
     resumed_from_step: int | None = None
     checkpoint: dict[str, Any] = field(default_factory=_empty)
@@ -146,6 +150,7 @@ class CellResult:
             "fp16_headroom",
             "fp32_islands",
             "quant_audit",
+            "optimizer",
             "training",
             "resumed_from_step",
             "checkpoint",

@@ -36,6 +36,10 @@ class Quant(StrEnum):
 
 PRECISIONS = tuple(p.value for p in Precision)
 QUANTS = tuple(q.value for q in Quant)
+OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsandbytes' 8-bit, unpaged and paged
+FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
+NO_FAULT = FAULTS[1]  # the twin without an injected fault
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # PyTorch's NCCL default (Timeout(ms)=600000)
 
 
 class MatrixPlace(StrEnum):
@@ -83,10 +87,16 @@ class Axis:
     plot: PlotRole | None = None
 
     def id_part(self, value: Any) -> str:
-        """This axis's part of a cell id, empty at the neutral value."""
-        return "" if self.neutral is not None and value == self.neutral else f"{self.id_prefix}{value}"
+        """This axis's part of a cell id, empty at the neutral value (a flag: its prefix alone when set)."""
+        if self.neutral is not None and value == self.neutral:
+            return ""
+        if self.type is bool:
+            return self.id_prefix
+        return f"{self.id_prefix}{value:g}" if self.type is float else f"{self.id_prefix}{value}"
 
     def value_pattern(self) -> str:
+        if self.type is bool:
+            return ""  # a flag: the prefix alone says it is set
         if "enum" in self.items:
             return "|".join(re.escape(str(v)) for v in self.items["enum"])
         if self.type is int:
@@ -178,6 +188,64 @@ AXIS_TABLE: tuple[Axis, ...] = (
         neutral=1,
         plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
     ),
+    Axis(
+        name="optimizer",
+        type=str,
+        items=_enum(OPTIMIZERS),
+        description=(
+            "adamw: torch.optim.AdamW (two fp32 moments per trainable parameter); adamw-8bit: bitsandbytes "
+            "AdamW8bit (both moments blockwise-quantized to 8 bits, one fp32 absmax per 256 elements; tensors "
+            "under 4096 elements keep fp32 moments); paged-adamw-8bit: bitsandbytes PagedAdamW8bit, the 8-bit "
+            "state of tensors of 1e5 elements or more in CUDA managed memory that the driver pages out to host "
+            "memory under pressure (on a CPU ordinary memory: nothing to page to). Cells other than adamw get "
+            "`_<optimizer>` appended to their id"
+        ),
+        default=("adamw",),
+        neutral="adamw",
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="activation_checkpointing",
+        type=bool,
+        items={"type": "boolean"},
+        description=(
+            "recompute each layer's activations in backward instead of keeping them (saves activation memory, "
+            "costs about one more forward; not a model checkpoint). At false a cell follows "
+            "train.gradient_checkpointing. Cells with true get `_ac` appended to their id"
+        ),
+        default=(False,),
+        id_prefix="ac",
+        neutral=False,
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="collective_timeout_s",
+        type=float,
+        items={"type": "number", "exclusiveMinimum": 0},
+        description=(
+            "the torch.distributed timeout of every collective, per cell (a twin with a larger one proves or "
+            "refutes raising it). At 600 a cell follows distributed.collective_timeout_s. Cells other than 600 s "
+            "get `_ct<seconds>` appended to their id"
+        ),
+        default=(DEFAULT_COLLECTIVE_TIMEOUT_S,),
+        id_prefix="ct",
+        neutral=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="fault",
+        type=str,
+        items=_enum(FAULTS),
+        description=(
+            "which rank faults of the debug section a cell injects: debug = all it sets; slow-rank, stall-rank, "
+            "skip-collective, kill-rank = that one alone; none = none (the twin without the fault). Cells other "
+            "than debug get `_fault-<value>` appended to their id"
+        ),
+        default=("debug",),
+        id_prefix="fault-",
+        neutral="debug",
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
 )
 
 AXES = tuple(axis.name for axis in AXIS_TABLE)  # kept for readers that need the names only
@@ -248,7 +316,13 @@ def parse_cell_id(cell_id: str) -> dict[str, Any]:
     found = re.fullmatch(cell_id_pattern(named=True), cell_id)
     if found is None:
         raise ValueError(f"{cell_id!r} is not a cell id (e.g. gemma3-tiny_fp16_bs8_nf4_s0)")
-    return {row.name: row.neutral if found[row.name] is None else row.type(found[row.name]) for row in axis_table()}
+    return {row.name: _parsed(row, found[row.name]) for row in axis_table()}
+
+
+def _parsed(row: Axis, text: str | None) -> Any:
+    if text is None:
+        return row.neutral
+    return (not row.neutral) if row.type is bool else row.type(text)
 
 
 class Outcome(StrEnum):

@@ -57,6 +57,11 @@ def _literal_axis_lists(tree: ast.AST) -> list[tuple[int, list[str]]]:
 AXIS_EFFECTS = {
     "vocabulary.py": "the table itself",
     "review/batch_advice.py": "a micro-batch recipe is batch_size x grad_accum",
+    "review/memory_advice.py": "the memory settings a fix changes (optimizer, activation checkpointing)",
+    "grid_axes.py": "the axes that stand for a study setting, each beside its setting",
+    "cell/distributed.py": "a distributed cell's facts: its world size and the timeout in effect",
+    "cell/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",
+    "prepare/recipe_study.py": "recipe keys recorded, not study paths (its model and optimizer names)",
 }
 
 

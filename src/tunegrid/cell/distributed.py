@@ -8,6 +8,7 @@ the other ranks (their LoRA weights must be bit-identical after DDP).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell.collective import classify_timeout, describe, find_straggler
 from tunegrid.files import read_json
 from tunegrid.rundir import rank_dir
 from tunegrid.vocabulary import Outcome
@@ -58,7 +60,8 @@ def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> di
     folder = rank_dir(run_dir, rank)
     facts_path = folder / "worker.json"
     facts = read_json(facts_path) if facts_path.exists() else {}
-    heartbeat = (folder / "heartbeat").read_text().strip() if (folder / "heartbeat").exists() else ""
+    beat_path = folder / "heartbeat"
+    heartbeat = beat_path.read_text().strip() if beat_path.exists() else ""
     step = STEP_RE.search(heartbeat)
     diagnosis = facts.get("diagnosis") or {}
     watchdog = nccl_watchdog_timeout(run_dir / "ranks" / f"rank{rank}.log") if not stopped else None
@@ -78,7 +81,24 @@ def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> di
         "diagnosis": diagnosis,
         "traceback": facts.get("traceback"),
         "log_tail": _tail(run_dir / "ranks" / f"rank{rank}.log"),
+        "last_heartbeat_at": beat_path.stat().st_mtime if beat_path.exists() else None,
+        "local_times": local_times(folder / "metrics.jsonl"),
     }
+
+
+def local_times(metrics_path: Path) -> dict[int, float]:
+    """step -> the rank's local time (metrics.jsonl's local_time_s; absent in runs from before it was written)."""
+    if not metrics_path.exists():
+        return {}
+    times = {}
+    for line in metrics_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a killed rank
+        if isinstance(record, dict) and "local_time_s" in record:
+            times[int(record["step"])] = float(record["local_time_s"])
+    return times
 
 
 def _collective_op(waiting: dict[str, Any]) -> str:
@@ -122,6 +142,22 @@ def analyze_flight_recorder(run_dir: Path) -> dict[str, Any] | None:
         lines[-1] if lines else "",
     )
     return {"dumps": [d.name for d in dumps], "verdict": verdict[:400], "report_tail": lines[-20:]}
+
+
+def _on_the_main_path(
+    collective: dict[str, Any], kind: dict[str, Any], ranks: list[dict[str, Any]], waiting: list[dict[str, Any]]
+) -> tuple[str, list[int], list[dict[str, Any]]]:
+    """For a mismatch, the collective, step and missing ranks as the main path sees them: whichever rank gave
+    up first, the ranks that parted are the ones that never arrive at the collective the others wait in."""
+    if kind["kind"] != "mismatch" or kind["evidence"] != "collectives":
+        return collective["op"], collective["missing_ranks"], waiting
+    main = kind["main_path"]
+    op = "BARRIER" if main["collective"] == "barrier" else "ALLREDUCE"
+    waiting = [r for r in ranks if r["rank"] not in kind["parted_ranks"]]
+    collective.update(
+        op=op, step=main["step"], missing_ranks=kind["parted_ranks"], waiting_ranks=[r["rank"] for r in waiting]
+    )
+    return op, kind["parted_ranks"], waiting
 
 
 def diagnose_ranks(
@@ -212,6 +248,17 @@ def diagnose_ranks(
         }
         if recorder:
             collective["flight_recorder_verdict"] = recorder["verdict"]
+        kind = classify_timeout(
+            ranks,
+            missing,
+            collective["step"],
+            timeout_s,
+            spec["distributed"]["straggler_factor"],
+            recorder["verdict"] if recorder else "",
+            spec["distributed"]["straggler_min_lag_s"],
+        )
+        collective.update(kind=kind["kind"], evidence=kind)
+        op, missing, waiting = _on_the_main_path(collective, kind, ranks, waiting)
         who = ", ".join(map(str, missing)) or "none identified"
         update.update(
             outcome=Outcome.TIMEOUT,
@@ -219,11 +266,20 @@ def diagnose_ranks(
                 f"collective timeout after {timeout_s:g} s in {op}"
                 + (f" at step {collective['step']}" if collective["step"] is not None else "")
                 + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
+                + f"; {describe(kind)}"
             ),
             diagnosis={"collective": collective},
         )
         return update
 
+    settings = spec["distributed"]
+    warning = find_straggler(
+        {r["rank"]: r["local_times"] for r in ranks},
+        settings["straggler_factor"],
+        settings["straggler_min_lag_s"],
+    )
+    if warning is not None:  # an early warning: slow on most steps, not (yet) slow enough to time out
+        update["distributed"]["straggler"] = warning
     if "stopped_by_peer" in (result.get("diagnosis") or {}):  # rank 0 stopped because another rank decided to
         decider = next((r for r in ranks if r["outcome"] and "stopped_by_peer" not in r["diagnosis"]), None)
         if decider is not None:

@@ -22,6 +22,7 @@ class LoopState:
     nonfinite_events: list[dict[str, Any]] = field(default_factory=list)
     headroom_steps: list[int] = field(default_factory=list)  # the failing steps whose headroom was measured on replay
     stop_event: dict[str, Any] | None = None
+    stopped: bool = False  # the loop ended at a non-finite or unsupported step (the ranks' stop, not their end)
     unsupported: list[str] = field(default_factory=list)  # adapter tensors that got no gradient on step 0
     stopped_by_peer: int | None = None  # the step at which another rank's decision ended this rank's loop
 

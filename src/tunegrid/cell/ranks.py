@@ -43,6 +43,8 @@ class RankSteps:
 
         self.facts["stage"] = "ddp"
         self.heartbeat.beat("ddp")
+        # when DDP hands over to the model: what DDP did before (a sync of the ranks) is no rank's local time
+        self.model.register_forward_pre_hook(lambda *_: setattr(self, "inner_forward_at", time.perf_counter()))
         self.ddp = DistributedDataParallel(
             self.model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -66,18 +68,37 @@ class RankSteps:
         return bool(flag.item())
 
     def inject_rank_faults(self, step: int) -> None:
-        """debug.stall_rank / debug.kill_rank: a straggler or a crashed rank, on purpose."""
+        """debug.stall_rank / slow_rank / kill_rank: a rank that pauses once, one slower at every step, or a
+        crashed rank, on purpose. Called inside the step's local time (what a straggler shows)."""
         import signal
 
         debug = self.spec.get("debug") or {}
         stall, kill = debug.get("stall_rank") or {}, debug.get("kill_rank") or {}
+        slow = debug.get("slow_rank") or {}
         if stall.get("rank") == self.ranks.rank and stall.get("step") == step and stall.get("seconds", 0) > 0:
             self.heartbeat.beat(f"step {step} stalled (injected, {stall['seconds']} s)")
             time.sleep(stall["seconds"])
             self.heartbeat.beat(f"step {step} forward+backward")
+        if slow.get("rank") == self.ranks.rank:
+            time.sleep(slow.get("seconds", 0) + slow.get("growth_s", 0) * step)
         if kill.get("rank") == self.ranks.rank and kill.get("step") == step:
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def leaves_loop(self, step: int) -> bool:
+        """debug.skip_collective: this rank takes another path before `step` (as if its data ran out) and never
+        joins that step's all-reduce."""
+        skip = (self.spec.get("debug") or {}).get("skip_collective") or {}
+        return self.ranks.distributed and skip.get("rank") == self.ranks.rank and skip.get("step") == step
+
+    def agree_finished(self, last_step: int) -> None:
+        """The end-of-training barrier: every rank has finished its steps before any saves or leaves. A rank
+        that left the loop early waits here while its peers wait in a step's all-reduce: the ranks are in
+        different collectives (its heartbeat names this one), which the timeout diagnosis reads."""
+        import torch.distributed as dist
+
+        self.heartbeat.beat(f"end of training after step {last_step} (barrier: every rank finished its steps)")
+        dist.barrier()
 
     def lora_digest(self) -> str:
         """sha256 of the trainable weights: every rank of a DDP cell must end with the same one."""

@@ -43,6 +43,7 @@ class StepRecords:
             lr=fact["lr"],
             tokens_per_s=tokens / fact["elapsed"],
             step_time_s=fact["elapsed"],
+            local_time_s=fact["local_time"],
             mem_peak_bytes=fact["peak"],
             skipped_steps=state.skipped_total,
             loss_scale=fact["scale"] if self.scaler is not None else None,

@@ -32,7 +32,7 @@ NON_TRAINING: dict[str, tuple[str, ...] | None] = {
     "plan": None,
     "hardware": None,
     "train": ("time_limit_s", "retries", "heartbeat_timeout_s", "checkpoint_every"),
-    "debug": ("stall_rank", "kill_rank"),
+    "debug": ("stall_rank", "kill_rank", "slow_rank", "skip_collective"),
     "distributed": ("collective_timeout_s", "flight_recorder", "trace_buffer_size", "exit_grace_s"),
 }
 

@@ -42,8 +42,12 @@ class OptimizerSteps:
         from tunegrid.cell.precision import autocast_context
 
         by_count = self.loss_by_count
+        called = time.perf_counter()
         with autocast_context(self.plan):
             loss = (self.ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
+        self.forward_done_at = time.perf_counter()  # the last micro-batch's ends the step's local time
+        if self.ddp is not None:  # DDP's pre-forward syncs the ranks once (its bucket rebuild, 2nd iteration)
+            self.ddp_pre_forward_s += self.inner_forward_at - called
         if not by_count:  # a model that only averages: weigh its mean by the micro-batch's share of the tokens
             loss = loss * (loss_tokens(batch) / step_tokens)
         if scaler is not None:
@@ -53,14 +57,15 @@ class OptimizerSteps:
         return loss
 
     def build_optimizer(self) -> None:
-        import torch
         from transformers import get_scheduler
 
         from tunegrid.cell.injection import NonfiniteInjector
+        from tunegrid.cell.optimizers import make_optimizer
         from tunegrid.cell.precision import make_grad_scaler
 
         train = self.spec["train"]
-        self.optimizer = torch.optim.AdamW(self.trainable, lr=train["lr"], weight_decay=train["weight_decay"])
+        self.optimizer_name = self.spec["axes"].get("optimizer", "adamw")
+        self.optimizer = make_optimizer(self.trainable, self.optimizer_name, train["lr"], train["weight_decay"])
         # transformers' own schedules; the default: linear warm-up from 0, cosine decay to min_lr_rate of the peak
         name = train["lr_scheduler"]
         self.scheduler = get_scheduler(
@@ -105,6 +110,10 @@ class OptimizerSteps:
         scaler = self.scaler
         if self.ranks.distributed:
             self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
+        # the rank's local time: from here to its last forward, before the backward joins the gradient
+        # all-reduce (a straggler's own slowness, not its peers' wait for it)
+        local_started = time.perf_counter()
+        self.ddp_pre_forward_s = 0.0
         self.inject_rank_faults(step)  # a single rank too: a slow step or a crashed worker, on purpose
         step_tokens = sum(loss_tokens(micro) for micro in micro_batches)
         fact: dict[str, Any] = {
@@ -159,6 +168,7 @@ class OptimizerSteps:
         if not skipped:  # as accelerate does: a step that changed no weight does not advance the schedule
             self.scheduler.step()
         fact["elapsed"] = time.perf_counter() - started
+        fact["local_time"] = self.forward_done_at - local_started - self.ddp_pre_forward_s
         fact["peak"] = self.meter.peak_bytes()
         return fact
 

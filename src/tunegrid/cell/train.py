@@ -140,6 +140,8 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
         )
         try:
             for step in range(state.start, steps):
+                if self.leaves_loop(step):
+                    break
                 state.last_step = step
                 if self.checkpointer is not None and self.checkpointer.due(step, state.start):
                     self.save_checkpoint(
@@ -167,9 +169,13 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
                 progress.update()
                 stop = bool(state.unsupported) or self.on_nonfinite(step, micro_batches, fact, state, logs)
                 if self.ranks.distributed and self.any_rank_stops(stop, step, state):
+                    state.stopped = True
                     break  # every rank leaves at the same step, or the one that went on waits in the next all-reduce
                 if stop:
+                    state.stopped = True
                     break
+            if self.ranks.distributed and not state.stopped:
+                self.agree_finished(state.last_step)
         finally:
             progress.close()
             for log in logs.values():
@@ -237,6 +243,10 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             traceback.print_exc()
         finally:
             self.facts["memory"] = getattr(self, "memory", {})
+            if getattr(self, "optimizer", None) is not None:
+                from tunegrid.cell.optimizers import optimizer_facts
+
+                self.facts["optimizer"] = optimizer_facts(self.optimizer, self.optimizer_name, self.device.type)
             self.facts["wall_s"] = time.time() - started
             write_json(self.run_dir / "worker.json", self.facts)
         return self.facts

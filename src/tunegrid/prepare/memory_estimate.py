@@ -5,7 +5,7 @@ Components: runtime (what the training process holds beyond its tensors, measure
 that trains: on CPU the process before a model plus a step's framework overhead, on CUDA the cuBLAS
 workspaces; nothing here is fitted to one host), weights by storage (NF4 ≈ 0.5 B/param plus double-quantized
 block constants; everything bitsandbytes leaves alone at its own dtype — the MoE experts!), LoRA params with
-their grads and AdamW states, activations kept for backward, and the logits/loss buffers.
+their grads and the optimizer's states, activations kept for backward, and the logits/loss buffers.
 """
 
 from __future__ import annotations
@@ -150,6 +150,20 @@ def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str])
     return max(layers.values(), default=0)
 
 
+# bitsandbytes' 8-bit optimizers keep fp32 states for tensors under min_8bit_size elements (its default)
+MIN_8BIT_SIZE = 4096
+BLOCKWISE = 256  # elements per absmax of the blockwise 8-bit states
+
+
+def optimizer_state_bytes(numels: list[int], optimizer: str) -> int:
+    """Bytes of the optimizer's state for trainable tensors of these sizes: AdamW's two fp32 moments, or
+    bitsandbytes' two 8-bit moments plus one fp32 absmax per 256 elements for each (fp32 moments under 4096
+    elements). Paging moves the 8-bit state, it does not shrink it."""
+    if optimizer == "adamw":
+        return sum(8 * n for n in numels)
+    return sum(2 * (n + 4 * -(-n // BLOCKWISE)) if n >= MIN_8BIT_SIZE else 8 * n for n in numels)
+
+
 def estimate_from_shapes(
     spec: dict[str, Any],
     config: dict[str, Any],
@@ -169,6 +183,7 @@ def estimate_from_shapes(
     weights = 0.0
     quantized_numel = 0
     lora_params = 0
+    lora_tensors: list[int] = []
     largest_dequant = 0
     expert_names: set[str] = set()
     quantized_names: set[str] = set()
@@ -206,15 +221,18 @@ def estimate_from_shapes(
             and any(module.endswith("." + t) for t in lora["target_modules"])
         ):
             lora_params += lora["r"] * (shape[0] + shape[1])
+            lora_tensors += [lora["r"] * shape[1], shape[0] * lora["r"]]  # lora_A, lora_B
 
     targets = lora.get("target_parameters") or []
     for name, shape in fused_expert_parameters(shapes, expert_names).items():
         if any(name == t or name.endswith("." + t) for t in targets):
             # peft's ParamWrapper over a fused [experts, in, out] parameter: r x experts rows of A, columns of B
             lora_params += lora["r"] * shape[0] * (shape[1] + shape[2])
+            lora_tensors += [lora["r"] * shape[0] * shape[1], lora["r"] * shape[0] * shape[2]]
             adapted_experts += _numel(shape)
-    # LoRA: fp32 params + grads + AdamW's two moments
-    lora_bytes = lora_params * 4 * 4
+    # LoRA: fp32 params + grads, and the optimizer's state for them
+    lora_bytes = lora_params * 4 * 2
+    optimizer_bytes = optimizer_state_bytes(lora_tensors, axes.get("optimizer", "adamw"))
 
     batch, seq = axes["batch_size"], train["seq_len"]  # the micro-batch: accumulated ones hold no activations
     tokens = batch * seq
@@ -272,7 +290,9 @@ def estimate_from_shapes(
         # parameter holds the parts and the whole at once
         load = runtime + at_load + _fused_expert_bytes(shapes, expert_names, storage)
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
-    train_peak = runtime + step_overhead + weights + lora_bytes + activations + kept_experts + transient
+    train_peak = (
+        runtime + step_overhead + weights + lora_bytes + optimizer_bytes + activations + kept_experts + transient
+    )
     total = max(load, train_peak)
     # What this model leaves out, said where it applies rather than fitted: on CPU, oneDNN's bf16 kernels grow
     # the process at every step as the tokens routed to each expert change shape (benchmarks/README.md,
@@ -292,7 +312,8 @@ def estimate_from_shapes(
         "components": {
             "runtime": int(runtime + step_overhead),
             "weights": int(weights),
-            "lora_params_grads_optimizer": int(lora_bytes),
+            "lora_params_grads": int(lora_bytes),
+            "optimizer_state": int(optimizer_bytes),
             "activations": int(activations),
             "experts_kept_for_backward": int(kept_experts),
             "logits": int(logits),

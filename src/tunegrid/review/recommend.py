@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from tunegrid.plans import memory_fix_quants
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, paren, siblings
-from tunegrid.review.batch_advice import memory_batch_fix, smaller_batch_fix
-from tunegrid.review.moe_advice import expert_gap, load_peaks
+from tunegrid.review.batch_advice import smaller_batch_fix
+from tunegrid.review.memory_advice import memory_fixes
+from tunegrid.review.moe_advice import expert_gap
 from tunegrid.review.precision_advice import candidates, holds, precision_fixes
-from tunegrid.units import human_bytes
+from tunegrid.review.timeout_advice import timeout_fixes
 from tunegrid.vocabulary import Outcome, Precision
 
 
@@ -90,43 +90,6 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
     return out
 
 
-def _memory_fixes(frame: Any) -> list[Recommendation]:
-    out = []
-    for _, row in frame[frame["outcome"].isin([Outcome.OOM, Outcome.PREDICTED_OOM])].iterrows():
-        options, evidence, fixes = [], [], []
-        batch_fix, batch_note = memory_batch_fix(frame, row)  # the effective batch kept, or why not
-        if batch_fix:
-            options.append(batch_fix["why"])
-            evidence += batch_fix["evidence"]
-            fixes.append(Fix(**batch_fix))
-        for quant in memory_fix_quants():
-            alt = ok_cells(siblings(frame, row, "quant"))
-            alt = alt[alt["quant"] == quant]
-            if not alt.empty:
-                peak = human_bytes(alt.iloc[0]["peak_bytes"])
-                options.append(f"quant={quant} fits (peak {peak}{load_peaks(row, alt.iloc[0])})")
-                evidence.append(alt.iloc[0]["cell_id"])
-                fixes.append(Fix({"quant": quant}, options[-1], [alt.iloc[0]["cell_id"]]))
-                break
-        if not options and not batch_note:
-            continue
-        stage = f" at {row['oom_stage']}" if isinstance(row.get("oom_stage"), str) and row["oom_stage"] else ""
-        out.append(
-            Recommendation(
-                signature=f"{row['outcome']}",
-                title=f"{row['cell_id']}: out of memory{stage}",
-                text=f"{row['cell_id']} ended {row['outcome']}{stage} ({row['reason']})."
-                + (" Fix: " + "; or ".join(options) + "." if options else "")
-                + (f" {batch_note}" if batch_note else ""),
-                failing=[row["cell_id"]],
-                evidence=evidence,
-                fixes=fixes,
-                concerns=[row["cell_id"]],
-            )
-        )
-    return out
-
-
 def _unsupported_fixes(frame: Any) -> list[Recommendation]:
     rows = frame[frame["outcome"] == Outcome.UNSUPPORTED]
     groups: dict[tuple[Any, ...], list[Any]] = defaultdict(list)
@@ -159,49 +122,16 @@ def _unsupported_fixes(frame: Any) -> list[Recommendation]:
     return out
 
 
-def _timeout_fixes(frame: Any) -> list[Recommendation]:
-    out = []
-    if "collective_op" not in frame.columns:
-        return out
-    for _, row in frame[(frame["outcome"] == Outcome.TIMEOUT) & frame["collective_op"].notna()].iterrows():
-        evidence, options, fixes = [], [], []
-        if "world_size" in frame.columns:
-            alt = ok_cells(siblings(frame, row, "world_size"))
-            if not alt.empty:
-                best = alt.sort_values("world_size").iloc[-1]
-                evidence.append(best["cell_id"])
-                options.append(f"world_size {int(best['world_size'])} was ok")
-                fixes.append(Fix({"world_size": int(best["world_size"])}, options[-1], [best["cell_id"]]))
-        missing = row.get("collective_missing_ranks") or "unknown"
-        text = (
-            f"Collective timeout: rank(s) {missing} never reached {row['collective_op']} "
-            f"(seq {row.get('collective_seq') or 'n/a'}); the other ranks waited {row.get('collective_timeout_s')} s, "
-            f"the timeout in effect. The straggler, not the network, is the cause to chase: its last step was "
-            f"{row.get('collective_last_steps') or 'n/a'}."
-        )
-        if options:
-            text += " In this grid, " + "; ".join(options) + "."
-        out.append(
-            Recommendation(
-                signature="timeout:collective",
-                title=f"{row['cell_id']}: collective timeout",
-                text=text,
-                failing=[row["cell_id"]],
-                evidence=evidence,
-                fixes=fixes,
-                concerns=[row["cell_id"]],
-            )
-        )
-    return out
-
-
-def recommend(frame: Any, capabilities: dict[str, Any] | None = None) -> list[Recommendation]:
-    """Every recommendation the grid supports, most severe failure kinds first."""
+def recommend(
+    frame: Any, capabilities: dict[str, Any] | None = None, curves: dict[str, list[dict[str, Any]]] | None = None
+) -> list[Recommendation]:
+    """Every recommendation the grid supports, most severe failure kinds first; `curves` (cell id -> its
+    metrics.jsonl records) gives the memory fixes their loss parity."""
     capabilities = capabilities or {}
     return [
         *_nan_fixes(frame, capabilities),
-        *_memory_fixes(frame),
+        *memory_fixes(frame, curves),
         *expert_gap(frame),
-        *_timeout_fixes(frame),
+        *timeout_fixes(frame),
         *_unsupported_fixes(frame),
     ]

@@ -16,6 +16,7 @@ from typing import Any
 from tunegrid.files import atomic_write_text, read_json, read_jsonl
 from tunegrid.outcome import CellResult
 from tunegrid.review.advice import Recommendation
+from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
@@ -58,24 +59,26 @@ NAN_COLUMNS = [
     "fp16_headroom_worst_ratio",
 ]
 AUDIT_COLUMNS = ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"]
-ALL_CELLS_COLUMNS = (
+MEMORY_SETTING_COLUMNS = [
     "cell_id",
-    "outcome",
-    "reason",
-    "effective_batch",
-    "steps_run",
-    "resumed_from_step",
-    "final_loss",
-    "loss_fall",
-    "quality",
-    "loss_deviation",
-    "fp32_islands",
-    "skipped_steps",
+    "setting",
+    "plain cell",
     "peak_bytes",
+    "peak / plain",
+    "tokens/s / plain",
+    "optimizer_state_bytes",
     "estimate_over_measured",
-    "tokens_per_s",
-    "mlflow_run_id",
-)
+    "final loss - plain",
+]
+# the quality columns (loss_fall, quality, loss_deviation) and fp32_islands: review/quality.py, cell/islands.py
+ALL_CELLS_COLUMNS = """cell_id outcome reason effective_batch steps_run resumed_from_step final_loss loss_fall quality
+loss_deviation fp32_islands skipped_steps peak_bytes estimate_over_measured tokens_per_s optimizer_state_bytes
+collective_diagnosis straggler_rank collective_parted mlflow_run_id""".split()
+
+
+def _any_value(frame: Any, column: str) -> bool:
+    """A column to show: present and set for some cell (a grid without ranks has no collective columns)."""
+    return column in frame.columns and bool(frame[column].notna().any())
 
 
 def _label(column: str) -> str:
@@ -285,7 +288,7 @@ def build_report(
         result = CellResult.from_json(read_json(path)).to_json()  # any version's file, with today's fields
         results[result["cell_id"]] = result
         curves[result["cell_id"]] = read_jsonl(Path(path).parent / "metrics.jsonl")
-    recs = recommend(frame, capabilities)
+    recs = recommend(frame, capabilities, curves)
 
     plots = {
         "outcomes": out_dir / "outcomes.png",
@@ -322,8 +325,9 @@ def build_report(
 <h2>Other failures</h2>{_failures_html(failures)}
 <h2>Loss curves</h2><img alt="loss curves" src="{_png(plots["loss"])}">
 <h2>Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
+<h2>Memory settings: what each saves and costs</h2>{_table(memory_setting_rows(frame), MEMORY_SETTING_COLUMNS)}
 <h2>MoE quantization audit</h2>{_table(_audit_rows(results), AUDIT_COLUMNS)}
-<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if c in frame.columns])}
+<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)])}
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
     return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}

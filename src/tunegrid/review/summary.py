@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.files import read_json, read_jsonl
+from tunegrid.grid_axes import SETTING_AXES
 from tunegrid.outcome import CellResult, origin_label
 from tunegrid.review.quality import default_review, loss_curve, quality_columns
 from tunegrid.vocabulary import axis_names, with_neutrals
@@ -16,8 +17,11 @@ from tunegrid.vocabulary import axis_names, with_neutrals
 def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
     """A cell's row, from its result (a CellResult, or result.json as written by any version)."""
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
-    # results written before an axis existed ran at its neutral value; the columns are the table's axes
-    recorded = with_neutrals(result.axes)
+    # results written before an axis existed ran at its neutral value, or at the study setting it stands for
+    cell = result.cell
+    settings = {axis: (cell.get(section) or {}).get(key) for axis, (section, key) in SETTING_AXES.items()}
+    # the axes that stand for a setting read as trained: the cell's own train/distributed values
+    recorded = {**with_neutrals(result.axes), **{k: v for k, v in settings.items() if v is not None}}
     axes = {name: recorded.get(name) for name in axis_names()}
     diagnosis = result.diagnosis
     nan = diagnosis.nan or {}
@@ -56,6 +60,8 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "load_peak_bytes": memory.get("load_peak_bytes"),
         "first_step_peak_bytes": memory.get("first_step_peak_bytes"),
         "steady_peak_bytes": memory.get("steady_peak_bytes"),
+        "optimizer_state_bytes": result.optimizer.get("state_bytes"),
+        "optimizer_state_estimate_bytes": (memory.get("estimate_components") or {}).get("optimizer_state"),
         "oom_stage": oom.get("stage"),
         "oom_peak_bytes": oom.get("peak_bytes"),
         "tokens_per_s": throughput.get("tokens_per_s_median"),
@@ -76,10 +82,11 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
         "collective_op": collective.get("op"),
         "collective_missing_ranks": ",".join(map(str, collective.get("missing_ranks", []))) or None,
-        "collective_timeout_s": collective.get("timeout_s"),
+        "collective_diagnosis": collective.get("kind"),
         "collective_step": collective.get("step"),
         "collective_seq": collective.get("seq"),
         "collective_last_steps": json.dumps(collective["last_step_per_rank"]) if collective else None,
+        **_straggler_columns(result),
         "crashed_ranks": ",".join(map(str, crash.get("ranks", []))) or None,
         "attempts": len(result.attempts or [None]),
         "wall_s": result.wall_s,
@@ -100,6 +107,8 @@ NUMERIC_COLUMNS = (
     "first_step_peak_bytes",
     "steady_peak_bytes",
     "oom_peak_bytes",
+    "optimizer_state_bytes",
+    "optimizer_state_estimate_bytes",
     "tokens_per_s",
     "step_time_s",
     "weight_bytes_loaded",
@@ -112,6 +121,7 @@ NUMERIC_COLUMNS = (
     "loss_fall",
     "loss_deviation",
     "collective_timeout_s",
+    "straggler_ratio",
     "wall_s",
 )
 INTEGER_COLUMNS = (
@@ -123,6 +133,7 @@ INTEGER_COLUMNS = (
     "flagged_tensors",
     "collective_step",
     "collective_seq",
+    "straggler_rank",
     "attempts",
 )
 
@@ -143,6 +154,21 @@ def typed(frame: Any) -> Any:
                 values = values.map(lambda v: None if v is None else str(v))
             frame[column] = values
     return frame
+
+
+def _straggler_columns(result: CellResult) -> dict[str, Any]:
+    """The straggler a timeout was blamed on, else the early warning of a cell that did not time out."""
+    evidence = (result.diagnosis.collective or {}).get("evidence") or {}
+    straggler = evidence.get("before_the_stall") or result.distributed.get("straggler") or {}
+    return {
+        "straggler_rank": straggler.get("rank"),
+        "straggler_ratio": straggler.get("median_ratio"),
+        "collective_parted": (
+            f"rank(s) {','.join(map(str, evidence['parted_ranks']))} at step {evidence['parted_at_step']}"
+            if evidence.get("parted_ranks")
+            else None
+        ),
+    }
 
 
 def _worst_headroom(result: CellResult) -> dict[str, Any]:

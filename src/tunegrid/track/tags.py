@@ -78,6 +78,13 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
                 "collective.step": str(collective["step"]),
             }
         )
+        if collective.get("kind"):
+            tags["collective.diagnosis"] = collective["kind"]
+    straggler = ((collective or {}).get("evidence") or {}).get("before_the_stall") or result.distributed.get(
+        "straggler"
+    )
+    if straggler:  # the straggler a timeout is blamed on, or an early warning in a cell that did not time out
+        tags.update({"straggler.rank": str(straggler["rank"]), "straggler.ratio": f"{straggler['median_ratio']:g}"})
     islands = result.fp32_islands
     if islands:  # fp16-islands: which modules computed in fp32, and what the calibration measured there
         tags["fp32_islands"] = ",".join(m["module"] for m in islands["modules"]) or "none"
@@ -88,6 +95,9 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     crash = diagnosis.rank_crash
     if crash:
         tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
+    if result.optimizer.get("state_bytes") is not None:
+        optimizer = result.optimizer
+        tags.update({"optimizer.state_bytes": str(optimizer["state_bytes"]), "optimizer.paging": optimizer["paging"]})
     oom = diagnosis.oom
     if oom:
         tags["oom.stage"] = str(oom.get("stage"))
