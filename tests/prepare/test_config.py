@@ -205,7 +205,7 @@ def test_hostile_study_files_fail_fast_with_a_clear_error(tmp_path):
         out = done.stdout + done.stderr
         assert done.returncode != 0 and "invalid study config" in out and expected in out, (name, out[-1500:])
         assert "Traceback" not in out, (name, out[-1500:])
-        assert time.time() - started < 15, name  # generous for a loaded CI host; a bomb walk takes minutes
+        assert time.time() - started < 45, name  # a hang guard: a bomb walk takes minutes
         assert not (tmp_path / "results").exists()
 
 
