@@ -115,7 +115,9 @@ def _refused_naming(path: Path, key: str) -> str:
     started = time.monotonic()
     with pytest.raises(ConfigError) as caught:
         load_study(path)
-    assert time.monotonic() - started < 2, "validation took longer than 2 s"
+    # A hang guard, not a speed test: the refusal does bounded work before anything is built (about 0.1 s on an
+    # idle 2-core host), where an expanded bomb runs for minutes; 20 s leaves room for a loaded host.
+    assert time.monotonic() - started < 20, "validation took longer than 20 s: is the bomb being expanded?"
     message = str(caught.value)
     assert _names(message, key), message
     assert "Traceback" not in message
@@ -273,7 +275,7 @@ def test_snakemake_refuses_a_bomb_by_study_path_within_5s(tmp_path, shape):
     study.write_text(text)
     out, seconds = _snakemake(tmp_path, "--config", f"study_path={study}", wait_s=60)
     assert _names(out, key), (out or "")[-2000:]
-    assert "Traceback" not in out and seconds < 5 + 10  # 5 s on an idle host; a loaded shared host is slower
+    assert "Traceback" not in out and seconds < 45  # a hang guard (under 5 s idle)
     assert not (tmp_path / "results").exists()
 
 
