@@ -102,6 +102,9 @@ class CellResult:
     throughput: dict[str, Any] = field(default_factory=_empty)
     data: dict[str, Any] = field(default_factory=_empty)
     fp16_headroom: dict[str, Any] = field(default_factory=_empty)
+    # fp16-islands: the modules that computed in fp32 (mode, threshold, each island's calibration max-abs, the
+    # calibration's top modules); None for every other precision (cell/islands.py)
+    fp32_islands: dict[str, Any] | None = None
     quant_audit: dict[str, Any] = field(default_factory=_empty)
     optimizer: dict[str, Any] = field(default_factory=_empty)  # what the optimizer held: class, state bytes, paging
     training: dict[str, Any] = field(default_factory=_empty)
@@ -145,6 +148,7 @@ class CellResult:
             "throughput",
             "data",
             "fp16_headroom",
+            "fp32_islands",
             "quant_audit",
             "optimizer",
             "training",

@@ -26,6 +26,11 @@ class PrecisionRow:
     grad_scaler: bool
     reason: str
     nan_fix_rank: int  # lower is proposed first where a twin in it ran ok
+    # the hardware arithmetic its matmuls run in: what a target's native/emulated support and the probe's
+    # per-precision constants are read for
+    arithmetic: Precision
+    # the modules whose activations near fp16's range compute and return fp32 (cell/islands.py)
+    fp32_islands: bool = False
 
 
 PRECISION_PLANS: dict[Precision, PrecisionRow] = {
@@ -38,7 +43,8 @@ PRECISION_PLANS: dict[Precision, PrecisionRow] = {
             autocast=False,
             grad_scaler=False,
             reason="full precision, nothing to scale",
-            nan_fix_rank=1,
+            nan_fix_rank=2,
+            arithmetic=Precision.FP32,
         ),
         PrecisionRow(
             precision=Precision.BF16,
@@ -48,6 +54,7 @@ PRECISION_PLANS: dict[Precision, PrecisionRow] = {
             grad_scaler=False,
             reason="bf16 has fp32's exponent range, so no loss scaling is needed",
             nan_fix_rank=0,
+            arithmetic=Precision.BF16,
         ),
         PrecisionRow(
             precision=Precision.FP16,
@@ -56,7 +63,22 @@ PRECISION_PLANS: dict[Precision, PrecisionRow] = {
             autocast=True,
             grad_scaler=True,
             reason="fp16 overflows past 65504 and underflows small grads: dynamic loss scaling",
-            nan_fix_rank=2,
+            nan_fix_rank=3,
+            arithmetic=Precision.FP16,
+        ),
+        PrecisionRow(
+            precision=Precision.FP16_ISLANDS,
+            dtype="float16",
+            bytes_per_value=2,  # the islands' few modules in fp32 are not counted
+            autocast=True,
+            grad_scaler=True,
+            reason=(
+                "fp16 matmuls with dynamic loss scaling; the modules whose activations near 65504 compute and "
+                "return fp32, so the residual stream they feed stays fp32"
+            ),
+            nan_fix_rank=1,
+            arithmetic=Precision.FP16,
+            fp32_islands=True,
         ),
     )
 }

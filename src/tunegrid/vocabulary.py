@@ -21,6 +21,7 @@ class Precision(StrEnum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+    FP16_ISLANDS = "fp16-islands"  # fp16 with the modules that overflow it computing in fp32 (cell/islands.py)
 
 
 class Quant(StrEnum):
@@ -121,7 +122,10 @@ AXIS_TABLE: tuple[Axis, ...] = (
         name="precision",
         type=str,
         items=_enum(PRECISIONS),
-        description="compute precision (bf16/fp16 use autocast; fp16 adds a GradScaler)",
+        description=(
+            "compute precision (bf16/fp16 use autocast; fp16 adds a GradScaler); fp16-islands is fp16 with the "
+            "modules whose activations near fp16's 65504 computing and returning fp32 (train.fp32_islands)"
+        ),
         default=(Precision.FP32.value,),
         plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.COLOUR, always=True),
     ),

@@ -126,3 +126,26 @@ def test_streamed_synthetic_checkpoint_has_save_pretrained_names_in_shards(
     with torch.no_grad():
         logits = model(input_ids=torch.arange(12).view(1, 12)).logits
     assert torch.isfinite(logits).all() and logits.float().std() > 0
+
+
+def test_init_scale_multiplies_exactly_the_matching_initial_weights(dataset_path, tmp_path):
+    """The default study's gemma widens its MLP init: same seed, the matching tensors x10, every other equal."""
+    import copy
+
+    from conftest import GEMMA_HOT
+    from safetensors.torch import load_file
+
+    from tunegrid.prepare.checkpoints import produce_checkpoint
+    from tunegrid.prepare.data import corpus_texts, read_dataset
+
+    texts = list(corpus_texts(read_dataset(dataset_path)))
+    plain, scaled = copy.deepcopy(GEMMA_HOT), copy.deepcopy(GEMMA_HOT)
+    scaled["init_scale"] = {"*.mlp.*": 10}
+    produce_checkpoint(plain, texts, tmp_path / "plain")
+    manifest = produce_checkpoint(scaled, texts, tmp_path / "scaled")
+    assert manifest["source"]["init_scale"] == {"*.mlp.*": 10}
+    a, b = load_file(tmp_path / "plain" / "model.safetensors"), load_file(tmp_path / "scaled" / "model.safetensors")
+    widened = [name for name in a if ".mlp." in name]
+    assert len(widened) == 6  # gate, up, down in each of 2 layers
+    for name in a:
+        assert b[name].equal(a[name] * 10 if name in widened else a[name]), name

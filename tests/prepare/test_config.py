@@ -86,7 +86,7 @@ def test_missing_config_file_is_a_config_error(tmp_path):
 
 def test_shipped_default_config_is_valid():
     study = load_study(REPO / "configs" / "config.yaml")
-    assert len(expand_cells(study)) == 36
+    assert len(expand_cells(study)) == 48
     assert {"gemma3-tiny", "qwen3moe-tiny"} <= set(study["models"])
 
 
@@ -104,7 +104,7 @@ def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "config key 'grid.precision.0'" in out
-    assert "choose one of ['fp32', 'bf16', 'fp16']" in out
+    assert "choose one of ['fp32', 'bf16', 'fp16', 'fp16-islands']" in out
     assert "Traceback" not in out
 
 
@@ -145,7 +145,7 @@ def test_a_study_file_is_the_whole_study_and_the_default_applies_only_without_on
         )
     )
     assert _dry_run(tmp_path, "--configfile", str(study)) == {"finetune": 1, "model_checkpoint": 1}
-    assert _dry_run(tmp_path)["finetune"] == 36  # no study file: configs/config.yaml
+    assert _dry_run(tmp_path)["finetune"] == 48  # no study file: configs/config.yaml
 
 
 def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
@@ -170,7 +170,7 @@ def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
         "train={gradient_checkpointing: true}",
         "grid={batch_size: [2]}",
     )
-    assert counts["finetune"] == 18
+    assert counts["finetune"] == 24
 
 
 def test_an_override_that_does_not_convert_names_the_key(tmp_path):
@@ -231,6 +231,18 @@ def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
     ]
     assert commands and all("--study-file results/default/study.json" in c for c in commands)
     assert not any('"axes"' in c or "--spec" in c or "--study '" in c for c in commands)
+
+
+def test_the_t4_study_plans_fp16_islands_and_its_target_runs_it_as_fp16(tmp_path):
+    """fp16-islands runs on fp16 arithmetic: planned on a T4 target (native fp16), where bf16 is refused."""
+    from tunegrid.prepare.targets import TARGETS, feasibility
+
+    hardware = {"refuse_emulated": True, "predicted_oom": "run", "oom_margin": 1.0}
+    assert feasibility("fp16-islands", TARGETS["t4"], hardware, None) is None
+    assert feasibility("bf16", TARGETS["t4"], hardware, None)[0] == "unsupported"
+    assert _dry_run(tmp_path, "--configfile", str(REPO / "configs" / "gemma3-4b-t4-synthetic.yaml"))["finetune"] == 12
+    study = load_study(REPO / "configs" / "gemma3-4b-t4.yaml")
+    assert "fp16-islands" in study["grid"]["precision"] and study["review"]["reference"]["quant"] == "nf4"
 
 
 def test_cells_at_once_ask_for_no_more_than_the_hosts_cores(tmp_path):

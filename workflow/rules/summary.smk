@@ -14,5 +14,9 @@ rule summary:
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
+    params:
+        # the reference settings and tolerances: a change re-runs the summary, never a cell
+        review=json.dumps(STUDY["review"], sort_keys=True),
     shell:
-        f"python {SCRIPT} summary" " --out {output.csv} --sync={input.sync} {input.results} > {log} 2>&1"
+        f"python {SCRIPT} summary"
+        " --out {output.csv} --sync={input.sync} --review {params.review:q} {input.results} > {log} 2>&1"

@@ -219,8 +219,11 @@ class HeadroomMeter:
     before fp16 is ever tried. The per-module maxima stay on the device until `collect`: one sync.
     """
 
-    def __init__(self, top: int = 10) -> None:
+    def __init__(self, top: int = 10, *, leaves_only: bool = True) -> None:
         self.top = top
+        # False: every module's output, a block's too (the calibration of fp32 islands needs to see a residual
+        # stream that overflows where no module inside the block does)
+        self.leaves_only = leaves_only
         self._names: list[str] = []
         self._maxima: list[Any] = []
         self.worst_seen: dict[str, float] = {}
@@ -232,7 +235,7 @@ class HeadroomMeter:
         names = {id(m): n for n, m in model.named_modules()}
 
         def on_forward(module: Any, _inputs: Any, output: Any) -> None:
-            if any(True for _ in module.children()):
+            if self.leaves_only and any(True for _ in module.children()):
                 return
             if self.real is None:
                 self.positions = "all"

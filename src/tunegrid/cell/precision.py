@@ -24,6 +24,7 @@ class PrecisionPlan:
     autocast: bool
     grad_scaler: bool
     reason: str
+    fp32_islands: bool = False  # the modules that overflow fp16 compute and return fp32 (cell/islands.py)
 
     def torch_dtype(self, which: str = "compute") -> Any:
         import torch
@@ -34,7 +35,8 @@ class PrecisionPlan:
         return (
             f"precision={self.precision} on {self.device_type}: compute {self.compute_dtype}, base weights "
             f"{self.storage_dtype}, adapters {self.adapter_dtype}, autocast={'on' if self.autocast else 'off'}, "
-            f"GradScaler={'on' if self.grad_scaler else 'off'} ({self.reason})"
+            f"GradScaler={'on' if self.grad_scaler else 'off'}{', fp32 islands' if self.fp32_islands else ''} "
+            f"({self.reason})"
         )
 
 
@@ -51,6 +53,7 @@ def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
         autocast=row.autocast,
         grad_scaler=row.grad_scaler,
         reason=row.reason,
+        fp32_islands=row.fp32_islands,
     )
 
 

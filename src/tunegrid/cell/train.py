@@ -21,6 +21,7 @@ from tunegrid.cell.adapt import AdaptSteps
 from tunegrid.cell.checkpointing import CheckpointSteps
 from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
+from tunegrid.cell.islands import IslandSteps
 from tunegrid.cell.loop_state import LoopState
 from tunegrid.cell.model import load_model
 from tunegrid.cell.origin import OriginReplay
@@ -32,10 +33,11 @@ from tunegrid.rundir import Heartbeat, rank_dir
 from tunegrid.vocabulary import Outcome
 
 
-class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, OriginReplay, StepRecords):
+class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, OriginReplay, StepRecords, IslandSteps):
     """One cell from setup to record. The optimizer step, the audited LoRA attachment, the distributed steps,
-    checkpointing, the origin replay and the step records live in their own mixins (cell/step.py, adapt.py,
-    ranks.py, checkpointing.py, origin.py, records.py); this file is the recipe."""
+    checkpointing, the origin replay, the step records and the fp32 islands live in their own mixins
+    (cell/step.py, adapt.py, ranks.py, checkpointing.py, origin.py, records.py, islands.py); this file is the
+    recipe."""
 
     def __init__(self, spec: dict[str, Any], model_dir: Path, data_path: Path, run_dir: Path) -> None:
         self.spec = spec
@@ -217,6 +219,7 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             self.setup()
             self.build_model()
             self.build_data()
+            self.place_fp32_islands()  # fp16-islands only: measured (or named) before the first step
             self.loop()
             self.finish_cell()
         except BaseException as exc:  # a failure is a result; only tunegrid bugs should fail the rule

@@ -98,7 +98,8 @@ def worker(args: argparse.Namespace) -> None:
 def summary(args: argparse.Namespace) -> None:
     from tunegrid.review.summary import write_summary
 
-    frame = write_summary(args.results, args.out, sync_path=args.sync or None)
+    review = json.loads(args.review) if args.review else None
+    frame = write_summary(args.results, args.out, sync_path=args.sync or None, review=review)
     print(frame[["cell_id", "outcome", "final_loss", "nan_step", "peak_bytes"]].to_string(index=False))
     print("outcomes:", frame["outcome"].value_counts().to_dict())
 

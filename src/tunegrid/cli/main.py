@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("summary", help="one row per cell as CSV")
     p.add_argument("--out", required=True)
     p.add_argument("--sync", default="", help="tracking-sync.json: run ids of runs created after the fact")
+    p.add_argument("--review", default="", help="the study's review settings as JSON (reference, loss_tolerance, …)")
     p.add_argument("results", nargs="+")
     p.set_defaults(func=commands.summary)
 

@@ -112,12 +112,14 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
     n_params = sum(p.numel() for p in skeleton.parameters())
     out_dir.mkdir(parents=True, exist_ok=True)
     streamed = n_params > IN_MEMORY_PARAMS
+    scales = spec.get("init_scale") or {}
     if not streamed:
         torch.manual_seed(spec["seed"])
         model = AutoModelForCausalLM.from_config(config)
+        scale_initial_weights(model.named_parameters(), scales)
         model.save_pretrained(out_dir, safe_serialization=True)
     else:
-        write_streamed(skeleton, spec["seed"], out_dir)
+        write_streamed(skeleton, spec["seed"], out_dir, scales)
         config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return write_manifest(
@@ -129,11 +131,29 @@ def build_synthetic(spec: dict[str, Any], texts: list[str], out_dir: Path) -> di
             "seed": spec["seed"],
             "params": n_params,
             **({"written": "streamed"} if streamed else {}),
+            **({"init_scale": scales} if scales else {}),
         },
     )
 
 
-def write_streamed(skeleton: Any, seed: int, out_dir: Path) -> None:
+def scale_initial_weights(named: Any, scales: dict[str, float]) -> None:
+    """Multiply the initialised parameters whose name matches a glob of `init_scale` by its factor (the first
+    matching glob wins), e.g. to give one module real Gemma 3's activation range while the embeddings keep
+    the architecture's own scale."""
+    import fnmatch
+
+    import torch
+
+    if not scales:
+        return
+    with torch.no_grad():
+        for name, param in named:
+            factor = next((f for pattern, f in scales.items() if fnmatch.fnmatchcase(name, pattern)), None)
+            if factor is not None and param.is_floating_point():
+                param.mul_(factor)
+
+
+def write_streamed(skeleton: Any, seed: int, out_dir: Path, scales: dict[str, float] | None = None) -> None:
     """Sharded safetensors (+ index) of `skeleton`, one module at a time: each module that owns
     parameters is materialized alone, initialized by the architecture's own `_init_weights` under a
     seed of its own (the study's seed and its name), converted to the names and shapes save_pretrained
@@ -170,6 +190,7 @@ def write_streamed(skeleton: Any, seed: int, out_dir: Path) -> None:
         with torch.no_grad():
             skeleton._init_weights(module)
         values = {name: getattr(module, name.rpartition(".")[2]).detach() for name in own}
+        scale_initial_weights(values.items(), scales or {})
         for name, value in revert_weight_conversion(skeleton, values).items():
             nbytes = value.numel() * value.element_size()
             if shard and size + nbytes > SHARD_BYTES:

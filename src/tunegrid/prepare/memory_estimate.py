@@ -54,7 +54,8 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
 def device_constants(capabilities: dict[str, Any], precision: str) -> dict[str, Any]:
     """The probe's measured constants for a cell in this precision: the process before a model, and what
     a training step holds beyond its tensors (0 where the probe did not measure them)."""
-    overhead = (capabilities.get("step_overhead_bytes") or {}).get(precision) or 0
+    arithmetic = precision_plan(precision).arithmetic
+    overhead = (capabilities.get("step_overhead_bytes") or {}).get(arithmetic) or 0
     return {
         "runtime": int(capabilities.get("runtime_baseline_bytes") or 0),
         "step_overhead": int(overhead),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tunegrid.plans import precision_plan
 from tunegrid.vocabulary import Outcome
 
 GIB = 2**30
@@ -90,7 +91,7 @@ def feasibility(
     precision: str, target: Target, hardware: dict[str, Any], estimate_bytes: int | None
 ) -> tuple[str, str] | None:
     """(outcome, reason) for a cell that should not train here, or None when it should."""
-    support = target.precision.get(precision, "absent")
+    support = target.precision.get(precision_plan(precision).arithmetic, "absent")
     if support == "absent":
         return Outcome.UNSUPPORTED, f"{precision} is absent on target {target.name}"
     if support == "emulated" and hardware["refuse_emulated"]:

@@ -18,6 +18,10 @@ class Fix:
     change: dict[str, Any]  # axis -> value
     why: str
     evidence: list[str]
+    # the largest loss deviation of the evidence from its reference twin (review/quality.py); None: not compared
+    parity: float | None = None
+    # same grid: {"tokens_per_s_ratio", "peak_bytes_ratio", "against": the precision it was measured against}
+    cost: dict[str, Any] | None = None
 
 
 @dataclass

@@ -13,20 +13,13 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from tunegrid.plans import PRECISION_PLANS
-from tunegrid.prepare.targets import TARGETS
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, paren, siblings
 from tunegrid.review.batch_advice import smaller_batch_fix
 from tunegrid.review.memory_advice import memory_fixes
 from tunegrid.review.moe_advice import expert_gap
+from tunegrid.review.precision_advice import candidates, holds, precision_fixes
 from tunegrid.review.timeout_advice import timeout_fixes
 from tunegrid.vocabulary import Outcome, Precision
-
-
-def precision_support(target: str | None, capabilities: dict[str, Any]) -> dict[str, str]:
-    if target and target in TARGETS:
-        return dict(TARGETS[target].precision)
-    return dict(capabilities.get("precision") or {})
 
 
 def _short(module: Any) -> str:
@@ -44,14 +37,12 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
         groups[(row["model"], row["precision"], row.get("target"))].append(row)
     out = []
     for (model, precision, target), rows in groups.items():
-        support = precision_support(target, capabilities)
-        by_precision: dict[str, set[str]] = defaultdict(set)
         by_quant: dict[str, set[str]] = defaultdict(set)
         for row in rows:
             for _, sib in ok_cells(siblings(frame, row, "quant")).iterrows():
-                by_quant[sib["quant"]].add(sib["cell_id"])
-            for _, sib in ok_cells(siblings(frame, row, "precision")).iterrows():
-                by_precision[sib["precision"]].add(sib["cell_id"])
+                if holds(sib):
+                    by_quant[sib["quant"]].add(sib["cell_id"])
+        by_precision = candidates(frame, rows, precision)
         batch_fix, batch_note = smaller_batch_fix(frame, rows, precision)  # the effective batch kept, or why not
         if not by_precision and not batch_fix and not batch_note and not by_quant:
             continue
@@ -62,22 +53,12 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             f"{model} in {precision} went non-finite{paren(first['nan_kind'])} in {len(rows)} cell(s), first at step "
             f"{int(first['nan_step'])}; the first non-finite output in the {direction} pass was {where}."
         ]
-        options, evidence, fixes = [], [], []
-        for alt in sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank):
-            cells = sorted(by_precision.get(alt, ()))
-            if not cells:
-                continue
-            evidence += cells
-            native = support.get(alt, "absent") == "native"
-            where_target = f"target {target}" if target and target != "native" else "this machine"
-            if native:
-                options.append(f"switch to {alt}: the same cells in {alt} trained without a non-finite step")
-                fixes.append(Fix({"precision": alt}, options[-1], cells))
-            else:
-                parts.append(
-                    f"The same cells in {alt} were ok, but {where_target} has {support.get(alt, 'no')} {alt}"
-                    f" ({'slow software path' if support.get(alt) == 'emulated' else 'not available'})."
-                )
+        options, evidence = [], []
+        fixes, notes = precision_fixes(frame, rows, precision, target, capabilities, _short)
+        for fix in fixes:
+            evidence += fix.evidence
+            options.append(fix.why)
+        parts += notes
         if batch_fix:
             evidence += batch_fix["evidence"]
             options.append(batch_fix["why"])
@@ -95,10 +76,6 @@ def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]
             continue
         if options:
             parts.append("Fix: " + "; or ".join(options) + ".")
-        first_fix = fixes[0].change.get("precision", "") if fixes else ""
-        scaled = PRECISION_PLANS[Precision(precision)].grad_scaler  # fp16: the narrow range that overflowed
-        if scaled and first_fix != Precision.FP32 and support.get(Precision.BF16) != "native":
-            parts.append("On a target without native bf16, fp32 costs about twice the activation memory of fp16.")
         out.append(
             Recommendation(
                 signature=f"nan:{precision}",
@@ -123,7 +100,8 @@ def _unsupported_fixes(frame: Any) -> list[Recommendation]:
         ok: dict[str, set[str]] = defaultdict(set)
         for row in members:
             for _, sib in ok_cells(siblings(frame, row, "precision")).iterrows():
-                ok[sib["precision"]].add(sib["cell_id"])
+                if holds(sib):
+                    ok[sib["precision"]].add(sib["cell_id"])
         if not ok:
             continue
         choice = Precision.FP32 if Precision.FP32 in ok else sorted(ok)[0]

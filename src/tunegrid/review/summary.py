@@ -7,9 +7,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import read_json
+from tunegrid.files import read_json, read_jsonl
 from tunegrid.grid_axes import SETTING_AXES
 from tunegrid.outcome import CellResult, origin_label
+from tunegrid.review.quality import default_review, loss_curve, quality_columns
 from tunegrid.vocabulary import axis_names, with_neutrals
 
 
@@ -72,6 +73,10 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "flagged_share": final.get("flagged_share"),
         "flagged_tensors": len(final["flagged"]) if final else None,
         "lora_unmatched": ",".join((audit.get("lora") or {}).get("unmatched", [])) or None,
+        "fp32_islands": ",".join(m["module"] for m in (result.fp32_islands or {}).get("modules", [])) or None,
+        "fp32_islands_max_ratio": max(
+            (m["ratio_to_fp16_max"] or 0 for m in (result.fp32_islands or {}).get("modules", [])), default=None
+        ),
         "fp16_headroom_worst_module": _worst_headroom(result).get("module"),
         "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
@@ -112,6 +117,9 @@ NUMERIC_COLUMNS = (
     "flagged_bytes",
     "flagged_share",
     "fp16_headroom_worst_ratio",
+    "fp32_islands_max_ratio",
+    "loss_fall",
+    "loss_deviation",
     "collective_timeout_s",
     "straggler_ratio",
     "wall_s",
@@ -168,22 +176,34 @@ def _worst_headroom(result: CellResult) -> dict[str, Any]:
     return worst[0]
 
 
-def build_summary(result_paths: Iterable[str | Path], sync_path: str | Path | None = None) -> Any:
+def build_summary(
+    result_paths: Iterable[str | Path], sync_path: str | Path | None = None, review: dict[str, Any] | None = None
+) -> Any:
+    """One row per cell, with its quality columns (review/quality.py) read from each cell's metrics.jsonl."""
     import pandas as pd
 
     synced = read_json(sync_path) if sync_path else {}
-    rows = []
+    rows, curves = [], {}
     for path in result_paths:
         row = summary_row(read_json(path))
         row["mlflow_run_id"] = (synced.get(row["cell_id"]) or {}).get("run_id") or row["mlflow_run_id"]
+        metrics = Path(path).parent / "metrics.jsonl"
+        curves[row["cell_id"]] = loss_curve(read_jsonl(metrics)) if metrics.exists() else []
         rows.append(row)
+    for row, quality in zip(rows, quality_columns(rows, curves, review or default_review()), strict=True):
+        row.update(quality)
     return typed(pd.DataFrame(rows))
 
 
-def write_summary(result_paths: Iterable[str | Path], csv_path: str | Path, sync_path: str | Path | None = None) -> Any:
+def write_summary(
+    result_paths: Iterable[str | Path],
+    csv_path: str | Path,
+    sync_path: str | Path | None = None,
+    review: dict[str, Any] | None = None,
+) -> Any:
     from tunegrid.files import atomic_write_text
 
-    frame = build_summary(result_paths, sync_path)
+    frame = build_summary(result_paths, sync_path, review)
     atomic_write_text(csv_path, frame.to_csv(index=False))
     # Parquet keeps types, and keeps the outcome "nan" a string (pandas' read_csv turns it into NaN
     # unless called with keep_default_na=False).

@@ -85,6 +85,13 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     )
     if straggler:  # the straggler a timeout is blamed on, or an early warning in a cell that did not time out
         tags.update({"straggler.rank": str(straggler["rank"]), "straggler.ratio": f"{straggler['median_ratio']:g}"})
+    islands = result.fp32_islands
+    if islands:  # fp16-islands: which modules computed in fp32, and what the calibration measured there
+        tags["fp32_islands"] = ",".join(m["module"] for m in islands["modules"]) or "none"
+        tags["fp32_islands.mode"] = islands["mode"]
+        tags["fp32_islands.max_abs"] = ",".join(
+            f"{m['max_abs']:.0f}" if m.get("max_abs") is not None else "" for m in islands["modules"]
+        )
     crash = diagnosis.rank_crash
     if crash:
         tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})

@@ -8,7 +8,9 @@ recorded, never fatal.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,10 +29,17 @@ MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 T = TypeVar("T")
 
 
+# What MLflow accepts in a param name: a dict keyed otherwise (a model's init_scale globs, "*.mlp.*") is one
+# param of its JSON, or the whole run's params would be refused
+PARAM_NAME = re.compile(r"^[A-Za-z0-9_\-. :/]+$")
+
+
 def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
-    if isinstance(value, dict):
+    if isinstance(value, dict) and all(PARAM_NAME.match(str(key)) for key in value):
         for key, item in value.items():
             flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
+    elif isinstance(value, dict):
+        out[prefix] = json.dumps(value, sort_keys=True)[:6000]
     else:
         out[prefix] = str(value)[:6000]
     return out

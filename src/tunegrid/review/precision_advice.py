@@ -1,0 +1,178 @@
+"""The precision fixes for a non-finite failure, each with its evidence, its loss parity and its cost.
+
+A precision is a candidate fix where a twin of a failing cell (every other axis equal) ran in it, ended ok and
+its quality `holds` (review/quality.py: it learned, and its loss matched the reference twin's within
+tolerance); an ok twin that did not learn or deviates is named as no evidence. A fix is offered only where its
+arithmetic is native on both the study's target and the probed device (so a T4 target never gets bf16),
+except one that keeps the arithmetic the failing setting already runs (fp16-islands for fp16). Each fix
+carries its cost measured in the same grid: the median over failing/fixed pairs of the tokens/s and
+peak-memory ratios (against the failing cell where it ran a timed step; one that failed in its first step has
+no throughput, so then against its fp32 twin, and the text says so). Fixes are ranked by throughput: the
+fastest that holds first, the plans' nan_fix_rank among equals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+from tunegrid.plans import PRECISION_PLANS, precision_plan
+from tunegrid.prepare.targets import TARGETS
+from tunegrid.review.advice import Fix, ok_cells, siblings
+from tunegrid.review.quality import HOLDS
+
+# the candidates in the plans' order (the order of equals in throughput)
+CANDIDATES = sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank)
+# what a fix's cost falls back to being measured against: the precision without autocast (full precision)
+FULL_PRECISION = next(p for p, row in PRECISION_PLANS.items() if not row.autocast)
+
+
+def support_of(precision: str, target: str | None, capabilities: dict[str, Any]) -> str:
+    """native | emulated | absent for a precision's arithmetic on the target and the probed device together:
+    the weaker of the two (a named target's data sheet, and what the probe measured here)."""
+    arithmetic = precision_plan(precision).arithmetic
+    rank = {"native": 2, "emulated": 1, "absent": 0}
+    found = [(capabilities.get("precision") or {}).get(arithmetic)]
+    if target and target in TARGETS and target != "native":
+        found.append(TARGETS[target].precision.get(arithmetic, "absent"))
+    known = [s for s in found if s in rank]
+    return min(known, key=rank.__getitem__) if known else "absent"
+
+
+def holds(row: Any) -> bool:
+    """An ok cell that is evidence of a fix; a summary without quality columns (older) counts ok alone."""
+    return "quality" not in row.index or row["quality"] == HOLDS
+
+
+@dataclass
+class Candidate:
+    precision: str
+    evidence: list[str]
+    unproven: list[str]  # ok twins that are no evidence, with why
+    tokens_ratio: float | None
+    peak_ratio: float | None
+    parity: float | None  # the largest loss deviation from the reference among the evidence
+    islands: list[str]
+    against: str  # the precision its cost is measured against (the failing one where it ran a timed step)
+
+    def cost_text(self) -> str:
+        parts = []
+        if self.tokens_ratio is not None:
+            parts.append(f"{self.tokens_ratio:.2f}x the tokens/s")
+        if self.peak_ratio is not None:
+            parts.append(f"{self.peak_ratio:.2f}x the peak memory")
+        return f"{' and '.join(parts)} of {self.against} in this grid" if parts else "cost not measured"
+
+    def parity_text(self) -> str:
+        return f"loss within {self.parity:.1%} of the reference" if self.parity is not None else "parity unknown"
+
+
+def _ratio(values: list[float]) -> float | None:
+    finite = [v for v in values if v == v and v not in (float("inf"), 0.0)]
+    return median(finite) if finite else None
+
+
+def _measured(row: Any, column: str) -> float | None:
+    value = row.get(column)
+    return float(value) if value is not None and value == value and float(value) > 0 else None
+
+
+def baseline(frame: Any, row: Any) -> tuple[Any, str] | None:
+    """What a fix's cost is measured against: the failing cell where it ran a step that was timed, else (it
+    failed in its first step) its twin in fp32, which every precision fix can be read against alike."""
+    if _measured(row, "tokens_per_s") is not None:
+        return row, row["precision"]
+    twins = ok_cells(siblings(frame, row, "precision"))
+    twins = twins[twins["precision"].map(lambda p: p in PRECISION_PLANS and p == FULL_PRECISION)]
+    return (twins.iloc[0], str(FULL_PRECISION)) if not twins.empty else None
+
+
+def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
+    out = []
+    for precision in CANDIDATES:
+        plan = PRECISION_PLANS[precision]
+        islands_elsewhere = plan.fp32_islands and plan.arithmetic != precision_plan(failing).arithmetic
+        if precision == failing or islands_elsewhere:  # islands fix the arithmetic they keep, no other
+            continue
+        evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
+        for row in rows:
+            twins = ok_cells(siblings(frame, row, "precision"))
+            base = baseline(frame, row)
+            for _, twin in twins[twins["precision"] == precision].iterrows():
+                if not holds(twin):
+                    unproven.append(f"{twin['cell_id']} ({twin.get('quality')})")
+                    continue
+                evidence.append(twin["cell_id"])
+                if base is not None:
+                    against.add(base[1])
+                    for column, ratios in (("tokens_per_s", tokens), ("peak_bytes", peaks)):
+                        mine, theirs = _measured(twin, column), _measured(base[0], column)
+                        if mine is not None and theirs is not None:
+                            ratios.append(mine / theirs)
+                deviation = twin.get("loss_deviation")
+                if deviation is not None and deviation == deviation:
+                    parity.append(float(deviation))
+                if isinstance(twin.get("fp32_islands"), str):
+                    islands.update(twin["fp32_islands"].split(","))
+        if evidence or unproven:
+            out.append(
+                Candidate(
+                    precision,
+                    sorted(set(evidence)),
+                    sorted(set(unproven)),
+                    _ratio(tokens),
+                    _ratio(peaks),
+                    max(parity) if parity else None,
+                    sorted(islands),
+                    " and ".join(sorted(against)) or failing,
+                )
+            )
+    return out
+
+
+def precision_fixes(
+    frame: Any, rows: list[Any], failing: str, target: str | None, capabilities: dict[str, Any], short: Any
+) -> tuple[list[Fix], list[str]]:
+    """(the fixes ranked fastest first, sentences on what is not offered and why)."""
+    where = f"target {target}" if target and target != "native" else "this machine"
+    fixes, notes, offered = [], [], []
+    for candidate in candidates(frame, rows, failing):
+        if candidate.unproven:
+            notes.append(
+                f"{candidate.precision} ran ok in {', '.join(candidate.unproven)}: no evidence of a fix "
+                "(a fix must learn and match the reference)."
+            )
+        if not candidate.evidence:
+            continue
+        support = support_of(candidate.precision, target, capabilities)
+        arithmetic = precision_plan(candidate.precision).arithmetic
+        # a fix runs natively, or keeps the arithmetic the failing setting already ran (fp16-islands on fp16)
+        if support != "native" and not (support == "emulated" and arithmetic == precision_plan(failing).arithmetic):
+            notes.append(
+                f"The same cells in {candidate.precision} were ok, but {where} has {support} {arithmetic}"
+                f" ({'slow software path' if support == 'emulated' else 'not available'})."
+            )
+            continue
+        offered.append(candidate)
+    offered.sort(key=lambda c: -(c.tokens_ratio if c.tokens_ratio is not None else -1.0))
+    for candidate in offered:
+        kept = f" (islands: {', '.join(short(i) for i in candidate.islands)})" if candidate.islands else ""
+        why = (
+            f"switch to {candidate.precision}{kept}: ok in {len(candidate.evidence)} cell(s), "
+            f"{candidate.parity_text()}, {candidate.cost_text()}"
+        )
+        cost = {
+            "tokens_per_s_ratio": candidate.tokens_ratio,
+            "peak_bytes_ratio": candidate.peak_ratio,
+            "against": candidate.against,
+        }
+        fixes.append(Fix({"precision": candidate.precision}, why, candidate.evidence, candidate.parity, cost))
+    if len(offered) > 1:
+        speeds = ", ".join(f"{c.precision} {c.tokens_ratio:.2f}x" for c in offered if c.tokens_ratio is not None)
+        measured = "" if where == "this machine" else " on this machine"
+        notes.append(
+            f"Ranked by throughput among the fixes that hold: {offered[0].precision} first ({speeds} the tokens/s "
+            f"of {offered[0].against}, measured in this grid{measured})."
+        )
+    return fixes, notes

@@ -1,0 +1,147 @@
+"""A fix is a claim: only ok cells that learned and matched their reference twin are evidence, bf16 is never
+offered to a target without it, and the fix that holds at the best measured throughput comes first."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from test_review import _cell, _fp16_overflow
+
+from tunegrid.review.quality import default_review, loss_deviation, loss_fall, quality_columns
+from tunegrid.review.recommend import recommend
+from tunegrid.review.summary import build_summary
+
+DEFAULT_REVIEW = default_review()
+
+NATIVE = {"precision": {"bf16": "native", "fp16": "native", "fp32": "native"}}
+H100_PROBE = NATIVE  # a probe on a GPU with native bf16, while the study targets a T4
+
+
+def test_learned_is_the_fall_from_step_0_to_the_last_quarter_and_parity_is_the_last_quarter_deviation():
+    curve = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0]  # last quarter: 4, 3
+    assert loss_fall(curve) == pytest.approx(1 - 3.5 / 10)
+    assert loss_fall([187.7, 187.6, 187.5, 187.5]) < DEFAULT_REVIEW["min_loss_fall"]  # ok, but trained nothing
+    reference = [10.0, 9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 2.0]
+    assert loss_deviation(curve, reference) == pytest.approx((0 / 4 + 1 / 2) / 2)
+    rows = [
+        {"cell_id": "ref", "outcome": "ok", "precision": "fp32", "quant": "none", "model": "g", "batch_size": 2},
+        {
+            "cell_id": "same",
+            "outcome": "ok",
+            "precision": "fp16-islands",
+            "quant": "none",
+            "model": "g",
+            "batch_size": 2,
+        },
+        {"cell_id": "flat", "outcome": "ok", "precision": "bf16", "quant": "none", "model": "g", "batch_size": 2},
+        {"cell_id": "off", "outcome": "ok", "precision": "bf16", "quant": "nf4", "model": "g", "batch_size": 2},
+        {"cell_id": "lone", "outcome": "ok", "precision": "bf16", "quant": "none", "model": "g", "batch_size": 8},
+        {"cell_id": "bad", "outcome": "nan", "precision": "fp16", "quant": "none", "model": "g", "batch_size": 2},
+    ]
+    curves = {
+        "ref": reference,
+        "same": [v * 1.01 for v in reference],
+        "flat": [10.0] * 8,
+        "off": [v * 1.5 for v in reference],
+        "lone": curve,
+        "bad": [float("nan")],
+    }
+    by_id = {row["cell_id"]: q for row, q in zip(rows, quality_columns(rows, curves, DEFAULT_REVIEW), strict=True)}
+    assert by_id["ref"]["quality"] == "holds" and by_id["ref"]["loss_deviation"] == 0
+    assert by_id["same"]["quality"] == "holds" and by_id["same"]["reference_cell"] == "ref"
+    assert by_id["flat"]["quality"] == "did not learn" and by_id["flat"]["learned"] is False
+    assert by_id["off"]["quality"] == "deviates" and by_id["off"]["within_tolerance"] is False
+    assert by_id["lone"]["quality"] == "no reference" and by_id["lone"]["reference_cell"] is None
+    assert by_id["bad"]["quality"] is None  # not ok: no verdict on what it learned
+
+
+def test_the_summary_reads_each_cells_curve_and_the_studys_review_settings(tmp_path):
+    paths = []
+    for cell_id, precision, losses in (("ref", "fp32", [4.0, 3.0, 2.0, 1.0]), ("half", "bf16", [4.0, 3.0, 2.0, 1.5])):
+        run = tmp_path / cell_id
+        run.mkdir()
+        axes = {"model": "g", "precision": precision, "batch_size": 2, "quant": "none", "seed": 0}
+        result = {"cell_id": cell_id, "cell": {"axes": axes}, "outcome": "ok", "reason": "ok"}
+        (run / "result.json").write_text(json.dumps(result))
+        (run / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(losses))
+        )
+        paths.append(run / "result.json")
+    frame = build_summary(paths).set_index("cell_id")
+    assert frame.loc["half", "quality"] == "deviates" and frame.loc["half", "loss_deviation"] == pytest.approx(0.5)
+    loose = build_summary(paths, review={**DEFAULT_REVIEW, "loss_tolerance": 0.6}).set_index("cell_id")
+    assert loose.loc["half", "quality"] == "holds"
+
+
+def _fix_frame(islands_tokens=90.0, fp32_tokens=50.0, bf16_quality="holds", islands_quality="holds"):
+    fail = {**_fp16_overflow(), "tokens_per_s": 100.0, "peak_bytes": 1000.0}
+    return pd.DataFrame(
+        [
+            fail,
+            _cell(model="g", precision="bf16", quality=bf16_quality, loss_deviation=0.01, tokens_per_s=120.0),
+            _cell(
+                model="g",
+                precision="fp16-islands",
+                quality=islands_quality,
+                loss_deviation=0.002,
+                tokens_per_s=islands_tokens,
+                peak_bytes=1100.0,
+                fp32_islands="model.layers.0.mlp.down_proj",
+            ),
+            _cell(
+                model="g",
+                precision="fp32",
+                quality="holds",
+                loss_deviation=0.0,
+                tokens_per_s=fp32_tokens,
+                peak_bytes=1800.0,
+            ),
+        ]
+    )
+
+
+def test_an_ok_cell_that_did_not_learn_is_no_evidence_of_a_fix():
+    (rec,) = recommend(_fix_frame(bf16_quality="did not learn"), NATIVE)
+    assert [fix.change["precision"] for fix in rec.fixes] == ["fp16-islands", "fp32"]
+    assert "g_bf16_bs8_none_s0" not in rec.evidence
+    assert "g_bf16_bs8_none_s0 (did not learn): no evidence of a fix" in rec.text
+    (rec,) = recommend(_fix_frame(islands_quality="deviates"), NATIVE)
+    assert [fix.change["precision"] for fix in rec.fixes] == ["bf16", "fp32"]
+
+
+def test_the_fastest_fix_that_holds_comes_first_with_its_parity_and_cost():
+    (rec,) = recommend(_fix_frame(), NATIVE)
+    assert [fix.change["precision"] for fix in rec.fixes] == ["bf16", "fp16-islands", "fp32"]
+    islands = rec.fixes[1]
+    assert islands.cost == {"tokens_per_s_ratio": 0.9, "peak_bytes_ratio": pytest.approx(1.1), "against": "fp16"}
+    assert islands.parity == 0.002 and "layers.0.mlp.down_proj" in islands.why
+    assert "loss within 0.2% of the reference" in islands.why and "0.90x the tokens/s" in islands.why
+    (rec,) = recommend(_fix_frame(islands_tokens=40.0), NATIVE)
+    assert [fix.change["precision"] for fix in rec.fixes] == ["bf16", "fp32", "fp16-islands"]
+    assert "Ranked by throughput among the fixes that hold: bf16 first" in rec.text
+
+
+def test_a_failure_in_its_first_step_is_costed_against_its_fp32_twin():
+    frame = _fix_frame()
+    frame.loc[frame["precision"] == "fp16", "tokens_per_s"] = float("nan")  # stopped before a timed step
+    (rec,) = recommend(frame, NATIVE)
+    islands = next(fix for fix in rec.fixes if fix.change["precision"] == "fp16-islands")
+    assert islands.cost == {
+        "tokens_per_s_ratio": 1.8,
+        "peak_bytes_ratio": pytest.approx(1100 / 1800),
+        "against": "fp32",
+    }
+    assert "1.80x the tokens/s and 0.61x the peak memory of fp32 in this grid" in islands.why
+
+
+def test_a_t4_target_is_never_offered_bf16_even_from_a_probe_that_has_it():
+    t4 = _fix_frame().assign(target="t4")
+    (rec,) = recommend(t4, H100_PROBE)
+    assert [fix.change["precision"] for fix in rec.fixes] == ["fp16-islands", "fp32"]
+    assert all("bf16" not in fix.why for fix in rec.fixes)
+    assert "target t4 has emulated bf16" in rec.text
+    # the probed device decides too: a native target on a machine that only emulates bf16
+    (rec,) = recommend(_fix_frame(), {"precision": {"bf16": "emulated", "fp16": "native", "fp32": "native"}})
+    assert "bf16" not in [fix.change["precision"] for fix in rec.fixes]
