@@ -61,7 +61,7 @@ AXIS_EFFECTS = {
     "grid_axes.py": "the axes that stand for a study setting, each beside its setting",
     "cell/distributed.py": "a distributed cell's facts: its world size and the timeout in effect",
     "cell/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",
-    "prepare/recipe_study.py": "recipe keys recorded, not study paths (its model and optimizer names)",
+    "prepare/recipe_study.py": "recipe keys recorded, not study paths (its model name)",
 }
 
 

@@ -281,3 +281,107 @@ def test_quantization_is_read_and_written_through_the_plans_rows(workdir):
                                  "bnb_4bit_quant_type: fp4\ndataset_name: data/chat.jsonl\n")  # fmt: skip
     with pytest.raises(RecipeError, match="recipe key 'bnb_4bit_quant_type'"):
         import_recipe({"recipe": "four.yaml"})
+
+
+EIGHT_BIT = {  # (tool, the tool's optimizer name) -> the optimizer axis value of the baseline cell
+    ("axolotl", "adamw_bnb_8bit"): "adamw-8bit",
+    ("axolotl", "paged_adamw_8bit"): "paged-adamw-8bit",
+    ("trl", "adamw_8bit"): "adamw-8bit",
+    ("trl", "paged_adamw_8bit"): "paged-adamw-8bit",
+}
+
+
+def _recipe_with(tool: str, optimizer: str, checkpointing: bool | None = None) -> str:
+    name = f"{tool}-{optimizer}.yaml"
+    if tool == "axolotl":
+        text = ("base_model: models/local-gemma\nadapter: lora\nmicro_batch_size: 4\n"
+                "datasets:\n  - path: data/chat.jsonl\n    type: chat_template\n"
+                f"optimizer: {optimizer}  # the user's choice\n")  # fmt: skip
+    else:
+        text = "model_name_or_path: models/local-gemma\nuse_peft: true\ndataset_name: data/chat.jsonl\n"
+        text += f"optim: {optimizer}\n"
+    if checkpointing is not None:
+        text += f"gradient_checkpointing: {str(checkpointing).lower()}\n"
+    Path(name).write_text(text)
+    return name
+
+
+@pytest.mark.parametrize(("tool", "name"), sorted(EIGHT_BIT))
+def test_the_tools_8bit_adamw_names_import_as_the_optimizer_axis_and_export_back(workdir, tool, name, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from tunegrid.cell.optimizers import BNB_CLASSES
+
+    axis = EIGHT_BIT[(tool, name)]
+    recipe = _recipe_with(tool, name)
+    study = _resolved(recipe, failure="oom")
+    assert study["grid"]["optimizer"] == [axis], "an 8-bit recipe is not offered AdamW's fp32 moments as a fix"
+    assert baseline_cell_id(study).endswith(f"_{axis}")
+    done = export_cell(study, baseline_cell_id(study), "axolotl" if tool == "axolotl" else "trl")
+    assert done.keys == {} and done.text == Path(recipe).read_text(), "the recipe comes back byte for byte"
+    # the independent reference: the optimizer transformers itself builds for the name takes the same step, to
+    # the bit, as the one tunegrid's axis value trains with (8-bit moments of a tensor over 4096 elements)
+    import torch
+
+    from tunegrid.cell.optimizers import make_optimizer
+
+    cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(str(tmp_path), optim=name, use_cpu=True))
+    theirs_p, ours_p = (torch.nn.Parameter(torch.linspace(-1, 1, 8192)) for _ in range(2))
+    theirs = cls([theirs_p], **{**kwargs, "lr": 1e-2, "weight_decay": 0.1})
+    ours = make_optimizer([ours_p], axis, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        for param, opt in ((theirs_p, theirs), (ours_p, ours)):
+            param.grad = torch.sin(torch.arange(8192.0) * (step + 1))
+            opt.step()
+    assert type(ours).__name__ == BNB_CLASSES[axis] and kwargs["is_paged"] == ("paged" in axis)
+    assert torch.equal(theirs_p, ours_p) and ours.state[ours_p]["state1"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("tool", ["axolotl", "trl"])
+def test_other_optimizers_stay_refused_naming_the_key(workdir, tool):
+    key = "optimizer" if tool == "axolotl" else "optim"
+    for name in ("paged_adamw_32bit", "lion_8bit", "adafactor"):
+        with pytest.raises(RecipeError, match=rf"recipe key {key!r}: optimizer {name!r} is not one tunegrid trains"):
+            import_recipe({"recipe": _recipe_with(tool, name)})
+
+
+def test_the_oom_grid_varies_the_optimizer_and_activation_checkpointing_around_the_recipe(workdir):
+    plain = _resolved(_recipe_with("axolotl", "adamw_torch"), failure="oom")
+    assert plain["grid"]["optimizer"] == ["adamw", "adamw-8bit"]
+    assert plain["grid"]["activation_checkpointing"] == [False, True], "the recipe keeps activations"
+    assert baseline_cell_id(plain) == "local-gemma_fp32_bs4_none_s42", "the baseline is the recipe, as before"
+    ids = {c.cell_id for c in expand_cells(plain)}
+    assert {"local-gemma_fp32_bs4_none_s42_adamw-8bit", "local-gemma_fp32_bs4_none_s42_ac"} <= ids
+    checkpointed = _resolved(_recipe_with("trl", "adamw_torch", checkpointing=True), failure="oom")
+    assert checkpointed["grid"]["activation_checkpointing"] == [False], "already checkpointing: nothing to vary"
+    nan = _resolved(_recipe_with("axolotl", "adamw_torch"), failure="nan")
+    assert nan["grid"]["optimizer"] == ["adamw"] and nan["grid"]["activation_checkpointing"] == [False]
+    header = import_recipe({"recipe": "axolotl-adamw_torch.yaml", "failure": "oom"})[2]
+    assert any("adamw-8bit" in line and "activation checkpointing" in line for line in header)
+
+
+def test_an_exported_memory_fix_writes_the_tools_own_optimizer_and_checkpointing_keys(workdir, tmp_path):
+    from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
+
+    study = _resolved(_recipe_with("axolotl", "adamw_torch"), failure="oom")
+    done = export_cell(study, "local-gemma_fp32_bs4_none_s42_adamw-8bit_ac", "axolotl")
+    assert done.changes == {"optimizer": "adamw-8bit", "activation_checkpointing": True}
+    assert done.keys == {"optimizer": "adamw_bnb_8bit", "gradient_checkpointing": True}
+    assert "optimizer: adamw_bnb_8bit  # the user's choice" in done.text, "rewritten in place, comment kept"
+    Path("fixed.yaml").write_text(done.text)
+    fixed = _resolved("fixed.yaml", failure="nan")  # the fix, imported again, is the fix's cell
+    assert baseline_cell_id(fixed) == "local-gemma_fp32_bs4_none_s42_adamw-8bit"
+    assert fixed["train"]["gradient_checkpointing"] is True
+    # TRL: optim and the checkpointing key under the name the file uses, as the real parser reads them
+    study = _resolved(_recipe_with("trl", "adamw_torch_fused", checkpointing=False), failure="oom")
+    study["grid"]["optimizer"].append("paged-adamw-8bit")  # as a study file's own grid may list it
+    done = export_cell(study, baseline_cell_id(study) + "_paged-adamw-8bit_ac", "trl")
+    assert done.keys == {"optim": "paged_adamw_8bit", "gradient_checkpointing": True}
+    _, sft, _ = TrlParser((ScriptArguments, SFTConfig, ModelConfig)).parse_dict(
+        {**exported_mapping(done), "output_dir": str(tmp_path), "use_cpu": True}
+    )
+    assert sft.optim == "paged_adamw_8bit" and sft.activation_checkpointing is True
+    Path("plain.yaml").write_text("model_name_or_path: models/local-gemma\ndataset_name: data/chat.jsonl\n")
+    study = _resolved("plain.yaml", failure="oom", **{"from": "transformers", "seq_len": 64})
+    done = export_cell(study, baseline_cell_id(study) + "_ac", "trl")
+    assert done.keys == {"activation_checkpointing": True}, "a file naming neither: transformers 5's name"

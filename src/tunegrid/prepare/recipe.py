@@ -27,17 +27,25 @@ MAPPED_VERSIONS = {"axolotl": "0.18.0", "trl": "1.16.0", "transformers": "5.23.0
 TOOLS = ("axolotl", "trl", "transformers")
 FAILURES = ("nan", "oom", "timeout", "all")
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
-# torch AdamW under the names the tools give it: tunegrid's step trains with torch.optim.AdamW
-ADAMW_NAMES = {"adamw_torch", "adamw_torch_fused", "adamw_hf", "adamw"}
-# transformers' OptimizerNames (5.23.0) that are not AdamW: known, but not what tunegrid trains with
+# transformers' OptimizerNames (5.23.0; axolotl's `optimizer` takes the same names) that tunegrid's optimizer
+# axis trains: torch AdamW (fused is a kernel choice), and bitsandbytes' AdamW with optim_bits=8, unpaged or paged
+# (what transformers' trainer_optimizer builds for these names: AdamW8bit / PagedAdamW8bit)
+OPTIMIZER_AXIS = {
+    "adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_hf": "adamw", "adamw": "adamw",
+    "adamw_bnb_8bit": "adamw-8bit", "adamw_8bit": "adamw-8bit", "paged_adamw_8bit": "paged-adamw-8bit",
+}  # fmt: skip
+# each axis value as the tools' own name (export)
+TOOL_OPTIMIZER = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit"}
+# the other OptimizerNames, and axolotl 0.18's own (CustomSupportedOptimizers): known, but not what tunegrid trains
 OTHER_OPTIMIZERS = {
     "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "adamw_anyprecision", "adamw_torch_4bit",
-    "adamw_torch_8bit", "ademamix", "sgd", "adagrad", "adamw_bnb_8bit", "adamw_8bit", "ademamix_8bit", "lion_8bit",
-    "lion_32bit", "paged_adamw_32bit", "paged_adamw_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
+    "adamw_torch_8bit", "ademamix", "sgd", "adagrad", "ademamix_8bit", "lion_8bit",
+    "lion_32bit", "paged_adamw_32bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
     "paged_lion_32bit", "paged_lion_8bit", "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
     "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
     "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw",
     "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw",
+    "optimi_adamw", "ao_adamw_4bit", "ao_adamw_8bit", "ao_adamw_fp8", "adopt_adamw", "came_pytorch", "muon",
 }  # fmt: skip
 SCHEDULERS = {"cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"}  # train.lr_scheduler
 LINEAR_SUFFIXES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -180,13 +188,16 @@ def first_record(path: Path) -> dict[str, Any]:
 
 
 def optimizer(recipe: Recipe, key: str, name: Any) -> None:
+    """The recipe's optimizer as the baseline cell's `grid.optimizer`."""
     name = str(getattr(name, "value", name))
-    if name in ADAMW_NAMES:
-        recipe.carry("optimizer", "adamw", key)
-        if name != "adamw_torch":
+    if name in OPTIMIZER_AXIS:
+        recipe.carry("grid.optimizer", OPTIMIZER_AXIS[name], key)
+        if OPTIMIZER_AXIS[name] == "adamw" and name != "adamw_torch":
             recipe.notes.append(f"{key}: {name} trains as torch AdamW (the same update; fused is a kernel choice)")
+        elif name == "adamw_8bit":
+            recipe.notes.append(f"{key}: adamw_8bit is transformers' alias of adamw_bnb_8bit (bitsandbytes AdamW8bit)")
     elif name in OTHER_OPTIMIZERS:
-        recipe.refuse(key, f"optimizer {name!r} is not one tunegrid trains with (torch AdamW: {sorted(ADAMW_NAMES)})")
+        recipe.refuse(key, f"optimizer {name!r} is not one tunegrid trains with ({sorted(OPTIMIZER_AXIS)})")
     else:
         recipe.refuse(key, f"unknown optimizer {name!r} (transformers {MAPPED_VERSIONS['transformers']} names)")
 

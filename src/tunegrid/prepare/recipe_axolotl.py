@@ -10,6 +10,7 @@ from typing import Any
 
 from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
 from tunegrid.prepare.recipe import (
+    TOOL_OPTIMIZER,
     Recipe,
     first_record,
     local_dataset,
@@ -190,4 +191,8 @@ def axolotl_value(setting: str, value: Any) -> dict[str, Any]:
             "adapter": "qlora" if four else "lora",
             "quantize_moe_experts": QUANT_PLANS[value].experts_quantized,
         }
+    if setting == "optimizer":
+        return {"optimizer": TOOL_OPTIMIZER[value]}
+    if setting == "activation_checkpointing":  # at false a cell follows the recipe's own gradient_checkpointing
+        return {"gradient_checkpointing": True} if value else {}
     raise KeyError(setting)

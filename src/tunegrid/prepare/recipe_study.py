@@ -18,7 +18,7 @@ from tunegrid.prepare.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_f
 from tunegrid.prepare.recipe_trl import detect_tool
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-RECORD_ONLY = {"model", "adapter", "optimizer", "data.dataset", "model.trust_remote_code"}  # not study paths
+RECORD_ONLY = {"model", "adapter", "data.dataset", "model.trust_remote_code"}  # not study paths
 BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset"}
 
 
@@ -123,6 +123,12 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
         quants = [str(q) for q in memory_fix_quants() if moe or not QUANT_PLANS[q].experts_quantized]
         grid["quant"] += [q for q in quants if q not in grid["quant"]]
         why.append(f"oom: quantizations {quants}")
+        if grid.get("optimizer", ["adamw"]) == ["adamw"]:  # an 8-bit recipe already keeps the smaller state
+            grid["optimizer"] = ["adamw", "adamw-8bit"]
+            why.append("oom: adamw-8bit (bitsandbytes' 8-bit moments) beside the recipe's AdamW")
+        if not s.get("train.gradient_checkpointing"):  # at false the axis follows the recipe's own setting
+            grid["activation_checkpointing"] = [False, True]
+            why.append("oom: activation checkpointing off (the recipe's) and on")
     if "timeout" in failures:
         grid["world_size"] = [1, 2]
         why.append("timeout: one rank and two (DDP; collectives with the recipe's ddp_timeout)")

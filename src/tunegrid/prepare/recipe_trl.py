@@ -13,6 +13,7 @@ from typing import Any
 
 from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
 from tunegrid.prepare.recipe import (
+    TOOL_OPTIMIZER,
     Recipe,
     first_record,
     local_dataset,
@@ -212,4 +213,8 @@ def trl_value(setting: str, value: Any) -> dict[str, Any]:
         bnb = plan.bnb or {}
         keys = {"load_in_4bit": bool(bnb.get("load_in_4bit")), "load_in_8bit": bool(bnb.get("load_in_8bit"))}
         return {**keys, **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if keys["load_in_4bit"] else {})}
+    if setting == "optimizer":
+        return {"optim": TOOL_OPTIMIZER[value]}
+    if setting == "activation_checkpointing":  # at false a cell follows the recipe's own gradient_checkpointing
+        return {"activation_checkpointing": True} if value else {}  # transformers 5's name (read before the old)
     raise KeyError(setting)

@@ -103,6 +103,9 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
             notes.append(f"{axis} {value}: not a key of a {tool} config (e.g. launch that many processes)")
         except ValueError as exc:
             raise ConfigError(f"cell {cell_id}: {exc}") from None
+    old_name = "gradient_checkpointing" in raw and "activation_checkpointing" not in raw
+    if "activation_checkpointing" in wanted and old_name:
+        wanted["gradient_checkpointing"] = wanted.pop("activation_checkpointing")  # the name the recipe itself uses
     keys = {k: v for k, v in wanted.items() if _effective(tool, raw, k, wanted) != v}
     original = Path(base["recipe"]).read_text()
     text = _rewrite(original, keys, Path(base["recipe"]).suffix == ".json")
