@@ -100,3 +100,24 @@ def test_a_param_the_store_refuses_after_the_check_costs_only_itself(store, caps
     assert stored.info.status == "FAILED" and stored.info.run_name == "oom · c"
     assert stored.data.params == {"lr": "0.1", "steps": "3"} and stored.data.tags["outcome"] == "oom"
     assert stored.data.tags[REFUSED_TAG] == "param lr" and "0.2" not in capsys.readouterr().out
+
+
+def test_sync_ends_a_live_run_left_open_without_its_verdict(store, tmp_path):
+    """The cell's supervisor opened its run but never ended it (the store failed at the end): the sync gives
+    it its outcome, name and status from result.json, and leaves an ended run as it is."""
+    uri, experiment_id = store
+    result = _result("nan")
+    cell_id = result["cell"]["cell_id"]
+    live = CellRun(uri, experiment_id)
+    live.start(cell_id, {}, {"lr": "0.1"})
+    result["tracking"] = {"run_id": live.run_id}
+    run_dir = tmp_path / "results" / "s" / "runs" / cell_id
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 1.0, "loss": 2.5}) + "\n")
+    synced = sync_cell(uri, experiment_id, result, run_dir, None)
+    assert synced["run_id"] == live.run_id and not synced["created"] and synced["completed"]
+    run = client(uri).get_run(live.run_id)
+    assert run.info.status == "FAILED" and run.info.run_name == f"nan · {cell_id}"
+    assert run.data.tags["outcome"] == "nan" and synced["points_filled"] == 1
+    again = sync_cell(uri, experiment_id, result, run_dir, None)
+    assert not again["completed"] and again["points_filled"] == 0

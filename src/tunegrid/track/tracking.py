@@ -273,13 +273,15 @@ def _ms(epoch_s: float | None) -> int | None:
     return int(epoch_s * 1000) if epoch_s else None
 
 
-def run_exists(c: Any, run_id: str | None) -> bool:
+def active_run(c: Any, run_id: str | None) -> Any:
+    """The store's run of that id, or None when it has none (deleted, never created, or the store is down)."""
     if not run_id:
-        return False
+        return None
     try:
-        return c.get_run(run_id).info.lifecycle_stage == "active"
+        run = c.get_run(run_id)
     except Exception:
-        return False
+        return None
+    return run if run.info.lifecycle_stage == "active" else None
 
 
 def sync_cell(
@@ -296,9 +298,11 @@ def sync_cell(
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
     run_id = (result.get("tracking") or {}).get("run_id")
-    created = False
-    if run_exists(run.client, run_id):
+    created = unfinished = False
+    existing = active_run(run.client, run_id)
+    if existing is not None:  # left open, or without its verdict (the store failed at the cell's end): end it now
         run.run_id = run_id
+        unfinished = existing.info.status == "RUNNING" or "outcome" not in existing.data.tags
     else:
         from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
 
@@ -311,7 +315,7 @@ def sync_cell(
         run.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=result.get("started_at"))
         created = run.run_id is not None
     filled = run.reconcile(records)
-    if created:
+    if created or unfinished:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
         run.finish(
             run_tags(result),
@@ -324,6 +328,7 @@ def sync_cell(
     return {
         "run_id": run.run_id,
         "created": created,
+        "completed": unfinished,
         "points_filled": filled,
         "points_in_file": len(records),
         "errors": run.errors,
