@@ -145,3 +145,27 @@ def test_a_t4_target_is_never_offered_bf16_even_from_a_probe_that_has_it():
     # the probed device decides too: a native target on a machine that only emulates bf16
     (rec,) = recommend(_fix_frame(), {"precision": {"bf16": "emulated", "fp16": "native", "fp32": "native"}})
     assert "bf16" not in [fix.change["precision"] for fix in rec.fixes]
+
+
+def test_a_smaller_micro_batch_or_expert_quantization_that_did_not_learn_is_no_fix():
+    from test_review import _gap_frame
+
+    MIB = 2**20
+    frame = pd.DataFrame(
+        [_fp16_overflow(), _cell(model="g", precision="fp16", batch=2, accum=4, quality="did not learn")]
+    )
+    (rec,) = recommend(frame, NATIVE)
+    assert rec.fixes == [] and "Fix:" not in rec.text
+    assert "batch ran ok in g_fp16_bs2_none_s0_ga4 (did not learn): no evidence of a fix" in rec.text
+    held = frame.assign(quality="holds", loss_deviation=0.02, reference_cell="g_fp32_bs2_none_s0_ga4")
+    (rec,) = recommend(held, NATIVE)
+    assert rec.fixes[0].parity == 0.02 and "loss within 2.0% of its reference g_fp32_bs2_none_s0_ga4" in rec.text
+
+    gap = _gap_frame(nf4_peak=914 * MIB, experts_peak=792 * MIB)
+    gap["quality"], gap["loss_deviation"], gap["reference_cell"] = "deviates", 0.3, "moe_fp32_bs8_none_s0"
+    (rec,) = recommend(gap)
+    assert rec.fixes == [] and rec.evidence == [] and rec.concerns == ["moe_fp16_bs8_nf4_s0"]  # the finding stays
+    assert "quant=nf4-experts ran ok in moe_fp16_bs8_nf4-experts_s0 (deviates): no evidence of a fix" in rec.text
+    gap["quality"], gap["loss_deviation"] = "holds", 0.03
+    (rec,) = recommend(gap)
+    assert rec.fixes[0].parity == 0.03 and "loss within 3.0% of its reference moe_fp32_bs8_none_s0" in rec.fixes[0].why

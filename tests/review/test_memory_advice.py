@@ -1,6 +1,8 @@
 """The out-of-memory advice ranks every memory fix the grid proved (an 8-bit optimizer, activation
 checkpointing, quantization, a smaller micro-batch at the same effective batch) by throughput, each with its
-peak and loss parity; a twin that also ran out of memory, or that changed two settings, is no fix."""
+peak and loss parity against its reference twin; a twin that also ran out of memory, changed two settings, did
+not learn or deviates from its reference is no fix. Only a twin with no reference twin falls back to its loss
+beside the failing cell's."""
 
 from __future__ import annotations
 
@@ -12,7 +14,19 @@ from tunegrid.review.recommend import recommend
 MIB = 2**20
 
 
-def _cell(optimizer="adamw", ac=False, outcome="ok", peak=500, tps=1000.0, quant="none", batch=4, accum=1, loss=2.0):
+def _cell(
+    optimizer="adamw",
+    ac=False,
+    outcome="ok",
+    peak=500,
+    tps=1000.0,
+    quant="none",
+    batch=4,
+    accum=1,
+    loss=2.0,
+    quality="holds",
+    deviation=0.01,
+):
     cell_id = f"w_fp32_bs{batch}_{quant}_s0" + (f"_ga{accum}" if accum > 1 else "")
     cell_id += (f"_{optimizer}" if optimizer != "adamw" else "") + ("_ac" if ac else "")
     return {
@@ -42,6 +56,10 @@ def _cell(optimizer="adamw", ac=False, outcome="ok", peak=500, tps=1000.0, quant
         "flagged_tensors": 0,
         "expert_bytes": None,
         "nan_step": float("nan"),
+        # review/quality.py's verdict on an ok cell; the reference here is the plain adamw cell's ok twin
+        "quality": quality if outcome == "ok" else None,
+        "loss_deviation": deviation if outcome == "ok" and quality not in ("no reference", "did not learn") else None,
+        "reference_cell": "w_ref" if outcome == "ok" and quality != "no reference" else None,
     }
 
 
@@ -53,11 +71,11 @@ def test_oom_fixes_are_ranked_by_throughput_with_peak_and_loss_parity():
     frame = pd.DataFrame(
         [
             _cell(outcome="oom"),
-            _cell(optimizer="adamw-8bit", peak=430, tps=950.0),
-            _cell(ac=True, peak=300, tps=700.0),
+            _cell(optimizer="adamw-8bit", peak=430, tps=950.0, deviation=0.012),
+            _cell(ac=True, peak=300, tps=700.0, deviation=0.0),
             _cell(optimizer="adamw-8bit", ac=True, peak=250, tps=690.0),  # two settings changed: no twin
             _cell(optimizer="paged-adamw-8bit", outcome="oom"),  # did not fit: no fix
-            _cell(batch=2, accum=2, peak=350, tps=800.0),
+            _cell(batch=2, accum=2, peak=350, tps=800.0, quality="no reference"),
         ]
     )
     curves = {
@@ -74,9 +92,38 @@ def test_oom_fixes_are_ranked_by_throughput_with_peak_and_loss_parity():
     ]
     first = rec.fixes[0].why
     assert "optimizer=adamw-8bit fits (peak 430.0 MiB), 950 tokens/s (1.00 of the fastest fix)" in first
-    assert "loss at step 0 3.01 vs 3 in the failing setting" in first
+    assert "loss within 1.2% of its reference w_ref" in first and "failing setting" not in first
+    assert [f.parity for f in rec.fixes] == [0.012, None, 0.0]  # what recommendations.json carries
+    # no reference twin ran ok for the micro-batch fix: its loss beside the failing cell's, and the text says why
+    assert "no ok reference twin in this study to check its loss against: loss at step 0 2.98 vs 3" in rec.fixes[1].why
     assert "700 tokens/s (0.74 of the fastest fix)" in rec.fixes[2].why
-    assert "Ranked by throughput" in rec.text
+    assert "Ranked by throughput" in rec.text and "no evidence" not in rec.text
+    assert rec.as_dict()["fixes"][0]["parity"] == 0.012
+
+
+def test_an_ok_twin_that_did_not_learn_or_deviates_is_no_oom_fix():
+    frame = pd.DataFrame(
+        [
+            _cell(outcome="oom"),
+            _cell(optimizer="adamw-8bit", peak=430, tps=950.0, quality="did not learn"),  # fits, trained nothing
+            _cell(ac=True, peak=300, tps=700.0, quality="deviates", deviation=0.4),
+            _cell(batch=2, accum=2, peak=350, tps=800.0, quality="did not learn"),
+        ]
+    )
+    (rec,) = recommend(frame, {}, {})
+    assert rec.fixes == [] and rec.evidence == [] and "Fix:" not in rec.text
+    assert (
+        "A memory setting ran ok in w_fp32_bs4_none_s0_ac (deviates), w_fp32_bs4_none_s0_adamw-8bit (did not learn): "
+        "no evidence of a fix" in rec.text
+    )
+    assert (
+        "A smaller micro-batch at the same effective batch ran ok in w_fp32_bs2_none_s0_ga2 (did not learn)" in rec.text
+    )
+    # one that learned and matched its reference beside them is the only fix offered
+    learned = pd.concat([frame, pd.DataFrame([_cell(optimizer="paged-adamw-8bit", peak=420, tps=900.0)])])
+    (rec,) = recommend(learned, {}, {})
+    assert [f.change for f in rec.fixes] == [{"optimizer": "paged-adamw-8bit"}]
+    assert rec.evidence == ["w_fp32_bs4_none_s0_paged-adamw-8bit"]
 
 
 def test_memory_settings_beside_their_plain_twin():

@@ -178,19 +178,26 @@ def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_s
     gap = recs["moe_expert_gap"]
     assert gap["failing"] == []  # the plain-4-bit cells trained: they are what the advice concerns, not failures
     assert gap["concerns"] == ["qwen3moe-tiny_fp16_bs8_nf4_s0", "qwen3moe-tiny_fp32_bs8_nf4_s0"]
-    assert gap["evidence"] == ["qwen3moe-tiny_fp16_bs8_nf4-experts_s0", "qwen3moe-tiny_fp32_bs8_nf4-experts_s0"]
-    peaks = summary.set_index("cell_id")["peak_bytes"]
-    fell = all(peaks[e] < peaks[c] for c, e in zip(gap["concerns"], gap["evidence"]))
-    assert gap["fixes"] == (
-        [{"change": {"quant": "nf4-experts"}, "why": "quantize the experts too", "evidence": gap["evidence"]}]
-        if fell
-        else []
-    )
-    # every cited cell exists, and evidence cells are ok
     by_id = summary.set_index("cell_id")
+    twins = ["qwen3moe-tiny_fp16_bs8_nf4-experts_s0", "qwen3moe-tiny_fp32_bs8_nf4-experts_s0"]
+    proven = [c for c in twins if by_id.loc[c, "quality"] == "holds"]  # only a twin that holds is evidence
+    assert gap["evidence"] == proven
+    assert all(f"{c} ({by_id.loc[c, 'quality']}): no evidence" in gap["text"] or c in proven for c in twins)
+    fell = all(by_id.loc[e, "peak_bytes"] < by_id.loc[c, "peak_bytes"] for c, e in zip(gap["concerns"], twins))
+    if fell and proven:
+        (fix,) = gap["fixes"]
+        assert fix["change"] == {"quant": "nf4-experts"} and fix["evidence"] == proven
+        assert fix["why"].startswith("quantize the experts too")
+        assert fix["parity"] == max(by_id.loc[c, "loss_deviation"] for c in proven)
+    else:
+        assert gap["fixes"] == []
+    # every cited cell exists, evidence cells are ok, and every fix's evidence learned and matched its reference
+    # (or, for a memory fix, learned where no reference twin ran ok)
     for rec in recs.values():
         assert all(by_id.loc[c, "outcome"] == "ok" for c in rec["evidence"])
         assert all(c in by_id.index for c in rec["failing"])
+        for fix in rec["fixes"]:
+            assert all(by_id.loc[c, "quality"] in ("holds", "no reference") for c in fix["evidence"]), fix
 
 
 def test_mlflow_server_rest_api_serves_every_cell(finished_study):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tunegrid.review.quality import HOLDS, NO_REFERENCE
 from tunegrid.vocabulary import Outcome, axis_names
 
 
@@ -62,3 +63,38 @@ def paren(value: Any) -> str:
 
 def number(value: Any) -> float:
     return float(value) if value is not None and value == value else float("inf")
+
+
+def holds(row: Any) -> bool:
+    """An ok cell that is evidence of a fix; a summary without quality columns (older) counts ok alone."""
+    return "quality" not in row.index or row["quality"] == HOLDS
+
+
+def unreferenced(row: Any) -> bool:
+    """An ok cell that learned but has no ok reference twin to check its loss against."""
+    return "quality" in row.index and row["quality"] == NO_REFERENCE
+
+
+def parity_of(row: Any) -> float | None:
+    """The cell's loss deviation from its reference twin (review/quality.py), where one was compared."""
+    value = row.get("loss_deviation")
+    return float(value) if value is not None and value == value else None
+
+
+def parity_text(row: Any) -> str:
+    deviation = parity_of(row)
+    if deviation is None:
+        return ""
+    return f"loss within {deviation:.1%} of its reference {row.get('reference_cell')}"
+
+
+def unproven_name(row: Any) -> str:
+    return f"{row['cell_id']} ({row.get('quality')})"
+
+
+def no_evidence(what: str, names: list[str]) -> str:
+    """The sentence for ok twins that are no evidence of a fix (they did not learn, or deviate)."""
+    return (
+        f"{what} ran ok in {', '.join(sorted(set(names)))}: no evidence of a fix "
+        "(a fix must learn and match the reference)."
+    )

@@ -8,8 +8,10 @@ only at other effective batches, the advice says so instead of proposing a setti
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from tunegrid.review.advice import holds, no_evidence, parity_of, parity_text, unproven_name
 from tunegrid.vocabulary import Outcome, axis_names
 
 
@@ -32,17 +34,46 @@ def _smaller_ok(frame: Any, row: Any) -> list[Any]:
     return [sib for _, sib in frame[mask].iterrows()]
 
 
-def _by_recipe(frame: Any, rows: list[Any]) -> tuple[dict[tuple[int, int], set[str]], dict[tuple[int, int], set[str]]]:
+def _by_recipe(
+    frame: Any, rows: list[Any], accept: Callable[[Any], bool]
+) -> tuple[dict[tuple[int, int], list[Any]], dict[tuple[int, int], set[str]], list[str]]:
     """Smaller micro-batches shown ok, keyed (batch_size, grad_accum): those at the failing cells' effective
-    batch, and those at another."""
-    same: dict[tuple[int, int], set[str]] = {}
+    batch whose cells `accept` takes as evidence, those at another, and the names of the ok ones at the same
+    effective batch that are no evidence."""
+    same: dict[tuple[int, int], list[Any]] = {}
     other: dict[tuple[int, int], set[str]] = {}
+    unproven: list[str] = []
     for row in rows:
         effective = int(row["batch_size"]) * accumulation(row)
         for sib in _smaller_ok(frame, row):
             key = (int(sib["batch_size"]), accumulation(sib))
-            (same if key[0] * key[1] == effective else other).setdefault(key, set()).add(sib["cell_id"])
-    return same, other
+            if key[0] * key[1] != effective:
+                other.setdefault(key, set()).add(sib["cell_id"])
+            elif accept(sib):
+                same.setdefault(key, []).append(sib)
+            else:
+                unproven.append(unproven_name(sib))
+    return same, other, unproven
+
+
+def _notes(
+    rows: list[Any], same: dict, other: dict[tuple[int, int], set[str]], unproven: list[str], outcome: str
+) -> str:
+    """What is no evidence; and, where no smaller micro-batch keeps the recipe, the ones that changed it."""
+    parts = [no_evidence("A smaller micro-batch at the same effective batch", unproven)] if unproven else []
+    parts += [_another_recipe(rows, other, outcome)] if other and not same else []
+    return " ".join(parts)
+
+
+def _fix(batch: int, accum: int, cells: list[Any], why: str) -> dict[str, Any]:
+    parities = [p for p in (parity_of(c) for c in cells) if p is not None]
+    shown = parity_text(max(cells, key=lambda c: parity_of(c) or 0.0))
+    return {
+        "change": {"batch_size": batch, "grad_accum": accum},
+        "why": why + (f", {shown}" if shown else ""),
+        "evidence": sorted({c["cell_id"] for c in cells}),
+        "parity": max(parities) if parities else None,
+    }
 
 
 def _another_recipe(rows: list[Any], other: dict[tuple[int, int], set[str]], outcome: str) -> str:
@@ -62,36 +93,39 @@ def _another_recipe(rows: list[Any], other: dict[tuple[int, int], set[str]], out
 
 
 def smaller_batch_fix(frame: Any, rows: list[Any], precision: str) -> tuple[dict[str, Any] | None, str]:
-    """For a non-finite loss: the largest smaller micro-batch shown ok at the failing cells' effective batch,
-    as a fix (change, why, evidence); or a sentence for smaller micro-batches ok only at another."""
-    same, other = _by_recipe(frame, rows)
+    """For a non-finite loss: the largest smaller micro-batch shown ok (quality holds) at the failing cells'
+    effective batch, as a fix (change, why, evidence, parity); and sentences on what is no evidence and on
+    smaller micro-batches ok only at another effective batch."""
+    same, other, unproven = _by_recipe(frame, rows, holds)
+    note = _notes(rows, same, other, unproven, f"was ok in {precision}")
     if not same:
-        return None, _another_recipe(rows, other, f"was ok in {precision}") if other else ""
+        return None, note
     batch, accum = max(same)
     why = (
         f"keep {precision} with {micro_batch_phrase(batch, accum)} (ok in {precision} at the same effective "
         f"batch of {batch * accum})"
     )
+    return _fix(batch, accum, same[(batch, accum)], why), note
+
+
+def memory_batch_fix(frame: Any, row: Any, accept: Callable[[Any], bool] = holds) -> tuple[dict[str, Any] | None, str]:
+    """For an out-of-memory cell: the largest smaller micro-batch that fit at its effective batch and that
+    `accept` takes as evidence, as a fix; and sentences on what is no evidence and on smaller micro-batches
+    that fit only at another effective batch."""
+    from tunegrid.units import human_bytes
+
+    same, other, unproven = _by_recipe(frame, [row], accept)
+    note = _notes([row], same, other, unproven, "fits")
+    if not same:
+        return None, note
+    batch, accum = max(same)
+    cells = sorted(same[(batch, accum)], key=lambda c: c["cell_id"])
+    why = (
+        f"{micro_batch_phrase(batch, accum)} fits at the same effective batch of {batch * accum} "
+        f"(peak {human_bytes(cells[0]['peak_bytes'])})"
+    )
     return {
         "change": {"batch_size": batch, "grad_accum": accum},
         "why": why,
-        "evidence": sorted(same[(batch, accum)]),
-    }, ""
-
-
-def memory_batch_fix(frame: Any, row: Any) -> tuple[dict[str, Any] | None, str]:
-    """For an out-of-memory cell: the largest smaller micro-batch that fit at its effective batch, as a fix;
-    or a sentence for smaller micro-batches that fit only at another."""
-    from tunegrid.units import human_bytes
-
-    same, other = _by_recipe(frame, [row])
-    if not same:
-        return None, _another_recipe([row], other, "fits") if other else ""
-    batch, accum = max(same)
-    cells = sorted(same[(batch, accum)])
-    peak = frame.loc[frame["cell_id"] == cells[0], "peak_bytes"].iloc[0]
-    why = (
-        f"{micro_batch_phrase(batch, accum)} fits at the same effective batch of {batch * accum} "
-        f"(peak {human_bytes(peak)})"
-    )
-    return {"change": {"batch_size": batch, "grad_accum": accum}, "why": why, "evidence": cells}, ""
+        "evidence": [c["cell_id"] for c in cells],
+    }, note

@@ -1,5 +1,7 @@
 """Advice on MoE memory: fused experts that plain 4-bit loading left in full precision, and the
-load peaks that quantizing them as they load brought down.
+load peaks that quantizing them as they load brought down. The twin that quantized the experts is cited as a
+fix only where its quality holds (review/quality.py: it learned and matched its reference twin within tolerance);
+an ok twin that did not is named as no evidence of a fix, and the finding stands without a fix.
 """
 
 from __future__ import annotations
@@ -8,7 +10,17 @@ from collections import defaultdict
 from typing import Any
 
 from tunegrid.plans import QUANT_PLANS
-from tunegrid.review.advice import Fix, Recommendation, number, siblings
+from tunegrid.review.advice import (
+    Fix,
+    Recommendation,
+    holds,
+    no_evidence,
+    number,
+    parity_of,
+    parity_text,
+    siblings,
+    unproven_name,
+)
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, Quant
 
@@ -63,12 +75,28 @@ def expert_gap(frame: Any) -> list[Recommendation]:
                 + f", its {sib['quant']} twin was ok. "
                 + text
             )
-        evidence = sorted(s["cell_id"] for _, s in members)
-        if peaks_fell or failed:
+        proven = [s for _, s in members if holds(s)]
+        unproven = [unproven_name(s) for _, s in members if not holds(s)]
+        evidence = sorted(s["cell_id"] for s in proven)
+        if unproven:
+            text += " " + no_evidence(f"quant={sib['quant']}", unproven)
+        if (peaks_fell or failed) and proven:
+            worst = max(proven, key=lambda s: parity_of(s) or 0.0)
+            parities = [p for p in (parity_of(s) for s in proven) if p is not None]
+            shown = parity_text(worst)
             title, fixes = (
                 f"{model}: experts not quantized by plain {bits}-bit",
-                [Fix({"quant": sib["quant"]}, "quantize the experts too", evidence)],
+                [
+                    Fix(
+                        {"quant": sib["quant"]},
+                        "quantize the experts too" + (f" ({shown})" if shown else ""),
+                        evidence,
+                        max(parities) if parities else None,
+                    )
+                ],
             )
+        elif peaks_fell or failed:
+            title, fixes = f"{model}: experts not quantized by plain {bits}-bit", []
         else:
             title, fixes = f"{model}: {sib['quant']} shrinks the weights, but the peaks did not fall here", []
             text += " Not recommended for memory on this machine: the whole-process peak is set by something else here."

@@ -19,8 +19,7 @@ from typing import Any
 
 from tunegrid.plans import PRECISION_PLANS, precision_plan
 from tunegrid.prepare.targets import TARGETS
-from tunegrid.review.advice import Fix, ok_cells, siblings
-from tunegrid.review.quality import HOLDS
+from tunegrid.review.advice import Fix, holds, ok_cells, siblings
 
 # the candidates in the plans' order (the order of equals in throughput)
 CANDIDATES = sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank)
@@ -38,11 +37,6 @@ def support_of(precision: str, target: str | None, capabilities: dict[str, Any])
         found.append(TARGETS[target].precision.get(arithmetic, "absent"))
     known = [s for s in found if s in rank]
     return min(known, key=rank.__getitem__) if known else "absent"
-
-
-def holds(row: Any) -> bool:
-    """An ok cell that is evidence of a fix; a summary without quality columns (older) counts ok alone."""
-    return "quality" not in row.index or row["quality"] == HOLDS
 
 
 @dataclass

@@ -31,6 +31,7 @@ from tunegrid.vocabulary import Outcome, axis_names
 
 QUALITY_COLUMNS = ("loss_fall", "learned", "reference_cell", "loss_deviation", "within_tolerance", "quality")
 HOLDS = "holds"
+NO_REFERENCE = "no reference"
 
 
 def default_review() -> dict[str, Any]:
@@ -97,7 +98,7 @@ def quality_columns(
         if not learned:
             verdict = "did not learn"
         elif twin is None:
-            verdict = "no reference"
+            verdict = NO_REFERENCE
         else:
             verdict = HOLDS if within else "deviates"
         out.append(
