@@ -117,8 +117,8 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
     experiment_id = client(uri).get_experiment_by_name("tunegrid/t").experiment_id
     synced = sync_cell(uri, experiment_id, result, run_dir, None)
     assert synced["created"]
-    # 4 steps x 7 metrics (loss, grad_norm, lr, tokens_per_s, step_time_s, mem_peak_bytes, skipped_steps)
-    assert synced["points_filled"] == len(metrics_from_records(read_jsonl(run_dir / "metrics.jsonl"))) == 4 * 7
+    # 4 steps x 8 metrics (loss, grad_norm, lr, tokens_per_s, step_time_s, local_time_s, mem_peak_bytes, skipped_steps)
+    assert synced["points_filled"] == len(metrics_from_records(read_jsonl(run_dir / "metrics.jsonl"))) == 4 * 8
     run = client(uri).get_run(synced["run_id"])
     assert run.data.tags["outcome"] == "ok"
     assert run.info.run_name == f"ok · {spec['cell_id']}" and run.info.status == "FINISHED", "as a live run ends"

@@ -213,8 +213,8 @@ def screenshots(args: argparse.Namespace) -> None:
 
 
 def probe_tracking(args: argparse.Namespace) -> None:
+    from tunegrid.track.probe_run import log_probe_run
     from tunegrid.track.store import tracking_uri_for_cells
-    from tunegrid.track.tracking import log_probe_run
 
     tracking = read_json(args.tracking)
     run_id = log_probe_run(tracking_uri_for_cells(tracking), tracking["experiment_id"], read_json(args.capabilities))

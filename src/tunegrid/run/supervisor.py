@@ -244,6 +244,8 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
     )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
         result["tracking"]["errors"] = tracker.errors
+    if tracker.refused:  # keys MLflow would not take (named, never valued): the files hold them
+        result["tracking"]["refused"] = tracker.refused
 
 
 def _kill_point(name: str) -> None:

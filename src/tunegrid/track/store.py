@@ -20,6 +20,14 @@ log = logging.getLogger("tunegrid.track")
 
 T = TypeVar("T")
 
+# MLflow's error codes for a request it refuses for what it holds (a bad name, a value too long): sending it
+# again cannot help, unlike a store that is busy or down
+REFUSAL_CODES = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST"})
+
+
+def is_refusal(exc: BaseException) -> bool:
+    return getattr(exc, "error_code", None) in REFUSAL_CODES
+
 
 def default_store_uri() -> str:
     """results/mlflow.db of the folder the workflow runs in (resolved once, by tracking-init)."""
@@ -59,7 +67,7 @@ def with_retries(call: Callable[[], T], what: str, attempts: int = 6, first_wait
         try:
             return call()
         except Exception as exc:  # MlflowException, sqlalchemy OperationalError, connection errors
-            if attempt == attempts:
+            if attempt == attempts or is_refusal(exc):
                 raise
             log.debug("%s failed (%s), retry %d in %.1fs", what, exc, attempt, wait)
             time.sleep(wait)

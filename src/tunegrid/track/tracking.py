@@ -11,20 +11,21 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tunegrid.outcome import METRIC_KEYS
 from tunegrid.study_paths import StudyPaths
-from tunegrid.track.store import client, with_retries
+from tunegrid.track.refusals import REFUSED_TAG, checked, checked_metrics, refused_note, shown
+from tunegrid.track.store import client, is_refusal, with_retries
 from tunegrid.vocabulary import Outcome
 
 log = logging.getLogger(__name__)
 
 CELL_TAG = "tunegrid.cell_id"
 FAILED: Any = object()  # what CellRun._try returns when the store call failed (None is a valid result)
+REFUSED: Any = object()  # ... and when the store refused what the call holds (it is up: later calls go on)
 MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 T = TypeVar("T")
 
@@ -38,10 +39,10 @@ def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
     if isinstance(value, dict) and all(PARAM_NAME.match(str(key)) for key in value):
         for key, item in value.items():
             flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
-    elif isinstance(value, dict):
-        out[prefix] = json.dumps(value, sort_keys=True)[:6000]
+    elif isinstance(value, dict):  # values over MLflow's length limit are cut or refused by its own check
+        out[prefix] = json.dumps(value, sort_keys=True)
     else:
-        out[prefix] = str(value)[:6000]
+        out[prefix] = str(value)
     return out
 
 
@@ -94,6 +95,7 @@ class CellRun:
         self.client = client(uri)
         self.run_id: str | None = None
         self.errors: list[str] = []
+        self.refused: list[str] = []  # "param <key>" / "tag <key>" / "metric <key>" MLflow would not take
         self.sent_points = 0
         self.down = False
         self.system: Any = None  # the system-metrics monitor (track/system_metrics.py), while the cell runs
@@ -106,28 +108,62 @@ class CellRun:
         try:
             return with_retries(call, what)
         except Exception as exc:
+            if is_refusal(exc):
+                return REFUSED
             self.down = True
             self.errors.append(f"{what}: {type(exc).__name__}: {str(exc)[:200]}")
             log.warning("MLflow %s failed; metrics.jsonl keeps everything (%s)", what, exc)
             return FAILED
 
+    def _refuse(self, kind: str, keys: list[str]) -> None:
+        """Name what MLflow refused, in the cell's log and (by `finish`) on the run; never the value."""
+        for key in keys:
+            self.refused.append(shown(kind, key))
+            print(f"WARNING: MLflow refused {shown(kind, key)!r}; the cell's files keep it", flush=True)
+
+    def _send(self, kind: str, entities: list[Any], what: str, chunk_size: int = 100) -> bool:
+        """log_batch in chunks; a chunk the store refuses is sent again one item at a time, so one bad item
+        costs only itself. False when the store is down."""
+        field = {"param": "params", "tag": "tags", "metric": "metrics"}[kind]
+        for i in range(0, len(entities), chunk_size):
+            chunk = entities[i : i + chunk_size]
+            sent = self._try(lambda c=chunk: self.client.log_batch(self.run_id, **{field: c}), what)
+            if sent is FAILED:
+                return False
+            if sent is REFUSED:
+                for item in chunk:
+                    one = self._try(lambda e=item: self.client.log_batch(self.run_id, **{field: [e]}), what)
+                    if one is FAILED:
+                        return False
+                    if one is REFUSED:
+                        self._refuse(kind, [item.key])
+        return True
+
+    def _log(self, kind: str, items: dict[str, str], what: str) -> bool:
+        accepted, refused = checked(kind, items)
+        self._refuse(kind, refused)
+        return self._send(kind, accepted, what)
+
     def start(
         self, cell_id: str, tags: dict[str, str], params: dict[str, str], start_time: float | None = None
     ) -> None:
         """Open this cell's run; earlier runs of the same cell are marked superseded and deleted."""
-        from mlflow.entities import Param, RunTag
-
         previous = self._try(
             lambda: self.client.search_runs([self.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{cell_id}'"),
             "search previous runs",
         )
+        accepted, refused = checked("tag", {CELL_TAG: cell_id, **tags})  # one bad tag would refuse the run
+        self._refuse("tag", refused)
         run = self._try(
             lambda: self.client.create_run(
-                self.experiment_id, start_time=_ms(start_time), run_name=cell_id, tags={CELL_TAG: cell_id, **tags}
+                self.experiment_id,
+                start_time=_ms(start_time),
+                run_name=cell_id,
+                tags={t.key: t.value for t in accepted},
             ),
             "create_run",
         )
-        if run is FAILED:
+        if run is FAILED or run is REFUSED:
             return
         self.run_id = run.info.run_id
         for old in [] if previous is FAILED else previous:
@@ -143,21 +179,17 @@ class CellRun:
                 )
                 self._try(lambda o=old: self.client.set_terminated(o.info.run_id, status="KILLED"), "end old run")
             self._try(lambda o=old: self.client.delete_run(o.info.run_id), "delete superseded run")
-        items = [Param(k, v) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            chunk = items[i : i + 100]
-            self._try(lambda c=chunk: self.client.log_batch(self.run_id, params=c), "log params")
-        self._try(lambda: self.client.log_batch(self.run_id, tags=[RunTag("tunegrid.status", "running")]), "tag")
+        self._log("param", params, "log params")
+        self._log("tag", {"tunegrid.status": "running"}, "tag")
 
     def log_records(self, records: list[dict[str, Any]]) -> bool:
         if self.run_id is None or not records:
             return self.run_id is not None
-        metrics = metrics_from_records(records)
-        for i in range(0, len(metrics), MAX_BATCH):
-            chunk = metrics[i : i + MAX_BATCH]
-            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "log metrics") is FAILED:
-                return False
-            self.sent_points += len(chunk)
+        metrics, refused = checked_metrics(metrics_from_records(records))
+        self._refuse("metric", sorted(set(refused)))
+        if not self._send("metric", metrics, "log metrics", MAX_BATCH):
+            return False
+        self.sent_points += len(metrics)
         return True
 
     def reconcile(self, records: list[dict[str, Any]]) -> int:
@@ -170,12 +202,8 @@ class CellRun:
             if history is FAILED:
                 return 0
             have.update((m.key, m.step) for m in history)
-        missing = [m for m in metrics_from_records(records) if (m.key, m.step) not in have]
-        for i in range(0, len(missing), MAX_BATCH):
-            chunk = missing[i : i + MAX_BATCH]
-            if self._try(lambda c=chunk: self.client.log_batch(self.run_id, metrics=c), "reconcile metrics") is FAILED:
-                return 0
-        return len(missing)
+        missing, _ = checked_metrics([m for m in metrics_from_records(records) if (m.key, m.step) not in have])
+        return len(missing) if self._send("metric", missing, "reconcile metrics", MAX_BATCH) else 0
 
     def log_dataset(self, dataset: dict[str, Any]) -> None:
         """The training set as the run's dataset input (the UI's Dataset column), context `training`."""
@@ -212,9 +240,8 @@ class CellRun:
         name: str | None = None,
     ) -> None:
         """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts;
-        the run renamed to carry its outcome and ended FAILED when the cell did not end ok."""
-        from mlflow.entities import Param, RunTag
-
+        the run renamed to carry its outcome and ended FAILED when the cell did not end ok. What MLflow refuses
+        of these costs only itself: the outcome, the name and the status always land while the store is up."""
         if self.system is not None:
             self.system.stop()
             self.system = None
@@ -222,11 +249,12 @@ class CellRun:
             return
         if name:
             self._try(lambda: self.client.update_run(self.run_id, name=name), "rename run")
-        tag_items = [RunTag(k, v[:5000]) for k, v in tags.items()] + [RunTag("tunegrid.status", "done")]
-        self._try(lambda: self.client.log_batch(self.run_id, tags=tag_items), "final tags")
         if params:
-            items = [Param(k, v[:6000]) for k, v in params.items()]
-            self._try(lambda: self.client.log_batch(self.run_id, params=items), "final params")
+            self._log("param", params, "final params")
+        final_tags = {**tags, "tunegrid.status": "done"}
+        if self.refused:
+            final_tags[REFUSED_TAG] = refused_note(self.refused)
+        self._log("tag", final_tags, "final tags")
         for path in artifacts:
             if path.is_dir():  # a folder (the adapter) keeps its name and layout in the store
                 self._try(
@@ -245,13 +273,15 @@ def _ms(epoch_s: float | None) -> int | None:
     return int(epoch_s * 1000) if epoch_s else None
 
 
-def run_exists(c: Any, run_id: str | None) -> bool:
+def active_run(c: Any, run_id: str | None) -> Any:
+    """The store's run of that id, or None when it has none (deleted, never created, or the store is down)."""
     if not run_id:
-        return False
+        return None
     try:
-        return c.get_run(run_id).info.lifecycle_stage == "active"
+        run = c.get_run(run_id)
     except Exception:
-        return False
+        return None
+    return run if run.info.lifecycle_stage == "active" else None
 
 
 def sync_cell(
@@ -268,9 +298,11 @@ def sync_cell(
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
     run_id = (result.get("tracking") or {}).get("run_id")
-    created = False
-    if run_exists(run.client, run_id):
+    created = unfinished = False
+    existing = active_run(run.client, run_id)
+    if existing is not None:  # left open, or without its verdict (the store failed at the cell's end): end it now
         run.run_id = run_id
+        unfinished = existing.info.status == "RUNNING" or "outcome" not in existing.data.tags
     else:
         from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
 
@@ -283,7 +315,7 @@ def sync_cell(
         run.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=result.get("started_at"))
         created = run.run_id is not None
     filled = run.reconcile(records)
-    if created:
+    if created or unfinished:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
         run.finish(
             run_tags(result),
@@ -296,44 +328,9 @@ def sync_cell(
     return {
         "run_id": run.run_id,
         "created": created,
+        "completed": unfinished,
         "points_filled": filled,
         "points_in_file": len(records),
         "errors": run.errors,
+        "refused": run.refused,
     }
-
-
-def log_probe_run(uri: str, experiment_id: str, record: dict[str, Any]) -> str | None:
-    """The probe as a run of its own (tag kind=probe); every cell's run links to it by id."""
-    from mlflow.entities import Metric, Param, RunTag
-
-    c = client(uri)
-    try:
-        run = with_retries(
-            lambda: c.create_run(experiment_id, run_name="probe", tags={"kind": "probe", "device": record["device"]}),
-            "probe run",
-        )
-        params = [
-            Param(k, v)
-            for k, v in flatten("", {"precision": record["precision"], "cpu": record["cpu"]["model"]}, {}).items()
-        ]
-        metrics = [
-            Metric(f"matmul_tflops.{k}", v, int(time.time() * 1000), 0) for k, v in record["matmul_tflops"].items() if v
-        ]
-        if record.get("memory_bandwidth_gbs"):
-            metrics.append(Metric("memory_bandwidth_gbs", record["memory_bandwidth_gbs"], int(time.time() * 1000), 0))
-        for world, facts in record["allreduce"].items():
-            for row in facts.get("sizes", []) if isinstance(facts, dict) else []:
-                metrics.append(
-                    Metric(f"allreduce_busbw_gbs.ws{world}", row["busbw_gbs"], int(time.time() * 1000), row["bytes"])
-                )
-        with_retries(
-            lambda: c.log_batch(
-                run.info.run_id, metrics=metrics, params=params, tags=[RunTag("tunegrid.status", "done")]
-            ),
-            "probe batch",
-        )
-        with_retries(lambda: c.set_terminated(run.info.run_id), "probe end")
-        return str(run.info.run_id)
-    except Exception as exc:  # the probe's JSON is the record; MLflow is a view of it
-        log.warning("MLflow probe run not logged: %s", exc)
-        return None
