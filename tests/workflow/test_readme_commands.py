@@ -108,9 +108,15 @@ HOW: dict[str, tuple[str, str]] = {
         "dry",
         "5 min on a 2-core CPU; tests/prepare/test_studies.py runs it at reduced size end to end",
     ),
-    "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=8": (
+    "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=2": (
         "dry",
-        "needs 8 GPUs to train",
+        "needs 2 GPUs to train; its CPU form, configs/collective-timeout-cpu.yaml, runs in "
+        "tests/workflow/test_collective_study.py",
+    ),
+    "python benchmarks/memory_fixes.py": (
+        "elsewhere",
+        "trains configs/memory-fixes-cpu.yaml (minutes on 2 cores); what it compares is checked by "
+        "tests/cell/test_optimizers.py",
     ),
     "python benchmarks/nan_overhead.py": (
         "elsewhere",

@@ -140,6 +140,8 @@ class OptimizerSteps:
                     if self.ddp is not None and index < last:  # one all-reduce per step, in the last backward
                         around.enter_context(self.ddp.no_sync())
                     losses.append(self.forward_backward(micro, scaler, step_tokens=step_tokens).detach().float())
+        # the rank's own time up to its last forward (a step without an update records it too)
+        fact["local_time"] = self.forward_done_at - local_started - self.ddp_pre_forward_s
         if step == 0:  # every adapter asked for must receive a gradient, or we train fewer params than requested
             fact["params_without_grad"] = [n for n, p in self.trainable_named if p.grad is None]
             if fact["params_without_grad"]:
@@ -168,7 +170,6 @@ class OptimizerSteps:
         if not skipped:  # as accelerate does: a step that changed no weight does not advance the schedule
             self.scheduler.step()
         fact["elapsed"] = time.perf_counter() - started
-        fact["local_time"] = self.forward_done_at - local_started - self.ddp_pre_forward_s
         fact["peak"] = self.meter.peak_bytes()
         return fact
 
