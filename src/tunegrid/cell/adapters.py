@@ -69,7 +69,9 @@ def save_adapter(run_dir: Path, model: Any, batch: dict[str, Any], loss: float, 
     return {"path": ADAPTER_DIR, "files": sorted(p.name for p in target.iterdir()), **record}
 
 
-def base_record(spec: dict[str, Any], manifest: dict[str, Any], plan: Any) -> dict[str, Any]:
+def base_record(
+    spec: dict[str, Any], manifest: dict[str, Any], plan: Any, fp32_islands: list[str] | None = None
+) -> dict[str, Any]:
     """Everything needed to rebuild the base the adapter was trained on: for a 4-bit cell, BitsAndBytesConfig's
     arguments too, and that its 4-bit layers kept bitsandbytes' training layout (on a CPU with AVX512-BF16 a
     no-grad eval forward otherwise repacks them for another kernel, which rounds differently)."""
@@ -81,6 +83,8 @@ def base_record(spec: dict[str, Any], manifest: dict[str, Any], plan: Any) -> di
     if quant.record_key:
         load[quant.record_key] = bnb_settings(spec, plan)
         load["cpu_inference_packing"] = False  # Linear4bit.support_avx512bf16_for_cpu = False on every layer
+    if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/islands.make_island)
+        load["fp32_islands"] = list(fp32_islands)
     return {
         "base_model": base_model_identity(manifest),
         "model_name": spec["model"]["name"],

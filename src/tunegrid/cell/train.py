@@ -206,9 +206,9 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             self.heartbeat.beat("adapter")
             loss = reference_loss(self.model, self.last_batch, autocast_context(self.plan))
             self.facts["training"]["reference_batch_loss"] = loss
-            self.facts["adapter"] = save_adapter(
-                self.run_dir, self.model, self.last_batch, loss, base_record(self.spec, self.manifest, self.plan)
-            )
+            islands = [island["module"] for island in (self.facts.get("fp32_islands") or {}).get("modules", [])]
+            record = base_record(self.spec, self.manifest, self.plan, islands)
+            self.facts["adapter"] = save_adapter(self.run_dir, self.model, self.last_batch, loss, record)
         if self.checkpointer is not None:
             self.checkpointer.discard()
 
