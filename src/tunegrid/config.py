@@ -24,7 +24,7 @@ from tunegrid.input_limits import (
     secret_problems,
     size_problems,
 )
-from tunegrid.vocabulary import axis_table, grid_schema
+from tunegrid.vocabulary import PRECISIONS, QUANTS, axis_table, grid_schema
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -42,6 +42,9 @@ def load_schema() -> dict[str, Any]:
     with open(SCHEMA_PATH) as fh:
         schema = yaml.load(fh, Loader=_SAFE_LOADER)  # a safe loader (libyaml when present)
     schema["properties"]["grid"] = grid_schema()
+    # the reference twin's settings take the same values as the axes they name
+    reference = schema["properties"]["review"]["properties"]["reference"]["properties"]
+    reference["precision"]["enum"], reference["quant"]["enum"] = list(PRECISIONS), list(QUANTS)
     return schema
 
 

@@ -149,6 +149,9 @@ def build_study(recipe: Recipe, failure: str, base: dict[str, Any], study: str |
         "models": {name: model},
         "grid": {"model": [name], **grid},
     }
+    # parity is judged against fp32 on the recipe's own base: a QLoRA grid has no unquantized twin
+    if grid.get("quant"):
+        out["review"] = {"reference": {"precision": "fp32", "quant": grid["quant"][0]}}
     for path, value in recipe.settings.items():
         if path in RECORD_ONLY or path.startswith("grid."):
             continue
