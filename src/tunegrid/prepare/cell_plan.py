@@ -88,12 +88,19 @@ def cell_plan(spec: dict[str, Any], planned: dict[str, Any], device: str) -> Cel
 def write_cell_plan(
     study_file: str | Path, cell_id: str, model_dir: str | Path, capabilities_file: str | Path, out: str | Path
 ) -> CellPlan:
-    """The `cell_plan` rule's job (in the Snakemake process: file headers only, no torch), and `tunegrid cell-plan`."""
+    """`tunegrid cell-plan --study-file --cell`: a cell of a resolved study, planned."""
     from tunegrid.config import study_cell_spec
+
+    return write_spec_plan(study_cell_spec(study_file, cell_id), model_dir, capabilities_file, out)
+
+
+def write_spec_plan(
+    spec: dict[str, Any], model_dir: str | Path, capabilities_file: str | Path, out: str | Path
+) -> CellPlan:
+    """The `cell_plan` rule's job (`tunegrid cell-plan --spec-file`: file headers only, no torch)."""
     from tunegrid.files import atomic_write_text, read_json
     from tunegrid.prepare.plan import plan_cell
 
-    spec = study_cell_spec(study_file, cell_id)
     capabilities = read_json(capabilities_file)
     planned = cell_plan(spec, plan_cell(spec, Path(model_dir), capabilities), capabilities.get("device", "cpu"))
     atomic_write_text(out, planned.to_json())
