@@ -49,7 +49,7 @@ rule cell_plan:
     shell:
         f"python {SCRIPT} cell-plan"
         " --spec-file {input.spec} --model-dir {input.model} --capabilities {input.capabilities}"
-        " --out {output.plan} > {log} 2>&1"
+        " --out {output.plan} $TUNEGRID_CELL_PLAN_WORKER > {log} 2>&1"  # common.smk: how this run starts cells
 
 
 # Before spending GPU hours: which cells this target cannot run (unsupported), which the estimate says
@@ -68,7 +68,8 @@ rule plan:
         "../../envs/tunegrid.yaml"
     params:
         models=lambda wildcards, input: os.path.dirname(input.models[0]),
+        cluster=lambda wildcards: "" if workflow.local_exec else "--cluster",  # cluster jobs spawn every worker
     shell:
         f"python {SCRIPT} plan"
         " --study-file {input.study} --capabilities {input.capabilities} --models {params.models}"
-        " --out {output.plan} > {log} 2>&1"
+        " --out {output.plan} {params.cluster} > {log} 2>&1"
