@@ -46,10 +46,11 @@ rule cell_plan:
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
+    # $TUNEGRID_CELL_PLAN_WORKER: how this invocation starts its cells (common.smk)
     shell:
         f"python {SCRIPT} cell-plan"
         " --spec-file {input.spec} --model-dir {input.model} --capabilities {input.capabilities}"
-        " --out {output.plan} $TUNEGRID_CELL_PLAN_WORKER > {log} 2>&1"  # common.smk: how this run starts cells
+        " --out {output.plan} $TUNEGRID_CELL_PLAN_WORKER > {log} 2>&1"
 
 
 # Before spending GPU hours: which cells this target cannot run (unsupported), which the estimate says
