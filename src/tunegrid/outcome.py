@@ -109,6 +109,8 @@ class CellResult:
     optimizer: dict[str, Any] = field(default_factory=_empty)  # what the optimizer held: class, state bytes, paging
     training: dict[str, Any] = field(default_factory=_empty)
     resumed_from_step: int | None = None
+    # the resume state (train.checkpoint_every): every, applied, last_step, discarded; the key is kept from earlier
+    # versions so their result.json files still read
     checkpoint: dict[str, Any] = field(default_factory=_empty)
     adapter: dict[str, Any] | None = None
     params: dict[str, Any] = field(default_factory=_empty)
