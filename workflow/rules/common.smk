@@ -42,9 +42,10 @@ PATHS = StudyPaths.of(STUDY["study"])  # every file of the study, named once
 RESULTS = str(PATHS.study_dir)
 LOGS = str(PATHS.logs_dir)
 CELLS = cells_by_id(STUDY)
-# The resolved study, written once per invocation (onstart) for the jobs: they get this path and a cell
-# id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
+# The resolved study and each cell's resolved spec, made by the study_config and cell_config rules
+# (workflow/rules/plan.smk) from one template that writes a rule's `params.resolved`.
 STUDY_FILE = str(PATHS.study_file)
+RESOLVED_TEMPLATE = str(Path(workflow.basedir) / "workflow" / "templates" / "resolved.json.j2")
 TRACKING = STUDY["tracking"]["enabled"]
 
 # One MLflow parent run per invocation: jobs (local, or SLURM jobs that inherit the submitting
