@@ -77,13 +77,14 @@ def measure(precision: str, work: str, device: str, out: multiprocessing.Queue) 
         from tunegrid.cell.islands import calibrate
 
         started = time.perf_counter()
-        calibrate(trainer, study["train"]["island_calibration_batches"])
+        calibrate(trainer.model, trainer.stream, trainer.device, False, study["train"]["island_calibration_batches"])
         calibration_s = time.perf_counter() - started
     times, peaks = [], []
     for step in range(STEPS):
-        fact = trainer.train_step(step, [{k: v.to(trainer.device) for k, v in trainer.stream.batch(step).items()}])
-        times.append(fact["elapsed"])
-        peaks.append(fact["peak"] or 0)
+        batch = {k: v.to(trainer.device) for k, v in trainer.stream.batch(step).items()}
+        result = trainer.optimizer_step.run(step, [batch])
+        times.append(result.elapsed)
+        peaks.append(result.peak or 0)
     out.put(
         {
             "precision": precision,
@@ -93,7 +94,7 @@ def measure(precision: str, work: str, device: str, out: multiprocessing.Queue) 
             "step_s": statistics.median(times[2:]),
             "tokens_per_s": batch * seq_len / statistics.median(times[2:]),
             "peak_bytes": max(peaks[2:]),
-            "finite_loss": fact["loss"] == fact["loss"],
+            "finite_loss": result.loss == result.loss,
             "islands": [m["module"] for m in (trainer.facts.get("fp32_islands") or {}).get("modules", [])],
             "calibration_s": calibration_s,
         }

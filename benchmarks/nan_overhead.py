@@ -71,9 +71,9 @@ def bare_step(trainer: CellTrainer, batch: dict, anomaly: bool) -> None:
     with context:
         loss = trainer.model(**batch).loss
         loss.backward()
-    torch.nn.utils.clip_grad_norm_(trainer.trainable, 1.0)
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    torch.nn.utils.clip_grad_norm_(trainer.optimizer_step.trainable, 1.0)
+    trainer.optimizer_step.optimizer.step()
+    trainer.optimizer_step.optimizer.zero_grad(set_to_none=True)
     loss.item()  # every loop logs its loss: the bare loop pays this sync too
 
 
@@ -88,7 +88,7 @@ def measure(trainer: CellTrainer, rounds: int, steps_per_round: int) -> dict[str
                 batch = trainer.stream.batch(step)
                 started = time.perf_counter()
                 if variant == "tunegrid":
-                    trainer.train_step(step, [batch])
+                    trainer.optimizer_step.run(step, [batch])
                 else:
                     bare_step(trainer, batch, anomaly=variant == "detect_anomaly")
                 times[variant].append(time.perf_counter() - started)

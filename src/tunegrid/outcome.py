@@ -109,6 +109,8 @@ class CellResult:
     optimizer: dict[str, Any] = field(default_factory=_empty)  # what the optimizer held: class, state bytes, paging
     training: dict[str, Any] = field(default_factory=_empty)
     resumed_from_step: int | None = None
+    # the resume state (train.checkpoint_every): every, applied, last_step, discarded; the key is kept from earlier
+    # versions so their result.json files still read
     checkpoint: dict[str, Any] = field(default_factory=_empty)
     adapter: dict[str, Any] | None = None
     params: dict[str, Any] = field(default_factory=_empty)
@@ -265,6 +267,10 @@ def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
         "estimate_bytes": plan["estimate"]["estimate_bytes"],
         "estimate_components": plan["estimate"]["components"],
         "estimate_not_modelled": plan["estimate"].get("not_modelled"),
+        # the worker path whose runtime constant the estimate took (spawned / forked): plan.csv's for this path
+        "estimate_worker": plan["estimate"].get("worker"),
+        # why the cell trained with torch's oneDNN kernels off (None: on), decided with the estimate
+        "cpu_onednn_off": plan["estimate"].get("cpu_onednn_off"),
         "budget_bytes": plan["budget_bytes"],
         "target": plan["target"],
     }

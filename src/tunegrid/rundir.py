@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-# The checkpoint folder (tunegrid.cell.resume) is deliberately not a run file: a re-run resumes from it, and the
-# worker itself removes one written for a different training spec.
+# The resume state's folder (checkpoint/, tunegrid.cell.resume) is deliberately not a run file: a re-run resumes
+# from it, and the worker itself removes one written for a different training spec.
 RUN_FILES = (
     "metrics.jsonl",
     "events.jsonl",

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_study, run_supervised
 
 from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
-from tunegrid.cell.resume import CHECKPOINT_DIR
+from tunegrid.cell.resume import RESUME_DIR
 from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
@@ -121,14 +121,14 @@ def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(chec
 
     first = _run_cell(killed, checkpoints, dataset_path, run_dir)
     assert first["outcome"] == "error" and "SIGKILL" in first["reason"]
-    assert read_json(run_dir / CHECKPOINT_DIR / "meta.json")["step"] == 3
+    assert read_json(run_dir / RESUME_DIR / "meta.json")["step"] == 3
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4]
 
     again = _run_cell(_spec(train), checkpoints, dataset_path, run_dir)  # the kill hook is not training: same key
     assert again["outcome"] == "ok", again["reason"]
     assert again["resumed_from_step"] == 3
     assert summary_row(again)["resumed_from_step"] == 3 and run_tags(again)["resumed_from_step"] == "3"
-    assert not (run_dir / CHECKPOINT_DIR).exists(), "a concluded cell keeps no checkpoint"
+    assert not (run_dir / RESUME_DIR).exists(), "a concluded cell keeps no checkpoint"
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(8))
 
@@ -150,7 +150,7 @@ def test_checkpoint_of_a_different_spec_is_removed_not_resumed(checkpoints, data
     killed = _spec(train, debug={"kill_rank": {"rank": 0, "step": 3}})
     run_dir = tmp_path / killed["cell_id"]
     assert _run_cell(killed, checkpoints, dataset_path, run_dir)["outcome"] == "error"
-    assert read_json(run_dir / CHECKPOINT_DIR / "meta.json")["step"] == 2
+    assert read_json(run_dir / RESUME_DIR / "meta.json")["step"] == 2
 
     changed = copy.deepcopy(_spec(train))
     changed["train"]["lr"] = 0.02

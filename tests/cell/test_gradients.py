@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from conftest import one_cell, ready_trainer
 
+from tunegrid.cell.step import OptimizerStep
 from tunegrid.cell.train import CellTrainer, run_worker
 from tunegrid.files import read_json
 
@@ -185,9 +186,9 @@ def _no_autograd_identity() -> Any:
 
 def test_missing_autograd_kernel_warning_fails_the_cell(checkpoints, dataset_path, tmp_path, monkeypatch):
     identity = _no_autograd_identity()
-    original = CellTrainer.forward_backward
+    original = OptimizerStep.forward_backward
 
-    def through_op_without_backward(self: CellTrainer, batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    def through_op_without_backward(self: OptimizerStep, batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
         adapted = next(m for n, m in self.model.named_modules() if n.endswith("q_proj"))  # output requires grad
         hook = adapted.register_forward_hook(lambda _m, _i, out: identity(out))
         try:
@@ -195,7 +196,7 @@ def test_missing_autograd_kernel_warning_fails_the_cell(checkpoints, dataset_pat
         finally:
             hook.remove()
 
-    monkeypatch.setattr(CellTrainer, "forward_backward", through_op_without_backward)
+    monkeypatch.setattr(OptimizerStep, "forward_backward", through_op_without_backward)
     spec = _spec("gemma3-hot", "none")
     run_dir = tmp_path / spec["cell_id"]
     run_worker(spec, str(checkpoints["gemma3-hot"]), str(dataset_path), str(run_dir))

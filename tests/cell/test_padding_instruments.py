@@ -92,11 +92,11 @@ def test_instruments_read_a_flattened_row_and_flattened_tokens_by_position():
     import torch
 
     from tunegrid.cell.instrument import HeadroomMeter, OriginTracer
-    from tunegrid.cell.packing import FlatBatchStream
+    from tunegrid.prepare.data import BatchStream
 
     seq_len, hidden = 4, 3
     tensors = {"input_ids": torch.zeros(2, seq_len, dtype=torch.long), "labels": torch.zeros(2, seq_len)}
-    stream = FlatBatchStream(tensors, batch_size=2, seed=0, row_tokens=torch.tensor([3, 2]))
+    stream = BatchStream(tensors, batch_size=2, seed=0, row_tokens=torch.tensor([3, 2]), flat=True)
     (real,) = stream.real_positions(0)
     rows = stream.indices(0).tolist()
     assert real.shape == (1, 2 * seq_len)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from conftest import one_cell, ready_trainer
 
+from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.resume import rng_states, set_rng_states
 
 
@@ -71,11 +72,11 @@ def test_the_origin_replay_starts_each_micro_batch_from_its_cuda_generator_state
     other masks than the step that failed."""
     spec = one_cell(model="gemma3-hot", precision="fp32", batch=2, lora={"r": 4, "alpha": 8, "dropout": 0.1})
     trainer = ready_trainer(spec, checkpoints, dataset_path, tmp_path)
-    trainer.build_optimizer()
+    optimizer_step = trainer.build_optimizer()
     batch = trainer.stream.micro_batches(0)
     generator = one_cuda_device()
-    fact = trainer.train_step(0, batch)
+    result = optimizer_step.run(0, batch)
     recorded = int(generator.state)
     generator.draw()  # the steps after it moved the generator on
-    trainer.replay_micro_batch(0, 0, batch[0], fact, None)
+    FailingStepReplay(optimizer_step).replay_micro_batch(0, 0, batch[0], result, None)
     assert [int(s) for s in generator.restored] == [recorded]

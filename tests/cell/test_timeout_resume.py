@@ -14,7 +14,7 @@ import pytest
 from conftest import one_cell, run_supervised
 
 import tunegrid.run.supervisor as supervisor
-from tunegrid.cell.resume import CHECKPOINT_DIR
+from tunegrid.cell.resume import RESUME_DIR
 from tunegrid.files import read_json, read_jsonl, write_json
 
 LIMIT_S = 10_000  # never reached by the real clock of a test
@@ -59,7 +59,7 @@ def test_timed_out_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(
         patched.setattr(supervisor, "time", _ClockPastLimitOnceStalled(run_dir / "heartbeat"))
         first = run_supervised(stalled, checkpoints, dataset_path, run_dir, tracking=tracking)
     assert first["outcome"] == "timeout" and "wall-clock limit" in first["reason"], first["reason"]
-    assert read_json(run_dir / CHECKPOINT_DIR / "meta.json")["step"] == 3, "the timeout kept the checkpoint"
+    assert read_json(run_dir / RESUME_DIR / "meta.json")["step"] == 3, "the timeout kept the checkpoint"
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4]
 
     # the user's re-run: the same cell with a longer limit (a new spec, so Snakemake re-runs it); the
@@ -73,7 +73,7 @@ def test_timed_out_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(
     )
     assert again["outcome"] == "ok", again["reason"]
     assert again["resumed_from_step"] == 3
-    assert not (run_dir / CHECKPOINT_DIR).exists()
+    assert not (run_dir / RESUME_DIR).exists()
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(8))
 

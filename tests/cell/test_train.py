@@ -308,9 +308,9 @@ def test_a_step_where_no_adapter_gets_a_gradient_ends_unsupported_not_error(
 ):
     """The gradients of every adapter cut off after backward (what an op without an autograd kernel leaves):
     under fp16 GradScaler.step used to assert "No inf checks were recorded"; the cell must end unsupported."""
-    from tunegrid.cell.step import OptimizerSteps
+    from tunegrid.cell.step import OptimizerStep
 
-    real = OptimizerSteps.forward_backward
+    real = OptimizerStep.forward_backward
 
     def no_adapter_gradient(self, *args, **kwargs):
         loss = real(self, *args, **kwargs)
@@ -318,7 +318,7 @@ def test_a_step_where_no_adapter_gets_a_gradient_ends_unsupported_not_error(
             param.grad = None
         return loss
 
-    monkeypatch.setattr(OptimizerSteps, "forward_backward", no_adapter_gradient)
+    monkeypatch.setattr(OptimizerStep, "forward_backward", no_adapter_gradient)
     facts, run_dir = _run_with(checkpoints, dataset_path, tmp_path, model="gemma3-hot", precision=precision)
     assert facts["outcome"] == "unsupported", facts["reason"]
     assert all(".lora_" in name for name in facts["diagnosis"]["params_without_grad"])

@@ -29,7 +29,8 @@ ALLOWED = {
     "subprocess": {"run", "prepare.environment", "prepare.probes", "cell.distributed"},  # git/pip facts; rank processes
 }
 MAX_LINES = 350
-OVERSIZE: set[str] = set()  # none: every module stays under the limit
+# Modules that read better whole: the cell's recipe (setup, model, data, the loop, the record in one place)
+OVERSIZE: set[str] = {"cell/train.py"}
 
 
 def _modules() -> dict[str, Path]:

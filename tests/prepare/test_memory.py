@@ -278,10 +278,10 @@ def _saved_expert_weights(trainer) -> dict[int, tuple[int, tuple[int, ...]]]:
             kept[storage.data_ptr()] = (storage.nbytes(), tuple(tensor.shape))
         return tensor
 
-    trainer.build_optimizer()
+    optimizer_step = trainer.build_optimizer()
     (batch,) = trainer.stream.micro_batches(0)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        trainer.forward_backward(batch, step_tokens=loss_tokens(batch))
+        optimizer_step.forward_backward(batch, step_tokens=loss_tokens(batch))
     return kept
 
 
@@ -342,7 +342,7 @@ def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_
 
     import torch
 
-    from tunegrid.cell.train import CellTrainer
+    from tunegrid.cell.train import meter_at_failure
     from tunegrid.memory import MemoryMeter, apply_memory_budget
 
     fractions = []
@@ -356,6 +356,6 @@ def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *args: 12 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *args: 16 * 2**30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 11 * 2**30)
-    at_failure = CellTrainer.meter_at_failure(SimpleNamespace(meter=MemoryMeter("cuda")))
+    at_failure = meter_at_failure(MemoryMeter("cuda"))
     assert at_failure == {"bytes_at_failure": 11 * 2**30, "peak_bytes": 12 * 2**30, "reserved_peak_bytes": 16 * 2**30}
-    assert "reserved_peak_bytes" not in CellTrainer.meter_at_failure(SimpleNamespace(meter=MemoryMeter("cpu")))
+    assert "reserved_peak_bytes" not in meter_at_failure(MemoryMeter("cpu"))

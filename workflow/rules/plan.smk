@@ -14,7 +14,14 @@ rule cell_plan:
         spec=get_cell_spec,  # a change of the cell's resolved spec re-plans it
     run:
         Path(log[0]).write_text(
-            write_cell_plan(STUDY_FILE, wildcards.cell_id, input.model, input.capabilities, output.plan).to_json()
+            write_cell_plan(
+                STUDY_FILE,
+                wildcards.cell_id,
+                input.model,
+                input.capabilities,
+                output.plan,
+                local=workflow.local_exec,
+            ).to_json()
         )
 
 
@@ -33,7 +40,8 @@ rule plan:
         "../../envs/tunegrid.yaml"
     params:
         models=lambda wildcards, input: os.path.dirname(input.models[0]),
+        cluster=lambda wildcards: "" if workflow.local_exec else "--cluster",  # cluster jobs spawn every worker
     shell:
         f"python {SCRIPT} plan"
         f" --study-file {STUDY_FILE} --capabilities {{input.capabilities}} --models {{params.models}}"
-        " --out {output.plan} > {log} 2>&1"
+        " --out {output.plan} {params.cluster} > {log} 2>&1"

@@ -22,6 +22,7 @@ import contextlib
 import fnmatch
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.cell.instrument import FP16_MAX, HeadroomMeter
@@ -161,74 +162,75 @@ def fp32_forward(model: Any) -> Iterator[None]:
             handle.remove()
 
 
-def calibrate(trainer: Any, batches: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class IslandCalibration:
+    """What the calibration measured: every module's activation max-abs at real tokens (plain names, all ranks'
+    maximum) over the first `batches` optimizer steps' micro-batches, computed in fp32."""
+
+    batches: int
+    maxima: dict[str, float]
+
+
+def calibrate(model: Any, stream: Any, device: Any, distributed: bool, batches: int) -> IslandCalibration:
     """Every module's activation max-abs at real tokens over the first `batches` optimizer steps' micro-batches,
     in fp32 (see fp32_forward), without a gradient or an optimizer step; the RNG is put back so the training
     that follows is the one a cell without calibration runs. All-reduced (max) across ranks."""
     import torch
 
     meter = HeadroomMeter(top=10, leaves_only=False)
-    model = trainer.model
-    with torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with torch.no_grad(), fp32_forward(model), meter.attached(model):
             for step in range(batches):
-                masks = trainer.stream.real_positions(step)
-                for micro, real in zip(trainer.stream.micro_batches(step), masks, strict=True):
-                    meter.real = real.to(trainer.device)
-                    model(**{k: v.to(trainer.device) for k, v in micro.items()})
+                masks = stream.real_positions(step)
+                for micro, real in zip(stream.micro_batches(step), masks, strict=True):
+                    meter.real = real.to(device)
+                    model(**{k: v.to(device) for k, v in micro.items()})
                 meter.collect(step)
     maxima = {plain_name(name): value for name, value in meter.worst_seen.items() if name}
-    if trainer.ranks.distributed:
+    if distributed:
         import torch.distributed as dist
 
         names = sorted(maxima)
-        values = torch.tensor([maxima[n] for n in names], dtype=torch.float64, device=trainer.device)
+        values = torch.tensor([maxima[n] for n in names], dtype=torch.float64, device=device)
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         maxima = dict(zip(names, values.tolist(), strict=True))
-    return maxima
+    return IslandCalibration(batches=batches, maxima=maxima)
 
 
-class IslandSteps:
-    """Mixed into CellTrainer: choose the islands (measured or named) and make them, before the first step."""
-
-    def place_fp32_islands(self) -> None:
-        if not self.plan.fp32_islands:
-            return
-        train = self.spec["train"]
-        self.facts["stage"] = "islands"
-        self.heartbeat.beat("fp32 island calibration")
-        wanted = train["fp32_islands"]
-        threshold = train["island_threshold"] * FP16_MAX
-        record: dict[str, Any] = {"mode": "auto" if wanted == "auto" else "patterns"}
-        if wanted == "auto":
-            batches = train["island_calibration_batches"]
-            maxima = calibrate(self, batches)
-            chosen = innermost_over(maxima, threshold)
-            record.update(
-                threshold=train["island_threshold"],
-                threshold_abs=threshold,
-                calibration={"batches": batches, "compute": "float32", "positions": "real"},
-                measured_top=[
-                    {"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX}
-                    for n, v in sorted(maxima.items(), key=lambda item: -item[1])[:8]
-                ],
-            )
-        else:
-            maxima = {}
-            chosen = matching_modules(self.model, list(wanted))
-            record["patterns"] = list(wanted)
-        modules = dict(self.model.named_modules())
-        grown = 0
-        for name in chosen:
-            module = modules.get(PEFT_PREFIX + name, modules.get(name))
-            grown += make_island(module, self.device.type)
-        record["modules"] = [
-            {"module": n, "max_abs": maxima.get(n), "ratio_to_fp16_max": maxima[n] / FP16_MAX if n in maxima else None}
-            for n in chosen
-        ]
-        record["weights_widened_bytes"] = grown
-        self.facts["fp32_islands"] = record
-        self.facts["precision_in_effect"]["base_weight_dtypes"] = sorted(  # islands' weights are fp32 now
-            {str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}
+def place_fp32_islands(
+    model: Any, stream: Any, device: Any, distributed: bool, train: dict[str, Any]
+) -> dict[str, Any]:
+    """Choose the islands (measured by a calibration, or named by patterns) and make them, before the first step.
+    Returns the record result.json keeps (`fp32_islands`)."""
+    wanted = train["fp32_islands"]
+    threshold = train["island_threshold"] * FP16_MAX
+    record: dict[str, Any] = {"mode": "auto" if wanted == "auto" else "patterns"}
+    if wanted == "auto":
+        calibration = calibrate(model, stream, device, distributed, train["island_calibration_batches"])
+        maxima = calibration.maxima
+        chosen = innermost_over(maxima, threshold)
+        record.update(
+            threshold=train["island_threshold"],
+            threshold_abs=threshold,
+            calibration={"batches": calibration.batches, "compute": "float32", "positions": "real"},
+            measured_top=[
+                {"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX}
+                for n, v in sorted(maxima.items(), key=lambda item: -item[1])[:8]
+            ],
         )
-        print(f"fp32 islands ({record['mode']}): {', '.join(chosen) or 'none over the threshold'}", flush=True)
+    else:
+        maxima = {}
+        chosen = matching_modules(model, list(wanted))
+        record["patterns"] = list(wanted)
+    modules = dict(model.named_modules())
+    grown = 0
+    for name in chosen:
+        module = modules.get(PEFT_PREFIX + name, modules.get(name))
+        grown += make_island(module, device.type)
+    record["modules"] = [
+        {"module": n, "max_abs": maxima.get(n), "ratio_to_fp16_max": maxima[n] / FP16_MAX if n in maxima else None}
+        for n in chosen
+    ]
+    record["weights_widened_bytes"] = grown
+    print(f"fp32 islands ({record['mode']}): {', '.join(chosen) or 'none over the threshold'}", flush=True)
+    return record

@@ -22,6 +22,8 @@ EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", 
 def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
     from transformers import BitsAndBytesConfig
 
+    use_cpu_kernels(model_dir, spec, device)
+
     kwargs: dict[str, Any] = {
         "dtype": plan.torch_dtype("storage"),
         "use_safetensors": True,  # never a pickle
@@ -50,6 +52,20 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if device.type != "cuda":
         model.to(device)
     return model
+
+
+def use_cpu_kernels(model_dir: Path, spec: dict[str, Any], device: Any) -> None:
+    """torch's oneDNN kernels on or off for this cell, as the plan decided (prepare.cpu_kernels.cpu_onednn_off:
+    off for CPU bf16 with routed experts). Set either way: the flag is the process's, and a worker trains one cell."""
+    import json
+
+    import torch
+
+    from tunegrid.prepare.cpu_kernels import cpu_onednn_off
+
+    if device.type == "cpu":
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        torch.backends.mkldnn.enabled = cpu_onednn_off(spec, config, device.type) is None
 
 
 def bnb_settings(spec: dict[str, Any], plan: Any) -> dict[str, Any]:

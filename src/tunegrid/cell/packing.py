@@ -191,13 +191,6 @@ def _fill_rows(examples: list[Encoded], seq_len: int) -> list[list[Encoded]]:
     return rows
 
 
-class FlatBatchStream(BatchStream):
-    """A (micro-)batch as one row of batch_size x seq_len tokens: flash attention reads boundaries only then."""
-
-    def shaped(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return {k: v.reshape(1, -1) for k, v in batch.items()}
-
-
 def build_stream(
     records: list[dict[str, Any]],
     tokenizer: Any,
@@ -216,7 +209,7 @@ def build_stream(
     if mode == "position_ids":
         keep_boundaries(model)
     flat = mode == "position_ids" and flattens_rows(model)
-    stream = (FlatBatchStream if flat else BatchStream)(rows.tensors, batch_size, seed, rows.row_tokens, accum)
+    stream = BatchStream(rows.tensors, batch_size, seed, rows.row_tokens, accum, flat=flat)
     n_rows = int(rows.row_tokens.numel())
     facts = {
         "source": data.get("source", "synthetic"),

@@ -1,33 +1,58 @@
-"""The distributed side of a cell's trainer: the process group, DDP over the LoRA parameters, and the
-injected faults (a straggler, a crashed rank) the collective-timeout studies use. Mixed into CellTrainer.
+"""The rank context of a cell: this process's place among the cell's ranks, its process group, DDP over the LoRA
+parameters, the stop the ranks agree on, and the injected faults (a straggler, a crashed rank) the
+collective-timeout studies use. A single-process cell has one too (world 1): its faults are injected the same way.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from tunegrid.cell.distributed import Ranks
+from tunegrid.rundir import Heartbeat
 
-class RankSteps:
-    def init_distributed(self) -> None:
+
+@dataclass
+class RankContext:
+    ranks: Ranks
+    device: Any  # torch.device this rank trains on
+    heartbeat: Heartbeat
+    debug: dict[str, Any] = field(default_factory=dict)  # the study's debug section: the rank faults
+    ddp: Any = None  # DistributedDataParallel around the model, once wrapped (distributed cells only)
+    inner_forward_at: float = 0.0  # when DDP last handed over to the model (perf_counter)
+
+    @property
+    def distributed(self) -> bool:
+        return self.ranks.distributed
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    def group_facts(self, settings: dict[str, Any]) -> dict[str, Any]:
+        """What result.json keeps of the process group (recorded before joining it: a join can time out)."""
+        backend = (
+            settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
+        )
+        return {
+            "backend": backend,
+            "world_size": self.ranks.world,
+            "collective_timeout_s": settings["collective_timeout_s"],
+        }
+
+    def init_process_group(self, settings: dict[str, Any], backend: str) -> None:
+        """Join the cell's process group."""
         import datetime
 
         import torch
         import torch.distributed as dist
 
-        settings = self.spec["distributed"]
-        backend = (
-            settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
-        )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.facts["distributed"] = {
-            "backend": backend,
-            "world_size": self.ranks.world,
-            "collective_timeout_s": settings["collective_timeout_s"],
-        }
         self.heartbeat.beat("init_process_group")
         dist.init_process_group(
             backend,
@@ -37,44 +62,43 @@ class RankSteps:
             device_id=self.device if backend == "nccl" else None,
         )
 
-    def wrap_ddp(self) -> None:
+    def wrap(self, model: Any) -> None:
         """DDP over the trainable (LoRA) parameters; frozen base weights are not synchronized."""
         from torch.nn.parallel import DistributedDataParallel
 
-        self.facts["stage"] = "ddp"
         self.heartbeat.beat("ddp")
         # when DDP hands over to the model: what DDP did before (a sync of the ranks) is no rank's local time
-        self.model.register_forward_pre_hook(lambda *_: setattr(self, "inner_forward_at", time.perf_counter()))
+        model.register_forward_pre_hook(lambda *_: setattr(self, "inner_forward_at", time.perf_counter()))
         self.ddp = DistributedDataParallel(
-            self.model,
+            model,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             broadcast_buffers=False,  # nothing to sync, and a replayed step must not add a collective
         )
 
-    def any_rank_stops(self, stop: bool, step: int, state: Any) -> bool:
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """No gradient all-reduce in the backward run inside it (a micro-batch before the last, a replay)."""
+        return self.ddp.no_sync() if self.ddp is not None else contextlib.nullcontext()
+
+    def any_rank_stops(self, stop: bool) -> bool:
         """The decision to stop, made by all ranks together (one all-reduce of a flag per step).
 
         A rank's own loss is not all-reduced (only gradients are): one rank can see its loss go non-finite
         and stop while a peer, whose loss stayed finite, records a GradScaler skip and goes on into the next
-        step's all-reduce, where it waits until the collective timeout. A rank that stops because a peer did
-        says so (`state.stopped_by_peer`)."""
+        step's all-reduce, where it waits until the collective timeout."""
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([int(stop)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and not stop:
-            state.stopped_by_peer = step
         return bool(flag.item())
 
-    def inject_rank_faults(self, step: int) -> None:
+    def inject_faults(self, step: int) -> None:
         """debug.stall_rank / slow_rank / kill_rank: a rank that pauses once, one slower at every step, or a
         crashed rank, on purpose. Called inside the step's local time (what a straggler shows)."""
         import signal
 
-        debug = self.spec.get("debug") or {}
-        stall, kill = debug.get("stall_rank") or {}, debug.get("kill_rank") or {}
-        slow = debug.get("slow_rank") or {}
+        stall, kill = self.debug.get("stall_rank") or {}, self.debug.get("kill_rank") or {}
+        slow = self.debug.get("slow_rank") or {}
         if stall.get("rank") == self.ranks.rank and stall.get("step") == step and stall.get("seconds", 0) > 0:
             self.heartbeat.beat(f"step {step} stalled (injected, {stall['seconds']} s)")
             time.sleep(stall["seconds"])
@@ -88,7 +112,7 @@ class RankSteps:
     def leaves_loop(self, step: int) -> bool:
         """debug.skip_collective: this rank takes another path before `step` (as if its data ran out) and never
         joins that step's all-reduce."""
-        skip = (self.spec.get("debug") or {}).get("skip_collective") or {}
+        skip = self.debug.get("skip_collective") or {}
         return self.ranks.distributed and skip.get("rank") == self.ranks.rank and skip.get("step") == step
 
     def agree_finished(self, last_step: int) -> None:
@@ -100,12 +124,13 @@ class RankSteps:
         self.heartbeat.beat(f"end of training after step {last_step} (barrier: every rank finished its steps)")
         dist.barrier()
 
-    def lora_digest(self) -> str:
-        """sha256 of the trainable weights: every rank of a DDP cell must end with the same one."""
-        import hashlib
 
-        digest = hashlib.sha256()
-        for name, param in sorted(self.trainable_named, key=lambda item: item[0]):
-            digest.update(name.encode())
-            digest.update(param.detach().float().cpu().numpy().tobytes())
-        return digest.hexdigest()
+def lora_digest(trainable_named: list[tuple[str, Any]]) -> str:
+    """sha256 of the trainable weights: every rank of a DDP cell must end with the same one."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in sorted(trainable_named, key=lambda item: item[0]):
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()

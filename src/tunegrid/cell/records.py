@@ -1,6 +1,6 @@
-"""What the loop writes and decides: a step's metrics line, a non-finite event with its origin, and the
-summary that turns the loop's state into the cell's facts and outcome (ok only if every step ran and none
-ended non-finite). Mixed into CellTrainer.
+"""What the loop records: the step log (the tallies each step adds to, what a resume state saves and a resume
+refills), a step's metrics line, a non-finite event with its origin, and the summary that turns the step log
+into the cell's facts and outcome (ok only if every step ran and none ended non-finite).
 """
 
 from __future__ import annotations
@@ -8,197 +8,273 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.loop_state import LoopState
+from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
+from tunegrid.cell.origin import FailingStepReplay
+from tunegrid.cell.resume import ResumeState
+from tunegrid.cell.step import StepResult
+from tunegrid.files import JsonlAppender
 from tunegrid.outcome import StepMetrics
 from tunegrid.vocabulary import Outcome
 
 
-class StepRecords:
-    def record(
-        self, step: int, fact: dict[str, Any], measured_headroom: bool, state: LoopState, logs: dict[str, Any]
-    ) -> None:
-        """One line of metrics.jsonl, and the running tallies (step 0 is the first-step peak, not steady)."""
-        tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
-        state.skipped_total += int(fact["skipped"])
-        state.consecutive_skips = state.consecutive_skips + 1 if fact["skipped"] else 0
-        if step == 0:
-            self.memory["first_step_peak_bytes"] = fact["peak"]
-            state.unsupported = fact["params_without_grad"] or []
-        else:
-            state.step_times.append(fact["elapsed"])
-            state.tokens_per_s.append(tokens / fact["elapsed"])
-            state.steady_peaks.append(fact["peak"])
-        headroom = None
-        if measured_headroom:
-            worst = state.headroom.collect(step)
-            logs["headroom"].write(worst)
-            headroom = worst["max_ratio"]
-        metrics = StepMetrics(
-            step=step,
-            time=time.time(),
-            loss=fact["loss"],
-            grad_norm=fact["grad_norm"],
-            lr=fact["lr"],
-            tokens_per_s=tokens / fact["elapsed"],
-            step_time_s=fact["elapsed"],
-            local_time_s=fact["local_time"],
-            mem_peak_bytes=fact["peak"],
-            skipped_steps=state.skipped_total,
-            loss_scale=fact["scale"] if self.scaler is not None else None,
-            fp16_headroom_max_ratio=headroom,
-        )
-        logs["metrics"].write(metrics.as_record())
+@dataclass
+class StepLog:
+    """What the loop accumulates step by step: a resume state saves it, a resume refills it, and the summary at
+    the end turns it into the cell's facts."""
 
-    def on_nonfinite(
-        self,
-        step: int,
-        micro_batches: list[dict[str, Any]],
-        fact: dict[str, Any],
-        state: LoopState,
-        logs: dict[str, Any],
-    ) -> bool:
-        """A step whose loss or gradient is not finite becomes an event with its origin; True ends the loop."""
-        train = self.spec["train"]
-        loss_finite, grad_finite = math.isfinite(fact["loss"]), math.isfinite(fact["grad_norm"])
-        if loss_finite:
-            state.losses.append(fact["loss"])
-        if loss_finite and grad_finite:
-            return False
-        kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if self.scaler else "grad_nonfinite_finite_loss")
-        event = {
-            "step": step,
-            "kind": kind,
-            "loss": fact["loss"],
-            "grad_norm": fact["grad_norm"],
-            "loss_scale": fact["scale"],
-        }
-        policy = train["on_nonfinite"]
-        stop = (
-            policy == "stop"
-            or (policy == "stop_after_skips" and kind != "scaler_skip")
-            or (policy == "stop_after_skips" and state.consecutive_skips >= train["max_consecutive_skips"])
-        )
-        # Every event that ends the cell or is the first of its kind gets its origin (a replay of that
-        # step); repeats of a kind already traced under `continue` are recorded without one.
-        if stop or kind not in {e["kind"] for e in state.nonfinite_events}:
-            event["origin"] = self.replay_origin(step, micro_batches, fact, state.headroom)
-            event["micro_batch"] = event["origin"]["micro_batch"]
-            event["headroom"] = event["origin"].pop("headroom")
-            logs["headroom"].write({**event["headroom"], "failing_step": True})
-            state.headroom_steps.append(step)
-        state.nonfinite_events.append(event)
-        logs["events"].write(event)
-        if stop:
-            state.stop_event = event
-        return stop
+    census: DtypeCensus  # dtypes seen in forward/backward (step 0)
+    headroom: HeadroomMeter  # fp16 headroom of sampled and failing steps
+    start: int = 0  # the first step this run trains (after a resume, the resume state's)
+    last_step: int = -1
+    skipped_total: int = 0
+    consecutive_skips: int = 0
+    step_times: list[float] = field(default_factory=list)
+    tokens_per_s: list[float] = field(default_factory=list)
+    steady_peaks: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    nonfinite_events: list[dict[str, Any]] = field(default_factory=list)
+    headroom_steps: list[int] = field(default_factory=list)  # the failing steps whose headroom was measured on replay
+    stop_event: dict[str, Any] | None = None
+    stopped: bool = False  # the loop ended at a non-finite or unsupported step (the ranks' stop, not their end)
+    unsupported: list[str] = field(default_factory=list)  # adapter tensors that got no gradient on step 0
+    stopped_by_peer: int | None = None  # the step at which another rank's decision ended this rank's loop
 
-    def summarise(self, state: LoopState) -> None:
-        """The cell's facts from the loop: peaks, dtypes seen, headroom, throughput, and the outcome."""
-        steps_run = state.last_step + 1
-        self.memory["steady_peak_bytes"] = max(state.steady_peaks) if state.steady_peaks else None
-        self.memory["peak_bytes"] = max(
-            v
-            for v in (
-                self.memory.get("load_peak_bytes"),
-                self.memory.get("first_step_peak_bytes"),
-                self.memory["steady_peak_bytes"],
-            )
-            if v
-        )
-        self.facts["precision_in_effect"].update(state.census.as_dict())
-        self.facts["fp16_headroom"] = {
-            **state.headroom.summary(),
-            "sampled_every": self.spec["train"][
-                "headroom_every"
-            ],  # the worst is over these samples plus the failing steps
-            "failing_steps_measured": state.headroom_steps,
+    def tallies(self) -> dict[str, list[Any]]:
+        """The lists a resume state saves, as the same objects (a resume extends them in place)."""
+        return {
+            "step_times": self.step_times,
+            "tokens_per_s": self.tokens_per_s,
+            "steady_peaks": self.steady_peaks,
+            "losses": self.losses,
+            "nonfinite_events": self.nonfinite_events,
+            "headroom_steps": self.headroom_steps,
         }
-        self.facts["throughput"] = {
-            "tokens_per_s_median": statistics.median(state.tokens_per_s) if state.tokens_per_s else None,
-            "step_time_s_median": statistics.median(state.step_times) if state.step_times else None,
-        }
-        self.facts["training"] = {
-            "steps_run": steps_run,
-            "initial_loss": state.losses[0] if state.losses else None,
-            "final_loss": state.losses[-1] if state.losses else None,
-            "skipped_steps": state.skipped_total,
-        }
-        self._conclude(
-            state.nonfinite_events, state.stop_event, state.consecutive_skips, steps_run, state.skipped_total
-        )
-        if state.stopped_by_peer is not None and state.stop_event is None and self.facts["outcome"] == Outcome.ERROR:
-            # no event of this rank's own ended it: a peer's did (its rank folder holds that event's origin)
-            self.facts.update(
-                outcome=Outcome.NAN,
-                reason=f"stopped at step {state.stopped_by_peer} with the other ranks: another rank's step ended "
-                "the cell",
-                diagnosis={**self.facts.get("diagnosis", {}), "stopped_by_peer": {"step": state.stopped_by_peer}},
-            )
-        if self.ranks.distributed:
-            self.facts["lora_sha256"] = self.lora_digest()
-        if state.unsupported:
-            self.facts.update(
-                outcome=Outcome.UNSUPPORTED,
-                reason=f"{len(state.unsupported)} adapter tensors get no gradient with this peft/bitsandbytes "
-                "combination "
-                f"(e.g. {state.unsupported[0]}); refusing to train fewer parameters than requested",
-                diagnosis={"params_without_grad": state.unsupported},
-            )
 
-    def _conclude(
-        self,
-        events: list[dict[str, Any]],
-        stop_event: dict[str, Any] | None,
-        consecutive_skips: int,
-        steps_run: int,
-        skipped: int = 0,
-    ) -> None:
-        """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
+    def saved(self, memory: dict[str, Any]) -> dict[str, Any]:
+        """What a resume state keeps of the log (and of the cell's memory facts, the first step's peak)."""
+        return {
+            **self.tallies(),
+            "skipped_total": self.skipped_total,
+            "consecutive_skips": self.consecutive_skips,
+            "census": self.census.as_dict(),
+            "headroom_worst": dict(self.headroom.worst_seen),
+            "memory": {k: v for k, v in memory.items() if k == "first_step_peak_bytes"},
+        }
 
-        The deciding event is the one that stopped the loop, else the first non-finite loss/gradient
-        (under `continue`), else scaler skips the scaler did not recover from. Scaler skips it recovered
-        from are listed, not failures.
-        """
-        train = self.spec["train"]
-        hard = [e for e in events if e["kind"] != "scaler_skip"]
-        unrecovered_skips = bool(events) and (
-            train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"]
+    def refill(self, resumed: ResumeState, memory: dict[str, Any]) -> None:
+        """The log as it was at the resume state's step; the loop goes on with that step."""
+        saved = resumed.tallies
+        for name, values in self.tallies().items():
+            values.extend(saved[name])
+        self.census.forward.update(saved["census"]["forward"])
+        self.census.backward.update(saved["census"]["backward"])
+        self.headroom.worst_seen.update(saved["headroom_worst"])
+        memory.update(saved["memory"])
+        self.start, self.skipped_total, self.consecutive_skips = (
+            resumed.step,
+            saved["skipped_total"],
+            saved["consecutive_skips"],
         )
-        deciding = stop_event or (hard[0] if hard else None) or (events[0] if unrecovered_skips else None)
-        recovered = [e for e in events if e["kind"] == "scaler_skip" and e is not deciding]
-        diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
-        if deciding is not None:
-            origin = deciding.get("origin") or {}
-            traced = origin.get("forward") or origin.get("backward")
-            where = origin_text(traced) if traced or not origin.get("unlocated") else f"? ({origin['unlocated']})"
-            stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
-            accum = self.spec["axes"].get("grad_accum", 1)
-            micro = (
-                f" (micro-batch {deciding['micro_batch']} of {accum})"
-                if accum > 1 and deciding.get("micro_batch") is not None
-                else ""
-            )
-            self.facts.update(
-                outcome=Outcome.NAN,
-                reason=f"{deciding['kind']} at step {deciding['step']}{micro}, first non-finite at {where}{stopped}",
-                diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
-            )
-        elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason
-            self.facts.update(
-                outcome=Outcome.ERROR,
-                reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
-                diagnosis=diagnosis,
-            )
-        else:
-            # a step the GradScaler skipped ran but changed no weight: say how many updates were applied
-            applied = f", {steps_run - skipped} updates applied ({skipped} skipped by the GradScaler)"
-            self.facts.update(
-                outcome=Outcome.OK,
-                reason=f"trained all {steps_run} steps with finite loss" + (applied if skipped else ""),
-                diagnosis=diagnosis,
-            )
+
+
+@dataclass
+class StepFiles:
+    """The run's per-step files: metrics.jsonl (one line per step), events.jsonl (non-finite events),
+    headroom.jsonl (sampled and failing steps' activation max-abs)."""
+
+    metrics: JsonlAppender
+    events: JsonlAppender
+    headroom: JsonlAppender
+
+    @classmethod
+    def open(cls, run_dir: Path) -> StepFiles:
+        return cls(*(JsonlAppender(run_dir / f"{name}.jsonl") for name in ("metrics", "events", "headroom")))
+
+    def close(self) -> None:
+        for log in (self.metrics, self.events, self.headroom):
+            log.close()
+
+
+def record_step(
+    log: StepLog, files: StepFiles, step: int, result: StepResult, tokens: int, measured_headroom: bool, scaled: bool
+) -> None:
+    """One line of metrics.jsonl (`tokens`: the step's real tokens, padding excluded), and the running tallies
+    (step 0 is the first-step peak, not steady). `scaled`: the loss was scaled by a GradScaler."""
+    log.skipped_total += int(result.skipped)
+    log.consecutive_skips = log.consecutive_skips + 1 if result.skipped else 0
+    if step == 0:
+        log.unsupported = result.params_without_grad or []
+    else:
+        log.step_times.append(result.elapsed)
+        log.tokens_per_s.append(tokens / result.elapsed)
+        log.steady_peaks.append(result.peak)
+    headroom = None
+    if measured_headroom:
+        worst = log.headroom.collect(step)
+        files.headroom.write(worst)
+        headroom = worst["max_ratio"]
+    metrics = StepMetrics(
+        step=step,
+        time=time.time(),
+        loss=result.loss,
+        grad_norm=result.grad_norm,
+        lr=result.lr,
+        tokens_per_s=tokens / result.elapsed,
+        step_time_s=result.elapsed,
+        local_time_s=result.local_time,
+        mem_peak_bytes=result.peak,
+        skipped_steps=log.skipped_total,
+        loss_scale=result.scale if scaled else None,
+        fp16_headroom_max_ratio=headroom,
+    )
+    files.metrics.write(metrics.as_record())
+
+
+def on_nonfinite(
+    log: StepLog,
+    files: StepFiles,
+    step: int,
+    micro_batches: list[dict[str, Any]],
+    result: StepResult,
+    replay: FailingStepReplay,
+    train: dict[str, Any],
+    scaled: bool,
+) -> bool:
+    """A step whose loss or gradient is not finite becomes an event with its origin; True ends the loop."""
+    loss_finite, grad_finite = math.isfinite(result.loss), math.isfinite(result.grad_norm)
+    if loss_finite:
+        log.losses.append(result.loss)
+    if loss_finite and grad_finite:
+        return False
+    kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if scaled else "grad_nonfinite_finite_loss")
+    event = {
+        "step": step,
+        "kind": kind,
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "loss_scale": result.scale,
+    }
+    policy = train["on_nonfinite"]
+    stop = (
+        policy == "stop"
+        or (policy == "stop_after_skips" and kind != "scaler_skip")
+        or (policy == "stop_after_skips" and log.consecutive_skips >= train["max_consecutive_skips"])
+    )
+    # Every event that ends the cell or is the first of its kind gets its origin (a replay of that
+    # step); repeats of a kind already traced under `continue` are recorded without one.
+    if stop or kind not in {e["kind"] for e in log.nonfinite_events}:
+        event["origin"] = replay.origin(step, micro_batches, result, log.headroom)
+        event["micro_batch"] = event["origin"]["micro_batch"]
+        event["headroom"] = event["origin"].pop("headroom")
+        files.headroom.write({**event["headroom"], "failing_step": True})
+        log.headroom_steps.append(step)
+    log.nonfinite_events.append(event)
+    files.events.write(event)
+    if stop:
+        log.stop_event = event
+    return stop
+
+
+def summarise(log: StepLog, spec: dict[str, Any], facts: dict[str, Any], memory: dict[str, Any]) -> None:
+    """The cell's facts from the step log: peaks, dtypes seen, headroom, throughput, and the outcome."""
+    steps_run = log.last_step + 1
+    memory["steady_peak_bytes"] = max(log.steady_peaks) if log.steady_peaks else None
+    memory["peak_bytes"] = max(
+        v
+        for v in (memory.get("load_peak_bytes"), memory.get("first_step_peak_bytes"), memory["steady_peak_bytes"])
+        if v
+    )
+    facts["precision_in_effect"].update(log.census.as_dict())
+    facts["fp16_headroom"] = {
+        **log.headroom.summary(),
+        "sampled_every": spec["train"]["headroom_every"],  # the worst is over these samples plus the failing steps
+        "failing_steps_measured": log.headroom_steps,
+    }
+    facts["throughput"] = {
+        "tokens_per_s_median": statistics.median(log.tokens_per_s) if log.tokens_per_s else None,
+        "step_time_s_median": statistics.median(log.step_times) if log.step_times else None,
+    }
+    facts["training"] = {
+        "steps_run": steps_run,
+        "initial_loss": log.losses[0] if log.losses else None,
+        "final_loss": log.losses[-1] if log.losses else None,
+        "skipped_steps": log.skipped_total,
+    }
+    facts.update(
+        conclude(spec, log.nonfinite_events, log.stop_event, log.consecutive_skips, steps_run, log.skipped_total)
+    )
+    if log.stopped_by_peer is not None and log.stop_event is None and facts["outcome"] == Outcome.ERROR:
+        # no event of this rank's own ended it: a peer's did (its rank folder holds that event's origin)
+        facts.update(
+            outcome=Outcome.NAN,
+            reason=f"stopped at step {log.stopped_by_peer} with the other ranks: another rank's step ended the cell",
+            diagnosis={**facts.get("diagnosis", {}), "stopped_by_peer": {"step": log.stopped_by_peer}},
+        )
+    if log.unsupported:
+        facts.update(
+            outcome=Outcome.UNSUPPORTED,
+            reason=f"{len(log.unsupported)} adapter tensors get no gradient with this peft/bitsandbytes combination "
+            f"(e.g. {log.unsupported[0]}); refusing to train fewer parameters than requested",
+            diagnosis={"params_without_grad": log.unsupported},
+        )
+
+
+def conclude(
+    spec: dict[str, Any],
+    events: list[dict[str, Any]],
+    stop_event: dict[str, Any] | None,
+    consecutive_skips: int,
+    steps_run: int,
+    skipped: int = 0,
+) -> dict[str, Any]:
+    """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
+
+    The deciding event is the one that stopped the loop, else the first non-finite loss/gradient
+    (under `continue`), else scaler skips the scaler did not recover from. Scaler skips it recovered
+    from are listed, not failures.
+    """
+    train = spec["train"]
+    hard = [e for e in events if e["kind"] != "scaler_skip"]
+    unrecovered_skips = bool(events) and (
+        train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"]
+    )
+    deciding = stop_event or (hard[0] if hard else None) or (events[0] if unrecovered_skips else None)
+    recovered = [e for e in events if e["kind"] == "scaler_skip" and e is not deciding]
+    diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
+    if deciding is not None:
+        origin = deciding.get("origin") or {}
+        traced = origin.get("forward") or origin.get("backward")
+        where = origin_text(traced) if traced or not origin.get("unlocated") else f"? ({origin['unlocated']})"
+        stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
+        accum = spec["axes"].get("grad_accum", 1)
+        micro = (
+            f" (micro-batch {deciding['micro_batch']} of {accum})"
+            if accum > 1 and deciding.get("micro_batch") is not None
+            else ""
+        )
+        return dict(
+            outcome=Outcome.NAN,
+            reason=f"{deciding['kind']} at step {deciding['step']}{micro}, first non-finite at {where}{stopped}",
+            diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
+        )
+    elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason
+        return dict(
+            outcome=Outcome.ERROR,
+            reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
+            diagnosis=diagnosis,
+        )
+    else:
+        # a step the GradScaler skipped ran but changed no weight: say how many updates were applied
+        applied = f", {steps_run - skipped} updates applied ({skipped} skipped by the GradScaler)"
+        return dict(
+            outcome=Outcome.OK,
+            reason=f"trained all {steps_run} steps with finite loss" + (applied if skipped else ""),
+            diagnosis=diagnosis,
+        )
 
 
 def origin_text(fact: dict[str, Any] | None) -> str:

@@ -1,11 +1,13 @@
-"""Resumable cells: every `train.checkpoint_every` steps the loop's whole state goes to <run>/checkpoint/.
+"""The resume state: what a killed cell restarts from. Every `train.checkpoint_every` steps the loop's whole
+state goes to <run>/checkpoint/ (the setting's and the folder's names are kept from earlier versions, so their
+studies and their saved states still resume).
 
-A cell started again (a re-run after a kill, a retry, a wall-clock timeout) continues from the last
-checkpoint written for the same training spec, so its loss curve is the one an uninterrupted run draws.
-A checkpoint is one folder, replaced by rename: a kill mid-write leaves the previous one whole.
+A cell started again (a re-run after a kill, a retry, a wall-clock timeout) continues from the last resume
+state saved for the same training spec, so its loss curve is the one an uninterrupted run draws. A resume state
+is one folder, replaced by rename: a kill mid-write leaves the previous one whole.
 
 What it holds: the trainable (LoRA) weights as safetensors; optimizer, LR scheduler and GradScaler state,
-the RNG states (torch CPU/CUDA, python) and the loop's tallies in state.pt (read back with
+the RNG states (torch CPU/CUDA, python) and the loop's step log (its tallies) in state.pt (read back with
 torch.load(weights_only=True), which refuses anything but tensors and plain containers); the
 metrics/events/headroom lines written before the step; meta.json with the spec key and the step.
 Batches are a pure function of (seed, step), so the step is the data position.
@@ -24,10 +26,10 @@ from typing import Any
 
 from tunegrid.files import read_json, write_json
 
-CHECKPOINT_DIR = "checkpoint"
+RESUME_DIR = "checkpoint"  # the folder's name on disk, as earlier versions wrote it
 LOG_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl")
 
-# Settings that change no number the training computes: a checkpoint stays valid across edits of them.
+# Settings that change no number the training computes: a resume state stays valid across edits of them.
 NON_TRAINING: dict[str, tuple[str, ...] | None] = {
     "plan": None,
     "hardware": None,
@@ -38,7 +40,7 @@ NON_TRAINING: dict[str, tuple[str, ...] | None] = {
 
 
 def training_key(spec: dict[str, Any], base_model: dict[str, Any]) -> str:
-    """sha256 of the spec minus NON_TRAINING, plus the base checkpoint's identity (a rebuilt base is new)."""
+    """sha256 of the spec minus NON_TRAINING, plus the base model's identity (a rebuilt base is new)."""
     kept: dict[str, Any] = {}
     for section, value in spec.items():
         dropped = NON_TRAINING.get(section, ())
@@ -52,14 +54,16 @@ def training_key(spec: dict[str, Any], base_model: dict[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
-class Resumed:
+class ResumeState:
+    """What a killed cell restarts from, once its weights, optimizer, schedule, scaler and RNG are back."""
+
     step: int  # steps already done: the loop goes on with this one
-    tallies: dict[str, Any]
+    tallies: dict[str, Any]  # the step log as it was at that step (StepLog.saved)
 
 
 def rng_states() -> dict[str, Any]:
     """torch's CPU generator, the CUDA generator of the device this process trains on (dropout there draws
-    from it), and python's; nothing in a cell draws from numpy's. What a checkpoint saves and what each
+    from it), and python's; nothing in a cell draws from numpy's. What a resume state saves and what each
     micro-batch's replay starts from."""
     import torch
 
@@ -86,16 +90,16 @@ def set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(cuda)
 
 
-class Checkpointer:
-    """Writes, finds and removes one cell's checkpoint (single-process cells)."""
+class ResumeStore:
+    """Writes, finds and removes one cell's resume state (single-process cells)."""
 
     def __init__(self, run_dir: Path, every: int, key: str) -> None:
         self.run_dir = run_dir
         self.every = every
         self.key = key
-        self.path = run_dir / CHECKPOINT_DIR
-        self._previous = run_dir / f".{CHECKPOINT_DIR}.previous"
-        self.discarded = ""  # why a checkpoint found at the start was not resumed from
+        self.path = run_dir / RESUME_DIR
+        self._previous = run_dir / f".{RESUME_DIR}.previous"
+        self.discarded = ""  # why a resume state found at the start was not resumed from
 
     def due(self, step: int, start: int) -> bool:
         """At the top of step `step`: every K steps, never for the state just resumed from."""
@@ -113,7 +117,7 @@ class Checkpointer:
         import torch
         from safetensors.torch import save_file
 
-        staging = self.run_dir / f".{CHECKPOINT_DIR}.tmp-{os.getpid()}"
+        staging = self.run_dir / f".{RESUME_DIR}.tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         save_file(
@@ -148,18 +152,18 @@ class Checkpointer:
     def _recover(self) -> None:
         if not self.path.exists() and self._previous.exists():
             os.replace(self._previous, self.path)
-        for stale in self.run_dir.glob(f".{CHECKPOINT_DIR}.tmp-*"):  # a save cut short
+        for stale in self.run_dir.glob(f".{RESUME_DIR}.tmp-*"):  # a save cut short
             shutil.rmtree(stale, ignore_errors=True)
 
     def discard(self, why: str = "") -> None:
         if why and self.path.exists():
             self.discarded = why
-            print(f"checkpoint {self.path} removed: {why}", flush=True)
+            print(f"resume state {self.path} removed: {why}", flush=True)
         for path in (self.path, self._previous):
             shutil.rmtree(path, ignore_errors=True)
 
     def find(self) -> dict[str, Any] | None:
-        """meta.json of a usable checkpoint of this spec; one of another spec is removed."""
+        """meta.json of a usable resume state of this spec; one of another spec is removed."""
         self._recover()
         meta_path = self.path / "meta.json"
         if not meta_path.exists():
@@ -173,8 +177,8 @@ class Checkpointer:
 
     def restore(
         self, named_params: list[tuple[str, Any]], optimizer: Any, scheduler: Any, scaler: Any
-    ) -> Resumed | None:
-        """Load the checkpoint into the live objects and put the run's logs back as they were at its step."""
+    ) -> ResumeState | None:
+        """Load the resume state into the live objects and put the run's logs back as they were at its step."""
         import torch
         from safetensors.torch import load_file
 
@@ -193,14 +197,14 @@ class Checkpointer:
         scheduler.load_state_dict(state["scheduler"])
         if scaler is not None and state["scaler"]:
             scaler.load_state_dict(state["scaler"])
-        for name in LOG_FILES:  # lines past the checkpoint's step belong to the attempt that died
+        for name in LOG_FILES:  # lines past the resume state's step belong to the attempt that died
             saved, live = self.path / name, self.run_dir / name
             if saved.exists():
                 shutil.copyfile(saved, live)
             else:
                 live.unlink(missing_ok=True)
         set_rng_states(state["rng"])
-        return Resumed(step=int(meta["step"]), tallies=state["tallies"])
+        return ResumeState(step=int(meta["step"]), tallies=state["tallies"])
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -1,6 +1,6 @@
-"""One optimizer step of a cell's trainer: forward and backward of each micro-batch under the planned precision,
-the optimizer and its schedule, and the always-on instruments of each step (memory peak, the fused finiteness
-check). Mixed into CellTrainer.
+"""One optimizer step of a cell: forward and backward of each micro-batch under the planned precision, the
+optimizer and its schedule, and the always-on instruments of each step (memory peak, the fused finiteness
+check). `OptimizerStep` holds what a step needs; `StepResult` is what one step leaves.
 """
 
 from __future__ import annotations
@@ -9,9 +9,14 @@ import contextlib
 import inspect
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
+from tunegrid.cell.injection import NonfiniteInjector
 from tunegrid.cell.packing import IGNORE
+from tunegrid.cell.precision import PrecisionPlan
+from tunegrid.cell.ranks import RankContext
+from tunegrid.memory import MemoryMeter
 
 
 def loss_tokens(batch: dict[str, Any]) -> Any:
@@ -28,7 +33,100 @@ def accepts_loss_kwargs(model: Any) -> bool:
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in inspect.signature(base.forward).parameters.values())
 
 
-class OptimizerSteps:
+@dataclass
+class StepResult:
+    """What one optimizer step leaves: the numbers its metrics line records, and what a replay of it starts from."""
+
+    scale: float | None  # the GradScaler's scale the step ran at (None without a scaler)
+    step_tokens: Any  # the loss tokens of all its micro-batches (a tensor on the device)
+    real_positions: list[Any]  # one real-token mask per micro-batch (None where not given)
+    rng_states: list[dict[str, Any]] = field(default_factory=list)  # at the start of each micro-batch
+    local_time: float = 0.0  # the rank's own time up to its last forward (s)
+    params_without_grad: list[str] | None = None  # step 0: adapters that received no gradient
+    nonfinite_micro_batch: int | None = None  # the first micro-batch whose loss was not finite
+    lr: float = 0.0
+    loss: float = math.nan
+    grad_norm: float = math.nan
+    skipped: bool = False  # no update applied (the GradScaler's skip, or a non-finite step without one)
+    elapsed: float = 0.0  # the step's time (s)
+    peak: int = 0  # its memory high-water mark (bytes)
+
+
+@dataclass
+class OptimizerStep:
+    """The model, the optimizer, its schedule and the GradScaler, and how one step runs with them."""
+
+    model: Any
+    trainable_named: list[tuple[str, Any]]
+    plan: PrecisionPlan
+    meter: MemoryMeter
+    ranks: RankContext
+    optimizer: Any
+    optimizer_name: str
+    scheduler: Any
+    scaler: Any | None  # fp16's GradScaler, else None
+    injector: NonfiniteInjector | None  # debug.inject_nonfinite, on this rank
+    loss_by_count: bool  # the model's loss takes num_items_in_batch
+    max_grad_norm: float
+    forward_done_at: float = 0.0  # when the last forward ended (perf_counter): the end of the step's local time
+    ddp_pre_forward_s: float = 0.0  # the step's time inside DDP's pre-forward (a sync of the ranks)
+
+    @classmethod
+    def build(
+        cls,
+        spec: dict[str, Any],
+        model: Any,
+        trainable_named: list[tuple[str, Any]],
+        plan: PrecisionPlan,
+        meter: MemoryMeter,
+        ranks: RankContext,
+    ) -> OptimizerStep:
+        from transformers import get_scheduler
+
+        from tunegrid.cell.optimizers import make_optimizer
+        from tunegrid.cell.precision import make_grad_scaler
+
+        train = spec["train"]
+        name = spec["axes"].get("optimizer", "adamw")
+        optimizer = make_optimizer([p for _, p in trainable_named], name, train["lr"], train["weight_decay"])
+        # transformers' own schedules; the default: linear warm-up from 0, cosine decay to min_lr_rate of the peak
+        schedule = train["lr_scheduler"]
+        scheduler = get_scheduler(
+            schedule,
+            optimizer,
+            num_warmup_steps=train["warmup_steps"],
+            num_training_steps=train["steps"],
+            scheduler_specific_kwargs={"min_lr_rate": train["min_lr_rate"]}
+            if schedule == "cosine_with_min_lr"
+            else None,
+        )
+        scaler = make_grad_scaler(plan)
+        loss_by_count = accepts_loss_kwargs(model)
+        injection = (spec.get("debug") or {}).get("inject_nonfinite")
+        injector = (
+            NonfiniteInjector(model, injection, train["seq_len"])
+            if injection and injection.get("module") and injection.get("rank", ranks.rank) == ranks.rank
+            else None
+        )
+        return cls(
+            model=model,
+            trainable_named=trainable_named,
+            plan=plan,
+            meter=meter,
+            ranks=ranks,
+            optimizer=optimizer,
+            optimizer_name=name,
+            scheduler=scheduler,
+            scaler=scaler,
+            injector=injector,
+            loss_by_count=loss_by_count,
+            max_grad_norm=train["max_grad_norm"],
+        )
+
+    @property
+    def trainable(self) -> list[Any]:
+        return [p for _, p in self.trainable_named]
+
     def forward_backward(
         self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None, step_tokens: Any = None
     ) -> Any:
@@ -42,12 +140,13 @@ class OptimizerSteps:
         from tunegrid.cell.precision import autocast_context
 
         by_count = self.loss_by_count
+        ddp = self.ranks.ddp
         called = time.perf_counter()
         with autocast_context(self.plan):
-            loss = (self.ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
+            loss = (ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
         self.forward_done_at = time.perf_counter()  # the last micro-batch's ends the step's local time
-        if self.ddp is not None:  # DDP's pre-forward syncs the ranks once (its bucket rebuild, 2nd iteration)
-            self.ddp_pre_forward_s += self.inner_forward_at - called
+        if ddp is not None:  # DDP's pre-forward syncs the ranks once (its bucket rebuild, 2nd iteration)
+            self.ddp_pre_forward_s += self.ranks.inner_forward_at - called
         if not by_count:  # a model that only averages: weigh its mean by the micro-batch's share of the tokens
             loss = loss * (loss_tokens(batch) / step_tokens)
         if scaler is not None:
@@ -56,45 +155,15 @@ class OptimizerSteps:
             (loss * scale if scale is not None else loss).backward()
         return loss
 
-    def build_optimizer(self) -> None:
-        from transformers import get_scheduler
-
-        from tunegrid.cell.injection import NonfiniteInjector
-        from tunegrid.cell.optimizers import make_optimizer
-        from tunegrid.cell.precision import make_grad_scaler
-
-        train = self.spec["train"]
-        self.optimizer_name = self.spec["axes"].get("optimizer", "adamw")
-        self.optimizer = make_optimizer(self.trainable, self.optimizer_name, train["lr"], train["weight_decay"])
-        # transformers' own schedules; the default: linear warm-up from 0, cosine decay to min_lr_rate of the peak
-        name = train["lr_scheduler"]
-        self.scheduler = get_scheduler(
-            name,
-            self.optimizer,
-            num_warmup_steps=train["warmup_steps"],
-            num_training_steps=train["steps"],
-            scheduler_specific_kwargs={"min_lr_rate": train["min_lr_rate"]} if name == "cosine_with_min_lr" else None,
-        )
-        self.scaler = make_grad_scaler(self.plan)
-        self.loss_by_count = accepts_loss_kwargs(self.model)
-        injection = (self.spec.get("debug") or {}).get("inject_nonfinite")
-        self.injector = (
-            NonfiniteInjector(self.model, injection, train["seq_len"])
-            if injection and injection.get("module") and injection.get("rank", self.ranks.rank) == self.ranks.rank
-            else None
-        )
-        if self.ranks.distributed:
-            self.wrap_ddp()
-
     # ---------------------------------------------------------------- one step
-    def train_step(
+    def run(
         self,
         step: int,
         micro_batches: list[dict[str, Any]],
         census: Any = None,
         headroom: Any = None,
         real_positions: list[Any] | None = None,
-    ) -> dict[str, Any]:
+    ) -> StepResult:
         """One optimizer step over its micro-batches, with the always-on instruments: memory peak and the fused
         finiteness check. `real_positions` (one real-token mask per micro-batch, never given to the model)
         lets the headroom meter, and a replay's origin tracer, read real tokens only.
@@ -109,19 +178,18 @@ class OptimizerSteps:
 
         scaler = self.scaler
         if self.ranks.distributed:
-            self.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
+            self.ranks.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
         # the rank's local time: from here to its last forward, before the backward joins the gradient
         # all-reduce (a straggler's own slowness, not its peers' wait for it)
         local_started = time.perf_counter()
         self.ddp_pre_forward_s = 0.0
-        self.inject_rank_faults(step)  # a single rank too: a slow step or a crashed worker, on purpose
+        self.ranks.inject_faults(step)  # a single rank too: a slow step or a crashed worker, on purpose
         step_tokens = sum(loss_tokens(micro) for micro in micro_batches)
-        fact: dict[str, Any] = {
-            "rng_states": [],  # at the start of each micro-batch: what a replay of it starts from
-            "scale": scaler.get_scale() if scaler is not None else None,
-            "step_tokens": step_tokens,
-            "real_positions": real_positions or [None] * len(micro_batches),
-        }
+        result = StepResult(
+            scale=scaler.get_scale() if scaler is not None else None,
+            step_tokens=step_tokens,
+            real_positions=real_positions or [None] * len(micro_batches),
+        )
         self.meter.reset()
         started = time.perf_counter()
         losses = []
@@ -131,49 +199,50 @@ class OptimizerSteps:
                 if instrument is not None:
                     hooks.enter_context(instrument.attached(self.model))
             for index, micro in enumerate(micro_batches):
-                fact["rng_states"].append(rng_states())
+                result.rng_states.append(rng_states())  # what a replay of this micro-batch starts from
                 if headroom is not None:
-                    headroom.real = fact["real_positions"][index]
+                    headroom.real = result.real_positions[index]
                 with contextlib.ExitStack() as around:
                     if self.injector is not None:
                         around.enter_context(self.injector.attached(step, index))
-                    if self.ddp is not None and index < last:  # one all-reduce per step, in the last backward
-                        around.enter_context(self.ddp.no_sync())
+                    if index < last:  # one all-reduce per step, in the last backward
+                        around.enter_context(self.ranks.no_sync())
                     losses.append(self.forward_backward(micro, scaler, step_tokens=step_tokens).detach().float())
         # the rank's own time up to its last forward (a step without an update records it too)
-        fact["local_time"] = self.forward_done_at - local_started - self.ddp_pre_forward_s
+        result.local_time = self.forward_done_at - local_started - self.ddp_pre_forward_s
         if step == 0:  # every adapter asked for must receive a gradient, or we train fewer params than requested
-            fact["params_without_grad"] = [n for n, p in self.trainable_named if p.grad is None]
-            if fact["params_without_grad"]:
-                return self.step_without_update(fact, losses, started)
+            result.params_without_grad = [n for n, p in self.trainable_named if p.grad is None]
+            if result.params_without_grad:
+                return self.without_update(result, losses, started)
         if scaler is not None:
             scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.spec["train"]["max_grad_norm"])
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_grad_norm)
         # The one host sync of the step: the loss, the grad norm and each micro-batch's loss together (the norm
         # is needed for clipping anyway, and its finiteness is the NaN check for every gradient at once).
         stacked = torch.stack(losses)
         together = torch.cat([stacked.sum()[None], grad_norm.float()[None], stacked])
         loss_value, norm_value, *micro_losses = together.tolist()
         finite = math.isfinite(loss_value) and math.isfinite(norm_value)
-        fact["nonfinite_micro_batch"] = next((i for i, v in enumerate(micro_losses) if not math.isfinite(v)), None)
+        result.nonfinite_micro_batch = next((i for i, v in enumerate(micro_losses) if not math.isfinite(v)), None)
         if scaler is not None:
             scaler.step(self.optimizer)  # skips the update itself when grads are inf/nan
             scaler.update()
-            skipped = scaler.get_scale() < fact["scale"]
+            skipped = scaler.get_scale() < result.scale
         elif finite:
             self.optimizer.step()
             skipped = False
         else:
             skipped = True  # never apply a non-finite update to the weights
         self.optimizer.zero_grad(set_to_none=True)
-        fact.update(lr=self.scheduler.get_last_lr()[0], loss=loss_value, grad_norm=norm_value, skipped=skipped)
+        result.lr, result.loss, result.grad_norm = self.scheduler.get_last_lr()[0], loss_value, norm_value
+        result.skipped = skipped
         if not skipped:  # as accelerate does: a step that changed no weight does not advance the schedule
             self.scheduler.step()
-        fact["elapsed"] = time.perf_counter() - started
-        fact["peak"] = self.meter.peak_bytes()
-        return fact
+        result.elapsed = time.perf_counter() - started
+        result.peak = self.meter.peak_bytes()
+        return result
 
-    def step_without_update(self, fact: dict[str, Any], losses: list[Any], started: float) -> dict[str, Any]:
+    def without_update(self, result: StepResult, losses: list[Any], started: float) -> StepResult:
         """Step 0 of a cell that ends `unsupported` (an adapter got no gradient): no scaler, no clipping, no
         update. With no gradient at all, GradScaler.step asserts "No inf checks were recorded" and
         clip_grad_norm_ returns a CPU zero that a CUDA loss cannot be concatenated with; the norm is taken here
@@ -184,13 +253,8 @@ class OptimizerSteps:
         norm = torch.stack(grads).norm() if grads else torch.zeros((), device=losses[0].device)
         loss_value, norm_value = torch.stack([torch.stack(losses).sum(), norm.to(losses[0].device)]).tolist()
         self.optimizer.zero_grad(set_to_none=True)
-        fact.update(
-            lr=self.scheduler.get_last_lr()[0],
-            loss=loss_value,
-            grad_norm=norm_value,
-            skipped=True,
-            nonfinite_micro_batch=None,
-            elapsed=time.perf_counter() - started,
-            peak=self.meter.peak_bytes(),
-        )
-        return fact
+        result.lr, result.loss, result.grad_norm = self.scheduler.get_last_lr()[0], loss_value, norm_value
+        result.skipped, result.nonfinite_micro_batch = True, None
+        result.elapsed = time.perf_counter() - started
+        result.peak = self.meter.peak_bytes()
+        return result

@@ -1,8 +1,19 @@
-"""The training loop of one cell, readable top to bottom: setup -> model -> data -> loop -> record.
+"""The recipe of one cell, readable top to bottom: setup -> model -> data -> islands -> the loop -> the record.
 
-Deliberately not HF Trainer: Trainer on CPU ignores fp16 silently, filters NaN losses
-out of its logs and hides the GradScaler. Models, tokenizers, peft and bitsandbytes are used through
-their public APIs; only the loop is ours.
+Deliberately not HF Trainer: Trainer on CPU ignores fp16 silently, filters NaN losses out of its logs and hides
+the GradScaler. Models, tokenizers, peft and bitsandbytes are used through their public APIs; only the loop is
+ours.
+
+The recipe is built from components it constructs and passes what they need, each with a declared type:
+- `RankContext` (cell/ranks.py): this process's rank, its process group and DDP, the ranks' agreed stop, the
+  injected rank faults;
+- `OptimizerStep` (cell/step.py): the model, optimizer, schedule and GradScaler, and one step over its
+  micro-batches; each step leaves a `StepResult`;
+- `StepLog` and `StepFiles` (cell/records.py): what each step records, the running tallies and the summary that
+  decides the outcome;
+- `FailingStepReplay` (cell/origin.py): the failing step replayed with hooks, where a non-finite value came from;
+- `ResumeStore` / `ResumeState` (cell/resume.py): what a killed cell restarts from;
+- `audit_and_adapt` (cell/adapt.py) and `place_fp32_islands` (cell/islands.py): the model's set-up passes.
 
 This runs in the worker process the supervisor starts; it writes metrics.jsonl (one line per step),
 events.jsonl (non-finite events) and worker.json (the facts the supervisor turns into result.json).
@@ -17,27 +28,34 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.adapt import AdaptSteps
-from tunegrid.cell.checkpointing import CheckpointSteps
+from tunegrid.cell.adapt import audit_and_adapt
 from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
-from tunegrid.cell.islands import IslandSteps
-from tunegrid.cell.loop_state import LoopState
+from tunegrid.cell.islands import place_fp32_islands
 from tunegrid.cell.model import load_model
-from tunegrid.cell.origin import OriginReplay
-from tunegrid.cell.ranks import RankSteps
-from tunegrid.cell.records import StepRecords
-from tunegrid.cell.step import OptimizerSteps
-from tunegrid.files import JsonlAppender, write_json
+from tunegrid.cell.origin import FailingStepReplay
+from tunegrid.cell.ranks import RankContext, lora_digest
+from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
+from tunegrid.cell.resume import ResumeStore, training_key
+from tunegrid.cell.step import OptimizerStep
+from tunegrid.files import write_json
+from tunegrid.memory import MemoryMeter
 from tunegrid.rundir import Heartbeat, rank_dir
 from tunegrid.vocabulary import Outcome
 
 
-class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, OriginReplay, StepRecords, IslandSteps):
-    """One cell from setup to record. The optimizer step, the audited LoRA attachment, the distributed steps,
-    checkpointing, the origin replay, the step records and the fp32 islands live in their own mixins
-    (cell/step.py, adapt.py, ranks.py, checkpointing.py, origin.py, records.py, islands.py); this file is the
-    recipe."""
+def weight_dtypes(model: Any, trainable: bool) -> list[str]:
+    """The dtypes the model's frozen (base) or trainable (adapter) parameters are stored in."""
+    return sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad == trainable})
+
+
+class CellTrainer:
+    """One cell from setup to record. Each stage is a method that builds its components and hands them on; the
+    stages' products are kept here (the loaded model, the data stream, the optimizer step) so a test can stop
+    after any stage."""
+
+    optimizer_step: OptimizerStep | None = None  # from build_optimizer on
+    resume_store: ResumeStore | None = None  # a single-process cell's, from the loop's start on
 
     def __init__(self, spec: dict[str, Any], model_dir: Path, data_path: Path, run_dir: Path) -> None:
         self.spec = spec
@@ -46,23 +64,23 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
         self.run_dir = run_dir
         self.facts: dict[str, Any] = {"outcome": Outcome.ERROR, "reason": "did not start", "stage": "setup"}
         self.heartbeat = Heartbeat(run_dir / "heartbeat")
-        self.ranks = Ranks.from_env()
-        self.ddp: Any = None
-        self.facts["rank"] = self.ranks.rank
+        self.facts["rank"] = Ranks.from_env().rank
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
         import torch
 
         from tunegrid.cell.precision import plan_precision
-        from tunegrid.memory import MemoryMeter
 
         train = self.spec["train"]
         torch.set_num_threads(train["threads"])
         torch.manual_seed(self.spec["axes"]["seed"])  # the same on every rank: identical LoRA init
-        self.device = torch.device("cuda", self.ranks.local) if torch.cuda.is_available() else torch.device("cpu")
+        ranks = Ranks.from_env()
+        self.device = torch.device("cuda", ranks.local) if torch.cuda.is_available() else torch.device("cpu")
+        self.ranks = RankContext(ranks, self.device, self.heartbeat, self.spec.get("debug") or {})
         if self.ranks.distributed:
-            self.init_distributed()
+            self.facts["distributed"] = self.ranks.group_facts(self.spec["distributed"])
+            self.ranks.init_process_group(self.spec["distributed"], self.facts["distributed"]["backend"])
         self.plan = plan_precision(self.spec["axes"]["precision"], self.device.type)
         print(self.plan.describe(), flush=True)
         self.facts["precision_plan"] = self.plan.__dict__
@@ -90,20 +108,17 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             self.model_dir, trust_remote_code=bool(self.spec["model"].get("trust_remote_code"))
         )
         self.model = load_model(self.model_dir, self.spec, self.plan, self.device)
-        self.audit_and_adapt()
+        self.model, self.facts["quant_audit"] = audit_and_adapt(self.model, self.spec, self.run_dir)
         self.model.train()
         self.memory["load_peak_bytes"] = self.meter.peak_bytes()
         self.trainable_named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.trainable = [p for _, p in self.trainable_named]
         self.facts["params"] = {
             "total": sum(p.numel() for p in self.model.parameters()),
-            "trainable": sum(p.numel() for p in self.trainable),
+            "trainable": sum(p.numel() for _, p in self.trainable_named),
         }
         self.facts["precision_in_effect"] = {
-            "base_weight_dtypes": sorted(
-                {str(p.dtype).removeprefix("torch.") for p in self.model.parameters() if not p.requires_grad}
-            ),
-            "adapter_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in self.trainable}),
+            "base_weight_dtypes": weight_dtypes(self.model, trainable=False),
+            "adapter_dtypes": weight_dtypes(self.model, trainable=True),
         }
 
     # ---------------------------------------------------------------- data
@@ -124,80 +139,128 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             self.spec["axes"].get("grad_accum", 1),
         )
 
-    # ---------------------------------------------------------------- loop
+    # ---------------------------------------------------------------- fp32 islands (fp16-islands only)
+    def place_fp32_islands(self) -> None:
+        """Measured (or named) before the first step, on the model the steps train."""
+        if not self.plan.fp32_islands:
+            return
+        self.facts["stage"] = "islands"
+        self.heartbeat.beat("fp32 island calibration")
+        self.facts["fp32_islands"] = place_fp32_islands(
+            self.model, self.stream, self.device, self.ranks.distributed, self.spec["train"]
+        )
+        self.facts["precision_in_effect"]["base_weight_dtypes"] = weight_dtypes(self.model, trainable=False)
+
+    # ---------------------------------------------------------------- the optimizer step
+    def build_optimizer(self) -> OptimizerStep:
+        self.optimizer_step = OptimizerStep.build(
+            self.spec, self.model, self.trainable_named, self.plan, self.meter, self.ranks
+        )
+        if self.ranks.distributed:
+            self.facts["stage"] = "ddp"
+            self.ranks.wrap(self.model)
+        return self.optimizer_step
+
+    # ---------------------------------------------------------------- the loop
     def loop(self) -> None:
-        """The recipe: for each optimizer step (grad_accum micro-batches), train it, record it, and stop where
-        a non-finite event says so."""
+        """For each optimizer step (grad_accum micro-batches): save the resume state when due, train the step,
+        record it, and stop where a non-finite event (or, distributed, any rank's) says so."""
         from tqdm.auto import tqdm
 
-        steps, every = self.spec["train"]["steps"], self.spec["train"]["headroom_every"]
-        self.build_optimizer()
-        state = self.begin_loop()
-        logs = {name: JsonlAppender(self.run_dir / f"{name}.jsonl") for name in ("metrics", "events", "headroom")}
+        from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
+
+        train = self.spec["train"]
+        steps, every = train["steps"], train["headroom_every"]
+        optimizer_step = self.build_optimizer()
+        log = StepLog(census=DtypeCensus(), headroom=HeadroomMeter())
+        self.resume(optimizer_step, log)  # before the files open: a resume puts them back as they were at its step
+        log.last_step = log.start - 1
+        files = StepFiles.open(self.run_dir)
+        replay = FailingStepReplay(optimizer_step)
+        scaled = optimizer_step.scaler is not None
         self.facts["stage"] = "step"
         progress = tqdm(
-            total=steps, initial=state.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr
+            total=steps, initial=log.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr
         )
         try:
-            for step in range(state.start, steps):
-                if self.leaves_loop(step):
+            for step in range(log.start, steps):
+                if self.ranks.leaves_loop(step):
                     break
-                state.last_step = step
-                if self.checkpointer is not None and self.checkpointer.due(step, state.start):
-                    self.save_checkpoint(
-                        step,
-                        state.tallies(),
-                        state.skipped_total,
-                        state.consecutive_skips,
-                        state.census,
-                        state.headroom,
-                    )
+                log.last_step = step
+                if self.resume_store is not None and self.resume_store.due(step, log.start):
+                    self.save_resume_state(step, optimizer_step, log)
                 micro_batches = [
                     {k: v.to(self.device) for k, v in micro.items()} for micro in self.stream.micro_batches(step)
                 ]
-                self.last_batch = micro_batches[-1]
+                self.last_batch = micro_batches[-1]  # an ok cell's reference batch
                 measure_headroom = every > 0 and step % every == 0
-                fact = self.train_step(
+                result = optimizer_step.run(
                     step,
                     micro_batches,
-                    state.census if step == 0 else None,
-                    state.headroom if measure_headroom else None,
+                    log.census if step == 0 else None,
+                    log.headroom if measure_headroom else None,
                     [mask.to(self.device) for mask in self.stream.real_positions(step)],
                 )
-                self.record(step, fact, measure_headroom, state, logs)
-                progress.set_postfix(loss=f"{fact['loss']:.4g}", refresh=False)
+                if step == 0:  # the first step's peak, apart from the steady steps'
+                    self.memory["first_step_peak_bytes"] = result.peak
+                tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
+                record_step(log, files, step, result, tokens, measure_headroom, scaled)
+                progress.set_postfix(loss=f"{result.loss:.4g}", refresh=False)
                 progress.update()
-                stop = bool(state.unsupported) or self.on_nonfinite(step, micro_batches, fact, state, logs)
-                if self.ranks.distributed and self.any_rank_stops(stop, step, state):
-                    state.stopped = True
-                    break  # every rank leaves at the same step, or the one that went on waits in the next all-reduce
+                stop = bool(log.unsupported) or on_nonfinite(
+                    log, files, step, micro_batches, result, replay, train, scaled
+                )
+                if self.ranks.distributed:
+                    # every rank leaves at the same step, or the one that went on waits in the next all-reduce
+                    agreed = self.ranks.any_rank_stops(stop)
+                    if agreed and not stop:
+                        log.stopped_by_peer = step  # this rank stops because a peer did
+                    stop = agreed
                 if stop:
-                    state.stopped = True
+                    log.stopped = True
                     break
-            if self.ranks.distributed and not state.stopped:
-                self.agree_finished(state.last_step)
+            if self.ranks.distributed and not log.stopped:
+                self.ranks.agree_finished(log.last_step)
         finally:
             progress.close()
-            for log in logs.values():
-                log.close()
-        self.summarise(state)
+            files.close()
+        # ------------------------------------------------------------ the record
+        summarise(log, self.spec, self.facts, self.memory)
+        if self.ranks.distributed:
+            self.facts["lora_sha256"] = lora_digest(self.trainable_named)
 
-    def begin_loop(self) -> LoopState:
-        """A fresh state, or the one a checkpoint of this same cell left (its logs put back as they were)."""
-        from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
+    # ---------------------------------------------------------------- the resume state
+    def resume(self, optimizer_step: OptimizerStep, log: StepLog) -> None:
+        """A single-process cell picks up the resume state of this same cell, if one is there (its weights,
+        optimizer, schedule, scaler and RNG back in place, its files as they were, its log refilled); a
+        distributed cell's ranks would each need their own, so it starts afresh."""
+        from tunegrid.cell.adapters import base_model_identity
 
-        state = LoopState(census=DtypeCensus(), headroom=HeadroomMeter())
-        self.checkpointer = self.make_checkpointer()
-        resumed = self.resume()  # before the logs open: it puts them back as they were at its step
+        every = self.spec["train"].get("checkpoint_every", 0)
+        self.facts["checkpoint"] = {"every": every, "applied": not self.ranks.distributed}  # result.json's key
+        if self.ranks.distributed:
+            return
+        key = training_key(self.spec, base_model_identity(self.manifest))
+        self.resume_store = store = ResumeStore(self.run_dir, every, key)
+        o = optimizer_step
+        resumed = store.restore(o.trainable_named, o.optimizer, o.scheduler, o.scaler)
+        if store.discarded:
+            self.facts["checkpoint"]["discarded"] = store.discarded
         if resumed is not None:
-            state.start, state.skipped_total, state.consecutive_skips = self.refill(
-                resumed, state.tallies(), state.census, state.headroom
-            )
-        state.last_step = state.start - 1
-        return state
+            self.facts["resumed_from_step"] = resumed.step
+            print(f"resuming from the resume state of step {resumed.step}", flush=True)
+            log.refill(resumed, self.memory)
 
+    def save_resume_state(self, step: int, optimizer_step: OptimizerStep, log: StepLog) -> None:
+        assert self.resume_store is not None
+        self.heartbeat.beat(f"step {step} resume state")
+        o = optimizer_step
+        self.resume_store.save(step, o.trainable_named, o.optimizer, o.scheduler, o.scaler, log.saved(self.memory))
+        self.facts["checkpoint"]["last_step"] = step
+
+    # ---------------------------------------------------------------- the adapter
     def finish_cell(self) -> None:
-        """An `ok` cell's adapter is its product; any concluded cell's checkpoint has served its purpose."""
+        """An `ok` cell's adapter is its product; any concluded cell's resume state has served its purpose."""
         from tunegrid.cell.adapters import base_record, reference_loss, save_adapter
         from tunegrid.cell.precision import autocast_context
 
@@ -209,8 +272,8 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             islands = [island["module"] for island in (self.facts.get("fp32_islands") or {}).get("modules", [])]
             record = base_record(self.spec, self.manifest, self.plan, islands)
             self.facts["adapter"] = save_adapter(self.run_dir, self.model, self.last_batch, loss, record)
-        if self.checkpointer is not None:
-            self.checkpointer.discard()
+        if self.resume_store is not None:
+            self.resume_store.discard()
 
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
@@ -219,47 +282,55 @@ class CellTrainer(OptimizerSteps, AdaptSteps, RankSteps, CheckpointSteps, Origin
             self.setup()
             self.build_model()
             self.build_data()
-            self.place_fp32_islands()  # fp16-islands only: measured (or named) before the first step
+            self.place_fp32_islands()
             self.loop()
             self.finish_cell()
         except BaseException as exc:  # a failure is a result; only tunegrid bugs should fail the rule
-            kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else Outcome.ERROR
-            stage = self.facts.get("stage", "setup")
-            self.facts.update(outcome=kind, reason=f"{type(exc).__name__} during {stage}: {str(exc)[:300]}")
-            collective = classify_distributed(exc) if self.ranks.distributed else None
-            if collective is not None:
-                self.facts["outcome"] = Outcome.TIMEOUT if collective == "collective_timeout" else Outcome.ERROR
-                self.facts["diagnosis"] = {
-                    collective: {
-                        "rank": self.ranks.rank,
-                        "waiting_in": self.heartbeat.last,
-                        "timeout_s": self.spec["distributed"]["collective_timeout_s"],
-                        "message": str(exc)[:400],
-                    }
-                }
-            self.facts["traceback"] = traceback.format_exc()[-4000:]
-            if kind == Outcome.OOM:
-                self.facts["diagnosis"] = {"oom": {"stage": stage, **self.meter_at_failure()}}
-            traceback.print_exc()
+            self.record_failure(exc)
         finally:
             self.facts["memory"] = getattr(self, "memory", {})
-            if getattr(self, "optimizer", None) is not None:
+            if self.optimizer_step is not None:
                 from tunegrid.cell.optimizers import optimizer_facts
 
-                self.facts["optimizer"] = optimizer_facts(self.optimizer, self.optimizer_name, self.device.type)
+                o = self.optimizer_step
+                self.facts["optimizer"] = optimizer_facts(o.optimizer, o.optimizer_name, self.device.type)
             self.facts["wall_s"] = time.time() - started
             write_json(self.run_dir / "worker.json", self.facts)
         return self.facts
 
-    def meter_at_failure(self) -> dict[str, int | None]:
-        meter = getattr(self, "meter", None)  # in use as the failure is handled, and the high-water mark
-        if meter is None:
-            return {}
-        facts = {"bytes_at_failure": meter.current_bytes(), "peak_bytes": meter.peak_bytes()}
-        reserved = meter.reserved_peak_bytes()
-        if reserved is not None:  # what a CUDA budget caps: the allocated peak can stay under it
-            facts["reserved_peak_bytes"] = reserved
-        return facts
+    def record_failure(self, exc: BaseException) -> None:
+        """The outcome a caught exception stands for, with its diagnosis (a collective's, an out-of-memory's)."""
+        kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else Outcome.ERROR
+        stage = self.facts.get("stage", "setup")
+        self.facts.update(outcome=kind, reason=f"{type(exc).__name__} during {stage}: {str(exc)[:300]}")
+        ranks = getattr(self, "ranks", None)
+        distributed = ranks.distributed if ranks is not None else Ranks.from_env().distributed
+        collective = classify_distributed(exc) if distributed else None
+        if collective is not None:
+            self.facts["outcome"] = Outcome.TIMEOUT if collective == "collective_timeout" else Outcome.ERROR
+            self.facts["diagnosis"] = {
+                collective: {
+                    "rank": self.facts["rank"],
+                    "waiting_in": self.heartbeat.last,
+                    "timeout_s": self.spec["distributed"]["collective_timeout_s"],
+                    "message": str(exc)[:400],
+                }
+            }
+        self.facts["traceback"] = traceback.format_exc()[-4000:]
+        if kind == Outcome.OOM:
+            self.facts["diagnosis"] = {"oom": {"stage": stage, **meter_at_failure(getattr(self, "meter", None))}}
+        traceback.print_exc()
+
+
+def meter_at_failure(meter: MemoryMeter | None) -> dict[str, int | None]:
+    """In use as the failure is handled, and the high-water mark."""
+    if meter is None:
+        return {}
+    facts = {"bytes_at_failure": meter.current_bytes(), "peak_bytes": meter.peak_bytes()}
+    reserved = meter.reserved_peak_bytes()
+    if reserved is not None:  # what a CUDA budget caps: the allocated peak can stay under it
+        facts["reserved_peak_bytes"] = reserved
+    return facts
 
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:

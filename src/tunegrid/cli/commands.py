@@ -48,6 +48,10 @@ def probe(args: argparse.Namespace) -> None:
     from tunegrid.prepare.probes import probe
 
     record = probe(budget_s=args.budget_s, world_sizes=args.world_sizes)
+    if record["device"] == "cpu":  # on CUDA the estimate's constants are the allocator's (cuBLAS workspaces)
+        from tunegrid.run.calibrate import worker_runtime_bytes
+
+        record["worker_runtime_bytes"] = worker_runtime_bytes()
     write_json(args.out, record)
     print(f"probe: device {record['device']}, precision {record['precision']}, {record['probe_seconds']:.1f} s")
 
@@ -129,13 +133,18 @@ def plan(args: argparse.Namespace) -> None:
 
     from tunegrid.config import cell_spec, expand_cells, resolve_study
     from tunegrid.files import atomic_write_text
+    from tunegrid.prepare.cell_plan import warm_worker_of
     from tunegrid.prepare.plan import plan_cell
+    from tunegrid.workers import planned_worker
 
     study = resolve_study(read_json(args.study_file))
     capabilities = read_json(args.capabilities)
+    warm = not args.cluster and warm_worker_of(study)
     rows = []
     for cell in expand_cells(study):
-        plan = plan_cell(cell_spec(study, cell), Path(args.models) / cell.model, capabilities)
+        spec = cell_spec(study, cell)
+        worker = planned_worker(spec, capabilities.get("device", "cpu"), warm)
+        plan = plan_cell(spec, Path(args.models) / cell.model, capabilities, worker)
         verdict = plan["verdict"] or ("run", "")
         rows.append(
             {
@@ -145,6 +154,7 @@ def plan(args: argparse.Namespace) -> None:
                 "budget_bytes": plan["budget_bytes"],
                 "estimate_bytes": plan["estimate"]["estimate_bytes"],
                 "estimate_stage": plan["estimate"]["stage"],
+                "estimate_worker": plan["estimate"]["worker"],
                 "verdict": verdict[0],
                 "reason": verdict[1],
             }
@@ -157,7 +167,10 @@ def plan(args: argparse.Namespace) -> None:
 def cell_plan(args: argparse.Namespace) -> None:
     from tunegrid.prepare.cell_plan import write_cell_plan
 
-    print(write_cell_plan(args.study_file, args.cell, args.model_dir, args.capabilities, args.out).to_json(), end="")
+    planned = write_cell_plan(
+        args.study_file, args.cell, args.model_dir, args.capabilities, args.out, local=not args.cluster
+    )
+    print(planned.to_json(), end="")
 
 
 def report(args: argparse.Namespace) -> None:

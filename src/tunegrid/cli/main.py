@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capabilities", required=True)
     p.add_argument("--models", required=True, help="folder of the study's checkpoints")
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--cluster", action="store_true", help="the cells run as cluster jobs (spawned workers, never forked)"
+    )
     p.set_defaults(func=commands.plan)
 
     p = sub.add_parser("cell-plan", help="one cell's plan (estimate, budget, verdict, job memory) as JSON")
@@ -99,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capabilities", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--cluster", action="store_true", help="the cells run as cluster jobs (spawned workers, never forked)"
+    )
     p.set_defaults(func=commands.cell_plan)
 
     p = sub.add_parser("report", help="the comparison report: HTML, PNGs and recommendations")

@@ -33,6 +33,9 @@ class CellPlan:
     estimate_bytes: int  # the estimated peak of one rank
     estimate_stage: str  # the stage (load / step) the estimated peak is reached in
     estimate_device: str  # cpu / cuda: the memory the estimate is of
+    # spawned / forked (tunegrid.workers): the worker path the estimate's runtime constant is for; result.json
+    # records the path taken and its estimate (equal to this one where the cell took this path)
+    worker: str
     verdict: str  # run, or the outcome decided without training (unsupported, predicted_oom)
     reason: str  # why, for a verdict other than run
     mem_mb: int  # the host memory the cell's job asks for, all ranks (job_mem_mb; hardware.mem_mb replaces it)
@@ -42,7 +45,7 @@ class CellPlan:
 
     @classmethod
     def read(cls, path: str | Path) -> CellPlan:
-        raw = json.loads(Path(path).read_text())
+        raw = {"worker": "spawned", **json.loads(Path(path).read_text())}  # a plan from before it named the path
         return cls(**{f.name: raw[f.name] for f in fields(cls)})
 
 
@@ -79,6 +82,7 @@ def cell_plan(spec: dict[str, Any], planned: dict[str, Any], device: str) -> Cel
         estimate_bytes=int(estimate["estimate_bytes"]),
         estimate_stage=str(estimate["stage"]),
         estimate_device=device,
+        worker=str(estimate["worker"]),
         verdict=str(verdict[0]),
         reason=str(verdict[1]),
         mem_mb=job_mem_mb(int(estimate["estimate_bytes"]), world),
@@ -86,15 +90,30 @@ def cell_plan(spec: dict[str, Any], planned: dict[str, Any], device: str) -> Cel
 
 
 def write_cell_plan(
-    study_file: str | Path, cell_id: str, model_dir: str | Path, capabilities_file: str | Path, out: str | Path
+    study_file: str | Path,
+    cell_id: str,
+    model_dir: str | Path,
+    capabilities_file: str | Path,
+    out: str | Path,
+    local: bool = True,
 ) -> CellPlan:
-    """The `cell_plan` rule's job (in the Snakemake process: file headers only, no torch), and `tunegrid cell-plan`."""
+    """The `cell_plan` rule's job (in the Snakemake process: file headers only, no torch), and `tunegrid cell-plan`.
+    `local`: the cells run on this machine (a local Snakemake run, which forks them where the study keeps a warm
+    worker), not as cluster jobs (each worker spawned)."""
     from tunegrid.config import study_cell_spec
     from tunegrid.files import atomic_write_text, read_json
     from tunegrid.prepare.plan import plan_cell
+    from tunegrid.workers import planned_worker
 
     spec = study_cell_spec(study_file, cell_id)
     capabilities = read_json(capabilities_file)
-    planned = cell_plan(spec, plan_cell(spec, Path(model_dir), capabilities), capabilities.get("device", "cpu"))
+    device = capabilities.get("device", "cpu")
+    worker = planned_worker(spec, device, local and warm_worker_of(read_json(study_file)))
+    planned = cell_plan(spec, plan_cell(spec, Path(model_dir), capabilities, worker), device)
     atomic_write_text(out, planned.to_json())
     return planned
+
+
+def warm_worker_of(study: dict[str, Any]) -> bool:
+    """Whether a local run of this (resolved) study forks its cells from a warm worker."""
+    return bool((study.get("execution") or {}).get("warm_worker", True))

@@ -105,13 +105,22 @@ class BatchStream:
     """Endless seeded shuffles of a tokenized set; the rows of step k are a pure function of (seed, k).
 
     A step draws batch_size x accum rows (the effective batch) and hands them out as `accum` micro-batches
-    of batch_size rows, so how a step is split changes no row it trains on.
+    of batch_size rows, so how a step is split changes no row it trains on. A flat stream hands each
+    (micro-)batch out as one row of batch_size x seq_len tokens (flash attention reads boundaries only then).
     """
 
     def __init__(
-        self, tensors: dict[str, Any], batch_size: int, seed: int, row_tokens: Any = None, accum: int = 1
+        self,
+        tensors: dict[str, Any],
+        batch_size: int,
+        seed: int,
+        row_tokens: Any = None,
+        accum: int = 1,
+        *,
+        flat: bool = False,
     ) -> None:
         self.tensors = tensors
+        self.flat = flat
         self.batch_size = batch_size
         self.accum = accum
         self.seed = seed
@@ -149,8 +158,8 @@ class BatchStream:
         ]
 
     def shaped(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """A (micro-)batch in the layout the model reads: rows as drawn (a flattening stream makes them one)."""
-        return batch
+        """A (micro-)batch in the layout the model reads: rows as drawn, or one row of them all (flat)."""
+        return {k: v.reshape(1, -1) for k, v in batch.items()} if self.flat else batch
 
     def real_tokens(self, step: int) -> int:
         """Tokens of the whole step (every micro-batch), padding excluded."""

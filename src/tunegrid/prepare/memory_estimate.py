@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
+from tunegrid.prepare.cpu_kernels import cpu_onednn_off
 from tunegrid.vocabulary import Quant
 
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
@@ -51,10 +52,16 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config.get("text_config") or config
 
 
-def device_constants(capabilities: dict[str, Any], precision: str) -> dict[str, Any]:
-    """The probe's measured constants for a cell in this precision: the process before a model, and what
-    a training step holds beyond its tensors (0 where the probe did not measure them)."""
-    arithmetic = precision_plan(precision).arithmetic
+def device_constants(capabilities: dict[str, Any], precision: str, worker: str = "spawned") -> dict[str, Any]:
+    """The probe's measured constants for a cell in this precision whose worker takes this path (spawned, or
+    forked by the warm worker). On CPU: what a worker of that path holds at its peak beyond its tensors
+    (`worker_runtime_bytes`, a micro cell run through the real worker: tunegrid.run.calibrate); a probe
+    record from before it measured that gives the process before a model plus a small MLP step's framework
+    overhead instead. On CUDA: the cuBLAS workspaces (0 where the probe did not measure them)."""
+    arithmetic = str(precision_plan(precision).arithmetic)
+    at_work = ((capabilities.get("worker_runtime_bytes") or {}).get(worker) or {}).get(arithmetic)
+    if capabilities.get("device", "cpu") == "cpu" and at_work:
+        return {"runtime": int(at_work), "step_overhead": 0, "device": "cpu"}
     overhead = (capabilities.get("step_overhead_bytes") or {}).get(arithmetic) or 0
     return {
         "runtime": int(capabilities.get("runtime_baseline_bytes") or 0),
@@ -294,17 +301,12 @@ def estimate_from_shapes(
         runtime + step_overhead + weights + lora_bytes + optimizer_bytes + activations + kept_experts + transient
     )
     total = max(load, train_peak)
-    # What this model leaves out, said where it applies rather than fitted: on CPU, oneDNN's bf16 kernels grow
-    # the process at every step as the tokens routed to each expert change shape (benchmarks/README.md,
-    # "bf16 MoE growth"), so a bf16 MoE cell's measured peak exceeds this one-steady-step estimate.
-    not_modelled = (
-        "CPU bf16 with routed experts: oneDNN's bf16 kernels grow the process step by step; the measured "
-        "peak exceeds this estimate"
-        if device == "cpu" and precision_plan(axes["precision"]).dtype == "bfloat16" and expert_names
-        else None
-    )
+    # What this model leaves out, said where it applies rather than fitted (nothing today: the one case that
+    # grew step by step, CPU bf16 with routed experts, trains without oneDNN: cpu_onednn_off)
+    not_modelled = None
     return {
         "not_modelled": not_modelled,
+        "cpu_onednn_off": cpu_onednn_off(spec, config, device),
         "estimate_bytes": int(total),
         "stage": "load" if load > train_peak else "step",
         "load_bytes": int(load),

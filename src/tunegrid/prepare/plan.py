@@ -12,14 +12,18 @@ from typing import Any
 from tunegrid.vocabulary import Outcome
 
 
-def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> dict[str, Any]:
-    """Before training: the target, its memory budget, the memory estimate and whether to train at all."""
+def plan_cell(
+    spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], worker: str = "spawned"
+) -> dict[str, Any]:
+    """Before training: the target, its memory budget, the memory estimate and whether to train at all.
+    `worker`: the path the cell's worker takes (tunegrid.workers.planned_worker), whose runtime it counts."""
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
     from tunegrid.prepare.targets import feasibility, resolve_target
 
     hardware = spec["hardware"]
     target = resolve_target(hardware, capabilities) if capabilities else None
-    estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, spec["axes"]["precision"]))
+    estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, spec["axes"]["precision"], worker))
+    estimate["worker"] = worker  # the estimate's runtime constant is this path's
     enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
     verdict = feasibility(spec["axes"]["precision"], target, hardware, estimate["estimate_bytes"]) if target else None
     verdict = verdict or gpu_shortfall(spec, capabilities)

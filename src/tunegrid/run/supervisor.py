@@ -24,7 +24,6 @@ from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
-from tunegrid.run.warm import SOCKET_ENV as WARM_SOCKET_ENV
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
 from tunegrid.study_paths import StudyPaths
 from tunegrid.track.tags import (
@@ -40,6 +39,7 @@ from tunegrid.track.tags import (
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
+from tunegrid.workers import FORKED, SPAWNED, WARM_SOCKET_ENV
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
@@ -130,12 +130,11 @@ def run_cell(
     if warm_socket:
         from tunegrid.run.warm_client import ready_info
 
-        info = ready_info(Path(warm_socket))
-        if info is None:
+        if ready_info(Path(warm_socket)) is None:
             warm_socket = None
-        elif capabilities.get("runtime_baseline_bytes"):  # CPU: the forked worker's own constant
-            capabilities = {**capabilities, "runtime_baseline_bytes": info["forked_runtime_baseline_bytes"]}
-    plan = plan_cell(spec, model_dir, capabilities)
+    # the estimate takes the probe's runtime constant for the path this worker takes (the cell_plan rule made
+    # the same estimate for the path it planned: tunegrid.workers.planned_worker)
+    plan = plan_cell(spec, model_dir, capabilities, worker=FORKED if warm_socket else SPAWNED)
     verdict = plan.pop("verdict")
     spec = {**spec, "plan": plan}
     spec_path = run_dir / "cell.json"

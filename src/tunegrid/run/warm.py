@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.lifeline import alive
+from tunegrid.workers import WARM_SOCKET_ENV
 
-SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
+SOCKET_ENV = WARM_SOCKET_ENV  # the jobs find this invocation's socket here
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
 PRELOAD = (
     "torch",
@@ -83,9 +84,8 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
         Path(str(path) + ".json").write_text(json.dumps({"pid": os.getpid(), "refused": refusal}))
         print(f"warm worker {os.getpid()} not serving: {refusal}", flush=True)
         return
-    # What a forked worker holds before it loads a model: the memory estimate's CPU constant for the
-    # cells forked here (a fork maps the parent's libraries lazily, so it is below a fresh process's).
-    info = {"pid": os.getpid(), "import_s": time.time() - started, "forked_runtime_baseline_bytes": _forked_baseline()}
+    # what a forked worker holds at work is the probe's to measure (tunegrid.run.calibrate), not this process's
+    info = {"pid": os.getpid(), "import_s": time.time() - started}
     Path(str(path) + ".json").write_text(json.dumps(info))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     path.unlink(missing_ok=True)
@@ -108,21 +108,6 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
     finally:
         listener.close()
         path.unlink(missing_ok=True)
-
-
-def _forked_baseline() -> int:
-    from tunegrid.memory import MemoryMeter
-
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.write(write_end, str(MemoryMeter("cpu").current_bytes()).encode())
-        os._exit(0)
-    os.close(write_end)
-    value = os.read(read_end, 64)
-    os.close(read_end)
-    os.waitpid(pid, 0)
-    return int(value)
 
 
 def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, socket.socket]) -> int | None:
