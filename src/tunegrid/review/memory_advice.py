@@ -10,11 +10,13 @@ the fastest fix, and its loss parity. They are ranked by throughput: all of them
 Loss parity, for a memory fix, is its loss against the setting that ran out of memory. Where the twin's reference
 twin (review/quality.py) is another cell, that comparison is the parity shown. Where the twin sits at the
 reference settings itself, or has no ok reference twin (often because the reference settings are what ran out of
-memory), the failing setting is compared directly, and a cell that ran out of memory in its first step has no
-loss at all. Its arithmetic is still in the grid: activation checkpointing alone recomputes the same forward in
-backward and takes the same optimizer steps, so that ok twin's curve stands for the failing setting's, and every
-other fix is compared with it; that twin itself is compared with the failing cell's finite steps where it ran
-any. Without either, the text says there was no loss to compare.
+memory), the failing setting is the reference. A cell that ran out of memory early has no loss to compare: step
+0's loss is the model before any update, the same in every twin, and the optimizer's state joins the activations
+only from step 1 on. Its arithmetic is still in the grid: activation checkpointing alone recomputes the same
+forward in backward and takes the same optimizer steps, so that ok twin's curve stands for the failing setting's
+and every other fix is compared with it over the last quarter of steps; that twin itself is compared with the
+failing cell's steps where it logged some after step 0. Without either, the text says there was nothing to
+compare.
 """
 
 from __future__ import annotations
