@@ -31,7 +31,7 @@ def capabilities(tmp_path_factory) -> Path:
             str(path),
         ],
         check=True,
-        timeout=120,
+        timeout=900,  # a hang guard: with the micro cells on both worker paths, minutes on a loaded 2-core host
     )
     return path
 
