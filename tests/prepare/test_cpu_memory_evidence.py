@@ -6,8 +6,9 @@ with `benchmarks/cpu_memory_evidence.py`: every cell's spec and measured peaks (
 constants of that run. The runs: this project's 2-core AMD EPYC host (AVX512-BF16), once forked and once
 spawned, and the same host restricted to AVX2 kernels (ONEDNN_MAX_CPU_ISA=AVX2, ATEN_CPU_CAPABILITY=avx2: what
 oneDNN and ATen dispatch to on a host without AVX512-BF16; the probe of that run measured under the same
-restriction). The test rebuilds each model on the meta device and estimates each cell with its run's probe
-record, as the planner does, so a change to the estimate is checked against every recorded cell in seconds.
+restriction), forked for the whole study and spawned for 8 of its cells (run by the supervisor, no plan
+files). The test rebuilds each model on the meta device and estimates each cell with its run's probe record, as
+the planner does, so a change to the estimate is checked against every recorded cell in seconds.
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ def _ratios(run: dict) -> dict[str, float]:
 
 
 def test_the_evidence_covers_both_paths_and_a_host_without_avx512_bf16():
-    paths = {
-        host: {c["estimate_worker"] for c in run["cells"] if c["outcome"] == "ok"} for host, run in DEFAULT.items()
-    }
-    assert {"forked", "spawned"} <= set().union(*paths.values())
-    assert any(run["environment"].get("ONEDNN_MAX_CPU_ISA") for run in DEFAULT.values())
-    assert all(len([c for c in run["cells"] if c["outcome"] == "ok"]) >= 30 for run in DEFAULT.values())
+    """Both worker paths on this host and on the simulated one; whole studies, but for the simulated spawned run
+    (8 representative cells: both models, every precision, both batch sizes, each quantization)."""
+    covered = set()
+    for run in DEFAULT.values():
+        ok = [cell for cell in run["cells"] if cell["outcome"] == "ok"]
+        simulated = bool(run["environment"].get("ONEDNN_MAX_CPU_ISA"))
+        assert len(ok) >= (8 if simulated else 42), run["host"]
+        covered |= {(simulated, cell["estimate_worker"]) for cell in ok}
+    assert covered == {(False, "forked"), (False, "spawned"), (True, "forked"), (True, "spawned")}
 
 
 def test_the_memory_fixes_peaks_fall_and_the_estimate_follows_them():
@@ -86,7 +90,11 @@ def test_the_plan_and_the_result_recorded_the_same_estimate(host):
     """plan.csv, the cell's plan file and result.json: one estimate per cell, for the path the cell took."""
     for cell in RUNS[host]["cells"]:
         planned = {cell["cell_plan_estimate_bytes"], cell["plan_csv_estimate_bytes"]} - {None}
-        assert planned == {cell["estimate_bytes"]}, cell["spec"]["cell_id"]
+        assert planned <= {cell["estimate_bytes"]}, cell["spec"]["cell_id"]
+    if "8 cells" not in host:  # a snakemake run plans every cell (plan.csv where `snakemake plan` ran too)
+        assert all(cell["cell_plan_estimate_bytes"] for cell in RUNS[host]["cells"])
+    if "8 cells" not in host and host.startswith("default"):  # `snakemake plan` ran after each default study
+        assert all(cell["plan_csv_estimate_bytes"] for cell in RUNS[host]["cells"])
 
 
 def test_no_cell_grows_step_by_step():
