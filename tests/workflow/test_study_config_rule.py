@@ -70,7 +70,17 @@ def _finished(workdir: Path, study: dict) -> StudyPaths:
     for cell_id, cell in cells.items():  # its finetune job's mem_mb is read from it
         estimate = 2**28
         plan = CellPlan(
-            cell_id, cell.world_size, "native", None, estimate, "step", "cpu", "run", "", job_mem_mb(estimate, 1)
+            cell_id=cell_id,
+            world_size=cell.world_size,
+            target="native",
+            budget_bytes=None,
+            estimate_bytes=estimate,
+            estimate_stage="step",
+            estimate_device="cpu",
+            worker="spawned",
+            verdict="run",
+            reason="",
+            mem_mb=job_mem_mb(estimate, 1),
         )
         paths.cell_plan(cell_id).write_text(plan.to_json())
     _snakemake(workdir, "all", "--touch")

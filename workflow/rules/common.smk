@@ -54,6 +54,14 @@ TRACKING = STUDY["tracking"]["enabled"]
 os.environ.setdefault(EXECUTION_ENV, new_execution_id())
 os.environ.setdefault(COMMAND_ENV, " ".join(["snakemake", *sys.argv[1:]]))
 os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.overwrite_configfiles or [])))
+# How this invocation starts its cells, for their plans (an estimate takes the worker path's constant): cluster
+# jobs spawn every worker, a local run forks one-rank CPU cells where the study keeps a warm worker. In the
+# environment of the cell_plan jobs (local rules), not a param: a plan follows the run that made it and is
+# never re-made, nor its cell re-run, for this alone.
+CELL_PLAN_WORKER_ENV = "TUNEGRID_CELL_PLAN_WORKER"  # read by the cell_plan rule's shell command
+os.environ[CELL_PLAN_WORKER_ENV] = (
+    "--cluster" if not workflow.local_exec else "" if STUDY["execution"]["warm_worker"] else "--no-warm-worker"
+)
 
 
 wildcard_constraints:

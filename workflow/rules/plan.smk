@@ -46,16 +46,11 @@ rule cell_plan:
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
-    params:
-        # the worker path the cell will take (forked from this run's warm worker, or spawned): cluster jobs
-        # spawn every worker; a local run forks where the study keeps a warm worker
-        worker=lambda wildcards: (
-            "--cluster" if not workflow.local_exec else "--warm-worker" if STUDY["execution"]["warm_worker"] else ""
-        ),
+    # $TUNEGRID_CELL_PLAN_WORKER: how this invocation starts its cells (common.smk)
     shell:
         f"python {SCRIPT} cell-plan"
         " --spec-file {input.spec} --model-dir {input.model} --capabilities {input.capabilities}"
-        " --out {output.plan} {params.worker} > {log} 2>&1"
+        " --out {output.plan} $TUNEGRID_CELL_PLAN_WORKER > {log} 2>&1"
 
 
 # Before spending GPU hours: which cells this target cannot run (unsupported), which the estimate says

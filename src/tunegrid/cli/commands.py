@@ -176,9 +176,8 @@ def cell_plan(args: argparse.Namespace) -> None:
     from tunegrid.prepare.cell_plan import write_cell_plan, write_spec_plan
 
     if args.spec_file:
-        warm_worker = not args.cluster and args.warm_worker
-        spec = read_json(args.spec_file)
-        planned = write_spec_plan(spec, args.model_dir, args.capabilities, args.out, warm_worker)
+        warm = not (args.cluster or args.no_warm_worker)
+        planned = write_spec_plan(read_json(args.spec_file), args.model_dir, args.capabilities, args.out, warm)
     elif args.cell:
         planned = write_cell_plan(
             args.study_file, args.cell, args.model_dir, args.capabilities, args.out, local=not args.cluster

@@ -109,9 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster", action="store_true", help="the cells run as cluster jobs (spawned workers, never forked)"
     )
     p.add_argument(
-        "--warm-worker",
-        action="store_true",
-        help="with --spec-file: the study keeps a warm worker (execution.warm_worker), so a local run forks cells",
+        "--no-warm-worker", action="store_true", help="with --spec-file: the run keeps no warm worker (all spawned)"
     )
     p.set_defaults(func=commands.cell_plan)
 

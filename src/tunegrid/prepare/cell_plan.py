@@ -104,19 +104,15 @@ def write_cell_plan(
     from tunegrid.config import study_cell_spec
     from tunegrid.files import read_json
 
-    warm_worker = local and warm_worker_of(read_json(study_file))
-    return write_spec_plan(study_cell_spec(study_file, cell_id), model_dir, capabilities_file, out, warm_worker)
+    spec = study_cell_spec(study_file, cell_id)
+    return write_spec_plan(spec, model_dir, capabilities_file, out, local and warm_worker_of(read_json(study_file)))
 
 
 def write_spec_plan(
-    spec: dict[str, Any],
-    model_dir: str | Path,
-    capabilities_file: str | Path,
-    out: str | Path,
-    warm_worker: bool,
+    spec: dict[str, Any], model_dir: str | Path, capabilities_file: str | Path, out: str | Path, warm_worker: bool
 ) -> CellPlan:
     """The `cell_plan` rule's job (`tunegrid cell-plan --spec-file`: file headers only, no torch). `warm_worker`:
-    this run forks its cells from a warm worker (a local run of a study with `execution.warm_worker`)."""
+    the run forks its cells from a warm worker (a local run of a study with execution.warm_worker)."""
     from tunegrid.files import atomic_write_text, read_json
     from tunegrid.prepare.plan import plan_cell
     from tunegrid.workers import planned_worker
