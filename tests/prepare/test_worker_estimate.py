@@ -34,6 +34,9 @@ def test_each_path_and_arithmetic_takes_its_own_measured_constant():
     # a probe record from before the calibration: the process before a model plus the small step's overhead
     old = {k: v for k, v in CAPABILITIES.items() if k != "worker_runtime_bytes"}
     assert device_constants(old, "fp32", FORKED) == {"runtime": 430 * MIB, "step_overhead": 8 * MIB, "device": "cpu"}
+    # and so does a probe whose calibration failed (it records why instead of failing the study)
+    failed = {**old, "worker_runtime_bytes": {"error": "OSError: no space left on device"}}
+    assert device_constants(failed, "fp32", FORKED) == device_constants(old, "fp32", FORKED)
     # on CUDA the allocator's figures stand, whatever a CPU calibration said
     cuda = {**CAPABILITIES, "device": "cuda", "runtime_baseline_bytes": 0}
     assert device_constants(cuda, "fp32", FORKED)["runtime"] == 0

@@ -59,7 +59,8 @@ def device_constants(capabilities: dict[str, Any], precision: str, worker: str =
     record from before it measured that gives the process before a model plus a small MLP step's framework
     overhead instead. On CUDA: the cuBLAS workspaces (0 where the probe did not measure them)."""
     arithmetic = str(precision_plan(precision).arithmetic)
-    at_work = ((capabilities.get("worker_runtime_bytes") or {}).get(worker) or {}).get(arithmetic)
+    paths = capabilities.get("worker_runtime_bytes") or {}
+    at_work = (paths.get(worker) if isinstance(paths.get(worker), dict) else {}).get(arithmetic)
     if capabilities.get("device", "cpu") == "cpu" and at_work:
         return {"runtime": int(at_work), "step_overhead": 0, "device": "cpu"}
     overhead = (capabilities.get("step_overhead_bytes") or {}).get(arithmetic) or 0
