@@ -1,5 +1,9 @@
 """The shipped CPU collective-timeout study through Snakemake (gloo, 2 ranks, --cores 2): each diagnosis on its
-cell, the fix cells ok, and the report's recommendations as the diagnoses call for (a few minutes)."""
+cell, the fix cells ok, and the report's recommendations as the diagnoses call for (a few minutes).
+
+Run less its two 7 s twins that repeat a 5 s cell: without a fault both timeouts are ok, and a rank that leaves
+the loop is a mismatch whatever the timeout (tests/cell/test_collective_diagnosis.py: at 4 s, rank and step
+named), so neither cell is evidence of anything the other cells and the unit tests do not show."""
 
 from __future__ import annotations
 
@@ -15,12 +19,13 @@ pytestmark = pytest.mark.slow
 
 STUDY = "collective-timeout-cpu"
 CELL = "qwen3moe-tiny_fp32_bs2_none_s0_ws2_ct{}_fault-{}"
+REPEATS = "grid={exclude: [{collective_timeout_s: 7, fault: none}, {collective_timeout_s: 7, fault: skip-collective}]}"
 
 
 def test_cpu_collective_study_tells_the_three_timeouts_apart_and_proves_their_fixes(tmp_path):
     config = REPO / "configs" / f"{STUDY}.yaml"
     proc = subprocess.run(
-        snakemake_command(tmp_path, "all", "--cores", "2", "--configfile", str(config)),
+        snakemake_command(tmp_path, "all", "--cores", "2", "--configfile", str(config), "--config", REPEATS),
         capture_output=True,
         text=True,
         timeout=1200,
@@ -33,10 +38,10 @@ def test_cpu_collective_study_tells_the_three_timeouts_apart_and_proves_their_fi
     def row(timeout_s, fault):
         return summary.loc[CELL.format(timeout_s, fault)]
 
-    for timeout_s in (5, 7):
-        assert row(timeout_s, "none")["outcome"] == "ok"
-        assert row(timeout_s, "skip-collective")["collective_diagnosis"] == "mismatch"
-        assert row(timeout_s, "skip-collective")["collective_parted"] == "rank(s) 1 at step 3"
+    assert len(summary) == 6 and CELL.format(7, "none") not in summary.index
+    assert row(5, "none")["outcome"] == "ok"
+    assert row(5, "skip-collective")["collective_diagnosis"] == "mismatch"
+    assert row(5, "skip-collective")["collective_parted"] == "rank(s) 1 at step 3"
     # the same stall: a timeout under 5 s, ok under 7 s
     assert row(5, "stall-rank")["outcome"] == "timeout" and row(5, "stall-rank")["collective_diagnosis"] == "long_pause"
     assert row(7, "stall-rank")["outcome"] == "ok"
