@@ -26,7 +26,7 @@ rule all:
 
 
 onstart:
-    hooks.on_start(STUDY, RESULTS, LOGS, STUDY_FILE, local=workflow.local_exec, cells_to_run=cells_to_run())
+    hooks.on_start(STUDY, LOGS, local=workflow.local_exec, cells_to_run=cells_to_run())
 
 
 onsuccess:

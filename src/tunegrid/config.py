@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from tunegrid.errors import ConfigError
-from tunegrid.grid import Cell, cell_class
+from tunegrid.grid import Cell, cell_class, excluded, exclusion_problems, exclusion_schema
 from tunegrid.input_limits import (
     known_architecture,
     number_problems,
@@ -42,6 +42,7 @@ def load_schema() -> dict[str, Any]:
     with open(SCHEMA_PATH) as fh:
         schema = yaml.load(fh, Loader=_SAFE_LOADER)  # a safe loader (libyaml when present)
     schema["properties"]["grid"] = grid_schema()
+    schema["properties"]["grid"]["properties"]["exclude"] = exclusion_schema()  # keyed by the same table
     # the reference twin's settings take the same values as the axes they name
     reference = schema["properties"]["review"]["properties"]["reference"]["properties"]
     reference["precision"]["enum"], reference["quant"]["enum"] = list(PRECISIONS), list(QUANTS)
@@ -125,6 +126,9 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 f"config key 'models.{name}.architecture': {spec['architecture']!r} is not a model type this "
                 "transformers knows (a config.json `model_type`, e.g. gemma3_text, qwen3_moe, olmoe, llama)"
             )
+    problems += exclusion_problems(config["grid"])
+    if not problems and not expand_cells(config):
+        problems.append("config key 'grid.exclude': leaves no cell of the grid; remove an entry")
     for name in config["grid"]["model"]:
         if name not in models:
             problems.append(
@@ -196,11 +200,14 @@ def read_study_file(path: str | Path) -> dict[str, Any]:
 
 
 def expand_cells(study: dict[str, Any]) -> list[Cell]:
-    """The grid as cells, in a stable order (the product of the axes as listed in the config)."""
+    """The grid as cells, in a stable order (the product of the axes as listed in the config), less those
+    `grid.exclude` names."""
     grid, table = study["grid"], axis_table()
     cell = cell_class(table)
     names = [a.name for a in table]
-    return [cell(**dict(zip(names, values))) for values in itertools.product(*(grid[name] for name in names))]
+    exclusions = grid.get("exclude", [])  # absent from a study.json written before exclusions existed
+    product = (dict(zip(names, values)) for values in itertools.product(*(grid[name] for name in names)))
+    return [cell(**axes) for axes in product if not excluded(axes, exclusions)]
 
 
 def cells_by_id(study: dict[str, Any]) -> dict[str, Cell]:

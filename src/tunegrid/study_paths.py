@@ -4,6 +4,7 @@ find a study's files here instead of walking up from one of them (`parents[N]`) 
     results/<study>/                         study_dir
         study.json                           the resolved study the jobs read
         env/environment.json, probe/capabilities.json, data/train.jsonl, models/<model>/
+        specs/<cell_id>.json                 a cell's resolved spec, the file its jobs read
         plan.csv, plans/<cell_id>.json, runs/<cell_id>/result.json (and the run's other files), summary.csv, report/
         tracking.json, tracking-sync.json
     results/logs/<study>/                    logs_dir: one log per rule, finetune/<cell_id>.log per cell
@@ -85,6 +86,10 @@ class StudyPaths:
     @property
     def plan_table(self) -> Path:
         return self.study_dir / "plan.csv"
+
+    def cell_spec(self, cell_id: str) -> Path:
+        """The cell's resolved spec (tunegrid.config.cell_spec), what its plan and its fine-tune read."""
+        return self.study_dir / "specs" / f"{cell_id}.json"
 
     def cell_plan(self, cell_id: str) -> Path:
         """The cell's plan (tunegrid.prepare.cell_plan.CellPlan) its job takes its memory request from."""

@@ -1,6 +1,6 @@
 """README's adapter-reuse snippet, run as README writes it, reproduces the reference loss of every `ok` cell
-of the default study's grid (configs/config.yaml: both models, fp32/bf16/fp16, both batch sizes, none/nf4/
-nf4-experts; fewer steps, to keep the suite's time)."""
+of the default study's grid (configs/config.yaml: both models, fp32/bf16/fp16/fp16-islands, both batch sizes,
+none/nf4/nf4-experts, less the grid's exclusions; fewer steps, to keep the suite's time)."""
 
 from __future__ import annotations
 

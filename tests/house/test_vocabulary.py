@@ -25,7 +25,9 @@ from tunegrid.vocabulary import (
 
 def test_the_schema_grid_is_the_axis_table():
     grid = load_schema()["properties"]["grid"]
-    assert tuple(grid["properties"]) == axis_names()
+    # one key per axis, and `exclude`, whose entries are keyed by the same axes
+    assert tuple(grid["properties"]) == (*axis_names(), "exclude")
+    assert tuple(grid["properties"]["exclude"]["items"]["properties"]) == axis_names()
     assert tuple(grid["properties"]["precision"]["items"]["enum"]) == PRECISIONS
     assert tuple(grid["properties"]["quant"]["items"]["enum"]) == QUANTS
     assert grid["additionalProperties"] is False and grid["required"] == ["model"]

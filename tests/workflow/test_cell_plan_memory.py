@@ -47,16 +47,17 @@ def test_slurm_dry_run_asks_each_cell_for_its_plans_memory(tmp_path):
     for i, cell in enumerate(cells):
         estimates[cell.cell_id] = (60 if cell.model.startswith("qwen3") else 14) * 2**30 + i * 2**20
         plan = CellPlan(
-            cell.cell_id,
-            cell.world_size,
-            "native",
-            None,
-            estimates[cell.cell_id],
-            "load",
-            "cuda",
-            "run",
-            "",
-            job_mem_mb(estimates[cell.cell_id], cell.world_size),
+            cell_id=cell.cell_id,
+            world_size=cell.world_size,
+            target="native",
+            budget_bytes=None,
+            estimate_bytes=estimates[cell.cell_id],
+            estimate_stage="load",
+            estimate_device="cuda",
+            worker="spawned",
+            verdict="run",
+            reason="",
+            mem_mb=job_mem_mb(estimates[cell.cell_id], cell.world_size),
         )
         paths.cell_plan(cell.cell_id).parent.mkdir(parents=True, exist_ok=True)
         paths.cell_plan(cell.cell_id).write_text(plan.to_json())

@@ -42,9 +42,10 @@ PATHS = StudyPaths.of(STUDY["study"])  # every file of the study, named once
 RESULTS = str(PATHS.study_dir)
 LOGS = str(PATHS.logs_dir)
 CELLS = cells_by_id(STUDY)
-# The resolved study, written once per invocation (onstart) for the jobs: they get this path and a cell
-# id, never the study or a spec on their command line (no "Argument list too long", nothing in the logs).
+# The resolved study and each cell's resolved spec, made by the study_config and cell_config rules
+# (workflow/rules/plan.smk) from one template that writes a rule's `params.resolved`.
 STUDY_FILE = str(PATHS.study_file)
+RESOLVED_TEMPLATE = str(Path(workflow.basedir) / "workflow" / "templates" / "resolved.json.j2")
 TRACKING = STUDY["tracking"]["enabled"]
 
 # One MLflow parent run per invocation: jobs (local, or SLURM jobs that inherit the submitting
@@ -53,6 +54,14 @@ TRACKING = STUDY["tracking"]["enabled"]
 os.environ.setdefault(EXECUTION_ENV, new_execution_id())
 os.environ.setdefault(COMMAND_ENV, " ".join(["snakemake", *sys.argv[1:]]))
 os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.overwrite_configfiles or [])))
+# How this invocation starts its cells, for their plans (an estimate takes the worker path's constant): cluster
+# jobs spawn every worker, a local run forks one-rank CPU cells where the study keeps a warm worker. In the
+# environment of the cell_plan jobs (local rules), not a param: a plan follows the run that made it and is
+# never re-made, nor its cell re-run, for this alone.
+CELL_PLAN_WORKER_ENV = "TUNEGRID_CELL_PLAN_WORKER"  # read by the cell_plan rule's shell command
+os.environ[CELL_PLAN_WORKER_ENV] = (
+    "--cluster" if not workflow.local_exec else "" if STUDY["execution"]["warm_worker"] else "--no-warm-worker"
+)
 
 
 wildcard_constraints:

@@ -2,13 +2,14 @@
 # data in result.json. The shell line is complete, so any cell can be re-run by hand from its log.
 rule finetune:
     input:
+        spec=rules.cell_config.output.spec,  # the cell's resolved spec: re-made, and the cell re-run, when it changes
         model=get_cell_model_dir,
         data=rules.dataset.output.data,
         tracking=get_tracking_file,
         capabilities=rules.probe.output.capabilities,
         probe_run=get_probe_run_file,  # read beside the capabilities: the probe's MLflow run id
         # its mem_mb; re-made only when the cell's spec, model or probe changes, each of which re-runs the cell anyway
-        plan=str(PATHS.cell_plan("{cell_id}")),
+        plan=rules.cell_plan.output.plan,
     output:
         result=f"{RESULTS}/runs/{{cell_id}}/result.json",
     log:
@@ -27,14 +28,12 @@ rule finetune:
         host_cores=get_cell_host_cores,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     params:
-        # not on the command line: here so that a change of the cell's resolved spec re-runs it
-        spec=get_cell_spec,
         run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
         # rule + output identify the job across invocations (Snakemake's job ids do not)
         job=lambda wildcards, output: f"finetune {output.result}",
     shell:
         f"python {SCRIPT} finetune"
-        f" --study-file {STUDY_FILE} --cell {{wildcards.cell_id}} --model-dir {{input.model}}"
+        " --spec-file {input.spec} --model-dir {input.model}"
         " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
         " --tracking={input.tracking} --capabilities {input.capabilities} --log {log}"
         " --snakemake-job {params.job:q} > {log} 2>&1"

@@ -1,8 +1,42 @@
-# One cell's plan before it trains (target, budget, memory estimate, verdict, the job's host memory), a typed
-# file (tunegrid.prepare.cell_plan.CellPlan) the `finetune` job takes its `mem_mb` from. Reads file headers only.
-rule cell_plan:
-    # in the Snakemake process (no torch, ~ms a cell); `python scripts/tunegrid.py cell-plan` by hand
+# The study's resolved config (defaults filled, overrides applied) and each cell's resolved spec, each made by a
+# rule from what this invocation parsed. Their params are their content, so Snakemake re-makes a file exactly when
+# what it holds changes, and re-runs what reads it: a study change re-makes the specs of the cells it changes,
+# which re-plans and re-runs those cells and no other (the per-cell file is what carries the change to a cell;
+# an `ancient` study file would not do: Snakemake never re-evaluates the jobs below a re-made one it skips).
+# Jobs get these paths, never the study or a spec on their command line (no "Argument list too long", nothing
+# in the logs). Rendered by Snakemake's template engine in its own process: no subprocess per cell.
+rule study_config:
     input:
+        template=RESOLVED_TEMPLATE,
+    output:
+        study=STUDY_FILE,
+    log:
+        f"{LOGS}/study_config.log",  # the template engine writes nothing to it; Snakemake's error, if any
+    params:
+        resolved=spec_json(STUDY),
+    template_engine:
+        "jinja2"
+
+
+rule cell_config:
+    input:
+        template=RESOLVED_TEMPLATE,
+    output:
+        spec=str(PATHS.cell_spec("{cell_id}")),
+    log:
+        f"{LOGS}/specs/{{cell_id}}.log",
+    params:
+        resolved=get_cell_spec,
+    template_engine:
+        "jinja2"
+
+
+# One cell's plan before it trains (target, budget, memory estimate, verdict, the job's host memory), a typed
+# file (tunegrid.prepare.cell_plan.CellPlan) the `finetune` job takes its `mem_mb` from. Reads file headers only
+# (no torch, ~0.2 s a cell).
+rule cell_plan:
+    input:
+        spec=rules.cell_config.output.spec,  # re-made when the cell's spec changes, and the plan with it
         model=get_cell_model_dir,
         capabilities=rules.probe.output.capabilities,
     output:
@@ -10,25 +44,20 @@ rule cell_plan:
     log:
         f"{LOGS}/plans/{{cell_id}}.log",
     localrule: True
-    params:
-        spec=get_cell_spec,  # a change of the cell's resolved spec re-plans it
-    run:
-        Path(log[0]).write_text(
-            write_cell_plan(
-                STUDY_FILE,
-                wildcards.cell_id,
-                input.model,
-                input.capabilities,
-                output.plan,
-                local=workflow.local_exec,
-            ).to_json()
-        )
+    conda:
+        "../../envs/tunegrid.yaml"
+    # $TUNEGRID_CELL_PLAN_WORKER: how this invocation starts its cells (common.smk)
+    shell:
+        f"python {SCRIPT} cell-plan"
+        " --spec-file {input.spec} --model-dir {input.model} --capabilities {input.capabilities}"
+        " --out {output.plan} $TUNEGRID_CELL_PLAN_WORKER > {log} 2>&1"
 
 
 # Before spending GPU hours: which cells this target cannot run (unsupported), which the estimate says
 # will not fit (predicted_oom), and every cell's estimated peak. `snakemake --cores 8 plan`; trains nothing.
 rule plan:
     input:
+        study=rules.study_config.output.study,
         capabilities=rules.probe.output.capabilities,
         models=get_model_dirs(),
     output:
@@ -43,5 +72,5 @@ rule plan:
         cluster=lambda wildcards: "" if workflow.local_exec else "--cluster",  # cluster jobs spawn every worker
     shell:
         f"python {SCRIPT} plan"
-        f" --study-file {STUDY_FILE} --capabilities {{input.capabilities}} --models {{params.models}}"
+        " --study-file {input.study} --capabilities {input.capabilities} --models {params.models}"
         " --out {output.plan} {params.cluster} > {log} 2>&1"

@@ -6,6 +6,7 @@ rule comparison_report:
         results=get_result_files(),
         capabilities=rules.probe.output.capabilities,
         environment=rules.environment.output.env,
+        study=rules.study_config.output.study,  # read for an imported recipe's fixes (its base section)
     output:
         html=report(f"{RESULTS}/report/index.html", caption="../report/index.rst", category="Review"),
         outcomes=report(f"{RESULTS}/report/outcomes.png", caption="../report/outcomes.rst", category="Review"),

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from tunegrid.errors import ConfigError
 from tunegrid.files import read_json, write_json
 
 
@@ -77,7 +78,14 @@ def finetune(args: argparse.Namespace) -> None:
     from tunegrid.config import study_cell_spec
     from tunegrid.run.supervisor import run_cell
 
-    spec = study_cell_spec(args.study_file, args.cell) if args.study_file else json.loads(args.spec)
+    if args.spec_file:
+        spec = read_json(args.spec_file)
+    elif args.study_file:
+        if not args.cell:
+            raise ConfigError("finetune --study-file needs --cell (the cell id within the study)")
+        spec = study_cell_spec(args.study_file, args.cell)
+    else:
+        spec = json.loads(args.spec)
     result = run_cell(
         spec=spec,
         model_dir=Path(args.model_dir),
@@ -165,11 +173,17 @@ def plan(args: argparse.Namespace) -> None:
 
 
 def cell_plan(args: argparse.Namespace) -> None:
-    from tunegrid.prepare.cell_plan import write_cell_plan
+    from tunegrid.prepare.cell_plan import write_cell_plan, write_spec_plan
 
-    planned = write_cell_plan(
-        args.study_file, args.cell, args.model_dir, args.capabilities, args.out, local=not args.cluster
-    )
+    if args.spec_file:
+        warm = not (args.cluster or args.no_warm_worker)
+        planned = write_spec_plan(read_json(args.spec_file), args.model_dir, args.capabilities, args.out, warm)
+    elif args.cell:
+        planned = write_cell_plan(
+            args.study_file, args.cell, args.model_dir, args.capabilities, args.out, local=not args.cluster
+        )
+    else:
+        raise ConfigError("cell-plan --study-file needs --cell (the cell id within the study)")
     print(planned.to_json(), end="")
 
 

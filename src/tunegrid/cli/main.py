@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("finetune", help="run one grid cell under supervision; always writes result.json")
     source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spec-file", help="the cell's resolved spec (results/<study>/specs/<cell_id>.json)")
     source.add_argument("--study-file", help="the resolved study (results/<study>/study.json); with --cell")
-    source.add_argument("--spec", help="the cell's resolved spec as JSON (by hand; the workflow passes a file)")
+    source.add_argument("--spec", help="the cell's resolved spec as JSON (by hand)")
     p.add_argument("--cell", default="", help="the cell id within --study-file")
     p.add_argument("--model-dir", required=True)
     p.add_argument("--data", required=True)
@@ -97,13 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.plan)
 
     p = sub.add_parser("cell-plan", help="one cell's plan (estimate, budget, verdict, job memory) as JSON")
-    p.add_argument("--study-file", required=True, help="the resolved study (results/<study>/study.json)")
-    p.add_argument("--cell", required=True, help="the cell id within --study-file")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spec-file", help="the cell's resolved spec (results/<study>/specs/<cell_id>.json)")
+    source.add_argument("--study-file", help="the resolved study (results/<study>/study.json); with --cell")
+    p.add_argument("--cell", default="", help="the cell id within --study-file")
     p.add_argument("--capabilities", required=True)
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument(
         "--cluster", action="store_true", help="the cells run as cluster jobs (spawned workers, never forked)"
+    )
+    p.add_argument(
+        "--no-warm-worker", action="store_true", help="with --spec-file: the run keeps no warm worker (all spawned)"
     )
     p.set_defaults(func=commands.cell_plan)
 

@@ -58,7 +58,7 @@ def export_cell(args: argparse.Namespace) -> None:
 
     study_file = Path(args.study_dir) / "study.json"
     if not study_file.is_file():
-        raise ConfigError(f"{study_file} does not exist: run the study first (it is written when snakemake starts)")
+        raise ConfigError(f"{study_file} does not exist: run the study first (the study_config rule writes it)")
     study = read_json(study_file)
     cell_id = args.cell_id
     if cell_id == "recommended":  # the first fix the report carries back to the recipe

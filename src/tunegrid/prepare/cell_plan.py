@@ -97,18 +97,28 @@ def write_cell_plan(
     out: str | Path,
     local: bool = True,
 ) -> CellPlan:
-    """The `cell_plan` rule's job (in the Snakemake process: file headers only, no torch), and `tunegrid cell-plan`.
-    `local`: the cells run on this machine (a local Snakemake run, which forks them where the study keeps a warm
-    worker), not as cluster jobs (each worker spawned)."""
+    """`tunegrid cell-plan --study-file --cell`: a cell of a resolved study, planned. `local`: the cells run on
+    this machine (a local Snakemake run, which forks them where the study keeps a warm worker), not as cluster
+    jobs (each worker spawned)."""
     from tunegrid.config import study_cell_spec
+    from tunegrid.files import read_json
+
+    spec = study_cell_spec(study_file, cell_id)
+    return write_spec_plan(spec, model_dir, capabilities_file, out, local and warm_worker_of(read_json(study_file)))
+
+
+def write_spec_plan(
+    spec: dict[str, Any], model_dir: str | Path, capabilities_file: str | Path, out: str | Path, warm_worker: bool
+) -> CellPlan:
+    """The `cell_plan` rule's job (`tunegrid cell-plan --spec-file`: file headers only, no torch). `warm_worker`:
+    the run forks its cells from a warm worker (a local run of a study with execution.warm_worker)."""
     from tunegrid.files import atomic_write_text, read_json
     from tunegrid.prepare.plan import plan_cell
     from tunegrid.workers import planned_worker
 
-    spec = study_cell_spec(study_file, cell_id)
     capabilities = read_json(capabilities_file)
     device = capabilities.get("device", "cpu")
-    worker = planned_worker(spec, device, local and warm_worker_of(read_json(study_file)))
+    worker = planned_worker(spec, device, warm_worker)
     planned = cell_plan(spec, plan_cell(spec, Path(model_dir), capabilities, worker), device)
     atomic_write_text(out, planned.to_json())
     return planned

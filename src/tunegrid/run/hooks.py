@@ -1,6 +1,7 @@
 """What the Snakefile's onstart / onsuccess / onerror do: one package call each.
 
-onstart writes the resolved study for the jobs and starts this invocation's warm worker (local runs);
+onstart starts this invocation's warm worker (local runs; the resolved study and the cells' specs are rules'
+files, workflow/rules/plan.smk);
 onsuccess / onerror stop it and close the invocation's MLflow run when there is more to record. A
 cluster job's own snakemake runs no hooks. Nothing here may fail the workflow's own outcome.
 """
@@ -16,16 +17,10 @@ from typing import Any
 _WARM: list[tuple[Any, Path]] = []  # (process, socket path) of this invocation's warm worker
 
 
-def on_start(
-    study: dict[str, Any], results: str, logs: str, study_file: str, local: bool, cells_to_run: int | None = None
-) -> None:
+def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | None = None) -> None:
     """`cells_to_run`: the cell jobs this invocation will run (None: not known). The warm worker (torch and
     peft imported, ~1 s and hundreds of MiB) serves cells only, so `snakemake mlflow_ui`, `report` or a
     run with every cell done does not start one."""
-    from tunegrid.config import spec_json
-    from tunegrid.files import write_text_if_changed
-
-    write_text_if_changed(study_file, spec_json(study))  # rewritten only when it changed
     if cells_to_run != 0:
         _start_warm_worker(study, logs, local)
 
