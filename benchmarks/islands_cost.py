@@ -81,8 +81,8 @@ def measure(precision: str, work: str, device: str, out: multiprocessing.Queue) 
         calibration_s = time.perf_counter() - started
     times, peaks = [], []
     for step in range(STEPS):
-        batch = {k: v.to(trainer.device) for k, v in trainer.stream.batch(step).items()}
-        result = trainer.optimizer_step.run(step, [batch])
+        rows = {k: v.to(trainer.device) for k, v in trainer.stream.batch(step).items()}
+        result = trainer.optimizer_step.run(step, [rows])
         times.append(result.elapsed)
         peaks.append(result.peak or 0)
     out.put(

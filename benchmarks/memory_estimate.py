@@ -99,8 +99,10 @@ def main() -> None:
         result = read_json(path)
         if result["outcome"] != "ok" or not result["memory"].get("peak_bytes"):
             continue
-        # re-estimated with the current model, so an improved estimator is judged on the same runs
-        constants = device_constants(capabilities, result["cell"]["axes"]["precision"])
+        # re-estimated with the current model, so an improved estimator is judged on the same runs (for the
+        # worker path each cell took: its runtime constant differs, forked or spawned)
+        worker = result["memory"].get("estimate_worker") or "spawned"
+        constants = device_constants(capabilities, result["cell"]["axes"]["precision"], worker)
         estimate = estimate_cell(result["cell"], study_dir / "models" / result["cell"]["model"]["name"], **constants)
         result["memory"]["estimate_bytes"] = estimate["estimate_bytes"]
         result["memory"]["estimate_over_measured"] = estimate["estimate_bytes"] / result["memory"]["peak_bytes"]

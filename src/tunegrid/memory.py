@@ -88,10 +88,32 @@ def apply_memory_budget(device_type: str, budget_bytes: int, device_index: int |
         }
     import resource
 
+    arenas = _keep_malloc_arenas()
     in_use = _proc_status_kib("VmSize") * 1024
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = in_use + budget_bytes
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    return {"mechanism": "RLIMIT_AS", "address_space_at_start": in_use, "limit": limit}
+    return {"mechanism": "RLIMIT_AS", "address_space_at_start": in_use, "limit": limit, "malloc_arenas": arenas}
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+
+
+def _keep_malloc_arenas() -> str:
+    """Under an address-space budget, no new glibc malloc arenas: each reserves 64 MiB of address space at once,
+    and whether a thread gets one depends on lock contention at that moment (thread timing, host load), so the
+    same cell would fit or not from run to run. With M_ARENA_MAX 1, threads share the arenas already made instead
+    of reserving new ones, and the charge is what the cell allocates."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return "not glibc: arenas as the allocator makes them"
+    return "M_ARENA_MAX=1" if libc.mallopt(M_ARENA_MAX, 1) == 1 else "mallopt refused: arenas as glibc makes them"

@@ -1,5 +1,5 @@
-"""A cell's products: the saved adapter reloads onto its base with the cell's loss, and a checkpointed cell
-killed mid-training resumes to the loss curve of an uninterrupted run."""
+"""A cell's products: the saved adapter reloads onto its base with the cell's loss, and a cell that saves its resume
+state, killed mid-training, resumes to the loss curve of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def test_saved_nf4_adapter_reloads_onto_its_4bit_base_with_the_cells_loss(
     assert loss == pytest.approx(expected, rel=1e-6), "0 measured on CPU: the same weights through the same kernels"
 
 
-def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(checkpoints, dataset_path, tmp_path):
+def test_killed_cell_resumes_from_its_resume_state_to_the_uninterrupted_curve(checkpoints, dataset_path, tmp_path):
     train = {"steps": 8, "checkpoint_every": 3, "retries": 0}
     killed = _spec(train, debug={"kill_rank": {"rank": 0, "step": 5}})
     run_dir = tmp_path / "resumed" / killed["cell_id"]
@@ -128,7 +128,7 @@ def test_killed_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(chec
     assert again["outcome"] == "ok", again["reason"]
     assert again["resumed_from_step"] == 3
     assert summary_row(again)["resumed_from_step"] == 3 and run_tags(again)["resumed_from_step"] == "3"
-    assert not (run_dir / RESUME_DIR).exists(), "a concluded cell keeps no checkpoint"
+    assert not (run_dir / RESUME_DIR).exists(), "a concluded cell keeps no resume state"
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(8))
 

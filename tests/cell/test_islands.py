@@ -1,6 +1,6 @@
 """fp16 with fp32 islands: the islands are the modules the fp32 calibration measured over the threshold, they
 remove fp16's overflow, and the cell then trains what the fp32 reference trains (Gemma 3 and a held-out family),
-with gradient checkpointing, a 4-bit base and two gloo ranks too."""
+with activation checkpointing, a 4-bit base and two gloo ranks too."""
 
 from __future__ import annotations
 

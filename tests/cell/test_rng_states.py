@@ -49,7 +49,7 @@ def one_cuda_device(monkeypatch):
 
 
 def test_resume_with_fewer_visible_gpus_restores_only_the_device_in_use(one_cuda_device):
-    """A checkpoint of an attempt that saw two GPUs (one state per device) resumed where one is visible."""
+    """A resume state of an attempt that saw two GPUs (one state per device) resumed where one is visible."""
     generator = one_cuda_device()
     states = rng_states()
     states["cuda"] = [torch.tensor([5], dtype=torch.uint8), torch.tensor([9], dtype=torch.uint8)]
@@ -57,7 +57,7 @@ def test_resume_with_fewer_visible_gpus_restores_only_the_device_in_use(one_cuda
     assert [int(s) for s in generator.restored] == [5]
 
 
-def test_a_checkpoint_saves_and_restores_the_cuda_generator(one_cuda_device):
+def test_a_resume_state_saves_and_restores_the_cuda_generator(one_cuda_device):
     generator = one_cuda_device()
     saved = rng_states()
     generator.draw()

@@ -1,9 +1,9 @@
-"""A cell cut by its wall-clock limit keeps its checkpoint; re-run, it resumes from it to the curve of an
+"""A cell cut by its wall-clock limit keeps its resume state; re-run, it resumes from it to the curve of an
 uninterrupted run, and its MLflow run carries the whole curve.
 
 The limit is reached deterministically: the worker stalls at a step (debug.stall_rank, far longer than any
 test runs) and the supervisor's clock is moved past train.time_limit_s only once the heartbeat says it
-stalled, so the cut falls between the checkpoint and the end whatever the host's speed.
+stalled, so the cut falls between the resume state's step and the end whatever the host's speed.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _tracking(tmp_path):  # type: ignore[no-untyped-def]
     return path, store
 
 
-def test_timed_out_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(
+def test_timed_out_cell_resumes_from_its_resume_state_to_the_uninterrupted_curve(
     checkpoints, dataset_path, tmp_path, monkeypatch
 ):
     from mlflow.tracking import MlflowClient
@@ -59,11 +59,11 @@ def test_timed_out_cell_resumes_from_its_checkpoint_to_the_uninterrupted_curve(
         patched.setattr(supervisor, "time", _ClockPastLimitOnceStalled(run_dir / "heartbeat"))
         first = run_supervised(stalled, checkpoints, dataset_path, run_dir, tracking=tracking)
     assert first["outcome"] == "timeout" and "wall-clock limit" in first["reason"], first["reason"]
-    assert read_json(run_dir / RESUME_DIR / "meta.json")["step"] == 3, "the timeout kept the checkpoint"
+    assert read_json(run_dir / RESUME_DIR / "meta.json")["step"] == 3, "the timeout kept the resume state"
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2, 3, 4]
 
     # the user's re-run: the same cell with a longer limit (a new spec, so Snakemake re-runs it); the
-    # limit and the stall hook are not training settings, so the checkpoint is the same cell's
+    # limit and the stall hook are not training settings, so the resume state is the same cell's
     again = run_supervised(
         one_cell(model="qwen3moe-tiny", train={**TRAIN, "time_limit_s": 2 * LIMIT_S}, lora=LORA),
         checkpoints,

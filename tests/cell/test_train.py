@@ -236,8 +236,8 @@ def test_nan_origin_under_gradient_checkpointing(checkpoints, dataset_path, tmp_
 
 
 def _replay_memory_budget(monkeypatch, forward_only_fits):
-    """A memory budget that holds the checkpointed training step but not the origin replay without
-    checkpointing: while checkpointing is switched off, a forward with gradients raises torch's own
+    """A memory budget that holds the training step under activation checkpointing but not the origin replay
+    without it: while activation checkpointing is switched off, a forward with gradients raises torch's own
     OutOfMemoryError (and, with `forward_only_fits` False, a forward without them too)."""
     import torch
 
@@ -273,7 +273,7 @@ def test_nan_replay_out_of_memory_keeps_the_outcome_and_finds_the_forward_origin
         batch=8,
         train={"steps": 12, "gradient_checkpointing": True},
     )
-    assert handles == []  # checkpointing was switched back on after the replay
+    assert handles == []  # activation checkpointing was switched back on after the replay
     assert facts["outcome"] == "nan", facts["reason"]  # never `oom` at stage step
     origin = facts["diagnosis"]["nan"]["origin"]
     assert ".layers.0.mlp.down_proj" in origin["forward"]["module"]  # as with a full replay

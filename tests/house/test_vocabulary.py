@@ -64,6 +64,7 @@ AXIS_EFFECTS = {
     "cell/distributed.py": "a distributed cell's facts: its world size and the timeout in effect",
     "cell/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",
     "prepare/recipe_study.py": "recipe keys recorded, not study paths (its model name)",
+    "prepare/recipe.py": "each axis beside the keys that say it in a tool's file (import and export)",
     "run/calibrate.py": "the probe's micro study: a study's grid as written in a study file",
 }
 

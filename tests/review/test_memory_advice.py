@@ -1,8 +1,9 @@
 """The out-of-memory advice ranks every memory fix the grid proved (an 8-bit optimizer, activation
-checkpointing, quantization, a smaller micro-batch at the same effective batch) by throughput, each with its
-peak and loss parity against its reference twin; a twin that also ran out of memory, changed two settings, did
-not learn or deviates from its reference is no fix. Only a twin with no reference twin falls back to its loss
-beside the failing cell's."""
+checkpointing, both, quantization, a smaller micro-batch at the same effective batch) by throughput, each with its
+peak, its cost and its loss parity against the setting that ran out of memory; a twin that also ran out of memory,
+changed another axis, did not learn or deviates from its reference is no fix. A twin with no reference twin, or
+at the reference settings itself, is compared with the activation-checkpointing twin (the failing setting's
+arithmetic), else with the failing cell's finite steps."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def test_oom_fixes_are_ranked_by_throughput_with_peak_and_loss_parity():
             _cell(outcome="oom"),
             _cell(optimizer="adamw-8bit", peak=430, tps=950.0, deviation=0.012),
             _cell(ac=True, peak=300, tps=700.0, deviation=0.0),
-            _cell(optimizer="adamw-8bit", ac=True, peak=250, tps=690.0),  # two settings changed: no twin
+            _cell(optimizer="adamw-8bit", ac=True, peak=250, tps=690.0),  # both memory settings: a fix too
+            _cell(optimizer="adamw-8bit", quant="nf4", peak=200, tps=2000.0),  # a memory setting and quant: no twin
             _cell(optimizer="paged-adamw-8bit", outcome="oom"),  # did not fit: no fix
             _cell(batch=2, accum=2, peak=350, tps=800.0, quality="no reference"),
         ]
@@ -89,14 +91,28 @@ def test_oom_fixes_are_ranked_by_throughput_with_peak_and_loss_parity():
         {"optimizer": "adamw-8bit"},
         {"batch_size": 2, "grad_accum": 2},
         {"activation_checkpointing": True},
+        {"optimizer": "adamw-8bit", "activation_checkpointing": True},
     ]
     first = rec.fixes[0].why
     assert "optimizer=adamw-8bit fits (peak 430.0 MiB), 950 tokens/s (1.00 of the fastest fix)" in first
     assert "loss within 1.2% of its reference w_ref" in first and "failing setting" not in first
-    assert [f.parity for f in rec.fixes] == [0.012, None, 0.0]  # what recommendations.json carries
-    # no reference twin ran ok for the micro-batch fix: its loss beside the failing cell's, and the text says why
-    assert "no ok reference twin in this study to check its loss against: loss at step 0 2.98 vs 3" in rec.fixes[1].why
+    assert [f.parity for f in rec.fixes] == [0.012, 0.0, 0.0, 0.01]  # what recommendations.json carries
+    assert rec.fixes[2].cost == {
+        "tokens_per_s": 700.0,
+        "tokens_per_s_ratio": 700.0 / 950.0,
+        "peak_bytes": 300.0 * MIB,
+        "against": "the fastest fix",
+    }
+    # no reference twin ran ok for the micro-batch fix: its loss against the activation-checkpointing twin's (the
+    # failing setting's arithmetic), and the text says why
+    assert (
+        "no ok reference twin in this study to check its loss against; loss within 0.00% of w_fp32_bs4_none_s0_ac"
+        in rec.fixes[1].why
+    )
+    assert "the failing cell logged only step 0's loss, before any update" in rec.fixes[1].why
     assert "700 tokens/s (0.74 of the fastest fix)" in rec.fixes[2].why
+    assert "activation checkpointing on with" not in rec.fixes[3].why
+    assert rec.fixes[3].why.startswith("optimizer=adamw-8bit with activation checkpointing on fits (peak 250.0 MiB)")
     assert "Ranked by throughput" in rec.text and "no evidence" not in rec.text
     assert rec.as_dict()["fixes"][0]["parity"] == 0.012
 
@@ -140,3 +156,58 @@ def test_memory_settings_beside_their_plain_twin():
     assert rows["activation checkpointing"]["peak / plain"] == 0.6
     assert rows["activation checkpointing"]["tokens/s / plain"] == 0.75
     assert abs(rows["adamw-8bit"]["final loss - plain"] - 0.01) < 1e-9
+
+
+def _at_reference(**kwargs):
+    """A cell at the study's reference settings (fp32, no quantization): quality.py compared it with itself."""
+    cell = _cell(**kwargs)
+    if cell["outcome"] == "ok":
+        cell["reference_cell"], cell["loss_deviation"] = cell["cell_id"], 0.0
+    return cell
+
+
+def test_a_fix_at_the_reference_settings_is_compared_with_the_failing_settings_arithmetic():
+    """The plain cell ran out of memory in its first step (no loss at all) and every fix sits at the reference
+    settings (its own reference): the activation-checkpointing twin stands for the failing setting, the others are
+    compared with it, and a self-comparison is never shown as parity."""
+    frame = pd.DataFrame(
+        [
+            _at_reference(outcome="oom"),
+            _at_reference(optimizer="adamw-8bit", peak=430, tps=500.0),
+            _at_reference(ac=True, peak=300, tps=900.0),
+            _at_reference(optimizer="adamw-8bit", ac=True, peak=250, tps=450.0),
+        ]
+    )
+    curves = {
+        "w_fp32_bs4_none_s0_adamw-8bit": _curve([3.0, 2.5, 2.3, 2.1]),
+        "w_fp32_bs4_none_s0_ac": _curve([3.0, 2.5, 2.3, 2.0]),
+        "w_fp32_bs4_none_s0_adamw-8bit_ac": _curve([3.0, 2.5, 2.3, 2.1]),
+    }
+    (rec,) = recommend(frame, {}, curves)
+    assert [f.evidence for f in rec.fixes] == [
+        ["w_fp32_bs4_none_s0_ac"],
+        ["w_fp32_bs4_none_s0_adamw-8bit"],
+        ["w_fp32_bs4_none_s0_adamw-8bit_ac"],
+    ]
+    stand_in, eight_bit, both = rec.fixes
+    assert "of its reference w_fp32_bs4_none_s0_ac" not in stand_in.why and stand_in.parity is None
+    assert "so this curve stands for the failing setting's (the failing cell ran no step)" in stand_in.why
+    assert abs(eight_bit.parity - 0.05) < 1e-9  # 2.1 against 2.0 over the last quarter (one of four steps)
+    assert "it is at the study's reference settings; loss within 5.00% of w_fp32_bs4_none_s0_ac" in eight_bit.why
+    assert "the failing cell ran no step)" in eight_bit.why and abs(both.parity - 0.05) < 1e-9
+    assert [round(f.cost["tokens_per_s_ratio"], 2) for f in rec.fixes] == [1.0, 0.56, 0.5]
+
+
+def test_without_a_checkpointing_twin_the_failing_cells_finite_steps_are_the_parity():
+    frame = pd.DataFrame([_at_reference(outcome="oom"), _at_reference(optimizer="adamw-8bit", peak=430, tps=500.0)])
+    curves = {"w_fp32_bs4_none_s0": _curve([3.0, 2.6]), "w_fp32_bs4_none_s0_adamw-8bit": _curve([3.0, 2.5, 2.1])}
+    (rec,) = recommend(frame, {}, curves)
+    assert "it is at the study's reference settings: loss at step 1 2.5 vs 2.6 in the failing setting" in rec.text
+    assert abs(rec.fixes[0].parity - 0.1 / 2.6) < 1e-9
+    (rec,) = recommend(frame, {}, {"w_fp32_bs4_none_s0_adamw-8bit": _curve([3.0, 2.5, 2.1])})
+    assert rec.fixes[0].parity is None and "loss 2.1 at step 2; the failing cell ran no step, nothing" in rec.text
+    # a failing cell with step 0's loss only (before any update) has nothing to compare either
+    (rec,) = recommend(
+        frame, {}, {"w_fp32_bs4_none_s0": _curve([3.0]), "w_fp32_bs4_none_s0_adamw-8bit": _curve([3.0, 2.5, 2.1])}
+    )
+    assert rec.fixes[0].parity is None and "logged only step 0's loss, before any update, nothing" in rec.text

@@ -49,6 +49,8 @@ def test_forked_worker_trains_exactly_like_a_spawned_one(
     assert forked["worker_exit_code"] == 0
     assert forked["training"]["final_loss"] == spawned["training"]["final_loss"], "same seed, same numbers"
     assert read_json(tmp_path / "forked" / "worker.json")["training"]["steps_run"] == 5
+    # each result names the path its worker took, whose runtime constant its estimate counted
+    assert (forked["memory"]["estimate_worker"], spawned["memory"]["estimate_worker"]) == ("forked", "spawned")
 
 
 def test_a_timeout_stops_the_forked_worker_and_leaves_nothing(warm_process, checkpoints, dataset_path, tmp_path, capfd):
@@ -150,6 +152,7 @@ def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(
         result = _run(_spec(), checkpoints, dataset_path, tmp_path / "cell")
         assert "forked by the warm worker" not in capfd.readouterr().out
         assert result["outcome"] == "ok", result["reason"]
+        assert result["memory"]["estimate_worker"] == "spawned"
     finally:
         warm.stop(proc, path)
 

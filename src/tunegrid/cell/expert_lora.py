@@ -24,7 +24,7 @@ module (declaration order), not its sorted full-name order, so the saved adapter
 
 Memory: the dequantized tensor exists while the experts' forward runs (bitsandbytes' forward hooks scope
 its cache to it) and, without activation checkpointing, where autograd keeps it for that layer's backward
-(as for experts without adapters); with checkpointing it is dequantized again in the backward instead.
+(as for experts without adapters); with activation checkpointing it is dequantized again in the backward instead.
 The packed 4-bit storage never requires grad and no full-precision copy of it outlives the step.
 """
 

@@ -52,7 +52,10 @@ def probe(args: argparse.Namespace) -> None:
     if record["device"] == "cpu":  # on CUDA the estimate's constants are the allocator's (cuBLAS workspaces)
         from tunegrid.run.calibrate import worker_runtime_bytes
 
-        record["worker_runtime_bytes"] = worker_runtime_bytes()
+        try:
+            record["worker_runtime_bytes"] = worker_runtime_bytes()
+        except Exception as exc:  # noqa: BLE001 — a probe that cannot calibrate says so; the estimate falls back
+            record["worker_runtime_bytes"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     write_json(args.out, record)
     print(f"probe: device {record['device']}, precision {record['precision']}, {record['probe_seconds']:.1f} s")
 

@@ -36,6 +36,24 @@ OPTIMIZER_AXIS = {
 }  # fmt: skip
 # each axis value as the tools' own name (export)
 TOOL_OPTIMIZER = {"adamw": "adamw_torch", "adamw-8bit": "adamw_bnb_8bit", "paged-adamw-8bit": "paged_adamw_8bit"}
+# Each grid axis as the keys that say it in a tool's file: the import reads them, the export writes them. The
+# "trl" column is TRL's SFT arguments and Transformers' TrainingArguments alike; a key listed first is the one
+# written (activation_checkpointing: transformers 5's name, read before the older one).
+AXIS_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
+    "precision": {"axolotl": ("bf16", "fp16"), "trl": ("bf16", "fp16")},
+    "batch_size": {"axolotl": ("micro_batch_size",), "trl": ("per_device_train_batch_size",)},
+    "grad_accum": {"axolotl": ("gradient_accumulation_steps",), "trl": ("gradient_accumulation_steps",)},
+    "seed": {"axolotl": ("seed",), "trl": ("seed",)},
+    "quant": {
+        "axolotl": ("load_in_4bit", "load_in_8bit", "adapter", "quantize_moe_experts"),
+        "trl": ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"),
+    },
+    "optimizer": {"axolotl": ("optimizer",), "trl": ("optim",)},
+    "activation_checkpointing": {
+        "axolotl": ("gradient_checkpointing",),
+        "trl": ("activation_checkpointing", "gradient_checkpointing"),
+    },
+}
 # the other OptimizerNames, and axolotl 0.18's own (CustomSupportedOptimizers): known, but not what tunegrid trains
 OTHER_OPTIMIZERS = {
     "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "adamw_anyprecision", "adamw_torch_4bit",
@@ -274,3 +292,35 @@ def quantization(recipe: Recipe, four: bool, eight: bool, quant_type: Any, keys:
         recipe.refuse(keys[-1], f"{bnb}: no tunegrid quantization loads with these bitsandbytes settings")
         return
     recipe.carry("grid.quant", quant, *given)
+
+
+def axis_keys(tool: str, axis: str) -> tuple[str, ...]:
+    """The keys of `tool`'s file that say `axis` (AXIS_KEYS); KeyError for an axis no key says."""
+    return AXIS_KEYS[axis]["axolotl" if tool == "axolotl" else "trl"]
+
+
+def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
+    """The keys of `tool`'s file that say a tunegrid axis value (for export): only what the axis sets."""
+    keys = axis_keys(tool, axis)
+    if axis == "precision":
+        dtype = PRECISION_PLANS[value].dtype
+        return dict(zip(keys, (dtype == "bfloat16", dtype == "float16"), strict=True))
+    if axis == "quant":
+        plan = QUANT_PLANS[value]
+        if plan.experts_quantized and "quantize_moe_experts" not in keys:
+            raise ValueError(f"TRL's ModelConfig has no setting that quantizes MoE experts ({value})")
+        bnb = plan.bnb or {}
+        four = bool(bnb.get("load_in_4bit"))
+        said = {
+            "load_in_4bit": four,
+            "load_in_8bit": bool(bnb.get("load_in_8bit")),
+            "adapter": "qlora" if four else "lora",
+            "quantize_moe_experts": plan.experts_quantized,
+            **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if four else {}),
+        }
+        return {key: said[key] for key in keys if key in said}
+    if axis == "optimizer":
+        return {keys[0]: TOOL_OPTIMIZER[value]}
+    if axis == "activation_checkpointing":  # at false a cell follows the recipe's own checkpointing key
+        return {keys[0]: True} if value else {}
+    return {keys[0]: value}

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
 from tunegrid.prepare.recipe import (
-    TOOL_OPTIMIZER,
     Recipe,
+    axis_keys,
     first_record,
     local_dataset,
     lora_targets,
@@ -58,16 +57,19 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         recipe.carry("grid.quant", experts, "quantize_moe_experts")
     if bnb.get("bnb_4bit_use_double_quant") is False:
         recipe.notes.append("bnb_config_kwargs.bnb_4bit_use_double_quant: false; tunegrid's nf4 double-quantizes")
-    precision_flags(recipe, raw.get("bf16"), raw.get("fp16"), ("bf16", "fp16"))
+    bf16_key, fp16_key = axis_keys("axolotl", "precision")
+    precision_flags(recipe, raw.get(bf16_key), raw.get(fp16_key), (bf16_key, fp16_key))
     for key in ("bfloat16", "float16", "float32"):
         recipe.drop(key, "the storage dtype follows the precision in tunegrid")
 
-    micro = int(raw.get("micro_batch_size") or 1)
-    recipe.carry("grid.batch_size", micro, "micro_batch_size")
-    recipe.carry("grid.grad_accum", int(raw.get("gradient_accumulation_steps") or 1), "gradient_accumulation_steps")
-    if raw.get("batch_size") and "gradient_accumulation_steps" not in raw:
+    (micro_key,), (accum_key,) = axis_keys("axolotl", "batch_size"), axis_keys("axolotl", "grad_accum")
+    (seed_key,) = axis_keys("axolotl", "seed")
+    micro = int(raw.get(micro_key) or 1)
+    recipe.carry("grid.batch_size", micro, micro_key)
+    recipe.carry("grid.grad_accum", int(raw.get(accum_key) or 1), accum_key)
+    if raw.get("batch_size") and accum_key not in raw:
         recipe.carry("grid.grad_accum", max(1, int(raw["batch_size"]) // micro), "batch_size")
-    recipe.carry("grid.seed", int(raw.get("seed") if raw.get("seed") is not None else 42), "seed")
+    recipe.carry("grid.seed", int(raw.get(seed_key) if raw.get(seed_key) is not None else 42), seed_key)
     recipe.carry("train.seq_len", int(seq_len or raw.get("sequence_len") or 512), "sequence_len")
     total = int(raw.get("max_steps") or 0) or steps or 50
     recipe.carry("train.steps", total, "max_steps")
@@ -85,13 +87,15 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         warmup(recipe, float(raw["warmup_ratio"]), total, "warmup_ratio")
     else:
         warmup(recipe, raw.get("warmup_steps") or 0, total, "warmup_steps")
-    optimizer(recipe, "optimizer", raw.get("optimizer") or "adamw_torch_fused")
+    (optimizer_key,) = axis_keys("axolotl", "optimizer")
+    optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
         recipe.drop(key, "tunegrid's AdamW keeps torch's betas (0.9, 0.999) and eps 1e-8")
-    checkpointing = raw.get("gradient_checkpointing")
+    (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
+    checkpointing = raw.get(checkpointing_key)
     if checkpointing not in (None, True, False):
-        recipe.refuse("gradient_checkpointing", f"{checkpointing!r}: tunegrid checkpoints activations or not (bool)")
-    recipe.carry("train.gradient_checkpointing", bool(checkpointing), "gradient_checkpointing")
+        recipe.refuse(checkpointing_key, f"{checkpointing!r}: tunegrid checkpoints activations or not (bool)")
+    recipe.carry("train.gradient_checkpointing", bool(checkpointing), checkpointing_key)
     if raw.get("ddp_timeout"):
         recipe.carry("distributed.collective_timeout_s", float(raw["ddp_timeout"]), "ddp_timeout")
 
@@ -169,30 +173,3 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
         recipe.refuse(
             f"{key}.type", f"{kind!r}: tunegrid reads chat_template, alpaca or {{field_instruction, field_output}}"
         )
-
-
-def axolotl_value(setting: str, value: Any) -> dict[str, Any]:
-    """The axolotl keys that say a tunegrid axis value (for export): only what the axis sets."""
-    if setting == "precision":
-        dtype = PRECISION_PLANS[value].dtype
-        return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
-    if setting == "batch_size":
-        return {"micro_batch_size": value}
-    if setting == "grad_accum":
-        return {"gradient_accumulation_steps": value}
-    if setting == "seed":
-        return {"seed": value}
-    if setting == "quant":
-        bnb = QUANT_PLANS[value].bnb or {}
-        four = bool(bnb.get("load_in_4bit"))
-        return {
-            "load_in_4bit": four,
-            "load_in_8bit": bool(bnb.get("load_in_8bit")),
-            "adapter": "qlora" if four else "lora",
-            "quantize_moe_experts": QUANT_PLANS[value].experts_quantized,
-        }
-    if setting == "optimizer":
-        return {"optimizer": TOOL_OPTIMIZER[value]}
-    if setting == "activation_checkpointing":  # at false a cell follows the recipe's own gradient_checkpointing
-        return {"gradient_checkpointing": True} if value else {}
-    raise KeyError(setting)

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
 from tunegrid.prepare.recipe import (
-    TOOL_OPTIMIZER,
     Recipe,
+    axis_keys,
     first_record,
     local_dataset,
     lora_targets,
@@ -89,16 +88,19 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     )  # fmt: skip
     if "use_bnb_nested_quant" in raw and not raw["use_bnb_nested_quant"]:
         recipe.notes.append("use_bnb_nested_quant: false; tunegrid's nf4 double-quantizes (nested)")
-    bf16 = raw.get("bf16")
+    bf16_key, fp16_key = axis_keys(tool, "precision")
+    bf16 = raw.get(bf16_key)
     if tool == "trl" and bf16 is None:
-        bf16 = not raw.get("fp16")  # SFTConfig: bf16 unless fp16 is set
-    precision_flags(recipe, bf16, raw.get("fp16"), ("bf16", "fp16"))
+        bf16 = not raw.get(fp16_key)  # SFTConfig: bf16 unless fp16 is set
+    precision_flags(recipe, bf16, raw.get(fp16_key), (bf16_key, fp16_key))
     recipe.drop("dtype", "the storage dtype follows the precision in tunegrid")
     recipe.drop("use_cpu", "tunegrid trains on the device it finds (the probe records it)")
 
-    recipe.carry("grid.batch_size", int(_get(recipe, "per_device_train_batch_size")), "per_device_train_batch_size")
-    recipe.carry("grid.grad_accum", int(raw.get("gradient_accumulation_steps") or 1), "gradient_accumulation_steps")
-    recipe.carry("grid.seed", int(_get(recipe, "seed")), "seed")
+    (batch_key,), (accum_key,) = axis_keys(tool, "batch_size"), axis_keys(tool, "grad_accum")
+    (seed_key,) = axis_keys(tool, "seed")
+    recipe.carry("grid.batch_size", int(_get(recipe, batch_key)), batch_key)
+    recipe.carry("grid.grad_accum", int(raw.get(accum_key) or 1), accum_key)
+    recipe.carry("grid.seed", int(_get(recipe, seed_key)), seed_key)
     length = seq_len or _get(recipe, "max_length")
     if not length:
         recipe.need("max_length", "TrainingArguments holds no sequence length; pass --seq-len")
@@ -117,15 +119,13 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
         recipe, "lr_scheduler_type", _get(recipe, "lr_scheduler_type"), kwargs.get("min_lr_rate"), "lr_scheduler_kwargs"
     )
     warmup(recipe, raw.get("warmup_steps") or raw.get("warmup_ratio") or 0, total, "warmup_steps")
-    optimizer(recipe, "optim", _get(recipe, "optim"))
+    (optimizer_key,) = axis_keys(tool, "optimizer")
+    optimizer(recipe, optimizer_key, _get(recipe, optimizer_key))
     for key in ("adam_beta1", "adam_beta2", "adam_epsilon"):
         recipe.drop(key, "tunegrid's AdamW keeps torch's betas (0.9, 0.999) and eps 1e-8")
-    checkpointing = raw.get(
-        "activation_checkpointing", raw.get("gradient_checkpointing", _get(recipe, "gradient_checkpointing"))
-    )
-    recipe.carry(
-        "train.gradient_checkpointing", bool(checkpointing), "gradient_checkpointing", "activation_checkpointing"
-    )
+    new_key, old_key = axis_keys(tool, "activation_checkpointing")
+    checkpointing = raw.get(new_key, raw.get(old_key, _get(recipe, old_key)))
+    recipe.carry("train.gradient_checkpointing", bool(checkpointing), old_key, new_key)
     recipe.carry("distributed.collective_timeout_s", float(_get(recipe, "ddp_timeout")), "ddp_timeout")
 
     if tool == "trl":
@@ -193,28 +193,3 @@ def _dataset(recipe: Recipe) -> None:
             "dataset_text_field",
             f"records with only a {text_field!r} text: tunegrid trains on prompt/completion pairs or messages",
         )
-
-
-def trl_value(setting: str, value: Any) -> dict[str, Any]:
-    """The TRL / TrainingArguments keys that say a tunegrid axis value (for export)."""
-    if setting == "precision":
-        dtype = PRECISION_PLANS[value].dtype
-        return {"bf16": dtype == "bfloat16", "fp16": dtype == "float16"}
-    if setting == "batch_size":
-        return {"per_device_train_batch_size": value}
-    if setting == "grad_accum":
-        return {"gradient_accumulation_steps": value}
-    if setting == "seed":
-        return {"seed": value}
-    if setting == "quant":
-        plan = QUANT_PLANS[value]
-        if plan.experts_quantized:
-            raise ValueError(f"TRL's ModelConfig has no setting that quantizes MoE experts ({value})")
-        bnb = plan.bnb or {}
-        keys = {"load_in_4bit": bool(bnb.get("load_in_4bit")), "load_in_8bit": bool(bnb.get("load_in_8bit"))}
-        return {**keys, **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if keys["load_in_4bit"] else {})}
-    if setting == "optimizer":
-        return {"optim": TOOL_OPTIMIZER[value]}
-    if setting == "activation_checkpointing":  # at false a cell follows the recipe's own gradient_checkpointing
-        return {"activation_checkpointing": True} if value else {}  # transformers 5's name (read before the old)
-    raise KeyError(setting)

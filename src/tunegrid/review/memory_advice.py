@@ -1,14 +1,22 @@
 """Out of memory: the memory fixes the grid proved, cheapest first, and what each memory setting saves and costs.
 
-For a cell that ran out of memory, every ok twin that differs in one memory setting is a fix: the optimizer
-(8-bit or paged 8-bit state), activation checkpointing, the quantization, or a smaller micro-batch with the
-accumulation that keeps the effective batch. A twin is cited only where its quality holds (review/quality.py: it
-learned, and its loss matched its reference twin's within tolerance); an ok twin that did not learn or deviates
-is named as no evidence of a fix. Each fix is cited with its peak, its throughput against the fastest fix, and
-its loss parity (its loss deviation from its reference twin). Where a twin learned but the study has no ok
-reference twin for it (often because the reference settings are what ran out of memory), its loss is shown
-beside the failing cell's at the failing cell's last finite step instead, and the text says so. They are ranked
-by throughput: all of them fit, so the fastest costs least.
+For a cell that ran out of memory, every ok twin that differs in memory settings only is a fix: the optimizer
+(8-bit or paged 8-bit state), activation checkpointing, both of these together, the quantization, or a smaller
+micro-batch with the accumulation that keeps the effective batch. A twin is cited only where its quality holds
+(review/quality.py: it learned, and its loss matched its reference twin's within tolerance); an ok twin that did
+not learn or deviates is named as no evidence of a fix. Each fix is cited with its peak, its throughput against
+the fastest fix, and its loss parity. They are ranked by throughput: all of them fit, so the fastest costs least.
+
+Loss parity, for a memory fix, is its loss against the setting that ran out of memory. Where the twin's reference
+twin (review/quality.py) is another cell, that comparison is the parity shown. Where the twin sits at the
+reference settings itself, or has no ok reference twin (often because the reference settings are what ran out of
+memory), the failing setting is the reference. A cell that ran out of memory early has no loss to compare: step
+0's loss is the model before any update, the same in every twin, and the optimizer's state joins the activations
+only from step 1 on. Its arithmetic is still in the grid: activation checkpointing alone recomputes the same
+forward in backward and takes the same optimizer steps, so that ok twin's curve stands for the failing setting's
+and every other fix is compared with it over the last quarter of steps; that twin itself is compared with the
+failing cell's steps where it logged some after step 0. Without either, the text says there was nothing to
+compare.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from tunegrid.review.advice import (
 )
 from tunegrid.review.batch_advice import memory_batch_fix
 from tunegrid.review.moe_advice import load_peaks
+from tunegrid.review.quality import loss_curve, loss_deviation
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
 
@@ -43,30 +52,80 @@ def _setting(axis: str, value: Any) -> str:
     return f"{axis}={value}"
 
 
-def _last_finite(curve: list[dict[str, Any]]) -> tuple[int, float] | None:
-    finite = [(int(r["step"]), float(r["loss"])) for r in curve if isinstance(r.get("loss"), float | int)]
-    finite = [(s, v) for s, v in finite if math.isfinite(v)]
-    return finite[-1] if finite else None
+def _value(twin: Any, axis: str) -> Any:
+    return twin[axis].item() if hasattr(twin[axis], "item") else twin[axis]
 
 
-def _fallback_parity(row: Any, twin: Any, curves: dict[str, list[dict[str, Any]]]) -> str:
-    """For a twin with no reference twin: its loss at the failing cell's last finite step, beside the failing
-    cell's."""
-    unchecked = (
-        "no ok reference twin in this study to check its loss against"
+def _finite_curve(curve: list[dict[str, Any]]) -> list[float]:
+    """The losses of the steps before the first non-finite one (an oom cell's records end where it failed)."""
+    out = []
+    for loss in loss_curve(curve):
+        if not math.isfinite(loss):
+            break
+        out.append(loss)
+    return out
+
+
+def _stand_in(frame: Any, row: Any) -> Any | None:
+    """The ok twin with activation checkpointing on and every other axis the failing cell's: recomputation
+    changes where activations live, not the arithmetic, so its curve stands for the failing setting's."""
+    if "activation_checkpointing" not in frame.columns or bool(row["activation_checkpointing"]):
+        return None
+    twins = ok_cells(siblings(frame, row, "activation_checkpointing"))
+    twins = twins[twins.apply(_evidence, axis=1)] if not twins.empty else twins
+    return twins.iloc[0] if not twins.empty else None
+
+
+def _memory_parity(frame: Any, row: Any, twin: Any, curves: dict[str, list[dict[str, Any]]]) -> tuple[Any, str]:
+    """(loss deviation or None, the words) of a fix against the setting that ran out of memory."""
+    reference = twin.get("reference_cell")
+    if isinstance(reference, str) and reference and reference != twin["cell_id"] and parity_text(twin):
+        return parity_of(twin), parity_text(twin)
+    why = (
+        "it is at the study's reference settings"
+        if isinstance(reference, str) and reference == twin["cell_id"]
+        else "no ok reference twin in this study to check its loss against"
         if unreferenced(twin)
         else "not compared with a reference"  # a summary without the quality columns
     )
-    failed = _last_finite(curves.get(row["cell_id"]) or [])
-    fix_curve = curves.get(twin["cell_id"]) or []
-    if failed is None:
-        last = _last_finite(fix_curve)
-        ran = f"loss {last[1]:.4g} at step {last[0]}; " if last else ""
-        return f"{unchecked}: {ran}the failing cell ran no step to compare"
-    step, loss = failed
-    at = next((float(r["loss"]) for r in fix_curve if int(r["step"]) == step), None)
-    beside = f"loss at step {step} {at:.4g} vs {loss:.4g} in the failing setting" if at is not None else "no loss"
-    return f"{unchecked}: {beside}"
+    fix_curve = _finite_curve(curves.get(twin["cell_id"]) or [])
+    failed = _finite_curve(curves.get(row["cell_id"]) or [])
+    # step 0's loss is the model before any update, the same for every twin: only later steps show training
+    ran = (
+        "ran no step"
+        if not failed
+        else "logged only step 0's loss, before any update"
+        if len(failed) == 1
+        else f"ran {len(failed)} steps"
+    )
+    stand_in = _stand_in(frame, row)
+    if stand_in is not None and stand_in["cell_id"] != twin["cell_id"]:
+        deviation = loss_deviation(fix_curve, _finite_curve(curves.get(stand_in["cell_id"]) or []))
+        if deviation is not None:
+            return deviation, (
+                f"{why}; loss within {_percent(deviation)} of {stand_in['cell_id']} over the last quarter of steps "
+                f"(activation checkpointing alone: the failing setting's arithmetic; the failing cell {ran})"
+            )
+    if len(failed) > 1:
+        deviation = loss_deviation(fix_curve, failed)
+        at = (
+            f"loss at step {len(failed) - 1} {fix_curve[len(failed) - 1]:.4g} vs {failed[-1]:.4g}"
+            if len(fix_curve) >= len(failed)
+            else "no loss"
+        )
+        return deviation, f"{why}: {at} in the failing setting"
+    if stand_in is not None:
+        return None, (
+            f"{why}; activation checkpointing recomputes the failing setting's forward in backward (the same "
+            f"arithmetic), so this curve stands for the failing setting's (the failing cell {ran})"
+        )
+    last = f"loss {fix_curve[-1]:.4g} at step {len(fix_curve) - 1}; " if fix_curve else ""
+    return None, f"{why}: {last}the failing cell {ran}, nothing to compare"
+
+
+def _percent(share: float) -> str:
+    """A loss deviation in words: two significant digits where it is under 0.01 %."""
+    return f"{share:.2%}" if share >= 1e-4 or share == 0 else f"{share * 100:.2g}%"
 
 
 def _evidence(twin: Any) -> bool:
@@ -74,9 +133,21 @@ def _evidence(twin: Any) -> bool:
     return holds(twin) or unreferenced(twin)
 
 
+def _memory_twins(frame: Any, row: Any) -> Any:
+    """Cells equal to `row` on every axis but the memory settings, differing in at least one of them."""
+    mask = frame["cell_id"] != row["cell_id"]
+    for axis in axis_names():
+        if axis in frame.columns and axis not in MEMORY_SETTINGS:
+            mask &= frame[axis] == row[axis]
+    differs = frame["cell_id"] != frame["cell_id"]
+    for axis in MEMORY_SETTINGS:
+        differs |= frame[axis] != row[axis]
+    return frame[mask & differs]
+
+
 def _candidates(frame: Any, row: Any) -> tuple[list[tuple[dict[str, Any], str, Any]], list[str]]:
-    """(change, why-prefix, twin row) of each ok twin one memory setting away that is evidence, and the names
-    of the ok ones that are not."""
+    """(change, why-prefix, twin row) of each ok twin memory settings away that is evidence, and the names of
+    the ok ones that are not."""
     found, unproven = [], []
     batch_fix, _ = memory_batch_fix(frame, row, _evidence)
     if batch_fix:
@@ -97,16 +168,14 @@ def _candidates(frame: Any, row: Any) -> tuple[list[tuple[dict[str, Any], str, A
                 )
             )
             break
-    for axis in MEMORY_SETTINGS:
-        if axis not in frame.columns:
-            continue
-        for _, twin in ok_cells(siblings(frame, row, axis)).iterrows():
+    if set(MEMORY_SETTINGS) <= set(frame.columns):
+        for _, twin in ok_cells(_memory_twins(frame, row)).iterrows():
             if not _evidence(twin):
                 unproven.append(unproven_name(twin))
                 continue
-            value = twin[axis].item() if hasattr(twin[axis], "item") else twin[axis]
-            why = f"{_setting(axis, value)} fits (peak {human_bytes(twin['peak_bytes'])})"
-            found.append(({axis: value}, why, twin))
+            change = {a: _value(twin, a) for a in MEMORY_SETTINGS if twin[a] != row[a]}
+            why = " with ".join(_setting(a, v) for a, v in change.items())
+            found.append((change, f"{why} fits (peak {human_bytes(twin['peak_bytes'])})", twin))
     return found, unproven
 
 
@@ -124,9 +193,15 @@ def memory_fixes(frame: Any, curves: dict[str, list[dict[str, Any]]] | None = No
         options, fixes = [], []
         for (change, why, twin), speed in ranked:
             cost = f", {speed:.0f} tokens/s ({speed / fastest:.2f} of the fastest fix)" if speed == speed else ""
-            parity = parity_text(twin) or _fallback_parity(row, twin, curves)
-            options.append(why + cost + f", {parity}")
-            fixes.append(Fix(change, options[-1], [twin["cell_id"]], parity_of(twin)))
+            parity, parity_words = _memory_parity(frame, row, twin, curves)
+            options.append(why + cost + f", {parity_words}")
+            measured = {
+                "tokens_per_s": speed if speed == speed else None,
+                "tokens_per_s_ratio": speed / fastest if speed == speed else None,
+                "peak_bytes": float(twin["peak_bytes"]),
+                "against": "the fastest fix",
+            }
+            fixes.append(Fix(change, options[-1], [twin["cell_id"]], parity, measured))
         stage = f" at {row['oom_stage']}" if isinstance(row.get("oom_stage"), str) and row["oom_stage"] else ""
         ranking = " Ranked by throughput, fastest first." if len(fixes) > 1 else ""
         notes = [no_evidence("A memory setting", unproven)] if unproven else []

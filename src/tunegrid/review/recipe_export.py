@@ -2,8 +2,8 @@
 cell changes relative to the baseline (the recipe itself) rewritten, so the fix goes back as a diff.
 
 YAML recipes are edited line by line at their top-level keys (comments, order and every other key stay
-as written); JSON recipes are rewritten with the same keys. Axes map back through the readers' own
-tables (prepare/recipe_axolotl.axolotl_value, prepare/recipe_trl.trl_value).
+as written); JSON recipes are rewritten with the same keys. Axes map back through the table the readers
+read them with (prepare/recipe.AXIS_KEYS, through prepare/recipe.tool_value).
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from typing import Any
 import yaml
 
 from tunegrid.errors import ConfigError
-from tunegrid.prepare.recipe import read_file
-from tunegrid.prepare.recipe_axolotl import axolotl_value
+from tunegrid.prepare.recipe import read_file, tool_value
 from tunegrid.prepare.recipe_trl import DEFAULTS as TRL_DEFAULTS
-from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS, trl_value
+from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
 from tunegrid.vocabulary import AXES
 
 AXOLOTL_DEFAULTS = {
@@ -91,13 +90,12 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
     cell = cells[cell_id].axes()
     baseline = {axis: study["grid"][axis][0] for axis in AXES if study["grid"].get(axis)}
     differs = {axis: cell[axis] for axis in AXES if axis in baseline and cell[axis] != baseline[axis]}
-    to_keys = axolotl_value if tool == "axolotl" else trl_value
     wanted: dict[str, Any] = {}
     changes: dict[str, Any] = {}
     notes = []
     for axis, value in differs.items():
         try:
-            wanted.update(to_keys(axis, value))
+            wanted.update(tool_value(tool, axis, value))
             changes[axis] = value
         except KeyError:  # an axis no recipe key says (the ranks: how many processes the user launches)
             notes.append(f"{axis} {value}: not a key of a {tool} config (e.g. launch that many processes)")

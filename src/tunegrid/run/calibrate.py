@@ -106,7 +106,9 @@ def _warm_worker(work_dir: Path) -> Iterator[Callable[[], str | None]]:
     path = warm.socket_path(f"calibrate-{os.getpid()}-{time.monotonic_ns()}")
     proc = warm.start(path, work_dir / "warm.log")
     try:
-        yield lambda: str(path) if ready_info(path, wait_s=120.0) is not None else None
+        # a hang guard, not a speed limit: ready_info returns at once if the worker dies, and a loaded host may
+        # take minutes to import torch; giving up early would drop the forked constants for a slow host only
+        yield lambda: str(path) if ready_info(path, wait_s=900.0) is not None else None
     finally:
         warm.stop(proc, path)
 

@@ -107,6 +107,9 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
         tags["memory.estimate_over_measured"] = (
             f"{memory['estimate_over_measured']:.3f}" if memory.get("estimate_over_measured") else ""
         )
+        tags["memory.estimate_worker"] = str(memory.get("estimate_worker") or "")
+    if memory.get("cpu_onednn_off"):  # why this cell trained without oneDNN (prepare/cpu_kernels.py)
+        tags["kernels.cpu_onednn_off"] = str(memory["cpu_onednn_off"])
     return tags
 
 

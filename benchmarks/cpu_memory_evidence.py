@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Record a finished CPU study's memory evidence and print its estimate / measured ratios.
+
+For every cell of the study (results/<study>/runs/*/result.json) it keeps the spec, the measured peaks, the
+worker path the cell took and the estimate it recorded, beside the plan's estimate for the same cell
+(results/<study>/plans/<cell_id>.json, and plan.csv where the study made one) and the probe's constants. The
+test `tests/prepare/test_cpu_memory_evidence.py` replays the estimate against these recordings. A run on a
+simulated host says so in `--host` (e.g. ONEDNN_MAX_CPU_ISA=AVX2: oneDNN's kernels of a host without
+AVX512-BF16; the environment variables in effect are recorded).
+
+    python benchmarks/cpu_memory_evidence.py --study results/default --host "this host" \
+        [--out tests/data/evidence-cpu-default-study.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+SIMULATION_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+PROBE_KEYS = ("device", "cpu", "runtime_baseline_bytes", "step_overhead_bytes", "worker_runtime_bytes")
+SPEC_KEYS = ("cell_id", "axes", "lora")
+PEAK_KEYS = ("peak_bytes", "load_peak_bytes", "first_step_peak_bytes", "steady_peak_bytes")
+TRAIN_KEYS = ("seq_len", "gradient_checkpointing", "steps")  # what the estimate reads, and the run's length
+
+
+def record(study: Path, host: str) -> dict:
+    from tunegrid.files import read_json
+
+    probe = read_json(study / "probe" / "capabilities.json")
+    plan_csv = study / "plan.csv"
+    planned = (
+        {row["cell_id"]: int(row["estimate_bytes"]) for row in csv.DictReader(plan_csv.open())}
+        if plan_csv.exists()
+        else {}
+    )
+    cells, models = [], {}
+    for path in sorted(study.glob("runs/*/result.json")):
+        result = read_json(path)
+        spec, memory = result["cell"], result["memory"]
+        models[spec["model"]["name"]] = {key: spec["model"][key] for key in ("architecture", "config")}
+        plan_file = study / "plans" / f"{result['cell_id']}.json"
+        cells.append(
+            {
+                "spec": {
+                    **{key: spec[key] for key in SPEC_KEYS},
+                    "train": {key: spec["train"][key] for key in TRAIN_KEYS},
+                },
+                "outcome": result["outcome"],
+                **{
+                    key: memory.get(key)
+                    for key in ("peak_bytes", "load_peak_bytes", "first_step_peak_bytes", "steady_peak_bytes")
+                },
+                "estimate_bytes": memory.get("estimate_bytes"),
+                "estimate_worker": memory.get("estimate_worker"),
+                "cpu_onednn_off": memory.get("cpu_onednn_off"),
+                "cell_plan_estimate_bytes": read_json(plan_file)["estimate_bytes"] if plan_file.exists() else None,
+                "plan_csv_estimate_bytes": planned.get(result["cell_id"]),
+                "wall_s": result.get("wall_s"),
+            }
+        )
+    import torch
+
+    return {
+        "host": host,
+        "recorded_on": f"{probe['cpu']['model']} CPU, {probe['cpu']['cores']} cores, torch {torch.__version__}",
+        "environment": {name: os.environ[name] for name in SIMULATION_ENV if name in os.environ},
+        "probe": {key: probe.get(key) for key in PROBE_KEYS},
+        "models": models,  # the cells' models (by the name in their axes): architecture and config
+        "cells": cells,
+    }
+
+
+def summary(run: dict) -> str:
+    ratios = [c["estimate_bytes"] / c["peak_bytes"] for c in run["cells"] if c["outcome"] == "ok" and c["peak_bytes"]]
+    within = sum(0.9 <= r <= 1.1 for r in ratios)
+    workers = sorted({c["estimate_worker"] for c in run["cells"] if c["outcome"] == "ok"})
+    return (
+        f"{run['host']} ({', '.join(workers)}): {within} of {len(ratios)} ok cells in 0.9-1.1 "
+        f"({100 * within / max(len(ratios), 1):.0f} %), min {min(ratios):.3f}, median {statistics.median(ratios):.3f}, "
+        f"max {max(ratios):.3f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--study", type=Path, default=Path("results/default"))
+    parser.add_argument("--host", required=True, help="what host this is, e.g. 'AVX512-BF16' or 'simulated AVX2'")
+    parser.add_argument("--out", type=Path, help="append the run to this evidence file")
+    args = parser.parse_args()
+    run = record(args.study, args.host)
+    print(summary(run))
+    for cell in run["cells"]:
+        if cell["outcome"] == "ok":
+            ratio = cell["estimate_bytes"] / cell["peak_bytes"]
+            print(f"  {cell['spec']['cell_id']:48s} {cell['estimate_worker']:8s} {ratio:.3f}")
+    if args.out:
+        evidence = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
+        evidence["runs"] = [r for r in evidence["runs"] if r["host"] != run["host"]] + [run]
+        args.out.write_text(json.dumps(evidence, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

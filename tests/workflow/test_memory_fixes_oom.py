@@ -1,0 +1,96 @@
+"""The shipped out-of-memory study through Snakemake (configs/memory-fixes-oom-cpu.yaml, --cores 2): the plain
+setting runs out of its budget at the step, its memory-fix twins fit, and the report's recommendation ranks the
+fixes by throughput with each one's peak, cost and loss parity. One run feeds every test of this module.
+
+The budget sits ~30 MiB from the nearest cell on either side of it (the study's comment has the address space each
+cell adds, from repeated runs), so the outcomes do not move with host speed or load: what a cell allocates does
+not depend on how fast it runs."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pandas as pd
+import pytest
+from conftest import REPO, processes_mentioning, snakemake_command, workflow_env
+
+from tunegrid.files import read_json
+
+pytestmark = pytest.mark.slow
+
+STUDY = "memory-fixes-oom-cpu"
+PLAIN = "llama-mlp-wide_fp32_bs2_none_s0"
+FIXES = {f"{PLAIN}_adamw-8bit", f"{PLAIN}_ac", f"{PLAIN}_adamw-8bit_ac"}
+
+
+@pytest.fixture(scope="module")
+def study_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("memory-fixes-oom")
+    config = REPO / "configs" / f"{STUDY}.yaml"
+    proc = subprocess.run(
+        snakemake_command(workdir, "all", "--cores", "2", "--configfile", str(config)),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=workflow_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = workdir / "results" / STUDY
+    summary = pd.read_csv(out / "summary.csv", keep_default_na=False).set_index("cell_id")
+    advice = {r["title"].split(":")[0]: r for r in read_json(out / "report" / "recommendations.json")}
+    return out, summary, advice
+
+
+def test_the_plain_setting_runs_out_of_memory_at_the_step_and_each_memory_fix_fits(study_run):
+    out, summary, _ = study_run
+    plain = summary.loc[PLAIN]
+    assert plain["outcome"] == "oom" and plain["oom_stage"] == "step", plain.to_dict()
+    result = read_json(out / "runs" / PLAIN / "result.json")
+    enforcement = result["memory"]["budget_enforcement"]
+    assert enforcement["mechanism"] == "RLIMIT_AS" and enforcement["malloc_arenas"] == "M_ARENA_MAX=1"
+    assert result["memory"]["budget_bytes"] == int(0.42 * 2**30)
+    for cell in FIXES:
+        fix = summary.loc[cell]
+        assert fix["outcome"] == "ok", (cell, fix.to_dict())
+        assert fix["quality"] == "holds"  # it learned (its loss fell >= 5 %)
+    # what the 8-bit state saves is what the summary says it held, against the estimate's figure
+    state = {cell: int(float(summary.loc[cell, "optimizer_state_bytes"])) for cell in FIXES}
+    assert state[f"{PLAIN}_adamw-8bit"] * 3.5 < state[f"{PLAIN}_ac"]
+    assert state[f"{PLAIN}_adamw-8bit"] == int(
+        float(summary.loc[f"{PLAIN}_adamw-8bit", "optimizer_state_estimate_bytes"])
+    )
+
+
+def test_the_recommendation_ranks_the_fixes_by_throughput_with_peak_cost_and_parity(study_run):
+    out, summary, advice = study_run
+    rec = advice[PLAIN]
+    assert rec["failing"] == [PLAIN] and "out of memory at step" in rec["title"]
+    evidence = [fix["evidence"][0] for fix in rec["fixes"]]
+    assert set(evidence) == FIXES
+    speeds = [float(summary.loc[cell, "tokens_per_s"]) for cell in evidence]
+    assert speeds == sorted(speeds, reverse=True)  # fastest first: all of them fit
+    assert "Ranked by throughput, fastest first." in rec["text"]
+    changes = {fix["evidence"][0]: fix["change"] for fix in rec["fixes"]}
+    assert changes[f"{PLAIN}_adamw-8bit"] == {"optimizer": "adamw-8bit"}
+    assert changes[f"{PLAIN}_ac"] == {"activation_checkpointing": True}
+    assert changes[f"{PLAIN}_adamw-8bit_ac"] == {"optimizer": "adamw-8bit", "activation_checkpointing": True}
+    for fix in rec["fixes"]:
+        cell = fix["evidence"][0]
+        peak_mib = float(summary.loc[cell, "peak_bytes"]) / 2**20
+        assert f"(peak {peak_mib:.1f} MiB)" in fix["why"]
+        assert fix["cost"]["peak_bytes"] == float(summary.loc[cell, "peak_bytes"])
+        assert 0 < fix["cost"]["tokens_per_s_ratio"] <= 1.0 and fix["cost"]["against"] == "the fastest fix"
+        assert "of the fastest fix)" in fix["why"]
+    assert rec["fixes"][0]["cost"]["tokens_per_s_ratio"] == 1.0
+    # the plain cell ran out of memory in step 1 (its only loss is step 0's, before any update): the checkpointing
+    # twin (the same arithmetic) stands for its loss, and the 8-bit fixes are compared with it
+    by_cell = {fix["evidence"][0]: fix for fix in rec["fixes"]}
+    stand_in = by_cell[f"{PLAIN}_ac"]
+    assert stand_in["parity"] is None and "stands for the failing setting's (the failing cell" in stand_in["why"]
+    for cell in (f"{PLAIN}_adamw-8bit", f"{PLAIN}_adamw-8bit_ac"):
+        assert 0 <= by_cell[cell]["parity"] <= 0.05, by_cell[cell]
+        assert f"of {PLAIN}_ac over the last quarter of steps" in by_cell[cell]["why"]
+        assert f"its reference {cell}" not in by_cell[cell]["why"]  # never a cell compared with itself
+    report = (out / "report" / "index.html").read_text()
+    assert f"{PLAIN}: out of memory at step" in report
+    assert processes_mentioning(out) == []
