@@ -118,6 +118,15 @@ HOW: dict[str, tuple[str, str]] = {
         "trains configs/memory-fixes-cpu.yaml (minutes on 2 cores); what it compares is checked by "
         "tests/cell/test_optimizers.py",
     ),
+    "python benchmarks/cpu_memory_evidence.py": (
+        "elsewhere",
+        "records whole default-study runs (minutes); tests/prepare/test_cpu_memory_evidence.py replays what it "
+        "recorded (tests/data/evidence-cpu-default-study.json)",
+    ),
+    "snakemake --cores 2 all --configfile configs/memory-fixes-oom-cpu.yaml": (
+        "elsewhere",
+        "tests/workflow/test_memory_fixes_oom.py runs it as written, with --cores 2",
+    ),
     "python benchmarks/nan_overhead.py": (
         "elsewhere",
         "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py",
