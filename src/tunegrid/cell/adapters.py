@@ -83,6 +83,10 @@ def base_record(
     if quant.record_key:
         load[quant.record_key] = bnb_settings(spec, plan)
         load["cpu_inference_packing"] = False  # Linear4bit.support_avx512bf16_for_cpu = False on every layer
+    import torch
+
+    if not torch.backends.mkldnn.enabled:  # a CPU bf16 cell with routed experts trained without oneDNN's kernels
+        load["cpu_onednn"] = False  # (cell.model.use_cpu_kernels): they round differently, so a reload matches
     if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/islands.make_island)
         load["fp32_islands"] = list(fp32_islands)
     return {
