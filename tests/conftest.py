@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import tempfile
@@ -188,6 +189,25 @@ def ready_trainer(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_pa
     trainer.build_model()
     trainer.build_data()
     return trainer
+
+
+_META_SHAPES: dict[str, tuple[dict, dict]] = {}
+
+
+def meta_model_shapes(model: dict[str, Any]) -> tuple[dict, dict]:
+    """config.json and parameter shapes of a synthetic checkpoint (a study's `models` entry), built on the meta
+    device: what the memory estimate reads from a checkpoint's headers, for replaying recorded evidence."""
+    key = json.dumps(model, sort_keys=True)
+    if key not in _META_SHAPES:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(model["architecture"], **model["config"])
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config)
+        # named_parameters counts a tied LM head once, as the checkpoint stores it
+        _META_SHAPES[key] = (config.to_dict(), {name: list(p.shape) for name, p in built.named_parameters()})
+    return _META_SHAPES[key]
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import meta_model_shapes
 
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 
@@ -25,21 +26,6 @@ DEFAULT = {run["host"]: run for run in json.loads((DATA / "evidence-cpu-default-
 # configs/memory-fixes-cpu.yaml: torch/8-bit AdamW x activation checkpointing at a width where both matter
 FIXES = {run["host"]: run for run in json.loads((DATA / "evidence-cpu-memory-fixes.json").read_text())["runs"]}
 RUNS = {f"default: {host}": run for host, run in DEFAULT.items()} | {f"memory-fixes: {h}": r for h, r in FIXES.items()}
-_SHAPES: dict[str, tuple[dict, dict]] = {}
-
-
-def _meta_model(model: dict) -> tuple[dict, dict]:
-    """config.json and parameter shapes of a synthetic checkpoint, built on the meta device."""
-    key = json.dumps(model, sort_keys=True)
-    if key not in _SHAPES:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.for_model(model["architecture"], **model["config"])
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config)
-        _SHAPES[key] = (config.to_dict(), {name: list(p.shape) for name, p in built.named_parameters()})
-    return _SHAPES[key]
 
 
 def _ratios(run: dict) -> dict[str, float]:
@@ -48,7 +34,7 @@ def _ratios(run: dict) -> dict[str, float]:
         if cell["outcome"] != "ok":
             continue
         spec = cell["spec"]
-        config, shapes = _meta_model(run["models"][spec["axes"]["model"]])
+        config, shapes = meta_model_shapes(run["models"][spec["axes"]["model"]])
         constants = device_constants(run["probe"], spec["axes"]["precision"], cell["estimate_worker"])
         estimate = estimate_from_shapes(spec, config, shapes, **constants)
         ratios[spec["cell_id"]] = estimate["estimate_bytes"] / cell["peak_bytes"]

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import meta_model_shapes
 
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 
@@ -29,22 +30,6 @@ CAPABILITIES = {**RECORDED_PROBE, "step_overhead_bytes": ASSUMED_SM90_STEP_OVERH
 CELLS = [
     (name, cell) for name, study in EVIDENCE["studies"].items() for cell in study["cells"] if cell["outcome"] == "ok"
 ]
-_SHAPES: dict[str, tuple[dict, dict]] = {}
-
-
-def _meta_model(model: dict) -> tuple[dict, dict]:
-    """config.json and parameter shapes of a synthetic checkpoint, built on the meta device."""
-    key = json.dumps(model, sort_keys=True)
-    if key not in _SHAPES:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.for_model(model["architecture"], **model["config"])
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config)
-        # named_parameters counts a tied LM head once, as the checkpoint stores it
-        _SHAPES[key] = (config.to_dict(), {name: list(p.shape) for name, p in built.named_parameters()})
-    return _SHAPES[key]
 
 
 def test_the_recorded_probe_holds_only_what_the_probe_recorded():
@@ -62,7 +47,7 @@ def test_evidence_covers_dense_and_moe_cells_at_tiny_and_real_width():
 @pytest.mark.parametrize("study,cell", CELLS, ids=[cell["spec"]["cell_id"] for _, cell in CELLS])
 def test_estimate_matches_the_recorded_gpu_peak(study, cell):
     spec = cell["spec"]
-    config, shapes = _meta_model(spec["model"])
+    config, shapes = meta_model_shapes(spec["model"])
     constants = device_constants(CAPABILITIES, spec["axes"]["precision"])
     assert constants["device"] == "cuda" and constants["step_overhead"] > 0
     # these cells quantized their experts after the load (the path before load-time quantization)
