@@ -82,11 +82,16 @@ def test_the_recommendation_ranks_the_fixes_by_throughput_with_peak_cost_and_par
         assert 0 < fix["cost"]["tokens_per_s_ratio"] <= 1.0 and fix["cost"]["against"] == "the fastest fix"
         assert "of the fastest fix)" in fix["why"]
     assert rec["fixes"][0]["cost"]["tokens_per_s_ratio"] == 1.0
-    # the plain cell ran out of memory in step 1 (its only loss is step 0's, before any update): the checkpointing
-    # twin (the same arithmetic) stands for its loss, and the 8-bit fixes are compared with it
+    # the checkpointing twin (the same arithmetic) stands for the failing setting's loss, and the 8-bit fixes are
+    # compared with it. Which step the plain cell runs out of memory in varies by a step between runs (step 1
+    # mostly: its only loss is then step 0's, before any update, and the stand-in has nothing to be compared
+    # with; where it got through step 1, the stand-in is compared with the failing cell's own steps)
     by_cell = {fix["evidence"][0]: fix for fix in rec["fixes"]}
     stand_in = by_cell[f"{PLAIN}_ac"]
-    assert stand_in["parity"] is None and "stands for the failing setting's (the failing cell" in stand_in["why"]
+    if "logged only step 0's loss" in stand_in["why"]:
+        assert stand_in["parity"] is None and "stands for the failing setting's (the failing cell" in stand_in["why"]
+    else:
+        assert 0 <= stand_in["parity"] <= 0.05 and "in the failing setting" in stand_in["why"], stand_in
     for cell in (f"{PLAIN}_adamw-8bit", f"{PLAIN}_adamw-8bit_ac"):
         assert 0 <= by_cell[cell]["parity"] <= 0.05, by_cell[cell]
         assert f"of {PLAIN}_ac over the last quarter of steps" in by_cell[cell]["why"]
