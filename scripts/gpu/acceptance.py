@@ -7,7 +7,7 @@ Sections (names for --only / --skip; `timing` is probe, nan and throughput):
     probe       benchmarks/probe_accuracy.py         probe / plain torch at 8192^3 and 1 GiB    goal >= 0.95
     nan         benchmarks/nan_overhead.py --quick   tunegrid's step / a bare loop             goal <= 1.03
     throughput  benchmarks/trainer_throughput.py     tunegrid / HF Trainer + peft tokens/s     goal >= 1.0
-    tests       python -m pytest -m gpu              every GPU test passes                     goal 0 failed
+    tests       python -m pytest -m gpu, each test in its own process, side by side   goal 0 failed
     real        the fp16 study on real Gemma 3 270M and SmolLM2 weights, judged as on a T4      goal as the study says
     moe         OLMoE-1B-7B at full width, nf4 vs nf4-experts, seq 2048: peaks and the estimate goal <= 5 GB, 0.9-1.1
     paged       benchmarks/memory_fixes.py: paged 8-bit AdamW (and 8-bit) against torch AdamW   goal peak / plain < 1
@@ -82,6 +82,7 @@ class Sizes:
     moe_examples: int | None
     study_probe_budget_s: float
     cores: int
+    test_workers: int
     paged_rounds: int
     paged_settings: str
 
@@ -99,6 +100,7 @@ def gpu_sizes() -> Sizes:
         moe_examples=None,
         study_probe_budget_s=4.0,
         cores=4,
+        test_workers=8,
         paged_rounds=1,
         paged_settings="plain,adamw-8bit,paged-adamw-8bit",
     )
@@ -124,6 +126,7 @@ def cpu_sizes() -> Sizes:
         moe_examples=64,
         study_probe_budget_s=1.0,
         cores=1,
+        test_workers=2,
         paged_rounds=1,
         paged_settings="plain,paged-adamw-8bit",
     )
@@ -214,44 +217,36 @@ def throughput_figures(ctx: Context) -> list[Figure]:
 
 
 def tests_command(ctx: Context) -> list[str]:
-    junit = ctx.folder("tests") / "junit.xml"
-    return [
-        ctx.python,
-        "-m",
-        "pytest",
-        "-m",
-        "gpu",
-        "-q",
-        "-rA",
-        "-p",
-        "no:cacheprovider",
-        "--continue-on-collection-errors",
-        f"--junitxml={junit}",
-        *(str(REPO / path) for path in ctx.sizes.test_paths),
-    ]
+    junit = ctx.folder("tests") / "junit"
+    workers = ("--workers", str(ctx.sizes.test_workers), "--junit-dir", str(junit))
+    paths = (str(REPO / path) for path in ctx.sizes.test_paths)
+    return [ctx.python, str(REPO / "scripts" / "gpu" / "pytest_each.py"), *workers, "--", "-m", "gpu", *paths]
 
 
 def tests_figures(ctx: Context) -> list[Figure]:
     import xml.etree.ElementTree as ElementTree
 
+    junit = ctx.folder("tests") / "junit"
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failing = []
-    for case in ElementTree.parse(ctx.folder("tests") / "junit.xml").getroot().iter("testcase"):
-        kinds = {child.tag for child in case}
-        name = f"{case.get('classname', '')}::{case.get('name', '')}".strip(":")
-        if "failure" in kinds:
-            counts["failed"] += 1
-            failing.append(name)
-        elif "error" in kinds:
-            counts["errors"] += 1
-            failing.append(name)
-        elif "skipped" in kinds:
-            counts["skipped"] += 1
-        else:
-            counts["passed"] += 1
+    for report in sorted(junit.glob("*.xml")):
+        for case in ElementTree.parse(report).getroot().iter("testcase"):
+            kinds = {child.tag for child in case}
+            name = f"{case.get('classname', '')}::{case.get('name', '')} ({case.get('time', '?')} s)"
+            if "failure" in kinds or "error" in kinds:
+                counts["failed" if "failure" in kinds else "errors"] += 1
+                failing.append((name, report.with_suffix(".log").name))
+            elif "skipped" in kinds:
+                counts["skipped"] += 1
+            else:
+                counts["passed"] += 1
+    collected = (junit / "collected.txt").read_text() if (junit / "collected.txt").is_file() else ""
+    not_collected = [line for line in collected.splitlines() if line.startswith("ERROR")]
+    counts["errors"] += len(not_collected)
     value = ", ".join(f"{n} {kind}" for kind, n in counts.items())
     figures = [Figure("pytest -m gpu", value, "0 failed, 0 errors", counts["failed"] + counts["errors"] == 0)]
-    figures += [Figure("failing test", name) for name in failing]
+    figures += [Figure("failing test", f"{name}, log tests/junit/{log}") for name, log in failing]
+    figures += [Figure("not collected", line) for line in not_collected]
     return figures
 
 

@@ -309,6 +309,12 @@ def build(args: argparse.Namespace) -> None:
     print(plan_text(manifest))
 
 
+# The acceptance run split over the calls (seconds): the timing benchmarks as soon as the packages are there, with
+# the GPU to themselves; the rest with the last load. Each call's timeout leaves its run ~50 s for the transfer,
+# the unpacking and the packing of its evidence. docs/gpu.md adds them up against a session's 15 minutes.
+TIMING_BUDGET_S, FINAL_BUDGET_S, RECEIVE_TIMEOUT_S = 240, 300, 60
+
+
 def plan_text(manifest: dict) -> str:
     """The device calls for this kit, in order (the commands as `run` takes them)."""
     loads = [entry["load"] for entry in manifest["loads"]]
@@ -316,19 +322,22 @@ def plan_text(manifest: dict) -> str:
     for entry in manifest["loads"]:
         for piece in entry["pieces"]:
             complete[piece["archive"]] = entry["load"]
-    lines = [f"kit {manifest['kit']}: {len(loads)} device calls, one after the other (the machine stays warm 30 s)"]
+    lines = [
+        f"kit {manifest['kit']}: {len(loads)} device calls, each right after the last (a machine idle 30 s goes back)"
+    ]
     for number in loads:
         carry = json.dumps([f".gpu-kit/load-{number}"])
         done = [name for name, last in complete.items() if last == number]
+        receive = f"--receive .gpu-kit/load-{number}"
         if number == complete.get("packages") and number != loads[-1]:
-            command = f"bash scripts/gpu_acceptance.sh --receive .gpu-kit/load-{number} --only timing"
-            timeout = 300
+            command = f"bash scripts/gpu_acceptance.sh {receive} --only timing --budget-s {TIMING_BUDGET_S}"
+            timeout = TIMING_BUDGET_S + 50
         elif number == loads[-1]:
-            command = f"bash scripts/gpu_acceptance.sh --receive .gpu-kit/load-{number} --skip timing"
-            timeout = 480
+            command = f"bash scripts/gpu_acceptance.sh {receive} --skip timing --budget-s {FINAL_BUDGET_S}"
+            timeout = FINAL_BUDGET_S + 50
         else:
             command = f"python3 scripts/gpu/kit.py receive .gpu-kit/load-{number}"
-            timeout = 90
+            timeout = RECEIVE_TIMEOUT_S
         unpacked = f" (completes: {', '.join(done)})" if done else ""
         lines.append(f"  {number}. carry {carry}, timeout_s {timeout}: {command}{unpacked}")
     return "\n".join(lines)
