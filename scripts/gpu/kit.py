@@ -396,6 +396,7 @@ def report(home: Path, manifest: dict, unpack: bool) -> int:
         site.mkdir(exist_ok=True)
         with tarfile.open(whole) as tar:  # the compression is read from the file
             tar.extractall(site, filter="fully_trusted")
+        point_scripts_at_this_python(site / "bin")
         whole.unlink()
         for _, piece in wanted:
             (home / "pieces" / piece["file"]).unlink()
@@ -417,6 +418,15 @@ def site(args: argparse.Namespace) -> int:
         return 1
     print(home / "site")
     return 0
+
+
+def point_scripts_at_this_python(folder: Path) -> None:
+    """pip wrote the packages' command scripts for the interpreter that built the kit; here they run with the
+    machine's (`snakemake`, `mlflow` on PATH)."""
+    for script in folder.glob("*") if folder.is_dir() else []:
+        text = script.read_bytes()
+        if text.startswith(b"#!") and b"python" in text.split(b"\n", 1)[0]:
+            script.write_bytes(f"#!{sys.executable}".encode() + text[text.index(b"\n") :])
 
 
 def status(args: argparse.Namespace) -> int:

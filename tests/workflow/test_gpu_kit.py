@@ -77,7 +77,8 @@ def _archive(path: Path, files: dict[str, bytes]) -> Path:
 def built(tmp_path):
     """A kit of two archives cut into small loads, as `build` cuts the real ones."""
     rng = __import__("random").Random(0)
-    packages = _archive(tmp_path / "packages.tar.gz", {"peft/__init__.py": b"VERSION = 1\n"})
+    script = b"#!/where/the/kit/was/built/python\nimport snakemake\n"
+    packages = _archive(tmp_path / "packages.tar.gz", {"peft/__init__.py": b"VERSION = 1\n", "bin/snakemake": script})
     weights = _archive(tmp_path / "weights.tar.gz", {"model/data.gguf": rng.randbytes(300_000)})
     folder = tmp_path / "kit"
     manifest = kit.write_loads({"packages": packages, "weights": weights}, folder, 100_000, {})
@@ -92,6 +93,8 @@ def test_the_machine_unpacks_each_archive_once_all_its_loads_arrived(built, tmp_
     assert kit.receive(type("A", (), {"load": str(loads[0])})) == 0
     home = tmp_path / "device" / manifest["kit"]
     assert (home / "site" / "peft" / "__init__.py").read_text() == "VERSION = 1\n"  # packages came whole in load 1
+    # the command scripts run with this machine's interpreter, not the one that built the kit
+    assert (home / "site" / "bin" / "snakemake").read_text() == f"#!{sys.executable}\nimport snakemake\n"
     assert "weights: waiting for load(s) 2" in capsys.readouterr().out
     assert kit.site(None) == 0
     for load in loads[1:]:
