@@ -239,6 +239,14 @@ def test_a_pinned_sha256_that_differs_is_refused(tiny_gguf, tmp_path):
         produce_checkpoint(spec, [], tmp_path / "m")
 
 
+def test_a_truncated_gguf_is_refused_as_damaged(tiny_gguf, tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(tiny_gguf[0].read_bytes()[:2000])
+    spec = {"source": "gguf", "path": str(truncated), "package": "", "sha256": ""}
+    with pytest.raises(CheckpointError, match=r"models\.m: cut\.gguf starts like a GGUF but cannot be read.*truncated"):
+        produce_checkpoint(spec, [], tmp_path / "m")
+
+
 def _study(model: dict) -> dict:
     from conftest import make_study
 
