@@ -28,10 +28,12 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -137,6 +139,8 @@ class Context:
     sizes: Sizes
     work: Path  # kept across calls on one machine: sections' folders and findings
     python: str
+    tmp_root: Path = field(default_factory=lambda: Path(tempfile.gettempdir()))
+    temporary: dict[str, Path] = field(default_factory=dict)  # section -> its temporary folder, removed after
 
     def folder(self, section: str) -> Path:
         path = self.work / section
@@ -145,9 +149,12 @@ class Context:
 
     def env(self, section: str) -> dict[str, str]:
         """The section's environment: its own temporary folder (so its device claims are its own), no MLflow
-        store of the caller's, the interpreter's folder first on PATH (the rules call `python`)."""
-        tmp = self.folder(section) / "tmp"
-        tmp.mkdir(exist_ok=True)
+        store of the caller's, the interpreter's folder first on PATH (the rules call `python`).
+
+        The temporary folder is a short one beside the caller's, not inside the section's folder: the warm
+        worker's Unix socket lives there, and a socket's path may not exceed 107 bytes."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"tg-{section}-", dir=self.tmp_root))
+        self.temporary[section] = tmp
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
         env.update(TMPDIR=str(tmp), PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         env["PATH"] = f"{Path(self.python).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -509,6 +516,7 @@ def finish(ctx: Context, running: Running, timed_out: bool) -> SectionResult:
     if timed_out:
         stop(running.process)
     code = running.process.returncode
+    shutil.rmtree(ctx.temporary.pop(name, ""), ignore_errors=True)  # benchmarks' checkpoints, device claims
     status = "timed out" if timed_out else "ran" if code == 0 else "failed"
     note = "" if status == "ran" else f"exit {code}; last lines of {name}/section.log: {tail(running.log)}"
     if timed_out:

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,26 +46,30 @@ def main() -> int:
         print(f"not collected: {line}", flush=True)
     print(f"{len(ids)} tests, {args.workers} at a time", flush=True)
     waiting = list(enumerate(ids))
-    running: dict[int, tuple[str, subprocess.Popen, float]] = {}
+    running: dict[int, tuple[str, subprocess.Popen, float, str]] = {}
     failed = bool(errors)
     while waiting or running:
         while waiting and len(running) < args.workers:
             number, test_id = waiting.pop(0)
-            tmp = args.junit_dir / f"tmp-{number}"
-            tmp.mkdir(exist_ok=True)
-            env = {**os.environ, "TMPDIR": str(tmp)}
+            # a short temporary folder of its own (device claims, the warm worker's socket: at most 107 bytes);
+            # the test's own folders (its study's results) under the JUnit folder, packed as evidence
+            tmp = tempfile.mkdtemp(prefix=f"tg-test{number}-")
+            env = {**os.environ, "TMPDIR": tmp}
             command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
+            command += [f"--basetemp={args.junit_dir / f'test-{number}'}"]
             command += [f"--junitxml={args.junit_dir / f'{number}.xml'}", test_id]
             log = (args.junit_dir / f"{number}.log").open("w")
             running[number] = (
                 test_id,
                 subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT),
                 time.monotonic(),
+                tmp,
             )
-        for number, (test_id, process, started) in list(running.items()):
+        for number, (test_id, process, started, tmp) in list(running.items()):
             if process.poll() is None:
                 continue
             del running[number]
+            shutil.rmtree(tmp, ignore_errors=True)
             verdict = "ok" if process.returncode == 0 else f"exit {process.returncode}"
             failed |= process.returncode != 0
             print(f"{test_id}: {verdict} in {time.monotonic() - started:.0f} s", flush=True)
