@@ -15,14 +15,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tunegrid.data_checks import DataError, check_records, config_problems, field_map, read_jsonl
+from tunegrid.data_checks import DataError, check_records, config_problems, field_map, message_view, read_jsonl
 
 
 def normalize(record: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """One record in tunegrid's shape: chats keep role/content only, pairs become instruction/response."""
     fields = field_map(data)
     if "messages" in fields:
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in record[fields["messages"]]]}
+        messages = [message_view(m, fields) for m in record[fields["messages"]]]
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     return {"instruction": str(record[fields["prompt"]]), "response": str(record[fields["response"]])}
 
 

@@ -65,7 +65,19 @@ OTHER_OPTIMIZERS = {
     "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw",
     "optimi_adamw", "ao_adamw_4bit", "ao_adamw_8bit", "ao_adamw_fp8", "adopt_adamw", "came_pytorch", "muon",
 }  # fmt: skip
+# optimizers whose update is AdamW's but whose state is kept otherwise: the nearest axis value, and what differs
+NEAREST_OPTIMIZER = {
+    "adamw_torch_8bit": ("adamw-8bit", "torchao's 8-bit AdamW; tunegrid's 8-bit moments are bitsandbytes' (the "
+                         "same bytes, another quantizer)"),
+    "adamw_torch_4bit": ("adamw-8bit", "torchao's 4-bit AdamW; tunegrid's smallest moments are 8-bit "
+                         "(bitsandbytes), so its optimizer state is about twice the recipe's"),
+    "ao_adamw_8bit": ("adamw-8bit", "torchao's 8-bit AdamW; tunegrid's 8-bit moments are bitsandbytes'"),
+    "ao_adamw_4bit": ("adamw-8bit", "torchao's 4-bit AdamW; tunegrid's smallest moments are 8-bit"),
+    "paged_adamw_32bit": ("adamw", "bitsandbytes' paged 32-bit AdamW (the same state, paged to host under "
+                          "pressure); tunegrid's AdamW is not paged"),
+}  # fmt: skip
 SCHEDULERS = {"cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"}  # train.lr_scheduler
+ATTENTION_NAMES = {"flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention"}  # attn_implementation
 LINEAR_SUFFIXES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -85,6 +97,11 @@ class Recipe:
     notes: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     ignore: set[str] = field(default_factory=set)
+    differs: dict[str, str] = field(default_factory=dict)  # bears on memory/numerics; the study runs without it
+    unknown: dict[str, str] = field(default_factory=dict)  # no tool key of this name (the nearest known said)
+    accounted: set[str] = field(default_factory=set)  # read by a reader that put their meaning elsewhere
+    changed: list[str] = field(default_factory=list)  # what --as-sft changed to make it an SFT study
+    unpinned: dict[str, str] = field(default_factory=dict)  # hub ids without a 40-hex revision -> the ref fetched
 
     @property
     def version(self) -> str:
@@ -109,19 +126,6 @@ class Recipe:
     def need(self, key: str, why: str) -> None:
         """Something a study cannot do without (the model, the data): an error, whatever `--ignore` says."""
         self.refused.append(f"recipe key {key!r}: {why}")
-
-    def account_rest(self, why: str) -> None:
-        """Every top-level key neither carried, dropped, refused nor ignored: listed as not carried."""
-        used = {k for keys in self.origin.values() for k in keys}
-        for key in self.raw:
-            top = key.split(".")[0]
-            if (
-                key not in used
-                and key not in self.not_carried
-                and not any(i == key or i.startswith(top + ".") or i == top for i in self.ignored)
-            ):
-                if not any(r.startswith(f"recipe key {key!r}") for r in self.refused):
-                    self.not_carried[key] = why
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
@@ -157,12 +161,14 @@ def model_entry(recipe: Recipe, name_key: str, name: Any, revision_key: str, rev
         recipe.drop(revision_key, "a local folder has no revision")
         return
     rev = str(revision or "")
-    if not HEX40.match(rev):
-        recipe.need(
-            revision_key,
-            f"{name!r} is no local folder (looked from here and beside the recipe), so it is a hub id, which needs "
-            f"a pinned 40-hex commit (got {rev or 'none'}; a branch or tag can move)",
+    if not HEX40.match(rev):  # resolved by the checkpoint rule when it fetches, recorded, `tunegrid pin` writes it
+        ref = rev or "main"
+        recipe.unpinned[name_key] = ref
+        recipe.notes.append(
+            f"{name_key}: {name!r} is not pinned; the checkpoint rule fetches {ref!r} and records its commit "
+            "(manifest, study, MLflow, report); `tunegrid pin <study>` writes it back"
         )
+        recipe.carry("model", {"source": "hub", "repo_id": name, "revision": "", "ref": ref}, name_key, revision_key)
         return
     recipe.carry("model", {"source": "hub", "repo_id": name, "revision": rev}, name_key, revision_key)
 
@@ -214,6 +220,10 @@ def optimizer(recipe: Recipe, key: str, name: Any) -> None:
             recipe.notes.append(f"{key}: {name} trains as torch AdamW (the same update; fused is a kernel choice)")
         elif name == "adamw_8bit":
             recipe.notes.append(f"{key}: adamw_8bit is transformers' alias of adamw_bnb_8bit (bitsandbytes AdamW8bit)")
+    elif name in NEAREST_OPTIMIZER:
+        axis, why = NEAREST_OPTIMIZER[name]
+        recipe.carry("grid.optimizer", axis, key)
+        recipe.differs[key] = f"{name}: {why}"
     elif name in OTHER_OPTIMIZERS:
         recipe.refuse(key, f"optimizer {name!r} is not one tunegrid trains with ({sorted(OPTIMIZER_AXIS)})")
     else:
@@ -243,12 +253,52 @@ def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
     if value in (None, [], ""):
         return
     if value == "all-linear" or value == ["all-linear"]:
-        recipe.carry("lora.target_modules", list(LINEAR_SUFFIXES), key)
-        recipe.notes.append(f"{key}: all-linear as the decoder's projection suffixes {LINEAR_SUFFIXES}")
+        found = linear_modules(recipe)
+        if found:
+            recipe.carry("lora.target_modules", found, key)
+            recipe.notes.append(f"{key}: all-linear resolved against the checkpoint's own linear layers: {found}")
+        else:  # a hub id not yet fetched: peft resolves it when the cell attaches the adapters
+            recipe.carry("lora.target_modules", ["all-linear"], key)
+            recipe.notes.append(f"{key}: all-linear, resolved by peft against the fetched checkpoint's linear layers")
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
         recipe.carry("lora.target_modules", list(value), key)
+    elif isinstance(value, str) and value:
+        recipe.carry("lora.target_modules", [value], key)
     else:
         recipe.refuse(key, f"{value!r}: tunegrid takes a list of module-name suffixes")
+
+
+def linear_modules(recipe: Recipe) -> list[str] | None:
+    """The suffixes of the checkpoint's linear layers but the output head (what peft's all-linear picks), read
+    from its config.json on the meta device; None when the checkpoint is not on this machine."""
+    model = recipe.settings.get("model") or {}
+    folder = Path(model["path"]) if model.get("source") == "local" else None
+    if model.get("source") == "hub" and model.get("repo_id"):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model["repo_id"], "config.json", revision=model.get("revision") or None)
+        except Exception:  # no cache, no hub library: resolved when fetched
+            cached = None
+        folder = Path(cached).parent if isinstance(cached, str) else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(config)
+    except Exception:  # a config this transformers cannot build: peft resolves it when the cell loads the model
+        return None
+    head = built.get_output_embeddings()
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in built.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    }
+    return sorted(names) or None
 
 
 def precision_of(dtype: str) -> str:
