@@ -46,7 +46,7 @@ AXIS_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
     "seed": {"axolotl": ("seed",), "trl": ("seed",)},
     "quant": {
         "axolotl": ("load_in_4bit", "load_in_8bit", "adapter", "quantize_moe_experts"),
-        "trl": ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"),
+        "trl": ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_peft"),
     },
     "optimizer": {"axolotl": ("optimizer",), "trl": ("optim",)},
     "activation_checkpointing": {
@@ -354,7 +354,10 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
     keys = axis_keys(tool, axis)
     if axis == "precision":
         dtype = PRECISION_PLANS[value].dtype
-        return dict(zip(keys, (dtype == "bfloat16", dtype == "float16"), strict=True))
+        said = dict(zip(keys, (dtype == "bfloat16", dtype == "float16"), strict=True))
+        if tool == "axolotl":  # axolotl's storage switches too: bfloat16: true would keep an fp32 fix in bf16
+            said.update({"bfloat16": dtype == "bfloat16", "float16": dtype == "float16"})
+        return said
     if axis == "quant":
         plan = QUANT_PLANS[value]
         if plan.experts_quantized and "quantize_moe_experts" not in keys:
@@ -366,6 +369,7 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
             "load_in_8bit": bool(bnb.get("load_in_8bit")),
             "adapter": "qlora" if four else "lora",
             "quantize_moe_experts": plan.experts_quantized,
+            "use_peft": True,  # TRL trains adapters only with use_peft (an --ignore'd recipe may lack it)
             **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if four else {}),
         }
         return {key: said[key] for key in keys if key in said}

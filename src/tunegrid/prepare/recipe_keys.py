@@ -267,7 +267,6 @@ def account_rest(recipe: Recipe, reader_keys: set[str]) -> None:
     listed = {k.split(".")[0].split(":")[0] for k in (*recipe.not_carried, *recipe.differs, *recipe.ignored)}
     refused = {line.split("'")[1].split(".")[0] for line in recipe.refused if line.startswith("recipe key '")}
     known = known_keys(reader_keys)
-    carried = {k.split(".")[0] for keys in recipe.origin.values() for k in keys}
     for key in recipe.raw:
         if key in used or key in listed or key in refused:
             continue
@@ -279,7 +278,7 @@ def account_rest(recipe: Recipe, reader_keys: set[str]) -> None:
             recipe.not_carried[key] = "set to its default (off or empty): nothing to carry"
             continue
         near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
-        if near and near[0] in carried and near[0] not in recipe.raw:
+        if near and near[0] in reader_keys and near[0] not in recipe.raw:
             recipe.refuse(
                 key, f"unknown key; did you mean {near[0]!r}? (tunegrid would otherwise use its default for it)"
             )
