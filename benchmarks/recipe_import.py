@@ -88,17 +88,23 @@ def main() -> int:
                 unnamed.append(f"{path}: imported")
             if args.show:
                 print(f"{outcome:9} {kind:15} {path}")
-    total = {k: sum(v for (kind, _), v in counts.items() if kind == k) for k in ("sft-lora", "sft-multimodal", "non-sft")}
+    total = {
+        k: sum(v for (kind, _), v in counts.items() if kind == k) for k in ("sft-lora", "sft-multimodal", "non-sft")
+    }
     sft_ok = counts[("sft-lora", "imported")]
     mm_ok = counts[("sft-multimodal", "imported")]
     named = total["non-sft"] - len(unnamed) - counts[("non-sft", "traceback")]
     print(f"files read as recipes: {sum(total.values())}")
-    print(f"SFT LoRA/QLoRA (text): {sft_ok}/{total['sft-lora']} imported with no flag and validated "
-          f"({100 * sft_ok / max(1, total['sft-lora']):.1f} %)")
+    print(
+        f"SFT LoRA/QLoRA (text): {sft_ok}/{total['sft-lora']} imported with no flag and validated "
+        f"({100 * sft_ok / max(1, total['sft-lora']):.1f} %)"
+    )
     both = total["sft-lora"] + total["sft-multimodal"]
     print(f"SFT LoRA/QLoRA incl. multimodal: {sft_ok + mm_ok}/{both} ({100 * (sft_ok + mm_ok) / max(1, both):.1f} %)")
-    print(f"non-SFT: {named}/{total['non-sft']} refused naming what makes them so "
-          f"({100 * named / max(1, total['non-sft']):.1f} %)")
+    print(
+        f"non-SFT: {named}/{total['non-sft']} refused naming what makes them so "
+        f"({100 * named / max(1, total['non-sft']):.1f} %)"
+    )
     print(f"tracebacks: {len(tracebacks)}")
     for path, detail in refused_sft:
         print(f"\nrefused SFT recipe {path}:\n{detail}")

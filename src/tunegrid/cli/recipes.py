@@ -19,7 +19,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--failure", default="all", choices=["nan", "oom", "timeout", "all"], help="what the grid varies")
     p.add_argument("--ignore", nargs="*", default=[], help="recipe keys tunegrid cannot honour, to drop")
     p.add_argument(
-        "--as-sft", action="store_true", help="a DPO/GRPO/reward/full fine-tune recipe as the LoRA SFT study tunegrid runs"
+        "--as-sft", action="store_true", help="a DPO/GRPO/reward/full fine-tune recipe as the LoRA SFT study"
     )
     p.add_argument("--model", default="", help="when the recipe names none: a folder or <hub id>@<40-hex revision>")
     p.add_argument("--dataset", default="", help="when the recipe names none: a jsonl/parquet file")

@@ -54,28 +54,6 @@ AXIS_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
         "trl": ("activation_checkpointing", "gradient_checkpointing"),
     },
 }
-# the other OptimizerNames, and axolotl 0.18's own (CustomSupportedOptimizers): known, but not what tunegrid trains
-OTHER_OPTIMIZERS = {
-    "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "adamw_anyprecision", "adamw_torch_4bit",
-    "adamw_torch_8bit", "ademamix", "sgd", "adagrad", "ademamix_8bit", "lion_8bit",
-    "lion_32bit", "paged_adamw_32bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
-    "paged_lion_32bit", "paged_lion_8bit", "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
-    "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
-    "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw",
-    "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw",
-    "optimi_adamw", "ao_adamw_4bit", "ao_adamw_8bit", "ao_adamw_fp8", "adopt_adamw", "came_pytorch", "muon",
-}  # fmt: skip
-# optimizers whose update is AdamW's but whose state is kept otherwise: the nearest axis value, and what differs
-NEAREST_OPTIMIZER = {
-    "adamw_torch_8bit": ("adamw-8bit", "torchao's 8-bit AdamW; tunegrid's 8-bit moments are bitsandbytes' (the "
-                         "same bytes, another quantizer)"),
-    "adamw_torch_4bit": ("adamw-8bit", "torchao's 4-bit AdamW; tunegrid's smallest moments are 8-bit "
-                         "(bitsandbytes), so its optimizer state is about twice the recipe's"),
-    "ao_adamw_8bit": ("adamw-8bit", "torchao's 8-bit AdamW; tunegrid's 8-bit moments are bitsandbytes'"),
-    "ao_adamw_4bit": ("adamw-8bit", "torchao's 4-bit AdamW; tunegrid's smallest moments are 8-bit"),
-    "paged_adamw_32bit": ("adamw", "bitsandbytes' paged 32-bit AdamW (the same state, paged to host under "
-                          "pressure); tunegrid's AdamW is not paged"),
-}  # fmt: skip
 SCHEDULERS = {"cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"}  # train.lr_scheduler
 ATTENTION_NAMES = {"flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention"}  # attn_implementation
 LINEAR_SUFFIXES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -211,25 +189,6 @@ def first_record(path: Path) -> dict[str, Any]:
     return {}
 
 
-def optimizer(recipe: Recipe, key: str, name: Any) -> None:
-    """The recipe's optimizer as the baseline cell's `grid.optimizer`."""
-    name = str(getattr(name, "value", name))
-    if name in OPTIMIZER_AXIS:
-        recipe.carry("grid.optimizer", OPTIMIZER_AXIS[name], key)
-        if OPTIMIZER_AXIS[name] == "adamw" and name != "adamw_torch":
-            recipe.notes.append(f"{key}: {name} trains as torch AdamW (the same update; fused is a kernel choice)")
-        elif name == "adamw_8bit":
-            recipe.notes.append(f"{key}: adamw_8bit is transformers' alias of adamw_bnb_8bit (bitsandbytes AdamW8bit)")
-    elif name in NEAREST_OPTIMIZER:
-        axis, why = NEAREST_OPTIMIZER[name]
-        recipe.carry("grid.optimizer", axis, key)
-        recipe.differs[key] = f"{name}: {why}"
-    elif name in OTHER_OPTIMIZERS:
-        recipe.refuse(key, f"optimizer {name!r} is not one tunegrid trains with ({sorted(OPTIMIZER_AXIS)})")
-    else:
-        recipe.refuse(key, f"unknown optimizer {name!r} (transformers {MAPPED_VERSIONS['transformers']} names)")
-
-
 def scheduler(recipe: Recipe, key: str, name: Any, min_lr_rate: float | None = None, *keys: str) -> None:
     name = str(getattr(name, "value", name))
     if name not in SCHEDULERS:
@@ -283,22 +242,9 @@ def linear_modules(recipe: Recipe) -> list[str] | None:
         folder = Path(cached).parent if isinstance(cached, str) else None
     if folder is None or not (folder / "config.json").is_file():
         return None
-    try:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+    from tunegrid.prepare.checkpoints import linear_modules as built_linear_modules
 
-        config = AutoConfig.from_pretrained(str(folder), trust_remote_code=False)
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(config)
-    except Exception:  # a config this transformers cannot build: peft resolves it when the cell loads the model
-        return None
-    head = built.get_output_embeddings()
-    names = {
-        name.rsplit(".", 1)[-1]
-        for name, module in built.named_modules()
-        if isinstance(module, torch.nn.Linear) and module is not head
-    }
-    return sorted(names) or None
+    return built_linear_modules(folder)
 
 
 def precision_of(dtype: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 from tunegrid.prepare.recipe import (
     ATTENTION_NAMES,
+    AXIS_KEYS,
     HEX40,
     Recipe,
     axis_keys,
@@ -17,7 +18,6 @@ from tunegrid.prepare.recipe import (
     local_dataset,
     lora_targets,
     model_entry,
-    optimizer,
     precision_flags,
     quant_of,
     quantization,
@@ -25,6 +25,7 @@ from tunegrid.prepare.recipe import (
     warmup,
 )
 from tunegrid.prepare.recipe_keys import account_rest, check_tables, number
+from tunegrid.prepare.recipe_optimizers import optimizer
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
 LORA_EXTRAS = ("peft_use_dora", "peft_use_rslora", "lora_modules_to_save", "loraplus_lr_ratio", "relora")
@@ -34,15 +35,13 @@ ATTENTION_FLAGS = {
     "flex_attention": "flex_attention", "xformers_attention": "sdpa",
 }  # fmt: skip
 READER_KEYS = {
-    "base_model", "revision_of_model", "trust_remote_code", "adapter", "bnb_config_kwargs", "load_in_4bit",
-    "load_in_8bit", "quantize_moe_experts", "bf16", "fp16", "micro_batch_size", "gradient_accumulation_steps",
-    "batch_size", "seed", "sequence_len", "max_steps", "num_epochs", "learning_rate", "weight_decay",
-    "max_grad_norm", "lr_scheduler", "cosine_min_lr_ratio", "warmup_ratio", "warmup_steps", "optimizer",
-    "gradient_checkpointing", "ddp_timeout", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+    "base_model", "revision_of_model", "trust_remote_code", "bnb_config_kwargs", "sequence_len", "max_steps",
+    "num_epochs", "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler", "cosine_min_lr_ratio",
+    "warmup_ratio", "warmup_steps", "ddp_timeout", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
     "lora_target_linear", "lora_target_parameters", "sample_packing", "train_on_inputs", "datasets",
     "attn_implementation", "pad_to_sequence_len", "peft", "lora_fan_in_fan_out", "lora_task_type",
     "sample_packing_seq_len_multiplier", "eval_sample_packing", *LORA_EXTRAS, *ATTENTION_FLAGS,
-}  # fmt: skip
+} | {key for keys in AXIS_KEYS.values() for key in keys["axolotl"]} | {"batch_size"}  # fmt: skip
 MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
 MAX_STEPS = 1_000_000
 
@@ -136,7 +135,9 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         if timeout:
             recipe.carry("distributed.collective_timeout_s", timeout, "ddp_timeout")
 
-    recipe.carry("lora.r", number(recipe, "lora_r", raw.get("lora_r"), integer=True, low=1, high=4096, default=8), "lora_r")
+    recipe.carry(
+        "lora.r", number(recipe, "lora_r", raw.get("lora_r"), integer=True, low=1, high=4096, default=8), "lora_r"
+    )
     alpha = number(recipe, "lora_alpha", raw.get("lora_alpha"), integer=False, low=0, high=1e6, default=16.0)
     recipe.carry("lora.alpha", alpha, "lora_alpha")
     dropout = number(recipe, "lora_dropout", raw.get("lora_dropout"), integer=False, low=0, high=1, default=0.0)
@@ -155,7 +156,7 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     recipe.carry("data.packing", packing, "sample_packing", "sample_packing_seq_len_multiplier")
     if raw.get("pad_to_sequence_len") and not packing:
         recipe.refuse("pad_to_sequence_len", "pads every batch to sequence_len (its peak); tunegrid pads to the "
-                      "batch's longest example: turn on sample_packing (packs fill sequence_len) or remove it")  # fmt: skip
+                      "batch's longest example: turn on sample_packing or remove it")  # fmt: skip
     elif raw.get("pad_to_sequence_len"):
         recipe.carry("data.packing", packing, "pad_to_sequence_len")
         recipe.notes.append("pad_to_sequence_len with sample_packing: tunegrid's packs fill train.seq_len as well")
@@ -182,7 +183,9 @@ def _attention(recipe: Recipe) -> None:
         "memory-efficient kernel family)"
         name = "sdpa"
     if name not in ATTENTION_NAMES:
-        recipe.refuse(keys[0], f"{name!r} is not an attention implementation tunegrid loads ({sorted(ATTENTION_NAMES)})")
+        recipe.refuse(
+            keys[0], f"{name!r} is not an attention implementation tunegrid loads ({sorted(ATTENTION_NAMES)})"
+        )
         return
     recipe.carry("model.attn_implementation", name, *keys)
 

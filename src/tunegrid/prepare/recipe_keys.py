@@ -51,8 +51,7 @@ FAMILIES = (
     ),
     _family(
         "evaluation",
-        "evaluation between training steps: tunegrid's cells train only (the peak they measure is the training "
-        "step's)",
+        "evaluation between training steps: tunegrid's cells train only (the peak they measure is the training step's)",
         "val_set_size evals_per_epoch eval_steps eval_strategy evaluation_strategy do_eval do_train eval_batch_size "
         "per_device_eval_batch_size eval_sample_packing eval_table_size eval_max_new_tokens eval_causal_lm_metrics "
         "do_causal_lm_eval dataset_test_split eval_packing eval_on_start load_best_model_at_end "
@@ -287,9 +286,7 @@ def account_rest(recipe: Recipe, reader_keys: set[str]) -> None:
             recipe.unknown[key] = f"not a {recipe.tool} {recipe.version} key{nearest}"
 
 
-def number(
-    recipe: Recipe, key: str, value: Any, *, integer: bool, low: float, high: float, default: Any = None
-) -> Any:
+def number(recipe: Recipe, key: str, value: Any, *, integer: bool, low: float, high: float, default: Any = None) -> Any:
     """A recipe's number, checked as a study file's are: finite, of its type, within bounds; else refused
     naming the recipe key (and `default` returned so the reading goes on)."""
     if value is None:

@@ -83,7 +83,9 @@ def check_scope(recipe: Recipe, as_sft: bool) -> None:
                 raw["adapter"] = "lora"
             else:
                 raw["use_peft"] = True
-            recipe.changed.append(f"{key}: {what} -> LoRA adapters (tunegrid's lora.r/alpha unless the recipe sets them)")
+            recipe.changed.append(
+                f"{key}: {what} -> LoRA adapters (tunegrid's lora.r/alpha unless the recipe sets them)"
+            )
         else:
             recipe.changed.append(f"{key}: {what} -> dropped; trained as SFT on the recipe's data")
             raw.pop(key, None)

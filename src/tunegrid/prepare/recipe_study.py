@@ -116,9 +116,10 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
 
         rows = sorted(PRECISION_PLANS.values(), key=lambda row: row.nan_fix_rank)
         grid["precision"] += [str(row.precision) for row in rows if row.precision != s["grid.precision"]]
-        fp16_fixes = [str(r.precision) for r in rows if r.arithmetic == "fp16" and r.precision != "fp16"]
-        why.append(f"nan: every precision tunegrid has ({', '.join(grid['precision'])}; fp16's fixes: "
-                   f"{', '.join(fp16_fixes) or 'none'})")  # fmt: skip
+        own = PRECISION_PLANS[s["grid.precision"]].arithmetic  # the fixes that keep the recipe's arithmetic
+        same = [str(r.precision) for r in rows if r.arithmetic == own and r.precision != s["grid.precision"]]
+        why.append(f"nan: every precision tunegrid has ({', '.join(grid['precision'])}; in the recipe's own "
+                   f"arithmetic: {', '.join(same) or 'none'})")  # fmt: skip
     if ("nan" in failures or "oom" in failures) and smaller:
         factor = s["grid.batch_size"] // smaller
         grid["batch_size"].append(smaller)

@@ -13,6 +13,7 @@ from typing import Any
 
 from tunegrid.prepare.recipe import (
     ATTENTION_NAMES,
+    AXIS_KEYS,
     HEX40,
     Recipe,
     axis_keys,
@@ -20,13 +21,13 @@ from tunegrid.prepare.recipe import (
     local_dataset,
     lora_targets,
     model_entry,
-    optimizer,
     precision_flags,
     quantization,
     scheduler,
     warmup,
 )
 from tunegrid.prepare.recipe_keys import account_rest, check_tables, number
+from tunegrid.prepare.recipe_optimizers import optimizer
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
 MODEL_CONFIG_KEYS = {
@@ -60,11 +61,11 @@ DEFAULTS = {
 }  # fmt: skip
 # keys this reader reads (besides the tables of recipe_keys), for telling unknown keys from known ones
 READER_KEYS = MODEL_CONFIG_KEYS | SCRIPT_ARGUMENTS_KEYS | SFT_ONLY_KEYS | {
-    "bf16", "fp16", "per_device_train_batch_size", "gradient_accumulation_steps", "seed", "max_steps",
+    "max_steps",
     "num_train_epochs", "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "lr_scheduler_kwargs",
-    "warmup_steps", "warmup_ratio", "optim", "activation_checkpointing", "gradient_checkpointing", "ddp_timeout",
+    "warmup_steps", "warmup_ratio", "ddp_timeout",
     "max_seq_length", "dataset_mixture", "fsdp", "fsdp_config", "deepspeed", "tf32",
-}  # fmt: skip
+} | {key for keys in AXIS_KEYS.values() for key in keys["trl"]}  # fmt: skip
 MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
 MAX_STEPS = 1_000_000
 
@@ -146,8 +147,8 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
                                     high=10, default=2e-5), "learning_rate")  # fmt: skip
     recipe.carry("train.weight_decay", number(recipe, "weight_decay", raw.get("weight_decay"), integer=False, low=0,
                                               high=10, default=0.0), "weight_decay")  # fmt: skip
-    recipe.carry("train.max_grad_norm", number(recipe, "max_grad_norm", raw.get("max_grad_norm", 1.0),
-                                               integer=False, low=0, high=1e6, default=1.0), "max_grad_norm")  # fmt: skip
+    grad_norm = number(recipe, "max_grad_norm", raw.get("max_grad_norm", 1.0), integer=False, low=0, high=1e6)
+    recipe.carry("train.max_grad_norm", 1.0 if grad_norm is None else grad_norm, "max_grad_norm")
     kwargs = raw.get("lr_scheduler_kwargs") or {}
     scheduler(
         recipe, "lr_scheduler_type", _get(recipe, "lr_scheduler_type"), kwargs.get("min_lr_rate"), "lr_scheduler_kwargs"
@@ -221,7 +222,13 @@ def _dataset(recipe: Recipe) -> None:
             recipe.refuse("dataset_mixture.datasets.0.config", "tunegrid reads a hub dataset's default configuration")
         found = local_dataset(recipe, "dataset_mixture.datasets.0.id", str(entry["id"]))
         if found is None:
-            _hub(recipe, "dataset_mixture.datasets.0.id", entry["id"], entry.get("revision"), entry.get("split") or "train")
+            _hub(
+                recipe,
+                "dataset_mixture.datasets.0.id",
+                entry["id"],
+                entry.get("revision"),
+                entry.get("split") or "train",
+            )
             columns = entry.get("columns") or ["messages"]
             _hub_fields(recipe, columns, "dataset_mixture.datasets.0.columns")
             recipe.carry("data.dataset", dict(entry), "dataset_mixture")
