@@ -189,3 +189,15 @@ def test_the_grid_keeps_the_recipes_effective_batch_and_tries_every_fp16_fix(her
     assert {c.batch_size * c.grad_accum for c in cells} == {8}
     fp16_rows = {str(r.precision) for r in PRECISION_PLANS.values() if r.arithmetic == "fp16"}
     assert fp16_rows <= {c.precision for c in cells} and len(fp16_rows) > 1
+
+
+def test_peft_options_model_config_and_hub_data_files_are_carried(here):
+    raw = {**AXOLOTL, "lora_modules_to_save": ["embed_tokens", "lm_head"], "peft_use_rslora": True,
+           "model_config": {"output_router_logits": True},
+           "datasets": [{"path": "org/data", "type": "chat_template", "data_files": ["train/part-0.jsonl"]}]}  # fmt: skip
+    study, recipe, _ = _import(here, raw)
+    assert study["lora"]["modules_to_save"] == ["embed_tokens", "lm_head"] and study["lora"]["use_rslora"] is True
+    assert study["models"]["some-model"]["config_overrides"] == {"output_router_logits": True}
+    assert study["data"]["data_files"] == ["train/part-0.jsonl"]
+    with pytest.raises(RecipeError, match="recipe key 'model_config'"):
+        _import(here, {**AXOLOTL, "model_config": {"rope_scaling": {"type": "linear"}}})

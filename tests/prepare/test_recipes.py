@@ -127,7 +127,7 @@ def test_the_grid_varies_what_bears_on_the_failure(workdir):
 @pytest.mark.parametrize(
     ("name", "options", "keys", "needed"),
     [
-        ("axolotl-fsdp-8bit-optim.yaml", {}, ["optimizer", "peft_use_dora"], []),
+        ("axolotl-fsdp-8bit-optim.yaml", {}, ["optimizer"], []),
         ("transformers-training-args.json", {"model": "models/local-gemma", "dataset": "data/chat.jsonl"},
          ["optim"], ["max_length"]),
     ],

@@ -47,8 +47,9 @@ def _load_table(data: dict[str, Any]) -> list[dict[str, Any]]:
 
     if data["source"] == "hub":  # the one path that needs the network (and, for gated sets, HF_TOKEN)
         revision = data["revision"] or hub_commit(data)
+        files = {"data_files": list(data["data_files"])} if data.get("data_files") else {}
         dataset = load_dataset(
-            data["repo_id"], revision=revision, split=data["split"], token=os.environ.get("HF_TOKEN") or None
+            data["repo_id"], revision=revision, split=data["split"], token=os.environ.get("HF_TOKEN") or None, **files
         )
         return dataset.to_list()
     builder = "parquet"  # JSON lines are read by data_checks.read_jsonl

@@ -24,11 +24,14 @@ from tunegrid.prepare.recipe import (
     scheduler,
     warmup,
 )
-from tunegrid.prepare.recipe_keys import account_rest, check_tables, number
+from tunegrid.prepare.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
 from tunegrid.prepare.recipe_optimizers import optimizer
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
-LORA_EXTRAS = ("peft_use_dora", "peft_use_rslora", "lora_modules_to_save", "loraplus_lr_ratio", "relora")
+LORA_EXTRAS = ("loraplus_lr_ratio", "relora")
+# peft LoraConfig options tunegrid's LoRA takes, as axolotl names them
+LORA_OPTIONS = {"lora_modules_to_save": "lora.modules_to_save", "peft_use_rslora": "lora.use_rslora",
+                "peft_use_dora": "lora.use_dora"}  # fmt: skip
 # axolotl's attention switches (schemas/config.py), as transformers' attn_implementation names
 ATTENTION_FLAGS = {
     "flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager",
@@ -40,7 +43,8 @@ READER_KEYS = {
     "warmup_ratio", "warmup_steps", "ddp_timeout", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
     "lora_target_linear", "lora_target_parameters", "sample_packing", "train_on_inputs", "datasets",
     "attn_implementation", "pad_to_sequence_len", "peft", "lora_fan_in_fan_out", "lora_task_type",
-    "sample_packing_seq_len_multiplier", "eval_sample_packing", *LORA_EXTRAS, *ATTENTION_FLAGS,
+    "sample_packing_seq_len_multiplier", "eval_sample_packing", "model_config", *LORA_EXTRAS, *LORA_OPTIONS,
+    *ATTENTION_FLAGS,
 } | {key for keys in AXIS_KEYS.values() for key in keys["axolotl"]} | {"batch_size"}  # fmt: skip
 MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
 MAX_STEPS = 1_000_000
@@ -151,7 +155,9 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         recipe.refuse("lora_fan_in_fan_out", "for Conv1D bases (GPT-2 style); tunegrid's LoRA wraps nn.Linear")
     for key in LORA_EXTRAS:
         if raw.get(key):
-            recipe.refuse(key, "tunegrid trains plain LoRA (peft LoraConfig r/alpha/dropout/targets)")
+            recipe.refuse(key, "tunegrid trains peft's LoRA (r/alpha/dropout/targets, modules_to_save, rsLoRA, DoRA)")
+    lora_options(recipe, LORA_OPTIONS)
+    config_overrides(recipe, "model_config")
     packing = bool(raw.get("sample_packing"))
     recipe.carry("data.packing", packing, "sample_packing", "sample_packing_seq_len_multiplier")
     if raw.get("pad_to_sequence_len") and not packing:
@@ -230,12 +236,12 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
     files = files[0] if isinstance(files, list) and len(files) == 1 else files
     found = local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
     if found is None and "data.source" not in recipe.settings:
-        if files:
-            recipe.refuse(f"{key}.data_files", f"{files!r}: tunegrid reads a hub dataset's own split, not chosen "
-                          "files; download them and give the file (--dataset)")  # fmt: skip
         if entry.get("name"):
             recipe.refuse(f"{key}.name", "tunegrid reads a hub dataset's default configuration")
         _hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
+        if files:
+            names = [files] if isinstance(files, str) else list(files)
+            recipe.carry("data.data_files", [str(n) for n in names], f"{key}.data_files")
     kind = entry.get("type")
     record = first_record(found) if found is not None and kind is None else {}
     if kind is None and {"instruction", "output"} <= set(record):

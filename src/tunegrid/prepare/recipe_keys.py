@@ -194,7 +194,6 @@ REFUSED = {
     "unfrozen_parameters": "trains base weights besides the adapters; tunegrid trains LoRA adapters only",
     "lora_model_dir": "starts from an existing adapter; tunegrid's cells start fresh adapters on the base",
     "resume_from_checkpoint": "resumes a run; tunegrid's cells start from the base weights",
-    "model_config": "overrides the checkpoint's config.json; tunegrid loads the checkpoint's own config",
     "overrides_of_model_config": "overrides the checkpoint's config.json; tunegrid loads the checkpoint's own",
     "model_init_kwargs": "extra loading arguments; tunegrid loads the checkpoint with its own settings",
     "s2_attention": "shifted sparse attention; tunegrid's cells run the model's attention implementation",
@@ -304,3 +303,36 @@ def number(recipe: Recipe, key: str, value: Any, *, integer: bool, low: float, h
         recipe.need(key, f"{value!r} is outside [{low:g}, {high:g}] (what tunegrid can run)")
         return default
     return int(value) if integer else float(value)
+
+
+def lora_options(recipe: Recipe, options: dict[str, str]) -> None:
+    """peft LoraConfig options the recipe sets (modules_to_save, rsLoRA, DoRA) as the study's lora.* keys."""
+    for key, path in options.items():
+        value = recipe.raw.get(key)
+        if value in (None, False, [], ""):
+            continue
+        if path.endswith("modules_to_save"):
+            names = [value] if isinstance(value, str) else value
+            if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+                recipe.need(key, f"{value!r}: a list of module names (peft's modules_to_save)")
+                continue
+            recipe.carry(path, list(names), key)
+        elif value is True:
+            recipe.carry(path, True, key)
+        else:
+            recipe.need(key, f"{value!r}: true or false")
+
+
+def config_overrides(recipe: Recipe, key: str) -> None:
+    """The recipe's overrides of the checkpoint's config.json (scalars), loaded with the model."""
+    value = recipe.raw.get(key)
+    if value in (None, {}):
+        return
+    scalars = isinstance(value, dict) and all(
+        isinstance(v, (bool, int, float, str)) and (not isinstance(v, float) or math.isfinite(v))
+        for v in value.values()
+    )
+    if not scalars:
+        recipe.refuse(key, f"{value!r}: tunegrid loads config.json values given as a mapping of scalars")
+        return
+    recipe.carry("model.config_overrides", dict(value), key)

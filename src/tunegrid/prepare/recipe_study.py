@@ -18,7 +18,8 @@ from tunegrid.prepare.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_f
 from tunegrid.prepare.recipe_scope import check_scope
 from tunegrid.prepare.recipe_trl import detect_tool
 
-RECORD_ONLY = {"model", "adapter", "data.dataset", "model.trust_remote_code", "model.attn_implementation"}
+MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
+RECORD_ONLY = {"model", "adapter", "data.dataset", *(f"model.{key}" for key in MODEL_KEYS)}
 BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset", "as_sft"}
 
 
@@ -158,10 +159,9 @@ def build_study(recipe: Recipe, failure: str, base: dict[str, Any], study: str |
         raise RecipeError(f"config key 'base.failure': {failure!r} is not one of {list(FAILURES)}")
     name = model_name(recipe)
     model = dict(recipe.settings["model"])
-    if recipe.settings.get("model.trust_remote_code"):
-        model["trust_remote_code"] = True
-    if recipe.settings.get("model.attn_implementation"):
-        model["attn_implementation"] = recipe.settings["model.attn_implementation"]
+    for key in sorted(MODEL_KEYS):
+        if recipe.settings.get(f"model.{key}"):
+            model[key] = recipe.settings[f"model.{key}"]
     grid, _ = grid_around(recipe, failure)
     out: dict[str, Any] = {
         "study": study or _slug(Path(recipe.path).stem) or "recipe",

@@ -26,7 +26,7 @@ from tunegrid.prepare.recipe import (
     scheduler,
     warmup,
 )
-from tunegrid.prepare.recipe_keys import account_rest, check_tables, number
+from tunegrid.prepare.recipe_keys import account_rest, check_tables, lora_options, number
 from tunegrid.prepare.recipe_optimizers import optimizer
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
@@ -182,9 +182,8 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
             lora_targets(recipe, "lora_target_modules", "all-linear")
         if raw.get("lora_target_parameters"):
             recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
-        for key in ("use_dora", "use_rslora", "lora_modules_to_save"):
-            if raw.get(key):
-                recipe.refuse(key, "tunegrid trains plain LoRA (peft LoraConfig r/alpha/dropout/targets)")
+        lora_options(recipe, {"lora_modules_to_save": "lora.modules_to_save", "use_rslora": "lora.use_rslora",
+                              "use_dora": "lora.use_dora"})  # fmt: skip
         recipe.carry("data.packing", bool(_get(recipe, "packing")), "packing", "packing_strategy")
         if raw.get("packing") and raw.get("packing_strategy") == "wrapped":
             recipe.notes.append("packing_strategy wrapped: tunegrid packs whole examples (as bfd does)")
