@@ -49,6 +49,8 @@ def run(path: Path, kind: str, out: Path) -> tuple[str, str]:
     try:
         study, recipe, _ = import_recipe({"recipe": str(path), "failure": "all"})
         cells = expand_cells(resolve_study(study))
+        name = re.sub(r"[^A-Za-z0-9.-]+", "-", str(path.relative_to(path.parents[2])).removesuffix(path.suffix))
+        study["study"] = name.strip("-.")[:64]
         (out / f"{study['study']}.yaml").write_text(yaml.safe_dump(study, sort_keys=False))
         return "imported", f"{len(cells)} cells"
     except ConfigError as exc:
@@ -61,12 +63,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--show", action="store_true", help="print each file's outcome")
+    parser.add_argument("--keep", type=Path, help="write the imported studies into this folder (to dry-run them)")
     args = parser.parse_args()
     counts: Counter[tuple[str, str]] = Counter()
     refused_sft: list[tuple[str, str]] = []
     unnamed: list[str] = []
     tracebacks: list[tuple[str, str]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        out = args.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
         files = sorted(p for folder in args.folders for p in folder.rglob("*") if p.suffix in (".yaml", ".yml"))
         for path in files:
             try:
@@ -76,7 +81,7 @@ def main() -> int:
             kind = classify(path, raw) if isinstance(raw, dict) else None
             if kind is None:
                 continue
-            outcome, detail = run(path, kind, Path(tmp))
+            outcome, detail = run(path, kind, out)
             counts[(kind, outcome)] += 1
             if outcome == "traceback":
                 tracebacks.append((str(path), detail))

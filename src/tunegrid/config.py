@@ -155,6 +155,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 problems.append(
                     f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder"
                 )
+    if not config["lora"]["target_modules"] and not config["lora"]["target_parameters"]:
+        problems.append(
+            "config key 'lora.target_modules': empty, and so is lora.target_parameters: name the modules that get "
+            "adapters (e.g. [q_proj, v_proj], or [all-linear])"
+        )
     from tunegrid.data_checks import config_problems
 
     problems += config_problems(config["data"])

@@ -201,3 +201,11 @@ def test_peft_options_model_config_and_hub_data_files_are_carried(here):
     assert study["data"]["data_files"] == ["train/part-0.jsonl"]
     with pytest.raises(RecipeError, match="recipe key 'model_config'"):
         _import(here, {**AXOLOTL, "model_config": {"rope_scaling": {"type": "linear"}}})
+
+
+def test_a_recipe_adapting_only_expert_parameters_gets_no_module_adapters(here):
+    raw = {k: v for k, v in AXOLOTL.items() if k != "lora_target_modules"}
+    study, _, _ = _import(here, {**raw, "lora_target_parameters": ["mlp.experts.gate_up_proj"]})
+    assert study["lora"]["target_modules"] == [] and study["lora"]["target_parameters"] == ["mlp.experts.gate_up_proj"]
+    _, recipe, _ = _import(here, raw)  # no targets at all: peft's per-architecture default; said, not silent
+    assert "lora_target_modules" in recipe.differs

@@ -151,6 +151,14 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         lora_targets(recipe, "lora_target_linear", "all-linear")
     if raw.get("lora_target_parameters"):
         recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
+    if "lora.target_modules" not in recipe.settings:
+        if raw.get("lora_target_parameters"):  # axolotl passes no modules: only the parameters get adapters
+            recipe.carry("lora.target_modules", [], "lora_target_modules", "lora_target_parameters")
+        else:
+            recipe.differs["lora_target_modules"] = (
+                "unset: peft picks its default modules for the architecture; tunegrid adapts the attention and MLP "
+                "projections (lora.target_modules in the study says which)"
+            )
     if raw.get("lora_fan_in_fan_out"):
         recipe.refuse("lora_fan_in_fan_out", "for Conv1D bases (GPT-2 style); tunegrid's LoRA wraps nn.Linear")
     for key in LORA_EXTRAS:
