@@ -73,8 +73,17 @@ def export_cell(args: argparse.Namespace) -> None:
         fixes = recommended(study, read_json(recs_file)) if recs_file.is_file() else []
         if not fixes:
             raise ConfigError(f"{recs_file}: no fix of the recipe's own cell ran ok; name a cell instead")
-        cell_id = fixes[0][1]
-    done = export(study, cell_id, args.to)
+        done = None
+        for _, fix_cell in fixes:  # the first fix the tool's own keys can say (fp32 islands are tunegrid's)
+            try:
+                done = export(study, fix_cell, args.to)
+                break
+            except ConfigError as exc:
+                print(f"note: {fix_cell} skipped: {exc}", file=sys.stderr, flush=True)
+        if done is None:
+            raise ConfigError(f"{recs_file}: no recommended fix is a setting of a {args.to} config; name a cell")
+    else:
+        done = export(study, cell_id, args.to)
     changed = ", ".join(f"{k}: {v}" for k, v in done.keys.items()) or "nothing (this cell is the recipe itself)"
     print(f"{done.cell_id} as {done.tool} config, changing {changed}", file=sys.stderr, flush=True)
     for note in done.notes:
