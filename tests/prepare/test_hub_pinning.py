@@ -16,7 +16,6 @@ from tunegrid.config import resolve_study
 from tunegrid.outcome import CellResult
 from tunegrid.prepare import hub
 from tunegrid.prepare.checkpoints import CheckpointError, download_hub
-from tunegrid.prepare.recipe_study import import_recipe
 from tunegrid.track.tags import run_tags
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

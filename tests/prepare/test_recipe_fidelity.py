@@ -193,8 +193,8 @@ def test_the_grid_keeps_the_recipes_effective_batch_and_tries_every_fp16_fix(her
 
 def test_peft_options_model_config_and_hub_data_files_are_carried(here):
     raw = {**AXOLOTL, "lora_modules_to_save": ["embed_tokens", "lm_head"], "peft_use_rslora": True,
-           "model_config": {"output_router_logits": True},
-           "datasets": [{"path": "org/data", "type": "chat_template", "data_files": ["train/part-0.jsonl"]}]}  # fmt: skip
+           "model_config": {"output_router_logits": True}}  # fmt: skip
+    raw["datasets"] = [{"path": "org/data", "type": "chat_template", "data_files": ["train/part-0.jsonl"]}]
     study, recipe, _ = _import(here, raw)
     assert study["lora"]["modules_to_save"] == ["embed_tokens", "lm_head"] and study["lora"]["use_rslora"] is True
     assert study["models"]["some-model"]["config_overrides"] == {"output_router_logits": True}
