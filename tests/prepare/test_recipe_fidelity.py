@@ -131,14 +131,17 @@ def test_dataset_sub_keys_are_carried_or_listed(here):
 def test_every_key_is_in_one_place_and_memory_keys_are_never_waved_through(here):
     raw = {**AXOLOTL, "attn_implementation": "flash_attention_2", "wandb_project": "x", "val_set_size": 0.05,
            "plugins": ["axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"], "liger_rms_norm": True,
-           "some_future_key": 1}  # fmt: skip
+           "some_future_key": 1, "tf32": True, "strict": False}  # fmt: skip
     study, recipe, header = _import(here, raw)
     assert study["models"]["some-model"]["attn_implementation"] == "flash_attention_2"
     assert "plugins: CutCrossEntropyPlugin" in recipe.differs and "liger_rms_norm" in recipe.differs
     assert "logging" in recipe.not_carried["wandb_project"] and "evaluation" in recipe.not_carried["val_set_size"]
     assert "some_future_key" in recipe.unknown
-    places = [set(recipe.not_carried), set(recipe.differs), set(recipe.unknown)]
-    assert all(not (a & b) for i, a in enumerate(places) for b in places[i + 1 :])
+    carried = {key for keys in recipe.origin.values() for key in keys if key in raw}
+    places = [carried, set(recipe.not_carried), set(recipe.differs), set(recipe.unknown)]
+    assert all(not (a & b) for i, a in enumerate(places) for b in places[i + 1 :]), places
+    assert set(raw) <= set().union(*places) | {"plugins"}, "every key in one place"
+    assert "tf32" in recipe.differs and "config" in recipe.not_carried["strict"]
     with pytest.raises(RecipeError, match="activation_offloading"):
         _import(here, {**AXOLOTL, "activation_offloading": True})
 

@@ -270,9 +270,6 @@ def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, str],
     recipe.carry("grid.precision", precision, *keys)
     if bf16 == "auto":
         recipe.notes.append(f"{keys[0]}: auto read as bf16 (the grid tries the others where the failure asks)")
-    if recipe.raw.get(tf32_key):
-        recipe.notes.append(f"{tf32_key}: tunegrid's fp32 cells run fp32 matmuls at full precision")
-        recipe.not_carried[tf32_key] = "TF32 matmuls (GPU only) are not a tunegrid setting"
 
 
 def quantization(recipe: Recipe, four: bool, eight: bool, quant_type: Any, keys: list[str]) -> None:

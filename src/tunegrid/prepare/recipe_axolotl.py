@@ -303,8 +303,9 @@ def _hub_dataset(recipe: Recipe, key: str, repo_id: str, revision: Any, split: s
         recipe.carry("data.revision", revision, f"{key}.revision")
         return
     ref = revision or "main"
-    recipe.carry("data.revision", "", f"{key}.revision")
-    recipe.carry("data.ref", ref, f"{key}.revision")
+    said = f"{key}.revision" if revision else f"{key}.path"
+    recipe.carry("data.revision", "", said)
+    recipe.carry("data.ref", ref, said)
     recipe.unpinned[f"{key}.path"] = ref
     recipe.notes.append(
         f"{key}.path: {repo_id!r} is not pinned; the dataset rule fetches {ref!r} and records its commit "

@@ -38,10 +38,15 @@ FAMILIES = (
         "logging/output",
         "logging and output locations: tunegrid writes its own records (metrics.jsonl, MLflow) under results/",
         "output_dir logging_steps logging_first_step logging_strategy logging_dir log_level log_on_each_node "
-        "report_to run_name use_wandb use_tensorboard use_mlflow use_comet use_otel_metrics debug strict "
+        "report_to run_name use_wandb use_tensorboard use_mlflow use_comet use_otel_metrics debug "
         "disable_tqdm overwrite_output_dir log_completions include_tokens_per_second include_num_input_tokens_seen "
         "logging_nan_inf_filter",
         ("wandb_", "swanlab_", "trackio_", "mlflow_", "comet_", "otel_metrics_", "use_swanlab"),
+    ),
+    _family(
+        "config checking",
+        "how strictly the tool checks its own config; tunegrid accounts for every key itself (this header)",
+        "strict",
     ),
     _family(
         "hub upload",
