@@ -91,8 +91,8 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     seed = number(recipe, seed_key, raw.get(seed_key), integer=True, low=0, high=2**32 - 1, default=42)
     recipe.carry("grid.seed", seed, seed_key)
     length = seq_len or number(
-        recipe, "sequence_len", raw.get("sequence_len"), integer=True, low=8, high=MAX_SEQ_LEN, default=2048
-    )  # axolotl's own default is 2048 (schemas/config.py)
+        recipe, "sequence_len", raw.get("sequence_len"), integer=True, low=8, high=MAX_SEQ_LEN, default=512
+    )  # axolotl's own default is 512 (schemas/config.py)
     recipe.carry("train.seq_len", int(length), "sequence_len")
     max_steps = number(recipe, "max_steps", raw.get("max_steps"), integer=True, low=1, high=MAX_STEPS)
     total = max_steps or steps or 50
