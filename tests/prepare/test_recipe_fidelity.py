@@ -157,6 +157,8 @@ def test_warmup_and_epochs_follow_each_tools_documented_defaults(here):
     assert study["train"]["warmup_steps"] == 4 and "warmup_ratio" in recipe.origin["train.warmup_steps"]
     study, recipe, _ = _import(here, {**AXOLOTL, "max_steps": 200})  # axolotl: 3 % of the steps, at most 100
     assert study["train"]["warmup_steps"] == 6
+    study, _, _ = _import(here, {k: v for k, v in AXOLOTL.items() if k != "sequence_len"})
+    assert study["train"]["seq_len"] == 512, "axolotl's documented sequence_len default"
     _, recipe, _ = _import(here, AXOLOTL)
     assert "50 steps" in recipe.not_carried["num_epochs"] and "400 sequences" in recipe.not_carried["num_epochs"]
 
