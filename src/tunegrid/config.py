@@ -155,6 +155,10 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 problems.append(
                     f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder"
                 )
+        elif spec["source"] == "gguf":
+            from tunegrid.gguf_files import gguf_spec_problems
+
+            problems += gguf_spec_problems(spec, key)
     if not config["lora"]["target_modules"] and not config["lora"]["target_parameters"]:
         problems.append(
             "config key 'lora.target_modules': empty, and so is lora.target_parameters: name the modules that get "
