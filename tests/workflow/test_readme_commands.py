@@ -212,6 +212,7 @@ def test_the_default_study_reads_at_a_glance_in_the_terminal_and_in_mlflow(clone
     import pandas as pd
 
     from tunegrid.track.store import client
+    from tunegrid.track.tags import distinct_part
     from tunegrid.track.tracking import CELL_TAG
 
     summary = pd.read_csv(clone / "results" / "default" / "summary.csv", keep_default_na=False)
@@ -226,7 +227,7 @@ def test_the_default_study_reads_at_a_glance_in_the_terminal_and_in_mlflow(clone
     assert len(runs) == len(summary) and counts.get("nan", 0) > 0
     for run in runs:
         outcome = run.data.tags["outcome"]
-        assert run.info.run_name == f"{outcome} · {run.data.tags[CELL_TAG]}"
+        assert run.info.run_name == f"{outcome} · {distinct_part(run.data.tags[CELL_TAG], summary['cell_id'])}"
         assert run.info.status == ("FINISHED" if outcome == "ok" else "FAILED"), run.info.run_name
         assert "system/cpu_utilization_percentage" in run.data.metrics, run.info.run_name
 

@@ -85,13 +85,32 @@ def _label(column: str) -> str:
     return LABELS.get(column, column.replace("_", " "))
 
 
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+def mlflow_run_base(study_file: Path, tracking_file: Path) -> str | None:
+    """Where `snakemake mlflow_ui` shows a run of this study: its address (tracking.ui_host/ui_port) and the
+    experiment's runs path, to which a run id is appended. None without tracking (no runs to link)."""
+    if not (study_file.is_file() and tracking_file.is_file()):
+        return None
+    settings = (read_json(study_file).get("tracking") or {}) if study_file.suffix == ".json" else {}
+    experiment_id = read_json(tracking_file).get("experiment_id")
+    if not settings.get("enabled", True) or not experiment_id:
+        return None
+    host = settings.get("ui_host") or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{settings.get('ui_port') or 5000}/#/experiments/{experiment_id}/runs/"
+
+
+def _cell(row: dict[str, Any], column: str, run_base: str | None) -> str:
+    text = html.escape(_fmt(row.get(column), column))
+    if column == "mlflow_run_id" and run_base and text:
+        return f"<a href='{html.escape(run_base)}{text}'>{text}</a>"
+    return text
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str], run_base: str | None = None) -> str:
     if not rows:
         return "<p class='none'>none</p>"
     head = "".join(f"<th>{html.escape(_label(c))}</th>" for c in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c), c))}</td>" for c in columns) + "</tr>" for r in rows
-    )
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r, c, run_base)}</td>" for c in columns) + "</tr>" for r in rows)
     return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
@@ -205,6 +224,17 @@ def _recommendation_html(recs: list[Recommendation]) -> str:
     return "".join(items)
 
 
+def _mlflow_note(run_base: str | None) -> str:
+    if not run_base:
+        return ""
+    return (
+        "<p class='cite'>MLflow run ids link to <code>snakemake --cores 1 mlflow_ui</code>'s page of the run (start "
+        "it first). In its runs page the filter <code>tags.outcome = 'nan'</code> finds this report's nan cells: a "
+        "run of a cell that is no longer in the study's grid keeps its outcome as <code>superseded.outcome</code> "
+        "and is tagged <code>tunegrid.current = no</code>.</p>"
+    )
+
+
 def _log_tail(path: Path, lines: int = 12) -> str:
     """The last lines of a cell's log, progress-bar redraws collapsed to their final state."""
     if not path.is_file():
@@ -313,6 +343,8 @@ def build_report(
     logs_dir = StudyPaths.of_result(result_paths[0]).cell_logs_dir if result_paths else out_dir
     study_file = StudyPaths.of_result(result_paths[0]).study_file if result_paths else out_dir / "none"
     failures = failure_groups(frame, results, logs_dir)
+    tracking_file = StudyPaths.of_result(result_paths[0]).tracking if result_paths else out_dir / "none"
+    run_base = mlflow_run_base(study_file, tracking_file)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
 <h1>tunegrid report: {html.escape(study)}</h1>
@@ -327,7 +359,8 @@ def build_report(
 <h2>Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
 <h2>Memory settings: what each saves and costs</h2>{_table(memory_setting_rows(frame), MEMORY_SETTING_COLUMNS)}
 <h2>MoE quantization audit</h2>{_table(_audit_rows(results), AUDIT_COLUMNS)}
-<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)])}
+<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)], run_base)}
+{_mlflow_note(run_base)}
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
     return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}

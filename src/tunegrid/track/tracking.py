@@ -293,7 +293,15 @@ def sync_cell(
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.track.tags import ARTIFACT_FILES, axis_tags, result_params, run_name, run_tags, spec_id
+    from tunegrid.track.tags import (
+        ARTIFACT_FILES,
+        axis_tags,
+        result_params,
+        run_name,
+        run_tags,
+        spec_id,
+        study_cell_ids,
+    )
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
@@ -307,7 +315,7 @@ def sync_cell(
         from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
 
         spec = result["cell"]
-        tags = axis_tags(spec["axes"])
+        tags = axis_tags(spec["axes"], spec.get("debug"))
         tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
         parent = parent_run_id(uri, experiment_id, spec["study"], StudyPaths.of_run_dir(run_dir).study_dir)
         if parent:
@@ -323,7 +331,7 @@ def sync_cell(
             failed=result["outcome"] != Outcome.OK,
             params=result_params(result),
             end_time=result.get("ended_at"),
-            name=run_name(result["outcome"], spec_id(result)),
+            name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
         )
     return {
         "run_id": run.run_id,
@@ -334,3 +342,45 @@ def sync_cell(
         "errors": run.errors,
         "refused": run.refused,
     }
+
+
+CURRENT_TAG = "tunegrid.current"  # yes: the run is its cell's in the study's latest grid; no: it is not
+SUPERSEDED_OUTCOME_TAG = "superseded.outcome"
+
+
+def mark_current(uri: str, experiment_id: str, current_runs: dict[str, str]) -> dict[str, int]:
+    """After the grid: the runs of its cells are tagged current; any other cell run of the experiment (a cell a
+    `--config` override or an edited grid left out) is tagged not current and its `outcome` tag is moved to
+    `superseded.outcome`, so the filter `tags.outcome = 'nan'` finds the cells of the report and no others."""
+    from mlflow.entities import ViewType
+
+    c = client(uri)
+    runs, token = [], None
+    while True:
+        page = with_retries(
+            lambda t=token: c.search_runs(
+                [experiment_id], f"tags.`{CELL_TAG}` != ''", ViewType.ACTIVE_ONLY, max_results=1000, page_token=t
+            ),
+            "search cell runs",
+        )
+        runs += list(page)
+        token = page.token
+        if not token:
+            break
+    counts = {"current": 0, "left_out": 0}
+    wanted = set(current_runs.values())
+    for run in runs:
+        run_id, tags = run.info.run_id, run.data.tags
+        if run_id in wanted:
+            counts["current"] += 1
+            if tags.get(CURRENT_TAG) != "yes":
+                with_retries(lambda r=run_id: c.set_tag(r, CURRENT_TAG, "yes"), "tag current run")
+            continue
+        counts["left_out"] += 1
+        if tags.get(CURRENT_TAG) != "no":
+            with_retries(lambda r=run_id: c.set_tag(r, CURRENT_TAG, "no"), "tag left-out run")
+        if "outcome" in tags:
+            outcome = tags["outcome"]
+            with_retries(lambda r=run_id, o=outcome: c.set_tag(r, SUPERSEDED_OUTCOME_TAG, o), "keep outcome")
+            with_retries(lambda r=run_id: c.delete_tag(r, "outcome"), "untag outcome")
+    return counts
