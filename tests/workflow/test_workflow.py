@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, make_study, processes_mentioning, snakemake_command, workflow_env
 
-from tunegrid.files import read_json, read_jsonl
+from tunegrid.files import current_umask, read_json, read_jsonl
 from tunegrid.track.store import client
 from tunegrid.track.tags import distinct_part
 from tunegrid.track.tracking import CELL_TAG
@@ -60,7 +61,7 @@ def finished_study(tmp_path_factory):
     study["models"]["gemma3-hot"]["init_scale"] = {"*.mlp.*": 10}
     config = workdir / "study.yaml"
     config.write_text(yaml.safe_dump(study))
-    proc = _snakemake(workdir, "all", "--cores", "2", "--configfile", str(config))
+    proc = _snakemake(workdir, "all", "--cores", "2", "--config", f"study={config}")  # the form README shows
     assert proc.returncode == 0, proc.stderr[-4000:]
     (workdir / "snakemake-output.txt").write_text(proc.stdout + proc.stderr)
     return workdir, config
@@ -106,10 +107,20 @@ def test_tiny_study_end_to_end(finished_study):
     assert parent.data.tags["probe.run_id"] == probe["mlflow_run_id"]
     assert {a.path for a in c.list_artifacts(parent.info.run_id)} >= {"index.html", "summary.csv"}
     assert set(by_cell) == set(summary["cell_id"])
+    for run in by_cell.values():  # nothing injected in this study: no fault tag; every run is its cell's current one
+        assert "fault" not in run.data.tags and run.data.tags["tunegrid.current"] == "yes", run.data.tags
+    report_page = (results / "report" / "index.html").read_text()
+    for run in by_cell.values():  # the report's run ids are links to the run's page in `snakemake mlflow_ui`
+        href = f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
+        assert f"<a href='{href}'>{run.info.run_id}</a>" in report_page
+    umask = current_umask()
+    if not umask & 0o044:  # results are as readable as the user's umask makes any file: none is private by accident
+        private = [p for p in results.rglob("*") if p.is_file() and not stat.S_IMODE(p.stat().st_mode) & 0o044]
+        assert private == [], private[:5]
     for cell_id, run in by_cell.items():
         row = summary.set_index("cell_id").loc[cell_id]
         # the UI reads the outcome first: the name carries it, and a cell that did not end ok is FAILED (red)
-        assert run.info.run_name == f"{row['outcome']} · {cell_id}"
+        assert run.info.run_name == f"{row['outcome']} · {distinct_part(cell_id, summary['cell_id'])}"
         assert run.info.status == ("FINISHED" if row["outcome"] == "ok" else "FAILED")
         # MLflow's own system-metrics monitor sampled every cell run
         assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"} <= set(run.data.metrics)
@@ -120,7 +131,7 @@ def test_tiny_study_end_to_end(finished_study):
         assert run.data.tags["env.torch"] == env["packages"]["torch"] and run.data.tags["env.device"] == "cpu"
         assert run.data.tags["snakemake.job"] == f"finetune results/e2e/runs/{cell_id}/result.json"
         assert run.data.tags["snakemake.rerun"].endswith(
-            f"--forcerun results/e2e/runs/{cell_id}/result.json --configfile {config}"
+            f"--forcerun results/e2e/runs/{cell_id}/result.json --config study={config}"
         )
         assert run.data.params["lora.r"] == "8"
         assert run.data.tags["probe.run_id"] == probe["mlflow_run_id"]
@@ -296,8 +307,8 @@ def test_rerun_of_one_cell_supersedes_its_run(finished_study):
         "all",
         "--cores",
         "2",
-        "--configfile",
-        str(config),
+        "--config",
+        f"study={config}",
         "--forcerun",
         f"results/e2e/runs/{cell}/result.json",
     )

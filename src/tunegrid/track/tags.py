@@ -171,6 +171,11 @@ def rerun_tags(result_path: Path, snakemake_job: str) -> dict[str, str]:
     rerun = ["snakemake", "--cores", "1", "--forcerun", str(result_path)]
     for path in filter(None, configfiles.split(os.pathsep)):
         rerun += ["--configfile", path]
+    from tunegrid.study_input import STUDY_FILE_ENV
+
+    study_file = os.environ.get(STUDY_FILE_ENV, "")
+    if study_file:
+        rerun += ["--config", f"study={study_file}"]
     return {"snakemake.job": snakemake_job, "snakemake.rerun": shlex.join(rerun)}
 
 
