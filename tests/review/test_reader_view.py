@@ -1,0 +1,53 @@
+"""What a reader of the results gets: files with the user's umask, commands that run as printed, one spelling per module."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from tunegrid.files import atomic_write_text, write_json, write_text_if_changed
+from tunegrid.study_paths import StudyPaths
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_atomic_writes_take_the_users_umask(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_json(tmp_path / "result.json", {"outcome": "ok"})
+        atomic_write_text(tmp_path / "report" / "index.html", "<html></html>")
+        write_text_if_changed(tmp_path / "summary.csv", "cell_id\n")
+    finally:
+        os.umask(old)
+    for name in ("result.json", "report/index.html", "summary.csv"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == mode, name
+    assert sorted(p.name for p in tmp_path.rglob(".*.tmp")) == []  # no temp file left behind
+
+
+def test_the_reports_export_command_names_the_study_folder():
+    """What the report prints for a recipe's fix parses as the CLI's export command (--study-dir is required)."""
+    import shlex
+
+    from tunegrid.cli.main import build_parser
+    from tunegrid.review.recipe_export import export_command
+
+    command = export_command("gemma3-tiny_fp32_bs8_nf4_s0", "axolotl", StudyPaths.of("my study").study_dir)
+    args = build_parser().parse_args(shlex.split(command)[1:])
+    assert args.cell_id == "gemma3-tiny_fp32_bs8_nf4_s0" and args.to == "axolotl"
+    assert args.study_dir == "results/my study"
+
+
+def test_a_module_is_spelled_one_way_on_every_line_of_the_report():
+    """peft's wrapper prefix goes; the model's own name stays (what a study's inject/islands keys are written in)."""
+    from tunegrid.cell.records import origin_text
+    from tunegrid.outcome import module_name, origin_label
+    from tunegrid.review.recommend import _short
+
+    wrapped = "base_model.model.model.layers.0.mlp.down_proj"
+    plain = "model.layers.0.mlp.down_proj"
+    fact = {"module": wrapped, "at": "real", "preceded_by": {"module": wrapped, "at": "padding"}}
+    assert module_name(wrapped) == plain and module_name(plain) == plain
+    assert origin_label(fact) == plain  # summary.csv and the MLflow tags
+    assert _short(wrapped) == plain and _short(plain) == plain  # the recommendation's sentence
+    assert origin_text(fact) == f"{plain} (after a non-finite value at padding positions of {plain})"  # the reason
