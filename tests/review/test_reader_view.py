@@ -1,4 +1,5 @@
-"""What a reader of the results gets: files with the user's umask, commands that run as printed, one spelling per module."""
+"""What a reader of the results gets: files with the user's umask, commands that run as printed, one spelling
+per module."""
 
 from __future__ import annotations
 
