@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -84,6 +85,54 @@ def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> di
         "last_heartbeat_at": beat_path.stat().st_mtime if beat_path.exists() else None,
         "local_times": local_times(folder / "metrics.jsonl"),
     }
+
+
+def step_records(metrics_path: Path) -> dict[int, tuple[int, float]]:
+    """step -> (the rank's real tokens, its step wall time), from its metrics.jsonl (tokens = tokens/s x time)."""
+    steps = {}
+    for record in _records(metrics_path):
+        seconds, rate = record.get("step_time_s"), record.get("tokens_per_s")
+        if isinstance(seconds, (int, float)) and isinstance(rate, (int, float)) and seconds > 0:
+            steps[int(record["step"])] = (round(rate * seconds), float(seconds))
+    return steps
+
+
+def cell_throughput(per_rank: dict[int, dict[int, tuple[int, float]]]) -> dict[str, Any]:
+    """A distributed cell's throughput as its run sees it: each step's real tokens over all ranks, over the
+    step's wall time on its slowest rank (the median over the steps every rank timed, step 0 left out as in a
+    one-process cell), with each rank's own figures beside it."""
+    if not per_rank:
+        return {}
+    steps = sorted(set.intersection(*(set(steps) for steps in per_rank.values())) - {0})
+    rates = [sum(per_rank[r][s][0] for r in per_rank) / max(per_rank[r][s][1] for r in per_rank) for s in steps]
+    walls = [max(per_rank[r][s][1] for r in per_rank) for s in steps]
+    own = {}
+    for rank, timed in per_rank.items():
+        mine = [timed[s] for s in sorted(timed) if s != 0]
+        own[str(rank)] = {
+            "tokens_per_s_median": statistics.median(t / w for t, w in mine) if mine else None,
+            "step_time_s_median": statistics.median(w for _, w in mine) if mine else None,
+        }
+    return {
+        "tokens_per_s_median": statistics.median(rates) if rates else None,
+        "step_time_s_median": statistics.median(walls) if walls else None,
+        "measured_as": "all ranks' real tokens per step / the slowest rank's step wall time",
+        "per_rank": own,
+    }
+
+
+def _records(metrics_path: Path) -> list[dict[str, Any]]:
+    if not metrics_path.exists():
+        return []
+    records = []
+    for line in metrics_path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a killed rank
+        if isinstance(record, dict) and "step" in record:
+            records.append(record)
+    return records
 
 
 def local_times(metrics_path: Path) -> dict[int, float]:
@@ -169,6 +218,9 @@ def diagnose_ranks(
     ranks = [rank_record(run_dir, r, codes[r], r in stopped) for r in range(world)]
     last_steps = {r["rank"]: r["last_step"] for r in ranks}
     update: dict[str, Any] = {"ranks": ranks, "distributed": {"world_size": world, "collective_timeout_s": timeout_s}}
+    throughput = cell_throughput({r: step_records(rank_dir(run_dir, r) / "metrics.jsonl") for r in range(world)})
+    if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
+        update["throughput"] = {**(result.get("throughput") or {}), **throughput}
     recorder = analyze_flight_recorder(run_dir)
     if recorder:
         update["distributed"]["flight_recorder"] = recorder
