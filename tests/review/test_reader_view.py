@@ -52,3 +52,20 @@ def test_a_module_is_spelled_one_way_on_every_line_of_the_report():
     assert origin_label(fact) == plain  # summary.csv and the MLflow tags
     assert _short(wrapped) == plain and _short(plain) == plain  # the recommendation's sentence
     assert origin_text(fact) == f"{plain} (after a non-finite value at padding positions of {plain})"  # the reason
+
+
+def test_the_reports_run_ids_link_to_the_run_in_the_mlflow_ui(tmp_path):
+    from tunegrid.files import write_json
+    from tunegrid.review.report import _cell
+    from tunegrid.review.run_links import mlflow_run_base
+
+    study, tracking = tmp_path / "study.json", tmp_path / "tracking.json"
+    write_json(study, {"tracking": {"enabled": True, "ui_host": "127.0.0.1", "ui_port": 5001}})
+    write_json(tracking, {"experiment_id": "7"})
+    base = mlflow_run_base(study, tracking)
+    assert base == "http://127.0.0.1:5001/#/experiments/7/runs/"
+    row = {"mlflow_run_id": "abc123", "cell_id": "c"}
+    assert _cell(row, "mlflow_run_id", base) == f"<a href='{base}abc123'>abc123</a>"
+    assert _cell(row, "cell_id", base) == "c"
+    write_json(study, {"tracking": {"enabled": False}})
+    assert mlflow_run_base(study, tracking) is None and _cell(row, "mlflow_run_id", None) == "abc123"

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from tunegrid.config import resolve_study
 from tunegrid.grid_axes import cell_debug
+from tunegrid.track.current import CURRENT_TAG, SUPERSEDED_OUTCOME_TAG, mark_current
 from tunegrid.track.tags import axis_tags
-from tunegrid.track.tracking import CELL_TAG, CURRENT_TAG, SUPERSEDED_OUTCOME_TAG, mark_current
+from tunegrid.track.tracking import CELL_TAG
 
 AXES = {"model": "m", "precision": "fp16", "batch_size": 2, "quant": "none", "seed": 0, "fault": "debug"}
 

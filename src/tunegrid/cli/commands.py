@@ -120,8 +120,9 @@ def summary(args: argparse.Namespace) -> None:
 
 
 def sync(args: argparse.Namespace) -> None:
+    from tunegrid.track.current import mark_current
     from tunegrid.track.store import tracking_uri_for_cells
-    from tunegrid.track.tracking import mark_current, sync_cell
+    from tunegrid.track.tracking import sync_cell
 
     tracking = read_json(args.tracking)
     uri = tracking_uri_for_cells(tracking)

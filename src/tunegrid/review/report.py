@@ -20,6 +20,7 @@ from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
+from tunegrid.review.run_links import mlflow_note, mlflow_run_base, run_link
 from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
@@ -85,25 +86,9 @@ def _label(column: str) -> str:
     return LABELS.get(column, column.replace("_", " "))
 
 
-def mlflow_run_base(study_file: Path, tracking_file: Path) -> str | None:
-    """Where `snakemake mlflow_ui` shows a run of this study: its address (tracking.ui_host/ui_port) and the
-    experiment's runs path, to which a run id is appended. None without tracking (no runs to link)."""
-    if not (study_file.is_file() and tracking_file.is_file()):
-        return None
-    settings = (read_json(study_file).get("tracking") or {}) if study_file.suffix == ".json" else {}
-    experiment_id = read_json(tracking_file).get("experiment_id")
-    if not settings.get("enabled", True) or not experiment_id:
-        return None
-    host = settings.get("ui_host") or "127.0.0.1"
-    host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{settings.get('ui_port') or 5000}/#/experiments/{experiment_id}/runs/"
-
-
 def _cell(row: dict[str, Any], column: str, run_base: str | None) -> str:
     text = html.escape(_fmt(row.get(column), column))
-    if column == "mlflow_run_id" and run_base and text:
-        return f"<a href='{html.escape(run_base)}{text}'>{text}</a>"
-    return text
+    return run_link(text, run_base) if column == "mlflow_run_id" else text
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str], run_base: str | None = None) -> str:
@@ -222,17 +207,6 @@ def _recommendation_html(recs: list[Recommendation]) -> str:
             + f"<p class='cite'>{'<br>'.join(cites)}</p></div>"
         )
     return "".join(items)
-
-
-def _mlflow_note(run_base: str | None) -> str:
-    if not run_base:
-        return ""
-    return (
-        "<p class='cite'>MLflow run ids link to <code>snakemake --cores 1 mlflow_ui</code>'s page of the run (start "
-        "it first). In its runs page the filter <code>tags.outcome = 'nan'</code> finds this report's nan cells: a "
-        "run of a cell that is no longer in the study's grid keeps its outcome as <code>superseded.outcome</code> "
-        "and is tagged <code>tunegrid.current = no</code>.</p>"
-    )
 
 
 def _log_tail(path: Path, lines: int = 12) -> str:
@@ -360,7 +334,7 @@ def build_report(
 <h2>Memory settings: what each saves and costs</h2>{_table(memory_setting_rows(frame), MEMORY_SETTING_COLUMNS)}
 <h2>MoE quantization audit</h2>{_table(_audit_rows(results), AUDIT_COLUMNS)}
 <h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)], run_base)}
-{_mlflow_note(run_base)}
+{mlflow_note(run_base)}
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
     return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}
