@@ -26,6 +26,17 @@ def current_umask() -> int:
     return mask
 
 
+def open_to_umask(folder: str | Path) -> None:
+    """Files a library wrote private in `folder` (safetensors' writer makes every file 0600, whatever the umask)
+    opened to the user's umask, as tunegrid's own writes are. Links are left alone: they point at the user's files."""
+    import stat
+
+    mode = 0o666 & ~current_umask()
+    for path in Path(folder).rglob("*"):
+        if not path.is_symlink() and path.is_file() and stat.S_IMODE(path.stat().st_mode) == 0o600 != mode:
+            path.chmod(mode)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write to a temp file in the same folder, fsync, then rename over the target.
 

@@ -26,6 +26,30 @@ def test_atomic_writes_take_the_users_umask(tmp_path, umask, mode):
     assert sorted(p.name for p in tmp_path.rglob(".*.tmp")) == []  # no temp file left behind
 
 
+def test_files_safetensors_wrote_private_are_opened_to_the_umask(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from tunegrid.files import open_to_umask
+
+    folder, users = tmp_path / "adapter", tmp_path / "users"
+    folder.mkdir()
+    users.mkdir()
+    save_file({"a": torch.zeros(2)}, str(folder / "adapter_model.safetensors"))
+    assert stat.S_IMODE((folder / "adapter_model.safetensors").stat().st_mode) == 0o600  # the library's own mode
+    theirs = users / "model.safetensors"
+    theirs.write_bytes(b"x")
+    theirs.chmod(0o600)
+    (folder / "linked.safetensors").symlink_to(theirs)  # a user's own file, linked (a local checkpoint)
+    old = os.umask(0o022)
+    try:
+        open_to_umask(folder)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((folder / "adapter_model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE(theirs.stat().st_mode) == 0o600  # never changed through the link
+
+
 def test_the_reports_export_command_names_the_study_folder():
     """What the report prints for a recipe's fix parses as the CLI's export command (--study-dir is required)."""
     import shlex

@@ -57,8 +57,10 @@ def test_each_fix_is_charged_well_under_the_budget_and_the_plain_cell_reaches_it
         enforcement = read_json(out / "runs" / cell / "result.json")["memory"]["budget_enforcement"]
         assert enforcement["large_blocks"] == "M_MMAP_THRESHOLD=262144", enforcement
         assert enforcement["address_space_added_peak"] <= BUDGET - MARGIN, (cell, enforcement)
+    fixes = [read_json(out / "runs" / c / "result.json")["memory"]["budget_enforcement"] for c in FIXES]
     plain = read_json(out / "runs" / PLAIN / "result.json")["memory"]["budget_enforcement"]
-    assert plain["address_space_added_peak"] > BUDGET - 2**20, plain  # it ran into the limit
+    # it reached further than any fix before the allocation the limit refused (that one is not in its peak)
+    assert plain["address_space_added_peak"] > max(f["address_space_added_peak"] for f in fixes) + MARGIN, plain
 
 
 def test_results_are_written_with_the_users_umask(study_run):
