@@ -2,7 +2,7 @@
 at any key) and non-finite or huge numbers in every numeric field of the schema. `tunegrid validate` (its
 loader: config.load_study) refuses each within 2 s naming the key; snakemake does too within 5 s, except
 where its own loader expands the file before the Snakefile runs (test_snakemake_* below show where, and
-that `--config study_path=` avoids it)."""
+that `--config study=` (or its long form `study_path=`) avoids it)."""
 
 from __future__ import annotations
 
