@@ -43,7 +43,7 @@ HOW: dict[str, tuple[str, str]] = {
         "the main job: `snakemake --cores 8 all` as written, after the install",
     ),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && "
-    "pip install --no-deps -e . && python -m pytest": (
+    "pip install --no-deps -r envs/requirements-real.txt && pip install --no-deps -e . && python -m pytest": (
         "elsewhere",
         ".ci/run reads this line from README and runs it on a clean clone",
     ),
