@@ -182,7 +182,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no --configfile is given
+DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no study file is given
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
