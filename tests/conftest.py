@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -31,6 +32,37 @@ os.environ[SESSION_ENV] = uuid.uuid4().hex
 def snakemake_command(workdir: Path, *args: str) -> list[str]:
     """This workflow's snakemake command line, run in `workdir` as in a user's own project folder."""
     return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args]
+
+
+# Snakemake options that run no job: a test that uses only these is not an end-to-end run
+NO_JOBS = frozenset(
+    {"-n", "--dry-run", "--dryrun", "--lint", "--unlock", "--list-rules", "--summary", "-S", "--detailed-summary", "-D"}
+)
+
+
+def runs_snakemake_jobs(args: Any) -> bool:
+    """Whether a subprocess command line runs Snakemake jobs (an end-to-end run): `snakemake` or
+    `python -m snakemake`, directly or inside `bash -c`, without an option that runs no job."""
+    words = (args if isinstance(args, str | bytes) else " ".join(str(a) for a in args)).split()
+    words = [w.decode() if isinstance(w, bytes) else w for w in words]
+    snakemake = any(w.strip("'\"") == "snakemake" or w.endswith("/snakemake") for w in words)
+    return snakemake and not any(w.strip("'\"") in NO_JOBS for w in words)
+
+
+@pytest.fixture(autouse=True)
+def _end_to_end_runs_are_marked_slow(request, monkeypatch):
+    """A test that runs Snakemake jobs must be marked `slow`, so `-m 'not slow'` stays the fast tier: outside
+    a slow test, starting such a process fails the test naming the command."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    start = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        if runs_snakemake_jobs(args):
+            pytest.fail(f"{request.node.nodeid} runs Snakemake jobs ({args!r}): mark it @pytest.mark.slow")
+        start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
 
 
 def workflow_env(*also_drop: str) -> dict[str, str]:
