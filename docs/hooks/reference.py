@@ -159,7 +159,8 @@ def _fields_table(cls: type) -> list[str]:
             default = _cell(dataclasses.asdict(made) if dataclasses.is_dataclass(made) else made)
         else:
             default = "required"
-        rows.append(f"| `{field.name}` | {_cell(_type_name(hints[field.name]))} | {default} | {_text(notes.get(field.name, ''))} |")
+        kind, note = _cell(_type_name(hints[field.name])), _text(notes.get(field.name, ""))
+        rows.append(f"| `{field.name}` | {kind} | {default} | {note} |")
     return rows
 
 

@@ -1,6 +1,6 @@
-"""README's adapter-reuse snippet, run as README writes it, reproduces the reference loss of every `ok` cell
-of the default study's grid (configs/config.yaml: both models, fp32/bf16/fp16/fp16-islands, both batch sizes,
-none/nf4/nf4-experts, less the grid's exclusions; fewer steps, to keep the suite's time)."""
+"""The docs' adapter-reuse snippet (docs/guide/review.md), run as the page writes it, reproduces the reference loss of
+every `ok` cell of the default study's grid (configs/config.yaml: both models, fp32/bf16/fp16/fp16-islands, both
+batch sizes, none/nf4/nf4-experts, less the grid's exclusions; fewer steps, to keep the suite's time)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ BOUND = {"fp32": 1e-6, "bf16": 1e-6, "fp16": 1e-6, "fp16-islands": 1e-6}
 
 
 def readme_snippet() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Reusing a winning cell's adapter") :]
-    section = section[: section.index("\n### ", 5)]
+    text = (REPO / "docs" / "guide" / "review.md").read_text()
+    section = text[text.index("## Reusing a winning cell's adapter") :]
+    section = section.split("\n## ", 1)[0]  # up to the next section, if any
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 1, "README's adapter section holds one python snippet"
+    assert len(blocks) == 1, "the adapter section of docs/guide/review.md holds one python snippet"
     return blocks[0]
 
 
@@ -66,7 +66,7 @@ def test_readme_snippet_reproduces_every_ok_cells_reference_loss(default_study_r
             "results/<study>/runs/<cell_id>/adapter", str(Path(run_dir) / "adapter")
         )
         namespace: dict = {}
-        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 — README's own snippet, as written
+        exec(compile(code, "review.md", "exec"), namespace)  # noqa: S102 — the page's own snippet, as written
         expected = facts["training"]["reference_batch_loss"]
         assert namespace["record"]["reference"]["loss"] == expected
         off[spec["cell_id"]] = abs(namespace["loss"] - expected) / abs(expected)
@@ -82,6 +82,6 @@ def test_readme_snippet_reproduces_every_ok_cells_reference_loss(default_study_r
         "results/<study>/runs/<cell_id>/adapter", str(Path(run_dir) / "adapter")
     )
     namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(code, "review.md", "exec"), namespace)  # noqa: S102
     expected = facts["training"]["reference_batch_loss"]
     assert abs(namespace["loss"] - expected) / abs(expected) > 1e-5

@@ -1,7 +1,7 @@
-"""Every command README.md shows, exercised as written.
+"""Every command README.md and the docs site (docs/**/*.md) show, exercised as written.
 
-The commands are read from README.md (fenced blocks and inline code that starts like a shell command), so
-the two cannot drift: a command added to README without an entry in `HOW` below fails the first test.
+The commands are read from the pages (fenced blocks and inline code that starts like a shell command), so
+the two cannot drift: a command added to a page without an entry in `HOW` below fails the first test.
 Each entry says how the command is exercised:
 
 - `run`: exactly as written, in a fresh clone of this checkout whose default study has run (the
@@ -10,7 +10,9 @@ Each entry says how the command is exercised:
   `<study>` is replaced by every shipped study;
 - `server`: started as written, answered over HTTP on 127.0.0.1, then stopped with Ctrl-C (SIGINT);
 - `elsewhere`: run as written by another test or by CI, named in the reason;
-- `cannot`: needs what no test here can have (a package index on the network, a GPU, a secret).
+- `cannot`: needs what no test here can have (a package index on the network, a GPU, a secret);
+- `name`: prose that names a command (or its form) rather than one to type; the forms a page shows in full
+  are entries of their own.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, workflow_env
 
-STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv")
+STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv", "tunegrid ", "mkdocs")
+OUTPUT = {"text", "diff", "yaml", "python", "json"}  # fenced blocks that hold no command
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 STUDIES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
 INSTALL = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements.txt && "
@@ -132,7 +136,36 @@ HOW: dict[str, tuple[str, str]] = {
         "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py",
     ),
     "python -m pytest": ("elsewhere", ".ci/run"),
-    'python -m pytest -m "not slow"': ("elsewhere", "a subset of what .ci/run runs"),
+    "python -m pytest -m 'not slow'": ("elsewhere", "a subset of what .ci/run runs"),
+    "python -m pytest -m gpu": ("cannot", "needs a CUDA device (tests/workflow/test_gpu.py skips without one)"),
+    "mkdocs build --strict": (
+        "elsewhere",
+        "tests/house/test_docs.py runs it as written with --site-dir in a temporary folder",
+    ),
+    "tunegrid validate configs/config.yaml": ("run", "validates the default study"),
+    "tunegrid validate configs/<study>.yaml": ("run", "validates a shipped study"),
+    "tunegrid validate their-study.yaml": (
+        "elsewhere",
+        "tests/prepare/test_hostile_studies.py validates generated hostile study files",
+    ),
+    "snakemake --cores 8 --resources gpu=1 all": ("dry", "the GPU form of the main job, options first"),
+    "snakemake --cores 1 -n --configfile merge.yaml": (
+        "elsewhere",
+        "the upstream report's merge-key bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
+    ),
+    "snakemake --cores 1 -n --configfile mapping.yaml": (
+        "elsewhere",
+        "the upstream report's mapping bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
+    ),
+    "tunegrid import": ("name", "its full forms are the recipe page's commands"),
+    "tunegrid export": ("name", "its full forms are the recipe page's commands"),
+    "tunegrid validate": ("name", "its full forms are entries above"),
+    "tunegrid export <cell_id> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
+    "python scripts/tunegrid.py": ("name", "the entry point; every full command of it is an entry"),
+    "python -m tunegrid.cli": ("name", "the same entry point as a module"),
+    "snakemake --configfile": ("name", "the option the upstream report is about"),
+    "snakemake -n": ("name", "a dry run, as findings.md measured it; every dry entry runs one"),
+    "python -X importtime": ("name", "Python's import profiler, named as the tool a finding used"),
     "snakemake --lint": ("run", "Snakemake's linter on the workflow"),
     "snakemake --cores 8 all --configfile configs/own-data-chat.yaml": (
         "run",
@@ -153,12 +186,22 @@ HOW: dict[str, tuple[str, str]] = {
 
 
 def readme_commands() -> list[str]:
+    """The shell commands README.md and every docs page show, each once."""
     found: list[str] = []
-    fence = False
-    for line in (REPO / "README.md").read_text().splitlines():
+    for page in PAGES:
+        found += page_commands(page)
+    return list(dict.fromkeys(found))
+
+
+def page_commands(page: Path) -> list[str]:
+    found: list[str] = []
+    fence, language = False, ""
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
-            fence = not fence
+            fence, language = not fence, line[3:].strip()
             continue
+        if fence and language in OUTPUT:
+            continue  # a program's output, a file's text or code: no shell command
         if fence:
             body = line.split("  #")[0].strip()
             if body.startswith(STARTS):
@@ -185,10 +228,11 @@ def _shell(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedP
 def test_every_readme_command_has_a_way_to_be_exercised():
     commands = readme_commands()
     unknown = [c for c in commands if c not in HOW]
-    assert not unknown, f"README commands no test exercises (add them to HOW): {unknown}"
+    assert not unknown, f"commands README or docs/ show that no test exercises (add them to HOW): {unknown}"
     stale = [c for c in HOW if c not in commands]
-    assert not stale, f"HOW lists commands README no longer shows: {stale}"
-    assert all(how in {"run", "dry", "server", "elsewhere", "cannot"} and reason for how, reason in HOW.values())
+    assert not stale, f"HOW lists commands no page shows any more: {stale}"
+    kinds = {"run", "dry", "server", "elsewhere", "cannot", "name"}
+    assert all(how in kinds and reason for how, reason in HOW.values())
 
 
 @pytest.fixture(scope="module")
