@@ -2,8 +2,8 @@
 
 A page holds a marker line `<!-- reference: NAME -->`; the hook replaces it with the markdown of NAME:
 `study` (the study file's keys, from the schema the study is validated against), `cli` (every `tunegrid`
-command, from its argparse parser), `result` (result.json and a metrics.jsonl line, from their dataclasses)
-and `axes` (the grid's axes, from the axis table).
+command, from its argparse parser), `result` (result.json and a metrics.jsonl line, from their dataclasses),
+`axes` (the grid's axes, from the axis table) and `layout` (every module of the package, from its docstring).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _fields_table(cls: type) -> list[str]:
             default = _cell(field.default if not hasattr(field.default, "value") else field.default.value)
         elif field.default_factory is not dataclasses.MISSING:
             made = field.default_factory()
-            default = _cell(dataclasses.asdict(made) if dataclasses.is_dataclass(made) else made)
+            default = f"`{type(made).__name__}()`" if dataclasses.is_dataclass(made) else _cell(made)
         else:
             default = "required"
         kind, note = _cell(_type_name(hints[field.name])), _text(notes.get(field.name, ""))
@@ -218,7 +218,40 @@ def axes_reference() -> str:
     return "\n".join(rows) + "\n"
 
 
-GENERATORS = {"study": study_reference, "cli": cli_reference, "result": result_reference, "axes": axes_reference}
+# ---- the package, from its modules' docstrings --------------------------------------------------------
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring (read, not imported: no module runs to be listed)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    first = " ".join(doc.split("\n\n")[0].split())
+    return _text(re.split(r"(?<=\.)\s", first, maxsplit=1)[0].rstrip(".:"))
+
+
+def layout_reference() -> str:
+    package = SRC / "tunegrid"
+    out = []
+    for folder in [package, *sorted(p for p in package.iterdir() if (p / "__init__.py").exists())]:
+        name = "tunegrid" if folder == package else f"tunegrid.{folder.name}"
+        out += [f"## `{name}`", "", _summary(folder / "__init__.py"), "", "| module | what it holds |", "|---|---|"]
+        for module in sorted(folder.glob("*.py")):
+            if module.name != "__init__.py":
+                out.append(
+                    f"| `{module.relative_to(SRC).with_suffix('').as_posix().replace('/', '.')}` | {_summary(module)} |"
+                )
+        out.append("")
+    return "\n".join(out)
+
+
+GENERATORS = {
+    "study": study_reference,
+    "cli": cli_reference,
+    "result": result_reference,
+    "axes": axes_reference,
+    "layout": layout_reference,
+}
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:

@@ -6,6 +6,8 @@ Each entry says how the command is exercised:
 
 - `run`: exactly as written, in a fresh clone of this checkout whose default study has run (the
   README's main command, minus its install steps: this interpreter already has the pinned packages);
+- `each`: as written, from the repository root, with `<study>` replaced by every shipped study (commands
+  that write nothing);
 - `dry`: as written plus `-n` (Snakemake resolves the study, the DAG and every input, trains nothing);
   `<study>` is replaced by every shipped study;
 - `server`: started as written, answered over HTTP on 127.0.0.1, then stopped with Ctrl-C (SIGINT);
@@ -142,8 +144,8 @@ HOW: dict[str, tuple[str, str]] = {
         "elsewhere",
         "tests/house/test_docs.py runs it as written with --site-dir in a temporary folder",
     ),
-    "tunegrid validate configs/config.yaml": ("run", "validates the default study"),
-    "tunegrid validate configs/<study>.yaml": ("run", "validates a shipped study"),
+    "tunegrid validate configs/config.yaml": ("each", "validates the default study"),
+    "tunegrid validate configs/<study>.yaml": ("each", "every shipped study"),
     "tunegrid validate their-study.yaml": (
         "elsewhere",
         "tests/prepare/test_hostile_studies.py validates generated hostile study files",
@@ -231,7 +233,7 @@ def test_every_readme_command_has_a_way_to_be_exercised():
     assert not unknown, f"commands README or docs/ show that no test exercises (add them to HOW): {unknown}"
     stale = [c for c in HOW if c not in commands]
     assert not stale, f"HOW lists commands no page shows any more: {stale}"
-    kinds = {"run", "dry", "server", "elsewhere", "cannot", "name"}
+    kinds = {"run", "each", "dry", "server", "elsewhere", "cannot", "name"}
     assert all(how in kinds and reason for how, reason in HOW.values())
 
 
@@ -286,6 +288,14 @@ def test_run_as_written(command, clone):
         pytest.skip("needs Debian's chromium (.ci/run installs it)")
     done = _shell(command.replace("<study>", "default"), clone)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "each"])
+def test_each_study_as_written(command):
+    for study in STUDIES if "<study>" in command else [""]:
+        line = command.replace("<study>", study)
+        done = _shell(line, REPO, timeout=300)
+        assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
 
 
 @pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "dry"])
