@@ -71,6 +71,40 @@ def workflow_env(*also_drop: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in dropped}
 
 
+def shell_env() -> dict[str, str]:
+    """workflow_env() for a command typed in a shell: `python`, `snakemake` and `tunegrid` are this venv's."""
+    env = workflow_env("TUNEGRID_EXECUTION_ID")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def shell(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """A command line run by bash, as a user types it."""
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=shell_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+DEFAULT_STUDY_COMMAND = "snakemake --cores 8 all"  # README's main job, after its install steps
+
+
+@pytest.fixture(scope="session")
+def default_study_clone(tmp_path_factory) -> Path:
+    """A copy of this checkout (no results, no venv) with README's main job run in it, as a newcomer's checkout
+    is after the first command: the default study, end to end. One run for the session, shared by every test
+    that reads its results (README's commands, the MLflow UI, the adapter snippet); only `slow` tests use it."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("newcomer") / "tunegrid"
+    shutil.copytree(
+        REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit")
+    )
+    done = shell(DEFAULT_STUDY_COMMAND, root, timeout=1500)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    (root / "main-output.txt").write_text(done.stdout + done.stderr)
+    return root
+
+
 GEMMA_HOT = {
     "source": "synthetic",
     "architecture": "gemma3_text",

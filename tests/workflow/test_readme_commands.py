@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, workflow_env
+from conftest import DEFAULT_STUDY_COMMAND, REPO, shell, shell_env
 
 STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv", "tunegrid ", "mkdocs")
 OUTPUT = {"text", "diff", "yaml", "python", "json"}  # fenced blocks that hold no command
@@ -215,16 +215,7 @@ def page_commands(page: Path) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _env() -> dict[str, str]:
-    env = workflow_env("TUNEGRID_EXECUTION_ID")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`/`snakemake` of this venv
-    return env
-
-
-def _shell(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "-c", command], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
+_env = shell_env
 
 
 def test_every_readme_command_has_a_way_to_be_exercised():
@@ -238,17 +229,11 @@ def test_every_readme_command_has_a_way_to_be_exercised():
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
-    """A copy of this checkout (no results, no venv) with the main job run in it, as a newcomer's
-    checkout is after the README's first command."""
-    root = tmp_path_factory.mktemp("newcomer") / "tunegrid"
-    shutil.copytree(
-        REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit")
-    )
-    done = _shell(HOW_MAIN, root, timeout=1500)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    (root / "main-output.txt").write_text(done.stdout + done.stderr)
-    return root
+def clone(default_study_clone) -> Path:
+    """conftest's one run of README's main job in a fresh copy of this checkout (shared with the other tests
+    that read the default study's results)."""
+    assert HOW_MAIN == DEFAULT_STUDY_COMMAND
+    return default_study_clone
 
 
 @pytest.mark.slow
@@ -286,7 +271,7 @@ def test_run_as_written(command, clone):
         and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS")
     ):
         pytest.skip("needs Debian's chromium (.ci/run installs it)")
-    done = _shell(command.replace("<study>", "default"), clone)
+    done = shell(command.replace("<study>", "default"), clone)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
 
 
@@ -294,7 +279,7 @@ def test_run_as_written(command, clone):
 def test_each_study_as_written(command):
     for study in STUDIES if "<study>" in command else [""]:
         line = command.replace("<study>", study)
-        done = _shell(line, REPO, timeout=300)
+        done = shell(line, REPO, timeout=300)
         assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
 
 
@@ -303,7 +288,7 @@ def test_dry_run_as_written(command):
     for study in STUDIES if "<study>" in command else [""]:
         line = command.replace("<study>", study)
         # from the repository root, as README says (a dry run writes no results)
-        done = _shell(f"{line} -n", REPO, timeout=300)
+        done = shell(f"{line} -n", REPO, timeout=300)
         assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
 
 
