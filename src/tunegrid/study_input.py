@@ -63,7 +63,7 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
     return values
 
 
-STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (README, security)
+STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (docs/guide/security.md)
 
 
 def study_config(config: dict[str, Any], overrides: Any, study_files: list[Any]) -> dict[str, Any]:

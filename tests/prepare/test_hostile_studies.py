@@ -283,13 +283,13 @@ def test_snakemake_refuses_a_bomb_by_study_path_within_5s(tmp_path, shape):
 def test_snakemake_configfile_bombs_refused_or_the_limitation_shown(tmp_path, shape):
     """By --configfile: list bombs stay shared through snakemake's loader and are refused by the Snakefile;
     the shapes snakemake's own loader expands never reach it (still running after 20 s, or killed by the
-    memory cap with no word from tunegrid): the limitation README's security section documents."""
+    memory cap with no word from tunegrid): the limitation docs/guide/security.md documents."""
     text, key = study_with_bomb(shape, *SNAKEMAKE_BOMBS[shape], ("anchors",))
     study = tmp_path / "bomb.yaml"
     study.write_text(text)
     out, seconds = _snakemake(tmp_path, "--configfile", str(study), wait_s=20)
     if shape in EXPANDED_BY_SNAKEMAKE:
-        assert out is None or "invalid study config" not in out, "snakemake no longer expands it: update README"
+        assert out is None or "invalid study config" not in out, "snakemake no longer expands it: fix the docs"
     else:
         assert _names(out, key), (out or "")[-2000:]
     assert not (tmp_path / "results").exists()
