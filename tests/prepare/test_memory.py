@@ -147,6 +147,7 @@ def test_too_small_budget_ends_oom_with_stage_while_neighbour_is_ok(checkpoints,
     assert skipped["outcome"] == "predicted_oom"
 
 
+@pytest.mark.slow
 def test_estimate_is_close_to_measured_for_ok_cells(checkpoints, dataset_path, tmp_path, capabilities):
     """Spawned workers, the probe's constants for that path; a bf16 MoE cell among them stays flat (oneDNN off).
     The whole default study on both paths: test_cpu_memory_evidence.py."""

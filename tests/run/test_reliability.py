@@ -143,6 +143,7 @@ def _writer(uri: str, experiment_id: str, index: int, steps: int, queue: multipr
     queue.put((run.run_id, run.sent_points, run.errors))
 
 
+@pytest.mark.slow
 def test_eight_concurrent_writers_lose_nothing_on_sqlite(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     experiment_id = init_experiment(uri, "tunegrid/writers", tmp_path / "artifacts")
