@@ -49,7 +49,7 @@ HOW: dict[str, tuple[str, str]] = {
         "the main job: `snakemake --cores 8 all` as written, after the install",
     ),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && "
-    "pip install --no-deps -e . && python -m pytest": (
+    "pip install --no-deps -r envs/requirements-real.txt && pip install --no-deps -e . && python -m pytest": (
         "elsewhere",
         ".ci/run reads this line from README and runs it on a clean clone",
     ),
@@ -64,6 +64,10 @@ HOW: dict[str, tuple[str, str]] = {
     "python3 -m venv .venv && . .venv/bin/activate": (
         "elsewhere",
         "the first part of the main command (.ci/run runs it too)",
+    ),
+    "pip install --no-deps -r envs/requirements-real.txt": (
+        "elsewhere",
+        "part of README's test command, which .ci/run runs on a clean clone",
     ),
     "pip install -r envs/requirements.txt && pip install --no-deps -e .": (
         "elsewhere",
