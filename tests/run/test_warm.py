@@ -161,6 +161,7 @@ def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(
         warm.stop(proc, path)
 
 
+@pytest.mark.slow
 def test_mlflow_ui_starts_no_warm_worker(tmp_path):
     """The warm worker serves cells only: `snakemake mlflow_ui` (no cell to run) must not import torch for
     nothing. Serving is checked by the port answering; then the invocation is stopped."""
