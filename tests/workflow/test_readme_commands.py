@@ -139,7 +139,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "python benchmarks/nan_overhead.py": (
         "elsewhere",
-        "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py",
+        "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py (slow)",
     ),
     "python -m pytest": ("elsewhere", ".ci/run"),
     "python -m pytest -m 'not slow'": ("elsewhere", "a subset of what .ci/run runs"),
@@ -154,7 +154,11 @@ HOW: dict[str, tuple[str, str]] = {
         "elsewhere",
         "tests/prepare/test_hostile_studies.py validates generated hostile study files",
     ),
-    "snakemake --cores 8 --resources gpu=1 all": ("dry", "the GPU form of the main job, options first"),
+    "snakemake --cores 8 --resources gpu=1 all": (
+        "name",
+        "findings.md shows it as the pitfall (--resources reads `all` as a resource); the form that works, "
+        "`snakemake all --cores 8 --resources gpu=1`, is a dry entry",
+    ),
     "snakemake --cores 1 -n --configfile merge.yaml": (
         "elsewhere",
         "the upstream report's merge-key bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
@@ -336,6 +340,7 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     )
 
 
+@pytest.mark.slow
 def test_nan_overhead_benchmark_quick_form_runs(tmp_path):
     done = subprocess.run(
         [
