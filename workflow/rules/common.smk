@@ -16,7 +16,7 @@ from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, 
 from tunegrid.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.cell_plan import mem_mb_for_job, write_cell_plan
 from tunegrid.prepare.recipe_study import expand_base
-from tunegrid.study_input import study_config
+from tunegrid.study_input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
@@ -54,6 +54,7 @@ TRACKING = STUDY["tracking"]["enabled"]
 os.environ.setdefault(EXECUTION_ENV, new_execution_id())
 os.environ.setdefault(COMMAND_ENV, " ".join(["snakemake", *sys.argv[1:]]))
 os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.overwrite_configfiles or [])))
+os.environ.setdefault(STUDY_FILE_ENV, study_file_named(dict(workflow.config_settings.config or {})) or "")
 # How this invocation starts its cells, for their plans (an estimate takes the worker path's constant): cluster
 # jobs spawn every worker, a local run forks one-rank CPU cells where the study keeps a warm worker. In the
 # environment of the cell_plan jobs (local rules), not a param: a plan follows the run that made it and is
