@@ -63,10 +63,7 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
     return values
 
 
-<<<<<<< HEAD
 STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (docs/guide/security.md)
-=======
-STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (README, security)
 STUDY_KEY = "study"  # `--config study=<file>.yaml`, the short form of the same; `study=<name>` renames the study
 STUDY_FILE_SUFFIXES = (".yaml", ".yml")
 STUDY_FILE_ENV = "TUNEGRID_STUDY_FILE"  # the study file named by `--config study=`, for each cell's re-run command
@@ -87,7 +84,6 @@ def study_file_named(overrides: dict[str, Any]) -> str | None:
     if is_file:
         return str(overrides.pop(STUDY_KEY))
     return None if by_path is None else str(by_path)
->>>>>>> main
 
 
 def study_config(config: dict[str, Any], overrides: Any, study_files: list[Any]) -> dict[str, Any]:

@@ -279,13 +279,6 @@ def test_snakemake_refuses_a_bomb_by_study_path_within_5s(tmp_path, shape):
     assert not (tmp_path / "results").exists()
 
 
-<<<<<<< HEAD
-# the shapes Snakemake expands run until the 20 s wait ends: slow by design, out of the fast tier
-@pytest.mark.parametrize(
-    "shape",
-    [pytest.param(s, marks=pytest.mark.slow) if s in EXPANDED_BY_SNAKEMAKE else s for s in sorted(SNAKEMAKE_BOMBS)],
-)
-=======
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
@@ -335,8 +328,11 @@ def test_snakemake_refuses_a_bomb_by_the_shown_study_form(tmp_path, shape):
     assert not (tmp_path / "results").exists()
 
 
-@pytest.mark.parametrize("shape", sorted(SNAKEMAKE_BOMBS))
->>>>>>> main
+# the shapes Snakemake expands run until the 20 s wait ends: slow by design, out of the fast tier
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param(s, marks=pytest.mark.slow) if s in EXPANDED_BY_SNAKEMAKE else s for s in sorted(SNAKEMAKE_BOMBS)],
+)
 def test_snakemake_configfile_bombs_refused_or_the_limitation_shown(tmp_path, shape):
     """By --configfile: list bombs stay shared through snakemake's loader and are refused by the Snakefile;
     the shapes snakemake's own loader expands never reach it (still running after 20 s, or killed by the

@@ -164,6 +164,20 @@ HOW: dict[str, tuple[str, str]] = {
         "the upstream report's mapping bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
     ),
     "tunegrid import": ("name", "its full forms are the recipe page's commands"),
+    "tunegrid pin": ("name", "its full form is the entry below"),
+    "tunegrid pin configs/<study>.yaml": ("cannot", "asks the hub for the commits of unpinned ids (network)"),
+    "tunegrid import <recipe>": ("name", "the form of import; the recipe page's commands run it"),
+    "tunegrid export <cell> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
+    "python benchmarks/recipe_import.py <folder>...": (
+        "cannot",
+        "needs a folder of real-world recipes this checkout does not ship; tests/prepare/test_recipes.py imports "
+        "the held-out ones it does",
+    ),
+    "snakemake --cores 8 all --config study=configs/memory-fixes-oom-cpu.yaml": ("dry", "the out-of-memory study"),
+    'snakemake --cores 8 all --config study=configs/<study>.yaml "train={steps: 20}" "grid={batch_size: [2]}"': (
+        "dry",
+        "every shipped study, with typed overrides on top",
+    ),
     "tunegrid export": ("name", "its full forms are the recipe page's commands"),
     "tunegrid validate": ("name", "its full forms are entries above"),
     "tunegrid export <cell_id> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
