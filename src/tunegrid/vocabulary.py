@@ -246,6 +246,20 @@ AXIS_TABLE: tuple[Axis, ...] = (
         neutral="debug",
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
     ),
+    Axis(
+        name="repeat",
+        type=int,
+        items={"type": "integer", "minimum": 0, "maximum": 9},
+        description=(
+            "a run of the same cell again, the same seed and every setting equal (what tells a deterministic "
+            "failure from a transient one; `tunegrid doctor` adds repeat 1 of a failing cell). Cells other than 0 "
+            "get `_rep<N>` appended to their id"
+        ),
+        default=(0,),
+        id_prefix="rep",
+        neutral=0,
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
 )
 
 AXES = tuple(axis.name for axis in AXIS_TABLE)  # kept for readers that need the names only
