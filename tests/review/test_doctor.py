@@ -111,19 +111,32 @@ def _memory_study():
     return resolve_study(make_study(grid=grid))
 
 
-def test_an_oom_gets_the_memory_settings_that_fit_smallest_saving_first():
+def test_an_oom_gets_the_memory_settings_the_estimate_allows_smallest_saving_first():
     study = _memory_study()
     baseline = baseline_cell(study)
     mib = 2**20
     plans = {
-        baseline.cell_id: {"estimate_bytes": 500 * mib, "budget_bytes": 400 * mib, "verdict": "predicted_oom"},
-        f"{baseline.cell_id}_adamw-8bit": {"estimate_bytes": 450 * mib, "budget_bytes": 400 * mib},
-        f"{baseline.cell_id}_ac": {"estimate_bytes": 380 * mib, "budget_bytes": 400 * mib},
-        f"{baseline.cell_id}_adamw-8bit_ac": {"estimate_bytes": 330 * mib, "budget_bytes": 400 * mib},
+        baseline.cell_id: {"estimate_bytes": 500 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_adamw-8bit": {"estimate_bytes": 450 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_ac": {"estimate_bytes": 380 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_adamw-8bit_ac": {"estimate_bytes": 330 * mib, "verdict": "run"},
     }
-    choice = choose(study, baseline, {"outcome": "oom", "oom_stage": "step"}, CAPABILITIES, plans)
-    assert [c.cell_id for c in choice.candidates] == [f"{baseline.cell_id}_ac", f"{baseline.cell_id}_adamw-8bit_ac"]
-    assert choice.skipped == ["optimizer=adamw-8bit: the estimate (450 MiB) still exceeds the budget"]
+    oom = {"outcome": "oom", "oom_stage": "step"}
+    choice = choose(study, baseline, oom, CAPABILITIES, plans)
+    assert [c.change for c in choice.candidates] == [
+        {"optimizer": "adamw-8bit"},  # saves 50 MiB: the least change first
+        {"activation_checkpointing": True},
+        {"optimizer": "adamw-8bit", "activation_checkpointing": True},
+    ]
+    # the plan's verdict where the study skips predicted failures, and a setting predicted to save nothing
+    plans[f"{baseline.cell_id}_ac"] = {"verdict": "predicted_oom", "reason": "estimated peak exceeds the budget"}
+    plans[f"{baseline.cell_id}_adamw-8bit"]["estimate_bytes"] = 520 * mib
+    choice = choose(study, baseline, oom, CAPABILITIES, plans)
+    assert [c.cell_id for c in choice.candidates] == [f"{baseline.cell_id}_adamw-8bit_ac"]
+    assert set(choice.skipped) == {
+        "optimizer=adamw-8bit: the estimate predicts no saving (20 MiB more)",
+        "activation_checkpointing=True: predicted_oom (estimated peak exceeds the budget)",
+    }
 
 
 def test_a_collective_timeout_gets_its_class_fixes():

@@ -165,9 +165,12 @@ def _memory_candidates(
     study: dict[str, Any], cells: dict[str, Any], baseline: Any, plans: dict[str, dict[str, Any]]
 ) -> Choice:
     """Every grid cell equal to the baseline but in memory settings (the same effective batch), less those the
-    estimate predicts still will not fit the budget, ordered by the estimate's predicted saving, smallest first:
-    the least change that fits is tried first (a saving beyond the need is paid in recomputation or precision),
-    so `--first` stops at the cheapest fix the estimate allows."""
+    estimate predicts still will not fit: the plan's own verdict where the study skips predicted failures
+    (`hardware.predicted_oom: skip`), and always a setting the estimate says saves nothing against the baseline,
+    which did not fit. The estimate's absolute peak is not held against the budget here: the baseline's own
+    failure is the measurement, and on a CPU the budget is of address space above what the process mapped at
+    its start. Ordered by predicted saving, smallest first: the least change that fits is tried first (a saving
+    beyond the need is paid in recomputation or precision), so `--first` stops at the cheapest one."""
     choice = Choice("oom")
     base_axes = baseline.axes()
     effective = baseline.batch_size * baseline.grad_accum
@@ -183,16 +186,17 @@ def _memory_candidates(
             continue  # dequantizing is never a memory fix
         change = {a: axes[a] for a in MEMORY_AXES if axes[a] != base_axes[a]}
         plan = plans.get(cell.cell_id) or {}
-        estimate, budget = plan.get("estimate_bytes"), plan.get("budget_bytes")
+        estimate = plan.get("estimate_bytes")
         words = ", ".join(f"{k}={v}" for k, v in change.items())
-        if plan.get("verdict") not in (None, "run", Outcome.PREDICTED_OOM):
+        if plan.get("verdict") not in (None, "run"):
             choice.skipped.append(f"{words}: {plan['verdict']} ({plan.get('reason')})")
             continue
-        if estimate is not None and budget and estimate > budget:
-            choice.skipped.append(f"{words}: the estimate ({estimate / 2**20:.0f} MiB) still exceeds the budget")
+        saving = (base_estimate - estimate) if base_estimate is not None and estimate is not None else None
+        if saving is not None and saving <= 0:
+            choice.skipped.append(f"{words}: the estimate predicts no saving ({-saving / 2**20:.0f} MiB more)")
             continue
-        saving = (base_estimate - estimate) if base_estimate is not None and estimate is not None else 0
         why = f"predicted to save {saving / 2**20:.0f} MiB" if saving else "no estimate of its saving"
+        saving = saving or 0
         ranked.append((saving, len(change), Candidate(change, cell.cell_id, None, why)))
     for _, _, candidate in sorted(ranked, key=lambda item: item[:2]):
         candidate.reference = _reference(study, cells, cells[candidate.cell_id], baseline)
