@@ -68,7 +68,9 @@ def signature(row: dict[str, Any]) -> dict[str, Any]:
         return {
             "outcome": outcome,
             "step": row["collective_step"],
-            "origin": row["collective_missing_ranks"] or row["collective_op"],
+            "origin": f"rank {row['collective_missing_ranks']}"
+            if row["collective_missing_ranks"]
+            else row["collective_op"],
             "kind": row["collective_diagnosis"],
         }
     return {"outcome": outcome, "step": row["steps_run"], "origin": row["reason"]}
