@@ -78,9 +78,10 @@ def _signature_text(found: dict[str, Any]) -> str:
     return f"{found['outcome']}{where}{kind}, origin {found.get('origin') or 'unknown'}"
 
 
-def _cause(text: str) -> str:
-    """A recommendation's first sentence: what failed and where (sentences end in '. '; module names hold dots)."""
-    return text.split(". ")[0].rstrip(".") + "."
+def _cause(text: str, limit: int = 320) -> str:
+    """A recommendation's words before its fixes and its ranking note: what failed, where, and why."""
+    cause = text.split(" Fix:")[0].split(" Ranked by ")[0].strip()
+    return cause if len(cause) <= limit else cause[: limit - 1].rstrip() + "…"
 
 
 def _export(study: dict[str, Any], fix_cell: str, out_dir: Path) -> str:

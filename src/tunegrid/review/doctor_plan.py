@@ -171,8 +171,8 @@ def _memory_candidates(
     (`hardware.predicted_oom: skip`), and always a setting the estimate says saves nothing against the baseline,
     which did not fit. The estimate's absolute peak is not held against the budget here: the baseline's own
     failure is the measurement, and on a CPU the budget is of address space above what the process mapped at
-    its start. Ordered by predicted saving, smallest first: the least change that fits is tried first (a saving
-    beyond the need is paid in recomputation or precision), so `--first` stops at the cheapest one."""
+    its start. Ordered one setting at a time first (the least change to the recipe), and among as many changes by
+    the predicted saving, largest first (the likeliest to fit, the estimate's absolute peak being unreliable)."""
     choice = Choice("oom")
     base_axes = baseline.axes()
     effective = baseline.batch_size * baseline.grad_accum
@@ -199,7 +199,7 @@ def _memory_candidates(
             continue
         why = f"predicted to save {saving / 2**20:.0f} MiB" if saving else "no estimate of its saving"
         saving = saving or 0
-        ranked.append((saving, len(change), Candidate(change, cell.cell_id, None, why)))
+        ranked.append((len(change), -saving, Candidate(change, cell.cell_id, None, why)))
     for _, _, candidate in sorted(ranked, key=lambda item: item[:2]):
         candidate.reference = _reference(study, cells, cells[candidate.cell_id], baseline)
         choice.candidates.append(candidate)
