@@ -64,7 +64,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _paths(study_file: str) -> StudyPaths:
     """The study's paths from its study.json (results/<study>/study.json)."""
-    return StudyPaths.of_run_dir(Path(study_file).parent / "runs" / "x")
+    study_dir = Path(study_file).parent
+    return StudyPaths(study_dir.parent, study_dir.name)
 
 
 def doctor(args: argparse.Namespace) -> None:
@@ -132,11 +133,10 @@ def doctor_try(args: argparse.Namespace) -> None:
         study,
         diagnosis["reproduction"]["baseline_cell"],
         cells,
+        new,
         read_json(args.capabilities),
         Path(args.out),
     )
-    record["new"] = new
-    write_json(args.out, record)
     print(f"try {args.index} ({', '.join(new)}): " + ("a fix holds" if record["holds"] else "no fix holds yet"))
 
 

@@ -125,7 +125,7 @@ def conclude(
     from tunegrid.review.summary import write_summary
 
     repeat_id = reproduced.get("repeat_cell") or ""
-    ran = [baseline_id] + ([repeat_id] if reproduced["verdict"] not in (NOT_REPRODUCED,) else [])
+    ran = [baseline_id, *([repeat_id] if repeat_id else [])]
     ran += [cell for group in tried for cell in group if cell not in ran]
     results = [paths.result(cell) for cell in ran]
     write_summary(results, out_dir / "summary.csv", review=study["review"])
@@ -208,11 +208,12 @@ def try_verdict(
     study: dict[str, Any],
     baseline_id: str,
     cells: list[str],
+    new: list[str],
     capabilities: dict[str, Any],
     out: Path,
 ) -> dict[str, Any]:
-    """One try's file: whether a fix of the baseline holds among the cells run so far."""
+    """One try's file: its own cells (`new`), and whether a fix of the baseline holds among all run so far."""
     verdict = verdict_of(study, baseline_id, [paths.result(c) for c in cells], capabilities)
-    record = {"cells": cells, "holds": verdict.holds, "fixes": verdict.fixes}
+    record = {"cells": cells, "new": new, "holds": verdict.holds, "fixes": verdict.fixes}
     atomic_write_text(out, json.dumps(record, indent=1, default=str) + "\n")
     return record

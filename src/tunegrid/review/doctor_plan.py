@@ -31,7 +31,7 @@ DETERMINISTIC, TRANSIENT, NOT_REPRODUCED = "deterministic", "transient", "not re
 
 def baseline_cell(study: dict[str, Any], cell_id: str = "") -> Any:
     """The cell the doctor reproduces: `cell_id`, else the first value of every axis (an imported recipe's own
-    cell). A ConfigError-free lookup: an unknown id is a ValueError naming the study's cells."""
+    cell). An id the study lacks is a ValueError naming some of its cells."""
     cells = cells_by_id(study)
     if not cell_id:
         return Cell(**{axis: study["grid"][axis][0] for axis in axis_names()})
