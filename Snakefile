@@ -5,8 +5,8 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-# The study: `--configfile <study>.yaml` (that file plus the schema's defaults), else configs/config.yaml;
-# `--config` overrides go on top (workflow/rules/common.smk).
+# The study: `--config study=<study>.yaml` (read by tunegrid's bounded loader; `--configfile` works too) plus
+# the schema's defaults, else configs/config.yaml; `--config` overrides go on top (workflow/rules/common.smk).
 include: "workflow/rules/common.smk"
 include: "workflow/rules/environment.smk"
 include: "workflow/rules/data.smk"

@@ -41,7 +41,7 @@ GOAL = 0.40
 
 def _snakemake(workdir: Path, study: Path, cores: int, *targets: str) -> float:
     line = [sys.executable, "-m", "snakemake", *targets, "-s", str(REPO / "Snakefile"), "--directory", str(workdir)]
-    line += ["--cores", str(cores), "--configfile", str(study)]  # targets first: --configfile takes every word after it
+    line += ["--cores", str(cores), "--config", f"study={study}"]  # targets first: --config takes every word after it
     started = time.monotonic()
     proc = subprocess.run(line, capture_output=True, text=True, check=False)
     if proc.returncode != 0:

@@ -70,6 +70,17 @@ def _injection_of_run(injection: dict[str, Any], repeat: int) -> dict[str, Any]:
     return injection
 
 
+def injected_faults(debug: dict[str, Any]) -> list[str]:
+    """The debug section's injections that are on for a cell (its own section, after `cell_debug`): a
+    non-finite value into a module, and each rank fault that names a rank. Empty: the cell injects nothing."""
+    names = []
+    inject = debug.get("inject_nonfinite") or {}
+    if inject.get("module") or inject.get("also"):
+        names.append("inject_nonfinite")
+    names += [key for key in RANK_FAULTS.values() if (debug.get(key) or {}).get("rank", -1) >= 0]
+    return names
+
+
 def debug_problems(config: dict[str, Any]) -> list[str]:
     """Fault injections must name ranks, micro-batches and positions the grid has; a grid.fault value must
     name a fault the debug section sets."""

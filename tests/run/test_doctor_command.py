@@ -1,6 +1,7 @@
 """`tunegrid doctor` on a recipe: imported as a study whose baseline is the recipe's own cell and whose grid holds
-every precision of the plans beside it; the Snakemake line it runs names the doctor's target first (so
---configfile cannot swallow it), and that target dry-runs; a --cell the study lacks is an error naming it."""
+every precision of the plans beside it; the Snakemake line it runs names the doctor's target first (so --config
+cannot swallow it) and the study through `--config study=<file>`, and that target dry-runs; a --cell the study
+lacks is an error naming it."""
 
 from __future__ import annotations
 
@@ -48,10 +49,11 @@ def test_a_recipe_becomes_a_study_around_its_own_cell_with_every_precision(workd
     goal = target(study, "local-gemma_fp16_bs8_none_s3", first=True)
     assert goal == Path("results/trl-sft-chat/doctor/local-gemma_fp16_bs8_none_s3/first/doctor.json")
     line = command(args, written, goal)
-    assert line[3] == str(goal) and line[-2:] == ["--config", "train={steps: 5}"] and "--dry-run" in line
+    assert line[3] == str(goal) and "--dry-run" in line
+    assert line[-3:] == ["--config", f"study={written}", "train={steps: 5}"]
 
     done = subprocess.run(
-        [*line[:3], str(goal), "-s", str(REPO / "Snakefile"), "--cores", "2", "-n", "--configfile", str(written)],
+        [*line[:3], str(goal), "-s", str(REPO / "Snakefile"), "--cores", "2", "-n", "--config", f"study={written}"],
         capture_output=True,
         text=True,
         env=workflow_env(),

@@ -90,7 +90,7 @@ def test_the_doctor_reaches_the_grids_recommendation_with_fewer_cells(workdir):
     assert (out / "report" / "index.html").is_file()
 
     grid = subprocess.run(
-        snakemake_command(workdir, "all", "--cores", "2", "--configfile", str(study_file)),
+        snakemake_command(workdir, "all", "--cores", "2", "--config", f"study={study_file}"),
         capture_output=True,
         text=True,
         timeout=1200,

@@ -43,7 +43,7 @@ HOW: dict[str, tuple[str, str]] = {
         "the main job: `snakemake --cores 8 all` as written, after the install",
     ),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && "
-    "pip install --no-deps -e . && python -m pytest": (
+    "pip install --no-deps -r envs/requirements-real.txt && pip install --no-deps -e . && python -m pytest": (
         "elsewhere",
         ".ci/run reads this line from README and runs it on a clean clone",
     ),
@@ -70,45 +70,41 @@ HOW: dict[str, tuple[str, str]] = {
         "headless Chromium",
     ),
     "snakemake --cores 1 mlflow_ui": ("server", "MLflow's UI on 127.0.0.1:5000"),
-    "snakemake --cores 8 all --configfile configs/<study>.yaml": ("dry", "every shipped study"),
+    "snakemake --cores 8 all --config study=configs/<study>.yaml": ("dry", "every shipped study"),
     'snakemake --cores 8 all --config "train={steps: 20, gradient_checkpointing: true}" "grid={batch_size: [2]}"': (
         "dry",
         "typed overrides",
     ),
-    "snakemake --cores 2 all --config study_path=their-study.yaml": (
-        "elsewhere",
-        "tests/prepare/test_hostile_studies.py runs it (dry) on generated hostile study files",
-    ),
     "python benchmarks/memory_estimate.py": ("run", "re-estimates the default study's ok cells"),
     "snakemake --cores 8 plan": ("run", "the plan before training"),
     "snakemake --unlock": ("run", "recovery after a kill"),
-    "snakemake --profile slurm --configfile configs/<study>.yaml": (
+    "snakemake --profile slurm --config study=configs/<study>.yaml": (
         "elsewhere",
         "tests/workflow/test_slurm.py runs `--profile slurm` on a real one-node SLURM",
     ),
     "snakemake all --cores 8 --resources gpu=1": ("dry", "the GPU form of the main job"),
     "export HF_TOKEN=…": ("cannot", "sets a secret for the hub"),
-    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/gemma3-4b-t4.yaml --resources gpu=1": (
         "dry",
         "hub study: trains only with the hub and a GPU",
     ),
-    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": (
         "dry",
         "trains on a GPU (tests/workflow/test_gpu.py)",
     ),
-    "snakemake all --cores 8 --configfile configs/moe-qlora-memory.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/moe-qlora-memory.yaml --resources gpu=1": (
         "dry",
         "hub study: trains only with the hub and a GPU",
     ),
-    "snakemake all --cores 8 --configfile configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": (
         "dry",
         "trains on a GPU (tests/workflow/test_gpu.py)",
     ),
-    "snakemake --cores 2 all --configfile configs/moe-oom-at-load.yaml": (
+    "snakemake --cores 2 all --config study=configs/moe-oom-at-load.yaml": (
         "dry",
         "5 min on a 2-core CPU; tests/prepare/test_studies.py runs it at reduced size end to end",
     ),
-    "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=2": (
+    "snakemake all --cores 8 --config study=configs/collective-timeout.yaml --resources gpu=2": (
         "dry",
         "needs 2 GPUs to train; its CPU form, configs/collective-timeout-cpu.yaml, runs in "
         "tests/workflow/test_collective_study.py",
@@ -123,7 +119,7 @@ HOW: dict[str, tuple[str, str]] = {
         "records whole default-study runs (minutes); tests/prepare/test_cpu_memory_evidence.py replays what it "
         "recorded (tests/data/evidence-cpu-default-study.json)",
     ),
-    "snakemake --cores 2 all --configfile configs/memory-fixes-oom-cpu.yaml": (
+    "snakemake --cores 2 all --config study=configs/memory-fixes-oom-cpu.yaml": (
         "elsewhere",
         "tests/workflow/test_memory_fixes_oom.py runs it as written, with --cores 2",
     ),
@@ -134,19 +130,19 @@ HOW: dict[str, tuple[str, str]] = {
     "python -m pytest": ("elsewhere", ".ci/run"),
     'python -m pytest -m "not slow"': ("elsewhere", "a subset of what .ci/run runs"),
     "snakemake --lint": ("run", "Snakemake's linter on the workflow"),
-    "snakemake --cores 8 all --configfile configs/own-data-chat.yaml": (
+    "snakemake --cores 8 all --config study=configs/own-data-chat.yaml": (
         "run",
         "the shipped chat JSONL, packed, end to end",
     ),
     "python scripts/make_example_model.py": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py import examples/axolotl-gemma3-tiny.yaml --failure nan "
     "--out examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
-    "snakemake --cores 8 all --configfile examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "snakemake --cores 8 all --config study=examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py export recommended --to axolotl --study-dir results/axolotl-gemma3-tiny "
     "--out results/axolotl-gemma3-tiny/fixed.yaml": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py import examples/trl-gemma3-tiny.yaml --failure nan "
     "--out examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
-    "snakemake --cores 8 all --configfile examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "snakemake --cores 8 all --config study=examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py export recommended --to trl --study-dir results/trl-gemma3-tiny "
     "--out results/trl-gemma3-tiny/fixed.yaml": ("elsewhere", RECIPES),
 }
@@ -212,6 +208,7 @@ def test_the_default_study_reads_at_a_glance_in_the_terminal_and_in_mlflow(clone
     import pandas as pd
 
     from tunegrid.track.store import client
+    from tunegrid.track.tags import distinct_part
     from tunegrid.track.tracking import CELL_TAG
 
     summary = pd.read_csv(clone / "results" / "default" / "summary.csv", keep_default_na=False)
@@ -226,7 +223,7 @@ def test_the_default_study_reads_at_a_glance_in_the_terminal_and_in_mlflow(clone
     assert len(runs) == len(summary) and counts.get("nan", 0) > 0
     for run in runs:
         outcome = run.data.tags["outcome"]
-        assert run.info.run_name == f"{outcome} · {run.data.tags[CELL_TAG]}"
+        assert run.info.run_name == f"{outcome} · {distinct_part(run.data.tags[CELL_TAG], summary['cell_id'])}"
         assert run.info.status == ("FINISHED" if outcome == "ok" else "FAILED"), run.info.run_name
         assert "system/cpu_utilization_percentage" in run.data.metrics, run.info.run_name
 

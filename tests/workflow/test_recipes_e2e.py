@@ -4,7 +4,10 @@ back as the user's own config, changed only where the fix changes it (a TRL one 
 
 from __future__ import annotations
 
+import html
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -44,9 +47,21 @@ def test_readme_recipe_commands_import_run_and_export_the_examples(tmp_path: Pat
         study = f"{tool}-gemma3-tiny"
         (run,) = [out for command, out in outputs.items() if command.startswith("snakemake") and study in command]
         tail = run.strip().splitlines()[-5:]
-        assert any(line.startswith(f"tunegrid study '{study}': 3 cells: 2 ok, 1 nan") for line in tail), tail
+        assert any(line.startswith(f"tunegrid study '{study}': 4 cells: 3 ok, 1 nan") for line in tail), tail
         assert f"report: results/{study}/report/index.html" in tail
-        assert "Your recipe, fixed" in (root / "results" / study / "report" / "index.html").read_text()
+        page = (root / "results" / study / "report" / "index.html").read_text()
+        assert "Your recipe, fixed" in page
+        # the report's export command runs as printed (it names the study's folder)
+        for command in re.findall(r"<code>(tunegrid export [^<]+)</code>", html.unescape(page)):
+            argv = shlex.split(command)[1:]
+            done = subprocess.run(
+                [sys.executable, "-m", "tunegrid.cli", *argv],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                env=workflow_env(),
+            )
+            assert done.returncode == 0 and done.stdout.strip(), (command, done.stderr[-2000:])
         recipe = yaml.safe_load((root / "examples" / f"{study}.yaml").read_text())
         fixed = yaml.safe_load((root / "results" / study / "fixed.yaml").read_text())
         changed = {k for k in set(recipe) | set(fixed) if recipe.get(k) != fixed.get(k)}

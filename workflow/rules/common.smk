@@ -19,7 +19,7 @@ from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.review.doctor_plan import baseline_cell as doctor_baseline
 from tunegrid.review.doctor_plan import doctor_cells, memory_plan_cells
 from tunegrid.review.doctor_plan import tries as doctor_tries
-from tunegrid.study_input import study_config
+from tunegrid.study_input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
@@ -59,6 +59,7 @@ TRACKING = STUDY["tracking"]["enabled"]
 os.environ.setdefault(EXECUTION_ENV, new_execution_id())
 os.environ.setdefault(COMMAND_ENV, " ".join(["snakemake", *sys.argv[1:]]))
 os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.overwrite_configfiles or [])))
+os.environ.setdefault(STUDY_FILE_ENV, study_file_named(dict(workflow.config_settings.config or {})) or "")
 # How this invocation starts its cells, for their plans (an estimate takes the worker path's constant): cluster
 # jobs spawn every worker, a local run forks one-rank CPU cells where the study keeps a warm worker. In the
 # environment of the cell_plan jobs (local rules), not a param: a plan follows the run that made it and is

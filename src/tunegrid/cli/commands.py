@@ -33,7 +33,7 @@ def checkpoint(args: argparse.Namespace) -> None:
 
     spec = json.loads(args.spec)
     texts = list(corpus_texts(read_dataset(args.data)))
-    manifest = produce_checkpoint(spec, texts, Path(args.out))
+    manifest = produce_checkpoint(spec, texts, Path(args.out), f"models.{Path(args.out).name}")
     print(f"checkpoint {args.out}: {len(manifest['files'])} files, source {manifest['source']['kind']}")
 
 
@@ -120,6 +120,7 @@ def summary(args: argparse.Namespace) -> None:
 
 
 def sync(args: argparse.Namespace) -> None:
+    from tunegrid.track.current import mark_current
     from tunegrid.track.store import tracking_uri_for_cells
     from tunegrid.track.tracking import sync_cell
 
@@ -130,6 +131,12 @@ def sync(args: argparse.Namespace) -> None:
         result = read_json(path)
         log = Path(args.logs) / f"{result['cell_id']}.log" if args.logs else None
         report[result["cell_id"]] = sync_cell(uri, tracking["experiment_id"], result, path.parent, log)
+    current = {cell: r["run_id"] for cell, r in report.items() if r["run_id"]}
+    try:
+        marked = mark_current(uri, tracking["experiment_id"], current)
+    except Exception as exc:  # noqa: BLE001 — a store that stays down costs only the tags; the files hold it all
+        marked = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    print(f"MLflow runs of this grid marked current: {marked}")
     write_json(args.out, report)
     created = sum(r["created"] for r in report.values())
     filled = sum(r["points_filled"] for r in report.values())

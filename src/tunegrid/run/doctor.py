@@ -63,34 +63,24 @@ def target(study: dict[str, Any], cell_id: str, first: bool) -> Path:
     return StudyPaths.of(study["study"]).doctor_dir(cell_id) / ("first" if first else "all") / "doctor.json"
 
 
-def command(args: argparse.Namespace, configfile: Path, goal: Path) -> list[str]:
-    # the target first: --configfile and --config take every word after them
-    line = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        str(goal),
-        "-s",
-        str(REPO_ROOT / "Snakefile"),
-        "--cores",
-        str(args.cores),
-    ]
-    line += [*shlex.split(args.snakemake), "--configfile", str(configfile)]
-    if args.steps:
-        line += ["--config", f"train={{steps: {args.steps}}}"]
-    return line
+def command(args: argparse.Namespace, study_file: Path, goal: Path) -> list[str]:
+    """The Snakemake line: the target first (--config takes every word after it), the study file through
+    tunegrid's bounded loader (`--config study=<file>`), the steps budget as an override beside it."""
+    line = [sys.executable, "-m", "snakemake", str(goal), "-s", str(REPO_ROOT / "Snakefile"), "--cores"]
+    line += [str(args.cores), *shlex.split(args.snakemake), "--config", f"study={study_file}"]
+    return line + ([f"train={{steps: {args.steps}}}"] if args.steps else [])
 
 
 def run_doctor(args: argparse.Namespace) -> int:
     from tunegrid.review.doctor_plan import baseline_cell
 
-    study, configfile = study_of(args)
+    study, study_file = study_of(args)
     try:
         baseline = baseline_cell(study, args.cell)
     except ValueError as exc:
         raise ConfigError(f"--cell: {exc}") from None
     goal = target(study, baseline.cell_id, args.first)
-    line = command(args, configfile, goal)
+    line = command(args, study_file, goal)
     print(f"tunegrid doctor: {baseline.cell_id} of study {study['study']!r}\n  {shlex.join(line)}", flush=True)
     code = subprocess.run(line, check=False).returncode
     screen = goal.with_name("screen.txt")
