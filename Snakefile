@@ -17,6 +17,7 @@ include: "workflow/rules/tracking.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/summary.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/doctor.smk"
 
 
 rule all:

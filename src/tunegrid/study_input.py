@@ -63,7 +63,7 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
     return values
 
 
-STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (README, security)
+STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (docs/guide/security.md)
 STUDY_KEY = "study"  # `--config study=<file>.yaml`, the short form of the same; `study=<name>` renames the study
 STUDY_FILE_SUFFIXES = (".yaml", ".yml")
 STUDY_FILE_ENV = "TUNEGRID_STUDY_FILE"  # the study file named by `--config study=`, for each cell's re-run command

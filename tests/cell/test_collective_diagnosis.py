@@ -167,6 +167,7 @@ def _real(tmp_path, checkpoints, dataset_path, fault, debug, timeout_s=600, step
     return run_supervised(spec, checkpoints, dataset_path, run_dir), run_dir
 
 
+@pytest.mark.slow
 def test_rank_leaving_the_loop_early_is_a_mismatch_naming_rank_and_step(checkpoints, dataset_path, tmp_path):
     result, run_dir = _real(
         tmp_path, checkpoints, dataset_path, "skip-collective", {"skip_collective": {"rank": 1, "step": 2}}, 4
@@ -182,6 +183,7 @@ def test_rank_leaving_the_loop_early_is_a_mismatch_naming_rank_and_step(checkpoi
     assert processes_mentioning(run_dir) == []
 
 
+@pytest.mark.slow
 def test_slow_rank_that_does_not_time_out_ends_ok_with_a_straggler_warning(checkpoints, dataset_path, tmp_path):
     result, run_dir = _real(
         tmp_path, checkpoints, dataset_path, "slow-rank", {"slow_rank": {"rank": 1, "seconds": 0.6}}, steps=5

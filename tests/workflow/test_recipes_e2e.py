@@ -1,6 +1,6 @@
-"""README's "Bring your recipe" commands, as written, in a fresh copy of this checkout: the example axolotl
-and TRL recipes import, train on the CPU, end with the study at a glance, and their recommended fix comes
-back as the user's own config, changed only where the fix changes it (a TRL one builds trl's SFTConfig)."""
+"""The "Bring your recipe" page's commands (docs/guide/recipes.md), as written, in a fresh copy of this checkout: the
+example axolotl and TRL recipes import, train on the CPU, end with the study at a glance, and their recommended fix
+comes back as the user's own config, changed only where the fix changes it (a TRL one builds trl's SFTConfig)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ pytestmark = pytest.mark.slow
 
 
 def recipe_commands() -> list[str]:
-    """The fenced bash block of README's "Bring your recipe" section, line by line."""
-    text = (REPO / "README.md").read_text().split("## Bring your recipe", 1)[1].split("\n## ", 1)[0]
+    """The first fenced bash block of docs/guide/recipes.md, line by line."""
+    text = (REPO / "docs" / "guide" / "recipes.md").read_text()
     block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.splitlines() if line.strip()]
 
 
-def test_readme_recipe_commands_import_run_and_export_the_examples(tmp_path: Path):
+def test_the_recipe_commands_import_run_and_export_the_examples(tmp_path: Path):
     root = tmp_path / "tunegrid"
     shutil.copytree(
         REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", "models")
