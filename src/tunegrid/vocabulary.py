@@ -22,6 +22,8 @@ class Precision(StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP16_ISLANDS = "fp16-islands"  # fp16 with the modules that overflow it computing in fp32 (cell/islands.py)
+    FP16_MIXED = "fp16-mixed"  # fp16 matmuls under autocast over fp32-stored weights (fp32 master weights)
+    FP16_RESIDUAL = "fp16-residual"  # fp16 weights and matmuls, the residual stream kept in fp32
 
 
 class Quant(StrEnum):
@@ -124,7 +126,9 @@ AXIS_TABLE: tuple[Axis, ...] = (
         items=_enum(PRECISIONS),
         description=(
             "compute precision (bf16/fp16 use autocast; fp16 adds a GradScaler); fp16-islands is fp16 with the "
-            "modules whose activations near fp16's 65504 computing and returning fp32 (train.fp32_islands)"
+            "modules whose activations near fp16's 65504 computing and returning fp32 (train.fp32_islands); "
+            "fp16-mixed keeps the weights that are not quantized in fp32 under fp16 autocast (mixed precision with "
+            "fp32 master weights); fp16-residual keeps fp16 weights but the residual stream in fp32"
         ),
         default=(Precision.FP32.value,),
         plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.COLOUR, always=True),

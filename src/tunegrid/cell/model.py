@@ -51,7 +51,27 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         disable_cpu_inference_packing(model)
     if device.type != "cuda":
         model.to(device)
+    if plan.residual_fp32:
+        keep_residual_fp32(model)
     return model
+
+
+def keep_residual_fp32(model: Any) -> None:
+    """The residual stream in fp32 from the embeddings on, while the weights stay in their storage dtype.
+
+    Why this is enough: the stream starts as the embeddings' output, and a decoder block adds its attention and
+    MLP outputs to the stream it was given, so an fp32 stream stays fp32 by type promotion (fp32 + fp16 is fp32).
+    The norms return their input's dtype, so their outputs stay fp32 too; under autocast each matmul still casts
+    its normalized input to the compute dtype. A sum of layer outputs past 65504 (real Gemma 3's stream reaches
+    1.6x that while no single module's output does) then never exists in fp16. vLLM keeps Gemma's residual in
+    fp32 under fp16 for the same reason.
+    """
+    import torch
+
+    def widen(_module: Any, _inputs: Any, output: Any) -> Any:
+        return output.float() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+    model.get_input_embeddings().register_forward_hook(widen)
 
 
 def use_cpu_kernels(model_dir: Path, spec: dict[str, Any], device: Any) -> None:

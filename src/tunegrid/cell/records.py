@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
+from tunegrid.cell.instrument import BLOCK_NAME, DtypeCensus, HeadroomMeter, site_words
 from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
@@ -288,4 +288,8 @@ def origin_text(fact: dict[str, Any] | None) -> str:
     earlier = fact.get("preceded_by")
     if earlier:
         return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {earlier['module']})"
+    block = BLOCK_NAME.search(fact["module"])
+    if block and fact.get("phase") == "forward" and fact.get("dtype") == "float16":
+        # the first non-finite forward output is a whole layer's: no module inside it returned one, its sum did
+        return f"{fact['module']} ({site_words(fact['module'])} exceeds fp16's range)"
     return fact["module"]
