@@ -13,7 +13,7 @@ module's own low-precision weights widened to fp32 for its own forward only, so 
 exists. The headroom meter reads every module's output and every leaf module's input max-abs at real tokens; an island
 is a module over `train.island_threshold` x 65504 none of whose descendants is over (the innermost module where the
 range is exceeded; a block whose residual stream exceeds it with no module inside over becomes one whole), and a
-leaf module fed an input over it (autocast would cast that input to fp16). Or a list of name patterns. Islands
+matmul fed an input over it (autocast would cast that input to fp16). Or a list of name patterns. Islands
 are chosen by the same names on every rank (the maxima are all-reduced).
 """
 
@@ -171,15 +171,15 @@ class IslandCalibration:
 
     batches: int
     maxima: dict[str, float]  # every module's output
-    input_maxima: dict[str, float] = dataclasses.field(default_factory=dict)  # every leaf module's input
+    input_maxima: dict[str, float] = dataclasses.field(default_factory=dict)  # every matmul's input
 
 
 def islands_over(calibration: IslandCalibration, threshold_abs: float) -> list[str]:
     """The islands a calibration calls for: the innermost modules whose output is over the threshold (where the
-    range is first exceeded; a whole layer where only its residual sum is), and every leaf module fed an input
-    over it that no such island holds already. A module whose own output stays in range can still be fed more
-    than fp16 holds (a norm or a projection reading an fp32 residual stream): under autocast its input would be
-    cast to fp16 before it runs, so it must compute in fp32 too."""
+    range is first exceeded; a whole layer where only its residual sum is), and every matmul fed an input over it
+    that no such island holds already. A matmul whose own output stays in range can still be fed more than fp16
+    holds (a projection reading an island's fp32 output): under autocast its input would be cast to fp16 before
+    it runs, so it must compute in fp32 too."""
     chosen = innermost_over(calibration.maxima, threshold_abs)
     fed = innermost_over(calibration.input_maxima, threshold_abs)
     held = [name for name in fed if not any(name == c or name.startswith(c + ".") for c in chosen)]
@@ -202,10 +202,19 @@ def calibrate(model: Any, stream: Any, device: Any, distributed: bool, batches: 
                     model(**{k: v.to(device) for k, v in micro.items()})
                 meter.collect(step)
     maxima = {plain_name(name): value for name, value in meter.worst_seen.items() if name}
-    inputs = {plain_name(name): value for name, value in meter.worst_input_seen.items() if name}
+    # a matmul's input is what autocast casts down (a norm computes in fp32 whatever it is fed)
+    matmuls = {name for name, module in model.named_modules() if is_matmul(module)}
+    inputs = {plain_name(name): value for name, value in meter.worst_input_seen.items() if name in matmuls}
     if distributed:
         maxima, inputs = (all_ranks_max(measured, device) for measured in (maxima, inputs))
     return IslandCalibration(batches=batches, maxima=maxima, input_maxima=inputs)
+
+
+def is_matmul(module: Any) -> bool:
+    """A leaf module whose forward multiplies by a matrix (a linear layer, 4-bit or not): autocast runs it in the
+    compute dtype and casts its input down first."""
+    weight = getattr(module, "weight", None)
+    return not any(True for _ in module.children()) and getattr(weight, "dim", lambda: 0)() >= 2
 
 
 def all_ranks_max(maxima: dict[str, float], device: Any) -> dict[str, float]:

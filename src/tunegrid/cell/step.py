@@ -187,6 +187,8 @@ class OptimizerStep:
         scaler = self.scaler
         if self.ranks.distributed:
             self.ranks.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
+        else:
+            self.ranks.heartbeat.beat(f"step {step}")
         # the rank's local time: from here to its last forward, before the backward joins the gradient
         # all-reduce (a straggler's own slowness, not its peers' wait for it)
         local_started = time.perf_counter()
