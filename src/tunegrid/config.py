@@ -159,6 +159,10 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 problems.append(
                     f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder"
                 )
+        elif spec["source"] == "gguf":
+            from tunegrid.gguf_files import gguf_spec_problems
+
+            problems += gguf_spec_problems(spec, key)
     from tunegrid.data_checks import config_problems
 
     problems += config_problems(config["data"])

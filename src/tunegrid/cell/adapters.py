@@ -24,8 +24,8 @@ REFERENCE_BATCH_FILE = "reference_batch.safetensors"
 
 
 def base_model_identity(manifest: dict[str, Any]) -> dict[str, Any]:
-    """Which base checkpoint: the manifest's sha256 always (it lists every file's sha256), and the hub
-    coordinates when it came from the hub."""
+    """Which base checkpoint: the manifest's sha256 always (it lists every file's sha256), the hub
+    coordinates when it came from the hub, the GGUF's package, version or path and sha256 when from one."""
     text = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
     source = manifest.get("source") or {}
     identity: dict[str, Any] = {
@@ -34,6 +34,8 @@ def base_model_identity(manifest: dict[str, Any]) -> dict[str, Any]:
     }
     if source.get("kind") == "hub":
         identity.update(repo_id=source["repo_id"], revision=source["revision"])
+    if source.get("kind") == "gguf":  # the quantized file the weights were dequantized from
+        identity.update({k: source[k] for k in ("package", "version", "path", "gguf_sha256") if k in source})
     return identity
 
 

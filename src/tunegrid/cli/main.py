@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=commands.dataset)
 
-    p = sub.add_parser("checkpoint", help="produce a model folder (hub, local or synthetic)")
+    p = sub.add_parser("checkpoint", help="produce a model folder (hub, local, synthetic or gguf)")
     p.add_argument("--spec", required=True, help="the model's config entry as JSON")
     p.add_argument("--data", required=True)
     p.add_argument("--out", required=True)

@@ -1,4 +1,4 @@
-"""Model checkpoints from three sources (hub, local path, synthetic), one folder layout, one manifest.
+"""Model checkpoints from four sources (hub, local path, synthetic, gguf), one folder layout, one manifest.
 
 The folder holds config.json, *.safetensors, the tokenizer files and manifest.json (source, revision or
 config, size and sha256 of every file). Loading is safetensors-only: pickle checkpoints are refused.
@@ -330,4 +330,12 @@ def produce_checkpoint(spec: dict[str, Any], texts: list[str], out_dir: str | Pa
         return build_synthetic(spec, texts, out_dir)
     if source == "hub":
         return download_hub(spec, out_dir)
+    if source == "gguf":
+        from tunegrid.gguf_files import GgufSourceError
+        from tunegrid.prepare.gguf_checkpoint import dequantize_gguf
+
+        try:
+            return write_manifest(out_dir, dequantize_gguf(spec, out_dir))
+        except GgufSourceError as exc:
+            raise CheckpointError(str(exc)) from None
     return link_local(spec, out_dir)
