@@ -14,8 +14,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tunegrid.cell.instrument import BLOCK_NAME
 from tunegrid.rundir import Heartbeat
+from tunegrid.vocabulary import BLOCK_NAME
 
 PULSE_EVERY_S = 1.0
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.instrument import BLOCK_NAME, DtypeCensus, HeadroomMeter, site_words
+from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
 from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
 from tunegrid.files import JsonlAppender
 from tunegrid.outcome import StepMetrics
-from tunegrid.vocabulary import Outcome
+from tunegrid.vocabulary import BLOCK_NAME, Outcome, site_words
 
 
 @dataclass
