@@ -39,6 +39,7 @@ class Quant(StrEnum):
 PRECISIONS = tuple(p.value for p in Precision)
 QUANTS = tuple(q.value for q in Quant)
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsandbytes' 8-bit, unpaged and paged
+ATTENTIONS = ("sdpa", "eager")  # transformers' attn_implementation: its default kernel (sdpa), or eager
 FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
 NO_FAULT = FAULTS[1]  # the twin without an injected fault
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # PyTorch's NCCL default (Timeout(ms)=600000)
@@ -250,6 +251,22 @@ AXIS_TABLE: tuple[Axis, ...] = (
         neutral="debug",
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
     ),
+    Axis(
+        name="attention",
+        type=str,
+        items=_enum(ATTENTIONS),
+        description=(
+            "the attention kernel (transformers' attn_implementation): sdpa = the model's default (torch's "
+            "scaled_dot_product_attention where the model supports it); eager = the model's own matmul-softmax "
+            "code, which transformers advises for training Gemma and which keeps the seq x seq probabilities for "
+            "backward. Kernels differ in fp16 behaviour and memory. Cells other than sdpa get `_attn-<value>` "
+            "appended to their id"
+        ),
+        default=("sdpa",),
+        id_prefix="attn-",
+        neutral="sdpa",
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
+    ),
 )
 
 AXES = tuple(axis.name for axis in AXIS_TABLE)  # kept for readers that need the names only
@@ -343,19 +360,3 @@ class Outcome(StrEnum):
 
 OUTCOMES = tuple(outcome.value for outcome in Outcome)
 FAILED = frozenset(OUTCOMES) - {Outcome.OK}
-
-
-# A decoder block in the model's list of layers (model.layers.N, transformer.h.N, ...): its output is the residual
-# stream after it, the sum its additions carry from the embeddings on
-BLOCK_NAME = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.(\d+)$")
-INPUT = "input"
-OUTPUT = "output"
-
-
-def site_words(module: str, site: str = OUTPUT) -> str:
-    """A measured site in words a user reads: a decoder block's output is the residual stream after that layer;
-    a module's input is what it was fed (a norm's input is the residual stream too)."""
-    block = BLOCK_NAME.search(module)
-    if site == OUTPUT and block:
-        return f"the residual stream after layer {block.group(1)}"
-    return f"the input of {module}" if site == INPUT else f"the output of {module}"

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from tunegrid.rundir import Heartbeat
-from tunegrid.vocabulary import BLOCK_NAME
+from tunegrid.sites import BLOCK_NAME
 
 PULSE_EVERY_S = 1.0
 

@@ -29,6 +29,8 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         "use_safetensors": True,  # never a pickle
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
+    if spec["axes"].get("attention", "sdpa") == "eager":  # sdpa: the model's own default, left to transformers
+        kwargs["attn_implementation"] = "eager"
     quant = quant_plan(spec["axes"]["quant"])
     bnb = quant.bnb_settings(plan.torch_dtype("compute"))
     if device.type == "cuda":

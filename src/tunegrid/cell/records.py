@@ -18,7 +18,8 @@ from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
 from tunegrid.files import JsonlAppender
 from tunegrid.outcome import StepMetrics
-from tunegrid.vocabulary import BLOCK_NAME, Outcome, site_words
+from tunegrid.sites import BLOCK_NAME, site_words
+from tunegrid.vocabulary import Outcome
 
 
 @dataclass

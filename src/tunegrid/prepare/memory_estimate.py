@@ -253,8 +253,9 @@ def estimate_from_shapes(
     # out, q/k/v/o, gated-MLP gate/up/act/product), fitted on this project's CPU runs (benchmarks/).
     # Attention: the CPU kernels keep the seq x seq probabilities (and their dropout mask); CUDA's SDPA kernels
     # (flash, memory-efficient) keep only an fp32 log-sum-exp per query (torch's meta registrations of
-    # _scaled_dot_product_{flash,efficient}_attention)
-    attention = batch * heads * seq * seq * act * 2 if device == "cpu" else batch * heads * seq * 4
+    # _scaled_dot_product_{flash,efficient}_attention); eager attention keeps the probabilities on any device
+    probabilities = device == "cpu" or axes.get("attention", "sdpa") == "eager"
+    attention = batch * heads * seq * seq * act * 2 if probabilities else batch * heads * seq * 4
     per_layer = tokens * (24 * hidden + 7 * intermediate * experts_per_token) * act + attention
     if train["gradient_checkpointing"]:
         # Each checkpointed layer keeps its input (torch's non-reentrant checkpoint, as the cell enables it); at
