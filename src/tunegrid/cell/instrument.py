@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from tunegrid.vocabulary import INPUT, OUTPUT, site_words
+from tunegrid.sites import INPUT, OUTPUT, site_words
 
 
 def _tensors(obj: Any) -> Iterator[Any]:
