@@ -62,7 +62,7 @@ class FailingStepReplay:
             return {
                 **traced,
                 "replay": "forward only",
-                "unlocated": "backward not run: the forward's loss was not finite",
+                "unlocated": "backward origin not traced: the step's forward loss was not finite (no backward ran)",
             }
         try:
             return {**self.traced_replay(step, index, batch, result, headroom, backward=True), "replay": "full"}
