@@ -102,7 +102,7 @@ def test_real_gemma_fp16_fails_at_its_residual_stream_and_the_fixes_hold(real_st
     # the first layer whose output an independent fp32 forward sees past 65504 is the one the origin names
     maxima = residual_maxima(real_study / "models" / "gemma3-270m", sample_batch(real_study / "models" / "gemma3-270m"))
     first_over = next(i for i, value in enumerate(maxima) if value > FP16_MAX)
-    assert layer == f"model.layers.{first_over}"
+    assert layer.endswith(f"model.layers.{first_over}")  # as the model names it (peft's wrapper prefix or not)
     for cell in ("gemma3-270m_fp32_bs1_none_s0", "smollm2-135m_fp32_bs1_none_s0"):
         assert row[cell]["outcome"] == "ok"
     for fix in ("gemma3-270m_fp16-residual_bs1_none_s0", "smollm2-135m_fp16_bs1_none_s0"):
