@@ -31,14 +31,49 @@ def permute_for_gguf(weights, n_head: int):
     )
 
 
-def write_tiny_llama_gguf(path: Path) -> tuple[dict, object]:
-    """A tiny LlamaForCausalLM written as llama.cpp would write it. Returns the tensors transformers must
-    read back (the stored blocks unpacked, by transformers parameter name) and the tokenizer written."""
+# Per block: the GGUF name, the transformers name, and how llama.cpp stores it (q4 / q8 matrices, f32 norms;
+# llama's q and k rows permuted per head)
+LAYER_TENSORS = {
+    "llama": [
+        ("attn_norm", "input_layernorm", "f32"),
+        ("attn_q", "self_attn.q_proj", "q4 heads"),
+        ("attn_k", "self_attn.k_proj", "q4 kv_heads"),
+        ("attn_v", "self_attn.v_proj", "q4"),
+        ("attn_output", "self_attn.o_proj", "q4"),
+        ("ffn_norm", "post_attention_layernorm", "f32"),
+        ("ffn_gate", "mlp.gate_proj", "q4"),
+        ("ffn_up", "mlp.up_proj", "q4"),
+        ("ffn_down", "mlp.down_proj", "q8"),
+    ],
+    "gemma3": [
+        ("attn_norm", "input_layernorm", "f32"),
+        ("attn_q", "self_attn.q_proj", "q4"),
+        ("attn_k", "self_attn.k_proj", "q4"),
+        ("attn_v", "self_attn.v_proj", "q4"),
+        ("attn_q_norm", "self_attn.q_norm", "f32"),
+        ("attn_k_norm", "self_attn.k_norm", "f32"),
+        ("attn_output", "self_attn.o_proj", "q4"),
+        ("post_attention_norm", "post_attention_layernorm", "f32"),
+        ("ffn_norm", "pre_feedforward_layernorm", "f32"),
+        ("ffn_gate", "mlp.gate_proj", "q4"),
+        ("ffn_up", "mlp.up_proj", "q4"),
+        ("ffn_down", "mlp.down_proj", "q8"),
+        ("post_ffw_norm", "post_feedforward_layernorm", "f32"),
+    ],
+}
+SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+KV_HEADS, HEAD_DIM = 2, 16
+
+
+def write_tiny_gguf(path: Path, architecture: str) -> tuple[dict, object]:
+    """A tiny llama or gemma3 written as llama.cpp's converter would write it. Returns the tensors
+    transformers must read back (the stored blocks unpacked, by transformers parameter name) and the
+    tokenizer written."""
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, TokenType
     from gguf.quants import dequantize, quantize
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from tunegrid.prepare.checkpoints import train_tokenizer
 
@@ -46,37 +81,39 @@ def write_tiny_llama_gguf(path: Path) -> tuple[dict, object]:
     state = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     tokens = [token for token, _ in sorted(state["vocab"].items(), key=lambda item: item[1])]
     merges = [" ".join(pair) if isinstance(pair, list) else pair for pair in state["merges"]]
-    config = LlamaConfig(
+    gemma = architecture == "gemma3"
+    config = AutoConfig.for_model(
+        "gemma3_text" if gemma else "llama",
         vocab_size=len(tokens),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
         max_position_embeddings=128,
-        rms_norm_eps=1e-5,
         tie_word_embeddings=True,
+        **SHAPE,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)  # not all ones, so a norm read wrongly shows
+            if "norm" in name:  # not the init's ones (zeros for Gemma), so a norm read wrongly shows
+                param.uniform_(-0.5, 0.5) if gemma else param.uniform_(0.5, 1.5)
     hf = {name: t.detach().numpy().astype(np.float32) for name, t in model.state_dict().items()}
 
-    writer = GGUFWriter(path, "llama")
-    writer.add_name("tiny llama")
+    writer = GGUFWriter(path, architecture)
+    writer.add_name(f"tiny {architecture}")
     writer.add_file_type(LlamaFileType.MOSTLY_Q4_0)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_block_count(SHAPE["num_hidden_layers"])
+    writer.add_context_length(128)
+    writer.add_embedding_length(SHAPE["hidden_size"])
+    writer.add_feed_forward_length(SHAPE["intermediate_size"])
+    writer.add_head_count(SHAPE["num_attention_heads"])
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_key_length(HEAD_DIM)
+    writer.add_value_length(HEAD_DIM)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(10000.0)
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
     writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -87,31 +124,30 @@ def write_tiny_llama_gguf(path: Path) -> tuple[dict, object]:
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_unk_token_id(tokenizer.unk_token_id)
 
+    qtypes = {"q4": GGMLQuantizationType.Q4_0, "q8": GGMLQuantizationType.Q8_0, "f32": GGMLQuantizationType.F32}
+    heads = {"heads": SHAPE["num_attention_heads"], "kv_heads": KV_HEADS}
     expected = {}
 
-    def put(gguf_name: str, hf_name: str, qtype: GGMLQuantizationType, permute_heads: int = 0) -> None:
+    def put(gguf_name: str, hf_name: str, how: str) -> None:
+        kind, _, permuted = how.partition(" ")
         values = hf[hf_name]
-        stored = permute_for_gguf(values, permute_heads) if permute_heads else values
-        blocks = quantize(stored, qtype)
-        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+        if gemma and kind == "f32":
+            # Gemma's norms scale by (1 + w); llama.cpp stores 1 + w and transformers subtracts the 1 again
+            stored = values + np.float32(1)
+            writer.add_tensor(gguf_name, stored)
+            expected[hf_name] = stored - np.float32(1)
+            return
+        stored = permute_for_gguf(values, heads[permuted]) if permuted else values
+        writer.add_tensor(gguf_name, quantize(stored, qtypes[kind]), raw_dtype=qtypes[kind])
         # quantization is per block of a row and the permutation moves whole rows: unpacking the blocks of
         # the unpermuted tensor gives exactly what transformers must hand back
-        expected[hf_name] = dequantize(quantize(values, qtype), qtype).reshape(values.shape)
+        expected[hf_name] = dequantize(quantize(values, qtypes[kind]), qtypes[kind]).reshape(values.shape)
 
-    q4, q8, f32 = GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32
-    put("token_embd.weight", "model.embed_tokens.weight", q8)
-    put("output_norm.weight", "model.norm.weight", f32)
-    for i in range(config.num_hidden_layers):
-        layer = f"model.layers.{i}"
-        put(f"blk.{i}.attn_norm.weight", f"{layer}.input_layernorm.weight", f32)
-        put(f"blk.{i}.attn_q.weight", f"{layer}.self_attn.q_proj.weight", q4, config.num_attention_heads)
-        put(f"blk.{i}.attn_k.weight", f"{layer}.self_attn.k_proj.weight", q4, config.num_key_value_heads)
-        put(f"blk.{i}.attn_v.weight", f"{layer}.self_attn.v_proj.weight", q4)
-        put(f"blk.{i}.attn_output.weight", f"{layer}.self_attn.o_proj.weight", q4)
-        put(f"blk.{i}.ffn_norm.weight", f"{layer}.post_attention_layernorm.weight", f32)
-        put(f"blk.{i}.ffn_gate.weight", f"{layer}.mlp.gate_proj.weight", q4)
-        put(f"blk.{i}.ffn_up.weight", f"{layer}.mlp.up_proj.weight", q4)
-        put(f"blk.{i}.ffn_down.weight", f"{layer}.mlp.down_proj.weight", q8)
+    put("token_embd.weight", "model.embed_tokens.weight", "q8")
+    put("output_norm.weight", "model.norm.weight", "f32")
+    for i in range(SHAPE["num_hidden_layers"]):
+        for gguf_name, hf_name, how in LAYER_TENSORS[architecture]:
+            put(f"blk.{i}.{gguf_name}.weight", f"model.layers.{i}.{hf_name}.weight", how)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -119,17 +155,17 @@ def write_tiny_llama_gguf(path: Path) -> tuple[dict, object]:
     return expected, tokenizer
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, object]:
-    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.Q4_0.gguf"
-    expected, tokenizer = write_tiny_llama_gguf(path)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny_gguf(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, object]:
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-{request.param}.Q4_0.gguf"
+    expected, tokenizer = write_tiny_gguf(path, request.param)
     return path, expected, tokenizer
 
 
 @pytest.fixture(scope="module")
 def tiny_dequantized(tiny_gguf, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     path = tiny_gguf[0]
-    out = tmp_path_factory.mktemp("study") / "models" / "tiny-llama"
+    out = tmp_path_factory.mktemp("study") / "models" / path.stem.split(".")[0]
     manifest = produce_checkpoint({"source": "gguf", "path": str(path), "package": "", "sha256": ""}, [], out)
     return out, manifest
 
@@ -146,7 +182,8 @@ def test_dequantized_folder_holds_the_written_blocks_unpacked(tiny_gguf, tiny_de
         assert stored[name].dtype == torch.float32, name
         assert torch.equal(stored[name], torch.from_numpy(values)), name
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
+    assert config["model_type"] in {"llama", "gemma3_text"} and config["num_key_value_heads"] == KV_HEADS
+    assert config["head_dim"] == HEAD_DIM and config["hidden_size"] == SHAPE["hidden_size"]
     assert "quantization_config" not in config  # a plain float32 folder, loaded like any other
 
 
@@ -160,9 +197,11 @@ def test_dequantized_folder_loads_and_its_tokenizer_encodes_as_written(tiny_gguf
     model = AutoModelForCausalLM.from_pretrained(out, use_safetensors=True)
     assert torch.equal(model.lm_head.weight, torch.from_numpy(expected["model.embed_tokens.weight"]))
     tokenizer = AutoTokenizer.from_pretrained(out)
-    for text in TEXTS[:3]:
-        assert tokenizer(text)["input_ids"] == written(text)["input_ids"], text
+    assert written.get_vocab().items() <= tokenizer.get_vocab().items()  # every token at its written id
     assert tokenizer.pad_token == written.pad_token == "<pad>"
+    if model.config.model_type == "llama":  # a byte-level BPE in a gemma3 file is reloaded as GemmaTokenizer's
+        for text in TEXTS[:3]:  # sentencepiece pipeline; real Gemma files carry a sentencepiece vocabulary
+            assert tokenizer(text)["input_ids"] == written(text)["input_ids"], text
 
 
 def test_manifest_records_the_file_its_quantization_and_the_dequantization(tiny_gguf, tiny_dequantized):
@@ -174,10 +213,12 @@ def test_manifest_records_the_file_its_quantization_and_the_dequantization(tiny_
     assert source["kind"] == "gguf" and source["path"] == str(path.resolve())
     assert source["gguf_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert source["gguf_bytes"] == path.stat().st_size
-    assert source["architecture"] == "llama" and source["model_name"] == "tiny llama"
+    assert source["model_name"] == f"tiny {source['architecture']}"
+    layers = LAYER_TENSORS[source["architecture"]]
+    count = {kind: 2 * sum(how.startswith(kind) for _, _, how in layers) for kind in ("f32", "q4", "q8")}
     assert source["quantization"] == {
         "file_type": "MOSTLY_Q4_0",
-        "tensor_types": {"F32": 5, "Q4_0": 12, "Q8_0": 3},
+        "tensor_types": {"F32": count["f32"] + 1, "Q4_0": count["q4"], "Q8_0": count["q8"] + 1},
     }
     assert source["dequantized"].startswith("float32 weights dequantized from a 4-bit GGUF (Q4_0")
     assert "not of the original" in source["dequantized"]
@@ -195,6 +236,14 @@ def test_an_adapter_names_the_gguf_its_base_was_dequantized_from(tiny_gguf, tiny
 def test_a_pinned_sha256_that_differs_is_refused(tiny_gguf, tmp_path):
     spec = {"source": "gguf", "path": str(tiny_gguf[0]), "package": "", "sha256": "0" * 64}
     with pytest.raises(CheckpointError, match=r"models\.m\.sha256'.*not the pinned"):
+        produce_checkpoint(spec, [], tmp_path / "m")
+
+
+def test_a_truncated_gguf_is_refused_as_damaged(tiny_gguf, tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(tiny_gguf[0].read_bytes()[:2000])
+    spec = {"source": "gguf", "path": str(truncated), "package": "", "sha256": ""}
+    with pytest.raises(CheckpointError, match=r"models\.m: cut\.gguf starts like a GGUF but cannot be read.*truncated"):
         produce_checkpoint(spec, [], tmp_path / "m")
 
 

