@@ -68,7 +68,7 @@ def autocast_context(plan: PrecisionPlan) -> contextlib.AbstractContextManager[A
     return torch.autocast(device_type=plan.device_type, dtype=plan.torch_dtype("compute"))
 
 
-def make_grad_scaler(plan: PrecisionPlan) -> Any | None:
+def make_grad_scaler(plan: PrecisionPlan, init_scale: float = 65536.0) -> Any | None:
     import torch
 
-    return torch.amp.GradScaler(plan.device_type) if plan.grad_scaler else None
+    return torch.amp.GradScaler(plan.device_type, init_scale=init_scale) if plan.grad_scaler else None

@@ -101,7 +101,7 @@ class OptimizerStep:
             if schedule == "cosine_with_min_lr"
             else None,
         )
-        scaler = make_grad_scaler(plan)
+        scaler = make_grad_scaler(plan, float(train.get("loss_scale_init", 65536)))
         loss_by_count = accepts_loss_kwargs(model)
         injection = (spec.get("debug") or {}).get("inject_nonfinite")
         injector = (
