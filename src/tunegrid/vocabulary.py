@@ -256,11 +256,9 @@ AXIS_TABLE: tuple[Axis, ...] = (
         type=str,
         items=_enum(ATTENTIONS),
         description=(
-            "the attention kernel (transformers' attn_implementation): sdpa = the model's default (torch's "
-            "scaled_dot_product_attention where the model supports it); eager = the model's own matmul-softmax "
-            "code, which transformers advises for training Gemma and which keeps the seq x seq probabilities for "
-            "backward. Kernels differ in fp16 behaviour and memory. Cells other than sdpa get `_attn-<value>` "
-            "appended to their id"
+            "the attention kernel (attn_implementation): sdpa = the model's default; eager = its own matmul-softmax "
+            "(advised by transformers for training Gemma; keeps the seq x seq probabilities). Cells other than "
+            "sdpa get `_attn-<value>` appended to their id"
         ),
         default=("sdpa",),
         id_prefix="attn-",
