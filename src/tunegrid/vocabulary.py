@@ -291,30 +291,6 @@ def with_neutrals(axes: dict[str, Any]) -> dict[str, Any]:
     return {**{a.name: a.neutral for a in axis_table() if a.neutral is not None}, **axes}
 
 
-def grid_schema() -> dict[str, Any]:
-    """The JSON schema of the study's `grid` key, built from the table: one array property per axis."""
-    properties: dict[str, Any] = {}
-    for row in axis_table():
-        prop: dict[str, Any] = {
-            "type": "array",
-            "minItems": 1,
-            "uniqueItems": True,
-            "items": dict(row.items),
-            "description": row.description,
-        }
-        if row.default is not None:
-            prop["default"] = list(row.default)
-        properties[row.name] = prop
-    return {
-        "type": "object",
-        "description": "the axes crossed into cells (every combination is one fine-tune)",
-        "additionalProperties": False,
-        "required": [a.name for a in axis_table() if a.default is None],
-        "default": {},
-        "properties": properties,
-    }
-
-
 def format_cell_id(axes: dict[str, Any]) -> str:
     """A readable slug of a cell's axes, e.g. `gemma3-tiny_fp16_bs8_nf4_s0` (`_ws2`, `_ga4` where not 1)."""
     return "_".join(part for row in axis_table() if (part := row.id_part(axes[row.name])))
