@@ -44,7 +44,7 @@ def test_readme_recipe_commands_import_run_and_export_the_examples(tmp_path: Pat
         study = f"{tool}-gemma3-tiny"
         (run,) = [out for command, out in outputs.items() if command.startswith("snakemake") and study in command]
         tail = run.strip().splitlines()[-5:]
-        assert any(line.startswith(f"tunegrid study '{study}': 3 cells: 2 ok, 1 nan") for line in tail), tail
+        assert any(line.startswith(f"tunegrid study '{study}': 4 cells: 3 ok, 1 nan") for line in tail), tail
         assert f"report: results/{study}/report/index.html" in tail
         assert "Your recipe, fixed" in (root / "results" / study / "report" / "index.html").read_text()
         recipe = yaml.safe_load((root / "examples" / f"{study}.yaml").read_text())

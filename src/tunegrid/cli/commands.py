@@ -33,7 +33,7 @@ def checkpoint(args: argparse.Namespace) -> None:
 
     spec = json.loads(args.spec)
     texts = list(corpus_texts(read_dataset(args.data)))
-    manifest = produce_checkpoint(spec, texts, Path(args.out))
+    manifest = produce_checkpoint(spec, texts, Path(args.out), f"models.{Path(args.out).name}")
     print(f"checkpoint {args.out}: {len(manifest['files'])} files, source {manifest['source']['kind']}")
 
 

@@ -192,6 +192,8 @@ def estimate_from_shapes(
     quantized_numel = 0
     lora_params = 0
     lora_tensors: list[int] = []
+    all_linear = list(lora["target_modules"]) == ["all-linear"]  # peft resolves it: every linear but the head
+    saved = list(lora.get("modules_to_save") or [])
     largest_dequant = 0
     expert_names: set[str] = set()
     quantized_names: set[str] = set()
@@ -226,10 +228,14 @@ def estimate_from_shapes(
             len(shape) == 2
             and not embedding
             and not expert
-            and any(module.endswith("." + t) for t in lora["target_modules"])
+            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]))
+            and not (all_linear and module.endswith("lm_head"))  # peft's all-linear leaves the output head
         ):
             lora_params += lora["r"] * (shape[0] + shape[1])
             lora_tensors += [lora["r"] * shape[1], shape[0] * lora["r"]]  # lora_A, lora_B
+        if any(module == m or module.endswith("." + m) for m in saved):  # trained in full: an fp32 copy + grads
+            lora_params += numel
+            lora_tensors.append(numel)
 
     targets = lora.get("target_parameters") or []
     for name, shape in fused_expert_parameters(shapes, expert_names).items():

@@ -24,7 +24,8 @@ from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
 from tunegrid.vocabulary import AXES
 
 AXOLOTL_DEFAULTS = {
-    "bf16": False, "fp16": False, "load_in_4bit": False, "load_in_8bit": False, "quantize_moe_experts": False,
+    "bf16": False, "fp16": False, "bfloat16": False, "float16": False, "load_in_4bit": False, "load_in_8bit": False,
+    "quantize_moe_experts": False,
     "micro_batch_size": 1,
     "gradient_accumulation_steps": 1, "seed": 42,
 }  # fmt: skip
@@ -64,6 +65,7 @@ def _effective(tool: str, raw: dict[str, Any], key: str, updated: dict[str, Any]
         "load_in_4bit": False,
         "load_in_8bit": False,
         "bnb_4bit_quant_type": "nf4",
+        "use_peft": False,
     }
     return TRL_DEFAULTS.get(tool, {}).get(key, fallback.get(key))
 

@@ -318,6 +318,7 @@ def build_report(
 <style>{STYLE}</style></head><body>
 <h1>tunegrid report: {html.escape(study)}</h1>
 <p class="counts">{len(frame)} cells: {count_html}</p>
+{_sources_html(study_file.parent)}
 <h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
 {fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
@@ -332,3 +333,11 @@ def build_report(
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
     return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}
+
+
+def _sources_html(study_dir: Path) -> str:
+    """The hub models and datasets the study fetched: pinned, or "not pinned; fetched at <sha>"."""
+    from tunegrid.prepare.hub import fetched_sources
+
+    lines = fetched_sources(study_dir) if study_dir.is_dir() else []
+    return "".join(f"<p class='source'>{html.escape(line)}</p>" for line in lines)

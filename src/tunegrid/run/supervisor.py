@@ -22,6 +22,7 @@ from tunegrid.devices import cell_devices
 from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
+from tunegrid.prepare.hub import fetched_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
@@ -201,7 +202,8 @@ def run_cell(
                     spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early, visible
                 )
                 early = None
-            result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, light_env())
+            env = light_env() | fetched_env(model_dir, data_path)  # where the model and data came from
+            result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, env)
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
                 from tunegrid.cell.distributed import diagnose_ranks
 

@@ -40,6 +40,11 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
     diagnosis = result.diagnosis
     tags = {"outcome": str(result.outcome), "outcome.reason": result.reason, "device": result.env.get("device", "")}
+    for what in ("model", "data"):  # a hub source's commit; not pinned: fetched at it when the study ran
+        source = result.env.get(f"{what}_source") or {}
+        if source.get("revision"):
+            tags[f"{what}.revision"] = str(source["revision"])
+            tags[f"{what}.pinned"] = str(bool(source.get("pinned"))).lower()
     if result.resumed_from_step is not None:
         tags["resumed_from_step"] = str(result.resumed_from_step)
     slurm_job = (result.env.get("scheduler") or {}).get("SLURM_JOB_ID")
