@@ -105,7 +105,7 @@ def plan_liveness(
 
 def cell_liveness(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> LivenessLimits:
     """plan_liveness for a cell whose checkpoint is on disk (its config and safetensors headers)."""
-    from tunegrid.prepare.memory_estimate import tensor_shapes
+    from tunegrid.prepare.checkpoint_headers import tensor_shapes
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return plan_liveness(spec, config, tensor_shapes(model_dir), capabilities)

@@ -10,11 +10,11 @@ their grads and the optimizer's states, activations kept for backward, and the l
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
+from tunegrid.prepare.checkpoint_headers import checkpoint_facts, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import cpu_onednn_off
 from tunegrid.vocabulary import Quant
 
@@ -23,17 +23,6 @@ from tunegrid.vocabulary import Quant
 # "post_load": after transformers has loaded them at their storage dtype (the path the recorded H100
 # cells ran), so the load holds the experts at full width before they shrink.
 EXPERTS_QUANTIZED_AT = "load"
-
-
-def tensor_shapes(model_dir: str | Path) -> dict[str, list[int]]:
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="numpy") as handle:
-            for name in handle.keys():
-                shapes[name] = list(handle.get_slice(name).get_shape())
-    return shapes
 
 
 def nf4_bytes(numel: int) -> float:
@@ -74,8 +63,8 @@ def device_constants(capabilities: dict[str, Any], precision: str, worker: str =
 def estimate_cell(
     spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0
 ) -> dict[str, Any]:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, step_overhead)
+    config, shapes, facts = checkpoint_facts(model_dir)
+    return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
 
 
 def _expert_group(name: str, shape: list[int]) -> str:
@@ -180,7 +169,12 @@ def estimate_from_shapes(
     device: str = "cpu",
     step_overhead: int = 0,
     experts_quantized_at: str = EXPERTS_QUANTIZED_AT,
+    tokenizer_bytes: int = 0,
+    largest_on_disk: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
+    """The peak of one rank. `tokenizer_bytes`: the model's tokenizer in memory (the checkpoint's manifest
+    measured it), held beside everything else from the load on. `largest_on_disk`: elements and bytes per element
+    of the checkpoint's largest tensor, read whole before it is cast to the storage dtype."""
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
     storage = precision_plan(axes["precision"]).bytes_per_value
@@ -307,14 +301,27 @@ def estimate_from_shapes(
             config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 1
         )
         load = runtime + at_load + _largest_read_at_once(shapes, expert_names, quantized_names, experts) * storage
+        load += tokenizer_bytes
     else:
         # the checkpoint is read tensor by tensor into private memory (pread, no mapped pages), quantized
         # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
         # parameter holds the parts and the whole at once
-        load = runtime + at_load + _fused_expert_bytes(shapes, expert_names, storage)
+        load = runtime + tokenizer_bytes + at_load + _fused_expert_bytes(shapes, expert_names, storage)
+        # a tensor stored in another dtype than the cell's is read whole, then cast: both exist at once (a real
+        # model's 262k x 640 fp32 embeddings: 671 MB read for a 336 MB fp16 copy)
+        numel, on_disk = largest_on_disk
+        load += numel * on_disk if on_disk and on_disk != storage else 0
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     train_peak = (
-        runtime + step_overhead + weights + lora_bytes + optimizer_bytes + activations + kept_experts + transient
+        runtime
+        + step_overhead
+        + tokenizer_bytes
+        + weights
+        + lora_bytes
+        + optimizer_bytes
+        + activations
+        + kept_experts
+        + transient
     )
     total = max(load, train_peak)
     # What this model leaves out, said where it applies rather than fitted (nothing today: the one case that
@@ -329,6 +336,7 @@ def estimate_from_shapes(
         "step_bytes": int(train_peak),
         "components": {
             "runtime": int(runtime + step_overhead),
+            "tokenizer": int(tokenizer_bytes),
             "weights": int(weights),
             "lora_params_grads": int(lora_bytes),
             "optimizer_state": int(optimizer_bytes),
