@@ -182,7 +182,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no --configfile is given
+DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no study file is given
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -234,7 +234,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "train": {**study["train"], "gradient_checkpointing": settings["activation_checkpointing"]},
         "lora": study["lora"],
         "data": study["data"],
-        "debug": cell_debug(study["debug"], cell.fault),
+        "debug": cell_debug(study["debug"], cell.fault, cell.repeat),
         # the job's host-memory request is not how the cell trains: changing it re-runs no cell
         "hardware": {key: value for key, value in study["hardware"].items() if key != "mem_mb"},
         "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},

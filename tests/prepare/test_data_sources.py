@@ -38,6 +38,7 @@ def _any_problems(data: dict) -> str:
     return ""
 
 
+@pytest.mark.slow
 def test_chat_jsonl_trains_packed_through_the_cell_runner(checkpoints, tmp_path):
     study = _study({"source": "jsonl", "path": str(CHAT_FILE), "fields": {"messages": "messages"}})
     data_path = tmp_path / "train.jsonl"

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tunegrid.outcome import module_name
 from tunegrid.sites import INPUT, OUTPUT, site_words
 
 
@@ -144,7 +145,7 @@ class OriginTracer:
     def __init__(self, model: Any, real: Any = None) -> None:
         self.model = model
         self.real = real
-        self.names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+        self.names = {id(m): (module_name(n) or "<root>") for n, m in model.named_modules()}
         self.found: dict[str, dict[str, Any]] = {}  # "<phase>:<at>" -> the first fact of that kind
         self._order = 0
 
@@ -239,7 +240,7 @@ class HeadroomMeter:
 
     @contextlib.contextmanager
     def attached(self, model: Any) -> Iterator[None]:
-        names = {id(m): n for n, m in model.named_modules()}
+        names = {id(m): module_name(n) for n, m in model.named_modules()}
 
         def measure(name: str, site: str, value: Any) -> None:
             for t in _tensors(value):

@@ -17,7 +17,7 @@ from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
 from tunegrid.files import JsonlAppender
-from tunegrid.outcome import StepMetrics
+from tunegrid.outcome import StepMetrics, module_name
 from tunegrid.sites import BLOCK_NAME, site_words
 from tunegrid.vocabulary import Outcome
 
@@ -282,13 +282,15 @@ def origin_text(fact: dict[str, Any] | None) -> str:
     """Where a traced non-finite value first appeared, saying when only padding positions held it."""
     if not fact:
         return "unknown module"
+    fact = {**fact, "module": module_name(fact["module"])}
     if fact.get("at") == "padding":
         return f"{fact['module']} (at padding positions only: no loss term, but it reaches the gradients)"
     if fact.get("at") == "unlocated":
         return f"{fact['module']} (in a tensor without token positions; no real position went non-finite)"
     earlier = fact.get("preceded_by")
     if earlier:
-        return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {earlier['module']})"
+        before = module_name(earlier["module"])
+        return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {before})"
     block = BLOCK_NAME.search(fact["module"])
     if block and fact.get("phase") == "forward" and fact.get("dtype") == "float16":
         # the first non-finite forward output is a whole layer's: no module inside it returned one, its sum did

@@ -55,7 +55,7 @@ def import_recipe(args: argparse.Namespace) -> None:
     out.write_text(comment + "\n\n" + yaml.safe_dump(study, sort_keys=False))
     print("\n".join(header))
     print(f"\nstudy {study['study']!r}: {len(cells)} cells, written to {out}")
-    print(f"run it: snakemake --cores 8 all --configfile {out}")
+    print(f"run it: snakemake --cores 8 all --config study={out}")
 
 
 def export_cell(args: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import read_json, write_json
+from tunegrid.files import open_to_umask, read_json, write_json
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer*", "*.model", "*.txt"]
@@ -30,6 +30,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
+    open_to_umask(model_dir)  # safetensors writes its files 0600; a team member reads the checkpoint too
     files = {}
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "manifest.json"):
         real = path.resolve()

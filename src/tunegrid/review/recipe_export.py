@@ -175,6 +175,13 @@ def recommended(study: dict[str, Any], recommendations: list[dict[str, Any]]) ->
     return found
 
 
+def export_command(cell_id: str, family: str, study_dir: Path) -> str:
+    """The command that writes this fix's config again, as the CLI takes it (it needs the study's folder)."""
+    import shlex
+
+    return shlex.join(["tunegrid", "export", cell_id, "--to", family, "--study-dir", str(study_dir)])
+
+
 def fixes_html(study_file: Path, recommendations: list[dict[str, Any]], out_dir: Path) -> str:
     """The report's section: each recommended fix as the user's own config (a file beside the report) and
     its diff against the recipe. Empty when the study was not imported from a recipe."""
@@ -201,7 +208,7 @@ def fixes_html(study_file: Path, recommendations: list[dict[str, Any]], out_dir:
         parts.append(
             f"<h3>{html.escape(changed)} — cell {html.escape(cell_id)} (ok)</h3>"
             f"<p>Config: <a href='{html.escape(name)}'>{html.escape(name)}</a>"
-            f" (<code>tunegrid export {html.escape(cell_id)} --to {_family(done.tool)}</code>)</p>"
+            f" (<code>{html.escape(export_command(cell_id, _family(done.tool), study_file.parent))}</code>)</p>"
             f"<pre class='diff'>{html.escape(chr(10).join(done.diff))}</pre>"
         )
     if not fixes:

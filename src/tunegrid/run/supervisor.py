@@ -37,6 +37,7 @@ from tunegrid.track.tags import (
     run_name,
     run_tags,
     spec_id,
+    study_cell_ids,
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
@@ -269,7 +270,7 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
         failed=result["outcome"] != Outcome.OK,
         params=result_params(result),
         end_time=result["ended_at"],
-        name=run_name(result["outcome"], spec_id(result)),
+        name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
     )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
         result["tracking"]["errors"] = tracker.errors
@@ -301,7 +302,7 @@ def _open_run(
     from tunegrid.track.tracking import CellRun, flatten
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
-    tags = axis_tags(spec["axes"])
+    tags = axis_tags(spec["axes"], spec.get("debug"))
     tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
     tags.update(env_tags(capabilities))
     tags.update(rerun_tags(result_path, snakemake_job))
