@@ -378,7 +378,7 @@ def test_the_manifest_measures_the_tokenizer_in_memory_and_the_estimate_holds_it
     whole life; the checkpoint measures it once, in a fresh process, and the estimate adds it at load and step."""
     import json
 
-    from tunegrid.prepare.checkpoints import tokenizer_resident_bytes
+    from tunegrid.prepare.probes import tokenizer_resident_bytes
 
     folder = checkpoints["gemma3-hot"]
     measured = tokenizer_resident_bytes(folder)

@@ -35,40 +35,11 @@ def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "manifest.json"):
         real = path.resolve()
         files[str(path.relative_to(model_dir))] = {"bytes": real.stat().st_size, "sha256": sha256_file(real)}
+    from tunegrid.prepare.probes import tokenizer_resident_bytes
+
     manifest = {"source": source, "files": files, "tokenizer_resident_bytes": tokenizer_resident_bytes(model_dir)}
     write_json(model_dir / "manifest.json", manifest)
     return manifest
-
-
-TOKENIZER_FOOTPRINT = """
-import sys
-from transformers import AutoTokenizer
-
-def resident():
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-before = resident()
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-print(resident() - before)
-"""
-
-
-def tokenizer_resident_bytes(model_dir: Path) -> int | None:
-    """What the model's tokenizer holds in memory once loaded, measured in a fresh process: a cell holds it beside
-    the model for all its life, and a real one is large (Gemma 3's 262k-entry tokenizer: ~340 MB resident for a
-    33 MB tokenizer.json), which a worker's calibrated runtime, measured with a tiny one, does not include. None
-    where /proc is absent or the folder has no tokenizer."""
-    import subprocess
-    import sys
-
-    if not Path("/proc/self/status").exists() or not any(model_dir.glob("tokenizer*")):
-        return None
-    done = subprocess.run(
-        [sys.executable, "-c", TOKENIZER_FOOTPRINT, str(model_dir)], capture_output=True, text=True, timeout=600
-    )
-    lines = done.stdout.strip().splitlines()
-    return max(0, int(lines[-1])) if done.returncode == 0 and lines and lines[-1].lstrip("-").isdigit() else None
 
 
 def verify_checkpoint(model_dir: str | Path, *, hashes: bool = False) -> dict[str, Any]:
