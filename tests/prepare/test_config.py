@@ -94,8 +94,8 @@ def test_a_bad_grid_exclusion_names_the_field(exclude, expected):
         (lambda s: s["grid"].update(model=["nope"]), "'nope' is not defined under 'models'"),
         (lambda s: s["train"].update(steps=0), "train.steps"),
         (
-            lambda s: s["models"].update({"hub-model": {"source": "hub", "repo_id": "google/gemma-3-4b-it"}}),
-            "models.hub-model.revision",
+            lambda s: s["models"].update({"hub-model": {"source": "hub", "repo_id": "google/gemma-3-4b-it", "ref": 7}}),
+            "models.hub-model.ref",
         ),
         (lambda s: s["models"].update({"loc": {"source": "local", "path": "/does/not/exist"}}), "models.loc.path"),
         (lambda s: s.update(study="../escape"), "config key 'study'"),

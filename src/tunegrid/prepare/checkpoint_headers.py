@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _numel(shape: list[int]) -> int:
+def numel_of(shape: list[int]) -> int:
     total = 1
     for dim in shape:
         total *= dim
@@ -42,7 +42,7 @@ def largest_tensor_on_disk(model_dir: str | Path) -> tuple[int, int]:
         with safe_open(str(path), framework="numpy") as handle:
             for name in handle.keys():
                 tensor = handle.get_slice(name)
-                numel = _numel(list(tensor.get_shape()))
+                numel = numel_of(list(tensor.get_shape()))
                 if numel > largest[0]:
                     largest = (numel, DTYPE_BYTES.get(tensor.get_dtype(), 4))
     return largest

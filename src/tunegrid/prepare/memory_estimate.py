@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
-from tunegrid.prepare.checkpoint_headers import checkpoint_facts, tensor_shapes  # noqa: F401 (re-exported)
+from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import cpu_onednn_off
 from tunegrid.vocabulary import Quant
 
@@ -28,13 +28,6 @@ EXPERTS_QUANTIZED_AT = "load"
 def nf4_bytes(numel: int) -> float:
     """An NF4 tensor of `numel` values: packed 4-bit + uint8 absmax + fp32 second level."""
     return QUANT_PLANS[Quant.NF4].quantized_bytes([numel])
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +77,7 @@ def _fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], st
     for name in expert_names:
         shape = shapes[name]
         key = (name if len(shape) >= 3 else _expert_group(name, shape), tuple(shape))
-        groups[key] = groups.get(key, 0) + _numel(shape) * storage
+        groups[key] = groups.get(key, 0) + numel_of(shape) * storage
     return max(groups.values(), default=0)
 
 
@@ -128,15 +121,15 @@ def _largest_read_at_once(
     """Elements of the largest full-precision tensor a load that quantizes as it reads holds at once: a
     tensor that gets quantized, where a fused expert tensor assembled from per-expert checkpoint tensors
     counts one expert's share (it is fused and quantized expert by expert)."""
-    largest = max((_numel(shapes[name]) for name in quantized - expert_names), default=0)
+    largest = max((numel_of(shapes[name]) for name in quantized - expert_names), default=0)
     fused: dict[tuple[str, tuple[int, ...]], int] = {}
     for name in expert_names & quantized:
         shape = shapes[name]
         if len(shape) >= 3:
-            largest = max(largest, _numel(shape))
+            largest = max(largest, numel_of(shape))
         else:
             key = (_expert_group(name, shape), tuple(shape))
-            fused[key] = fused.get(key, 0) + _numel(shape)
+            fused[key] = fused.get(key, 0) + numel_of(shape)
     return max([largest] + [total // max(experts, 1) for total in fused.values()])
 
 
@@ -146,7 +139,7 @@ def _largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
     for name in names:
         parts = name.split(".")
         index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
-        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + _numel(shapes[name])
+        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + numel_of(shapes[name])
     return max(layers.values(), default=0)
 
 
@@ -155,7 +148,7 @@ def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str])
     layers: dict[str, int] = {}
     for name in expert_names:
         group = _expert_group(name, shapes[name])
-        layers[group] = layers.get(group, 0) + _numel(shapes[name])
+        layers[group] = layers.get(group, 0) + numel_of(shapes[name])
     return max(layers.values(), default=0)
 
 
@@ -211,7 +204,7 @@ def estimate_from_shapes(
     # tensor nested under two indices in a model whose config has experts, or one that is already ≥3-D.
     moe = any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     for name, shape in shapes.items():
-        numel = _numel(shape)
+        numel = numel_of(shape)
         # token embeddings and the LM head ([vocab, hidden], outside the indexed layers) stay unquantized
         embedding = len(shape) == 2 and shape[0] == vocab and not any(part.isdigit() for part in name.split("."))
         expert = len(shape) >= 3 or (moe and sum(part.isdigit() for part in name.split(".")) >= 2)
@@ -249,7 +242,7 @@ def estimate_from_shapes(
             # peft's ParamWrapper over a fused [experts, in, out] parameter: r x experts rows of A, columns of B
             lora_params += lora["r"] * shape[0] * (shape[1] + shape[2])
             lora_tensors += [lora["r"] * shape[0] * shape[1], lora["r"] * shape[0] * shape[2]]
-            adapted_experts += _numel(shape)
+            adapted_experts += numel_of(shape)
     # LoRA: fp32 params + grads, and the optimizer's state for them
     lora_bytes = lora_params * 4 * 2
     optimizer_bytes = optimizer_state_bytes(lora_tensors, axes.get("optimizer", "adamw"))
@@ -294,7 +287,7 @@ def estimate_from_shapes(
     kept_experts = 0
     if materialized_experts and not checkpointed:
         counted = device == "cpu" and quant.experts_quantized
-        kept_experts = 0 if counted else sum(_numel(shapes[name]) for name in expert_names) * act
+        kept_experts = 0 if counted else sum(numel_of(shapes[name]) for name in expert_names) * act
     if device == "cpu" and train["gradient_checkpointing"]:
         # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
         dequant = _largest_layer_numel(shapes, quantized_names) * act
@@ -319,22 +312,13 @@ def estimate_from_shapes(
         # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
         # parameter holds the parts and the whole at once
         load = runtime + tokenizer_bytes + at_load + _fused_expert_bytes(shapes, expert_names, storage)
-        # a tensor stored in another dtype than the cell's is read whole, then cast: both exist at once (a real
-        # model's 262k x 640 fp32 embeddings: 671 MB read for a 336 MB fp16 copy)
+        # a tensor stored in another dtype than the cell's is read whole, then cast, before the parameter takes
+        # the copy: both exist at once (a real model's 262k x 640 fp32 embeddings: 671 + 336 MB for fp16)
         numel, on_disk = largest_on_disk
-        load += numel * on_disk if on_disk and on_disk != storage else 0
+        load += numel * (on_disk + storage) if on_disk and on_disk != storage else 0
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
-    train_peak = (
-        runtime
-        + step_overhead
-        + tokenizer_bytes
-        + weights
-        + lora_bytes
-        + optimizer_bytes
-        + activations
-        + kept_experts
-        + transient
-    )
+    held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
+    train_peak = sum(held) + transient
     total = max(load, train_peak)
     # What this model leaves out, said where it applies rather than fitted (nothing today: the one case that
     # grew step by step, CPU bf16 with routed experts, trains without oneDNN: cpu_onednn_off)

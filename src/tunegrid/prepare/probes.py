@@ -314,6 +314,8 @@ def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[
     return record
 
 
+# The first load also imports the tokenizer's code (which every worker's calibrated runtime already holds); the
+# second load's growth is the tokenizer's own data.
 TOKENIZER_FOOTPRINT = """
 import sys
 from transformers import AutoTokenizer
@@ -322,8 +324,9 @@ def resident():
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
+first = AutoTokenizer.from_pretrained(sys.argv[1])
 before = resident()
-tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+second = AutoTokenizer.from_pretrained(sys.argv[1])
 print(resident() - before)
 """
 
