@@ -21,4 +21,6 @@ def site_words(module: str, site: str = OUTPUT) -> str:
     block = BLOCK_NAME.search(module)
     if site == OUTPUT and block:
         return f"the residual stream after layer {block.group(1)}"
+    if site == INPUT and module.rsplit(".", 1)[-1].endswith("norm"):  # a layer's norms read the stream itself
+        return f"the residual stream (the input of {module})"
     return f"the input of {module}" if site == INPUT else f"the output of {module}"

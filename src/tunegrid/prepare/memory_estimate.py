@@ -182,7 +182,9 @@ def estimate_from_shapes(
     of the checkpoint's largest tensor, read whole before it is cast to the storage dtype."""
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
-    storage = precision_plan(axes["precision"]).bytes_per_value
+    row = precision_plan(axes["precision"])
+    storage = row.bytes_per_value
+    cast_numel = 0  # frozen matmul weights autocast casts to the compute dtype (the head: below)
     quant = quant_plan(axes["quant"])
     vocab = int(config["vocab_size"])
     hidden = int(config["hidden_size"])
@@ -222,6 +224,7 @@ def estimate_from_shapes(
             largest_dequant = max(largest_dequant, numel)
         else:
             weights += numel * storage
+            cast_numel += numel if len(shape) == 2 and not embedding and name.endswith(".weight") else 0
         module = name.removesuffix(".weight")
         if (
             len(shape) == 2
@@ -275,6 +278,10 @@ def estimate_from_shapes(
     else:
         activations = layers * per_layer
     logits = tokens * vocab * 4 * 3  # fp32 logits, log-softmax and its gradient
+    # Weights stored wider than autocast computes (fp16-mixed): autograd keeps each matmul's cast copy, the head's
+    # too, for the input's gradient until the backward (Gemma 3 270M: 268M values, 536 MB in fp16)
+    if row.autocast and (compute := 2 if row.dtype in ("float16", "bfloat16") else 4) < storage:
+        activations += (cast_numel + vocab * hidden) * compute
     # bitsandbytes dequantizes a 4-bit weight for each matmul. Its CPU path keeps those copies for backward;
     # on CUDA one layer's copies live at a time (a Linear's weight, or all of an MoE layer's experts), and
     # they are gone by the time the logits are built, so the step peaks at the larger of the two.
@@ -312,8 +319,7 @@ def estimate_from_shapes(
         # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
         # parameter holds the parts and the whole at once
         load = runtime + tokenizer_bytes + at_load + _fused_expert_bytes(shapes, expert_names, storage)
-        # a tensor stored in another dtype than the cell's is read whole, then cast, before the parameter takes
-        # the copy: both exist at once (a real model's 262k x 640 fp32 embeddings: 671 + 336 MB for fp16)
+        # a tensor stored in another dtype is read whole and cast before the parameter takes it (671 + 336 MB)
         numel, on_disk = largest_on_disk
         load += numel * (on_disk + storage) if on_disk and on_disk != storage else 0
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
