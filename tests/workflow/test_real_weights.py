@@ -112,7 +112,7 @@ def test_real_gemma_fp16_fails_at_its_residual_stream_and_the_fixes_hold(real_st
     # the fp32 reference already says fp16 would overflow, where: the residual stream, not a module
     reference = row["gemma3-270m_fp32_bs1_none_s0"]
     assert float(reference["fp16_headroom_worst_ratio"]) > 1.0
-    assert reference["fp16_headroom_worst_where"].startswith("the residual stream")  # a layer's output or its norm's input
+    assert reference["fp16_headroom_worst_where"].startswith("the residual stream")  # a layer output or norm input
     # and SmolLM2 is not flagged: its stream stays within half of fp16's range
     assert float(row["smollm2-135m_fp32_bs1_none_s0"]["fp16_headroom_worst_ratio"]) < 0.5
 
