@@ -51,3 +51,35 @@ def test_the_recommender_says_why_where_a_whole_layer_overflowed() -> None:
     (note,) = residual_stream_notes([layer_row, {"nan_forward_module": "base_model.model.model.layers.9"}])
     assert "the residual stream after layer 7" in note and "fp16-residual" in note
     assert residual_stream_notes([{"nan_forward_module": "model.layers.0.mlp.down_proj"}]) == []
+
+
+def test_the_estimate_holds_autocasts_copies_of_weights_stored_wider_than_it_computes(checkpoints) -> None:
+    """fp16-mixed keeps fp32 weights; each matmul's fp16 copy (the head's too) is saved for the backward."""
+    import json
+
+    from conftest import one_cell
+
+    from tunegrid.prepare.checkpoint_headers import tensor_shapes
+    from tunegrid.prepare.memory_estimate import estimate_from_shapes
+
+    folder = checkpoints["gemma3-hot"]
+    config, shapes = json.loads((folder / "config.json").read_text()), tensor_shapes(folder)
+    mixed, fp32 = (
+        estimate_from_shapes(one_cell(precision=p), config, shapes, 0)["components"]["activations"]
+        for p in ("fp16-mixed", "fp32")
+    )
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    matmuls = sum(
+        shape[0] * shape[1]
+        for name, shape in shapes.items()
+        if len(shape) == 2 and name.endswith(".weight") and shape[0] != vocab
+    )
+    assert mixed - fp32 == (matmuls + vocab * hidden) * 2
+
+
+def test_a_norms_input_is_named_as_the_residual_stream_it_reads() -> None:
+    from tunegrid.sites import INPUT, site_words
+
+    assert site_words("model.layers.14.pre_feedforward_layernorm", INPUT).startswith("the residual stream (")
+    assert site_words("model.layers.3", "output") == "the residual stream after layer 3"
+    assert site_words("model.layers.3.mlp.down_proj", INPUT) == "the input of model.layers.3.mlp.down_proj"
