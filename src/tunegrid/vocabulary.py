@@ -40,6 +40,7 @@ OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsa
 FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
 NO_FAULT = FAULTS[1]  # the twin without an injected fault
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # PyTorch's NCCL default (Timeout(ms)=600000)
+BASE_STACK = "base"  # the stack axis's neutral value: the environment tunegrid itself runs in
 
 
 class MatrixPlace(StrEnum):
@@ -245,6 +246,20 @@ AXIS_TABLE: tuple[Axis, ...] = (
         id_prefix="fault-",
         neutral="debug",
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="stack",
+        type=str,
+        items={"$ref": "#/definitions/name"},
+        description=(
+            "library stacks: `base` = the environment tunegrid runs in; any other value names an entry of `stacks` "
+            "(package pins over the base environment, built once into a virtual environment whose interpreter "
+            "runs the cell's worker). Cells other than base get `_stack-<name>` appended to their id"
+        ),
+        default=(BASE_STACK,),
+        id_prefix="stack-",
+        neutral=BASE_STACK,
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
     ),
 )
 

@@ -156,6 +156,26 @@ def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> l
     return facts
 
 
+def stack_facts(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per library stack the cells ran on (none where every cell ran in the base environment)."""
+    stacks: dict[str, dict[str, Any]] = {}
+    for result in results.values():
+        stack = (result.get("env") or {}).get("stack")
+        if stack:
+            stacks.setdefault(stack["name"], stack)
+    facts = []
+    for name, stack in sorted(stacks.items()):
+        versions = stack.get("versions") or {}
+        shown = ", ".join(
+            f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers", "peft", "bitsandbytes")
+        )
+        pins = " ".join(
+            f"{k}{v if v[:1] in '=!<>~' else '==' + v}" for k, v in sorted((stack.get("pins") or {}).items())
+        )
+        facts.append({"fact": f"stack {name}", "value": f"{shown} (pinned: {pins}; environment {stack.get('key')})"})
+    return facts
+
+
 def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for cell_id, result in sorted(results.items()):
@@ -313,11 +333,12 @@ def build_report(
     logs_dir = StudyPaths.of_result(result_paths[0]).cell_logs_dir if result_paths else out_dir
     study_file = StudyPaths.of_result(result_paths[0]).study_file if result_paths else out_dir / "none"
     failures = failure_groups(frame, results, logs_dir)
+    facts = _probe_facts(capabilities, environment) + stack_facts(results)  # the environment table
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
 <h1>tunegrid report: {html.escape(study)}</h1>
 <p class="counts">{len(frame)} cells: {count_html}</p>
-<h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
+<h2>Probe: what the hardware can do</h2>{_table(facts, ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
 {fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">

@@ -40,6 +40,9 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
     diagnosis = result.diagnosis
     tags = {"outcome": str(result.outcome), "outcome.reason": result.reason, "device": result.env.get("device", "")}
+    for package, version in ((result.env.get("stack") or {}).get("versions") or {}).items():
+        if package in ((result.env.get("stack") or {}).get("pins") or {}):
+            tags[f"stack.{package}"] = str(version)  # what the cell's library stack pinned, as resolved
     if result.resumed_from_step is not None:
         tags["resumed_from_step"] = str(result.resumed_from_step)
     slurm_job = (result.env.get("scheduler") or {}).get("SLURM_JOB_ID")

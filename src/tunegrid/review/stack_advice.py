@@ -1,0 +1,106 @@
+"""Library versions as a fix: a cell that failed, ran unsupported, or left MoE experts in full precision on one
+library stack, beside its twin on another stack (every other axis equal) that ran ok. The fix is to pin that
+stack's versions; it is offered only where the twin holds (review/quality.py: it learned and matched its
+reference), with its cost against the failing cell measured in the same grid (peak memory, tokens/s).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from tunegrid.review.advice import Fix, Recommendation, holds, number, parity_of, siblings, unproven_name
+from tunegrid.review.moe_advice import EXPERT_GAP_SHARE
+from tunegrid.units import human_bytes
+from tunegrid.vocabulary import BASE_STACK, Outcome
+
+
+def _packages(row: Any) -> str:
+    packages = row.get("stack_packages")
+    return packages if isinstance(packages, str) and packages else "the environment tunegrid runs in"
+
+
+def _concern(row: Any) -> str:
+    """Why a cell needs another stack, or "" if it does not."""
+    if row["outcome"] != Outcome.OK:
+        return f"ended {row['outcome']} ({row['reason']})"
+    share = number(row.get("flagged_share"))
+    if share == share and share != float("inf") and share >= EXPERT_GAP_SHARE and number(row.get("expert_bytes")) > 0:
+        return f"left {human_bytes(row['flagged_bytes'])} ({share:.0%} of its weights) in full precision"
+    return ""
+
+
+def _ratio(new: Any, old: Any) -> float | None:
+    new, old = number(new), number(old)
+    ok = all(v == v and v not in (float("inf"), 0.0) for v in (new, old))
+    return new / old if ok else None
+
+
+def stack_fixes(frame: Any) -> list[Recommendation]:
+    """One recommendation per (model, failing stack, fixing stack)."""
+    if "stack" not in frame.columns or frame["stack"].nunique() < 2:
+        return []
+    groups: dict[tuple[str, str, str], list[tuple[Any, Any, str]]] = defaultdict(list)
+    for _, row in frame.iterrows():
+        why = _concern(row)
+        if not why:
+            continue
+        for _, twin in siblings(frame, row, "stack").iterrows():
+            if twin["outcome"] != Outcome.OK or _concern(twin):
+                continue
+            if row["outcome"] == Outcome.OK and not number(twin["peak_bytes"]) < number(row["peak_bytes"]):
+                continue  # a memory finding whose twin's peak did not fall is no memory fix
+            groups[(row["model"], row["stack"], twin["stack"])].append((row, twin, why))
+    out = []
+    for (model, stack, fixing), members in groups.items():
+        proven = [twin for _, twin, _ in members if holds(twin)]
+        unproven = sorted({unproven_name(twin) for _, twin, _ in members if not holds(twin)})
+        lines = []
+        for row, twin, why in members:
+            peaks = f"peak {human_bytes(row['peak_bytes'])} -> {human_bytes(twin['peak_bytes'])}"
+            before, after = number(row.get("flagged_bytes")), number(twin.get("flagged_bytes"))
+            known = float("inf") not in (before, after)
+            flagged = f", full-precision weights {human_bytes(before)} -> {human_bytes(after)}" if known else ""
+            lines.append(f"{row['cell_id']} {why}; {twin['cell_id']} ran ok ({peaks}{flagged})")
+        pin = _packages(members[0][1])
+        text = f"On stack {stack} ({_packages(members[0][0])}) vs {fixing} ({pin}): " + "; ".join(lines) + "."
+        if unproven:
+            text += (
+                " Twins that ran ok but are no evidence of a fix (a fix must learn and match the reference): "
+                + ", ".join(unproven)
+                + "."
+            )
+        fixes = []
+        if proven:
+            row, twin = members[0][0], next(t for _, t, _ in members if holds(t))
+            cost = {
+                "peak_bytes_ratio": _ratio(twin["peak_bytes"], row["peak_bytes"]),
+                "tokens_per_s_ratio": _ratio(twin.get("tokens_per_s"), row.get("tokens_per_s")),
+                "against": row["cell_id"],
+            }
+            speed = cost["tokens_per_s_ratio"]
+            priced = f", {speed:.2f}x the tokens/s" if speed is not None and row["outcome"] == Outcome.OK else ""
+            parities = [p for p in (parity_of(t) for t in proven) if p is not None]
+            what = f"pin {pin}" if fixing != BASE_STACK else "use the environment tunegrid runs in"
+            fixes.append(
+                Fix(
+                    {"stack": fixing},
+                    f"{what} (stack {fixing}){priced}",
+                    sorted(t["cell_id"] for t in proven),
+                    max(parities) if parities else None,
+                    cost,
+                )
+            )
+        failed = sorted(r["cell_id"] for r, _, _ in members if r["outcome"] != Outcome.OK)
+        out.append(
+            Recommendation(
+                signature=f"stack:{fixing}",
+                title=f"{model}: library versions — stack {fixing} instead of {stack}",
+                text=text,
+                failing=failed,
+                evidence=sorted(t["cell_id"] for t in proven),
+                fixes=fixes,
+                concerns=sorted({r["cell_id"] for r, _, _ in members}),
+            )
+        )
+    return out
