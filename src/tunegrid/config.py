@@ -127,7 +127,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 "transformers knows (a config.json `model_type`, e.g. gemma3_text, qwen3_moe, olmoe, llama)"
             )
     problems += exclusion_problems(config["grid"])
-    from tunegrid.prepare.stacks import stack_problems
+    from tunegrid.stacks import stack_problems
 
     problems += stack_problems(config)
     if not problems and not expand_cells(config):
@@ -242,7 +242,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},
     }
     if cell.stack != BASE_STACK:  # only then: the spec of a cell on the base stack is what it was before stacks
-        from tunegrid.prepare.stacks import stack_ref
+        from tunegrid.stacks import stack_ref
 
         spec["stack"] = stack_ref(study, cell.stack).to_json()
     return spec

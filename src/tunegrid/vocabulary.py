@@ -1,11 +1,9 @@
-"""The words every stage shares, defined once: the grid's axes (one table), the precisions and
-quantizations, and a cell's outcomes (the metric names a step writes are tunegrid.outcome.StepMetrics' fields).
-
-The schema's grid keys, `Cell`, a cell id and its parser, the Snakefile's wildcard pattern, the summary's
-axis columns and the report's plot layout are all derived from AXIS_TABLE (tests/house/test_vocabulary.py),
-so a new axis is one row here plus its effect where it acts (the cell spec, the trainer).
-Light module: no imports beyond the standard library (the Snakefile reads it at parse time).
-"""
+"""The words every stage shares, defined once: the grid's axes (one table), the precisions and quantizations,
+and a cell's outcomes (the metric names a step writes are tunegrid.outcome.StepMetrics' fields). The schema's
+grid keys, `Cell`, a cell id and its parser, the Snakefile's wildcard pattern, the summary's axis columns and the
+report's plot layout are all derived from AXIS_TABLE (tests/house/test_vocabulary.py), so a new axis is one row
+here plus its effect where it acts (the cell spec, the trainer). Light module: standard library only (the
+Snakefile reads it at parse time)."""
 
 from __future__ import annotations
 
@@ -40,7 +38,7 @@ OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsa
 FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
 NO_FAULT = FAULTS[1]  # the twin without an injected fault
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # PyTorch's NCCL default (Timeout(ms)=600000)
-BASE_STACK = "base"  # the stack axis's neutral value: the environment tunegrid itself runs in
+BASE_STACK = "base"  # the stack axis's neutral value (ids `_stack-<name>` elsewhere): the environment tunegrid runs in
 
 
 class MatrixPlace(StrEnum):
@@ -251,11 +249,7 @@ AXIS_TABLE: tuple[Axis, ...] = (
         name="stack",
         type=str,
         items={"$ref": "#/definitions/name"},
-        description=(
-            "library stacks: `base` = the environment tunegrid runs in; any other value names an entry of `stacks` "
-            "(package pins over the base environment, built once into a virtual environment whose interpreter "
-            "runs the cell's worker). Cells other than base get `_stack-<name>` appended to their id"
-        ),
+        description="base: the environment tunegrid runs in; else a name under `stacks` (its venv runs the worker)",
         default=(BASE_STACK,),
         id_prefix="stack-",
         neutral=BASE_STACK,

@@ -26,7 +26,13 @@ ALLOWED = {
         "memory",
         "run.warm",
     },  # synthetic checkpoints, the tokenizer, the probe, the meter, the warm worker's preload
-    "subprocess": {"run", "prepare.environment", "prepare.probes", "cell.distributed"},  # git/pip facts; rank processes
+    "subprocess": {
+        "run",
+        "prepare.environment",
+        "prepare.probes",
+        "prepare.stacks",
+        "cell.distributed",
+    },  # git/pip facts; rank processes; pip builds stacks
 }
 MAX_LINES = 350
 # Modules that read better whole: the cell's recipe (setup, model, data, the loop, the record in one place)

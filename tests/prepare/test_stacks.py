@@ -8,6 +8,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 import subprocess
 import zipfile
 from pathlib import Path
@@ -17,7 +18,8 @@ import yaml
 from conftest import make_study, snakemake_command, workflow_env
 
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study
-from tunegrid.prepare.stacks import StackError, build_stack, requirement, stack_dir, stack_key
+from tunegrid.prepare.stacks import StackError, build_stack
+from tunegrid.stacks import requirement, stack_dir, stack_key
 
 BASE = {"python": "3.11.7", "prefix": "/opt/base", "platform": "linux"}
 
@@ -138,13 +140,16 @@ def test_the_rule_refuses_an_unresolvable_stack_before_any_cell(local_index, tmp
     study = make_study(grid=grid, stacks={"clash": {"tg-stack-a": "1.0", "tg-stack-b": "2.0"}})
     study.update(tracking={"enabled": False}, probe={"budget_s": 1})
     (tmp_path / "study.yaml").write_text(yaml.safe_dump(study))
-    command = snakemake_command(tmp_path, "--cores", "1", "--configfile", str(tmp_path / "study.yaml"))
     env = workflow_env()
-    dry = subprocess.run([*command, "-n", "all"], env=env, capture_output=True, text=True, timeout=300)
+
+    def command(*args: str) -> list[str]:  # --configfile takes every word after it: last
+        return snakemake_command(tmp_path, *args, "--cores", "1", "--configfile", str(tmp_path / "study.yaml"))
+
+    dry = subprocess.run(command("-n", "all"), env=env, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
-    finetunes = [block for block in dry.stdout.split("\n\n") if "rule finetune:" in block]
-    assert len(finetunes) == 2 and all("results/t/stacks/clash/stack.json" in block for block in finetunes)
-    run = subprocess.run([*command, "all"], env=env, capture_output=True, text=True, timeout=600)
+    inputs = re.findall(r"^rule finetune:\n\s+input: (.*)$", dry.stdout + dry.stderr, flags=re.M)
+    assert len(inputs) == 2 and all("results/t/stacks/clash/stack.json" in line for line in inputs)
+    run = subprocess.run(command("all"), env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode != 0
     assert "stack 'clash' cannot be built: pip cannot resolve" in run.stderr and "tg-stack-b<1" in run.stderr
     assert not list((tmp_path / "results" / "t").glob("runs/*/result.json"))

@@ -76,7 +76,34 @@ def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:
     for v5_name, v4_name in V5_CONFIG_RENAMES.items():
         if v5_name in written and hasattr(config, v4_name) and v5_name not in getattr(config, "attribute_map", {}):
             setattr(config, v4_name, written[v5_name])
-    return AutoModelForCausalLM.from_pretrained(model_dir, config=config, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, **kwargs)
+    own_memory(model)
+    return model
+
+
+def own_memory(model: Any) -> None:
+    """After a 4.x load: the full-precision tensors copied out of the mapped checkpoint files (4.x leaves them
+    views of the mapping, which keeps every page it read resident, counted in RSS for the whole run) and the
+    heap pages the load freed handed back (glibc keeps them otherwise). The v5 path reads without a mapping."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and param.is_floating_point():
+                    param.data = param.data.clone()
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.clone()
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim this way
+        pass
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:

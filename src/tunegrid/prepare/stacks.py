@@ -1,24 +1,17 @@
-"""Library stacks: named package pins over the environment tunegrid runs in, each built once into a virtual
-environment layered on it, so a cell's worker can run on another transformers (or peft, bitsandbytes, ...).
+"""Building a library stack: a virtual environment layered on the environment tunegrid runs in, with the
+stack's pins installed by pip from the package registry (tunegrid.stacks names its folder and key).
 
-    results/stacks/<key>/            the cache every study shares; <key> hashes the pins and the base interpreter
-        venv/                        python -m venv --without-pip, plus a .pth that adds the base's site-packages
-        stack.json                   written last: the pins, the resolved versions, build seconds, disk bytes
-        pip-freeze.txt               every package the stack's interpreter sees (its own first, then the base's)
-        pip.log                      pip's output of the build
+    results/stacks/<key>/pip.log     pip's output of the build, beside what tunegrid.stacks lists
 
 The stack's own site-packages come first on its sys.path, so a pinned package shadows the base's copy and
 everything unpinned (torch, peft, bitsandbytes, tunegrid's own dependencies) is the base's. pip runs from the
 base (`pip --python <stack python> install`): it sees the base's packages as installed outside the stack and
 never touches them. A set of pins pip cannot resolve is refused with pip's own account of the conflict.
-
-Light at import (standard library only): the workflow computes each stack's key when it parses.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -27,97 +20,26 @@ import site
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunegrid.errors import ConfigError
-from tunegrid.vocabulary import BASE_STACK
+from tunegrid.stacks import (
+    FREEZE_FILE,
+    RECORD_FILE,
+    REPORTED_PACKAGES,
+    base_identity,
+    requirements,
+    stack_dir,
+    stack_python,
+)
 
-STACKS_FOLDER = "stacks"  # under the results folder every study shares
-RECORD_FILE = "stack.json"
-FREEZE_FILE = "pip-freeze.txt"
 BASE_PTH = "_tunegrid_base.pth"
 PIP_TIMEOUT_S = 1800
-# what a stack's record reports beside its pins: the libraries whose versions decide how a cell loads and trains
-REPORTED_PACKAGES = ("torch", "transformers", "tokenizers", "huggingface_hub", "peft", "accelerate", "bitsandbytes")
 
 
 class StackError(ConfigError):
     """A stack that cannot be built (pip cannot resolve its pins, or the registry cannot be reached)."""
-
-
-def requirement(package: str, spec: str) -> str:
-    """`transformers` + `4.57.*` -> `transformers==4.57.*`; a spec with an operator is kept as written."""
-    spec = spec.strip()
-    return f"{package}{spec}" if spec[:1] in "=!<>~" else f"{package}=={spec}"
-
-
-def requirements(pins: dict[str, str]) -> list[str]:
-    return [requirement(package, pins[package]) for package in sorted(pins, key=str.lower)]
-
-
-def base_identity() -> dict[str, str]:
-    """The interpreter a stack is layered on: a stack built over another base is another stack."""
-    return {"python": sys.version.split()[0], "prefix": str(Path(sys.prefix).resolve()), "platform": sys.platform}
-
-
-def stack_key(pins: dict[str, str], base: dict[str, str] | None = None) -> str:
-    """The cache key of a stack: its requirements (sorted, so the order they are written in does not matter)
-    and the base interpreter. A different pin is a different key, hence a different environment."""
-    text = json.dumps({"requirements": requirements(pins), "base": base or base_identity()}, sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def stacks_root(results: str | Path) -> Path:
-    return Path(results) / STACKS_FOLDER
-
-
-def stack_dir(results: str | Path, pins: dict[str, str]) -> Path:
-    return stacks_root(results) / stack_key(pins)
-
-
-def stack_python(folder: Path) -> Path:
-    return Path(folder) / "venv" / "bin" / "python"
-
-
-@dataclass(frozen=True, kw_only=True)
-class StackRef:
-    """What a cell's spec records about its stack: enough for its job to find the interpreter."""
-
-    name: str
-    pins: dict[str, str]
-    key: str
-    python: str  # the stack's interpreter, relative to the working folder; "" for the base stack: the job's own
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "pins": dict(self.pins), "key": self.key, "python": self.python}
-
-
-def stack_ref(study: dict[str, Any], name: str, results: str | Path = "results") -> StackRef:
-    if name == BASE_STACK:
-        return StackRef(name=BASE_STACK, pins={}, key="", python="")
-    pins = study["stacks"][name]
-    folder = stack_dir(results, pins)
-    return StackRef(name=name, pins=dict(pins), key=folder.name, python=str(stack_python(folder)))
-
-
-def stack_problems(config: dict[str, Any]) -> list[str]:
-    """Every `stack` value of the grid names a stack (or is the base); `base` is not a stack's name."""
-    stacks = config.get("stacks") or {}
-    problems = []
-    if BASE_STACK in stacks:
-        problems.append(
-            f"config key 'stacks.{BASE_STACK}': {BASE_STACK!r} is the environment tunegrid runs in; name the stack "
-            "otherwise"
-        )
-    for name in config["grid"].get("stack", [BASE_STACK]):
-        if name != BASE_STACK and name not in stacks:
-            problems.append(
-                f"config key 'grid.stack': {name!r} is not defined under 'stacks'; defined: {sorted(stacks)} "
-                f"(or {BASE_STACK!r}, the environment tunegrid runs in)"
-            )
-    return problems
 
 
 # pip's account of a failed resolution: the "ERROR:" lines and the block after "The conflict is caused by:"
@@ -263,9 +185,3 @@ def write_stack(name: str, pins: dict[str, str], results: str | Path, record_out
     tmp = Path(record_out).with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, record_out)
-
-
-def read_stack_record(python: str) -> dict[str, Any]:
-    """The built stack's record, from its interpreter's path (results/stacks/<key>/venv/bin/python)."""
-    path = Path(python).parents[2] / RECORD_FILE
-    return json.loads(path.read_text()) if path.exists() else {}

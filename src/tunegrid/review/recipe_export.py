@@ -99,7 +99,7 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
             changes[axis] = value
         except KeyError:  # an axis no recipe key says (the ranks: how many processes the user launches)
             if axis == "stack":  # the fix is the library versions the recipe runs on, not a key of it
-                from tunegrid.prepare.stacks import requirements
+                from tunegrid.stacks import requirements
 
                 pins = " ".join(f"'{r}'" for r in requirements((study.get("stacks") or {}).get(value, {})))
                 notes.append(f"stack {value}: not a key of a {tool} config; install its versions: pip install {pins}")

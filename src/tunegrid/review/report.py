@@ -20,6 +20,7 @@ from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
+from tunegrid.review.stack_advice import stack_facts
 from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
@@ -153,26 +154,6 @@ def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> l
             ),
         }
     )
-    return facts
-
-
-def stack_facts(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One line per library stack the cells ran on (none where every cell ran in the base environment)."""
-    stacks: dict[str, dict[str, Any]] = {}
-    for result in results.values():
-        stack = (result.get("env") or {}).get("stack")
-        if stack:
-            stacks.setdefault(stack["name"], stack)
-    facts = []
-    for name, stack in sorted(stacks.items()):
-        versions = stack.get("versions") or {}
-        shown = ", ".join(
-            f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers", "peft", "bitsandbytes")
-        )
-        pins = " ".join(
-            f"{k}{v if v[:1] in '=!<>~' else '==' + v}" for k, v in sorted((stack.get("pins") or {}).items())
-        )
-        facts.append({"fact": f"stack {name}", "value": f"{shown} (pinned: {pins}; environment {stack.get('key')})"})
     return facts
 
 

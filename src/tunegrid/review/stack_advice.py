@@ -104,3 +104,23 @@ def stack_fixes(frame: Any) -> list[Recommendation]:
             )
         )
     return out
+
+
+def stack_facts(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per library stack the cells ran on (none where every cell ran in the base environment)."""
+    stacks: dict[str, dict[str, Any]] = {}
+    for result in results.values():
+        stack = (result.get("env") or {}).get("stack")
+        if stack:
+            stacks.setdefault(stack["name"], stack)
+    facts = []
+    for name, stack in sorted(stacks.items()):
+        versions = stack.get("versions") or {}
+        shown = ", ".join(
+            f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers", "peft", "bitsandbytes")
+        )
+        pins = " ".join(
+            f"{k}{v if v[:1] in '=!<>~' else '==' + v}" for k, v in sorted((stack.get("pins") or {}).items())
+        )
+        facts.append({"fact": f"stack {name}", "value": f"{shown} (pinned: {pins}; environment {stack.get('key')})"})
+    return facts

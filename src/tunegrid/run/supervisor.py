@@ -232,7 +232,7 @@ def cell_env(spec: dict[str, Any]) -> dict[str, Any]:
     env = light_env()
     python = stack_python(spec)
     if python:
-        from tunegrid.prepare.stacks import read_stack_record
+        from tunegrid.stacks import read_stack_record
 
         record = read_stack_record(python)
         versions = record.get("versions", {})
