@@ -5,8 +5,8 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-# The study: `--configfile <study>.yaml` (that file plus the schema's defaults), else configs/config.yaml;
-# `--config` overrides go on top (workflow/rules/common.smk).
+# The study: `--config study=<study>.yaml` (read by tunegrid's bounded loader; `--configfile` works too) plus
+# the schema's defaults, else configs/config.yaml; `--config` overrides go on top (workflow/rules/common.smk).
 include: "workflow/rules/common.smk"
 include: "workflow/rules/environment.smk"
 include: "workflow/rules/stacks.smk"
@@ -18,6 +18,7 @@ include: "workflow/rules/tracking.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/summary.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/doctor.smk"
 
 
 rule all:

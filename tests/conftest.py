@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -33,10 +34,75 @@ def snakemake_command(workdir: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args]
 
 
+# Snakemake options that run no job: a test that uses only these is not an end-to-end run
+NO_JOBS = frozenset(
+    {"-n", "--dry-run", "--dryrun", "--lint", "--unlock", "--list-rules", "--summary", "-S", "--detailed-summary", "-D"}
+)
+
+
+def runs_snakemake_jobs(args: Any) -> bool:
+    """Whether a subprocess command line runs Snakemake jobs (an end-to-end run): `snakemake` or
+    `python -m snakemake`, directly or inside `bash -c`, without an option that runs no job."""
+    words = (args if isinstance(args, str | bytes) else " ".join(str(a) for a in args)).split()
+    words = [w.decode() if isinstance(w, bytes) else w for w in words]
+    snakemake = any(w.strip("'\"") == "snakemake" or w.endswith("/snakemake") for w in words)
+    return snakemake and not any(w.strip("'\"") in NO_JOBS for w in words)
+
+
+@pytest.fixture(autouse=True)
+def _end_to_end_runs_are_marked_slow(request, monkeypatch):
+    """A test that runs Snakemake jobs must be marked `slow`, so `-m 'not slow'` stays the fast tier: outside
+    a slow test, starting such a process fails the test naming the command."""
+    if request.node.get_closest_marker("slow") is not None:
+        return
+    start = subprocess.Popen.__init__
+
+    def guarded(self, args, *rest, **kwargs):
+        if runs_snakemake_jobs(args):
+            pytest.fail(f"{request.node.nodeid} runs Snakemake jobs ({args!r}): mark it @pytest.mark.slow")
+        start(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", guarded)
+
+
 def workflow_env(*also_drop: str) -> dict[str, str]:
     """The environment without the caller's MLflow store, so each run writes its own under its folder."""
     dropped = {"MLFLOW_TRACKING_URI", *also_drop}
     return {k: v for k, v in os.environ.items() if k not in dropped}
+
+
+def shell_env() -> dict[str, str]:
+    """workflow_env() for a command typed in a shell: `python`, `snakemake` and `tunegrid` are this venv's."""
+    env = workflow_env("TUNEGRID_EXECUTION_ID")
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def shell(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """A command line run by bash, as a user types it."""
+    return subprocess.run(
+        ["bash", "-c", command], cwd=cwd, env=shell_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+DEFAULT_STUDY_COMMAND = "snakemake --cores 8 all"  # README's main job, after its install steps
+
+
+@pytest.fixture(scope="session")
+def default_study_clone(tmp_path_factory) -> Path:
+    """A copy of this checkout (no results, no venv) with README's main job run in it, as a newcomer's checkout
+    is after the first command: the default study, end to end. One run for the session, shared by every test
+    that reads its results (README's commands, the MLflow UI, the adapter snippet); only `slow` tests use it."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("newcomer") / "tunegrid"
+    shutil.copytree(
+        REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit")
+    )
+    done = shell(DEFAULT_STUDY_COMMAND, root, timeout=1500)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    (root / "main-output.txt").write_text(done.stdout + done.stderr)
+    return root
 
 
 GEMMA_HOT = {

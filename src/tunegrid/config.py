@@ -139,10 +139,10 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             )
     for name, spec in models.items():
         key = f"models.{name}"
-        if spec["trust_remote_code"] and (spec["source"] != "hub" or not spec["revision"]):
+        if spec["trust_remote_code"] and spec["source"] != "hub":
             problems.append(
-                f"config key '{key}.trust_remote_code': remote code runs only for source 'hub' with a pinned 40-hex "
-                "'revision' (so the code that runs is the code you reviewed); set a revision or turn it off"
+                f"config key '{key}.trust_remote_code': remote code runs only for source 'hub', and only once its "
+                "revision is pinned (so the code that runs is the code you reviewed); turn it off"
             )
         if spec["source"] == "hub":
             if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") and not spec["path"]:
@@ -152,10 +152,6 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 )
             if not spec["repo_id"]:
                 problems.append(f"config key '{key}.repo_id': required for source 'hub' (e.g. google/gemma-3-4b-it)")
-            if not spec["revision"]:
-                problems.append(
-                    f"config key '{key}.revision': hub models need a pinned 40-hex commit, not a branch or tag"
-                )
         elif spec["source"] == "local":
             path = Path(spec["path"]) if spec["path"] else None
             if path is None or not path.is_dir():
@@ -166,6 +162,11 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             from tunegrid.gguf_files import gguf_spec_problems
 
             problems += gguf_spec_problems(spec, key)
+    if not config["lora"]["target_modules"] and not config["lora"]["target_parameters"]:
+        problems.append(
+            "config key 'lora.target_modules': empty, and so is lora.target_parameters: name the modules that get "
+            "adapters (e.g. [q_proj, v_proj], or [all-linear])"
+        )
     from tunegrid.data_checks import config_problems
 
     problems += config_problems(config["data"])
@@ -184,7 +185,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no --configfile is given
+DEFAULT_STUDY_PATH = REPO_ROOT / "configs" / "config.yaml"  # the study when no study file is given
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -236,7 +237,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "train": {**study["train"], "gradient_checkpointing": settings["activation_checkpointing"]},
         "lora": study["lora"],
         "data": study["data"],
-        "debug": cell_debug(study["debug"], cell.fault),
+        "debug": cell_debug(study["debug"], cell.fault, cell.repeat),
         # the job's host-memory request is not how the cell trains: changing it re-runs no cell
         "hardware": {key: value for key, value in study["hardware"].items() if key != "mem_mb"},
         "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},

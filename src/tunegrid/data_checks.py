@@ -22,6 +22,17 @@ PINNED_REVISION = re.compile(r"^[0-9a-f]{40}$")
 
 
 ROLES = ("system", "user", "assistant")
+# ShareGPT's role names (what axolotl's chat_template reader maps by default) as the chat roles
+ROLE_NAMES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
+
+
+def message_view(message: Any, fields: dict[str, str]) -> Any:
+    """One message as {role, content} when data.fields names other keys (role: from, content: value)."""
+    role_key, content_key = fields.get("role", "role"), fields.get("content", "content")
+    if (role_key, content_key) == ("role", "content") or not isinstance(message, dict):
+        return message
+    role = message.get(role_key)
+    return {"role": ROLE_NAMES.get(role, role), "content": message.get(content_key)}
 
 
 SAMPLE_RECORDS = 100  # records checked at config time; every record is checked when the set is written
@@ -65,7 +76,7 @@ def is_chat(data: dict[str, Any]) -> bool:
 
 def fields_problems(data: dict[str, Any]) -> list[str]:
     fields = field_map(data)
-    if "messages" in fields and len(fields) > 1:
+    if "messages" in fields and len(set(fields) - {"role", "content"}) > 1:
         return [
             "config key 'data.fields': give either {messages: <column>} or {prompt: <column>, response: <column>}, "
             "not both"
@@ -87,10 +98,10 @@ def config_problems(data: dict[str, Any]) -> list[str]:
     if source == "hub":
         if not data["repo_id"]:
             problems.append("config key 'data.repo_id': required for source 'hub' (a datasets id, e.g. <owner>/<name>)")
-        if not PINNED_REVISION.match(data["revision"] or ""):
+        if data["revision"] and not PINNED_REVISION.match(data["revision"]):
             problems.append(
-                "config key 'data.revision': hub datasets need a pinned 40-hex commit (the dataset repository's "
-                "commit sha), not a branch, tag or nothing, so every run trains on the same records"
+                "config key 'data.revision': a pinned 40-hex commit (the dataset repository's commit sha), or "
+                "empty: the dataset rule then fetches data.ref and records the commit it got (tunegrid pin)"
             )
         return problems
     path = Path(data["path"]) if data["path"] else None
@@ -115,7 +126,7 @@ def _sample_errors(data: dict[str, Any], path: Path) -> list[DataError]:
             if pq.read_metadata(path).num_rows == 0:
                 return [DataError(f"config key 'data.path': {str(path)!r} holds no records (0 rows)")]
             columns = set(pq.read_schema(path).names)
-            missing = [k for k, col in field_map(data).items() if col not in columns]
+            missing = [k for k, col in field_map(data).items() if col not in columns and k not in ("role", "content")]
             return [_missing(k, field_map(data)[k], sorted(columns)) for k in missing]
         sample = read_jsonl(path, limit=SAMPLE_RECORDS)
         if not sample:
@@ -166,10 +177,15 @@ def check_records(
         if not isinstance(record, dict):
             raise DataError(f"config key 'data.path': {where} is a {type(record).__name__}, not an object of fields")
         for key, column in fields.items():
+            if key in ("role", "content"):  # keys inside each message, not the record's
+                continue
             if record.get(column) is None:  # datasets fills a field absent from some records with None
                 raise _missing(key, column, [k for k, v in record.items() if v is not None], where)
         if "messages" in fields:
-            _check_messages(record[fields["messages"]], where, fields["messages"])
+            messages = record[fields["messages"]]
+            if isinstance(messages, list):
+                messages = [message_view(m, fields) for m in messages]
+            _check_messages(messages, where, fields["messages"])
 
 
 def _check_messages(messages: Any, where: str, column: str) -> None:

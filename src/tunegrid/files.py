@@ -19,12 +19,35 @@ def write_text_if_changed(path: str | Path, text: str) -> bool:
     return True
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it, so it is set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def open_to_umask(folder: str | Path) -> None:
+    """Files a library wrote private in `folder` (safetensors' writer makes every file 0600, whatever the umask)
+    opened to the user's umask, as tunegrid's own writes are. Links are left alone: they point at the user's files."""
+    import stat
+
+    mode = 0o666 & ~current_umask()
+    for path in Path(folder).rglob("*"):
+        if not path.is_symlink() and path.is_file() and stat.S_IMODE(path.stat().st_mode) == 0o600 != mode:
+            path.chmod(mode)
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over the target."""
+    """Write to a temp file in the same folder, fsync, then rename over the target.
+
+    mkstemp makes its file 0600 whatever the umask; the result is opened to the user's umask before the rename
+    (0644 under the usual 022, group-readable under 002), as a plain open() would have made it, so a team member
+    can read a report on a shared machine. Nothing tunegrid writes holds a secret."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w") as fh:
             fh.write(text)
             fh.flush()

@@ -50,13 +50,35 @@ def setting_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
-def cell_debug(debug: dict[str, Any], fault: str) -> dict[str, Any]:
+def cell_debug(debug: dict[str, Any], fault: str, repeat: int = 0) -> dict[str, Any]:
     """The debug section one cell sees: all of it for fault `debug`; otherwise only the named rank fault
-    (none for `none`), the others off (rank -1), so twins differ in that fault alone."""
+    (none for `none`), the others off (rank -1), so twins differ in that fault alone. A `transient` non-finite
+    injection happens in the cell's first run only: a repeat (grid.repeat > 0) sees none."""
+    debug = {**debug, "inject_nonfinite": _injection_of_run(debug.get("inject_nonfinite") or {}, repeat)}
     if fault == "debug":
         return debug
     kept = RANK_FAULTS.get(fault)
     return {k: (v if k == kept or k not in RANK_FAULTS.values() else {**v, "rank": -1}) for k, v in debug.items()}
+
+
+def _injection_of_run(injection: dict[str, Any], repeat: int) -> dict[str, Any]:
+    """The injection one run makes (the `transient` flag is spent here, so specs without it are unchanged)."""
+    transient = injection.get("transient", False)
+    injection = {k: v for k, v in injection.items() if k != "transient"}
+    if transient and repeat > 0:
+        return {**injection, "module": "", "also": []}
+    return injection
+
+
+def injected_faults(debug: dict[str, Any]) -> list[str]:
+    """The debug section's injections that are on for a cell (its own section, after `cell_debug`): a
+    non-finite value into a module, and each rank fault that names a rank. Empty: the cell injects nothing."""
+    names = []
+    inject = debug.get("inject_nonfinite") or {}
+    if inject.get("module") or inject.get("also"):
+        names.append("inject_nonfinite")
+    names += [key for key in RANK_FAULTS.values() if (debug.get(key) or {}).get("rank", -1) >= 0]
+    return names
 
 
 def debug_problems(config: dict[str, Any]) -> list[str]:

@@ -89,23 +89,43 @@ def apply_memory_budget(device_type: str, budget_bytes: int, device_index: int |
     import resource
 
     arenas = _keep_malloc_arenas()
+    mapped = _map_large_blocks()
     in_use = _proc_status_kib("VmSize") * 1024
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = in_use + budget_bytes
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-    return {"mechanism": "RLIMIT_AS", "address_space_at_start": in_use, "limit": limit, "malloc_arenas": arenas}
+    return {
+        "mechanism": "RLIMIT_AS",
+        "address_space_at_start": in_use,
+        "limit": limit,
+        "malloc_arenas": arenas,
+        "large_blocks": mapped,
+    }
 
 
-M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+def address_space_added(enforcement: dict[str, Any]) -> int | None:
+    """Under a CPU budget, the most address space the cell added above its start (VmPeak less the start): the
+    figure the budget caps, so a record says how far each cell stood from it."""
+    start = enforcement.get("address_space_at_start")
+    peak = _proc_status_kib("VmPeak") * 1024
+    return peak - start if start is not None and peak else None
 
 
-def _keep_malloc_arenas() -> str:
-    """Under an address-space budget, no new glibc malloc arenas: each reserves 64 MiB of address space at once,
-    and whether a thread gets one depends on lock contention at that moment (thread timing, host load), so the
-    same cell would fit or not from run to run. With M_ARENA_MAX 1, threads share the arenas already made instead
-    of reserving new ones, and the charge is what the cell allocates."""
+def keep_one_malloc_arena(budget_bytes: int | None) -> str | None:
+    """Under a budget, called as the worker starts (before any thread of its own): every later thread shares the
+    main arena, so no 64 MiB arena is reserved before the budget's start is read (one that was would be room the
+    cell then fills uncharged, and whether a thread had made one depends on timing)."""
+    return _keep_malloc_arenas() if budget_bytes else None
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter numbers (malloc.h)
+M_MMAP_THRESHOLD = -3
+LARGE_BLOCK_BYTES = 256 * 1024
+
+
+def _libc() -> Any:
     import ctypes
     import ctypes.util
 
@@ -113,7 +133,29 @@ def _keep_malloc_arenas() -> str:
     try:
         libc = ctypes.CDLL(name) if name else None
     except OSError:
-        libc = None
-    if libc is None or not hasattr(libc, "mallopt"):
+        return None
+    return libc if libc is not None and hasattr(libc, "mallopt") else None
+
+
+def _map_large_blocks() -> str:
+    """Under an address-space budget, every block of 256 KiB or more its own mapping, returned when freed. glibc
+    otherwise raises its mapping threshold as blocks are freed (up to 32 MiB), after which tensors of that size
+    are carved from the heap and their address space is kept after they are freed; how much depends on the
+    order of frees across threads. A fixed threshold ends that: the charge follows the tensors alive."""
+    libc = _libc()
+    if libc is None:
+        return "not glibc: as the allocator maps them"
+    if libc.mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES) != 1:
+        return "mallopt refused: as glibc maps them"
+    return f"M_MMAP_THRESHOLD={LARGE_BLOCK_BYTES}"
+
+
+def _keep_malloc_arenas() -> str:
+    """Under an address-space budget, no new glibc malloc arenas: each reserves 64 MiB of address space at once,
+    and whether a thread gets one depends on lock contention at that moment (thread timing, host load), so the
+    same cell would fit or not from run to run. With M_ARENA_MAX 1, threads share the arenas already made instead
+    of reserving new ones, and the charge is what the cell allocates."""
+    libc = _libc()
+    if libc is None:
         return "not glibc: arenas as the allocator makes them"
     return "M_ARENA_MAX=1" if libc.mallopt(M_ARENA_MAX, 1) == 1 else "mallopt refused: arenas as glibc makes them"

@@ -184,12 +184,23 @@ class CellResult:
         return self.cell["axes"]
 
 
+PEFT_PREFIX = "base_model.model."  # what peft's wrapper puts before each of the model's own module names
+
+
+def module_name(name: str) -> str:
+    """A module as the model itself names it (`model.layers.0.mlp.down_proj`), without peft's wrapper prefix:
+    the one spelling every record, tag, summary column and report line uses, and the one a study's
+    `debug.inject_nonfinite.module` and `fp32_islands` are written in."""
+    return name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
+
+
 def origin_label(fact: dict[str, Any] | None) -> str | None:
     """A traced non-finite origin's module, marked when no real token position of it was non-finite (its
     `at`: padding, or unlocated for a tensor without positions); one label for summary.csv and run tags."""
     if not fact:
         return None
-    return f"{fact['module']} ({fact['at']})" if fact.get("at") in ("padding", "unlocated") else fact["module"]
+    module = module_name(fact["module"])
+    return f"{module} ({fact['at']})" if fact.get("at") in ("padding", "unlocated") else module
 
 
 def infrastructure_fault(result: dict[str, Any]) -> bool:

@@ -63,7 +63,27 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
     return values
 
 
-STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (README, security)
+STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (docs/guide/security.md)
+STUDY_KEY = "study"  # `--config study=<file>.yaml`, the short form of the same; `study=<name>` renames the study
+STUDY_FILE_SUFFIXES = (".yaml", ".yml")
+STUDY_FILE_ENV = "TUNEGRID_STUDY_FILE"  # the study file named by `--config study=`, for each cell's re-run command
+
+
+def study_file_named(overrides: dict[str, Any]) -> str | None:
+    """The study file the command line names for tunegrid's bounded loader, taken out of `overrides`:
+    `study=<path>` where the value is a path (it holds a '/', which a study's name cannot, or ends in
+    .yaml/.yml), or the long form `study_path=<path>`. Any other `study=` value renames the study, as before.
+    Both forms at once are refused, naming the two."""
+    short = overrides.get(STUDY_KEY)
+    is_file = isinstance(short, str) and ("/" in short or short.endswith(STUDY_FILE_SUFFIXES))
+    by_path = overrides.pop(STUDY_PATH_KEY, None)
+    if is_file and by_path is not None:
+        raise ConfigError(
+            f"config key 'study': --config study={short} and study_path={by_path} both name a study file; keep one"
+        )
+    if is_file:
+        return str(overrides.pop(STUDY_KEY))
+    return None if by_path is None else str(by_path)
 
 
 def study_config(config: dict[str, Any], overrides: Any, study_files: list[Any]) -> dict[str, Any]:
@@ -75,8 +95,8 @@ def study_config(config: dict[str, Any], overrides: Any, study_files: list[Any])
     from snakemake.utils import update_config
 
     overrides = dict(overrides or {})
-    by_path = overrides.pop(STUDY_PATH_KEY, None)
-    files = [*study_files, *([str(by_path)] if by_path is not None else [])]
+    by_path = study_file_named(overrides)
+    files = [*study_files, *([by_path] if by_path is not None else [])]
     base: dict[str, Any] = {} if files else read_yaml(DEFAULT_STUDY_PATH)
     for path in files:
         raw = read_study_yaml(Path(path)) or {}  # first: it names the key of an alias bomb

@@ -7,6 +7,7 @@ find a study's files here instead of walking up from one of them (`parents[N]`) 
         specs/<cell_id>.json                 a cell's resolved spec, the file its jobs read
         plan.csv, plans/<cell_id>.json, runs/<cell_id>/result.json (and the run's other files), summary.csv, report/
         tracking.json, tracking-sync.json
+        doctor/<cell_id>/                    tunegrid doctor's waves for one baseline cell, <mode>/doctor.json
     results/logs/<study>/                    logs_dir: one log per rule, finetune/<cell_id>.log per cell
 
 Light module: standard library only (the Snakefile reads it at parse time).
@@ -102,6 +103,10 @@ class StudyPaths:
     @property
     def report_dir(self) -> Path:
         return self.study_dir / "report"
+
+    def doctor_dir(self, cell_id: str) -> Path:
+        """`tunegrid doctor`'s files for one baseline cell: reproduce.json, diagnosis.json, <mode>/…"""
+        return self.study_dir / "doctor" / cell_id
 
     @property
     def tracking(self) -> Path:

@@ -1,9 +1,10 @@
-"""The words every stage shares, defined once: the grid's axes (one table), the precisions and quantizations,
-and a cell's outcomes (the metric names a step writes are tunegrid.outcome.StepMetrics' fields). The schema's
-grid keys, `Cell`, a cell id and its parser, the Snakefile's wildcard pattern, the summary's axis columns and the
-report's plot layout are all derived from AXIS_TABLE (tests/house/test_vocabulary.py), so a new axis is one row
-here plus its effect where it acts (the cell spec, the trainer). Light module: standard library only (the
-Snakefile reads it at parse time)."""
+"""The words every stage shares, defined once: the grid's axes (one table), the precisions and
+quantizations, and a cell's outcomes (the metric names a step writes are tunegrid.outcome.StepMetrics' fields).
+The schema's grid keys, `Cell`, a cell id and its parser, the Snakefile's wildcard pattern, the summary's
+axis columns and the report's plot layout are all derived from AXIS_TABLE (tests/house/test_vocabulary.py),
+so a new axis is one row here plus its effect where it acts (the cell spec, the trainer). Light module: no
+imports beyond the standard library (the Snakefile reads it at parse time).
+"""
 
 from __future__ import annotations
 
@@ -243,6 +244,16 @@ AXIS_TABLE: tuple[Axis, ...] = (
         default=("debug",),
         id_prefix="fault-",
         neutral="debug",
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="repeat",
+        type=int,
+        items={"type": "integer", "minimum": 0, "maximum": 9},
+        description="the same cell run again, same seed (tunegrid doctor's re-run: deterministic or transient?)",
+        default=(0,),
+        id_prefix="rep",
+        neutral=0,
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
     ),
     Axis(

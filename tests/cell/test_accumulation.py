@@ -29,6 +29,7 @@ def _curve(checkpoints, dataset_path, tmp_path, batch, accum, data):
 
 
 @pytest.mark.parametrize("loss_on", ["response", "all"])
+@pytest.mark.slow
 def test_micro_batch_times_accumulation_draws_the_curve_of_one_batch(checkpoints, dataset_path, tmp_path, loss_on):
     data = {"examples": 64, "loss_on": loss_on}
     curves = {(b, a): _curve(checkpoints, dataset_path, tmp_path, b, a, data) for b, a in ((4, 1), (2, 2), (1, 4))}
@@ -106,6 +107,7 @@ def test_nonfinite_in_the_second_micro_batch_ends_nan_there_with_its_origin(
     assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_two_ranks_accumulate_and_end_with_identical_lora_weights(checkpoints, dataset_path, tmp_path):
     spec = one_cell(model=MODEL, world=2, accum=2, train={"steps": 3, "threads": 1})
     assert spec["cell_id"].endswith("_ws2_ga2")
@@ -114,6 +116,7 @@ def test_two_ranks_accumulate_and_end_with_identical_lora_weights(checkpoints, d
     assert result["distributed"]["lora_identical"] is True
 
 
+@pytest.mark.slow
 def test_an_accumulating_cell_resumes_at_its_data_position(checkpoints, dataset_path, tmp_path):
     train = {"steps": 6, "checkpoint_every": 2, "retries": 0}
     killed = one_cell(model=MODEL, batch=1, accum=2, train=train, debug={"kill_rank": {"rank": 0, "step": 3}})

@@ -114,6 +114,7 @@ def test_saved_nf4_adapter_reloads_onto_its_4bit_base_with_the_cells_loss(
     assert loss == pytest.approx(expected, rel=1e-6), "0 measured on CPU: the same weights through the same kernels"
 
 
+@pytest.mark.slow
 def test_killed_cell_resumes_from_its_resume_state_to_the_uninterrupted_curve(checkpoints, dataset_path, tmp_path):
     train = {"steps": 8, "checkpoint_every": 3, "retries": 0}
     killed = _spec(train, debug={"kill_rank": {"rank": 0, "step": 5}})
@@ -145,6 +146,7 @@ def test_killed_cell_resumes_from_its_resume_state_to_the_uninterrupted_curve(ch
     )
 
 
+@pytest.mark.slow
 def test_checkpoint_of_a_different_spec_is_removed_not_resumed(checkpoints, dataset_path, tmp_path):
     train = {"steps": 6, "checkpoint_every": 2, "retries": 0}
     killed = _spec(train, debug={"kill_rank": {"rank": 0, "step": 3}})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.cell.collective import find_straggler
@@ -166,6 +167,7 @@ def _real(tmp_path, checkpoints, dataset_path, fault, debug, timeout_s=600, step
     return run_supervised(spec, checkpoints, dataset_path, run_dir), run_dir
 
 
+@pytest.mark.slow
 def test_rank_leaving_the_loop_early_is_a_mismatch_naming_rank_and_step(checkpoints, dataset_path, tmp_path):
     result, run_dir = _real(
         tmp_path, checkpoints, dataset_path, "skip-collective", {"skip_collective": {"rank": 1, "step": 2}}, 4
@@ -181,6 +183,7 @@ def test_rank_leaving_the_loop_early_is_a_mismatch_naming_rank_and_step(checkpoi
     assert processes_mentioning(run_dir) == []
 
 
+@pytest.mark.slow
 def test_slow_rank_that_does_not_time_out_ends_ok_with_a_straggler_warning(checkpoints, dataset_path, tmp_path):
     result, run_dir = _real(
         tmp_path, checkpoints, dataset_path, "slow-rank", {"slow_rank": {"rank": 1, "seconds": 0.6}}, steps=5
@@ -190,6 +193,36 @@ def test_slow_rank_that_does_not_time_out_ends_ok_with_a_straggler_warning(check
     assert warning["rank"] == 1 and warning["slow_steps"] * 2 > warning["steps_compared"]
     metrics = [json.loads(line) for line in (run_dir / "ranks" / "rank1" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["local_time_s"] >= 0.6 for m in metrics)  # the injected delay is inside the local time
+
+
+def test_a_slow_rank_0_slows_the_cells_tokens_per_s_with_each_ranks_figure_beside_it(
+    checkpoints, dataset_path, tmp_path
+):
+    """Rank 0 writes the cell's metrics: its delay is inside its step's wall time, and the cell's tokens/s is both
+    ranks' real tokens over the slowest rank's step time (it read faster than its fault-free twin before)."""
+    result, run_dir = _real(
+        tmp_path, checkpoints, dataset_path, "slow-rank", {"slow_rank": {"rank": 0, "seconds": 0.6}}, steps=4
+    )
+    assert result["outcome"] == "ok", result["reason"]
+    mine = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["step_time_s"] >= 0.6 for m in mine)
+    throughput = result["throughput"]
+    assert throughput["step_time_s_median"] >= 0.6 and set(throughput["per_rank"]) == {"0", "1"}
+    tokens = [round(m["tokens_per_s"] * m["step_time_s"]) for m in mine[1:]]  # rank 0's real tokens, steps 1..
+    assert throughput["tokens_per_s_median"] <= 2.5 * max(tokens) / 0.6  # both ranks' tokens over >= 0.6 s
+    assert throughput["tokens_per_s_median"] > throughput["per_rank"]["0"]["tokens_per_s_median"]  # two ranks' work
+
+
+def test_cell_throughput_is_all_tokens_over_the_slowest_ranks_step_time():
+    from tunegrid.cell.distributed import cell_throughput
+
+    per_rank = {0: {0: (100, 9.0), 1: (100, 2.0), 2: (100, 2.0)}, 1: {0: (120, 9.0), 1: (120, 1.0), 2: (120, 3.0)}}
+    done = cell_throughput(per_rank)
+    assert done["tokens_per_s_median"] == pytest.approx((220 / 2.0 + 220 / 3.0) / 2)  # step 0 left out
+    assert done["step_time_s_median"] == 2.5
+    assert done["per_rank"]["0"] == {"tokens_per_s_median": 50.0, "step_time_s_median": 2.0}
+    assert done["per_rank"]["1"]["tokens_per_s_median"] == pytest.approx((120 + 40) / 2)
+    assert cell_throughput({0: {1: (5, 1.0)}, 1: {}})["tokens_per_s_median"] is None  # no step every rank timed
 
 
 def test_the_diagnosis_and_a_straggler_reach_the_run_tags_and_the_summary():

@@ -27,6 +27,7 @@ def _run(spec, checkpoints, dataset_path, tmp_path):
     return run_supervised(spec, checkpoints, dataset_path, run_dir), run_dir
 
 
+@pytest.mark.slow
 def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, dataset_path, tmp_path):
     spec = _spec()
     assert spec["cell_id"].endswith("_ws2")
@@ -44,6 +45,7 @@ def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, data
     assert processes_mentioning(run_dir) == []
 
 
+@pytest.mark.slow
 def test_stalled_rank_is_a_collective_timeout_naming_the_rank(checkpoints, dataset_path, tmp_path):
     timeout_s = 4
     spec = _spec(
@@ -65,6 +67,7 @@ def test_stalled_rank_is_a_collective_timeout_naming_the_rank(checkpoints, datas
     assert processes_mentioning(run_dir) == []
 
 
+@pytest.mark.slow
 def test_killed_rank_is_an_error_with_its_signal_and_log(checkpoints, dataset_path, tmp_path):
     spec = _spec(debug={"kill_rank": {"rank": 1, "step": 1}}, distributed={"exit_grace_s": 2}, train={"retries": 1})
     result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
@@ -83,6 +86,7 @@ def test_fault_injection_rank_must_exist():
         _spec(debug={"kill_rank": {"rank": 2, "step": 0}})
 
 
+@pytest.mark.slow
 def test_a_rank_that_fails_on_its_own_is_named_with_its_error_and_never_retried(checkpoints, dataset_path, tmp_path):
     spec = _spec(
         debug={"inject_nonfinite": {"module": "no.such.module", "step": 1}},
@@ -168,6 +172,7 @@ def test_a_rank_killed_without_the_watchdog_line_is_still_a_crash(tmp_path):
     assert update["outcome"] == "error" and update["diagnosis"]["rank_crash"]["ranks"] == [0]
 
 
+@pytest.mark.slow
 def test_ranks_stop_together_when_only_one_ranks_loss_goes_nonfinite(checkpoints, dataset_path, tmp_path):
     """fp16, two ranks, an overflow in rank 1's forward only: rank 1's loss is non-finite (it stops), rank 0's
     loss is finite and the all-reduced gradient makes its step a GradScaler skip (alone, it would go on and

@@ -94,6 +94,7 @@ REDUCED_OLMOE = {
 MiB = 2**20
 
 
+@pytest.mark.slow
 def test_load_peak_is_quantized_weights_plus_one_full_precision_tensor(tmp_path, dataset_path):
     from tunegrid.prepare.checkpoints import build_synthetic
     from tunegrid.prepare.data import corpus_texts, read_dataset

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from conftest import one_cell, run_supervised
 
 from tunegrid.files import read_json
@@ -12,6 +13,7 @@ from tunegrid.review.summary import summary_row
 ATTENTION_ONLY = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
+@pytest.mark.slow
 def test_an_int8_cell_trains_is_audited_as_8_bit_and_estimated_at_one_byte_per_weight(
     checkpoints, dataset_path, tmp_path
 ):

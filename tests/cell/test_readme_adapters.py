@@ -1,10 +1,9 @@
-"""README's adapter-reuse snippet, run as README writes it, reproduces the reference loss of every `ok` cell
-of the default study's grid (configs/config.yaml: both models, fp32/bf16/fp16/fp16-islands, both batch sizes,
-none/nf4/nf4-experts, less the grid's exclusions; fewer steps, to keep the suite's time)."""
+"""The docs' adapter-reuse snippet (docs/guide/review.md), run as the page writes it, reproduces the reference loss of
+every `ok` cell of the default study's grid (configs/config.yaml: both models, fp32/bf16/fp16/fp16-islands, both
+batch sizes, none/nf4/nf4-experts, less the grid's exclusions), as README's main job trained it."""
 
 from __future__ import annotations
 
-import copy
 import re
 from pathlib import Path
 
@@ -20,39 +19,29 @@ BOUND = {"fp32": 1e-6, "bf16": 1e-6, "fp16": 1e-6, "fp16-islands": 1e-6}
 
 
 def readme_snippet() -> str:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Reusing a winning cell's adapter") :]
-    section = section[: section.index("\n### ", 5)]
+    text = (REPO / "docs" / "guide" / "review.md").read_text()
+    section = text[text.index("## Reusing a winning cell's adapter") :]
+    section = section.split("\n## ", 1)[0]  # up to the next section, if any
     blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(blocks) == 1, "README's adapter section holds one python snippet"
+    assert len(blocks) == 1, "the adapter section of docs/guide/review.md holds one python snippet"
     return blocks[0]
 
 
 @pytest.fixture(scope="module")
-def default_study_run(tmp_path_factory):
-    from tunegrid.cell.train import run_worker
-    from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset
-
-    raw = load_study(REPO / "configs" / "config.yaml")
-    study = resolve_study({**copy.deepcopy(raw), "train": {**raw["train"], "steps": 3}})
-    root = tmp_path_factory.mktemp("default-study")
-    data = root / "train.jsonl"
-    write_dataset(data, study["data"]["examples"], study["data"]["seed"])
-    texts = list(corpus_texts(read_dataset(data)))
-    models = {}
-    for name, model in study["models"].items():
-        produce_checkpoint(copy.deepcopy(model), texts, root / "models" / name)
-        models[name] = root / "models" / name
+def default_study_run(default_study_clone):
+    """The default study as README's main job ran it (conftest's one shared end-to-end run): its models and,
+    per cell, the resolved spec, the run folder and result.json."""
+    study_dir = default_study_clone / "results" / "default"
+    study = resolve_study(load_study(REPO / "configs" / "config.yaml"))
     cells = []
-    for cell in expand_cells(study):
-        spec = cell_spec(study, cell)
-        run_dir = root / "runs" / spec["cell_id"]
-        run_worker(spec, str(models[spec["model"]["name"]]), str(data), str(run_dir))
-        cells.append((spec, run_dir, read_json(run_dir / "worker.json")))
+    for cell_id in sorted(cell_spec(study, cell)["cell_id"] for cell in expand_cells(study)):
+        run_dir = study_dir / "runs" / cell_id
+        cells.append((read_json(study_dir / "specs" / f"{cell_id}.json"), run_dir, read_json(run_dir / "result.json")))
+    models = {spec["model"]["name"]: study_dir / "models" / spec["model"]["name"] for spec, _, _ in cells}
     return models, cells
 
 
+@pytest.mark.slow
 def test_readme_snippet_reproduces_every_ok_cells_reference_loss(default_study_run):
     models, cells = default_study_run
     snippet = readme_snippet()
@@ -66,7 +55,7 @@ def test_readme_snippet_reproduces_every_ok_cells_reference_loss(default_study_r
             "results/<study>/runs/<cell_id>/adapter", str(Path(run_dir) / "adapter")
         )
         namespace: dict = {}
-        exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 — README's own snippet, as written
+        exec(compile(code, "review.md", "exec"), namespace)  # noqa: S102 — the page's own snippet, as written
         expected = facts["training"]["reference_batch_loss"]
         assert namespace["record"]["reference"]["loss"] == expected
         off[spec["cell_id"]] = abs(namespace["loss"] - expected) / abs(expected)
@@ -82,6 +71,6 @@ def test_readme_snippet_reproduces_every_ok_cells_reference_loss(default_study_r
         "results/<study>/runs/<cell_id>/adapter", str(Path(run_dir) / "adapter")
     )
     namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102
+    exec(compile(code, "review.md", "exec"), namespace)  # noqa: S102
     expected = facts["training"]["reference_batch_loss"]
     assert abs(namespace["loss"] - expected) / abs(expected) > 1e-5

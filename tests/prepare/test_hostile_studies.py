@@ -2,7 +2,7 @@
 at any key) and non-finite or huge numbers in every numeric field of the schema. `tunegrid validate` (its
 loader: config.load_study) refuses each within 2 s naming the key; snakemake does too within 5 s, except
 where its own loader expands the file before the Snakefile runs (test_snakemake_* below show where, and
-that `--config study_path=` avoids it)."""
+that `--config study=` (or its long form `study_path=`) avoids it)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tunegrid.config import ConfigError, load_schema, load_study
-from tunegrid.study_input import coerce_overrides
+from tunegrid.study_input import coerce_overrides, study_config
 
 # ------------------------------------------------------------------------------------------ the corpus
 
@@ -279,17 +279,70 @@ def test_snakemake_refuses_a_bomb_by_study_path_within_5s(tmp_path, shape):
     assert not (tmp_path / "results").exists()
 
 
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(
+    shape=st.sampled_from(["list", "mapping", "merge", "merge-list", "mixed"]),
+    levels=st.integers(8, 40),
+    width=st.integers(2, 10),
+    place=st.sampled_from(BOMB_PLACES),
+)
+def test_the_shown_study_form_refuses_every_bomb_shape_in_2_cpu_seconds(tmp_path, shape, levels, width, place):
+    """`--config study=<file>` (the form README and the docs show) as the Snakefile reads it: the file goes to
+    tunegrid's bounded loader only, which refuses a bomb of any shape at any place in at most 2 s of CPU time
+    (CPU time, so another process's load on the host does not count), naming the key."""
+    levels = max(levels, math.ceil(8 / math.log10(width)))  # at least 10^8 values expanded
+    text, key = study_with_bomb(shape, levels, width, place)
+    study = tmp_path / "bomb.yaml"
+    study.write_text(text)
+    started = time.process_time()
+    with pytest.raises(ConfigError) as caught:
+        study_config({}, {"study": str(study)}, [])
+    assert time.process_time() - started <= 2.0
+    assert _names(str(caught.value), key) and "aliases" in str(caught.value), str(caught.value)
+
+
+def test_study_names_a_file_or_renames_the_study(tmp_path, monkeypatch):
+    study = tmp_path / "s.yaml"
+    study.write_text(yaml.safe_dump(make_study(study="from-file")))
+    assert study_config({}, {"study": str(study)}, [])["study"] == "from-file"
+    monkeypatch.chdir(tmp_path)
+    assert study_config({}, {"study": "s.yaml"}, [])["study"] == "from-file"  # a .yaml name is a file
+    renamed = study_config({}, {"study_path": str(study), "study": "renamed"}, [])
+    assert renamed["study"] == "renamed"  # a name (no '/', no .yaml) stays an override of the study's name
+    with pytest.raises(ConfigError, match="both name a study file"):
+        study_config({}, {"study_path": str(study), "study": str(study)}, [])
+
+
 @pytest.mark.parametrize("shape", sorted(SNAKEMAKE_BOMBS))
+def test_snakemake_refuses_a_bomb_by_the_shown_study_form(tmp_path, shape):
+    """Through Snakemake as README shows it: `--config study=<file>`. Refused naming the key, no traceback; the
+    2 s bound is the loader's (above): this run adds Snakemake's own start."""
+    text, key = study_with_bomb(shape, *SNAKEMAKE_BOMBS[shape], ("anchors",))
+    study = tmp_path / "bomb.yaml"
+    study.write_text(text)
+    out, seconds = _snakemake(tmp_path, "--config", f"study={study}", wait_s=60)
+    assert _names(out, key), (out or "")[-2000:]
+    assert "Traceback" not in out and seconds < 45  # a hang guard; an expanded bomb runs for minutes
+    assert not (tmp_path / "results").exists()
+
+
+# the shapes Snakemake expands run until the 20 s wait ends: slow by design, out of the fast tier
+@pytest.mark.parametrize(
+    "shape",
+    [pytest.param(s, marks=pytest.mark.slow) if s in EXPANDED_BY_SNAKEMAKE else s for s in sorted(SNAKEMAKE_BOMBS)],
+)
 def test_snakemake_configfile_bombs_refused_or_the_limitation_shown(tmp_path, shape):
     """By --configfile: list bombs stay shared through snakemake's loader and are refused by the Snakefile;
     the shapes snakemake's own loader expands never reach it (still running after 20 s, or killed by the
-    memory cap with no word from tunegrid): the limitation README's security section documents."""
+    memory cap with no word from tunegrid): the limitation docs/guide/security.md documents."""
     text, key = study_with_bomb(shape, *SNAKEMAKE_BOMBS[shape], ("anchors",))
     study = tmp_path / "bomb.yaml"
     study.write_text(text)
     out, seconds = _snakemake(tmp_path, "--configfile", str(study), wait_s=20)
     if shape in EXPANDED_BY_SNAKEMAKE:
-        assert out is None or "invalid study config" not in out, "snakemake no longer expands it: update README"
+        assert out is None or "invalid study config" not in out, "snakemake no longer expands it: fix the docs"
     else:
         assert _names(out, key), (out or "")[-2000:]
     assert not (tmp_path / "results").exists()

@@ -36,6 +36,7 @@ def capabilities(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_probe_has_every_field_with_sane_values(capabilities):
     import json
 
@@ -121,6 +122,7 @@ def test_t4_target_refuses_bf16_without_training(checkpoints, dataset_path, tmp_
     assert result["memory"]["budget_bytes"] == TARGETS["t4"].memory_bytes  # what a process gets on a T4
 
 
+@pytest.mark.slow
 def test_too_small_budget_ends_oom_with_stage_while_neighbour_is_ok(checkpoints, dataset_path, tmp_path, capabilities):
     hardware = {"memory_budget_gb": 0.25}
     ok = _run(
@@ -145,6 +147,7 @@ def test_too_small_budget_ends_oom_with_stage_while_neighbour_is_ok(checkpoints,
     assert skipped["outcome"] == "predicted_oom"
 
 
+@pytest.mark.slow
 def test_estimate_is_close_to_measured_for_ok_cells(checkpoints, dataset_path, tmp_path, capabilities):
     """Spawned workers, the probe's constants for that path; a bf16 MoE cell among them stays flat (oneDNN off).
     The whole default study on both paths: test_cpu_memory_evidence.py."""

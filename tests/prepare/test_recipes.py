@@ -17,6 +17,7 @@ from conftest import REPO, snakemake_command, workflow_env
 
 from tunegrid.cli.main import main
 from tunegrid.config import expand_cells, resolve_study
+from tunegrid.plans import PRECISION_PLANS
 from tunegrid.prepare.recipe import RecipeError
 from tunegrid.prepare.recipe_study import baseline_cell_id, expand_base, import_recipe
 from tunegrid.prepare.recipe_trl import DEFAULTS, MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS, SFT_ONLY_KEYS
@@ -56,7 +57,7 @@ IMPORTS = {  # recipe -> (import options, the baseline cell, settings the study 
          "train.gradient_checkpointing": True, "train.warmup_steps": 5, "train.steps": 50},
     ),
     "axolotl-fsdp-8bit-optim.yaml": (
-        {"failure": "oom", "ignore": ["deepspeed", "fsdp", "fsdp_config", "optimizer", "peft_use_dora"]},
+        {"failure": "oom", "ignore": ["optimizer", "peft_use_dora"]},
         "local-qwen3-moe_fp16_bs4_none_s42",
         {"lora.target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "data.loss_on": "all",
          "data.fields": {"prompt": "question", "response": "answer"}, "data.source": "parquet",
@@ -76,7 +77,7 @@ IMPORTS = {  # recipe -> (import options, the baseline cell, settings the study 
          "train.steps": 40, "train.gradient_checkpointing": False, "train.lr": 2e-5},
     ),
     "transformers-training-args.json": (
-        {"failure": "nan", "ignore": ["fsdp", "optim"], "model": "models/local-gemma", "dataset": "data/chat.jsonl",
+        {"failure": "nan", "ignore": ["optim"], "model": "models/local-gemma", "dataset": "data/chat.jsonl",
          "seq_len": 96},
         "local-gemma_bf16_bs16_none_s42",
         {"train.seq_len": 96, "train.lr_scheduler": "constant_with_warmup", "train.warmup_steps": 10,
@@ -98,21 +99,25 @@ def test_a_held_out_recipe_imports_to_a_study_whose_baseline_is_the_recipe(workd
     assert baseline_cell_id(resolved) == baseline and baseline in {c.cell_id for c in expand_cells(resolved)}
     for path, value in expected.items():
         assert _settings(resolved, path) == value, path
-    # every key of the recipe is carried, listed as not carried, or ignored at the user's word: none is lost
-    used = {k.split(".")[0] for keys in recipe.origin.values() for k in keys}
-    accounted = used | set(recipe.not_carried) | {k.split(".")[0] for k in recipe.ignored}
+    # every key of the recipe is carried, listed (not carried, run differently, unknown), or ignored at the
+    # user's word: none is lost
+    used = {k.split(".")[0] for keys in recipe.origin.values() for k in keys} | recipe.accounted
+    listed = {*recipe.not_carried, *recipe.differs, *recipe.unknown}
+    accounted = used | {k.split(".")[0].split(":")[0] for k in listed} | {k.split(".")[0] for k in recipe.ignored}
     assert set(recipe.raw) <= accounted, set(recipe.raw) - accounted
     text = "\n".join(header)
-    assert all(f"  {key}: " in text for key in recipe.not_carried)
-    assert all(f"  {key}: " in text for key in recipe.ignored)
+    assert all(f"  {key}: " in text for key in (*listed, *recipe.ignored))
 
 
 def test_the_grid_varies_what_bears_on_the_failure(workdir):
     nan, _, _ = import_recipe({"recipe": "axolotl-qlora-hub.yaml", "failure": "nan"})
-    assert nan["grid"]["precision"] == ["bf16", "fp32", "fp16"] and nan["grid"]["quant"] == ["nf4"]
+    rows = sorted(PRECISION_PLANS.values(), key=lambda row: row.nan_fix_rank)  # every row, the fp16 fixes too
+    assert nan["grid"]["precision"] == ["bf16", *(str(r.precision) for r in rows if r.precision != "bf16")]
+    assert nan["grid"]["quant"] == ["nf4"]
     assert list(zip(nan["grid"]["batch_size"], nan["grid"]["grad_accum"])) == [(2, 4), (1, 8)]  # same effective
-    oom, _, _ = import_recipe({"recipe": "axolotl-fsdp-8bit-optim.yaml", "failure": "oom", "ignore": ["deepspeed",
-                               "fsdp", "fsdp_config", "optimizer", "peft_use_dora"]})  # fmt: skip
+    assert {c.batch_size * c.grad_accum for c in expand_cells(resolve_study(nan))} == {8}, "never crossed"
+    oom, _, _ = import_recipe({"recipe": "axolotl-fsdp-8bit-optim.yaml", "failure": "oom",
+                               "ignore": ["optimizer", "peft_use_dora"]})  # fmt: skip
     assert oom["grid"]["quant"] == ["none", "nf4-experts", "nf4", "int8"], "the memory fixes; nf4-experts for MoE"
     assert oom["grid"]["precision"] == ["fp16"]
     timeout, _, _ = import_recipe({"recipe": "trl-sft-chat.yaml", "failure": "timeout"})
@@ -122,11 +127,9 @@ def test_the_grid_varies_what_bears_on_the_failure(workdir):
 @pytest.mark.parametrize(
     ("name", "options", "keys", "needed"),
     [
-        ("axolotl-fsdp-8bit-optim.yaml", {}, ["deepspeed", "fsdp", "fsdp_config", "optimizer", "peft_use_dora"], []),
-        ("axolotl-two-datasets-unpinned.yaml", {}, ["datasets.1"], ["revision_of_model"]),
+        ("axolotl-fsdp-8bit-optim.yaml", {}, ["optimizer"], []),
         ("transformers-training-args.json", {"model": "models/local-gemma", "dataset": "data/chat.jsonl"},
-         ["fsdp", "optim"], ["max_length"]),
-        ("trl-hub-dataset.yaml", {}, [], ["dataset_name"]),
+         ["optim"], ["max_length"]),
     ],
 )  # fmt: skip
 def test_keys_tunegrid_cannot_honour_are_errors_naming_each_key(workdir, name, options, keys, needed, capsys):
@@ -144,12 +147,20 @@ def test_keys_tunegrid_cannot_honour_are_errors_naming_each_key(workdir, name, o
     assert f"recipe key {(keys or needed)[0]!r}" in capsys.readouterr().err
 
 
+def test_an_unpinned_hub_model_and_a_second_dataset_import_and_say_so(workdir):
+    study, recipe, header = import_recipe({"recipe": "axolotl-two-datasets-unpinned.yaml"})
+    assert study["models"]["Llama-3.2-1B"]["revision"] == "" and "datasets.1" in recipe.differs
+    study, recipe, header = import_recipe({"recipe": "trl-hub-dataset.yaml"})
+    assert (study["data"]["repo_id"], study["data"]["revision"]) == ("trl-lib/Capybara", "")
+    assert any("not pinned" in line for line in header)
+
+
 def test_import_writes_a_study_whose_header_lists_what_was_not_carried(workdir, capsys):
     assert main(["import", "axolotl-qlora-hub.yaml", "--failure", "nan", "--out", "study.yaml"]) == 0
     out = capsys.readouterr().out
     text = Path("study.yaml").read_text()
     for key in ("wandb_project", "flash_attention", "val_set_size", "output_dir", "num_epochs", "tf32"):
-        assert f"  {key}: " in out and f"#   {key}: " in text, key
+        assert f"  {key}" in out and f"#   {key}" in text, key
     assert "Baseline cell (the recipe itself): gemma-3-1b-it_bf16_bs2_nf4_s42_ga4" in out
     study = yaml.safe_load(text)
     assert study["base"] == {"recipe": "axolotl-qlora-hub.yaml", "from": "axolotl", "failure": "nan", "ignore": []}
@@ -340,7 +351,7 @@ def test_the_tools_8bit_adamw_names_import_as_the_optimizer_axis_and_export_back
 @pytest.mark.parametrize("tool", ["axolotl", "trl"])
 def test_other_optimizers_stay_refused_naming_the_key(workdir, tool):
     key = "optimizer" if tool == "axolotl" else "optim"
-    for name in ("paged_adamw_32bit", "lion_8bit", "adafactor"):
+    for name in ("lion_8bit", "adafactor"):  # paged_adamw_32bit: AdamW's update, carried as the nearest axis value
         with pytest.raises(RecipeError, match=rf"recipe key {key!r}: optimizer {name!r} is not one tunegrid trains"):
             import_recipe({"recipe": _recipe_with(tool, name)})
 

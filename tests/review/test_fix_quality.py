@@ -134,6 +134,10 @@ def test_a_failure_in_its_first_step_is_costed_against_its_fp32_twin():
         "against": "fp32",
     }
     assert "1.80x the tokens/s and 0.61x the peak memory of fp32 in this grid" in islands.why
+    # fp32 is offered too, but never costed against itself ("1.00x of fp32")
+    fp32 = next(fix for fix in rec.fixes if fix.change["precision"] == "fp32")
+    assert "of fp32 in this grid" not in fp32.why and "the baseline the other fixes' cost is measured" in fp32.why
+    assert fp32.cost["tokens_per_s_ratio"] is None and fp32.cost["against"] == "itself: the baseline of the others"
 
 
 def test_a_t4_target_is_never_offered_bf16_even_from_a_probe_that_has_it():

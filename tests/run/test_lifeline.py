@@ -73,6 +73,7 @@ def _gone_within(pids_now, seconds: float = 2.0) -> list[str]:
 
 
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.slow
 def test_spawned_workers_and_ranks_die_with_their_supervisor(checkpoints, dataset_path, tmp_path, world):
     env = {k: v for k, v in os.environ.items() if k != warm.SOCKET_ENV}
     proc, run_dir = _start_supervisor(tmp_path, checkpoints, dataset_path, world, env)
@@ -85,6 +86,7 @@ def test_spawned_workers_and_ranks_die_with_their_supervisor(checkpoints, datase
     assert left == []
 
 
+@pytest.mark.slow
 def test_a_worker_forked_by_the_warm_worker_dies_with_its_supervisor(checkpoints, dataset_path, tmp_path):
     path = warm.socket_path(f"test-lifeline-{os.getpid()}-{time.monotonic_ns()}")
     warm_proc = warm.start(path, tmp_path / "warm.log")

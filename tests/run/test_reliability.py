@@ -143,6 +143,7 @@ def _writer(uri: str, experiment_id: str, index: int, steps: int, queue: multipr
     queue.put((run.run_id, run.sent_points, run.errors))
 
 
+@pytest.mark.slow
 def test_eight_concurrent_writers_lose_nothing_on_sqlite(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     experiment_id = init_experiment(uri, "tunegrid/writers", tmp_path / "artifacts")
@@ -170,6 +171,7 @@ def test_eight_concurrent_writers_lose_nothing_on_sqlite(tmp_path):
     print(f"{writers} writers: {stored} points stored of {writers * expected} sent in {took:.1f} s")
 
 
+@pytest.mark.slow
 def test_tracking_server_stopped_mid_run_training_goes_on_and_sync_fills(checkpoints, dataset_path, tmp_path):
     store = f"sqlite:///{tmp_path / 'server.db'}"
     port = free_port()
@@ -209,6 +211,7 @@ def test_tracking_server_stopped_mid_run_training_goes_on_and_sync_fills(checkpo
     assert len({m.step for m in history}) == 400
 
 
+@pytest.mark.slow
 def test_result_json_appears_only_after_the_mlflow_run_is_finished(checkpoints, dataset_path, tmp_path):
     """result.json is the job's output: a kill just before it leaves no output (the job re-runs) and a
     finished MLflow run; there is no moment where result.json exists and the run is still open."""

@@ -7,6 +7,7 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.files import read_json, read_jsonl, write_json
@@ -42,6 +43,7 @@ def _run(spec, checkpoints, dataset_path, tmp_path, tracking=None, capabilities=
     ), run_dir
 
 
+@pytest.mark.slow
 def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path, tmp_path):
     uri, tracking = _store(tmp_path)
     spec = _spec()
@@ -103,6 +105,7 @@ def test_killed_worker_is_an_error_with_the_signal(tmp_path):
     assert "SIGKILL" in result["reason"]
 
 
+@pytest.mark.slow
 def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset_path, tmp_path):
     with socket.socket() as s:  # a loopback port with nothing listening
         s.bind(("127.0.0.1", 0))
@@ -136,6 +139,7 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
     )
 
 
+@pytest.mark.slow
 def test_a_cell_that_did_not_end_ok_ends_its_run_failed_and_named_by_outcome(checkpoints, dataset_path, tmp_path):
     uri, tracking = _store(tmp_path)
     spec = one_cell(debug={"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "forward"}})

@@ -35,6 +35,7 @@ def warm_process(tmp_path, monkeypatch):
     assert not path.exists()
 
 
+@pytest.mark.slow
 def test_forked_worker_trains_exactly_like_a_spawned_one(
     warm_process, checkpoints, dataset_path, tmp_path, capfd, monkeypatch
 ):
@@ -53,6 +54,7 @@ def test_forked_worker_trains_exactly_like_a_spawned_one(
     assert (forked["memory"]["estimate_worker"], spawned["memory"]["estimate_worker"]) == ("forked", "spawned")
 
 
+@pytest.mark.slow
 def test_a_timeout_stops_the_forked_worker_and_leaves_nothing(warm_process, checkpoints, dataset_path, tmp_path, capfd):
     spec = _spec(train={"time_limit_s": 2, "steps": 100000})
     started = time.time()
@@ -66,6 +68,7 @@ def test_a_timeout_stops_the_forked_worker_and_leaves_nothing(warm_process, chec
     assert processes_mentioning(tmp_path / "run") == []
 
 
+@pytest.mark.slow
 def test_exit_codes_of_a_failing_worker_reach_the_supervisor(warm_process, tmp_path):
     proc = warm_client.fork_worker(
         warm_process,
@@ -134,6 +137,7 @@ def test_no_fork_once_cuda_is_initialised_or_a_gpu_is_visible(monkeypatch):
     assert "spawned" in warm.fork_refusal()
 
 
+@pytest.mark.slow
 def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(
     checkpoints, dataset_path, tmp_path, monkeypatch, capfd
 ):
@@ -157,6 +161,7 @@ def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(
         warm.stop(proc, path)
 
 
+@pytest.mark.slow
 def test_mlflow_ui_starts_no_warm_worker(tmp_path):
     """The warm worker serves cells only: `snakemake mlflow_ui` (no cell to run) must not import torch for
     nothing. Serving is checked by the port answering; then the invocation is stopped."""

@@ -1,16 +1,20 @@
-"""Every command README.md shows, exercised as written.
+"""Every command README.md and the docs site (docs/**/*.md) show, exercised as written.
 
-The commands are read from README.md (fenced blocks and inline code that starts like a shell command), so
-the two cannot drift: a command added to README without an entry in `HOW` below fails the first test.
+The commands are read from the pages (fenced blocks and inline code that starts like a shell command), so
+the two cannot drift: a command added to a page without an entry in `HOW` below fails the first test.
 Each entry says how the command is exercised:
 
 - `run`: exactly as written, in a fresh clone of this checkout whose default study has run (the
   README's main command, minus its install steps: this interpreter already has the pinned packages);
+- `each`: as written, from the repository root, with `<study>` replaced by every shipped study (commands
+  that write nothing);
 - `dry`: as written plus `-n` (Snakemake resolves the study, the DAG and every input, trains nothing);
   `<study>` is replaced by every shipped study;
 - `server`: started as written, answered over HTTP on 127.0.0.1, then stopped with Ctrl-C (SIGINT);
 - `elsewhere`: run as written by another test or by CI, named in the reason;
-- `cannot`: needs what no test here can have (a package index on the network, a GPU, a secret).
+- `cannot`: needs what no test here can have (a package index on the network, a GPU, a secret);
+- `name`: prose that names a command (or its form) rather than one to type; the forms a page shows in full
+  are entries of their own.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, workflow_env
+from conftest import DEFAULT_STUDY_COMMAND, REPO, shell, shell_env
 
-STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv")
+STARTS = ("snakemake", "python", "python3", "pip", "export", "bash", ". .venv", "tunegrid ", "mkdocs")
+OUTPUT = {"text", "diff", "yaml", "python", "json"}  # fenced blocks that hold no command
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 STUDIES = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))
 INSTALL = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements.txt && "
@@ -43,7 +49,7 @@ HOW: dict[str, tuple[str, str]] = {
         "the main job: `snakemake --cores 8 all` as written, after the install",
     ),
     "python3 -m venv .venv && . .venv/bin/activate && pip install -r envs/requirements-test.txt && "
-    "pip install --no-deps -e . && python -m pytest": (
+    "pip install --no-deps -r envs/requirements-real.txt && pip install --no-deps -e . && python -m pytest": (
         "elsewhere",
         ".ci/run reads this line from README and runs it on a clean clone",
     ),
@@ -59,6 +65,10 @@ HOW: dict[str, tuple[str, str]] = {
         "elsewhere",
         "the first part of the main command (.ci/run runs it too)",
     ),
+    "pip install --no-deps -r envs/requirements-real.txt": (
+        "elsewhere",
+        "part of README's test command, which .ci/run runs on a clean clone",
+    ),
     "pip install -r envs/requirements.txt && pip install --no-deps -e .": (
         "elsewhere",
         "the install part of the main command",
@@ -70,45 +80,41 @@ HOW: dict[str, tuple[str, str]] = {
         "headless Chromium",
     ),
     "snakemake --cores 1 mlflow_ui": ("server", "MLflow's UI on 127.0.0.1:5000"),
-    "snakemake --cores 8 all --configfile configs/<study>.yaml": ("dry", "every shipped study"),
+    "snakemake --cores 8 all --config study=configs/<study>.yaml": ("dry", "every shipped study"),
     'snakemake --cores 8 all --config "train={steps: 20, gradient_checkpointing: true}" "grid={batch_size: [2]}"': (
         "dry",
         "typed overrides",
     ),
-    "snakemake --cores 2 all --config study_path=their-study.yaml": (
-        "elsewhere",
-        "tests/prepare/test_hostile_studies.py runs it (dry) on generated hostile study files",
-    ),
     "python benchmarks/memory_estimate.py": ("run", "re-estimates the default study's ok cells"),
     "snakemake --cores 8 plan": ("run", "the plan before training"),
     "snakemake --unlock": ("run", "recovery after a kill"),
-    "snakemake --profile slurm --configfile configs/<study>.yaml": (
+    "snakemake --profile slurm --config study=configs/<study>.yaml": (
         "elsewhere",
         "tests/workflow/test_slurm.py runs `--profile slurm` on a real one-node SLURM",
     ),
     "snakemake all --cores 8 --resources gpu=1": ("dry", "the GPU form of the main job"),
     "export HF_TOKEN=…": ("cannot", "sets a secret for the hub"),
-    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/gemma3-4b-t4.yaml --resources gpu=1": (
         "dry",
         "hub study: trains only with the hub and a GPU",
     ),
-    "snakemake all --cores 8 --configfile configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/gemma3-4b-t4-synthetic.yaml --resources gpu=1": (
         "dry",
         "trains on a GPU (tests/workflow/test_gpu.py)",
     ),
-    "snakemake all --cores 8 --configfile configs/moe-qlora-memory.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/moe-qlora-memory.yaml --resources gpu=1": (
         "dry",
         "hub study: trains only with the hub and a GPU",
     ),
-    "snakemake all --cores 8 --configfile configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": (
+    "snakemake all --cores 8 --config study=configs/moe-qlora-memory-synthetic.yaml --resources gpu=1": (
         "dry",
         "trains on a GPU (tests/workflow/test_gpu.py)",
     ),
-    "snakemake --cores 2 all --configfile configs/moe-oom-at-load.yaml": (
+    "snakemake --cores 2 all --config study=configs/moe-oom-at-load.yaml": (
         "dry",
         "5 min on a 2-core CPU; tests/prepare/test_studies.py runs it at reduced size end to end",
     ),
-    "snakemake all --cores 8 --configfile configs/collective-timeout.yaml --resources gpu=2": (
+    "snakemake all --cores 8 --config study=configs/collective-timeout.yaml --resources gpu=2": (
         "dry",
         "needs 2 GPUs to train; its CPU form, configs/collective-timeout-cpu.yaml, runs in "
         "tests/workflow/test_collective_study.py",
@@ -123,42 +129,99 @@ HOW: dict[str, tuple[str, str]] = {
         "records whole default-study runs (minutes); tests/prepare/test_cpu_memory_evidence.py replays what it "
         "recorded (tests/data/evidence-cpu-default-study.json)",
     ),
-    "snakemake --cores 2 all --configfile configs/memory-fixes-oom-cpu.yaml": (
+    "snakemake --cores 2 all --config study=configs/memory-fixes-oom-cpu.yaml": (
         "elsewhere",
         "tests/workflow/test_memory_fixes_oom.py runs it as written, with --cores 2",
     ),
     "python benchmarks/nan_overhead.py": (
         "elsewhere",
-        "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py",
+        "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py (slow)",
     ),
     "python -m pytest": ("elsewhere", ".ci/run"),
-    'python -m pytest -m "not slow"': ("elsewhere", "a subset of what .ci/run runs"),
+    "python -m pytest -m 'not slow'": ("elsewhere", "a subset of what .ci/run runs"),
+    "python -m pytest -m gpu": ("cannot", "needs a CUDA device (tests/workflow/test_gpu.py skips without one)"),
+    "mkdocs build --strict": (
+        "elsewhere",
+        "tests/house/test_docs.py runs it as written with --site-dir in a temporary folder",
+    ),
+    "tunegrid validate configs/config.yaml": ("each", "validates the default study"),
+    "tunegrid validate configs/<study>.yaml": ("each", "every shipped study"),
+    "tunegrid validate their-study.yaml": (
+        "elsewhere",
+        "tests/prepare/test_hostile_studies.py validates generated hostile study files",
+    ),
+    "snakemake --cores 8 --resources gpu=1 all": (
+        "name",
+        "findings.md shows it as the pitfall (--resources reads `all` as a resource); the form that works, "
+        "`snakemake all --cores 8 --resources gpu=1`, is a dry entry",
+    ),
+    "snakemake --cores 1 -n --configfile merge.yaml": (
+        "elsewhere",
+        "the upstream report's merge-key bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
+    ),
+    "snakemake --cores 1 -n --configfile mapping.yaml": (
+        "elsewhere",
+        "the upstream report's mapping bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
+    ),
+    "tunegrid import": ("name", "its full forms are the recipe page's commands"),
+    "tunegrid pin": ("name", "its full form is the entry below"),
+    "tunegrid pin configs/<study>.yaml": ("cannot", "asks the hub for the commits of unpinned ids (network)"),
+    "tunegrid import <recipe>": ("name", "the form of import; the recipe page's commands run it"),
+    "tunegrid export <cell> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
+    "python benchmarks/recipe_import.py <folder>...": (
+        "cannot",
+        "needs a folder of real-world recipes this checkout does not ship; tests/prepare/test_recipes.py imports "
+        "the held-out ones it does",
+    ),
+    "snakemake --cores 8 all --config study=configs/memory-fixes-oom-cpu.yaml": ("dry", "the out-of-memory study"),
+    'snakemake --cores 8 all --config study=configs/<study>.yaml "train={steps: 20}" "grid={batch_size: [2]}"': (
+        "dry",
+        "every shipped study, with typed overrides on top",
+    ),
+    "tunegrid export": ("name", "its full forms are the recipe page's commands"),
+    "tunegrid validate": ("name", "its full forms are entries above"),
+    "tunegrid export <cell_id> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
+    "python scripts/tunegrid.py": ("name", "the entry point; every full command of it is an entry"),
+    "python -m tunegrid.cli": ("name", "the same entry point as a module"),
+    "snakemake --configfile": ("name", "the option the upstream report is about"),
+    "snakemake -n": ("name", "a dry run, as findings.md measured it; every dry entry runs one"),
+    "python -X importtime": ("name", "Python's import profiler, named as the tool a finding used"),
     "snakemake --lint": ("run", "Snakemake's linter on the workflow"),
-    "snakemake --cores 8 all --configfile configs/own-data-chat.yaml": (
+    "snakemake --cores 8 all --config study=configs/own-data-chat.yaml": (
         "run",
         "the shipped chat JSONL, packed, end to end",
     ),
     "python scripts/make_example_model.py": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py import examples/axolotl-gemma3-tiny.yaml --failure nan "
     "--out examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
-    "snakemake --cores 8 all --configfile examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "snakemake --cores 8 all --config study=examples/axolotl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py export recommended --to axolotl --study-dir results/axolotl-gemma3-tiny "
     "--out results/axolotl-gemma3-tiny/fixed.yaml": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py import examples/trl-gemma3-tiny.yaml --failure nan "
     "--out examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
-    "snakemake --cores 8 all --configfile examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
+    "snakemake --cores 8 all --config study=examples/trl-gemma3-tiny.study.yaml": ("elsewhere", RECIPES),
     "python scripts/tunegrid.py export recommended --to trl --study-dir results/trl-gemma3-tiny "
     "--out results/trl-gemma3-tiny/fixed.yaml": ("elsewhere", RECIPES),
 }
 
 
 def readme_commands() -> list[str]:
+    """The shell commands README.md and every docs page show, each once."""
     found: list[str] = []
-    fence = False
-    for line in (REPO / "README.md").read_text().splitlines():
+    for page in PAGES:
+        found += page_commands(page)
+    return list(dict.fromkeys(found))
+
+
+def page_commands(page: Path) -> list[str]:
+    found: list[str] = []
+    fence, language = False, ""
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
-            fence = not fence
+            fence, language = not fence, line[3:].strip()
             continue
+        if fence and language in OUTPUT:
+            continue  # a program's output, a file's text or code: no shell command
         if fence:
             body = line.split("  #")[0].strip()
             if body.startswith(STARTS):
@@ -170,39 +233,25 @@ def readme_commands() -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def _env() -> dict[str, str]:
-    env = workflow_env("TUNEGRID_EXECUTION_ID")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # `python`/`snakemake` of this venv
-    return env
-
-
-def _shell(command: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "-c", command], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
+_env = shell_env
 
 
 def test_every_readme_command_has_a_way_to_be_exercised():
     commands = readme_commands()
     unknown = [c for c in commands if c not in HOW]
-    assert not unknown, f"README commands no test exercises (add them to HOW): {unknown}"
+    assert not unknown, f"commands README or docs/ show that no test exercises (add them to HOW): {unknown}"
     stale = [c for c in HOW if c not in commands]
-    assert not stale, f"HOW lists commands README no longer shows: {stale}"
-    assert all(how in {"run", "dry", "server", "elsewhere", "cannot"} and reason for how, reason in HOW.values())
+    assert not stale, f"HOW lists commands no page shows any more: {stale}"
+    kinds = {"run", "each", "dry", "server", "elsewhere", "cannot", "name"}
+    assert all(how in kinds and reason for how, reason in HOW.values())
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory) -> Path:
-    """A copy of this checkout (no results, no venv) with the main job run in it, as a newcomer's
-    checkout is after the README's first command."""
-    root = tmp_path_factory.mktemp("newcomer") / "tunegrid"
-    shutil.copytree(
-        REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit")
-    )
-    done = _shell(HOW_MAIN, root, timeout=1500)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    (root / "main-output.txt").write_text(done.stdout + done.stderr)
-    return root
+def clone(default_study_clone) -> Path:
+    """conftest's one run of README's main job in a fresh copy of this checkout (shared with the other tests
+    that read the default study's results)."""
+    assert HOW_MAIN == DEFAULT_STUDY_COMMAND
+    return default_study_clone
 
 
 @pytest.mark.slow
@@ -212,6 +261,7 @@ def test_the_default_study_reads_at_a_glance_in_the_terminal_and_in_mlflow(clone
     import pandas as pd
 
     from tunegrid.track.store import client
+    from tunegrid.track.tags import distinct_part
     from tunegrid.track.tracking import CELL_TAG
 
     summary = pd.read_csv(clone / "results" / "default" / "summary.csv", keep_default_na=False)
@@ -226,7 +276,7 @@ def test_the_default_study_reads_at_a_glance_in_the_terminal_and_in_mlflow(clone
     assert len(runs) == len(summary) and counts.get("nan", 0) > 0
     for run in runs:
         outcome = run.data.tags["outcome"]
-        assert run.info.run_name == f"{outcome} · {run.data.tags[CELL_TAG]}"
+        assert run.info.run_name == f"{outcome} · {distinct_part(run.data.tags[CELL_TAG], summary['cell_id'])}"
         assert run.info.status == ("FINISHED" if outcome == "ok" else "FAILED"), run.info.run_name
         assert "system/cpu_utilization_percentage" in run.data.metrics, run.info.run_name
 
@@ -240,8 +290,16 @@ def test_run_as_written(command, clone):
         and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS")
     ):
         pytest.skip("needs Debian's chromium (.ci/run installs it)")
-    done = _shell(command.replace("<study>", "default"), clone)
+    done = shell(command.replace("<study>", "default"), clone)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+@pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "each"])
+def test_each_study_as_written(command):
+    for study in STUDIES if "<study>" in command else [""]:
+        line = command.replace("<study>", study)
+        done = shell(line, REPO, timeout=300)
+        assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
 
 
 @pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "dry"])
@@ -249,7 +307,7 @@ def test_dry_run_as_written(command):
     for study in STUDIES if "<study>" in command else [""]:
         line = command.replace("<study>", study)
         # from the repository root, as README says (a dry run writes no results)
-        done = _shell(f"{line} -n", REPO, timeout=300)
+        done = shell(f"{line} -n", REPO, timeout=300)
         assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
 
 
@@ -293,6 +351,7 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     )
 
 
+@pytest.mark.slow
 def test_nan_overhead_benchmark_quick_form_runs(tmp_path):
     done = subprocess.run(
         [

@@ -1,10 +1,13 @@
-"""README's "Bring your recipe" commands, as written, in a fresh copy of this checkout: the example axolotl
-and TRL recipes import, train on the CPU, end with the study at a glance, and their recommended fix comes
-back as the user's own config, changed only where the fix changes it (a TRL one builds trl's SFTConfig)."""
+"""The "Bring your recipe" page's commands (docs/guide/recipes.md), as written, in a fresh copy of this checkout: the
+example axolotl and TRL recipes import, train on the CPU, end with the study at a glance, and their recommended fix
+comes back as the user's own config, changed only where the fix changes it (a TRL one builds trl's SFTConfig)."""
 
 from __future__ import annotations
 
+import html
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,13 +23,13 @@ pytestmark = pytest.mark.slow
 
 
 def recipe_commands() -> list[str]:
-    """The fenced bash block of README's "Bring your recipe" section, line by line."""
-    text = (REPO / "README.md").read_text().split("## Bring your recipe", 1)[1].split("\n## ", 1)[0]
+    """The first fenced bash block of docs/guide/recipes.md, line by line."""
+    text = (REPO / "docs" / "guide" / "recipes.md").read_text()
     block = text.split("```bash\n", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.splitlines() if line.strip()]
 
 
-def test_readme_recipe_commands_import_run_and_export_the_examples(tmp_path: Path):
+def test_the_recipe_commands_import_run_and_export_the_examples(tmp_path: Path):
     root = tmp_path / "tunegrid"
     shutil.copytree(
         REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", "models")
@@ -44,9 +47,21 @@ def test_readme_recipe_commands_import_run_and_export_the_examples(tmp_path: Pat
         study = f"{tool}-gemma3-tiny"
         (run,) = [out for command, out in outputs.items() if command.startswith("snakemake") and study in command]
         tail = run.strip().splitlines()[-5:]
-        assert any(line.startswith(f"tunegrid study '{study}': 3 cells: 2 ok, 1 nan") for line in tail), tail
+        assert any(line.startswith(f"tunegrid study '{study}': 4 cells: 3 ok, 1 nan") for line in tail), tail
         assert f"report: results/{study}/report/index.html" in tail
-        assert "Your recipe, fixed" in (root / "results" / study / "report" / "index.html").read_text()
+        page = (root / "results" / study / "report" / "index.html").read_text()
+        assert "Your recipe, fixed" in page
+        # the report's export command runs as printed (it names the study's folder)
+        for command in re.findall(r"<code>(tunegrid export [^<]+)</code>", html.unescape(page)):
+            argv = shlex.split(command)[1:]
+            done = subprocess.run(
+                [sys.executable, "-m", "tunegrid.cli", *argv],
+                cwd=root,
+                capture_output=True,
+                text=True,
+                env=workflow_env(),
+            )
+            assert done.returncode == 0 and done.stdout.strip(), (command, done.stderr[-2000:])
         recipe = yaml.safe_load((root / "examples" / f"{study}.yaml").read_text())
         fixed = yaml.safe_load((root / "results" / study / "fixed.yaml").read_text())
         changed = {k for k in set(recipe) | set(fixed) if recipe.get(k) != fixed.get(k)}

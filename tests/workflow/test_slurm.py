@@ -19,6 +19,7 @@ from slurm_cluster import available, slurm_cluster
 
 from tunegrid.files import read_json
 from tunegrid.track.store import client
+from tunegrid.track.tags import distinct_part
 from tunegrid.track.tracking import CELL_TAG
 
 pytestmark = [
@@ -102,6 +103,7 @@ def test_study_through_the_slurm_profile(tmp_path):
     c = client(f"sqlite:///{workdir / 'results' / 'mlflow.db'}")
     experiment = c.get_experiment_by_name("tunegrid/slurm")
     runs = c.search_runs([experiment.experiment_id], filter_string=f"tags.`{CELL_TAG}` != ''")
-    assert {r.info.run_name for r in runs} == {f"{row.outcome} · {cell}" for cell, row in summary.iterrows()}
+    names = {f"{row.outcome} · {distinct_part(cell, summary.index)}" for cell, row in summary.iterrows()}
+    assert {r.info.run_name for r in runs} == names
     assert all(r.data.tags.get("slurm.job_id") for r in runs)
     assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).stdout == b"", "no processes left behind"

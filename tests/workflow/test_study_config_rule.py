@@ -13,6 +13,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from conftest import make_study, snakemake_command, workflow_env
 
@@ -88,6 +89,7 @@ def _finished(workdir: Path, study: dict) -> StudyPaths:
     return paths
 
 
+@pytest.mark.slow
 def test_a_study_change_reruns_the_cells_it_changes_and_no_other(tmp_path):
     grid = {"model": ["gemma3-hot", "qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"]}
     study = make_study(study="rr", grid=grid, tracking={"enabled": False}, execution={"warm_worker": False})

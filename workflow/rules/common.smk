@@ -16,7 +16,10 @@ from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, 
 from tunegrid.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.cell_plan import mem_mb_for_job, write_cell_plan
 from tunegrid.prepare.recipe_study import expand_base
-from tunegrid.study_input import study_config
+from tunegrid.review.doctor_plan import baseline_cell as doctor_baseline
+from tunegrid.review.doctor_plan import doctor_cells, memory_plan_cells
+from tunegrid.review.doctor_plan import tries as doctor_tries
+from tunegrid.study_input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
@@ -42,6 +45,8 @@ PATHS = StudyPaths.of(STUDY["study"])  # every file of the study, named once
 RESULTS = str(PATHS.study_dir)
 LOGS = str(PATHS.logs_dir)
 CELLS = cells_by_id(STUDY)
+# what a job may also run beyond the grid: the same-seed re-run of a cell (`tunegrid doctor`, doctor.smk)
+RUNNABLE = {**CELLS, **doctor_cells(STUDY)}
 # The resolved study and each cell's resolved spec, made by the study_config and cell_config rules
 # (workflow/rules/plan.smk) from one template that writes a rule's `params.resolved`.
 STUDY_FILE = str(PATHS.study_file)
@@ -54,6 +59,7 @@ TRACKING = STUDY["tracking"]["enabled"]
 os.environ.setdefault(EXECUTION_ENV, new_execution_id())
 os.environ.setdefault(COMMAND_ENV, " ".join(["snakemake", *sys.argv[1:]]))
 os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.overwrite_configfiles or [])))
+os.environ.setdefault(STUDY_FILE_ENV, study_file_named(dict(workflow.config_settings.config or {})) or "")
 # How this invocation starts its cells, for their plans (an estimate takes the worker path's constant): cluster
 # jobs spawn every worker, a local run forks one-rank CPU cells where the study keeps a warm worker. In the
 # environment of the cell_plan jobs (local rules), not a param: a plan follows the run that made it and is
@@ -89,7 +95,7 @@ def cells_to_run():
 
 def get_cell(wildcards):
     try:
-        return CELLS[wildcards.cell_id]
+        return RUNNABLE[wildcards.cell_id]
     except KeyError:
         raise WorkflowError(f"{wildcards.cell_id!r} is not a cell of study {STUDY['study']!r}") from None
 
@@ -165,3 +171,50 @@ def get_final_outputs():
         f"{RESULTS}/report/index.html",
         *get_sync_file(),
     ]
+
+
+# `tunegrid doctor` (doctor.smk): its waves read the checkpoints' files
+def get_doctor_target():
+    return f"{PATHS.doctor_dir(doctor_baseline(STUDY).cell_id)}/all/doctor.json"
+
+
+def _doctor_reproduced(wildcards):
+    with open(checkpoints.doctor_reproduce.get(cell_id=wildcards.cell_id).output.reproduce) as fh:
+        return json.load(fh)
+
+
+def get_doctor_repeat(wildcards):
+    repeat = _doctor_reproduced(wildcards)["repeat_cell"]
+    return [str(PATHS.result(repeat))] if repeat else []
+
+
+def get_doctor_plans(wildcards):
+    """The plans the out-of-memory choice reads (its estimate and budget), for an out-of-memory baseline only."""
+    if _doctor_reproduced(wildcards)["outcome"] not in ("oom", "predicted_oom"):
+        return []
+    baseline = doctor_baseline(STUDY, wildcards.cell_id)
+    return [str(PATHS.cell_plan(cell)) for cell in memory_plan_cells(STUDY, baseline)]
+
+
+def _doctor_tries(wildcards):
+    with open(checkpoints.doctor_diagnose.get(cell_id=wildcards.cell_id).output.diagnosis) as fh:
+        return doctor_tries(json.load(fh)["choice"], wildcards.mode == "first")
+
+
+def get_doctor_try_cells(wildcards):
+    cells = _doctor_tries(wildcards)[int(wildcards.index)]
+    previous = int(wildcards.index) - 1
+    earlier = [f"{PATHS.doctor_dir(wildcards.cell_id)}/{wildcards.mode}/try-{previous}.json"] if previous >= 0 else []
+    return [str(PATHS.result(cell)) for cell in cells] + earlier
+
+
+def get_doctor_tries(wildcards):
+    """The tries run, in order, up to the first whose fix holds (`first`) or all of them."""
+    done = []
+    for index in range(len(_doctor_tries(wildcards))):
+        path = checkpoints.doctor_try.get(cell_id=wildcards.cell_id, mode=wildcards.mode, index=index).output.verdict
+        done.append(path)
+        with open(path) as fh:
+            if json.load(fh)["holds"]:
+                break
+    return done

@@ -52,7 +52,10 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
             "kept_for_lora": after_load["kept_for_lora"],
         }
     report["after_adapters"] = quant_audit.audit_model(model, quantization_requested=quantized)
-    report["lora"] = quant_audit.lora_attachment(model, lora["target_modules"], lora["target_parameters"])
+    targets = list(lora["target_modules"])
+    if targets == ["all-linear"]:  # peft resolved it: audit the suffixes it attached to
+        targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if len(getattr(m, "lora_A", {}))})
+    report["lora"] = quant_audit.lora_attachment(model, targets, lora["target_parameters"])
     if report["lora"]["unmatched"]:
         print(
             f"WARNING: LoRA targets matched nothing: {report['lora']['unmatched']} (peft does not warn)",

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import write_json
+from tunegrid.files import open_to_umask, write_json
 
 ADAPTER_DIR = "adapter"
 BASE_FILE = "base_model.json"
@@ -65,6 +65,7 @@ def save_adapter(run_dir: Path, model: Any, batch: dict[str, Any], loss: float, 
         "reference": {"batch_file": REFERENCE_BATCH_FILE, "loss": loss, "mode": "eval (dropout off), no grad"},
     }
     write_json(staging / BASE_FILE, record)
+    open_to_umask(staging)  # safetensors writes its files 0600
     target = run_dir / ADAPTER_DIR
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)

@@ -8,7 +8,6 @@ the other ranks (their LoRA weights must be bit-identical after DDP).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.cell.collective import classify_timeout, describe, find_straggler
+from tunegrid.cell.throughput import cell_throughput, metric_records, step_records
 from tunegrid.files import read_json
 from tunegrid.rundir import rank_dir
 from tunegrid.vocabulary import Outcome
@@ -88,17 +88,7 @@ def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> di
 
 def local_times(metrics_path: Path) -> dict[int, float]:
     """step -> the rank's local time (metrics.jsonl's local_time_s; absent in runs from before it was written)."""
-    if not metrics_path.exists():
-        return {}
-    times = {}
-    for line in metrics_path.read_text(errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a killed rank
-        if isinstance(record, dict) and "local_time_s" in record:
-            times[int(record["step"])] = float(record["local_time_s"])
-    return times
+    return {int(r["step"]): float(r["local_time_s"]) for r in metric_records(metrics_path) if "local_time_s" in r}
 
 
 def _collective_op(waiting: dict[str, Any]) -> str:
@@ -169,6 +159,9 @@ def diagnose_ranks(
     ranks = [rank_record(run_dir, r, codes[r], r in stopped) for r in range(world)]
     last_steps = {r["rank"]: r["last_step"] for r in ranks}
     update: dict[str, Any] = {"ranks": ranks, "distributed": {"world_size": world, "collective_timeout_s": timeout_s}}
+    throughput = cell_throughput({r: step_records(rank_dir(run_dir, r) / "metrics.jsonl") for r in range(world)})
+    if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
+        update["throughput"] = {**(result.get("throughput") or {}), **throughput}
     recorder = analyze_flight_recorder(run_dir)
     if recorder:
         update["distributed"]["flight_recorder"] = recorder

@@ -13,6 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tunegrid.outcome import module_name
+
 
 def _tensors(obj: Any) -> Iterator[Any]:
     import torch
@@ -141,7 +143,7 @@ class OriginTracer:
     def __init__(self, model: Any, real: Any = None) -> None:
         self.model = model
         self.real = real
-        self.names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+        self.names = {id(m): (module_name(n) or "<root>") for n, m in model.named_modules()}
         self.found: dict[str, dict[str, Any]] = {}  # "<phase>:<at>" -> the first fact of that kind
         self._order = 0
 
@@ -232,7 +234,7 @@ class HeadroomMeter:
 
     @contextlib.contextmanager
     def attached(self, model: Any) -> Iterator[None]:
-        names = {id(m): n for n, m in model.named_modules()}
+        names = {id(m): module_name(n) for n, m in model.named_modules()}
 
         def on_forward(module: Any, _inputs: Any, output: Any) -> None:
             if self.leaves_only and any(True for _ in module.children()):

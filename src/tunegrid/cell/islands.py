@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.cell.instrument import FP16_MAX, HeadroomMeter
+from tunegrid.outcome import PEFT_PREFIX, module_name
 
-PEFT_PREFIX = "base_model.model."
 # A peft LoRA layer's own parts: an island among them is the LoRA layer itself (its output is what flows on)
 LORA_PARTS = ("base_layer", "lora_A", "lora_B", "lora_dropout", "lora_embedding_A", "lora_embedding_B")
 
@@ -38,7 +38,7 @@ class IslandError(ValueError):
 
 def plain_name(name: str) -> str:
     """A module's name without peft's wrapper prefix, as a user reads it in the model's own modules."""
-    return name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
+    return module_name(name)
 
 
 def unit_name(name: str) -> str:

@@ -33,6 +33,9 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         "use_safetensors": True,  # never a pickle
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
+    kwargs.update(spec["model"].get("config_overrides") or {})  # the recipe's model_config (config.json values)
+    if spec["model"].get("attn_implementation"):  # the recipe's attention kernel (its memory peak)
+        kwargs["attn_implementation"] = spec["model"]["attn_implementation"]
     quant = quant_plan(spec["axes"]["quant"])
     bnb = quant.bnb_settings(plan.torch_dtype("compute"))
     if device.type == "cuda":
@@ -179,8 +182,14 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         r=lora["r"],
         lora_alpha=lora["alpha"],
         lora_dropout=lora["dropout"],
-        target_modules=list(lora["target_modules"]),
+        # peft's own all-linear (every linear layer but the output head) when the import could not resolve it
+        target_modules="all-linear"
+        if list(lora["target_modules"]) == ["all-linear"]
+        else list(lora["target_modules"]) or None,  # none: the adapters go on target_parameters only
         target_parameters=list(lora["target_parameters"]) or None,
+        modules_to_save=list(lora.get("modules_to_save") or []) or None,
+        use_rslora=bool(lora.get("use_rslora")),
+        use_dora=bool(lora.get("use_dora")),
         task_type="CAUSAL_LM",
     )
     if has_v5_loading():  # on transformers 4.x (a library stack) experts are modules: nothing to rename

@@ -17,7 +17,7 @@ from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
 from tunegrid.files import JsonlAppender
-from tunegrid.outcome import StepMetrics
+from tunegrid.outcome import StepMetrics, module_name
 from tunegrid.vocabulary import Outcome
 
 
@@ -281,11 +281,13 @@ def origin_text(fact: dict[str, Any] | None) -> str:
     """Where a traced non-finite value first appeared, saying when only padding positions held it."""
     if not fact:
         return "unknown module"
+    fact = {**fact, "module": module_name(fact["module"])}
     if fact.get("at") == "padding":
         return f"{fact['module']} (at padding positions only: no loss term, but it reaches the gradients)"
     if fact.get("at") == "unlocated":
         return f"{fact['module']} (in a tensor without token positions; no real position went non-finite)"
     earlier = fact.get("preceded_by")
     if earlier:
-        return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {earlier['module']})"
+        before = module_name(earlier["module"])
+        return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {before})"
     return fact["module"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import read_json, write_json
+from tunegrid.files import open_to_umask, read_json, write_json
 
 RESUME_DIR = "checkpoint"  # the folder's name on disk, as earlier versions wrote it
 LOG_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl")
@@ -138,6 +138,7 @@ class ResumeStore:
             if (self.run_dir / name).exists():
                 shutil.copyfile(self.run_dir / name, staging / name)
         write_json(staging / "meta.json", {"key": self.key, "step": step, "data_position": {"step": step}})
+        open_to_umask(staging)  # safetensors writes its files 0600
         _fsync_tree(staging)
         self._replace_with(staging)
 

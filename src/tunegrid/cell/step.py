@@ -191,7 +191,9 @@ class OptimizerStep:
             real_positions=real_positions or [None] * len(micro_batches),
         )
         self.meter.reset()
-        started = time.perf_counter()
+        # the step's wall time runs from before an injected delay: a slow rank's own step is as long as its
+        # peers' (they wait for it in the all-reduce), as a user's run would see it
+        started = local_started
         losses = []
         last = len(micro_batches) - 1
         with contextlib.ExitStack() as hooks:

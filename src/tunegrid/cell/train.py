@@ -287,6 +287,11 @@ class CellTrainer:
             self.record_failure(exc)
         finally:
             self.facts["memory"] = getattr(self, "memory", {})
+            enforcement = self.facts["memory"].get("budget_enforcement") or {}
+            if enforcement.get("mechanism") == "RLIMIT_AS":
+                from tunegrid.memory import address_space_added
+
+                enforcement["address_space_added_peak"] = address_space_added(enforcement)
             if self.optimizer_step is not None:
                 from tunegrid.cell.optimizers import optimizer_facts
 
@@ -336,7 +341,9 @@ def meter_at_failure(meter: MemoryMeter | None) -> dict[str, int | None]:
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
     from tunegrid import lifeline
+    from tunegrid.memory import keep_one_malloc_arena
 
+    keep_one_malloc_arena((spec.get("plan") or {}).get("budget_bytes"))  # before the lifeline's thread
     lifeline.hold()  # never train on after the supervisor is gone (a kill -9 of the job)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ranks = Ranks.from_env()

@@ -5,8 +5,10 @@ the stage (prepare, run, track, review). The argument parser that dispatches to 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 from tunegrid.errors import ConfigError
@@ -33,7 +35,7 @@ def checkpoint(args: argparse.Namespace) -> None:
 
     spec = json.loads(args.spec)
     texts = list(corpus_texts(read_dataset(args.data)))
-    manifest = produce_checkpoint(spec, texts, Path(args.out))
+    manifest = produce_checkpoint(spec, texts, Path(args.out), f"models.{Path(args.out).name}")
     print(f"checkpoint {args.out}: {len(manifest['files'])} files, source {manifest['source']['kind']}")
 
 
@@ -126,6 +128,7 @@ def summary(args: argparse.Namespace) -> None:
 
 
 def sync(args: argparse.Namespace) -> None:
+    from tunegrid.track.current import mark_current
     from tunegrid.track.store import tracking_uri_for_cells
     from tunegrid.track.tracking import sync_cell
 
@@ -136,6 +139,12 @@ def sync(args: argparse.Namespace) -> None:
         result = read_json(path)
         log = Path(args.logs) / f"{result['cell_id']}.log" if args.logs else None
         report[result["cell_id"]] = sync_cell(uri, tracking["experiment_id"], result, path.parent, log)
+    current = {cell: r["run_id"] for cell, r in report.items() if r["run_id"]}
+    try:
+        marked = mark_current(uri, tracking["experiment_id"], current)
+    except Exception as exc:  # noqa: BLE001 — a store that stays down costs only the tags; the files hold it all
+        marked = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    print(f"MLflow runs of this grid marked current: {marked}")
     write_json(args.out, report)
     created = sum(r["created"] for r in report.values())
     filled = sum(r["points_filled"] for r in report.values())
@@ -238,14 +247,21 @@ def screenshots(args: argparse.Namespace) -> None:
     experiment_id = tracking["experiment_id"]
     recs = read_json(study_dir / "report" / "recommendations.json")
     cells = [cell for rec in recs[:1] for cell in (rec["failing"][:2] + rec["evidence"][:2])]
-    screenshot((study_dir / "report" / "index.html").resolve().as_uri(), out / "report.png", size=(1400, 2400))
-    with mlflow_server(tracking_uri_for_cells(tracking)) as url:
+    wait = {"timeout_s": 600.0}  # a hang guard, not a speed limit: a loaded host draws MLflow's pages slowly
+    screenshot((study_dir / "report" / "index.html").resolve().as_uri(), out / "report.png", size=(1400, 2400), **wait)
+    with mlflow_server(tracking_uri_for_cells(tracking), **wait) as url:
         runs = rest(url, "runs/search", {"experiment_ids": [experiment_id], "max_results": 1000})["runs"]
         by_name = {r["info"]["run_name"]: r["info"]["run_id"] for r in runs}
         ids = [by_name[c] for c in cells if c in by_name] or [r["info"]["run_id"] for r in runs[:4]]
-        screenshot(runs_page(url, experiment_id), out / "mlflow_runs.png")
-        screenshot(compare_page(url, experiment_id, ids), out / "mlflow_compare.png", size=(1600, 1400))
-    print(f"screenshots in {out}: report.png, mlflow_runs.png, mlflow_compare.png")
+        screenshot(runs_page(url, experiment_id), out / "mlflow_runs.png", **wait)
+        screenshot(compare_page(url, experiment_id, ids), out / "mlflow_compare.png", size=(1600, 1400), **wait)
+    # what they show, so a test can tell when the study has moved on from them
+    with open(study_dir / "summary.csv", newline="") as fh:
+        outcomes = Counter(row["outcome"] for row in csv.DictReader(fh))
+    files = ["report.png", "mlflow_runs.png", "mlflow_compare.png"]
+    shown = {"study": study_dir.resolve().name, "cells": sum(outcomes.values()), "runs": len(runs)}
+    write_json(out / "screenshots.json", {**shown, "outcomes": dict(sorted(outcomes.items())), "files": files})
+    print(f"screenshots in {out}: {', '.join(files)} ({shown['cells']} cells, {shown['runs']} MLflow runs)")
 
 
 def probe_tracking(args: argparse.Namespace) -> None:

@@ -9,6 +9,8 @@ import os
 import sys
 
 import tunegrid.cli.commands as commands
+import tunegrid.cli.doctor as doctor
+import tunegrid.cli.pin as pin
 import tunegrid.cli.recipes as recipes
 from tunegrid.config import ConfigError
 from tunegrid.prepare.checkpoints import CheckpointError
@@ -160,6 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config")
     p.set_defaults(func=commands.validate)
     recipes.add_parsers(sub)
+    doctor.add_parsers(sub)
+    pin.add_parser(sub)
     return parser
 
 

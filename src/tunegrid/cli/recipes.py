@@ -18,6 +18,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="tool", default="auto", choices=["auto", "axolotl", "trl", "transformers"])
     p.add_argument("--failure", default="all", choices=["nan", "oom", "timeout", "all"], help="what the grid varies")
     p.add_argument("--ignore", nargs="*", default=[], help="recipe keys tunegrid cannot honour, to drop")
+    p.add_argument(
+        "--as-sft", action="store_true", help="a DPO/GRPO/reward/full fine-tune recipe as the LoRA SFT study"
+    )
     p.add_argument("--model", default="", help="when the recipe names none: a folder or <hub id>@<40-hex revision>")
     p.add_argument("--dataset", default="", help="when the recipe names none: a jsonl/parquet file")
     p.add_argument("--steps", type=int, default=0, help="steps per cell when the recipe counts epochs (default 50)")
@@ -40,6 +43,8 @@ def import_recipe(args: argparse.Namespace) -> None:
 
     base = {"recipe": args.recipe, "from": args.tool, "failure": args.failure, "ignore": list(args.ignore)}
     base.update({k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v})
+    if args.as_sft:
+        base["as_sft"] = True
     base.update({k: v for k, v in (("steps", args.steps), ("seq_len", args.seq_len)) if v})
     study, recipe, header = build(base, args.study or None)
     study["base"]["from"] = recipe.tool  # the tool it was read as, so a re-read never guesses differently
@@ -50,7 +55,7 @@ def import_recipe(args: argparse.Namespace) -> None:
     out.write_text(comment + "\n\n" + yaml.safe_dump(study, sort_keys=False))
     print("\n".join(header))
     print(f"\nstudy {study['study']!r}: {len(cells)} cells, written to {out}")
-    print(f"run it: snakemake --cores 8 all --configfile {out}")
+    print(f"run it: snakemake --cores 8 all --config study={out}")
 
 
 def export_cell(args: argparse.Namespace) -> None:
@@ -68,8 +73,17 @@ def export_cell(args: argparse.Namespace) -> None:
         fixes = recommended(study, read_json(recs_file)) if recs_file.is_file() else []
         if not fixes:
             raise ConfigError(f"{recs_file}: no fix of the recipe's own cell ran ok; name a cell instead")
-        cell_id = fixes[0][1]
-    done = export(study, cell_id, args.to)
+        done = None
+        for _, fix_cell in fixes:  # the first fix the tool's own keys can say (fp32 islands are tunegrid's)
+            try:
+                done = export(study, fix_cell, args.to)
+                break
+            except ConfigError as exc:
+                print(f"note: {fix_cell} skipped: {exc}", file=sys.stderr, flush=True)
+        if done is None:
+            raise ConfigError(f"{recs_file}: no recommended fix is a setting of a {args.to} config; name a cell")
+    else:
+        done = export(study, cell_id, args.to)
     changed = ", ".join(f"{k}: {v}" for k, v in done.keys.items()) or "nothing (this cell is the recipe itself)"
     print(f"{done.cell_id} as {done.tool} config, changing {changed}", file=sys.stderr, flush=True)
     for note in done.notes:

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import read_json, write_json
+from tunegrid.files import open_to_umask, read_json, write_json
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer*", "*.model", "*.txt"]
@@ -30,6 +30,7 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
+    open_to_umask(model_dir)  # safetensors writes its files 0600; a team member reads the checkpoint too
     files = {}
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "manifest.json"):
         real = path.resolve()
@@ -214,20 +215,20 @@ def write_streamed(skeleton: Any, seed: int, out_dir: Path, scales: dict[str, fl
 # --- hub ---------------------------------------------------------------------------------------------
 
 
-def download_hub(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Pinned-revision, safetensors-only snapshot. The token comes from HF_TOKEN, never from config.
+def download_hub(spec: dict[str, Any], out_dir: Path, key: str = "models.<name>") -> dict[str, Any]:
+    """A safetensors-only snapshot at the pinned revision, or, unpinned, at the commit `ref` points at now
+    (prepare/hub.py resolves it, the manifest records it); remote code runs only once pinned."""
+    from tunegrid.prepare import hub
 
-    Tests never reach a hub (they must pass offline); errors are mapped to one actionable sentence.
-    """
-    from huggingface_hub import snapshot_download
-
-    repo_id, revision = spec["repo_id"], spec["revision"]
+    repo_id = spec["repo_id"]
+    revision, pinned = hub.resolve("model", repo_id, spec.get("revision") or "", spec.get("ref") or "main", key,
+                                   CheckpointError)  # fmt: skip
     patterns = HUB_PATTERNS + (PICKLE_PATTERNS if spec.get("allow_pickle") else [])
     patterns += ["*.py"] if spec.get("trust_remote_code") else []
     try:
-        snapshot_download(repo_id=repo_id, revision=revision, allow_patterns=patterns, local_dir=out_dir)
+        hub.HUB.snapshot(repo_id, revision, patterns, out_dir)
     except Exception as exc:  # the hub library raises many types; the user needs one sentence
-        raise CheckpointError(_hub_error_sentence(repo_id, revision, exc)) from None
+        raise CheckpointError(hub.download_error_sentence(repo_id, revision, exc)) from None
     if not list(out_dir.glob("*.safetensors")):
         pickles = sorted(p for pattern in PICKLE_PATTERNS for p in out_dir.glob(pattern))
         if not (spec.get("allow_pickle") and pickles):
@@ -238,29 +239,13 @@ def download_hub(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         convert_pickles(pickles, out_dir)
         for path in pickles:
             path.unlink()
-    return write_manifest(out_dir, {"kind": "hub", "repo_id": repo_id, "revision": revision})
-
-
-def _hub_error_sentence(repo_id: str, revision: str, exc: Exception) -> str:
-    name = type(exc).__name__
-    where = f"hub model {repo_id}@{revision[:12]}"
-    if name == "GatedRepoError":
-        return f"{where} is gated: accept its licence on the hub and export HF_TOKEN (never put it in the config)"
-    if name in {"RepositoryNotFoundError", "RevisionNotFoundError"}:
-        return (
-            f"{where}: repository or revision not found (check repo_id and the 40-hex revision, "
-            "or HF_TOKEN for private repos)"
+    manifest = write_manifest(out_dir, hub.source_record(repo_id, revision, pinned, spec.get("ref") or "main"))
+    if spec.get("trust_remote_code") and not pinned:  # the code that runs must be the code someone reviewed
+        raise CheckpointError(
+            f"{key}.trust_remote_code: {repo_id} is not pinned; fetched at {revision}: review its *.py files in "
+            f"{out_dir}, then `tunegrid pin <study>` writes revision {revision} into the study and it runs"
         )
-    # the offline/no-network family differs across huggingface_hub releases (1.x raises httpx's ConnectError)
-    if (
-        name in {"LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectError", "ConnectTimeout"}
-        or "connect" in str(exc).lower()
-    ):
-        return (
-            f"{where} cannot be downloaded: no network or HF_HUB_OFFLINE is set; "
-            "download it elsewhere and use source: local"
-        )
-    return f"{where} could not be downloaded ({name}); see the rule log"
+    return manifest
 
 
 PICKLE_PATTERNS = ["*.bin", "*.pt", "*.pth"]
@@ -323,13 +308,15 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     return write_manifest(out_dir, {"kind": "local", "path": str(src)})
 
 
-def produce_checkpoint(spec: dict[str, Any], texts: list[str], out_dir: str | Path) -> dict[str, Any]:
+def produce_checkpoint(
+    spec: dict[str, Any], texts: list[str], out_dir: str | Path, key: str = "models.<name>"
+) -> dict[str, Any]:
     out_dir = Path(out_dir)
     source = spec["source"]
     if source == "synthetic":
         return build_synthetic(spec, texts, out_dir)
     if source == "hub":
-        return download_hub(spec, out_dir)
+        return download_hub(spec, out_dir, key)
     if source == "gguf":
         from tunegrid.gguf_files import GgufSourceError
         from tunegrid.prepare.gguf_checkpoint import dequantize_gguf
@@ -339,3 +326,19 @@ def produce_checkpoint(spec: dict[str, Any], texts: list[str], out_dir: str | Pa
         except GgufSourceError as exc:
             raise CheckpointError(str(exc)) from None
     return link_local(spec, out_dir)
+
+
+def linear_modules(folder: Path) -> list[str] | None:
+    """The suffixes of a checkpoint's linear layers but the output head (what peft's all-linear picks), built
+    from its config.json on the meta device; None when this transformers cannot build it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+    except Exception:  # an architecture this transformers lacks: peft resolves all-linear when the cell loads it
+        return None
+    head = built.get_output_embeddings()
+    names = {n.rsplit(".", 1)[-1] for n, m in built.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(names) or None

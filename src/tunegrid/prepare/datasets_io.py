@@ -15,14 +15,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tunegrid.data_checks import DataError, check_records, config_problems, field_map, read_jsonl
+from tunegrid.data_checks import DataError, check_records, config_problems, field_map, message_view, read_jsonl
 
 
 def normalize(record: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """One record in tunegrid's shape: chats keep role/content only, pairs become instruction/response."""
     fields = field_map(data)
     if "messages" in fields:
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in record[fields["messages"]]]}
+        messages = [message_view(m, fields) for m in record[fields["messages"]]]
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     return {"instruction": str(record[fields["prompt"]]), "response": str(record[fields["response"]])}
 
 
@@ -45,8 +46,10 @@ def _load_table(data: dict[str, Any]) -> list[dict[str, Any]]:
     from datasets import load_dataset
 
     if data["source"] == "hub":  # the one path that needs the network (and, for gated sets, HF_TOKEN)
+        revision = data["revision"] or hub_commit(data)
+        files = {"data_files": list(data["data_files"])} if data.get("data_files") else {}
         dataset = load_dataset(
-            data["repo_id"], revision=data["revision"], split=data["split"], token=os.environ.get("HF_TOKEN") or None
+            data["repo_id"], revision=revision, split=data["split"], token=os.environ.get("HF_TOKEN") or None, **files
         )
         return dataset.to_list()
     builder = "parquet"  # JSON lines are read by data_checks.read_jsonl
@@ -62,8 +65,31 @@ def write_records(path: str | Path, records: list[dict[str, Any]]) -> None:
     atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
 
 
+def hub_commit(data: dict[str, Any]) -> str:
+    """An unpinned hub dataset's commit now (what `data.ref` points at), resolved once per dataset rule."""
+    from tunegrid.prepare import hub
+
+    revision, _ = hub.resolve("dataset", data["repo_id"], "", data.get("ref") or "main", "data", DataError)
+    data["revision"] = revision  # the records read below are this commit's
+    return revision
+
+
 def write_study_dataset(path: str | Path, data: dict[str, Any]) -> int:
-    """The `dataset` rule: generated pairs, or the configured source's records; returns how many."""
+    """The `dataset` rule: generated pairs, or the configured source's records; returns how many. A hub
+    dataset's commit is written beside them (train.source.json: pinned or fetched at)."""
+    if data["source"] == "hub":
+        from tunegrid.files import write_json
+        from tunegrid.prepare import hub
+
+        data = dict(data)
+        pinned = bool(data["revision"])
+        records = load_records(data)
+        source = hub.source_record(data["repo_id"], data["revision"], pinned, data.get("ref") or "main")
+        write_json(hub.data_source_path(path), source)
+        if not records:
+            raise DataError("config key 'data.repo_id': the source holds no records")
+        write_records(path, records)
+        return len(records)
     if data["source"] == "synthetic":
         from tunegrid.prepare.data import write_dataset
 

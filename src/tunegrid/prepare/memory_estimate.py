@@ -99,10 +99,18 @@ def _fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], st
     return max(groups.values(), default=0)
 
 
+# Mixtral's checkpoints (and its kin's: MiniMax, PhiMoE) keep each expert as w1 (gate), w3 (up) and w2 (down)
+# under `block_sparse_moe`; transformers' weight conversion loads them as mlp.experts.gate_up_proj and
+# mlp.experts.down_proj, the names `lora.target_parameters` is written in
+MIXTRAL_MOE = "block_sparse_moe"
+MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
 def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]) -> dict[str, list[int]]:
     """The 3-D expert parameters transformers builds at load, by name (what `lora.target_parameters` names):
-    a fused checkpoint tensor as it is, or one layer's per-expert tensors of one shape stacked, projections
-    that share the shape concatenated (gate_proj + up_proj -> gate_up_proj [experts, 2 x out, in])."""
+    a fused checkpoint tensor as it is (GPT-OSS's [experts, in, out], transposed, beside its 2-D biases, which
+    get no adapter), or one layer's per-expert tensors of one shape stacked, projections that share the shape
+    concatenated (gate_proj + up_proj -> gate_up_proj [experts, 2 x out, in]; Mixtral's w1 + w3 the same)."""
     fused: dict[str, list[int]] = {}
     groups: dict[tuple[str, tuple[int, ...]], dict[str, int]] = {}
     for name in expert_names:
@@ -112,8 +120,12 @@ def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]
             continue
         parts = name.split(".")
         index = max(i for i, part in enumerate(parts) if part.isdigit())
-        stems = groups.setdefault((".".join(parts[:index]), tuple(shape)), {})
-        stems[parts[index + 1]] = stems.get(parts[index + 1], 0) + 1
+        group, stem = ".".join(parts[:index]), parts[index + 1]
+        if f".{MIXTRAL_MOE}." in f".{group}.":  # Mixtral's checkpoint names, as transformers loads them
+            group = group.replace(MIXTRAL_MOE, "mlp")
+            stem = MIXTRAL_EXPERTS.get(stem, stem)
+        stems = groups.setdefault((group, tuple(shape)), {})
+        stems[stem] = stems.get(stem, 0) + 1
     for (group, shape), stems in groups.items():
         experts = max(stems.values())
         joined = "_".join(sorted(stem.removesuffix("_proj") for stem in stems)) + "_proj"
@@ -192,6 +204,8 @@ def estimate_from_shapes(
     quantized_numel = 0
     lora_params = 0
     lora_tensors: list[int] = []
+    all_linear = list(lora["target_modules"]) == ["all-linear"]  # peft resolves it: every linear but the head
+    saved = list(lora.get("modules_to_save") or [])
     largest_dequant = 0
     expert_names: set[str] = set()
     quantized_names: set[str] = set()
@@ -226,10 +240,14 @@ def estimate_from_shapes(
             len(shape) == 2
             and not embedding
             and not expert
-            and any(module.endswith("." + t) for t in lora["target_modules"])
+            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]))
+            and not (all_linear and module.endswith("lm_head"))  # peft's all-linear leaves the output head
         ):
             lora_params += lora["r"] * (shape[0] + shape[1])
             lora_tensors += [lora["r"] * shape[1], shape[0] * lora["r"]]  # lora_A, lora_B
+        if any(module == m or module.endswith("." + m) for m in saved):  # trained in full: an fp32 copy + grads
+            lora_params += numel
+            lora_tensors.append(numel)
 
     targets = lora.get("target_parameters") or []
     for name, shape in fused_expert_parameters(shapes, expert_names).items():

@@ -46,7 +46,7 @@ AXIS_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
     "seed": {"axolotl": ("seed",), "trl": ("seed",)},
     "quant": {
         "axolotl": ("load_in_4bit", "load_in_8bit", "adapter", "quantize_moe_experts"),
-        "trl": ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"),
+        "trl": ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_peft"),
     },
     "optimizer": {"axolotl": ("optimizer",), "trl": ("optim",)},
     "activation_checkpointing": {
@@ -54,18 +54,8 @@ AXIS_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
         "trl": ("activation_checkpointing", "gradient_checkpointing"),
     },
 }
-# the other OptimizerNames, and axolotl 0.18's own (CustomSupportedOptimizers): known, but not what tunegrid trains
-OTHER_OPTIMIZERS = {
-    "adamw_torch_xla", "adamw_torch_npu_fused", "adafactor", "adamw_anyprecision", "adamw_torch_4bit",
-    "adamw_torch_8bit", "ademamix", "sgd", "adagrad", "ademamix_8bit", "lion_8bit",
-    "lion_32bit", "paged_adamw_32bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
-    "paged_lion_32bit", "paged_lion_8bit", "rmsprop", "rmsprop_bnb", "rmsprop_bnb_8bit", "rmsprop_bnb_32bit",
-    "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "galore_adamw_layerwise", "galore_adamw_8bit_layerwise",
-    "galore_adafactor_layerwise", "lomo", "adalomo", "grokadamw", "schedule_free_radam", "schedule_free_adamw",
-    "schedule_free_sgd", "apollo_adamw", "apollo_adamw_layerwise", "stable_adamw",
-    "optimi_adamw", "ao_adamw_4bit", "ao_adamw_8bit", "ao_adamw_fp8", "adopt_adamw", "came_pytorch", "muon",
-}  # fmt: skip
 SCHEDULERS = {"cosine", "linear", "constant", "constant_with_warmup", "cosine_with_min_lr"}  # train.lr_scheduler
+ATTENTION_NAMES = {"flash_attention_2", "flash_attention_3", "sdpa", "eager", "flex_attention"}  # attn_implementation
 LINEAR_SUFFIXES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -85,6 +75,11 @@ class Recipe:
     notes: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     ignore: set[str] = field(default_factory=set)
+    differs: dict[str, str] = field(default_factory=dict)  # bears on memory/numerics; the study runs without it
+    unknown: dict[str, str] = field(default_factory=dict)  # no tool key of this name (the nearest known said)
+    accounted: set[str] = field(default_factory=set)  # read by a reader that put their meaning elsewhere
+    changed: list[str] = field(default_factory=list)  # what --as-sft changed to make it an SFT study
+    unpinned: dict[str, str] = field(default_factory=dict)  # hub ids without a 40-hex revision -> the ref fetched
 
     @property
     def version(self) -> str:
@@ -109,19 +104,6 @@ class Recipe:
     def need(self, key: str, why: str) -> None:
         """Something a study cannot do without (the model, the data): an error, whatever `--ignore` says."""
         self.refused.append(f"recipe key {key!r}: {why}")
-
-    def account_rest(self, why: str) -> None:
-        """Every top-level key neither carried, dropped, refused nor ignored: listed as not carried."""
-        used = {k for keys in self.origin.values() for k in keys}
-        for key in self.raw:
-            top = key.split(".")[0]
-            if (
-                key not in used
-                and key not in self.not_carried
-                and not any(i == key or i.startswith(top + ".") or i == top for i in self.ignored)
-            ):
-                if not any(r.startswith(f"recipe key {key!r}") for r in self.refused):
-                    self.not_carried[key] = why
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
@@ -157,12 +139,14 @@ def model_entry(recipe: Recipe, name_key: str, name: Any, revision_key: str, rev
         recipe.drop(revision_key, "a local folder has no revision")
         return
     rev = str(revision or "")
-    if not HEX40.match(rev):
-        recipe.need(
-            revision_key,
-            f"{name!r} is no local folder (looked from here and beside the recipe), so it is a hub id, which needs "
-            f"a pinned 40-hex commit (got {rev or 'none'}; a branch or tag can move)",
+    if not HEX40.match(rev):  # resolved by the checkpoint rule when it fetches, recorded, `tunegrid pin` writes it
+        ref = rev or "main"
+        recipe.unpinned[name_key] = ref
+        recipe.notes.append(
+            f"{name_key}: {name!r} is not pinned; the checkpoint rule fetches {ref!r} and records its commit "
+            "(manifest, study, MLflow, report); `tunegrid pin <study>` writes it back"
         )
+        recipe.carry("model", {"source": "hub", "repo_id": name, "revision": "", "ref": ref}, name_key, revision_key)
         return
     recipe.carry("model", {"source": "hub", "repo_id": name, "revision": rev}, name_key, revision_key)
 
@@ -205,21 +189,6 @@ def first_record(path: Path) -> dict[str, Any]:
     return {}
 
 
-def optimizer(recipe: Recipe, key: str, name: Any) -> None:
-    """The recipe's optimizer as the baseline cell's `grid.optimizer`."""
-    name = str(getattr(name, "value", name))
-    if name in OPTIMIZER_AXIS:
-        recipe.carry("grid.optimizer", OPTIMIZER_AXIS[name], key)
-        if OPTIMIZER_AXIS[name] == "adamw" and name != "adamw_torch":
-            recipe.notes.append(f"{key}: {name} trains as torch AdamW (the same update; fused is a kernel choice)")
-        elif name == "adamw_8bit":
-            recipe.notes.append(f"{key}: adamw_8bit is transformers' alias of adamw_bnb_8bit (bitsandbytes AdamW8bit)")
-    elif name in OTHER_OPTIMIZERS:
-        recipe.refuse(key, f"optimizer {name!r} is not one tunegrid trains with ({sorted(OPTIMIZER_AXIS)})")
-    else:
-        recipe.refuse(key, f"unknown optimizer {name!r} (transformers {MAPPED_VERSIONS['transformers']} names)")
-
-
 def scheduler(recipe: Recipe, key: str, name: Any, min_lr_rate: float | None = None, *keys: str) -> None:
     name = str(getattr(name, "value", name))
     if name not in SCHEDULERS:
@@ -243,12 +212,39 @@ def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
     if value in (None, [], ""):
         return
     if value == "all-linear" or value == ["all-linear"]:
-        recipe.carry("lora.target_modules", list(LINEAR_SUFFIXES), key)
-        recipe.notes.append(f"{key}: all-linear as the decoder's projection suffixes {LINEAR_SUFFIXES}")
+        found = linear_modules(recipe)
+        if found:
+            recipe.carry("lora.target_modules", found, key)
+            recipe.notes.append(f"{key}: all-linear resolved against the checkpoint's own linear layers: {found}")
+        else:  # a hub id not yet fetched: peft resolves it when the cell attaches the adapters
+            recipe.carry("lora.target_modules", ["all-linear"], key)
+            recipe.notes.append(f"{key}: all-linear, resolved by peft against the fetched checkpoint's linear layers")
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
         recipe.carry("lora.target_modules", list(value), key)
+    elif isinstance(value, str) and value:
+        recipe.carry("lora.target_modules", [value], key)
     else:
         recipe.refuse(key, f"{value!r}: tunegrid takes a list of module-name suffixes")
+
+
+def linear_modules(recipe: Recipe) -> list[str] | None:
+    """The suffixes of the checkpoint's linear layers but the output head (what peft's all-linear picks), read
+    from its config.json on the meta device; None when the checkpoint is not on this machine."""
+    model = recipe.settings.get("model") or {}
+    folder = Path(model["path"]) if model.get("source") == "local" else None
+    if model.get("source") == "hub" and model.get("repo_id"):
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(model["repo_id"], "config.json", revision=model.get("revision") or None)
+        except Exception:  # no cache, no hub library: resolved when fetched
+            cached = None
+        folder = Path(cached).parent if isinstance(cached, str) else None
+    if folder is None or not (folder / "config.json").is_file():
+        return None
+    from tunegrid.prepare.checkpoints import linear_modules as built_linear_modules
+
+    return built_linear_modules(folder)
 
 
 def precision_of(dtype: str) -> str:
@@ -274,9 +270,6 @@ def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, str],
     recipe.carry("grid.precision", precision, *keys)
     if bf16 == "auto":
         recipe.notes.append(f"{keys[0]}: auto read as bf16 (the grid tries the others where the failure asks)")
-    if recipe.raw.get(tf32_key):
-        recipe.notes.append(f"{tf32_key}: tunegrid's fp32 cells run fp32 matmuls at full precision")
-        recipe.not_carried[tf32_key] = "TF32 matmuls (GPU only) are not a tunegrid setting"
 
 
 def quantization(recipe: Recipe, four: bool, eight: bool, quant_type: Any, keys: list[str]) -> None:
@@ -303,8 +296,13 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
     """The keys of `tool`'s file that say a tunegrid axis value (for export): only what the axis sets."""
     keys = axis_keys(tool, axis)
     if axis == "precision":
+        if PRECISION_PLANS[value].fp32_islands:  # a tunegrid-only fix: no key of either tool runs fp32 islands
+            raise ValueError(f"precision {value} (fp32 islands) is not a setting of a {tool} config")
         dtype = PRECISION_PLANS[value].dtype
-        return dict(zip(keys, (dtype == "bfloat16", dtype == "float16"), strict=True))
+        said = dict(zip(keys, (dtype == "bfloat16", dtype == "float16"), strict=True))
+        if tool == "axolotl":  # axolotl's storage switches too: bfloat16: true would keep an fp32 fix in bf16
+            said.update({"bfloat16": dtype == "bfloat16", "float16": dtype == "float16"})
+        return said
     if axis == "quant":
         plan = QUANT_PLANS[value]
         if plan.experts_quantized and "quantize_moe_experts" not in keys:
@@ -316,6 +314,7 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
             "load_in_8bit": bool(bnb.get("load_in_8bit")),
             "adapter": "qlora" if four else "lora",
             "quantize_moe_experts": plan.experts_quantized,
+            "use_peft": True,  # TRL trains adapters only with use_peft (an --ignore'd recipe may lack it)
             **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if four else {}),
         }
         return {key: said[key] for key in keys if key in said}

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.prepare.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
+from tunegrid.prepare.recipe_scope import check_scope
 from tunegrid.prepare.recipe_trl import detect_tool
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-RECORD_ONLY = {"model", "adapter", "data.dataset", "model.trust_remote_code"}  # not study paths
-BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset"}
+MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
+RECORD_ONLY = {"model", "adapter", "data.dataset", *(f"model.{key}" for key in MODEL_KEYS)}
+BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset", "as_sft"}
 
 
 def read_recipe(base: dict[str, Any]) -> Recipe:
@@ -39,6 +40,12 @@ def read_recipe(base: dict[str, Any]) -> Recipe:
         raise RecipeError(f"config key 'base.from': {tool!r} is not one of {['auto', *TOOLS]}")
     raw = _with_overrides(raw, tool, base.get("model"), base.get("dataset"))
     recipe = Recipe(tool=tool, path=path, raw=raw, ignore=set(base.get("ignore") or []))
+    check_scope(recipe, bool(base.get("as_sft")))
+    if recipe.refused:  # another kind of run: say what makes it so before anything else
+        raise RecipeError(
+            f"recipe {path!r} (read as {tool} {recipe.version}) is not LoRA/QLoRA SFT:\n  - "
+            + "\n  - ".join(recipe.refused)
+        )
     reader = read_axolotl if tool == "axolotl" else read_trl
     reader(recipe, base.get("steps"), base.get("seq_len"))
     if recipe.refused:
@@ -105,16 +112,28 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
     why: list[str] = []
     failures = {"nan", "oom", "timeout"} if failure == "all" else {failure}
     smaller = _smaller_micro_batch(s["grid.batch_size"])
-    if "nan" in failures:
-        grid["precision"] += [p for p in PRECISIONS if p != s["grid.precision"]]
-        why.append("nan: every precision (fp16's range, bf16's, fp32)")
+    if "nan" in failures:  # every precision row tunegrid has, its fp16 fixes included, the recipe's first
+        from tunegrid.plans import PRECISION_PLANS
+
+        rows = sorted(PRECISION_PLANS.values(), key=lambda row: row.nan_fix_rank)
+        grid["precision"] += [str(row.precision) for row in rows if row.precision != s["grid.precision"]]
+        own = PRECISION_PLANS[s["grid.precision"]].arithmetic  # the fixes that keep the recipe's arithmetic
+        same = [str(r.precision) for r in rows if r.arithmetic == own and r.precision != s["grid.precision"]]
+        why.append(f"nan: every precision tunegrid has ({', '.join(grid['precision'])}; in the recipe's own "
+                   f"arithmetic: {', '.join(same) or 'none'})")  # fmt: skip
     if ("nan" in failures or "oom" in failures) and smaller:
         factor = s["grid.batch_size"] // smaller
         grid["batch_size"].append(smaller)
         grid["grad_accum"].append(s["grid.grad_accum"] * factor)
+        # only the two pairs that keep the recipe's effective batch (the grid is a product otherwise)
+        grid["exclude"] = [
+            {"batch_size": s["grid.batch_size"], "grad_accum": s["grid.grad_accum"] * factor},
+            {"batch_size": smaller, "grad_accum": s["grid.grad_accum"]},
+        ]
         why.append(
             f"nan/oom: micro-batch {smaller} with {s['grid.grad_accum'] * factor} micro-batches per step "
-            "(the recipe's effective batch, a smaller activation peak)"
+            f"(the recipe's effective batch {s['grid.batch_size'] * s['grid.grad_accum']}, a smaller activation "
+            "peak; never crossed with the recipe's own pair)"
         )
     if "oom" in failures:
         from tunegrid.plans import QUANT_PLANS, memory_fix_quants
@@ -140,8 +159,9 @@ def build_study(recipe: Recipe, failure: str, base: dict[str, Any], study: str |
         raise RecipeError(f"config key 'base.failure': {failure!r} is not one of {list(FAILURES)}")
     name = model_name(recipe)
     model = dict(recipe.settings["model"])
-    if recipe.settings.get("model.trust_remote_code"):
-        model["trust_remote_code"] = True
+    for key in sorted(MODEL_KEYS):
+        if recipe.settings.get(f"model.{key}"):
+            model[key] = recipe.settings[f"model.{key}"]
     grid, _ = grid_around(recipe, failure)
     out: dict[str, Any] = {
         "study": study or _slug(Path(recipe.path).stem) or "recipe",
@@ -182,9 +202,21 @@ def header(recipe: Recipe, failure: str, study: dict[str, Any]) -> list[str]:
             value = recipe.settings[path]
             given = [k for k in keys if k.split(".")[0] in recipe.raw] or [f"({recipe.tool}'s default)"]
             lines.append(f"  {', '.join(given)} -> {path} = {json.dumps(value, default=str)}")
+    if recipe.unpinned:
+        lines.append("Not pinned (fetched when the study runs; `tunegrid pin <study>` writes the commit back):")
+        lines += [f"  {key}: {ref}" for key, ref in sorted(recipe.unpinned.items())]
+    if recipe.changed:
+        lines.append("Changed to the SFT study tunegrid runs (--as-sft):")
+        lines += [f"  {line}" for line in recipe.changed]
+    if recipe.differs:
+        lines.append(f"Run differently from the recipe (they bear on memory or numerics; {len(recipe.differs)} keys):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.differs.items())]
     if recipe.not_carried:
         lines.append(f"Not carried over ({len(recipe.not_carried)} keys):")
         lines += [f"  {key}: {why}" for key, why in sorted(recipe.not_carried.items())]
+    if recipe.unknown:
+        lines.append(f"Unknown keys ({len(recipe.unknown)}; the tool itself may reject or ignore them):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.unknown.items())]
     if recipe.ignored:
         lines.append("Ignored (--ignore; tunegrid cannot honour them):")
         lines += [f"  {key}: {why}" for key, why in sorted(recipe.ignored.items())]

@@ -49,8 +49,14 @@ class Candidate:
     parity: float | None  # the largest loss deviation from the reference among the evidence
     islands: list[str]
     against: str  # the precision its cost is measured against (the failing one where it ran a timed step)
+    is_baseline: bool = False  # it is what the others' cost is measured against: no cost of its own to state
 
     def cost_text(self) -> str:
+        if self.is_baseline:
+            return (
+                f"the baseline the other fixes' cost is measured against (the failing cell ran no timed step, "
+                f"so its {self.precision} twin stands for it)"
+            )
         parts = []
         if self.tokens_ratio is not None:
             parts.append(f"{self.tokens_ratio:.2f}x the tokens/s")
@@ -90,6 +96,7 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
         if precision == failing or islands_elsewhere:  # islands fix the arithmetic they keep, no other
             continue
         evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
+        baseline_pairs = 0  # failing cells whose cost baseline is this very precision (fp32 against fp32)
         for row in rows:
             twins = ok_cells(siblings(frame, row, "precision"))
             base = baseline(frame, row)
@@ -98,7 +105,9 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
                     unproven.append(f"{twin['cell_id']} ({twin.get('quality')})")
                     continue
                 evidence.append(twin["cell_id"])
-                if base is not None:
+                if base is not None and base[1] == precision:
+                    baseline_pairs += 1  # a fix is never costed against itself ("1.00x of fp32")
+                elif base is not None:
                     against.add(base[1])
                     for column, ratios in (("tokens_per_s", tokens), ("peak_bytes", peaks)):
                         mine, theirs = _measured(twin, column), _measured(base[0], column)
@@ -120,6 +129,7 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
                     max(parity) if parity else None,
                     sorted(islands),
                     " and ".join(sorted(against)) or failing,
+                    is_baseline=bool(baseline_pairs) and not against,
                 )
             )
     return out
@@ -149,7 +159,8 @@ def precision_fixes(
             )
             continue
         offered.append(candidate)
-    offered.sort(key=lambda c: -(c.tokens_ratio if c.tokens_ratio is not None else -1.0))
+    # the baseline ranks as what it is, 1.00x of itself
+    offered.sort(key=lambda c: -(1.0 if c.is_baseline else c.tokens_ratio if c.tokens_ratio is not None else -1.0))
     for candidate in offered:
         kept = f" (islands: {', '.join(short(i) for i in candidate.islands)})" if candidate.islands else ""
         why = (
@@ -159,7 +170,7 @@ def precision_fixes(
         cost = {
             "tokens_per_s_ratio": candidate.tokens_ratio,
             "peak_bytes_ratio": candidate.peak_ratio,
-            "against": candidate.against,
+            "against": "itself: the baseline of the others" if candidate.is_baseline else candidate.against,
         }
         fixes.append(Fix({"precision": candidate.precision}, why, candidate.evidence, candidate.parity, cost))
     if len(offered) > 1:

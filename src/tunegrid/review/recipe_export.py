@@ -24,7 +24,8 @@ from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
 from tunegrid.vocabulary import AXES
 
 AXOLOTL_DEFAULTS = {
-    "bf16": False, "fp16": False, "load_in_4bit": False, "load_in_8bit": False, "quantize_moe_experts": False,
+    "bf16": False, "fp16": False, "bfloat16": False, "float16": False, "load_in_4bit": False, "load_in_8bit": False,
+    "quantize_moe_experts": False,
     "micro_batch_size": 1,
     "gradient_accumulation_steps": 1, "seed": 42,
 }  # fmt: skip
@@ -64,6 +65,7 @@ def _effective(tool: str, raw: dict[str, Any], key: str, updated: dict[str, Any]
         "load_in_4bit": False,
         "load_in_8bit": False,
         "bnb_4bit_quant_type": "nf4",
+        "use_peft": False,
     }
     return TRL_DEFAULTS.get(tool, {}).get(key, fallback.get(key))
 
@@ -180,6 +182,13 @@ def recommended(study: dict[str, Any], recommendations: list[dict[str, Any]]) ->
     return found
 
 
+def export_command(cell_id: str, family: str, study_dir: Path) -> str:
+    """The command that writes this fix's config again, as the CLI takes it (it needs the study's folder)."""
+    import shlex
+
+    return shlex.join(["tunegrid", "export", cell_id, "--to", family, "--study-dir", str(study_dir)])
+
+
 def fixes_html(study_file: Path, recommendations: list[dict[str, Any]], out_dir: Path) -> str:
     """The report's section: each recommended fix as the user's own config (a file beside the report) and
     its diff against the recipe. Empty when the study was not imported from a recipe."""
@@ -206,7 +215,7 @@ def fixes_html(study_file: Path, recommendations: list[dict[str, Any]], out_dir:
         parts.append(
             f"<h3>{html.escape(changed)} — cell {html.escape(cell_id)} (ok)</h3>"
             f"<p>Config: <a href='{html.escape(name)}'>{html.escape(name)}</a>"
-            f" (<code>tunegrid export {html.escape(cell_id)} --to {_family(done.tool)}</code>)</p>"
+            f" (<code>{html.escape(export_command(cell_id, _family(done.tool), study_file.parent))}</code>)</p>"
             f"<pre class='diff'>{html.escape(chr(10).join(done.diff))}</pre>"
         )
     if not fixes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from tunegrid.outcome import module_name
 from tunegrid.review.advice import Fix, Recommendation, ok_cells, paren, siblings
 from tunegrid.review.batch_advice import smaller_batch_fix
 from tunegrid.review.memory_advice import memory_fixes
@@ -24,11 +25,8 @@ from tunegrid.vocabulary import Outcome, Precision
 
 
 def _short(module: Any) -> str:
-    text = str(module or "")
-    for prefix in ("base_model.model.model.", "base_model.model.", "model."):
-        if text.startswith(prefix):
-            return text[len(prefix) :]
-    return text or "unknown"
+    """The module as every other line of the report spells it (outcome.module_name)."""
+    return module_name(str(module or "")) or "unknown"
 
 
 def _nan_fixes(frame: Any, capabilities: dict[str, Any]) -> list[Recommendation]:

@@ -20,6 +20,7 @@ from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
+from tunegrid.review.run_links import mlflow_note, mlflow_run_base, run_link
 from tunegrid.review.stack_advice import stack_facts
 from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
@@ -86,13 +87,16 @@ def _label(column: str) -> str:
     return LABELS.get(column, column.replace("_", " "))
 
 
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+def _cell(row: dict[str, Any], column: str, run_base: str | None) -> str:
+    text = html.escape(_fmt(row.get(column), column))
+    return run_link(text, run_base) if column == "mlflow_run_id" else text
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str], run_base: str | None = None) -> str:
     if not rows:
         return "<p class='none'>none</p>"
     head = "".join(f"<th>{html.escape(_label(c))}</th>" for c in columns)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c), c))}</td>" for c in columns) + "</tr>" for r in rows
-    )
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r, c, run_base)}</td>" for c in columns) + "</tr>" for r in rows)
     return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
@@ -315,10 +319,13 @@ def build_report(
     study_file = StudyPaths.of_result(result_paths[0]).study_file if result_paths else out_dir / "none"
     failures = failure_groups(frame, results, logs_dir)
     facts = _probe_facts(capabilities, environment) + stack_facts(results)  # the environment table
+    tracking_file = StudyPaths.of_result(result_paths[0]).tracking if result_paths else out_dir / "none"
+    run_base = mlflow_run_base(study_file, tracking_file)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
 <h1>tunegrid report: {html.escape(study)}</h1>
 <p class="counts">{len(frame)} cells: {count_html}</p>
+{_sources_html(study_file.parent)}
 <h2>Probe: what the hardware can do</h2>{_table(facts, ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
 {fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
@@ -329,7 +336,16 @@ def build_report(
 <h2>Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
 <h2>Memory settings: what each saves and costs</h2>{_table(memory_setting_rows(frame), MEMORY_SETTING_COLUMNS)}
 <h2>MoE quantization audit</h2>{_table(_audit_rows(results), AUDIT_COLUMNS)}
-<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)])}
+<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)], run_base)}
+{mlflow_note(run_base)}
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
     return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}
+
+
+def _sources_html(study_dir: Path) -> str:
+    """The hub models and datasets the study fetched: pinned, or "not pinned; fetched at <sha>"."""
+    from tunegrid.prepare.hub import fetched_sources
+
+    lines = fetched_sources(study_dir) if study_dir.is_dir() else []
+    return "".join(f"<p class='source'>{html.escape(line)}</p>" for line in lines)

@@ -9,7 +9,7 @@ from typing import Any
 
 from tunegrid.files import read_json, read_jsonl
 from tunegrid.grid_axes import SETTING_AXES
-from tunegrid.outcome import CellResult, origin_label
+from tunegrid.outcome import CellResult, module_name, origin_label
 from tunegrid.review.quality import default_review, loss_curve, quality_columns
 from tunegrid.vocabulary import axis_names, with_neutrals
 
@@ -79,7 +79,7 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "fp32_islands_max_ratio": max(
             (m["ratio_to_fp16_max"] or 0 for m in (result.fp32_islands or {}).get("modules", [])), default=None
         ),
-        "fp16_headroom_worst_module": _worst_headroom(result).get("module"),
+        "fp16_headroom_worst_module": module_name(_worst_headroom(result).get("module") or "") or None,
         "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
         "collective_op": collective.get("op"),

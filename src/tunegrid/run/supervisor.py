@@ -22,6 +22,7 @@ from tunegrid.devices import cell_devices
 from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
+from tunegrid.prepare.hub import fetched_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
@@ -36,6 +37,7 @@ from tunegrid.track.tags import (
     run_name,
     run_tags,
     spec_id,
+    study_cell_ids,
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
@@ -175,7 +177,8 @@ def run_cell(
                     spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early, visible
                 )
                 early = None
-            result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, cell_env(spec))
+            env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
+            result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, env)
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
                 from tunegrid.cell.distributed import diagnose_ranks
 
@@ -256,7 +259,7 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
         failed=result["outcome"] != Outcome.OK,
         params=result_params(result),
         end_time=result["ended_at"],
-        name=run_name(result["outcome"], spec_id(result)),
+        name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
     )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
         result["tracking"]["errors"] = tracker.errors
@@ -288,7 +291,7 @@ def _open_run(
     from tunegrid.track.tracking import CellRun, flatten
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
-    tags = axis_tags(spec["axes"])
+    tags = axis_tags(spec["axes"], spec.get("debug"))
     tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
     tags.update(env_tags(capabilities))
     tags.update(rerun_tags(result_path, snakemake_job))

@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from tunegrid.grid_axes import injected_faults
 from tunegrid.outcome import CellResult, origin_label
+from tunegrid.vocabulary import FAULTS
+
+FAULT_AXIS_NEUTRAL = FAULTS[0]  # `debug`: the cell injects what the debug section sets, which may be nothing
 
 # The files of a run folder that its MLflow run keeps as artifacts.
 
@@ -18,18 +23,55 @@ from tunegrid.outcome import CellResult, origin_label
 ARTIFACT_FILES = ("result.json", "metrics.jsonl", "events.jsonl", "headroom.jsonl", "audit.json", "adapter")
 
 
-def run_name(outcome: str, cell_id: str) -> str:
-    """A cell run's name once it ended: the outcome first, so the runs page reads at a glance."""
-    return f"{outcome} · {cell_id}"
+def run_name(outcome: str, cell_id: str, study_cell_ids: Iterable[str] = ()) -> str:
+    """A cell run's name once it ended: the outcome first, so the runs page reads at a glance, then what tells
+    the cell apart from the study's other cells (MLflow's name column cuts a long name short, and a study's ids
+    share most of their parts). The full id is the run's `tunegrid.cell_id` tag."""
+    return f"{outcome} · {distinct_part(cell_id, study_cell_ids)}"
+
+
+def distinct_part(cell_id: str, study_cell_ids: Iterable[str]) -> str:
+    """The cell id less the parts every cell id of the study has (`bs8`, `s0` where all cells share them); the
+    whole id where that would leave nothing (the plain twin of `_ac`) or make two cells' names alike."""
+    ids = sorted(set(study_cell_ids) | {cell_id})
+    if len(ids) < 2:
+        return cell_id
+    split = [i.split("_") for i in ids]
+    common = set.intersection(*map(set, split))
+    short = {i: "_".join(p for p in parts if p not in common) or i for i, parts in zip(ids, split)}
+    return short[cell_id] if len(set(short.values())) == len(ids) else cell_id
+
+
+def study_cell_ids(run_dir: Path) -> list[str]:
+    """The ids of the cells of the study a run folder belongs to (its study.json), or none when it has none."""
+    from tunegrid.config import cells_by_id, resolve_study
+    from tunegrid.files import read_json
+    from tunegrid.study_paths import StudyPaths
+
+    study_file = StudyPaths.of_run_dir(run_dir).study_file
+    try:
+        return list(cells_by_id(resolve_study(read_json(study_file))))
+    except (OSError, ValueError):  # none there (a cell run by hand), or not one this version reads: the whole id
+        return []
 
 
 def spec_id(result: dict[str, Any]) -> str:
     return str(result["cell"]["cell_id"])
 
 
-def axis_tags(axes: dict[str, Any]) -> dict[str, str]:
-    """The cell's axes as tags, and the effective batch they make (micro-batch x accumulation x ranks)."""
+def axis_tags(axes: dict[str, Any], debug: dict[str, Any] | None = None) -> dict[str, str]:
+    """The cell's axes as tags, and the effective batch they make (micro-batch x accumulation x ranks).
+
+    The fault axis's neutral value (`debug`: whatever the debug section sets) is a tag only where that section
+    injects something, named in `fault.injected`; a run without an injection carries no `fault` tag, so none
+    reads as if fault injection were on. A value the grid names (none, slow-rank, ...) is always a tag: it is
+    what tells the twins apart."""
     tags = {k: str(v) for k, v in axes.items()}
+    injected = injected_faults(debug or {})
+    if injected:
+        tags["fault.injected"] = ",".join(injected)
+    elif tags.get("fault") == FAULT_AXIS_NEUTRAL:
+        del tags["fault"]
     effective = axes["batch_size"] * axes.get("grad_accum", 1) * axes.get("world_size", 1)
     tags["effective_batch"] = str(effective)
     return tags
@@ -43,6 +85,11 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     for package, version in ((result.env.get("stack") or {}).get("versions") or {}).items():
         if package in ((result.env.get("stack") or {}).get("pins") or {}):
             tags[f"stack.{package}"] = str(version)  # what the cell's library stack pinned, as resolved
+    for what in ("model", "data"):  # a hub source's commit; not pinned: fetched at it when the study ran
+        source = result.env.get(f"{what}_source") or {}
+        if source.get("revision"):
+            tags[f"{what}.revision"] = str(source["revision"])
+            tags[f"{what}.pinned"] = str(bool(source.get("pinned"))).lower()
     if result.resumed_from_step is not None:
         tags["resumed_from_step"] = str(result.resumed_from_step)
     slurm_job = (result.env.get("scheduler") or {}).get("SLURM_JOB_ID")
@@ -132,6 +179,11 @@ def rerun_tags(result_path: Path, snakemake_job: str) -> dict[str, str]:
     rerun = ["snakemake", "--cores", "1", "--forcerun", str(result_path)]
     for path in filter(None, configfiles.split(os.pathsep)):
         rerun += ["--configfile", path]
+    from tunegrid.study_input import STUDY_FILE_ENV
+
+    study_file = os.environ.get(STUDY_FILE_ENV, "")
+    if study_file:
+        rerun += ["--config", f"study={study_file}"]
     return {"snakemake.job": snakemake_job, "snakemake.rerun": shlex.join(rerun)}
 
 

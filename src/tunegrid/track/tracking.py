@@ -293,7 +293,15 @@ def sync_cell(
     from the files, which are the source of truth.
     """
     from tunegrid.files import read_jsonl
-    from tunegrid.track.tags import ARTIFACT_FILES, axis_tags, result_params, run_name, run_tags, spec_id
+    from tunegrid.track.tags import (
+        ARTIFACT_FILES,
+        axis_tags,
+        result_params,
+        run_name,
+        run_tags,
+        spec_id,
+        study_cell_ids,
+    )
 
     records = read_jsonl(run_dir / "metrics.jsonl")
     run = CellRun(uri, experiment_id)
@@ -307,7 +315,7 @@ def sync_cell(
         from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
 
         spec = result["cell"]
-        tags = axis_tags(spec["axes"])
+        tags = axis_tags(spec["axes"], spec.get("debug"))
         tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
         parent = parent_run_id(uri, experiment_id, spec["study"], StudyPaths.of_run_dir(run_dir).study_dir)
         if parent:
@@ -323,7 +331,7 @@ def sync_cell(
             failed=result["outcome"] != Outcome.OK,
             params=result_params(result),
             end_time=result.get("ended_at"),
-            name=run_name(result["outcome"], spec_id(result)),
+            name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
         )
     return {
         "run_id": run.run_id,

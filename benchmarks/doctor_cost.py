@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""The doctor against the full grid, measured in one run: for each study, `tunegrid doctor` on its failing cell
+(every candidate, and `--first`), then the study's whole grid (`snakemake all`), in one folder, so the cells the
+doctor ran are the grid's own (the same spec, run once); each side's cell-minutes are the sum of its cells'
+wall-clock (result.json's `wall_s`), and each side's recommendation is the first fix offered for that cell (the
+doctor's screen; the grid's report, read the way `tunegrid export recommended` reads it). Goal: the same
+recommendation in at most 40 % of the grid's cell-minutes.
+
+    python benchmarks/doctor_cost.py                          # the three CPU studies below, ~20 min on 2 cores
+    python benchmarks/doctor_cost.py configs/memory-fixes-oom-cpu.yaml
+    python benchmarks/doctor_cost.py 'configs/collective-timeout-cpu.yaml:<cell_id>'
+
+A study is `path[:cell_id]`; without a cell, the doctor's baseline is the first value of every axis. Writes
+results/benchmarks/doctor_cost.json with the machine facts (machine.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from machine import machine_facts, write_results  # noqa: E402
+
+DEFAULT_STUDIES = [
+    str(REPO / "benchmarks" / "studies" / "gemma3-tiny-fp16.yaml"),
+    str(REPO / "configs" / "memory-fixes-oom-cpu.yaml"),
+    # its first cell trains without a fault; the one that fails is rank 1's single long pause at 5 s
+    str(REPO / "configs" / "collective-timeout-cpu.yaml") + ":qwen3moe-tiny_fp32_bs2_none_s0_ws2_ct5_fault-stall-rank",
+]
+GOAL = 0.40
+
+
+def _snakemake(workdir: Path, study: Path, cores: int, *targets: str) -> float:
+    line = [sys.executable, "-m", "snakemake", *targets, "-s", str(REPO / "Snakefile"), "--directory", str(workdir)]
+    line += ["--cores", str(cores), "--config", f"study={study}"]  # targets first: --config takes every word after it
+    started = time.monotonic()
+    proc = subprocess.run(line, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"snakemake {' '.join(targets)} failed:\n{proc.stderr[-4000:]}")
+    return time.monotonic() - started
+
+
+def _fix_words(fix: dict | None) -> str:
+    return ", ".join(f"{k}={v}" for k, v in fix["change"].items()) if fix else "none"
+
+
+def measure(entry: str, workdir: Path, cores: int) -> dict:
+    from tunegrid.config import cells_by_id, load_study
+    from tunegrid.files import read_json
+    from tunegrid.review.doctor import baseline_fixes, cell_minutes
+    from tunegrid.review.doctor_plan import baseline_cell
+    from tunegrid.study_paths import StudyPaths
+
+    path, _, cell = entry.partition(":")
+    study = load_study(path)
+    baseline = baseline_cell(study, cell).cell_id
+    paths = StudyPaths.of(study["study"], workdir / "results")
+    doctor = {}
+    for mode in ("all", "first"):
+        goal = paths.doctor_dir(baseline) / mode / "doctor.json"
+        wall = _snakemake(workdir, Path(path), cores, str(goal.relative_to(workdir)))
+        record = read_json(goal)
+        doctor[mode] = {
+            "fix": _fix_words(record["fix"]),
+            "answer": record["answer"],
+            "cells": record["cells"],
+            "cell_minutes": record["cell_minutes"],
+            "wall_s": wall,
+        }
+    wall = _snakemake(workdir, Path(path), cores, "all")
+    grid_cells = list(cells_by_id(study))
+    fixes = baseline_fixes(baseline, read_json(paths.report_dir / "recommendations.json"))
+    grid = {
+        "fix": _fix_words(fixes[0] if fixes else None),
+        "cells": len(grid_cells),
+        "cell_minutes": cell_minutes([paths.result(c) for c in grid_cells]),
+        "wall_s": wall,
+    }
+    for record in doctor.values():
+        record["share"] = record["cell_minutes"] / grid["cell_minutes"] if grid["cell_minutes"] else None
+        record["same"] = record["fix"] == grid["fix"]
+    return {"study": study["study"], "baseline": baseline, "grid": grid, "doctor": doctor}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("studies", nargs="*", default=DEFAULT_STUDIES, help="study files, each path[:cell_id]")
+    parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--workdir", default="", help="where the studies run (default: a fresh temporary folder)")
+    args = parser.parse_args()
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="doctor-cost-")).resolve()
+    rows = [measure(entry, workdir, args.cores) for entry in args.studies]
+    print(f"\n{'study':<26} {'mode':<6} {'recommendation':<34} {'cells':>5} {'cell-min':>9} {'share':>6} same")
+    for row in rows:
+        grid = row["grid"]
+        print(f"{row['study']:<26} {'grid':<6} {grid['fix']:<34} {grid['cells']:>5} {grid['cell_minutes']:>9.2f}")
+        for mode, record in row["doctor"].items():
+            share = f"{record['share']:.0%}" if record["share"] is not None else "-"
+            ok = "yes" if record["same"] else "NO"
+            meets = " (goal met)" if record["same"] and record["share"] is not None and record["share"] <= GOAL else ""
+            print(
+                f"{'':<26} {mode:<6} {record['fix']:<34} {len(record['cells']):>5} {record['cell_minutes']:>9.2f} "
+                f"{share:>6} {ok}{meets}"
+            )
+    out = write_results("doctor_cost", {**machine_facts("cpu"), "goal_share": GOAL}, rows)
+    print(f"\nworkdir: {workdir}; {out}")
+
+
+if __name__ == "__main__":
+    main()

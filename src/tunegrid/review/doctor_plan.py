@@ -1,0 +1,283 @@
+"""The doctor's decisions between its waves, each from files: was the failure reproduced, and is it
+deterministic (the same step and origin in a same-seed re-run) or transient; then which cells the second wave
+holds, chosen from the diagnosis through the tables (never by name): a non-finite failure gets the precisions
+of tunegrid.plans.PRECISION_PLANS in their `nan_fix_rank` order that the target can run natively (or that keep
+the failing arithmetic, as fp16's own fixes do); an out-of-memory one the memory settings the grid lists,
+ordered by the estimate's predicted saving, less those the estimate says will still not fit; a collective
+timeout its class's fixes (tunegrid.review.timeout_advice). Each candidate comes with the reference twin its
+loss parity is judged against (review.reference), where that is another cell.
+
+Light module: no torch (the doctor's rules run it between cells).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tunegrid.config import Cell, cells_by_id
+from tunegrid.files import read_json
+from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS, precision_plan
+from tunegrid.review.precision_advice import support_of
+from tunegrid.review.summary import summary_row
+from tunegrid.vocabulary import Outcome, axis_names
+
+REPEAT = 1  # the same-seed re-run of a failing baseline is its repeat 1
+MEMORY_AXES = ("quant", "optimizer", "activation_checkpointing", "batch_size", "grad_accum")
+DETERMINISTIC, TRANSIENT, NOT_REPRODUCED = "deterministic", "transient", "not reproduced"
+
+
+def baseline_cell(study: dict[str, Any], cell_id: str = "") -> Any:
+    """The cell the doctor reproduces: `cell_id`, else the first value of every axis (an imported recipe's own
+    cell). An id the study lacks is a ValueError naming some of its cells."""
+    cells = cells_by_id(study)
+    if not cell_id:
+        return Cell(**{axis: study["grid"][axis][0] for axis in axis_names()})
+    if cell_id not in cells:
+        shown = ", ".join(list(cells)[:6]) + (" …" if len(cells) > 6 else "")
+        raise ValueError(f"{cell_id!r} is not a cell of study {study['study']!r} ({len(cells)} cells: {shown})")
+    return cells[cell_id]
+
+
+def repeat_of(cell: Any) -> Any:
+    return dataclasses.replace(cell, repeat=REPEAT)
+
+
+def doctor_cells(study: dict[str, Any]) -> dict[str, Any]:
+    """The cells the doctor may run beyond the grid: the repeat of every cell of it (only a failing baseline's
+    is ever asked for)."""
+    return {repeat_of(c).cell_id: repeat_of(c) for c in cells_by_id(study).values() if c.repeat == 0}
+
+
+def signature(row: dict[str, Any]) -> dict[str, Any]:
+    """What a failure is, for comparing two runs of one cell: its step and its origin. An out-of-memory
+    failure's step is its stage (where the allocator gives up within a stage moves with the host's own use)."""
+    outcome = row["outcome"]
+    if outcome == Outcome.NAN:
+        return {
+            "outcome": outcome,
+            "step": row["nan_step"],
+            "origin": row["nan_forward_module"] or row["nan_backward_module"],
+            "kind": row["nan_kind"],
+        }
+    if outcome in (Outcome.OOM, Outcome.PREDICTED_OOM):
+        return {"outcome": outcome, "step": row["oom_stage"], "origin": "allocation"}
+    if outcome == Outcome.TIMEOUT:
+        return {
+            "outcome": outcome,
+            "step": row["collective_step"],
+            "origin": f"rank {row['collective_missing_ranks']}"
+            if row["collective_missing_ranks"]
+            else row["collective_op"],
+            "kind": row["collective_diagnosis"],
+        }
+    return {"outcome": outcome, "step": row["steps_run"], "origin": row["reason"]}
+
+
+def _clean(value: Any) -> Any:
+    return None if value is None or value != value else value
+
+
+def result_row(path: str | Path) -> dict[str, Any]:
+    return {k: _clean(v) for k, v in summary_row(read_json(path)).items()}
+
+
+def tokens_run(run_dir: Path) -> int:
+    """The real tokens a cell trained on, from its metrics.jsonl (tokens/s x step time per step)."""
+    from tunegrid.files import read_jsonl
+
+    metrics = run_dir / "metrics.jsonl"
+    lines = read_jsonl(metrics) if metrics.is_file() else []
+    return int(sum(line.get("tokens_per_s", 0) * line.get("step_time_s", 0) for line in lines))
+
+
+def reproduction(baseline: dict[str, Any], repeat: dict[str, Any] | None) -> dict[str, Any]:
+    """The first wave's answer: not reproduced (the baseline ran ok), deterministic, or transient."""
+    if baseline["outcome"] == Outcome.OK:
+        return {"verdict": NOT_REPRODUCED, "baseline": signature(baseline)}
+    first = signature(baseline)
+    if repeat is None:
+        return {"verdict": "pending", "baseline": first}
+    again = signature(repeat)
+    same = all(first.get(k) == again.get(k) for k in ("outcome", "step", "origin"))
+    return {"verdict": DETERMINISTIC if same else TRANSIENT, "baseline": first, "repeat": again}
+
+
+@dataclass
+class Candidate:
+    change: dict[str, Any]  # axis -> value, against the baseline
+    cell_id: str
+    reference: str | None  # the reference twin its parity needs, where another cell
+    why: str
+
+
+@dataclass
+class Choice:
+    """The second wave: the candidates in the order they are tried, and what was left out and why."""
+
+    failure: str
+    candidates: list[Candidate] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _twin(cells: dict[str, Any], baseline: Any, change: dict[str, Any]) -> Any | None:
+    wanted = Cell(**{**baseline.axes(), **change})
+    return cells.get(wanted.cell_id)
+
+
+def _reference(study: dict[str, Any], cells: dict[str, Any], cell: Any, baseline: Any) -> str | None:
+    reference = _twin(cells, cell, dict(study["review"]["reference"]))
+    if reference is None or reference.cell_id in (cell.cell_id, baseline.cell_id):
+        return None
+    return reference.cell_id
+
+
+def _precision_candidates(
+    study: dict[str, Any], cells: dict[str, Any], baseline: Any, row: dict[str, Any], capabilities: dict[str, Any]
+) -> Choice:
+    failing = precision_plan(baseline.precision)
+    target = row.get("target") or study["hardware"]["target"]
+    choice = Choice("nan")
+    for precision in sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank):
+        plan = PRECISION_PLANS[precision]
+        if precision == baseline.precision or (plan.fp32_islands and plan.arithmetic != failing.arithmetic):
+            continue
+        support = support_of(precision, target, capabilities)
+        if support != "native" and not (support == "emulated" and plan.arithmetic == failing.arithmetic):
+            choice.skipped.append(f"precision {precision}: {support} {plan.arithmetic} on {target}")
+            continue
+        twin = _twin(cells, baseline, {"precision": str(precision)})
+        if twin is None:
+            choice.skipped.append(f"precision {precision}: not in the study's grid.precision")
+            continue
+        choice.candidates.append(
+            Candidate(
+                {"precision": str(precision)}, twin.cell_id, _reference(study, cells, twin, baseline), plan.reason
+            )
+        )
+    return choice
+
+
+def _memory_candidates(
+    study: dict[str, Any], cells: dict[str, Any], baseline: Any, plans: dict[str, dict[str, Any]]
+) -> Choice:
+    """Every grid cell equal to the baseline but in memory settings (the same effective batch), less those the
+    estimate predicts still will not fit: the plan's own verdict where the study skips predicted failures
+    (`hardware.predicted_oom: skip`), and always a setting the estimate says saves nothing against the baseline,
+    which did not fit. The estimate's absolute peak is not held against the budget here: the baseline's own
+    failure is the measurement, and on a CPU the budget is of address space above what the process mapped at
+    its start. Ordered one setting at a time first (the least change to the recipe), and among as many changes by
+    the predicted saving, largest first (the likeliest to fit, the estimate's absolute peak being unreliable)."""
+    choice = Choice("oom")
+    base_axes = baseline.axes()
+    effective = baseline.batch_size * baseline.grad_accum
+    base_estimate = (plans.get(baseline.cell_id) or {}).get("estimate_bytes")
+    ranked = []
+    for cell in cells.values():
+        axes = cell.axes()
+        if cell.cell_id == baseline.cell_id or cell.batch_size * cell.grad_accum != effective:
+            continue
+        if any(axes[a] != base_axes[a] for a in axis_names() if a not in MEMORY_AXES):
+            continue
+        if QUANT_PLANS[cell.quant].quantizes is False and QUANT_PLANS[baseline.quant].quantizes:
+            continue  # dequantizing is never a memory fix
+        change = {a: axes[a] for a in MEMORY_AXES if axes[a] != base_axes[a]}
+        plan = plans.get(cell.cell_id) or {}
+        estimate = plan.get("estimate_bytes")
+        words = ", ".join(f"{k}={v}" for k, v in change.items())
+        if plan.get("verdict") not in (None, "run"):
+            choice.skipped.append(f"{words}: {plan['verdict']} ({plan.get('reason')})")
+            continue
+        saving = (base_estimate - estimate) if base_estimate is not None and estimate is not None else None
+        if saving is not None and saving <= 0:
+            choice.skipped.append(f"{words}: the estimate predicts no saving ({-saving / 2**20:.0f} MiB more)")
+            continue
+        why = f"predicted to save {saving / 2**20:.0f} MiB" if saving else "no estimate of its saving"
+        saving = saving or 0
+        ranked.append((len(change), -saving, Candidate(change, cell.cell_id, None, why)))
+    for _, _, candidate in sorted(ranked, key=lambda item: item[:2]):
+        candidate.reference = _reference(study, cells, cells[candidate.cell_id], baseline)
+        choice.candidates.append(candidate)
+    return choice
+
+
+def _timeout_candidates(cells: dict[str, Any], baseline: Any, row: dict[str, Any]) -> Choice:
+    """long_pause: the larger collective timeouts the grid lists, smallest first; straggler: the twin without
+    the slow rank; mismatch: none (no setting fixes ranks that took different paths)."""
+    from tunegrid.vocabulary import NO_FAULT
+
+    kind = row.get("collective_diagnosis")
+    choice = Choice(f"timeout:{kind}")
+    if kind == "long_pause":
+        larger = sorted(
+            (c for c in cells.values() if _only_differs(c, baseline, "collective_timeout_s")),
+            key=lambda c: c.collective_timeout_s,
+        )
+        for cell in (c for c in larger if c.collective_timeout_s > baseline.collective_timeout_s):
+            why = "a rank paused once past the timeout: a larger one lets it catch up"
+            choice.candidates.append(
+                Candidate({"collective_timeout_s": cell.collective_timeout_s}, cell.cell_id, None, why)
+            )
+    elif kind == "straggler":
+        twin = _twin(cells, baseline, {"fault": NO_FAULT})
+        if twin is not None and twin.cell_id != baseline.cell_id:
+            choice.candidates.append(Candidate({"fault": NO_FAULT}, twin.cell_id, None, "the ranks balanced"))
+        choice.skipped.append("a larger collective timeout: it only delays a straggler's failure")
+    else:
+        choice.skipped.append(f"{kind or 'undiagnosed'}: no setting fixes ranks that took different code paths")
+    return choice
+
+
+def _only_differs(cell: Any, baseline: Any, axis: str) -> bool:
+    a, b = cell.axes(), baseline.axes()
+    return a[axis] != b[axis] and all(a[k] == b[k] for k in a if k != axis)
+
+
+def memory_plan_cells(study: dict[str, Any], baseline: Any) -> list[str]:
+    """The cells whose plans (estimate, budget, verdict) the out-of-memory choice reads."""
+    base = baseline.axes()
+    return [
+        c.cell_id
+        for c in cells_by_id(study).values()
+        if all(c.axes()[a] == base[a] for a in axis_names() if a not in MEMORY_AXES)
+    ]
+
+
+def choose(
+    study: dict[str, Any],
+    baseline: Any,
+    row: dict[str, Any],
+    capabilities: dict[str, Any],
+    plans: dict[str, dict[str, Any]] | None = None,
+) -> Choice:
+    """The second wave for the failure `row` (the baseline's summary row) shows."""
+    cells = cells_by_id(study)
+    outcome = row["outcome"]
+    if outcome == Outcome.NAN:
+        return _precision_candidates(study, cells, baseline, row, capabilities)
+    if outcome in (Outcome.OOM, Outcome.PREDICTED_OOM):
+        return _memory_candidates(study, cells, baseline, plans or {})
+    if outcome == Outcome.TIMEOUT:
+        return _timeout_candidates(cells, baseline, row)
+    return Choice(str(outcome), skipped=[f"{outcome}: no table of fixes for it; read the cell's log"])
+
+
+def tries(choice: dict[str, Any], first: bool) -> list[list[str]]:
+    """The cells of each try: one try of every candidate with the reference twins, or (`first`) one candidate
+    and its reference per try, in order, until one holds."""
+    groups = [[c["cell_id"], *([c["reference"]] if c["reference"] else [])] for c in choice["candidates"]]
+    if not first:
+        flat = [cell for group in groups for cell in group]
+        return [list(dict.fromkeys(flat))] if flat else []
+    seen: set[str] = set()
+    out = []
+    for group in groups:
+        fresh = [cell for cell in group if cell not in seen]
+        seen.update(group)
+        out.append(fresh)
+    return out

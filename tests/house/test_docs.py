@@ -1,0 +1,88 @@
+"""The docs site builds with warnings as errors, its reference pages hold what the code holds, and README stays
+a front door."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    """`mkdocs build --strict`, as docs/contributing.md shows it, into a temporary folder."""
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return out
+
+
+def _page(site: Path, name: str) -> str:
+    return html.unescape((site / "reference" / name / "index.html").read_text())
+
+
+def test_the_cli_reference_holds_every_command_and_argument(site):
+    import argparse
+
+    from tunegrid.cli.main import build_parser
+
+    text = _page(site, "cli")
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in commands.choices.items():
+        assert f"tunegrid {name}" in text, name
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            for flag in action.option_strings:
+                assert flag in text, (name, flag)
+
+
+def test_the_study_reference_holds_every_key_of_the_schema(site):
+    from tunegrid.config import load_schema
+
+    text = _page(site, "study")
+    schema = load_schema()
+    for key, node in schema["properties"].items():
+        assert f"<code>{key}</code>" in text, key
+        for child in node.get("properties") or {}:
+            assert f"{key}.{child}" in text, (key, child)
+
+
+def test_the_result_reference_holds_every_field_of_the_result_types(site):
+    from tunegrid.outcome import CellResult, Diagnosis, Outcome, StepMetrics
+
+    text = _page(site, "result")
+    for cls in (CellResult, Diagnosis, StepMetrics):
+        for field in dataclasses.fields(cls):
+            assert f"<code>{field.name}</code>" in text, (cls.__name__, field.name)
+    assert all(outcome.value in text for outcome in Outcome)
+
+
+def test_the_axes_reference_holds_every_axis_with_its_id_prefix(site):
+    from tunegrid.vocabulary import axis_table
+
+    text = _page(site, "axes")
+    for axis in axis_table():
+        assert f"<code>{axis.name}</code>" in text, axis.name
+        assert axis.description.split()[0] in text, axis.name
+
+
+def test_readme_is_a_front_door():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150, "README is the front door: move the manual into docs/"
+    links = re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme)
+    missing = [link for link in links if not (REPO / link).exists()]
+    assert links and not missing, missing

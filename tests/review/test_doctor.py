@@ -1,0 +1,190 @@
+"""The doctor's decisions, from files alone: reproduced or not, deterministic or transient (a transient
+injection spares the repeat), the second wave chosen from the tables and the estimate, its tries, and the fix
+of the baseline read from the recommender's output."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import make_study
+
+from tunegrid.config import cell_spec, cells_by_id, resolve_study
+from tunegrid.review.doctor import baseline_fixes
+from tunegrid.review.doctor_plan import (
+    DETERMINISTIC,
+    NOT_REPRODUCED,
+    TRANSIENT,
+    baseline_cell,
+    choose,
+    doctor_cells,
+    repeat_of,
+    reproduction,
+    tries,
+)
+from tunegrid.vocabulary import parse_cell_id
+
+CAPABILITIES = {"precision": {"fp32": "native", "bf16": "native", "fp16": "emulated", "tf32": "absent"}}
+
+
+def _nan(step=0, module="layers.0.mlp.down_proj"):
+    return {
+        "cell_id": "x",
+        "outcome": "nan",
+        "nan_step": step,
+        "nan_kind": "loss_nonfinite",
+        "nan_forward_module": module,
+        "nan_backward_module": None,
+    }
+
+
+def test_a_baseline_that_runs_ok_is_not_reproduced_and_needs_no_repeat():
+    assert reproduction({"outcome": "ok", "steps_run": 30, "reason": ""}, None)["verdict"] == NOT_REPRODUCED
+
+
+def test_the_same_step_and_origin_twice_is_deterministic_anything_else_transient():
+    assert reproduction(_nan(), _nan())["verdict"] == DETERMINISTIC
+    assert reproduction(_nan(), _nan(step=3))["verdict"] == TRANSIENT
+    assert reproduction(_nan(), _nan(module="layers.1.mlp.down_proj"))["verdict"] == TRANSIENT
+    ran_ok = {"outcome": "ok", "steps_run": 30, "reason": ""}
+    found = reproduction(_nan(), ran_ok)
+    assert found["verdict"] == TRANSIENT and found["repeat"]["outcome"] == "ok"  # both runs' evidence kept
+
+
+def test_an_oom_is_deterministic_at_the_same_stage_whichever_step_it_reached():
+    oom = {"outcome": "oom", "oom_stage": "step", "steps_run": 1}
+    assert reproduction(oom, {**oom, "steps_run": 2})["verdict"] == DETERMINISTIC
+    assert reproduction(oom, {**oom, "oom_stage": "load"})["verdict"] == TRANSIENT
+
+
+def _injecting(transient):
+    inject = {"module": "model.layers.0.mlp.down_proj", "step": 1, "transient": transient}
+    return resolve_study(make_study(debug={"inject_nonfinite": inject}))
+
+
+@pytest.mark.parametrize("transient", [True, False])
+def test_a_transient_injection_spares_the_repeat_only(transient):
+    study = _injecting(transient)
+    cell = next(iter(cells_by_id(study).values()))
+    first, again = cell_spec(study, cell), cell_spec(study, repeat_of(cell))
+    assert first["debug"]["inject_nonfinite"]["module"] == "model.layers.0.mlp.down_proj"
+    assert bool(again["debug"]["inject_nonfinite"]["module"]) is not transient
+    assert "transient" not in first["debug"]["inject_nonfinite"]  # spent when the spec is made
+    assert again["axes"]["seed"] == first["axes"]["seed"]  # a repeat is the same cell, the same seed
+
+
+def test_the_repeat_is_a_cell_of_its_own_id_beside_the_grid():
+    study = resolve_study(make_study())
+    cell = baseline_cell(study)
+    repeat = repeat_of(cell)
+    assert repeat.cell_id == f"{cell.cell_id}_rep1" and parse_cell_id(repeat.cell_id) == repeat.axes()
+    assert repeat.cell_id in doctor_cells(study) and repeat.cell_id not in cells_by_id(study)
+    with pytest.raises(ValueError, match="not a cell"):
+        baseline_cell(study, "gemma3-hot_fp64_bs2_none_s0")
+
+
+def _precision_study(target="native"):
+    grid = {"model": ["gemma3-hot"], "precision": ["fp16", "fp16-islands", "bf16", "fp32"], "quant": ["none"]}
+    return resolve_study(make_study(grid=grid, hardware={"target": target}))
+
+
+def test_a_nonfinite_failure_gets_the_precisions_of_the_table_the_target_runs():
+    study = _precision_study()
+    baseline = baseline_cell(study)
+    choice = choose(study, baseline, {**_nan(), "target": "native"}, CAPABILITIES)
+    assert [c.change["precision"] for c in choice.candidates] == ["bf16", "fp16-islands", "fp32"]  # nan_fix_rank
+    assert all(c.reference == "gemma3-hot_fp32_bs2_none_s0" for c in choice.candidates[:2])
+    assert choice.candidates[2].reference is None  # fp32 is its own reference
+
+    t4 = _precision_study("t4")
+    choice = choose(t4, baseline_cell(t4), {**_nan(), "target": "t4"}, CAPABILITIES)
+    assert "bf16" not in [c.change["precision"] for c in choice.candidates]  # a T4 has no bf16
+    assert any(s.startswith("precision bf16") for s in choice.skipped)
+
+
+def _memory_study():
+    grid = {
+        "model": ["gemma3-hot"],
+        "precision": ["fp32"],
+        "quant": ["none"],
+        "optimizer": ["adamw", "adamw-8bit"],
+        "activation_checkpointing": [False, True],
+    }
+    return resolve_study(make_study(grid=grid))
+
+
+def test_an_oom_gets_the_memory_settings_the_estimate_allows_one_change_at_a_time_first():
+    study = _memory_study()
+    baseline = baseline_cell(study)
+    mib = 2**20
+    plans = {
+        baseline.cell_id: {"estimate_bytes": 500 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_adamw-8bit": {"estimate_bytes": 450 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_ac": {"estimate_bytes": 380 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_adamw-8bit_ac": {"estimate_bytes": 330 * mib, "verdict": "run"},
+    }
+    oom = {"outcome": "oom", "oom_stage": "step"}
+    choice = choose(study, baseline, oom, CAPABILITIES, plans)
+    assert [c.change for c in choice.candidates] == [
+        {"activation_checkpointing": True},  # one setting first, the larger predicted saving (120 MiB) first
+        {"optimizer": "adamw-8bit"},
+        {"optimizer": "adamw-8bit", "activation_checkpointing": True},
+    ]
+    # the plan's verdict where the study skips predicted failures, and a setting predicted to save nothing
+    plans[f"{baseline.cell_id}_ac"] = {"verdict": "predicted_oom", "reason": "estimated peak exceeds the budget"}
+    plans[f"{baseline.cell_id}_adamw-8bit"]["estimate_bytes"] = 520 * mib
+    choice = choose(study, baseline, oom, CAPABILITIES, plans)
+    assert [c.cell_id for c in choice.candidates] == [f"{baseline.cell_id}_adamw-8bit_ac"]
+    assert set(choice.skipped) == {
+        "optimizer=adamw-8bit: the estimate predicts no saving (20 MiB more)",
+        "activation_checkpointing=True: predicted_oom (estimated peak exceeds the budget)",
+    }
+
+
+def test_a_collective_timeout_gets_its_class_fixes():
+    grid = {
+        "model": ["gemma3-hot"],
+        "precision": ["fp32"],
+        "quant": ["none"],
+        "world_size": [2],
+        "collective_timeout_s": [5, 7, 9],
+        "fault": ["stall-rank", "none"],
+    }
+    study = resolve_study(make_study(grid=grid, debug={"stall_rank": {"rank": 1, "step": 2, "seconds": 6}}))
+    baseline = baseline_cell(study)
+    pause = choose(study, baseline, {"outcome": "timeout", "collective_diagnosis": "long_pause"}, CAPABILITIES)
+    assert [c.change for c in pause.candidates] == [{"collective_timeout_s": 7}, {"collective_timeout_s": 9}]
+    straggler = choose(study, baseline, {"outcome": "timeout", "collective_diagnosis": "straggler"}, CAPABILITIES)
+    assert [c.change for c in straggler.candidates] == [{"fault": "none"}]
+    mismatch = choose(study, baseline, {"outcome": "timeout", "collective_diagnosis": "mismatch"}, CAPABILITIES)
+    assert not mismatch.candidates and mismatch.skipped
+
+
+def test_tries_run_every_candidate_at_once_or_one_at_a_time():
+    choice = {
+        "candidates": [
+            {"cell_id": "a", "reference": "ref"},
+            {"cell_id": "b", "reference": "ref"},
+            {"cell_id": "ref", "reference": None},
+        ]
+    }
+    assert tries(choice, first=False) == [["a", "ref", "b"]]
+    assert tries(choice, first=True) == [["a", "ref"], ["b"], []]
+    assert tries({"candidates": []}, first=False) == []
+
+
+def test_the_fix_of_the_baseline_is_the_first_whose_own_twin_is_evidence():
+    baseline = "gemma3-hot_fp16_bs2_none_s0"
+    recs = [
+        {"failing": ["other"], "concerns": [], "text": "", "title": "", "fixes": [{"change": {}, "evidence": []}]},
+        {
+            "failing": [baseline, f"{baseline}_rep1"],
+            "concerns": [],
+            "text": "t",
+            "title": "nan",
+            "fixes": [
+                {"change": {"precision": "bf16"}, "evidence": ["gemma3-hot_bf16_bs8_none_s0"]},  # another batch's
+                {"change": {"precision": "fp32"}, "evidence": ["gemma3-hot_fp32_bs2_none_s0"]},
+            ],
+        },
+    ]
+    found = baseline_fixes(baseline, recs)
+    assert [f["cell_id"] for f in found] == ["gemma3-hot_fp32_bs2_none_s0"]
