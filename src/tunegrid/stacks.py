@@ -68,18 +68,25 @@ class StackRef:
     name: str
     pins: dict[str, str]
     key: str
-    python: str  # the stack's interpreter, relative to the working folder; "" for the base stack: the job's own
+    folder: str  # results/stacks/<key>, relative to the working folder; "" for the base stack
+    python: str  # the stack's interpreter, in its folder; "" for the base stack: the job's own
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "pins": dict(self.pins), "key": self.key, "python": self.python}
+        return {
+            "name": self.name,
+            "pins": dict(self.pins),
+            "key": self.key,
+            "folder": self.folder,
+            "python": self.python,
+        }
 
 
 def stack_ref(study: dict[str, Any], name: str, results: str | Path = "results") -> StackRef:
     if name == BASE_STACK:
-        return StackRef(name=BASE_STACK, pins={}, key="", python="")
+        return StackRef(name=BASE_STACK, pins={}, key="", folder="", python="")
     pins = study["stacks"][name]
     folder = stack_dir(results, pins)
-    return StackRef(name=name, pins=dict(pins), key=folder.name, python=str(stack_python(folder)))
+    return StackRef(name=name, pins=dict(pins), key=folder.name, folder=str(folder), python=str(stack_python(folder)))
 
 
 def stack_problems(config: dict[str, Any]) -> list[str]:
@@ -100,7 +107,7 @@ def stack_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
-def read_stack_record(python: str) -> dict[str, Any]:
-    """The built stack's record, from its interpreter's path (results/stacks/<key>/venv/bin/python)."""
-    path = Path(python).parents[2] / RECORD_FILE
+def read_stack_record(folder: str | Path) -> dict[str, Any]:
+    """The built stack's record, from its folder (results/stacks/<key>); empty where it was never built."""
+    path = Path(folder) / RECORD_FILE
     return json.loads(path.read_text()) if path.exists() else {}

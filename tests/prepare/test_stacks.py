@@ -53,6 +53,7 @@ def test_a_stack_cell_gets_its_suffix_and_its_interpreter():
         "name": "tf-v4",
         "pins": {"transformers": "4.57.*"},
         "key": folder.name,
+        "folder": str(folder),
         "python": str(folder / "venv" / "bin" / "python"),
     }
 

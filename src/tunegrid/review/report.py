@@ -116,7 +116,7 @@ def _fmt(value: Any, column: str = "") -> str:
     return f"{value:.3g}" if abs(value) < 1 else f"{value:.4g}"
 
 
-def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> list[dict[str, Any]]:
+def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any], results: Any = None) -> list[Any]:
     facts = [
         {"fact": "device", "value": capabilities.get("device")},
         {
@@ -158,7 +158,7 @@ def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> l
             ),
         }
     )
-    return facts
+    return facts + stack_facts(results or {})  # and a line per library stack the cells ran on
 
 
 def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -318,7 +318,6 @@ def build_report(
     logs_dir = StudyPaths.of_result(result_paths[0]).cell_logs_dir if result_paths else out_dir
     study_file = StudyPaths.of_result(result_paths[0]).study_file if result_paths else out_dir / "none"
     failures = failure_groups(frame, results, logs_dir)
-    facts = _probe_facts(capabilities, environment) + stack_facts(results)  # the environment table
     tracking_file = StudyPaths.of_result(result_paths[0]).tracking if result_paths else out_dir / "none"
     run_base = mlflow_run_base(study_file, tracking_file)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
@@ -326,7 +325,7 @@ def build_report(
 <h1>tunegrid report: {html.escape(study)}</h1>
 <p class="counts">{len(frame)} cells: {count_html}</p>
 {_sources_html(study_file.parent)}
-<h2>Probe: what the hardware can do</h2>{_table(facts, ["fact", "value"])}
+<h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment, results), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
 {fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">

@@ -1,7 +1,8 @@
 """Library versions as a fix: a cell that failed, ran unsupported, or left MoE experts in full precision on one
 library stack, beside its twin on another stack (every other axis equal) that ran ok. The fix is to pin that
 stack's versions; it is offered only where the twin holds (review/quality.py: it learned and matched its
-reference), with its cost against the failing cell measured in the same grid (peak memory, tokens/s).
+reference), with its cost against the failing cell measured in the same grid (peaks by stage, tokens/s): a
+pin that closes the experts' quantization gap may still raise the load peak (4.x maps the checkpoint).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from tunegrid.review.advice import Fix, Recommendation, holds, number, parity_of
 from tunegrid.review.moe_advice import EXPERT_GAP_SHARE
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import BASE_STACK, Outcome
+
+PEAKS = (("load", "load_peak_bytes"), ("steady", "steady_peak_bytes"))  # by stage: a pin may move them apart
 
 
 def _packages(row: Any) -> str:
@@ -48,8 +51,9 @@ def stack_fixes(frame: Any) -> list[Recommendation]:
         for _, twin in siblings(frame, row, "stack").iterrows():
             if twin["outcome"] != Outcome.OK or _concern(twin):
                 continue
-            if row["outcome"] == Outcome.OK and not number(twin["peak_bytes"]) < number(row["peak_bytes"]):
-                continue  # a memory finding whose twin's peak did not fall is no memory fix
+            gap_closed = number(twin.get("flagged_bytes")) < number(row.get("flagged_bytes"))
+            if row["outcome"] == Outcome.OK and not gap_closed:
+                continue  # the twin must fix what the finding is about: the weights left in full precision
             groups[(row["model"], row["stack"], twin["stack"])].append((row, twin, why))
     out = []
     for (model, stack, fixing), members in groups.items():
@@ -57,7 +61,11 @@ def stack_fixes(frame: Any) -> list[Recommendation]:
         unproven = sorted({unproven_name(twin) for _, twin, _ in members if not holds(twin)})
         lines = []
         for row, twin, why in members:
-            peaks = f"peak {human_bytes(row['peak_bytes'])} -> {human_bytes(twin['peak_bytes'])}"
+            peaks = ", ".join(
+                f"{stage} peak {human_bytes(row[column])} -> {human_bytes(twin[column])}"
+                for stage, column in PEAKS
+                if number(row.get(column)) != float("inf") and number(twin.get(column)) != float("inf")
+            )
             before, after = number(row.get("flagged_bytes")), number(twin.get("flagged_bytes"))
             known = float("inf") not in (before, after)
             flagged = f", full-precision weights {human_bytes(before)} -> {human_bytes(after)}" if known else ""
@@ -75,11 +83,14 @@ def stack_fixes(frame: Any) -> list[Recommendation]:
             row, twin = members[0][0], next(t for _, t, _ in members if holds(t))
             cost = {
                 "peak_bytes_ratio": _ratio(twin["peak_bytes"], row["peak_bytes"]),
+                **{f"{column}_ratio": _ratio(twin.get(column), row.get(column)) for _, column in PEAKS},
                 "tokens_per_s_ratio": _ratio(twin.get("tokens_per_s"), row.get("tokens_per_s")),
                 "against": row["cell_id"],
             }
-            speed = cost["tokens_per_s_ratio"]
-            priced = f", {speed:.2f}x the tokens/s" if speed is not None and row["outcome"] == Outcome.OK else ""
+            measured = [(f"{stage} peak", cost[f"{column}_ratio"]) for stage, column in PEAKS]
+            measured.append(("tokens/s", cost["tokens_per_s_ratio"]))
+            shown = [f"{ratio:.2f}x the {what}" for what, ratio in measured if ratio is not None]
+            priced = f": {', '.join(shown)} of {row['cell_id']}" if shown and row["outcome"] == Outcome.OK else ""
             parities = [p for p in (parity_of(t) for t in proven) if p is not None]
             what = f"pin {pin}" if fixing != BASE_STACK else "use the environment tunegrid runs in"
             fixes.append(

@@ -237,7 +237,7 @@ def cell_env(spec: dict[str, Any]) -> dict[str, Any]:
     if python:
         from tunegrid.stacks import read_stack_record
 
-        record = read_stack_record(python)
+        record = read_stack_record(spec["stack"]["folder"])
         versions = record.get("versions", {})
         env["packages"] = {name: versions.get(name) or version for name, version in env["packages"].items()}
         env["stack"] = {**spec["stack"], "versions": versions}
