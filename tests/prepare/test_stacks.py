@@ -135,6 +135,7 @@ def test_pins_pip_cannot_resolve_are_refused_naming_the_conflict(local_index, tm
     assert not (stack_dir(tmp_path / "results", {"tg-stack-a": "1.0", "tg-stack-b": "2.0"}) / "stack.json").exists()
 
 
+@pytest.mark.slow
 def test_the_rule_refuses_an_unresolvable_stack_before_any_cell(local_index, tmp_path):
     """A dry run shows every cell waits for every stack; the real run stops at the stack, no cell trained."""
     grid = {"model": ["gemma3-hot"], "quant": ["none"], "stack": ["base", "clash"]}
