@@ -69,7 +69,8 @@ def stack_fixes(frame: Any) -> list[Recommendation]:
             before, after = number(row.get("flagged_bytes")), number(twin.get("flagged_bytes"))
             known = float("inf") not in (before, after)
             flagged = f", full-precision weights {human_bytes(before)} -> {human_bytes(after)}" if known else ""
-            lines.append(f"{row['cell_id']} {why}; {twin['cell_id']} ran ok ({peaks}{flagged})")
+            measured = f" ({peaks}{flagged})".replace("(, ", "(") if peaks or flagged else ""
+            lines.append(f"{row['cell_id']} {why}; {twin['cell_id']} ran ok{measured}")
         pin = _packages(members[0][1])
         text = f"On stack {stack} ({_packages(members[0][0])}) vs {fixing} ({pin}): " + "; ".join(lines) + "."
         if unproven:
