@@ -94,7 +94,17 @@ def main() -> None:
     add_device_argument(parser)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every setting, interleaved")
     parser.add_argument("--study", type=Path, default=DEFAULT_STUDY, help="the study whose model and steps to use")
+    parser.add_argument(
+        "--settings",
+        default=",".join(SETTINGS),
+        help="comma-separated settings to measure (plain is always measured: every ratio is against it)",
+    )
+    parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"), help="folder of the JSON")
     args = parser.parse_args()
+    chosen = ["plain", *(s.strip() for s in args.settings.split(",") if s.strip() and s.strip() != "plain")]
+    unknown = [setting for setting in chosen if setting not in SETTINGS]
+    if unknown:
+        parser.error(f"--settings: unknown {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
     from tunegrid.config import load_study
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset
@@ -107,9 +117,9 @@ def main() -> None:
     texts = list(corpus_texts(read_dataset(work / "train.jsonl")))
     produce_checkpoint(copy.deepcopy(study["models"][model]), texts, work / model)
     spawn = multiprocessing.get_context("spawn")
-    runs: dict[str, list[dict]] = {setting: [] for setting in SETTINGS}
+    runs: dict[str, list[dict]] = {setting: [] for setting in chosen}
     for round_no in range(args.rounds):
-        for setting in SETTINGS:
+        for setting in chosen:
             queue = spawn.Queue()
             child = spawn.Process(target=measure, args=(setting, str(args.study.resolve()), str(work), queue))
             child.start()
@@ -159,7 +169,7 @@ def main() -> None:
             f"(per round {', '.join(f'{x:.2f}' for x in row['tokens_per_s_ratio_per_round'])})"
         )
     facts["study"] = args.study.name
-    print(f"wrote {write_results('memory_fixes', facts, rows)}")
+    print(f"wrote {write_results('memory_fixes', facts, rows, args.out)}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ so machine drift hits all three alike. Prints b/a and c/a last; writes results/b
     python benchmarks/nan_overhead.py            # default tiny model + a ~25M-param synthetic model
     python benchmarks/nan_overhead.py --quick    # fewer steps
     python benchmarks/nan_overhead.py --device cuda   # bf16, seq 2048, plus 2 layers at Gemma 3 4B width
+    python benchmarks/nan_overhead.py --smoke    # the tiny Gemma 3 alone, one round of 2 steps: checks that it runs
 
 On a GPU the figures are absolute and relative; on a CPU only the ratios are printed (machine.py).
 """
@@ -99,12 +100,13 @@ def measure(trainer: CellTrainer, rounds: int, steps_per_round: int) -> dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the tiny Gemma 3 alone, one round of 2 steps")
     parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"))
     add_device_argument(parser)
     args = parser.parse_args()
     facts = machine_facts(DEVICE)
     on_gpu = DEVICE == "cuda"
-    rounds, per_round = (3, 5) if args.quick else (5, 8)
+    rounds, per_round = (1, 2) if args.smoke else (3, 5) if args.quick else (5, 8)
 
     study = load_study(REPO / "configs" / "config.yaml")
     study["train"]["threads"] = 2
@@ -121,6 +123,8 @@ def main() -> None:
     models = [("gemma3-tiny", 8), ("qwen3moe-tiny", 8), ("gemma3-25m", 4)]
     if on_gpu:
         models.append(("gemma3-4b-width-2l", 2))
+    if args.smoke:
+        models = models[:1]
     rows = []
     for model, batch in models:
         spec = copy.deepcopy(study["models"][model])

@@ -76,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_argument(parser)
     parser.add_argument("--budget-s", type=float, default=30.0, help="the probe's own time budget (as in a study)")
+    parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"), help="folder of the JSON")
     args = parser.parse_args()
     facts = machine_facts(DEVICE)
     on_gpu = DEVICE == "cuda"
@@ -124,7 +125,7 @@ def main() -> None:
         }
     )
 
-    write_results("probe_accuracy", facts, rows)
+    write_results("probe_accuracy", facts, rows, args.out)
     print(describe(facts))
     for row in rows:
         ratio = f"{row['ratio']:.3f}" if row["ratio"] is not None else "n/a"

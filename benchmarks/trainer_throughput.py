@@ -10,6 +10,8 @@ by tunegrid's code), so only the loop differs: tunegrid's instrumented step vs T
     python benchmarks/trainer_throughput.py                # CPU: ~25M Gemma 3, fp32 and bf16, no quantization
     python benchmarks/trainer_throughput.py --device cuda  # GPU: QLoRA (nf4) bf16 at seq 2048 on a Gemma 3 4B-width
                                                            # dense model and an OLMoE-1B-7B-width MoE (4 layers each)
+    python benchmarks/trainer_throughput.py --smoke        # the default study's tiny Gemma 3, a few steps: checks
+                                                           # that both loops run, measures nothing worth keeping
 
 Writes results/benchmarks/trainer_throughput.json with the machine facts (machine.py).
 """
@@ -56,11 +58,12 @@ CASES = {
     ],
 }
 STEPS = 24
+SMOKE_STEPS = 6  # the median is taken after two warm-up steps
 
 
-def ours(trainer: CellTrainer) -> float:
+def ours(trainer: CellTrainer, steps: int) -> float:
     times = []
-    for step in range(STEPS):
+    for step in range(steps):
         batch = trainer.stream.batch(step)
         started = time.perf_counter()
         trainer.optimizer_step.run(step, [batch])
@@ -68,7 +71,7 @@ def ours(trainer: CellTrainer) -> float:
     return statistics.median(times[2:])
 
 
-def hf_trainer(trainer: CellTrainer, precision: str, batch: int, out: Path) -> float:
+def hf_trainer(trainer: CellTrainer, precision: str, batch: int, out: Path, steps: int) -> float:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -96,7 +99,7 @@ def hf_trainer(trainer: CellTrainer, precision: str, batch: int, out: Path) -> f
     args = TrainingArguments(
         output_dir=str(out),
         per_device_train_batch_size=batch,
-        max_steps=STEPS,
+        max_steps=steps,
         learning_rate=1e-3,
         bf16=precision == "bf16",
         use_cpu=DEVICE == "cpu",
@@ -114,21 +117,27 @@ def hf_trainer(trainer: CellTrainer, precision: str, batch: int, out: Path) -> f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_argument(parser)
-    parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="the default study's tiny Gemma 3, fp32, a few steps")
+    parser.add_argument("--out", default=str(REPO / "results" / "benchmarks"), help="folder of the JSON")
+    args = parser.parse_args()
     facts = machine_facts(DEVICE)
+    steps = SMOKE_STEPS if args.smoke else STEPS
     work = Path(tempfile.mkdtemp(prefix="tunegrid-trainer-"))
     data = work / "train.jsonl"
     write_dataset(data, 256, 0)
     texts = list(corpus_texts(read_dataset(data)))
     rows = []
     cases = CASES[DEVICE]
+    if args.smoke:
+        tiny = load_study(REPO / "configs" / "config.yaml")["models"]["gemma3-tiny"]
+        cases = [("gemma3-tiny", tiny, "fp32", "none", 2, 32)]
     if DEVICE == "cpu" and cpu_precision_support(cpu_inventory()["isa_flags"])["bf16"] != "native":
         # emulated bf16 on a CPU runs minutes per step at this size, for both loops alike: nothing to learn
         print("this CPU has no native bf16 (no AVX512-BF16/AMX): the bf16 case is skipped")
         cases = [case for case in cases if case[2] != "bf16"]
     for name, model, precision, quant, batch, seq_len in cases:
         study = load_study(REPO / "configs" / "config.yaml")
-        study["train"].update(threads=2, seq_len=seq_len, steps=STEPS, headroom_every=0)
+        study["train"].update(threads=2, seq_len=seq_len, steps=steps, headroom_every=0)
         study["models"][name] = copy.deepcopy(model)
         if not (work / name).exists():
             produce_checkpoint(copy.deepcopy(model), texts, work / name)
@@ -137,8 +146,8 @@ def main() -> None:
             study, name, work / name, data, work / f"ours-{name}-{precision}", batch, precision, quant
         )
         hf_cell = trainer_for(study, name, work / name, data, work / f"hf-{name}-{precision}", batch, precision, quant)
-        a = ours(ours_cell)
-        b = hf_trainer(hf_cell, precision, batch, work / f"hf-out-{name}-{precision}")
+        a = ours(ours_cell, steps)
+        b = hf_trainer(hf_cell, precision, batch, work / f"hf-out-{name}-{precision}", steps)
         tokens = batch * seq_len
         rows.append(
             {
@@ -154,7 +163,7 @@ def main() -> None:
                 "ratio": b / a,
             }
         )
-    write_results("trainer_throughput", facts, rows)
+    write_results("trainer_throughput", facts, rows, args.out)
     print(describe(facts))
     for row in rows:
         absolute = (
