@@ -74,3 +74,19 @@ def test_both_fixes_of_the_moe_regression_are_named_with_evidence_and_cost():
 def test_a_twin_on_another_stack_that_left_the_experts_too_is_no_fix():
     by_stack = {rec.signature for rec in stack_fixes(_grid(v4_flagged=384.0))}
     assert f"stack:{V4}" not in by_stack
+
+
+def test_the_stack_is_a_summary_column_and_mlflow_tags():
+    from tunegrid.review.summary import summary_row
+    from tunegrid.track.tags import axis_tags, run_tags
+
+    axes = {"model": "moe", "precision": "fp32", "batch_size": 2, "quant": "nf4", "seed": 0, "stack": V4}
+    stack = {"name": V4, "pins": {"transformers": "4.57.*"}, "versions": {"transformers": "4.57.6", "torch": "2.13.0"}}
+    result = {"cell_id": "x", "cell": {"axes": axes}, "outcome": "ok", "reason": "", "env": {"stack": stack}}
+    row = summary_row(result)
+    assert row["stack"] == V4 and row["stack_packages"] == "transformers==4.57.6"
+    assert axis_tags(axes)["stack"] == V4
+    tags = run_tags(result)
+    assert tags["stack.transformers"] == "4.57.6" and "stack.torch" not in tags  # what the stack pinned
+    base = summary_row({**result, "cell": {"axes": {**axes, "stack": "base"}}, "env": {}})
+    assert base["stack"] == "base" and base["stack_packages"] is None
