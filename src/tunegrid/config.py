@@ -24,7 +24,7 @@ from tunegrid.input_limits import (
     secret_problems,
     size_problems,
 )
-from tunegrid.vocabulary import BASE_STACK, PRECISIONS, QUANTS, axis_table, grid_schema
+from tunegrid.vocabulary import BASE_STACK, PRECISIONS, QUANTS, axis_table
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -263,3 +263,27 @@ def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
 def spec_json(spec: dict[str, Any]) -> str:
     """Canonical JSON of a spec: identical config gives identical text (Snakemake's params trigger)."""
     return json.dumps(spec, sort_keys=True, separators=(",", ":"))
+
+
+def grid_schema() -> dict[str, Any]:
+    """The JSON schema of the study's `grid` key, built from the table: one array property per axis."""
+    properties: dict[str, Any] = {}
+    for row in axis_table():
+        prop: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "uniqueItems": True,
+            "items": dict(row.items),
+            "description": row.description,
+        }
+        if row.default is not None:
+            prop["default"] = list(row.default)
+        properties[row.name] = prop
+    return {
+        "type": "object",
+        "description": "the axes crossed into cells (every combination is one fine-tune)",
+        "additionalProperties": False,
+        "required": [a.name for a in axis_table() if a.default is None],
+        "default": {},
+        "properties": properties,
+    }

@@ -235,6 +235,8 @@ def compose_result(
                     "stage": facts.get("stage") or heartbeat_stage(run_dir),
                     "limit_s": spec["train"]["time_limit_s"],
                     "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"],
+                    # the limits in effect: the study's raised to the cell's predicted work (see the reason)
+                    "liveness": (spec.get("plan") or {}).get("liveness"),
                 }
             }
     elif facts:

@@ -16,12 +16,13 @@ from tunegrid.vocabulary import Precision, Quant
 
 @dataclass(frozen=True, kw_only=True)
 class PrecisionRow:
-    """One compute precision: its dtype (weights that are not quantized are stored in it too), autocast,
-    loss scaling, and where the recommender ranks it as a fix for a non-finite cell."""
+    """One compute precision: its dtype (what autocast computes matmuls in), the dtype the weights that are not
+    quantized are stored in (`storage`, the compute dtype unless a row says otherwise), autocast, loss scaling,
+    and where the recommender ranks it as a fix for a non-finite cell."""
 
     precision: Precision
     dtype: str  # torch dtype name
-    bytes_per_value: int
+    bytes_per_value: int  # of a stored weight that is not quantized
     autocast: bool
     grad_scaler: bool
     reason: str
@@ -31,6 +32,15 @@ class PrecisionRow:
     arithmetic: Precision
     # the modules whose activations near fp16's range compute and return fp32 (cell/islands.py)
     fp32_islands: bool = False
+    # the dtype weights that are not quantized are stored in; None: the compute dtype
+    storage: str | None = None
+    # the residual stream (the decoder layers' inputs and outputs) held in fp32 from the embeddings on: each
+    # block's additions are promoted to fp32 while its matmuls stay in the compute dtype (cell/model.py)
+    residual_fp32: bool = False
+
+    @property
+    def storage_dtype(self) -> str:
+        return self.storage or self.dtype
 
 
 PRECISION_PLANS: dict[Precision, PrecisionRow] = {
@@ -79,6 +89,34 @@ PRECISION_PLANS: dict[Precision, PrecisionRow] = {
             nan_fix_rank=1,
             arithmetic=Precision.FP16,
             fp32_islands=True,
+        ),
+        PrecisionRow(
+            precision=Precision.FP16_MIXED,
+            dtype="float16",
+            storage="float32",
+            bytes_per_value=4,
+            autocast=True,
+            grad_scaler=True,
+            reason=(
+                "fp16 matmuls under autocast over fp32-stored weights (mixed precision with fp32 master weights): "
+                "the embeddings, norms and residual additions stay fp32"
+            ),
+            nan_fix_rank=1,
+            arithmetic=Precision.FP16,
+        ),
+        PrecisionRow(
+            precision=Precision.FP16_RESIDUAL,
+            dtype="float16",
+            bytes_per_value=2,
+            autocast=True,
+            grad_scaler=True,
+            reason=(
+                "fp16 weights and matmuls with dynamic loss scaling; the residual stream is kept in fp32 from the "
+                "embeddings on, so a sum past 65504 between the layers stays finite"
+            ),
+            nan_fix_rank=1,
+            arithmetic=Precision.FP16,
+            residual_fp32=True,
         ),
     )
 }

@@ -91,3 +91,7 @@ class Heartbeat:
     def beat(self, stage: str) -> None:
         self.last = stage
         self.path.write_text(stage)
+
+    def pulse(self, detail: str) -> None:
+        """A sign of life within the current stage (which stays `last`): the stage with what is running now."""
+        self.path.write_text(f"{self.last}: {detail}")

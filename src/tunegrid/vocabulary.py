@@ -21,6 +21,8 @@ class Precision(StrEnum):
     BF16 = "bf16"
     FP16 = "fp16"
     FP16_ISLANDS = "fp16-islands"  # fp16 with the modules that overflow it computing in fp32 (cell/islands.py)
+    FP16_MIXED = "fp16-mixed"  # fp16 matmuls under autocast over fp32-stored weights (fp32 master weights)
+    FP16_RESIDUAL = "fp16-residual"  # fp16 weights and matmuls, the residual stream kept in fp32
 
 
 class Quant(StrEnum):
@@ -36,6 +38,7 @@ class Quant(StrEnum):
 PRECISIONS = tuple(p.value for p in Precision)
 QUANTS = tuple(q.value for q in Quant)
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsandbytes' 8-bit, unpaged and paged
+ATTENTIONS = ("sdpa", "eager")  # transformers' attn_implementation: its default kernel (sdpa), or eager
 FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
 NO_FAULT = FAULTS[1]  # the twin without an injected fault
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # PyTorch's NCCL default (Timeout(ms)=600000)
@@ -124,7 +127,9 @@ AXIS_TABLE: tuple[Axis, ...] = (
         items=_enum(PRECISIONS),
         description=(
             "compute precision (bf16/fp16 use autocast; fp16 adds a GradScaler); fp16-islands is fp16 with the "
-            "modules whose activations near fp16's 65504 computing and returning fp32 (train.fp32_islands)"
+            "modules whose activations near fp16's 65504 computing and returning fp32 (train.fp32_islands); "
+            "fp16-mixed keeps the weights that are not quantized in fp32 under fp16 autocast (mixed precision with "
+            "fp32 master weights); fp16-residual keeps fp16 weights but the residual stream in fp32"
         ),
         default=(Precision.FP32.value,),
         plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.COLOUR, always=True),
@@ -257,6 +262,20 @@ AXIS_TABLE: tuple[Axis, ...] = (
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
     ),
     Axis(
+        name="attention",
+        type=str,
+        items=_enum(ATTENTIONS),
+        description=(
+            "the attention kernel (attn_implementation): sdpa = the model's default; eager = its own matmul-softmax "
+            "(advised by transformers for training Gemma; keeps the seq x seq probabilities). Cells other than "
+            "sdpa get `_attn-<value>` appended to their id"
+        ),
+        default=("sdpa",),
+        id_prefix="attn-",
+        neutral="sdpa",
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
+    ),
+    Axis(
         name="stack",
         type=str,
         items={"$ref": "#/definitions/name"},
@@ -290,30 +309,6 @@ def axis_names() -> tuple[str, ...]:
 def with_neutrals(axes: dict[str, Any]) -> dict[str, Any]:
     """A cell's axes as recorded, completed with the neutral value of every axis it predates."""
     return {**{a.name: a.neutral for a in axis_table() if a.neutral is not None}, **axes}
-
-
-def grid_schema() -> dict[str, Any]:
-    """The JSON schema of the study's `grid` key, built from the table: one array property per axis."""
-    properties: dict[str, Any] = {}
-    for row in axis_table():
-        prop: dict[str, Any] = {
-            "type": "array",
-            "minItems": 1,
-            "uniqueItems": True,
-            "items": dict(row.items),
-            "description": row.description,
-        }
-        if row.default is not None:
-            prop["default"] = list(row.default)
-        properties[row.name] = prop
-    return {
-        "type": "object",
-        "description": "the axes crossed into cells (every combination is one fine-tune)",
-        "additionalProperties": False,
-        "required": [a.name for a in axis_table() if a.default is None],
-        "default": {},
-        "properties": properties,
-    }
 
 
 def format_cell_id(axes: dict[str, Any]) -> str:

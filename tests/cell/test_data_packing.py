@@ -128,3 +128,15 @@ def test_packing_mode_follows_the_attention_implementation(checkpoints):
     assert packing_mode(model, False) == "off"
     model.config._attn_implementation = "eager"
     assert packing_mode(model, True) == "position_ids"
+
+
+def test_examples_whose_loss_tokens_lie_past_seq_len_are_dropped_and_none_left_is_refused_naming_the_key():
+    """A row without a loss token makes a step's loss 0/0 (NaN): that would read as a precision failure."""
+    from tunegrid.cell.packing import IGNORE, pack
+
+    long_prompt = (list(range(1, 11)), [IGNORE] * 8 + [9, 10])  # the response at tokens 8-9
+    short = ([1, 2, 3], [IGNORE, 2, 3])
+    rows = pack([long_prompt, short], 6, 0, None, "off")
+    assert rows.examples == 1 and rows.truncated_examples == 1
+    with pytest.raises(ValueError, match=r"train.seq_len 6 leaves no loss token .* raise train.seq_len above 8"):
+        pack([long_prompt, long_prompt], 6, 0, None, "off")

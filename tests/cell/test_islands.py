@@ -189,3 +189,43 @@ def test_two_gloo_ranks_agree_on_the_islands(hot_checkpoints, dataset_path, tmp_
         "model.layers.0.mlp.down_proj",
         "model.layers.1.mlp.down_proj",
     ]
+
+
+def test_a_matmul_fed_past_fp16s_range_by_an_island_computes_in_fp32_too() -> None:
+    """`up` returns 8e4 (past 65504) and becomes an island; `down` returns 64, in range, but is fed 8e4: under
+    autocast its input would be cast to fp16 (inf) before it runs. Only with `down` an island too is the
+    output finite."""
+    import torch
+
+    from tunegrid.cell.islands import IslandCalibration, islands_over, place_fp32_islands
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(8, 8, bias=False)
+            self.down = torch.nn.Linear(8, 8, bias=False)
+            with torch.no_grad():
+                self.up.weight.fill_(1e4)
+                self.down.weight.fill_(1e-4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(self.up(x))
+
+    class Stream:
+        def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
+            return [{"x": torch.ones(1, 4, 8)}]
+
+        def real_positions(self, step: int) -> list[torch.Tensor]:
+            return [torch.ones(1, 4, dtype=torch.bool)]
+
+    calibration = IslandCalibration(batches=1, maxima={"up": 8e4, "down": 64.0}, input_maxima={"down": 8e4})
+    assert islands_over(calibration, 0.5 * 65504) == ["down", "up"]
+    assert islands_over(IslandCalibration(batches=1, maxima={"up": 8e4, "down": 64.0}), 0.5 * 65504) == ["up"]
+
+    model = Chain()
+    train = {"fp32_islands": "auto", "island_threshold": 0.5, "island_calibration_batches": 1}
+    record = place_fp32_islands(model, Stream(), torch.device("cpu"), False, train)
+    assert [island["module"] for island in record["modules"]] == ["down", "up"]
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.ones(1, 4, 8))
+    assert torch.isfinite(out).all() and float(out.max()) == pytest.approx(64.0, rel=1e-3)

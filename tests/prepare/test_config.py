@@ -9,6 +9,7 @@ import yaml
 from conftest import REPO, make_study, snakemake_command
 
 from tunegrid.config import ConfigError, cell_spec, expand_cells, load_study, resolve_study, spec_json
+from tunegrid.vocabulary import PRECISIONS
 
 
 def test_defaults_are_filled_from_the_schema():
@@ -93,8 +94,8 @@ def test_a_bad_grid_exclusion_names_the_field(exclude, expected):
         (lambda s: s["grid"].update(model=["nope"]), "'nope' is not defined under 'models'"),
         (lambda s: s["train"].update(steps=0), "train.steps"),
         (
-            lambda s: s["models"].update({"hub-model": {"source": "hub", "repo_id": "google/gemma-3-4b-it"}}),
-            "models.hub-model.revision",
+            lambda s: s["models"].update({"hub-model": {"source": "hub", "repo_id": "google/gemma-3-4b-it", "ref": 7}}),
+            "models.hub-model.ref",
         ),
         (lambda s: s["models"].update({"loc": {"source": "local", "path": "/does/not/exist"}}), "models.loc.path"),
         (lambda s: s.update(study="../escape"), "config key 'study'"),
@@ -154,7 +155,7 @@ def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "config key 'grid.precision.0'" in out
-    assert "choose one of ['fp32', 'bf16', 'fp16', 'fp16-islands']" in out
+    assert f"choose one of {list(PRECISIONS)}" in out
     assert "Traceback" not in out
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_study, one_cell, run_supervised
 
-from tunegrid.prepare.memory_estimate import estimate_cell, nf4_bytes
+from tunegrid.prepare.memory_estimate import estimate_cell, estimate_from_shapes, nf4_bytes, tensor_shapes
 from tunegrid.prepare.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
 
 
@@ -371,3 +371,21 @@ def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_
     at_failure = meter_at_failure(MemoryMeter("cuda"))
     assert at_failure == {"bytes_at_failure": 11 * 2**30, "peak_bytes": 12 * 2**30, "reserved_peak_bytes": 16 * 2**30}
     assert "reserved_peak_bytes" not in meter_at_failure(MemoryMeter("cpu"))
+
+
+def test_the_manifest_measures_the_tokenizer_in_memory_and_the_estimate_holds_it(checkpoints):
+    """A real tokenizer is large in memory (Gemma 3's: ~340 MB for a 262k vocabulary), and a cell holds it for its
+    whole life; the checkpoint measures it once, in a fresh process, and the estimate adds it at load and step."""
+    import json
+
+    from tunegrid.prepare.probes import tokenizer_resident_bytes
+
+    folder = checkpoints["gemma3-hot"]
+    measured = tokenizer_resident_bytes(folder)
+    assert measured is not None and measured > 0
+    assert json.loads((folder / "manifest.json").read_text())["tokenizer_resident_bytes"] is not None
+    estimate = estimate_cell(_spec(), folder, 0)
+    recorded = json.loads((folder / "manifest.json").read_text())["tokenizer_resident_bytes"]
+    assert estimate["components"]["tokenizer"] == recorded
+    without = estimate_from_shapes(_spec(), json.loads((folder / "config.json").read_text()), tensor_shapes(folder), 0)
+    assert estimate["estimate_bytes"] - without["estimate_bytes"] == recorded

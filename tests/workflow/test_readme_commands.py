@@ -129,6 +129,11 @@ HOW: dict[str, tuple[str, str]] = {
         "records whole default-study runs (minutes); tests/prepare/test_cpu_memory_evidence.py replays what it "
         "recorded (tests/data/evidence-cpu-default-study.json)",
     ),
+    "snakemake --cores 8 all --config study=configs/gemma3-270m-cpu.yaml": (
+        "elsewhere",
+        "tests/workflow/test_real_weights.py runs the study through Snakemake, trimmed to the cells that carry its "
+        "claims (the whole study takes minutes of fp16 on a CPU)",
+    ),
     "snakemake --cores 2 all --config study=configs/memory-fixes-oom-cpu.yaml": (
         "elsewhere",
         "tests/workflow/test_memory_fixes_oom.py runs it as written, with --cores 2",

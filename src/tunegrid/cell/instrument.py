@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tunegrid.outcome import module_name
+from tunegrid.sites import INPUT, OUTPUT, site_words
 
 
 def _tensors(obj: Any) -> Iterator[Any]:
@@ -110,13 +111,14 @@ def _finite_max_abs(t: Any) -> float | None:
     return float(finite.abs().max()) if finite.numel() else None
 
 
-def _nonfinite_fact(name: str, t: Any, order: int, at: str) -> dict[str, Any]:
+def _nonfinite_fact(name: str, t: Any, order: int, at: str, phase: str) -> dict[str, Any]:
     """What a non-finite tensor held at `at`: t is its values at real or at padding positions, or the whole
     tensor when its shape has no token positions (`unlocated`) or no mask was given (`real`)."""
     import torch
 
     return {
         "module": name,
+        "phase": phase,
         "at": at,
         "order": order,
         "dtype": str(t.dtype).removeprefix("torch."),
@@ -179,13 +181,14 @@ class OriginTracer:
             return
         mask = _position_mask(t, self.real)
         if mask is None:
-            self._keep(phase, _nonfinite_fact(name, t, self._order, "real" if self.real is None else "unlocated"))
+            at = "real" if self.real is None else "unlocated"
+            self._keep(phase, _nonfinite_fact(name, t, self._order, at, phase))
             return
         real = mask.expand_as(t)
         if bool((bad & real).any()):
-            self._keep(phase, _nonfinite_fact(name, t[real], self._order, "real"))
+            self._keep(phase, _nonfinite_fact(name, t[real], self._order, "real", phase))
         else:
-            self._keep(phase, _nonfinite_fact(name, t[~real], self._order, "padding"))
+            self._keep(phase, _nonfinite_fact(name, t[~real], self._order, "padding", phase))
 
     def _keep(self, phase: str, fact: dict[str, Any]) -> None:
         self.found.setdefault(f"{phase}:{fact['at']}", fact)
@@ -215,20 +218,23 @@ FP16_MAX = 65504.0
 
 
 class HeadroomMeter:
-    """Per-module activation max-abs on measured steps, as a ratio to fp16's largest finite value.
+    """Per-site activation max-abs on measured steps, as a ratio to fp16's largest finite value.
 
-    It runs under any precision, so a bf16 or fp32 run says which modules would overflow in fp16
-    before fp16 is ever tried. The per-module maxima stay on the device until `collect`: one sync.
+    It runs under any precision, so a bf16 or fp32 run says which sites would overflow in fp16 before fp16 is
+    ever tried. The sites: every module's output, its blocks' too (a decoder layer's output is the residual
+    stream, which real Gemma 3 carries past 65504 while no module inside a layer returns as much), and every
+    leaf module's input (what a matmul or a norm is fed: fp16 autocast casts it down before the module runs).
+    The maxima stay on the device until `collect`: one sync.
     """
 
-    def __init__(self, top: int = 10, *, leaves_only: bool = True) -> None:
+    def __init__(self, top: int = 10, *, leaves_only: bool = False) -> None:
         self.top = top
-        # False: every module's output, a block's too (the calibration of fp32 islands needs to see a residual
-        # stream that overflows where no module inside the block does)
+        # True: leaf modules' outputs only (no blocks, no inputs)
         self.leaves_only = leaves_only
-        self._names: list[str] = []
+        self._sites: list[tuple[str, str]] = []
         self._maxima: list[Any] = []
-        self.worst_seen: dict[str, float] = {}
+        self.worst_seen: dict[str, float] = {}  # module -> max-abs of its output
+        self.worst_input_seen: dict[str, float] = {}  # leaf module -> max-abs of its input
         self.real: Any = None  # the current micro-batch's real-token mask (set by the trainer before its forward)
         self.positions = "real"  # "all" once any micro-batch was measured without a mask
 
@@ -236,15 +242,22 @@ class HeadroomMeter:
     def attached(self, model: Any) -> Iterator[None]:
         names = {id(m): module_name(n) for n, m in model.named_modules()}
 
-        def on_forward(module: Any, _inputs: Any, output: Any) -> None:
-            if self.leaves_only and any(True for _ in module.children()):
+        def measure(name: str, site: str, value: Any) -> None:
+            for t in _tensors(value):
+                if t.is_floating_point() and t.numel():
+                    self._sites.append((name, site))
+                    self._maxima.append(_real_max_abs(t, self.real).float())
+
+        def on_forward(module: Any, inputs: Any, output: Any) -> None:
+            leaf = not any(True for _ in module.children())
+            if self.leaves_only and not leaf:
                 return
             if self.real is None:
                 self.positions = "all"
-            for t in _tensors(output):
-                if t.is_floating_point() and t.numel():
-                    self._names.append(names.get(id(module), "?"))
-                    self._maxima.append(_real_max_abs(t, self.real).float())
+            name = names.get(id(module), "?")
+            if leaf and not self.leaves_only:
+                measure(name, INPUT, inputs)
+            measure(name, OUTPUT, output)
 
         with _hooks_on(model, on_forward):
             yield
@@ -253,25 +266,39 @@ class HeadroomMeter:
         import torch
 
         values = torch.stack(self._maxima).tolist() if self._maxima else []
-        per_module: dict[str, float] = {}
-        for name, value in zip(self._names, values):
-            per_module[name] = max(per_module.get(name, 0.0), value)
-        self._names, self._maxima = [], []
-        for name, value in per_module.items():
-            self.worst_seen[name] = max(self.worst_seen.get(name, 0.0), value)
-        worst = sorted(per_module.items(), key=lambda item: -item[1])[: self.top]
+        per_site: dict[tuple[str, str], float] = {}
+        for site, value in zip(self._sites, values):
+            per_site[site] = max(per_site.get(site, 0.0), value)
+        self._sites, self._maxima = [], []
+        for (name, site), value in per_site.items():
+            seen = self.worst_input_seen if site == INPUT else self.worst_seen
+            seen[name] = max(seen.get(name, 0.0), value)
+        worst = sorted(per_site.items(), key=lambda item: -item[1])[: self.top]
         return {
             "step": step,
             "positions": self.positions,  # real: padding positions of (batch, seq) outputs were not counted
             "max_ratio": worst[0][1] / FP16_MAX if worst else None,
-            "modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
+            "modules": [site_record(name, site, value) for (name, site), value in worst],
         }
 
     def summary(self) -> dict[str, Any]:
-        worst = sorted(self.worst_seen.items(), key=lambda item: -item[1])[: self.top]
+        sites = [((n, OUTPUT), v) for n, v in self.worst_seen.items()]
+        sites += [((n, INPUT), v) for n, v in self.worst_input_seen.items()]
+        worst = sorted(sites, key=lambda item: -item[1])[: self.top]
         return {
             "fp16_max": FP16_MAX,
             "positions": self.positions,
-            "worst_modules": [{"module": n, "max_abs": v, "ratio_to_fp16_max": v / FP16_MAX} for n, v in worst],
+            "worst_modules": [site_record(name, site, value) for (name, site), value in worst],
             "modules_over_fp16_max": sum(1 for v in self.worst_seen.values() if v > FP16_MAX),
+            "inputs_over_fp16_max": sum(1 for v in self.worst_input_seen.values() if v > FP16_MAX),
         }
+
+
+def site_record(module: str, site: str, max_abs: float) -> dict[str, Any]:
+    return {
+        "module": module,
+        "site": site,
+        "where": site_words(module, site),
+        "max_abs": max_abs,
+        "ratio_to_fp16_max": max_abs / FP16_MAX,
+    }

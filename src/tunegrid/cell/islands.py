@@ -10,15 +10,17 @@ addition that receives it is promoted to fp32 by torch's type promotion, and the
 Which modules: `train.fp32_islands: auto` measures them before step 0. A calibration forward of a few of the
 cell's own batches (no optimizer step, no gradient, the RNG put back) runs in fp32: autocast off and every
 module's own low-precision weights widened to fp32 for its own forward only, so no fp32 copy of the model ever
-exists. The headroom meter reads every module's output max-abs at real tokens; an island is a module over
-`train.island_threshold` x 65504 none of whose descendants is over (the innermost module where the range is
-exceeded; a block whose residual stream exceeds it with no module inside over becomes one whole). Or a list of
-name patterns. Islands are chosen by the same names on every rank (the maxima are all-reduced).
+exists. The headroom meter reads every module's output and every leaf module's input max-abs at real tokens; an island
+is a module over `train.island_threshold` x 65504 none of whose descendants is over (the innermost module where the
+range is exceeded; a block whose residual stream exceeds it with no module inside over becomes one whole), and a
+matmul fed an input over it (autocast would cast that input to fp16). Or a list of name patterns. Islands
+are chosen by the same names on every rank (the maxima are all-reduced).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import functools
 from collections.abc import Iterator
@@ -168,7 +170,20 @@ class IslandCalibration:
     maximum) over the first `batches` optimizer steps' micro-batches, computed in fp32."""
 
     batches: int
-    maxima: dict[str, float]
+    maxima: dict[str, float]  # every module's output
+    input_maxima: dict[str, float] = dataclasses.field(default_factory=dict)  # every matmul's input
+
+
+def islands_over(calibration: IslandCalibration, threshold_abs: float) -> list[str]:
+    """The islands a calibration calls for: the innermost modules whose output is over the threshold (where the
+    range is first exceeded; a whole layer where only its residual sum is), and every matmul fed an input over it
+    that no such island holds already. A matmul whose own output stays in range can still be fed more than fp16
+    holds (a projection reading an island's fp32 output): under autocast its input would be cast to fp16 before
+    it runs, so it must compute in fp32 too."""
+    chosen = innermost_over(calibration.maxima, threshold_abs)
+    fed = innermost_over(calibration.input_maxima, threshold_abs)
+    held = [name for name in fed if not any(name == c or name.startswith(c + ".") for c in chosen)]
+    return outermost(chosen + held)
 
 
 def calibrate(model: Any, stream: Any, device: Any, distributed: bool, batches: int) -> IslandCalibration:
@@ -177,7 +192,7 @@ def calibrate(model: Any, stream: Any, device: Any, distributed: bool, batches: 
     that follows is the one a cell without calibration runs. All-reduced (max) across ranks."""
     import torch
 
-    meter = HeadroomMeter(top=10, leaves_only=False)
+    meter = HeadroomMeter(top=10)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         with torch.no_grad(), fp32_forward(model), meter.attached(model):
             for step in range(batches):
@@ -187,14 +202,30 @@ def calibrate(model: Any, stream: Any, device: Any, distributed: bool, batches: 
                     model(**{k: v.to(device) for k, v in micro.items()})
                 meter.collect(step)
     maxima = {plain_name(name): value for name, value in meter.worst_seen.items() if name}
+    # a matmul's input is what autocast casts down (a norm computes in fp32 whatever it is fed)
+    matmuls = {name for name, module in model.named_modules() if is_matmul(module)}
+    inputs = {plain_name(name): value for name, value in meter.worst_input_seen.items() if name in matmuls}
     if distributed:
-        import torch.distributed as dist
+        maxima, inputs = (all_ranks_max(measured, device) for measured in (maxima, inputs))
+    return IslandCalibration(batches=batches, maxima=maxima, input_maxima=inputs)
 
-        names = sorted(maxima)
-        values = torch.tensor([maxima[n] for n in names], dtype=torch.float64, device=device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        maxima = dict(zip(names, values.tolist(), strict=True))
-    return IslandCalibration(batches=batches, maxima=maxima)
+
+def is_matmul(module: Any) -> bool:
+    """A leaf module whose forward multiplies by a matrix (a linear layer, 4-bit or not): autocast runs it in the
+    compute dtype and casts its input down first."""
+    weight = getattr(module, "weight", None)
+    return not any(True for _ in module.children()) and getattr(weight, "dim", lambda: 0)() >= 2
+
+
+def all_ranks_max(maxima: dict[str, float], device: Any) -> dict[str, float]:
+    """Each module's maximum over every rank (the same names on every rank: they run the same model)."""
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(maxima)
+    values = torch.tensor([maxima[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 def place_fp32_islands(
@@ -207,8 +238,11 @@ def place_fp32_islands(
     record: dict[str, Any] = {"mode": "auto" if wanted == "auto" else "patterns"}
     if wanted == "auto":
         calibration = calibrate(model, stream, device, distributed, train["island_calibration_batches"])
-        maxima = calibration.maxima
-        chosen = innermost_over(maxima, threshold)
+        maxima = {**calibration.maxima}
+        for name, value in calibration.input_maxima.items():  # an island fed past the threshold shows its input
+            if value > maxima.get(name, 0.0):
+                maxima[name] = value
+        chosen = islands_over(calibration, threshold)
         record.update(
             threshold=train["island_threshold"],
             threshold_abs=threshold,

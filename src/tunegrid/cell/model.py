@@ -34,8 +34,10 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
     kwargs.update(spec["model"].get("config_overrides") or {})  # the recipe's model_config (config.json values)
-    if spec["model"].get("attn_implementation"):  # the recipe's attention kernel (its memory peak)
-        kwargs["attn_implementation"] = spec["model"]["attn_implementation"]
+    # the attention kernel: the grid's attention axis where it leaves the default, else the recipe's own
+    attention = spec["axes"].get("attention", "sdpa")
+    if attention != "sdpa" or spec["model"].get("attn_implementation"):
+        kwargs["attn_implementation"] = attention if attention != "sdpa" else spec["model"]["attn_implementation"]
     quant = quant_plan(spec["axes"]["quant"])
     bnb = quant.bnb_settings(plan.torch_dtype("compute"))
     if device.type == "cuda":
@@ -58,6 +60,8 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         disable_cpu_inference_packing(model)
     if device.type != "cuda":
         model.to(device)
+    if plan.residual_fp32:
+        keep_residual_fp32(model)
     return model
 
 
@@ -79,6 +83,16 @@ def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:
     for v5_name, v4_name in V5_CONFIG_RENAMES.items():
         if v5_name in written and hasattr(config, v4_name) and v5_name not in getattr(config, "attribute_map", {}):
             setattr(config, v4_name, written[v5_name])
+    loading = (
+        "dtype",
+        "use_safetensors",
+        "trust_remote_code",
+        "attn_implementation",
+        "quantization_config",
+        "device_map",
+    )
+    for key in [k for k in kwargs if k not in loading and hasattr(config, k)]:  # a recipe's config.json values:
+        setattr(config, key, kwargs.pop(key))  # with a config given, 4.x would not apply them itself
     model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, **kwargs)
     own_memory(model)
     return model
@@ -122,6 +136,24 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(model_dir)
+
+
+def keep_residual_fp32(model: Any) -> None:
+    """The residual stream in fp32 from the embeddings on, while the weights stay in their storage dtype.
+
+    Why this is enough: the stream starts as the embeddings' output, and a decoder block adds its attention and
+    MLP outputs to the stream it was given, so an fp32 stream stays fp32 by type promotion (fp32 + fp16 is fp32).
+    The norms return their input's dtype, so their outputs stay fp32 too; under autocast each matmul still casts
+    its normalized input to the compute dtype. A sum of layer outputs past 65504 (real Gemma 3's stream reaches
+    1.6x that while no single module's output does) then never exists in fp16. vLLM keeps Gemma's residual in
+    fp32 under fp16 for the same reason.
+    """
+    import torch
+
+    def widen(_module: Any, _inputs: Any, output: Any) -> Any:
+        return output.float() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+    model.get_input_embeddings().register_forward_hook(widen)
 
 
 def use_cpu_kernels(model_dir: Path, spec: dict[str, Any], device: Any) -> None:

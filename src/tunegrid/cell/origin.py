@@ -54,7 +54,16 @@ class FailingStepReplay:
     def replay_micro_batch(
         self, step: int, index: int, batch: dict[str, Any], result: StepResult, headroom: Any
     ) -> dict[str, Any]:
-        """Forward and backward traced; out of memory, the forward alone; out of memory again, unlocated."""
+        """Forward and backward traced; out of memory, the forward alone; out of memory again, unlocated. A step
+        whose loss went non-finite in its forward is replayed forward only: the forward origin is the answer,
+        and a backward through non-finite activations would only spread them."""
+        if result.forward_nonfinite and index == result.nonfinite_micro_batch:
+            traced = self.traced_replay(step, index, batch, result, headroom, backward=False)
+            return {
+                **traced,
+                "replay": "forward only",
+                "unlocated": "backward origin not traced: the step's forward loss was not finite (no backward ran)",
+            }
         try:
             return {**self.traced_replay(step, index, batch, result, headroom, backward=True), "replay": "full"}
         except Exception as exc:  # noqa: BLE001 - only out-of-memory degrades; anything else is re-raised

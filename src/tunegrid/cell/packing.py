@@ -120,6 +120,7 @@ class Rows:
     row_tokens: Any
     examples: int
     dropped_examples: int = 0  # in the packing's remainder row (see `pack`)
+    truncated_examples: int = 0  # whose loss tokens all lay past seq_len
 
 
 def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, mode: str) -> Rows:
@@ -133,6 +134,17 @@ def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, 
     import torch
 
     examples = [(ids[:seq_len], labels[:seq_len]) for ids, labels in encoded if ids]
+    # An example whose loss tokens all lie past seq_len trains nothing: a step of such rows has a loss of 0/0
+    # (NaN), which would read as a precision failure. Dropped, and refused when none is left.
+    kept = [(ids, labels) for ids, labels in examples if any(t != IGNORE for t in labels)]
+    if not kept and examples:
+        starts = sorted(next((i for i, t in enumerate(lb) if t != IGNORE), len(lb)) for _, lb in encoded if lb)
+        first = starts[len(starts) // 2] if starts else seq_len
+        raise ValueError(
+            f"train.seq_len {seq_len} leaves no loss token in any example: with this tokenizer's template the "
+            f"response starts at token {first} (the median example); raise train.seq_len above {first}"
+        )
+    cut, examples = len(examples) - len(kept), kept
     if mode == "eos_separated":
         examples = [_ends_with_eos(ids, labels, eos_id, seq_len) for ids, labels in examples]
     rows = [[ex] for ex in examples] if mode == "off" else _fill_rows(examples, seq_len)
@@ -159,7 +171,7 @@ def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, 
         extra: torch.tensor(extra_rows, dtype=torch.long),
         "labels": torch.tensor(label_rows, dtype=torch.long),
     }
-    return Rows(tensors, torch.tensor(counts, dtype=torch.long), len(examples) - dropped, dropped)
+    return Rows(tensors, torch.tensor(counts, dtype=torch.long), len(examples) - dropped, dropped, cut)
 
 
 def _ends_with_eos(ids: list[int], labels: list[int], eos_id: int | None, seq_len: int) -> Encoded:
@@ -219,6 +231,7 @@ def build_stream(
         "loss_on": loss_on,
         "examples": rows.examples,
         "examples_dropped": rows.dropped_examples,  # the packing's underfilled remainder row
+        "examples_without_loss_tokens": rows.truncated_examples,  # their responses lie past seq_len
         "rows": n_rows,
         "tokens": int(rows.row_tokens.sum()),  # real tokens of one pass over the set
         "fill": float(rows.row_tokens.sum()) / max(1, n_rows * seq_len),  # real tokens / row capacity

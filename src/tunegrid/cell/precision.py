@@ -25,6 +25,7 @@ class PrecisionPlan:
     grad_scaler: bool
     reason: str
     fp32_islands: bool = False  # the modules that overflow fp16 compute and return fp32 (cell/islands.py)
+    residual_fp32: bool = False  # the residual stream held in fp32 from the embeddings on (cell/model.py)
 
     def torch_dtype(self, which: str = "compute") -> Any:
         import torch
@@ -35,7 +36,8 @@ class PrecisionPlan:
         return (
             f"precision={self.precision} on {self.device_type}: compute {self.compute_dtype}, base weights "
             f"{self.storage_dtype}, adapters {self.adapter_dtype}, autocast={'on' if self.autocast else 'off'}, "
-            f"GradScaler={'on' if self.grad_scaler else 'off'}{', fp32 islands' if self.fp32_islands else ''} "
+            f"GradScaler={'on' if self.grad_scaler else 'off'}{', fp32 islands' if self.fp32_islands else ''}"
+            f"{', residual stream fp32' if self.residual_fp32 else ''} "
             f"({self.reason})"
         )
 
@@ -48,12 +50,13 @@ def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
         precision=precision,
         device_type=device_type,
         compute_dtype=row.dtype,
-        storage_dtype=row.dtype,
+        storage_dtype=row.storage_dtype,
         adapter_dtype="float32",
         autocast=row.autocast,
         grad_scaler=row.grad_scaler,
         reason=row.reason,
         fp32_islands=row.fp32_islands,
+        residual_fp32=row.residual_fp32,
     )
 
 
@@ -65,7 +68,7 @@ def autocast_context(plan: PrecisionPlan) -> contextlib.AbstractContextManager[A
     return torch.autocast(device_type=plan.device_type, dtype=plan.torch_dtype("compute"))
 
 
-def make_grad_scaler(plan: PrecisionPlan) -> Any | None:
+def make_grad_scaler(plan: PrecisionPlan, init_scale: float = 65536.0) -> Any | None:
     import torch
 
-    return torch.amp.GradScaler(plan.device_type) if plan.grad_scaler else None
+    return torch.amp.GradScaler(plan.device_type, init_scale=init_scale) if plan.grad_scaler else None

@@ -18,6 +18,7 @@ from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
 from tunegrid.files import JsonlAppender
 from tunegrid.outcome import StepMetrics, module_name
+from tunegrid.sites import BLOCK_NAME, site_words
 from tunegrid.vocabulary import Outcome
 
 
@@ -290,4 +291,8 @@ def origin_text(fact: dict[str, Any] | None) -> str:
     if earlier:
         before = module_name(earlier["module"])
         return f"{fact['module']} (after a non-finite value at {earlier['at']} positions of {before})"
+    block = BLOCK_NAME.search(fact["module"])
+    if block and fact.get("phase") == "forward" and fact.get("dtype") == "float16":
+        # the first non-finite forward output is a whole layer's: no module inside it returned one, its sum did
+        return f"{fact['module']} ({site_words(fact['module'])} exceeds fp16's range)"
     return fact["module"]

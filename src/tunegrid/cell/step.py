@@ -44,6 +44,7 @@ class StepResult:
     local_time: float = 0.0  # the rank's own time up to its last forward (s)
     params_without_grad: list[str] | None = None  # step 0: adapters that received no gradient
     nonfinite_micro_batch: int | None = None  # the first micro-batch whose loss was not finite
+    forward_nonfinite: bool = False  # that loss was seen before its backward: the step ended there
     lr: float = 0.0
     loss: float = math.nan
     grad_norm: float = math.nan
@@ -100,7 +101,7 @@ class OptimizerStep:
             if schedule == "cosine_with_min_lr"
             else None,
         )
-        scaler = make_grad_scaler(plan)
+        scaler = make_grad_scaler(plan, float(train.get("loss_scale_init", 65536)))
         loss_by_count = accepts_loss_kwargs(model)
         injection = (spec.get("debug") or {}).get("inject_nonfinite")
         injector = (
@@ -128,7 +129,12 @@ class OptimizerStep:
         return [p for _, p in self.trainable_named]
 
     def forward_backward(
-        self, batch: dict[str, Any], scaler: Any | None = None, scale: float | None = None, step_tokens: Any = None
+        self,
+        batch: dict[str, Any],
+        scaler: Any | None = None,
+        scale: float | None = None,
+        step_tokens: Any = None,
+        check_forward: bool = False,
     ) -> Any:
         """Loss and grads of one micro-batch; under fp16 the loss is scaled by the GradScaler (or by a fixed scale
         on replay).
@@ -149,6 +155,8 @@ class OptimizerStep:
             self.ddp_pre_forward_s += self.ranks.inner_forward_at - called
         if not by_count:  # a model that only averages: weigh its mean by the micro-batch's share of the tokens
             loss = loss * (loss_tokens(batch) / step_tokens)
+        if check_forward and not bool(loss.isfinite()):  # a host sync: see run()
+            return loss  # no backward: the step's verdict is already certain
         if scaler is not None:
             scaler.scale(loss).backward()
         else:
@@ -179,6 +187,8 @@ class OptimizerStep:
         scaler = self.scaler
         if self.ranks.distributed:
             self.ranks.heartbeat.beat(f"step {step} forward+backward (DDP all-reduce of gradients)")
+        else:
+            self.ranks.heartbeat.beat(f"step {step}")
         # the rank's local time: from here to its last forward, before the backward joins the gradient
         # all-reduce (a straggler's own slowness, not its peers' wait for it)
         local_started = time.perf_counter()
@@ -196,6 +206,11 @@ class OptimizerStep:
         started = local_started
         losses = []
         last = len(micro_batches) - 1
+        # A non-finite loss concludes the step before its backward (which on a slow fp16 path takes minutes and
+        # cannot make the loss finite again). Checking costs a host sync per micro-batch: free on a CPU, whose
+        # kernels run synchronously anyway, and on CUDA paid at step 0 only, where an overflow of the model's
+        # own activations shows. Ranks never stop alone: a peer would wait in the gradient all-reduce.
+        check_forward = not self.ranks.distributed and (self.ranks.device.type == "cpu" or step == 0)
         with contextlib.ExitStack() as hooks:
             for instrument in (census, headroom):
                 if instrument is not None:
@@ -209,7 +224,10 @@ class OptimizerStep:
                         around.enter_context(self.injector.attached(step, index))
                     if index < last:  # one all-reduce per step, in the last backward
                         around.enter_context(self.ranks.no_sync())
-                    losses.append(self.forward_backward(micro, scaler, step_tokens=step_tokens).detach().float())
+                    loss = self.forward_backward(micro, scaler, step_tokens=step_tokens, check_forward=check_forward)
+                    losses.append(loss.detach().float())
+                if check_forward and not bool(losses[-1].isfinite()):
+                    return self.nonfinite_forward(result, losses, started)
         # the rank's own time up to its last forward (a step without an update records it too)
         result.local_time = self.forward_done_at - local_started - self.ddp_pre_forward_s
         if step == 0:  # every adapter asked for must receive a gradient, or we train fewer params than requested
@@ -240,6 +258,20 @@ class OptimizerStep:
         result.skipped = skipped
         if not skipped:  # as accelerate does: a step that changed no weight does not advance the schedule
             self.scheduler.step()
+        result.elapsed = time.perf_counter() - started
+        result.peak = self.meter.peak_bytes()
+        return result
+
+    def nonfinite_forward(self, result: StepResult, losses: list[Any], started: float) -> StepResult:
+        """A step whose micro-batch loss went non-finite in its forward: no backward, no scaler, no update. The
+        GradScaler's scale stays (a forward overflow is not the loss scale's doing); the gradients of earlier
+        micro-batches are dropped with the step."""
+        self.forward_done_at = time.perf_counter()
+        result.local_time = self.forward_done_at - started
+        self.optimizer.zero_grad(set_to_none=True)
+        result.nonfinite_micro_batch, result.forward_nonfinite = len(losses) - 1, True
+        result.lr, result.loss, result.grad_norm = self.scheduler.get_last_lr()[0], math.nan, math.nan
+        result.skipped = True
         result.elapsed = time.perf_counter() - started
         result.peak = self.meter.peak_bytes()
         return result

@@ -21,6 +21,7 @@ events.jsonl (non-finite events) and worker.json (the facts the supervisor turns
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
 from tunegrid.cell.islands import place_fp32_islands
 from tunegrid.cell.library_api import missing_api_of, require_apis
+from tunegrid.cell.liveness import block_progress
 from tunegrid.cell.model import load_model, load_tokenizer
 from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.ranks import RankContext, lora_digest
@@ -273,16 +275,24 @@ class CellTrainer:
         if self.resume_store is not None:
             self.resume_store.discard()
 
+    def signs_of_life(self) -> contextlib.AbstractContextManager[None]:
+        """A single-process cell beats its heartbeat at every decoder block (cell/liveness.py), so a slow step is
+        never taken for a hang; distributed ranks beat at their collectives."""
+        if self.ranks.distributed:
+            return contextlib.nullcontext()
+        return block_progress(self.model, self.heartbeat)
+
     # ---------------------------------------------------------------- run
     def run(self) -> dict[str, Any]:
         started = time.time()
         try:
             self.setup()
             self.build_model()
-            self.build_data()
-            self.place_fp32_islands()
-            self.loop()
-            self.finish_cell()
+            with self.signs_of_life():
+                self.build_data()
+                self.place_fp32_islands()
+                self.loop()
+                self.finish_cell()
         except BaseException as exc:  # a failure is a result; only tunegrid bugs should fail the rule
             self.record_failure(exc)
         finally:

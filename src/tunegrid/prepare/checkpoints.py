@@ -35,7 +35,9 @@ def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "manifest.json"):
         real = path.resolve()
         files[str(path.relative_to(model_dir))] = {"bytes": real.stat().st_size, "sha256": sha256_file(real)}
-    manifest = {"source": source, "files": files}
+    from tunegrid.prepare.probes import tokenizer_resident_bytes
+
+    manifest = {"source": source, "files": files, "tokenizer_resident_bytes": tokenizer_resident_bytes(model_dir)}
     write_json(model_dir / "manifest.json", manifest)
     return manifest
 

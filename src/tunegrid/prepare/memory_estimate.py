@@ -10,11 +10,11 @@ their grads and the optimizer's states, activations kept for backward, and the l
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
+from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import cpu_onednn_off
 from tunegrid.vocabulary import Quant
 
@@ -25,27 +25,9 @@ from tunegrid.vocabulary import Quant
 EXPERTS_QUANTIZED_AT = "load"
 
 
-def tensor_shapes(model_dir: str | Path) -> dict[str, list[int]]:
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
-        with safe_open(str(path), framework="numpy") as handle:
-            for name in handle.keys():
-                shapes[name] = list(handle.get_slice(name).get_shape())
-    return shapes
-
-
 def nf4_bytes(numel: int) -> float:
     """An NF4 tensor of `numel` values: packed 4-bit + uint8 absmax + fp32 second level."""
     return QUANT_PLANS[Quant.NF4].quantized_bytes([numel])
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -74,8 +56,8 @@ def device_constants(capabilities: dict[str, Any], precision: str, worker: str =
 def estimate_cell(
     spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0
 ) -> dict[str, Any]:
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    return estimate_from_shapes(spec, config, tensor_shapes(model_dir), runtime, device, step_overhead)
+    config, shapes, facts = checkpoint_facts(model_dir)
+    return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
 
 
 def _expert_group(name: str, shape: list[int]) -> str:
@@ -95,7 +77,7 @@ def _fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], st
     for name in expert_names:
         shape = shapes[name]
         key = (name if len(shape) >= 3 else _expert_group(name, shape), tuple(shape))
-        groups[key] = groups.get(key, 0) + _numel(shape) * storage
+        groups[key] = groups.get(key, 0) + numel_of(shape) * storage
     return max(groups.values(), default=0)
 
 
@@ -139,15 +121,15 @@ def _largest_read_at_once(
     """Elements of the largest full-precision tensor a load that quantizes as it reads holds at once: a
     tensor that gets quantized, where a fused expert tensor assembled from per-expert checkpoint tensors
     counts one expert's share (it is fused and quantized expert by expert)."""
-    largest = max((_numel(shapes[name]) for name in quantized - expert_names), default=0)
+    largest = max((numel_of(shapes[name]) for name in quantized - expert_names), default=0)
     fused: dict[tuple[str, tuple[int, ...]], int] = {}
     for name in expert_names & quantized:
         shape = shapes[name]
         if len(shape) >= 3:
-            largest = max(largest, _numel(shape))
+            largest = max(largest, numel_of(shape))
         else:
             key = (_expert_group(name, shape), tuple(shape))
-            fused[key] = fused.get(key, 0) + _numel(shape)
+            fused[key] = fused.get(key, 0) + numel_of(shape)
     return max([largest] + [total // max(experts, 1) for total in fused.values()])
 
 
@@ -157,7 +139,7 @@ def _largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
     for name in names:
         parts = name.split(".")
         index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
-        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + _numel(shapes[name])
+        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + numel_of(shapes[name])
     return max(layers.values(), default=0)
 
 
@@ -166,7 +148,7 @@ def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str])
     layers: dict[str, int] = {}
     for name in expert_names:
         group = _expert_group(name, shapes[name])
-        layers[group] = layers.get(group, 0) + _numel(shapes[name])
+        layers[group] = layers.get(group, 0) + numel_of(shapes[name])
     return max(layers.values(), default=0)
 
 
@@ -192,7 +174,12 @@ def estimate_from_shapes(
     device: str = "cpu",
     step_overhead: int = 0,
     experts_quantized_at: str = EXPERTS_QUANTIZED_AT,
+    tokenizer_bytes: int = 0,
+    largest_on_disk: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
+    """The peak of one rank. `tokenizer_bytes`: the model's tokenizer in memory (the checkpoint's manifest
+    measured it), held beside everything else from the load on. `largest_on_disk`: elements and bytes per element
+    of the checkpoint's largest tensor, read whole before it is cast to the storage dtype."""
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
     storage = precision_plan(axes["precision"]).bytes_per_value
@@ -217,7 +204,7 @@ def estimate_from_shapes(
     # tensor nested under two indices in a model whose config has experts, or one that is already ≥3-D.
     moe = any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts"))
     for name, shape in shapes.items():
-        numel = _numel(shape)
+        numel = numel_of(shape)
         # token embeddings and the LM head ([vocab, hidden], outside the indexed layers) stay unquantized
         embedding = len(shape) == 2 and shape[0] == vocab and not any(part.isdigit() for part in name.split("."))
         expert = len(shape) >= 3 or (moe and sum(part.isdigit() for part in name.split(".")) >= 2)
@@ -255,7 +242,7 @@ def estimate_from_shapes(
             # peft's ParamWrapper over a fused [experts, in, out] parameter: r x experts rows of A, columns of B
             lora_params += lora["r"] * shape[0] * (shape[1] + shape[2])
             lora_tensors += [lora["r"] * shape[0] * shape[1], lora["r"] * shape[0] * shape[2]]
-            adapted_experts += _numel(shape)
+            adapted_experts += numel_of(shape)
     # LoRA: fp32 params + grads, and the optimizer's state for them
     lora_bytes = lora_params * 4 * 2
     optimizer_bytes = optimizer_state_bytes(lora_tensors, axes.get("optimizer", "adamw"))
@@ -271,8 +258,11 @@ def estimate_from_shapes(
     # out, q/k/v/o, gated-MLP gate/up/act/product), fitted on this project's CPU runs (benchmarks/).
     # Attention: the CPU kernels keep the seq x seq probabilities (and their dropout mask); CUDA's SDPA kernels
     # (flash, memory-efficient) keep only an fp32 log-sum-exp per query (torch's meta registrations of
-    # _scaled_dot_product_{flash,efficient}_attention)
-    attention = batch * heads * seq * seq * act * 2 if device == "cpu" else batch * heads * seq * 4
+    # _scaled_dot_product_{flash,efficient}_attention); eager attention keeps the probabilities on any device
+    kernel = axes.get("attention", "sdpa")
+    kernel = kernel if kernel != "sdpa" else (spec.get("model") or {}).get("attn_implementation") or "sdpa"
+    probabilities = device == "cpu" or kernel == "eager"
+    attention = batch * heads * seq * seq * act * 2 if probabilities else batch * heads * seq * 4
     per_layer = tokens * (24 * hidden + 7 * intermediate * experts_per_token) * act + attention
     if train["gradient_checkpointing"]:
         # Each checkpointed layer keeps its input (torch's non-reentrant checkpoint, as the cell enables it); at
@@ -297,7 +287,7 @@ def estimate_from_shapes(
     kept_experts = 0
     if materialized_experts and not checkpointed:
         counted = device == "cpu" and quant.experts_quantized
-        kept_experts = 0 if counted else sum(_numel(shapes[name]) for name in expert_names) * act
+        kept_experts = 0 if counted else sum(numel_of(shapes[name]) for name in expert_names) * act
     if device == "cpu" and train["gradient_checkpointing"]:
         # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
         dequant = _largest_layer_numel(shapes, quantized_names) * act
@@ -316,15 +306,19 @@ def estimate_from_shapes(
             config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 1
         )
         load = runtime + at_load + _largest_read_at_once(shapes, expert_names, quantized_names, experts) * storage
+        load += tokenizer_bytes
     else:
         # the checkpoint is read tensor by tensor into private memory (pread, no mapped pages), quantized
         # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
         # parameter holds the parts and the whole at once
-        load = runtime + at_load + _fused_expert_bytes(shapes, expert_names, storage)
+        load = runtime + tokenizer_bytes + at_load + _fused_expert_bytes(shapes, expert_names, storage)
+        # a tensor stored in another dtype than the cell's is read whole, then cast, before the parameter takes
+        # the copy: both exist at once (a real model's 262k x 640 fp32 embeddings: 671 + 336 MB for fp16)
+        numel, on_disk = largest_on_disk
+        load += numel * (on_disk + storage) if on_disk and on_disk != storage else 0
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
-    train_peak = (
-        runtime + step_overhead + weights + lora_bytes + optimizer_bytes + activations + kept_experts + transient
-    )
+    held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
+    train_peak = sum(held) + transient
     total = max(load, train_peak)
     # What this model leaves out, said where it applies rather than fitted (nothing today: the one case that
     # grew step by step, CPU bf16 with routed experts, trains without oneDNN: cpu_onednn_off)
@@ -338,6 +332,7 @@ def estimate_from_shapes(
         "step_bytes": int(train_peak),
         "components": {
             "runtime": int(runtime + step_overhead),
+            "tokenizer": int(tokenizer_bytes),
             "weights": int(weights),
             "lora_params_grads": int(lora_bytes),
             "optimizer_state": int(optimizer_bytes),

@@ -17,6 +17,7 @@ def plan_cell(
 ) -> dict[str, Any]:
     """Before training: the target, its memory budget, the memory estimate and whether to train at all.
     `worker`: the path the cell's worker takes (tunegrid.workers.planned_worker), whose runtime it counts."""
+    from tunegrid.prepare.liveness import cell_liveness
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
     from tunegrid.prepare.targets import feasibility, resolve_target
 
@@ -32,6 +33,7 @@ def plan_cell(
         "budget_bytes": target.memory_bytes if enforced and target else None,
         "estimate": estimate,
         "verdict": verdict,
+        "liveness": cell_liveness(spec, model_dir, capabilities).as_dict(),
     }
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -310,3 +312,34 @@ def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[
     }
     record["probe_seconds"] = time.perf_counter() - started
     return record
+
+
+# The first load also imports the tokenizer's code (which every worker's calibrated runtime already holds); the
+# second load's growth is the tokenizer's own data.
+TOKENIZER_FOOTPRINT = """
+import sys
+from transformers import AutoTokenizer
+
+def resident():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+first = AutoTokenizer.from_pretrained(sys.argv[1])
+before = resident()
+second = AutoTokenizer.from_pretrained(sys.argv[1])
+print(resident() - before)
+"""
+
+
+def tokenizer_resident_bytes(model_dir: Path) -> int | None:
+    """What the model's tokenizer holds in memory once loaded, measured in a fresh process: a cell holds it beside
+    the model for all its life, and a real one is large (Gemma 3's 262k-entry tokenizer: ~340 MB resident for a
+    33 MB tokenizer.json), which a worker's calibrated runtime, measured with a tiny one, does not include. None
+    where /proc is absent or the folder has no tokenizer."""
+    if not Path("/proc/self/status").exists() or not any(Path(model_dir).glob("tokenizer*")):
+        return None
+    done = subprocess.run(
+        [sys.executable, "-c", TOKENIZER_FOOTPRINT, str(model_dir)], capture_output=True, text=True, timeout=600
+    )
+    lines = done.stdout.strip().splitlines()
+    return max(0, int(lines[-1])) if done.returncode == 0 and lines and lines[-1].lstrip("-").isdigit() else None

@@ -20,6 +20,7 @@ from typing import Any
 from tunegrid.plans import PRECISION_PLANS, precision_plan
 from tunegrid.prepare.targets import TARGETS
 from tunegrid.review.advice import Fix, holds, ok_cells, siblings
+from tunegrid.sites import BLOCK_NAME, site_words
 
 # the candidates in the plans' order (the order of equals in throughput)
 CANDIDATES = sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank)
@@ -92,8 +93,9 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
     out = []
     for precision in CANDIDATES:
         plan = PRECISION_PLANS[precision]
-        islands_elsewhere = plan.fp32_islands and plan.arithmetic != precision_plan(failing).arithmetic
-        if precision == failing or islands_elsewhere:  # islands fix the arithmetic they keep, no other
+        # a variant of an arithmetic (fp16-islands, fp16-mixed, fp16-residual) fixes the arithmetic it keeps
+        variant_elsewhere = plan.arithmetic != precision and plan.arithmetic != precision_plan(failing).arithmetic
+        if precision == failing or variant_elsewhere:
             continue
         evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
         baseline_pairs = 0  # failing cells whose cost baseline is this very precision (fp32 against fp32)
@@ -135,12 +137,29 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
     return out
 
 
+def residual_stream_notes(rows: list[Any]) -> list[str]:
+    """Why the fixes that widen modules differ from those that widen the residual stream, where the failing cells'
+    first non-finite forward output was a whole decoder layer's (no module inside it returned one)."""
+    layers = sorted(
+        {str(r.get("nan_forward_module")) for r in rows if BLOCK_NAME.search(str(r.get("nan_forward_module")))}
+    )
+    if not layers:
+        return []
+    first = min(layers, key=lambda name: int(BLOCK_NAME.search(name).group(1)))  # type: ignore[union-attr]
+    return [
+        f"The first non-finite value is a whole layer's output ({site_words(first)}): no module inside a layer "
+        "exceeded fp16's range, the sum of their outputs did. fp16-residual and fp16-mixed keep that stream in "
+        "fp32; fp16-islands can only widen modules, so it turns whole layers into fp32 islands."
+    ]
+
+
 def precision_fixes(
     frame: Any, rows: list[Any], failing: str, target: str | None, capabilities: dict[str, Any], short: Any
 ) -> tuple[list[Fix], list[str]]:
     """(the fixes ranked fastest first, sentences on what is not offered and why)."""
     where = f"target {target}" if target and target != "native" else "this machine"
     fixes, notes, offered = [], [], []
+    notes += residual_stream_notes(rows)
     for candidate in candidates(frame, rows, failing):
         if candidate.unproven:
             notes.append(

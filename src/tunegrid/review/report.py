@@ -39,6 +39,7 @@ LABELS = {
     "nan_forward_module": "forward origin",
     "nan_backward_module": "backward origin",
     "fp16_headroom_worst_module": "worst fp16 headroom: module",
+    "fp16_headroom_worst_where": "worst fp16 headroom: where (a layer's output is the residual stream after it)",
     "fp16_headroom_worst_ratio": "worst |activation| at real tokens / 65504 (sampled steps + the failing step)",
     "steps_run": "steps",
     "effective_batch": "effective batch (micro-batch x accumulation x ranks)",

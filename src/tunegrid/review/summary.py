@@ -80,6 +80,7 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
             (m["ratio_to_fp16_max"] or 0 for m in (result.fp32_islands or {}).get("modules", [])), default=None
         ),
         "fp16_headroom_worst_module": module_name(_worst_headroom(result).get("module") or "") or None,
+        "fp16_headroom_worst_where": _worst_headroom(result).get("where"),
         "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
         "collective_op": collective.get("op"),

@@ -47,6 +47,32 @@ POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
 
 
+class Liveness:
+    """The limits a running cell is held to: the plan's (the study's, raised to the work the probe's rate
+    predicts: tunegrid.prepare.liveness), raised again as the cell reports how long its steps really take, so
+    that only a cell that stops making progress times out, never one on a host slower than predicted."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        train = spec["train"]
+        planned = (spec.get("plan") or {}).get("liveness") or {}
+        self.heartbeat_s = float(planned.get("heartbeat_timeout_s") or train["heartbeat_timeout_s"])
+        self.limit_s = float(planned.get("time_limit_s") or train["time_limit_s"])
+        self.steps = int(train["steps"])
+        self.step_s = 0.0  # the longest step the cell reported
+
+    def observe(self, records: list[dict[str, Any]], elapsed: float) -> None:
+        """Steps the cell recorded (metrics.jsonl lines) as it trains, `elapsed` seconds after its start."""
+        from tunegrid.prepare.liveness import EXTRA_STEPS, LIVENESS_MARGIN
+
+        for record in records:
+            if not isinstance(record.get("step_time_s"), (int, float)) or not isinstance(record.get("step"), int):
+                continue
+            self.step_s = max(self.step_s, float(record["step_time_s"]))
+            remaining = max(0, self.steps - record["step"] - 1) + EXTRA_STEPS
+            self.heartbeat_s = max(self.heartbeat_s, LIVENESS_MARGIN * self.step_s)
+            self.limit_s = max(self.limit_s, elapsed + LIVENESS_MARGIN * self.step_s * remaining)
+
+
 def _supervise(
     spec: dict[str, Any],
     spec_path: Path,
@@ -61,7 +87,6 @@ def _supervise(
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
     Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped)."""
-    train = spec["train"]
     grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
     procs = procs or launch_ranks(spec, spec_path, model_dir, data_path, run_dir, visible_devices=visible_devices)
@@ -83,10 +108,13 @@ def _supervise(
     last_flush = time.monotonic()
     verdict: tuple[str, str] | None = None
     first_exit: float | None = None
+    liveness = Liveness(spec)
     try:
         while any(proc.poll() is None for proc in procs):
             wait_any(procs, POLL_S)
-            pending += tail.read_new()
+            recorded = tail.read_new()
+            liveness.observe(recorded, time.time() - started)
+            pending += recorded
             if pending and time.monotonic() - last_flush > FLUSH_EVERY_S:
                 if tracker.log_records(pending):
                     pending = []
@@ -94,10 +122,10 @@ def _supervise(
             now = time.time()
             if first_exit is None and any(proc.poll() is not None for proc in procs):
                 first_exit = now
-            if now - started > train["time_limit_s"]:
-                verdict = (Outcome.TIMEOUT, f"wall-clock limit of {train['time_limit_s']} s reached")
-            elif now - last_activity(run_dir, started, len(procs)) > train["heartbeat_timeout_s"]:
-                verdict = (Outcome.TIMEOUT, f"no progress for {train['heartbeat_timeout_s']} s (heartbeat)")
+            if now - started > liveness.limit_s:
+                verdict = (Outcome.TIMEOUT, f"wall-clock limit of {liveness.limit_s:.0f} s reached")
+            elif now - last_activity(run_dir, started, len(procs)) > liveness.heartbeat_s:
+                verdict = (Outcome.TIMEOUT, f"no progress for {liveness.heartbeat_s:.0f} s (heartbeat)")
             elif first_exit is not None and now - first_exit > grace:
                 break  # one rank ended (crashed or gave up); the rest are stopped below
             if verdict:

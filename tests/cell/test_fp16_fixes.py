@@ -1,0 +1,53 @@
+"""The fp16 fixes that keep fp32 where real Gemma 3 overflows: fp32 master weights under fp16 autocast
+(fp16-mixed), and fp16 weights with the residual stream in fp32 (fp16-residual)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tunegrid.cell.precision import plan_precision
+from tunegrid.review.precision_advice import residual_stream_notes
+
+
+def test_each_fix_stores_and_computes_what_its_row_says() -> None:
+    mixed, residual, plain = (plan_precision(p, "cpu") for p in ("fp16-mixed", "fp16-residual", "fp16"))
+    assert (mixed.storage_dtype, mixed.compute_dtype, mixed.residual_fp32) == ("float32", "float16", False)
+    assert (residual.storage_dtype, residual.compute_dtype, residual.residual_fp32) == ("float16", "float16", True)
+    assert (plain.storage_dtype, plain.residual_fp32) == ("float16", False)
+    assert all(p.grad_scaler and p.autocast for p in (mixed, residual, plain))
+
+
+@pytest.mark.parametrize(("precision", "stream"), [("fp16", "float16"), ("fp16-residual", "float32")])
+def test_fp16_residual_carries_the_stream_in_fp32_while_its_matmuls_stay_fp16(checkpoints, precision, stream) -> None:
+    import torch
+    from conftest import one_cell
+
+    from tunegrid.cell.model import load_model
+
+    spec = one_cell(precision=precision)
+    plan = plan_precision(precision, "cpu")
+    model = load_model(checkpoints["gemma3-hot"], spec, plan, torch.device("cpu"))
+    seen: dict[str, torch.dtype] = {}
+
+    def keep(name):
+        def hook(_module, _inputs, output):
+            seen[name] = (output[0] if isinstance(output, tuple) else output).dtype
+
+        return hook
+
+    layer = model.model.layers[0]
+    layer.register_forward_hook(keep("layer"))
+    layer.self_attn.q_proj.register_forward_hook(keep("q_proj"))
+    ids = torch.randint(0, 512, (1, 8))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        model(input_ids=ids)
+    assert seen["layer"] == getattr(torch, stream)
+    assert seen["q_proj"] == torch.float16  # the matmuls still run in fp16
+    assert {p.dtype for p in model.parameters()} == {torch.float16}  # and the weights stay fp16
+
+
+def test_the_recommender_says_why_where_a_whole_layer_overflowed() -> None:
+    layer_row = {"nan_forward_module": "base_model.model.model.layers.7"}
+    (note,) = residual_stream_notes([layer_row, {"nan_forward_module": "base_model.model.model.layers.9"}])
+    assert "the residual stream after layer 7" in note and "fp16-residual" in note
+    assert residual_stream_notes([{"nan_forward_module": "model.layers.0.mlp.down_proj"}]) == []

@@ -1,0 +1,116 @@
+"""A slow cell is not a hung one: limits from the plan's predicted work and from the steps the cell reports, signs
+of life at every decoder block, and a forward that goes non-finite ends its step (and its replay) before any
+backward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import one_cell, run_in_process, run_supervised
+
+from tunegrid.files import read_jsonl
+from tunegrid.prepare.liveness import LIVENESS_MARGIN, cell_liveness, matmul_weights, plan_liveness
+from tunegrid.run.supervisor import Liveness
+
+
+def test_the_plan_raises_the_limits_to_the_predicted_work_and_keeps_the_study_floor() -> None:
+    spec = one_cell(train={"heartbeat_timeout_s": 30, "time_limit_s": 60, "steps": 5, "seq_len": 128})
+    config = {"vocab_size": 1000, "hidden_size": 100}
+    shapes = {"model.embed_tokens.weight": [1000, 100], "model.layers.0.mlp.up_proj.weight": [400, 100]}
+    assert matmul_weights(config, shapes) == 1000 * 100 + 400 * 100  # the tied LM head counted, the lookup not
+    flops = 6 * 140_000 * 2 * 128
+    slow = plan_liveness(spec, config, shapes, {"matmul_tflops": {"float32": flops / 100 / 1e12}})
+    assert slow.predicted_step_s == pytest.approx(100.0)
+    assert slow.heartbeat_timeout_s == pytest.approx(LIVENESS_MARGIN * 100)
+    assert slow.time_limit_s == pytest.approx(LIVENESS_MARGIN * 100 * (5 + 3))
+    fast = plan_liveness(spec, config, shapes, {"matmul_tflops": {"float32": 1.0}})
+    assert (fast.heartbeat_timeout_s, fast.time_limit_s) == (30, 60)  # the study's limits are floors
+    unprobed = plan_liveness(spec, config, shapes, {})
+    assert (unprobed.heartbeat_timeout_s, unprobed.predicted_step_s) == (30, None)
+
+
+def test_reported_step_times_raise_the_limits_while_the_cell_trains() -> None:
+    spec = one_cell(train={"heartbeat_timeout_s": 10, "time_limit_s": 20, "steps": 4})
+    liveness = Liveness(spec)
+    assert (liveness.heartbeat_s, liveness.limit_s) == (10, 20)
+    liveness.observe([{"step": 0, "step_time_s": 30.0, "loss": 1.0}], elapsed=45.0)
+    assert liveness.heartbeat_s == LIVENESS_MARGIN * 30
+    assert liveness.limit_s == 45.0 + LIVENESS_MARGIN * 30 * (3 + 3)
+    liveness.observe([{"step": 1, "step_time_s": 1.0}], elapsed=50.0)  # a faster step lowers nothing
+    assert liveness.heartbeat_s == LIVENESS_MARGIN * 30
+
+
+def slow_host(tmp_path, fp16_tflops: float | None):
+    """A probe record of a host whose fp16 matmuls run at this rate (None: none measured)."""
+    path = tmp_path / "capabilities.json"
+    rates = {"float32": 1.0, "bfloat16": 1.0} | ({"float16": fp16_tflops} if fp16_tflops else {})
+    path.write_text(json.dumps({"device": "cpu", "matmul_tflops": rates, "precision": {"fp16": "emulated"}}))
+    return path
+
+
+@pytest.mark.parametrize("measured", [True, False], ids=["rate-probed", "no-rate"])
+def test_a_worker_slower_than_the_study_limits_ends_nan_where_its_work_was_predicted(
+    checkpoints, dataset_path, tmp_path, measured
+) -> None:
+    """The study allows 1 s of silence and 3 s in all, far less than any worker needs to start (its imports
+    alone): a host whose probe measured a slow fp16 rate gets limits from the cell's work and the cell ends
+    `nan` at its first forward; without a measured rate the same cell is held to the study's limits and times
+    out, which shows the limits, not luck, decided."""
+    spec = one_cell(precision="fp16", batch=8, train={"heartbeat_timeout_s": 1, "time_limit_s": 3, "steps": 12})
+    capabilities = slow_host(tmp_path, 1e-7 if measured else None)
+    spec = {
+        **spec,
+        "plan": {
+            "liveness": cell_liveness(spec, checkpoints["gemma3-hot"], json.loads(capabilities.read_text())).as_dict()
+        },
+    }
+    result = run_supervised(spec, checkpoints, dataset_path, tmp_path / "run", capabilities=capabilities)
+    if measured:
+        assert result["outcome"] == "nan", result["reason"]
+    else:
+        assert result["outcome"] == "timeout", result["reason"]
+
+
+def test_a_forward_that_goes_nonfinite_ends_the_step_before_its_backward_and_is_replayed_forward_only(
+    checkpoints, dataset_path, tmp_path
+) -> None:
+    spec = one_cell(precision="fp16", batch=8, train={"steps": 12})
+    facts = run_in_process(spec, checkpoints, dataset_path, tmp_path)
+    assert facts["outcome"] == "nan"
+    event = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "loss_nonfinite"][0]
+    assert event["origin"]["replay"] == "forward only"
+    assert "forward loss was not finite" in event["origin"]["unlocated"]
+    assert event["origin"]["forward"]["module"].endswith("mlp.down_proj")
+    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["step"] == event["step"]  # the loop ended at that step
+
+
+def test_a_single_process_worker_beats_at_every_decoder_block(checkpoints, dataset_path, tmp_path) -> None:
+    import torch
+
+    from tunegrid.cell.liveness import block_progress
+    from tunegrid.rundir import Heartbeat
+
+    class Recording(Heartbeat):
+        pulses: list[str] = []
+
+        def pulse(self, detail: str) -> None:
+            self.pulses.append(detail)
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["gemma3-hot"])
+    beat = Recording(tmp_path / "heartbeat")
+    ids = torch.randint(0, 512, (1, 8))
+    with block_progress(model, beat), pytest.MonkeyPatch.context() as patch:
+        patch.setattr("tunegrid.cell.liveness.PULSE_EVERY_S", 0.0)
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert beat.pulses == [
+        "model.layers.0 forward",
+        "model.layers.1 forward",
+        "model.layers.1 backward",
+        "model.layers.0 backward",
+    ]
+    before = len(beat.pulses)  # the hooks are gone: another forward pulses nothing
+    model(input_ids=ids)
+    assert len(beat.pulses) == before
