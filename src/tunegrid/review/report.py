@@ -1,8 +1,6 @@
-"""The study's comparison report: one self-contained HTML page plus the PNGs it embeds.
-
-Built from the files (summary.parquet, each cell's result.json and metrics.jsonl, the probe record),
-never from MLflow, so it can be rebuilt with the store down. Opens from disk: images are inlined.
-"""
+"""The study's comparison report: one self-contained HTML page plus the PNGs it embeds. Built from the files
+(summary.parquet, each cell's result.json and metrics.jsonl, the probe record), never from MLflow, so it can be
+rebuilt with the store down. Opens from disk: images are inlined."""
 
 from __future__ import annotations
 
