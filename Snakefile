@@ -9,6 +9,7 @@ min_version("9.0")
 # the schema's defaults, else configs/config.yaml; `--config` overrides go on top (workflow/rules/common.smk).
 include: "workflow/rules/common.smk"
 include: "workflow/rules/environment.smk"
+include: "workflow/rules/stacks.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/checkpoint.smk"
 include: "workflow/rules/probe.smk"

@@ -24,7 +24,7 @@ from tunegrid.input_limits import (
     secret_problems,
     size_problems,
 )
-from tunegrid.vocabulary import PRECISIONS, QUANTS, axis_table
+from tunegrid.vocabulary import BASE_STACK, PRECISIONS, QUANTS, axis_table
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -127,6 +127,9 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 "transformers knows (a config.json `model_type`, e.g. gemma3_text, qwen3_moe, olmoe, llama)"
             )
     problems += exclusion_problems(config["grid"])
+    from tunegrid.stacks import stack_problems
+
+    problems += stack_problems(config)
     if not problems and not expand_cells(config):
         problems.append("config key 'grid.exclude': leaves no cell of the grid; remove an entry")
     for name in config["grid"]["model"]:
@@ -226,7 +229,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
     from tunegrid.grid_axes import cell_debug, setting_values
 
     settings = setting_values(study, cell)
-    return {
+    spec = {
         "study": study["study"],
         "cell_id": cell.cell_id,
         "axes": cell.axes(),
@@ -239,6 +242,11 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "hardware": {key: value for key, value in study["hardware"].items() if key != "mem_mb"},
         "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},
     }
+    if cell.stack != BASE_STACK:  # only then: the spec of a cell on the base stack is what it was before stacks
+        from tunegrid.stacks import stack_ref
+
+        spec["stack"] = stack_ref(study, cell.stack).to_json()
+    return spec
 
 
 def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:

@@ -42,6 +42,7 @@ ATTENTIONS = ("sdpa", "eager")  # transformers' attn_implementation: its default
 FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
 NO_FAULT = FAULTS[1]  # the twin without an injected fault
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # PyTorch's NCCL default (Timeout(ms)=600000)
+BASE_STACK = "base"  # the stack axis's neutral value (ids `_stack-<name>` elsewhere): the environment tunegrid runs in
 
 
 class MatrixPlace(StrEnum):
@@ -272,6 +273,16 @@ AXIS_TABLE: tuple[Axis, ...] = (
         default=("sdpa",),
         id_prefix="attn-",
         neutral="sdpa",
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="stack",
+        type=str,
+        items={"$ref": "#/definitions/name"},
+        description="base: the environment tunegrid runs in; else a name under `stacks` (its venv runs the worker)",
+        default=(BASE_STACK,),
+        id_prefix="stack-",
+        neutral=BASE_STACK,
         plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
     ),
 )

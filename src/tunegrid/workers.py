@@ -23,6 +23,13 @@ def planned_worker(spec: dict[str, Any], device: str, warm_worker: bool) -> str:
     """The path a cell's worker will take: forked where the run has a warm worker (`warm_worker`: a local run of
     a study with `execution.warm_worker`) and the cell is one CPU rank (the warm worker never serves where a GPU
     is visible, and the ranks of a distributed cell are spawned); spawned otherwise. The supervisor spawns if
-    the warm worker does not answer; result.json records the path taken."""
+    the warm worker does not answer; result.json records the path taken. A cell on a library stack of its own
+    is always spawned, by its stack's interpreter: the warm worker has the base's libraries imported."""
     one_rank = int(spec["axes"].get("world_size", 1)) == 1
-    return FORKED if warm_worker and one_rank and device == "cpu" else SPAWNED
+    forkable = warm_worker and one_rank and device == "cpu" and not stack_python(spec)
+    return FORKED if forkable else SPAWNED
+
+
+def stack_python(spec: dict[str, Any]) -> str:
+    """The interpreter of the cell's library stack (tunegrid.stacks); "" on the base stack."""
+    return (spec.get("stack") or {}).get("python", "")

@@ -396,3 +396,13 @@ def test_an_exported_memory_fix_writes_the_tools_own_optimizer_and_checkpointing
     study = _resolved("plain.yaml", failure="oom", **{"from": "transformers", "seq_len": 64})
     done = export_cell(study, baseline_cell_id(study) + "_ac", "trl")
     assert done.keys == {"activation_checkpointing": True}, "a file naming neither: transformers 5's name"
+
+
+def test_a_stack_fix_exports_as_the_versions_to_install_not_a_key(workdir):
+    study = _resolved("axolotl-qlora-hub.yaml", failure="all")
+    study["stacks"], study["grid"]["stack"] = {"tf-v4": {"transformers": "4.57.*"}}, ["base", "tf-v4"]
+    done = export_cell(study, baseline_cell_id(study) + "_stack-tf-v4", "axolotl")
+    assert done.changes == {"stack": "tf-v4"} and done.keys == {} and done.diff == []
+    assert done.notes == [
+        "stack tf-v4: not a key of a axolotl config; install its versions: pip install 'transformers==4.57.*'"
+    ]

@@ -72,6 +72,7 @@ os.environ[CELL_PLAN_WORKER_ENV] = (
 
 wildcard_constraints:
     model="[A-Za-z0-9][A-Za-z0-9.-]*",
+    stack="[A-Za-z0-9][A-Za-z0-9.-]*",
     cell_id=cell_id_pattern(),
 
 
@@ -132,6 +133,18 @@ def get_model_spec(wildcards):
 
 def get_model_dirs():
     return [f"{RESULTS}/models/{model}" for model in STUDY["grid"]["model"]]
+
+
+def get_stack_pins(wildcards):
+    try:
+        return json.dumps(STUDY["stacks"][wildcards.stack], sort_keys=True)
+    except KeyError:
+        raise WorkflowError(f"{wildcards.stack!r} is not a stack of study {STUDY['study']!r}") from None
+
+
+def get_stack_records(wildcards):
+    """Every stack the grid names, for every cell: a stack that cannot be built stops the run before any cell."""
+    return [f"{RESULTS}/stacks/{name}/stack.json" for name in STUDY["grid"]["stack"] if name in STUDY["stacks"]]
 
 
 def get_tracking_file(wildcards):

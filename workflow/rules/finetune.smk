@@ -10,6 +10,7 @@ rule finetune:
         probe_run=get_probe_run_file,  # read beside the capabilities: the probe's MLflow run id
         # its mem_mb; re-made only when the cell's spec, model or probe changes, each of which re-runs the cell anyway
         plan=rules.cell_plan.output.plan,
+        stacks=get_stack_records,  # built (or refused) before any cell trains
     output:
         result=f"{RESULTS}/runs/{{cell_id}}/result.json",
     log:

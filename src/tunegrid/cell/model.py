@@ -5,6 +5,7 @@ exception that caused it), and attach LoRA.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -15,6 +16,9 @@ from tunegrid.plans import quant_plan
 
 # transformers catches an exception raised while converting a checkpoint tensor, loads the rest, and then
 # raises a RuntimeError that only points at its logged report; the report holds the original exception
+# config.json keys transformers v5 writes under new names that 4.x reads under the old ones (else it takes its
+# default: 128 experts for a 32-expert Qwen3-MoE)
+V5_CONFIG_RENAMES = {"num_local_experts": "num_experts"}
 REPORT_LOGGER = "transformers"  # the library logger its modules log through (the report: modeling_utils)
 EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", re.MULTILINE)
 
@@ -38,16 +42,16 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     bnb = quant.bnb_settings(plan.torch_dtype("compute"))
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
-    from tunegrid.cell import expert_quant
-
     if quant.experts_quantized:  # experts quantized as they are read: never all in full precision
+        from tunegrid.cell import expert_quant  # transformers v5's loader (cell.library_api checked it is there)
+
         kwargs["quantization_config"] = expert_quant.load_config(bnb)
     elif quant.quantizes:  # bitsandbytes replaces nn.Linear (4-bit or 8-bit as the plan's settings say)
         kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     # every quantization reads the checkpoint the same way (pread, no mapping), so what differs between
     # their load peaks is what each keeps in full precision
     with conversion_errors_named():
-        model = expert_quant.load_causal_lm(model_dir, kwargs)
+        model = load_causal_lm(model_dir, kwargs)
     if quant.quantizes:
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 
@@ -59,6 +63,79 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if plan.residual_fp32:
         keep_residual_fp32(model)
     return model
+
+
+def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:
+    """from_pretrained, on transformers v5 through expert_quant (the checkpoint read without a mapping,
+    cell.checkpoint_reader; the nf4-experts quantizer registered). On 4.x (a library stack) transformers' own
+    reader: 4.57 cannot take the unread tensors as a state_dict, so its load maps the safetensors files and their
+    pages count in its load peak (not in its step peaks: the files are closed by then)."""
+    from tunegrid.cell.library_api import has_v5_loading
+
+    if has_v5_loading():
+        from tunegrid.cell import expert_quant
+
+        return expert_quant.load_causal_lm(model_dir, kwargs)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, trust_remote_code=bool(kwargs.get("trust_remote_code")))
+    written = json.loads((Path(model_dir) / "config.json").read_text())
+    for v5_name, v4_name in V5_CONFIG_RENAMES.items():
+        if v5_name in written and hasattr(config, v4_name) and v5_name not in getattr(config, "attribute_map", {}):
+            setattr(config, v4_name, written[v5_name])
+    loading = (
+        "dtype",
+        "use_safetensors",
+        "trust_remote_code",
+        "attn_implementation",
+        "quantization_config",
+        "device_map",
+    )
+    for key in [k for k in kwargs if k not in loading and hasattr(config, k)]:  # a recipe's config.json values:
+        setattr(config, key, kwargs.pop(key))  # with a config given, 4.x would not apply them itself
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, **kwargs)
+    own_memory(model)
+    return model
+
+
+def own_memory(model: Any) -> None:
+    """After a 4.x load: the full-precision tensors copied out of the mapped checkpoint files (4.x leaves them
+    views of the mapping, which keeps every page it read resident, counted in RSS for the whole run) and the
+    heap pages the load freed handed back (glibc keeps them otherwise). The v5 path reads without a mapping."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    import torch
+
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and param.is_floating_point():
+                    param.data = param.data.clone()
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.clone()
+    gc.collect()
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim this way
+        pass
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool) -> Any:
+    """The checkpoint's tokenizer. One saved by transformers v5 names its class TokenizersBackend, which 4.x
+    (a library stack) lacks; its tokenizer.json, saved beside, is what 4.x's fast tokenizer reads."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if "TokenizersBackend" not in str(exc) or not (Path(model_dir) / "tokenizer.json").exists():
+            raise
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(model_dir)
 
 
 def keep_residual_fp32(model: Any) -> None:
@@ -126,10 +203,9 @@ def conversion_errors_named() -> Iterator[None]:
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
     """peft's LoRA; adapters on 4-bit (nf4-experts) expert tensors train over the NF4 base (cell/expert_lora.py)."""
     from peft import LoraConfig, get_peft_model
-    from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    from transformers.conversion_mapping import get_model_conversion_mapping
 
     from tunegrid.cell.expert_lora import adopt_quantized_experts, expand_targets, nest_in_declared_order
+    from tunegrid.cell.library_api import has_v5_loading
 
     lora = spec["lora"]
     if spec["train"]["gradient_checkpointing"]:
@@ -148,9 +224,13 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         use_dora=bool(lora.get("use_dora")),
         task_type="CAUSAL_LM",
     )
-    # peft's own v4->v5 renaming (expert gate/up/down_proj modules -> fused target_parameters) first, as
-    # get_peft_model would (it is idempotent), so that the 4-bit experts it names are expanded too
-    convert_peft_config_for_transformers(config, model=model, conversions=get_model_conversion_mapping(model))
+    if has_v5_loading():  # on transformers 4.x (a library stack) experts are modules: nothing to rename
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        # peft's own v4->v5 renaming (expert gate/up/down_proj modules -> fused target_parameters) first, as
+        # get_peft_model would (it is idempotent), so that the 4-bit experts it names are expanded too
+        convert_peft_config_for_transformers(config, model=model, conversions=get_model_conversion_mapping(model))
     if config.target_parameters:
         config.target_parameters = expand_targets(model, sorted(config.target_parameters))
     adapted = get_peft_model(model, config)

@@ -33,8 +33,9 @@ from tunegrid.cell.adapt import audit_and_adapt
 from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
 from tunegrid.cell.islands import place_fp32_islands
+from tunegrid.cell.library_api import missing_api_of, require_apis
 from tunegrid.cell.liveness import block_progress
-from tunegrid.cell.model import load_model
+from tunegrid.cell.model import load_model, load_tokenizer
 from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.ranks import RankContext, lora_digest
 from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
@@ -74,6 +75,7 @@ class CellTrainer:
 
         from tunegrid.cell.precision import plan_precision
 
+        require_apis(self.spec)  # a library stack without an API this cell calls: unsupported, before any load
         train = self.spec["train"]
         torch.set_num_threads(train["threads"])
         torch.manual_seed(self.spec["axes"]["seed"])  # the same on every rank: identical LoRA init
@@ -91,8 +93,6 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
-        from transformers import AutoTokenizer
-
         from tunegrid.memory import apply_memory_budget
         from tunegrid.prepare.checkpoints import verify_checkpoint
         from tunegrid.prepare.probes import runtime_baseline_bytes
@@ -106,9 +106,7 @@ class CellTrainer:
         if budget:
             self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget, self.device.index)
         self.meter.reset()
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            self.model_dir, trust_remote_code=bool(self.spec["model"].get("trust_remote_code"))
-        )
+        self.tokenizer = load_tokenizer(self.model_dir, bool(self.spec["model"].get("trust_remote_code")))
         self.model = load_model(self.model_dir, self.spec, self.plan, self.device)
         self.model, self.facts["quant_audit"] = audit_and_adapt(self.model, self.spec, self.run_dir)
         self.model.train()
@@ -318,6 +316,9 @@ class CellTrainer:
         kind = classify_exception(exc) if not isinstance(exc, KeyboardInterrupt) else Outcome.ERROR
         stage = self.facts.get("stage", "setup")
         self.facts.update(outcome=kind, reason=f"{type(exc).__name__} during {stage}: {str(exc)[:300]}")
+        missing = missing_api_of(exc)
+        if missing is not None:  # the libraries this cell runs on (its stack), not the cell, lack something
+            self.facts.update(outcome=Outcome.UNSUPPORTED, reason=f"{missing} (during {stage})")
         ranks = getattr(self, "ranks", None)
         distributed = ranks.distributed if ranks is not None else Ranks.from_env().distributed
         collective = classify_distributed(exc) if distributed else None

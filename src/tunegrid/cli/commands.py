@@ -47,6 +47,12 @@ def environment(args: argparse.Namespace) -> None:
     write_json(args.out, env)
 
 
+def stack(args: argparse.Namespace) -> None:
+    from tunegrid.prepare.stacks import write_stack
+
+    write_stack(args.name, json.loads(args.pins), args.results, Path(args.record), Path(args.freeze))
+
+
 def probe(args: argparse.Namespace) -> None:
     from tunegrid.prepare.probes import probe
 

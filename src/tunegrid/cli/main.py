@@ -38,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze", required=True)
     p.set_defaults(func=commands.environment)
 
+    p = sub.add_parser("stack", help="build (or reuse) a library stack's environment; record its versions")
+    p.add_argument("--name", required=True)
+    p.add_argument("--pins", required=True, help='JSON: {"package": "version specifier"}')
+    p.add_argument("--results", default="results", help="the results folder: stacks are cached under <it>/stacks/")
+    p.add_argument("--record", required=True)
+    p.add_argument("--freeze", required=True)
+    p.set_defaults(func=commands.stack)
+
     p = sub.add_parser("probe", help="record hardware capabilities")
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=30.0)

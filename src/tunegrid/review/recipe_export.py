@@ -100,7 +100,14 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
             wanted.update(tool_value(tool, axis, value))
             changes[axis] = value
         except KeyError:  # an axis no recipe key says (the ranks: how many processes the user launches)
-            notes.append(f"{axis} {value}: not a key of a {tool} config (e.g. launch that many processes)")
+            if axis == "stack":  # the fix is the library versions the recipe runs on, not a key of it
+                from tunegrid.stacks import requirements
+
+                pins = " ".join(f"'{r}'" for r in requirements((study.get("stacks") or {}).get(value, {})))
+                notes.append(f"stack {value}: not a key of a {tool} config; install its versions: pip install {pins}")
+                changes[axis] = value
+            else:
+                notes.append(f"{axis} {value}: not a key of a {tool} config (e.g. launch that many processes)")
         except ValueError as exc:
             raise ConfigError(f"cell {cell_id}: {exc}") from None
     old_name = "gradient_checkpointing" in raw and "activation_checkpointing" not in raw

@@ -19,6 +19,7 @@ from tunegrid.review.batch_advice import smaller_batch_fix
 from tunegrid.review.memory_advice import memory_fixes
 from tunegrid.review.moe_advice import expert_gap
 from tunegrid.review.precision_advice import candidates, holds, precision_fixes
+from tunegrid.review.stack_advice import stack_fixes
 from tunegrid.review.timeout_advice import timeout_fixes
 from tunegrid.vocabulary import Outcome, Precision
 
@@ -130,6 +131,7 @@ def recommend(
         *_nan_fixes(frame, capabilities),
         *memory_fixes(frame, curves),
         *expert_gap(frame),
+        *stack_fixes(frame),
         *timeout_fixes(frame),
         *_unsupported_fixes(frame),
     ]

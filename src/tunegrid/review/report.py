@@ -1,8 +1,6 @@
-"""The study's comparison report: one self-contained HTML page plus the PNGs it embeds.
-
-Built from the files (summary.parquet, each cell's result.json and metrics.jsonl, the probe record),
-never from MLflow, so it can be rebuilt with the store down. Opens from disk: images are inlined.
-"""
+"""The study's comparison report: one self-contained HTML page plus the PNGs it embeds. Built from the files
+(summary.parquet, each cell's result.json and metrics.jsonl, the probe record), never from MLflow, so it can be
+rebuilt with the store down. Opens from disk: images are inlined."""
 
 from __future__ import annotations
 
@@ -21,6 +19,7 @@ from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plo
 from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
 from tunegrid.review.run_links import mlflow_note, mlflow_run_base, run_link
+from tunegrid.review.stack_advice import stack_facts
 from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
@@ -116,7 +115,7 @@ def _fmt(value: Any, column: str = "") -> str:
     return f"{value:.3g}" if abs(value) < 1 else f"{value:.4g}"
 
 
-def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> list[dict[str, Any]]:
+def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any], results: Any = None) -> list[Any]:
     facts = [
         {"fact": "device", "value": capabilities.get("device")},
         {
@@ -158,7 +157,7 @@ def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any]) -> l
             ),
         }
     )
-    return facts
+    return facts + stack_facts(results or {})  # and a line per library stack the cells ran on
 
 
 def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -325,7 +324,7 @@ def build_report(
 <h1>tunegrid report: {html.escape(study)}</h1>
 <p class="counts">{len(frame)} cells: {count_html}</p>
 {_sources_html(study_file.parent)}
-<h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment), ["fact", "value"])}
+<h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment, results), ["fact", "value"])}
 <h2>Recommendations</h2>{_recommendation_html(recs)}
 {fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
 <h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">

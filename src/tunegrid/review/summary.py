@@ -93,6 +93,7 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "crashed_ranks": ",".join(map(str, crash.get("ranks", []))) or None,
         "attempts": len(result.attempts or [None]),
         "wall_s": result.wall_s,
+        "stack_packages": stack_packages(result.env),
         "mlflow_run_id": (result.tracking or {}).get("run_id"),
     }
 
@@ -157,6 +158,14 @@ def typed(frame: Any) -> Any:
                 values = values.map(lambda v: None if v is None else str(v))
             frame[column] = values
     return frame
+
+
+def stack_packages(env: dict[str, Any]) -> str | None:
+    """What a cell's library stack pinned, as resolved (`transformers==4.57.6`); None on the base stack."""
+    stack = env.get("stack") or {}
+    versions = stack.get("versions") or {}
+    pins = stack.get("pins") or {}
+    return " ".join(f"{name}=={versions.get(name) or pins[name]}" for name in sorted(pins)) or None
 
 
 def _straggler_columns(result: CellResult) -> dict[str, Any]:

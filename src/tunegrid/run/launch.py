@@ -42,10 +42,18 @@ def launch_ranks(
     every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
     the invocation's warm worker forks it instead (tunegrid.run.warm). `visible_devices` (the job's own GPUs,
     tunegrid.devices.cell_devices; "" for none) becomes every rank's CUDA_VISIBLE_DEVICES; rank r trains on
-    the r-th of them."""
+    the r-th of them. A cell on a library stack runs its ranks in the stack's interpreter, spawned, never forked
+    (the warm worker holds the base's libraries)."""
+    from tunegrid.workers import stack_python
+
     world = spec["axes"].get("world_size", 1)
+    interpreter = stack_python(spec)
+    if interpreter:
+        warm_socket = None
+        if not Path(interpreter).exists():
+            raise FileNotFoundError(f"the interpreter of stack {spec['stack']['name']!r} is missing: {interpreter}")
     command = [
-        sys.executable,
+        interpreter or sys.executable,
         "-m",
         "tunegrid.cli",
         "worker",

@@ -41,7 +41,7 @@ from tunegrid.track.tags import (
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
-from tunegrid.workers import FORKED, SPAWNED, WARM_SOCKET_ENV
+from tunegrid.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_python
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
@@ -156,7 +156,9 @@ def run_cell(
     probe_run = Path(capabilities_path).parent / "mlflow.json" if capabilities_path else None
     if probe_run is not None and probe_run.exists():  # the probe's MLflow run, logged by probe_tracking
         capabilities["mlflow_run_id"] = read_json(probe_run).get("run_id")
-    warm_socket = os.environ.get(WARM_SOCKET_ENV) if spec["axes"].get("world_size", 1) == 1 else None
+    # a stack cell is spawned by its stack's interpreter: the warm worker holds the base's libraries
+    one_rank = spec["axes"].get("world_size", 1) == 1 and not stack_python(spec)
+    warm_socket = os.environ.get(WARM_SOCKET_ENV) if one_rank else None
     if warm_socket:
         from tunegrid.run.warm_client import ready_info
 
@@ -203,7 +205,7 @@ def run_cell(
                     spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early, visible
                 )
                 early = None
-            env = light_env() | fetched_env(model_dir, data_path)  # where the model and data came from
+            env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
             result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, env)
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
                 from tunegrid.cell.distributed import diagnose_ranks
@@ -253,6 +255,21 @@ def run_cell(
         write_json(result_path, result)
         shutil.rmtree(staged.parent, ignore_errors=True)
         return result
+
+
+def cell_env(spec: dict[str, Any]) -> dict[str, Any]:
+    """The supervisor's light record of the environment; for a cell on a library stack, the packages are the
+    versions its stack's interpreter resolved (the worker ran there, not here) and `stack` names it."""
+    env = light_env()
+    python = stack_python(spec)
+    if python:
+        from tunegrid.stacks import read_stack_record
+
+        record = read_stack_record(spec["stack"]["folder"])
+        versions = record.get("versions", {})
+        env["packages"] = {name: versions.get(name) or version for name, version in env["packages"].items()}
+        env["stack"] = {**spec["stack"], "versions": versions}
+    return env
 
 
 def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None) -> None:

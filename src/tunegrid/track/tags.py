@@ -82,6 +82,9 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
     diagnosis = result.diagnosis
     tags = {"outcome": str(result.outcome), "outcome.reason": result.reason, "device": result.env.get("device", "")}
+    for package, version in ((result.env.get("stack") or {}).get("versions") or {}).items():
+        if package in ((result.env.get("stack") or {}).get("pins") or {}):
+            tags[f"stack.{package}"] = str(version)  # what the cell's library stack pinned, as resolved
     for what in ("model", "data"):  # a hub source's commit; not pinned: fetched at it when the study ran
         source = result.env.get(f"{what}_source") or {}
         if source.get("revision"):
