@@ -81,7 +81,7 @@ def test_a_forward_that_goes_nonfinite_ends_the_step_before_its_backward_and_is_
     event = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["kind"] == "loss_nonfinite"][0]
     assert event["origin"]["replay"] == "forward only"
     assert "forward loss was not finite" in event["origin"]["unlocated"]
-    assert event["origin"]["forward"]["module"].endswith("mlp.down_proj")
+    assert ".mlp.down_proj" in event["origin"]["forward"]["module"]
     assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["step"] == event["step"]  # the loop ended at that step
 
 
