@@ -61,17 +61,16 @@ def real_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return workdir / "results" / STUDY
 
 
-def residual_maxima(model_dir: Path, batch: dict) -> list[float]:
-    """Each decoder layer's output max-abs in a plain fp32 forward, read by a hook of this test's own."""
+def residual_maxima(model, batch: dict, real=None) -> list[float]:
+    """Each decoder layer's output max-abs in a plain fp32 forward (at the real positions `real` where given),
+    read by a hook of this test's own."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     maxima: list[float] = []
 
     def hook(_module, _inputs, output):
-        hidden = output[0] if isinstance(output, tuple) else output
-        maxima.append(float(hidden.detach().abs().max()))
+        hidden = (output[0] if isinstance(output, tuple) else output).detach().abs()
+        maxima.append(float((hidden[real] if real is not None else hidden).max()))
 
     handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
     with torch.no_grad():
@@ -79,6 +78,36 @@ def residual_maxima(model_dir: Path, batch: dict) -> list[float]:
     for handle in handles:
         handle.remove()
     return maxima
+
+
+def fp32_model(model_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def failing_micro_batch(study_dir: Path, cell_id: str, model) -> tuple[dict, object]:
+    """The micro-batch the cell's step 0 trained on, drawn by the cell's own data stream, and its real positions."""
+    from transformers import AutoTokenizer
+
+    from tunegrid.cell.packing import build_stream
+    from tunegrid.prepare.data import read_dataset
+
+    spec = read_json(study_dir / "runs" / cell_id / "cell.json")
+    tokenizer = AutoTokenizer.from_pretrained(study_dir / "models" / spec["model"]["name"])
+    stream, _ = build_stream(
+        read_dataset(study_dir / "data" / "train.jsonl"),
+        tokenizer,
+        model,
+        spec.get("data") or {},
+        spec["train"]["seq_len"],
+        spec["axes"]["batch_size"],
+        spec["axes"]["seed"],
+        spec["axes"].get("grad_accum", 1),
+    )
+    batch = {k: v for k, v in stream.micro_batches(0)[0].items() if k != "labels"}
+    return batch, stream.real_positions(0)[0]
 
 
 def sample_batch(model_dir: Path) -> dict:
@@ -99,8 +128,11 @@ def test_real_gemma_fp16_fails_at_its_residual_stream_and_the_fixes_hold(real_st
     layer = gemma["nan_forward_module"]
     result = read_json(real_study / "runs" / "gemma3-270m_fp16_bs1_none_s0" / "result.json")
     assert f"the residual stream after layer {layer.rsplit('.', 1)[1]} exceeds fp16's range" in result["reason"]
-    # the first layer whose output an independent fp32 forward sees past 65504 is the one the origin names
-    maxima = residual_maxima(real_study / "models" / "gemma3-270m", sample_batch(real_study / "models" / "gemma3-270m"))
+    # the first layer whose output an independent fp32 forward of the same micro-batch sees past 65504 is the one
+    # the origin names
+    model = fp32_model(real_study / "models" / "gemma3-270m")
+    batch, real = failing_micro_batch(real_study, "gemma3-270m_fp16_bs1_none_s0", model)
+    maxima = residual_maxima(model, batch, real)
     first_over = next(i for i, value in enumerate(maxima) if value > FP16_MAX)
     assert layer.endswith(f"model.layers.{first_over}")  # as the model names it (peft's wrapper prefix or not)
     for cell in ("gemma3-270m_fp32_bs1_none_s0", "smollm2-135m_fp32_bs1_none_s0"):
@@ -120,14 +152,13 @@ def test_real_gemma_fp16_fails_at_its_residual_stream_and_the_fixes_hold(real_st
 @needs_packages
 def test_the_headroom_meter_reads_what_an_independent_hook_reads_on_real_gemma(real_study: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM
 
     from tunegrid.cell.instrument import HeadroomMeter
 
     model_dir = real_study / "models" / "gemma3-270m"
     batch = sample_batch(model_dir)
-    expected = residual_maxima(model_dir, batch)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = fp32_model(model_dir)
+    expected = residual_maxima(model, batch)
     meter = HeadroomMeter(top=200)
     with torch.no_grad(), meter.attached(model):
         model(**batch)
