@@ -32,6 +32,10 @@ def test_the_plan_raises_the_limits_to_the_predicted_work_and_keeps_the_study_fl
 
 def test_reported_step_times_raise_the_limits_while_the_cell_trains() -> None:
     spec = one_cell(train={"heartbeat_timeout_s": 10, "time_limit_s": 20, "steps": 4})
+    unplanned = Liveness(spec)  # no probed rate: the study's wall-clock limit is the budget as written
+    unplanned.observe([{"step": 0, "step_time_s": 30.0}], elapsed=45.0)
+    assert (unplanned.heartbeat_s, unplanned.limit_s) == (LIVENESS_MARGIN * 30, 20)
+    spec = {**spec, "plan": {"liveness": {"heartbeat_timeout_s": 10, "time_limit_s": 20, "predicted_step_s": 5.0}}}
     liveness = Liveness(spec)
     assert (liveness.heartbeat_s, liveness.limit_s) == (10, 20)
     liveness.observe([{"step": 0, "step_time_s": 30.0, "loss": 1.0}], elapsed=45.0)

@@ -59,6 +59,9 @@ class Liveness:
         self.limit_s = float(planned.get("time_limit_s") or train["time_limit_s"])
         self.steps = int(train["steps"])
         self.step_s = 0.0  # the longest step the cell reported
+        # the wall-clock limit follows the measured pace only where the plan knew the cell's work (a probed rate);
+        # without one the study's limit is the cell's budget as written
+        self.paced = planned.get("predicted_step_s") is not None
 
     def observe(self, records: list[dict[str, Any]], elapsed: float) -> None:
         """Steps the cell recorded (metrics.jsonl lines) as it trains, `elapsed` seconds after its start."""
@@ -70,7 +73,8 @@ class Liveness:
             self.step_s = max(self.step_s, float(record["step_time_s"]))
             remaining = max(0, self.steps - record["step"] - 1) + EXTRA_STEPS
             self.heartbeat_s = max(self.heartbeat_s, LIVENESS_MARGIN * self.step_s)
-            self.limit_s = max(self.limit_s, elapsed + LIVENESS_MARGIN * self.step_s * remaining)
+            if self.paced:
+                self.limit_s = max(self.limit_s, elapsed + LIVENESS_MARGIN * self.step_s * remaining)
 
 
 def _supervise(
