@@ -210,6 +210,64 @@ HOW: dict[str, tuple[str, str]] = {
 }
 
 
+DOCTOR_TESTS = "tests/workflow/test_doctor_study.py and tests/run/test_doctor_command.py run the doctor"
+GPU_CALL = "a device call on the lent GPU machine (docs/gpu.md)"
+STACK_TESTS = "what the stacks rule runs and refuses; tests/prepare/test_stacks.py builds stacks through it"
+HOW.update(
+    {
+        "tunegrid doctor <your axolotl / TRL recipe, or a study>": (
+            "name",
+            "README points at the doctor page, whose commands are its forms",
+        ),  # noqa: E501
+        "tunegrid doctor": ("name", "the command named in prose"),
+        "tunegrid doctor examples/axolotl-gemma3-tiny.yaml": ("elsewhere", DOCTOR_TESTS),
+        "tunegrid doctor configs/memory-fixes-oom-cpu.yaml": ("elsewhere", DOCTOR_TESTS),
+        "tunegrid doctor configs/collective-timeout-cpu.yaml --cell qwen3moe-tiny_fp32_bs2_none_s0_ws2_ct5_fault-stall-rank": (  # noqa: E501
+            "elsewhere",
+            DOCTOR_TESTS,
+        ),  # noqa: E501
+        "tunegrid doctor my-recipe.yaml --first": ("elsewhere", DOCTOR_TESTS),
+        "tunegrid doctor my-recipe.yaml --steps 200": ("elsewhere", DOCTOR_TESTS),
+        'tunegrid doctor my-study.yaml --snakemake "--profile slurm"': (
+            "cannot",
+            "needs a SLURM cluster (the profile runs in tests/workflow/test_slurm.py)",
+        ),  # noqa: E501
+        "python scripts/tunegrid.py doctor …": ("name", "the doctor through the repository script"),
+        "tunegrid doctor: gemma3-tiny-fp16 / gemma3-tiny_fp16_bs2_none_s0": ("name", "the end screen quoted"),
+        "tunegrid export recommended": ("name", "its full forms are the recipe commands"),
+        "snakemake all": ("name", "the target named in prose"),
+        "snakemake --cores 8 doctor --config study=<study>.yaml": ("elsewhere", DOCTOR_TESTS),
+        "snakemake --cores 8 results/<study>/doctor/<cell_id>/first/doctor.json --config study=<study>.yaml": (
+            "elsewhere",
+            DOCTOR_TESTS,
+        ),  # noqa: E501
+        "bash scripts/gpu_acceptance.sh --cpu --out DIR": (
+            "elsewhere",
+            "tests/workflow/test_gpu_acceptance.py runs the CPU mode",
+        ),  # noqa: E501
+        "python3 scripts/gpu/kit.py build": (
+            "elsewhere",
+            "tests/workflow/test_gpu_kit.py builds a kit from local wheels",
+        ),  # noqa: E501
+        "bash scripts/gpu_acceptance.sh --receive .gpu-kit/load-1 --only timing --budget-s 240": ("cannot", GPU_CALL),
+        "python3 scripts/gpu/kit.py receive .gpu-kit/load-2": ("cannot", GPU_CALL),
+        "python3 scripts/gpu/kit.py receive .gpu-kit/load-3": ("cannot", GPU_CALL),
+        "python3 scripts/gpu/kit.py receive .gpu-kit/load-4": ("cannot", GPU_CALL),
+        "python3 scripts/gpu/kit.py receive .gpu-kit/load-5": ("cannot", GPU_CALL),
+        "bash scripts/gpu_acceptance.sh --receive .gpu-kit/load-6 --skip timing --budget-s 300": ("cannot", GPU_CALL),
+        "python -m venv --without-pip results/stacks/<key>/venv": ("name", STACK_TESTS),
+        "pip --python <stack python> install <pins>": ("name", STACK_TESTS),
+        "pip freeze": ("name", STACK_TESTS),
+        "tunegrid stack: error: stack 'clash' cannot be built: pip cannot resolve tg-stack-a==1.0 tg-stack-b==2.0:": (
+            "name",
+            STACK_TESTS,
+        ),  # noqa: E501
+        "snakemake all --cores 2 --config study=configs/moe-stacks-cpu.yaml": ("elsewhere", STACK_TESTS),
+        "pip install transformers==4.57.*": ("name", "the advice an export writes where a stack is the fix"),
+    }
+)
+
+
 def readme_commands() -> list[str]:
     """The shell commands README.md and every docs page show, each once."""
     found: list[str] = []
