@@ -278,7 +278,9 @@ def test_nan_replay_out_of_memory_keeps_the_outcome_and_finds_the_forward_origin
     origin = facts["diagnosis"]["nan"]["origin"]
     assert ".layers.0.mlp.down_proj" in origin["forward"]["module"]  # as with a full replay
     assert origin["replay"] == "forward only" and origin["backward"] is None
-    assert "backward origin not traced" in origin["unlocated"] and "ran out of memory" in origin["unlocated"]
+    # a loss non-finite in its forward is replayed forward only from the start (no backward ran in the step), so
+    # the full replay the budget would have refused is never tried
+    assert "backward origin not traced" in origin["unlocated"]
     assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")] == ["loss_nonfinite"]
 
 

@@ -58,12 +58,15 @@ class FailingStepReplay:
         whose loss went non-finite in its forward is replayed forward only: the forward origin is the answer,
         and a backward through non-finite activations would only spread them."""
         if result.forward_nonfinite and index == result.nonfinite_micro_batch:
-            traced = self.traced_replay(step, index, batch, result, headroom, backward=False)
-            return {
-                **traced,
-                "replay": "forward only",
-                "unlocated": "backward origin not traced: the step's forward loss was not finite (no backward ran)",
-            }
+            why = "backward origin not traced: the step's forward loss was not finite (no backward ran)"
+            try:
+                traced = self.traced_replay(step, index, batch, result, headroom, backward=False)
+            except Exception as exc:  # noqa: BLE001 - only out-of-memory degrades; anything else is re-raised
+                forward = out_of_memory_text(exc, "the forward-only replay")
+            else:
+                return {**traced, "replay": "forward only", "unlocated": why}
+            self.release_replay_memory()
+            return {"forward": None, "backward": None, "replay": "out of memory", "unlocated": f"{why}; {forward}"}
         try:
             return {**self.traced_replay(step, index, batch, result, headroom, backward=True), "replay": "full"}
         except Exception as exc:  # noqa: BLE001 - only out-of-memory degrades; anything else is re-raised
