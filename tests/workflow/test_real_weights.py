@@ -124,7 +124,7 @@ def test_real_gemma_fp16_fails_at_its_residual_stream_and_the_fixes_hold(real_st
     row = summary.loc
     assert "timeout" not in set(summary["outcome"])
     gemma = row["gemma3-270m_fp16_bs1_none_s0"]
-    assert gemma["outcome"] == "nan" and int(gemma["nan_step"]) == 0
+    assert gemma["outcome"] == "nan" and float(gemma["nan_step"]) == 0
     layer = gemma["nan_forward_module"]
     result = read_json(real_study / "runs" / "gemma3-270m_fp16_bs1_none_s0" / "result.json")
     assert f"the residual stream after layer {layer.rsplit('.', 1)[1]} exceeds fp16's range" in result["reason"]
