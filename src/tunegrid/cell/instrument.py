@@ -227,10 +227,8 @@ class HeadroomMeter:
     The maxima stay on the device until `collect`: one sync.
     """
 
-    def __init__(self, top: int = 10, *, leaves_only: bool = False) -> None:
+    def __init__(self, top: int = 10) -> None:
         self.top = top
-        # True: leaf modules' outputs only (no blocks, no inputs)
-        self.leaves_only = leaves_only
         self._sites: list[tuple[str, str]] = []
         self._maxima: list[Any] = []
         self.worst_seen: dict[str, float] = {}  # module -> max-abs of its output
@@ -249,13 +247,10 @@ class HeadroomMeter:
                     self._maxima.append(_real_max_abs(t, self.real).float())
 
         def on_forward(module: Any, inputs: Any, output: Any) -> None:
-            leaf = not any(True for _ in module.children())
-            if self.leaves_only and not leaf:
-                return
             if self.real is None:
                 self.positions = "all"
             name = names.get(id(module), "?")
-            if leaf and not self.leaves_only:
+            if not any(True for _ in module.children()):  # a leaf: what it is fed too
                 measure(name, INPUT, inputs)
             measure(name, OUTPUT, output)
 
