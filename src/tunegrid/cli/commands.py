@@ -241,6 +241,7 @@ def screenshots(args: argparse.Namespace) -> None:
     """The report and MLflow's runs and compare pages as PNGs (docs/), through MLflow's own server."""
     from tunegrid.run.ui import compare_page, mlflow_server, rest, runs_page, screenshot
     from tunegrid.track.store import tracking_uri_for_cells
+    from tunegrid.track.tracking import CELL_TAG
 
     study_dir, out = Path(args.study_dir), Path(args.out)
     tracking = read_json(study_dir / "tracking.json")
@@ -251,8 +252,13 @@ def screenshots(args: argparse.Namespace) -> None:
     screenshot((study_dir / "report" / "index.html").resolve().as_uri(), out / "report.png", size=(1400, 2400), **wait)
     with mlflow_server(tracking_uri_for_cells(tracking), **wait) as url:
         runs = rest(url, "runs/search", {"experiment_ids": [experiment_id], "max_results": 1000})["runs"]
-        by_name = {r["info"]["run_name"]: r["info"]["run_id"] for r in runs}
-        ids = [by_name[c] for c in cells if c in by_name] or [r["info"]["run_id"] for r in runs[:4]]
+        by_cell = {
+            tag["value"]: r["info"]["run_id"]
+            for r in runs
+            for tag in r["data"].get("tags", [])
+            if tag["key"] == CELL_TAG
+        }
+        ids = [by_cell[c] for c in cells if c in by_cell] or [r["info"]["run_id"] for r in runs[:4]]
         screenshot(runs_page(url, experiment_id), out / "mlflow_runs.png", **wait)
         screenshot(compare_page(url, experiment_id, ids), out / "mlflow_compare.png", size=(1600, 1400), **wait)
     # what they show, so a test can tell when the study has moved on from them
