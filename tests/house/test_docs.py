@@ -86,3 +86,25 @@ def test_readme_is_a_front_door():
     links = re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme)
     missing = [link for link in links if not (REPO / link).exists()]
     assert links and not missing, missing
+
+
+SCREENSHOTS = REPO / "docs" / "screenshots"
+SCREENSHOTS_COMMAND = "python scripts/tunegrid.py screenshots --study-dir results/default --out docs/screenshots"
+
+
+def test_the_screenshots_show_the_default_study_as_it_is_now() -> None:
+    """docs/screenshots/screenshots.json records what the pictures show (written by the screenshots command);
+    when the default study's grid changes, its cell count no longer matches and the pictures are out of date."""
+    import json
+
+    from tunegrid.config import DEFAULT_STUDY_PATH, expand_cells, load_study
+
+    study = load_study(DEFAULT_STUDY_PATH)
+    record = SCREENSHOTS / "screenshots.json"
+    redo = f"run the default study, then `{SCREENSHOTS_COMMAND}`"
+    assert record.exists(), f"docs/screenshots has no screenshots.json: {redo}"
+    shown = json.loads(record.read_text())
+    assert shown["study"] == study["study"], redo
+    assert shown["cells"] == len(expand_cells(study)), f"the pictures show {shown['cells']} cells: {redo}"
+    assert shown["runs"] >= shown["cells"], "every cell has its MLflow run"
+    assert all((SCREENSHOTS / name).stat().st_size > 10_000 for name in shown["files"])
