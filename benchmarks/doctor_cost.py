@@ -61,6 +61,7 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
     from tunegrid.study_paths import StudyPaths
 
     path, _, cell = entry.partition(":")
+    path = str(Path(path).resolve())  # the studies run in their own folder: a relative path would not reach it
     study = load_study(path)
     baseline = baseline_cell(study, cell).cell_id
     paths = StudyPaths.of(study["study"], workdir / "results")
