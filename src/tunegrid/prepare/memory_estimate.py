@@ -16,6 +16,7 @@ from typing import Any
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
 from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import cpu_onednn_off
+from tunegrid.prepare.load_peaks import cast_load_peak, expert_group, fused_expert_bytes, largest_read_at_once
 from tunegrid.vocabulary import Quant
 
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
@@ -60,27 +61,6 @@ def estimate_cell(
     return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
 
 
-def _expert_group(name: str, shape: list[int]) -> str:
-    """The module holding an expert tensor: the fused parameter's parent, or for per-expert checkpoint
-    tensors (layers.N.mlp.experts.M.proj.weight) the experts module above the expert index."""
-    parts = name.split(".")
-    if len(shape) >= 3:
-        return ".".join(parts[:-1])
-    digits = [i for i, part in enumerate(parts) if part.isdigit()]
-    return ".".join(parts[: digits[-1]])
-
-
-def _fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], storage: int) -> int:
-    """The largest fused expert tensor transformers builds while loading: per-expert checkpoint tensors
-    of one layer that share a shape are concatenated into one 3-D parameter (gate and up together)."""
-    groups: dict[tuple[str, tuple[int, ...]], int] = {}
-    for name in expert_names:
-        shape = shapes[name]
-        key = (name if len(shape) >= 3 else _expert_group(name, shape), tuple(shape))
-        groups[key] = groups.get(key, 0) + numel_of(shape) * storage
-    return max(groups.values(), default=0)
-
-
 # Mixtral's checkpoints (and its kin's: MiniMax, PhiMoE) keep each expert as w1 (gate), w3 (up) and w2 (down)
 # under `block_sparse_moe`; transformers' weight conversion loads them as mlp.experts.gate_up_proj and
 # mlp.experts.down_proj, the names `lora.target_parameters` is written in
@@ -115,51 +95,6 @@ def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]
     return fused
 
 
-def _largest_read_at_once(
-    shapes: dict[str, list[int]], expert_names: set[str], quantized: set[str], experts: int
-) -> int:
-    """Elements of the largest full-precision tensor a load that quantizes as it reads holds at once: a
-    tensor that gets quantized, where a fused expert tensor assembled from per-expert checkpoint tensors
-    counts one expert's share (it is fused and quantized expert by expert)."""
-    largest = max((numel_of(shapes[name]) for name in quantized - expert_names), default=0)
-    fused: dict[tuple[str, tuple[int, ...]], int] = {}
-    for name in expert_names & quantized:
-        shape = shapes[name]
-        if len(shape) >= 3:
-            largest = max(largest, numel_of(shape))
-        else:
-            key = (_expert_group(name, shape), tuple(shape))
-            fused[key] = fused.get(key, 0) + numel_of(shape)
-    return max([largest] + [total // max(experts, 1) for total in fused.values()])
-
-
-def load_order_key(name: str) -> tuple[tuple[int, int | str, int], ...]:
-    """The order transformers v5 loads a state dict in: names split at dots, indices numerically (its
-    dot_natural_key), so `lm_head` comes before `model.embed_tokens`, which comes before `model.layers.0`."""
-    parts: list[tuple[int, int | str, int]] = []
-    for part in name.split("."):
-        if part.isdigit():
-            parts.append((0, int(part), 0))
-        else:
-            text = part.rstrip("0123456789")
-            parts.append((1, text, int(part[len(text) :]) if part != text else -1))
-    return tuple(parts)
-
-
-def _cast_load_peak(kept_at_storage: dict[str, int], on_disk: int, storage: int) -> int:
-    """The weights' peak while a checkpoint stored in another dtype loads: each tensor is read whole at its
-    disk dtype, cast, and the cast copied into its parameter, while the parameters loaded before it are held
-    and those after it are not allocated yet (the model is built empty). Measured, Gemma 3 270M fp32 on disk
-    into fp16 on the 2-core EPYC: the load peaks 1,407 MB above the tokenizer as the embedding (167.8M values,
-    loaded first) arrives: 671 read + 336 cast + 336 parameter, the rest of the load's bookkeeping 64."""
-    peak = loaded = 0
-    for name in sorted(kept_at_storage, key=load_order_key):
-        at_storage = kept_at_storage[name]
-        peak = max(peak, loaded + at_storage // storage * on_disk + 2 * at_storage)
-        loaded += at_storage
-    return max(peak, loaded)
-
-
 def _largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
     """Elements of `names` in the layer (the name up to its first index) that holds the most of them."""
     layers: dict[str, int] = {}
@@ -174,7 +109,7 @@ def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str])
     """Elements of the largest experts module: what dequantizing one MoE layer's experts materializes."""
     layers: dict[str, int] = {}
     for name in expert_names:
-        group = _expert_group(name, shapes[name])
+        group = expert_group(name, shapes[name])
         layers[group] = layers.get(group, 0) + numel_of(shapes[name])
     return max(layers.values(), default=0)
 
@@ -207,7 +142,7 @@ def estimate_from_shapes(
     """The peak of one rank. `tokenizer_bytes`: the model's tokenizer in memory (the checkpoint's manifest
     measured it), held beside everything else from the load on. `largest_on_disk`: elements and bytes per element
     of the checkpoint's largest tensor; where its disk dtype is not the storage dtype, every tensor is taken to
-    be cast as it loads (`_cast_load_peak`)."""
+    be cast as it loads (`load_peaks.cast_load_peak`)."""
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
     row = precision_plan(axes["precision"])
@@ -342,16 +277,16 @@ def estimate_from_shapes(
         experts = int(
             config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 1
         )
-        load = runtime + at_load + _largest_read_at_once(shapes, expert_names, quantized_names, experts) * storage
+        load = runtime + at_load + largest_read_at_once(shapes, expert_names, quantized_names, experts) * storage
         load += tokenizer_bytes
     else:
         # the checkpoint is read tensor by tensor into private memory (pread, no mapped pages), quantized
         # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
         # parameter holds the parts and the whole at once
-        weights_at_load = at_load + _fused_expert_bytes(shapes, expert_names, storage)
+        weights_at_load = at_load + fused_expert_bytes(shapes, expert_names, storage)
         numel, on_disk = largest_on_disk
         if on_disk and on_disk != storage:
-            weights_at_load = max(weights_at_load, _cast_load_peak(kept_at_storage, on_disk, storage))
+            weights_at_load = max(weights_at_load, cast_load_peak(kept_at_storage, on_disk, storage))
         load = runtime + tokenizer_bytes + weights_at_load
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
