@@ -307,6 +307,10 @@ def estimate_from_shapes(
         activations = layers * tokens * hidden * act + per_layer * (2 if device == "cpu" else 1)
     else:
         activations = layers * per_layer
+    # offloaded (cell/offload.py): saved tensors live in host memory, the device holds one layer's; on CPU the same
+    kept = per_layer + tokens * hidden * act * bool(train["gradient_checkpointing"])
+    offloaded = max(0, activations - kept) if train.get("activation_offloading") and device != "cpu" else 0
+    activations -= offloaded
     logits = tokens * vocab * 4 * 3  # fp32 logits, log-softmax and its gradient
     # Weights stored wider than autocast computes (fp16-mixed): autograd keeps each matmul's cast copy, the head's
     # too, for the input's gradient until the backward (Gemma 3 270M: 268M values, 536 MB in fp16)
@@ -374,6 +378,7 @@ def estimate_from_shapes(
             "lora_params_grads": int(lora_bytes),
             "optimizer_state": int(optimizer_bytes),
             "activations": int(activations),
+            "activations_offloaded_to_host": int(offloaded),
             "experts_kept_for_backward": int(kept_experts),
             "logits": int(logits),
             "dequant_buffer": int(dequant),

@@ -25,6 +25,7 @@ from tunegrid.prepare.recipe import (
     warmup,
 )
 from tunegrid.prepare.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.prepare.recipe_memory import checkpointing_and_offloading, fan_in_fan_out, unfrozen_parameters
 from tunegrid.prepare.recipe_optimizers import optimizer
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
@@ -43,7 +44,8 @@ READER_KEYS = {
     "warmup_ratio", "warmup_steps", "ddp_timeout", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
     "lora_target_linear", "lora_target_parameters", "sample_packing", "train_on_inputs", "datasets",
     "attn_implementation", "pad_to_sequence_len", "peft", "lora_fan_in_fan_out", "lora_task_type",
-    "sample_packing_seq_len_multiplier", "eval_sample_packing", "model_config", *LORA_EXTRAS, *LORA_OPTIONS,
+    "sample_packing_seq_len_multiplier", "eval_sample_packing", "model_config", "activation_offloading",
+    "unfrozen_parameters", *LORA_EXTRAS, *LORA_OPTIONS,
     *ATTENTION_FLAGS,
 } | {key for keys in AXIS_KEYS.values() for key in keys["axolotl"]} | {"batch_size"}  # fmt: skip
 MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
@@ -127,13 +129,7 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     (optimizer_key,) = axis_keys("axolotl", "optimizer")
     optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
     (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
-    checkpointing = raw.get(checkpointing_key)
-    if checkpointing == "offload":
-        recipe.refuse(checkpointing_key, "offload keeps checkpoints in host memory; tunegrid keeps them on the "
-                      "device (set it to true)")  # fmt: skip
-    elif checkpointing not in (None, True, False):
-        recipe.refuse(checkpointing_key, f"{checkpointing!r}: tunegrid checkpoints activations or not (bool)")
-    recipe.carry("train.gradient_checkpointing", bool(checkpointing), checkpointing_key)
+    checkpointing_and_offloading(recipe, checkpointing_key, raw.get(checkpointing_key))
     if raw.get("ddp_timeout"):
         timeout = number(recipe, "ddp_timeout", raw["ddp_timeout"], integer=False, low=1, high=7 * 86400)
         if timeout:
@@ -159,8 +155,8 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
                 "unset: peft picks its default modules for the architecture; tunegrid adapts the attention and MLP "
                 "projections (lora.target_modules in the study says which)"
             )
-    if raw.get("lora_fan_in_fan_out"):
-        recipe.refuse("lora_fan_in_fan_out", "for Conv1D bases (GPT-2 style); tunegrid's LoRA wraps nn.Linear")
+    fan_in_fan_out(recipe, "lora_fan_in_fan_out")
+    unfrozen_parameters(recipe)
     for key in LORA_EXTRAS:
         if raw.get(key):
             recipe.refuse(key, "tunegrid trains peft's LoRA (r/alpha/dropout/targets, modules_to_save, rsLoRA, DoRA)")

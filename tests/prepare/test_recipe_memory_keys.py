@@ -1,0 +1,96 @@
+"""Recipe keys that change where a run keeps its tensors or which it trains, on recipes written from the tools'
+documentation: axolotl's config reference (`activation_offloading: true | legacy | disk | hidden_states`,
+`gradient_checkpointing: true | offload | offload_disk`, `unfrozen_parameters`, `lora_fan_in_fan_out`) and TRL's
+SFTConfig (`activation_offloading: bool`)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tunegrid.prepare.recipe import RecipeError
+from tunegrid.prepare.recipe_study import import_recipe
+
+AXOLOTL = {
+    "base_model": "org/some-model", "adapter": "qlora", "load_in_4bit": True, "lora_r": 16, "lora_alpha": 32,
+    "lora_target_linear": True, "sequence_len": 2048, "micro_batch_size": 1, "gradient_accumulation_steps": 8,
+    "num_epochs": 1, "learning_rate": 2e-4, "bf16": True, "gradient_checkpointing": True,
+    "datasets": [{"path": "org/some-chats", "type": "chat_template"}],
+}  # fmt: skip
+TRL = {
+    "model_name_or_path": "org/some-model", "dataset_name": "org/some-chats", "use_peft": True,
+    "learning_rate": 2e-4, "max_length": 1024, "per_device_train_batch_size": 2,
+}  # fmt: skip
+
+
+def _import(tmp_path, raw: dict, **base):
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    study, recipe, header = import_recipe({"recipe": str(path), "failure": "oom", **base})
+    return study, recipe, "\n".join(header)
+
+
+@pytest.mark.parametrize("value", [True, "legacy"])
+def test_axolotl_activation_offloading_is_the_cells_offloading(tmp_path, value):
+    study, recipe, header = _import(tmp_path, {**AXOLOTL, "activation_offloading": value})
+    assert study["train"]["activation_offloading"] is True and study["train"]["gradient_checkpointing"] is True
+    assert "activation_offloading -> train.activation_offloading = true" in header
+    assert "activation_offloading" not in recipe.differs and "activation_offloading" not in recipe.not_carried
+
+
+def test_gradient_checkpointing_offload_is_checkpointing_with_offloading(tmp_path):
+    study, _, header = _import(tmp_path, {**AXOLOTL, "gradient_checkpointing": "offload"})
+    assert study["train"]["gradient_checkpointing"] is True and study["train"]["activation_offloading"] is True
+    assert "gradient_checkpointing -> train.activation_offloading = true" in header
+    assert study["grid"].get("activation_checkpointing", [False]) == [False]  # the recipe checkpoints already
+
+
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        ({"activation_offloading": "disk"}, "activation_offloading"),
+        ({"activation_offloading": "hidden_states"}, "activation_offloading"),
+        ({"gradient_checkpointing": "offload_disk"}, "gradient_checkpointing"),
+    ],
+)
+def test_offloading_elsewhere_is_refused_naming_the_key(tmp_path, keys, named):
+    with pytest.raises(RecipeError, match=f"recipe key '{named}'"):
+        _import(tmp_path, {**AXOLOTL, **keys})
+    _, recipe, _ = _import(tmp_path, {**AXOLOTL, **keys}, ignore=[named])
+    assert named in recipe.ignored
+
+
+def test_trl_activation_offloading_is_carried_and_a_transformers_file_has_no_such_key_to_carry(tmp_path):
+    study, _, _ = _import(tmp_path, {**TRL, "activation_offloading": True})
+    assert study["train"]["activation_offloading"] is True
+    study, recipe, _ = _import(tmp_path, {**TRL, "activation_offloading": False})
+    assert "activation_offloading" not in study["train"]
+    raw = {"learning_rate": 1e-4, "per_device_train_batch_size": 2, "activation_offloading": True}
+    with pytest.raises(RecipeError, match="recipe key 'activation_offloading': read as transformers"):
+        _import(tmp_path, raw, model="org/m", dataset="org/d", seq_len=512, **{"from": "transformers"})
+    study, _, _ = _import(tmp_path, {**raw, "use_peft": True}, model="org/m", dataset="org/d")  # read as TRL's
+    assert study["train"]["activation_offloading"] is True
+
+
+def test_fan_in_fan_out_is_accounted_as_peft_setting_it_from_the_layer():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=32)  # fmt: skip
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj"], fan_in_fan_out=True))
+    assert model.peft_config["default"].fan_in_fan_out is False  # what the not-carried line says
+    assert all(name.startswith("base_model.model.") for name, _ in model.named_parameters())  # unfrozen_parameters'
+
+
+def test_fan_in_fan_out_is_not_carried_with_the_reason(tmp_path):
+    _, recipe, header = _import(tmp_path, {**AXOLOTL, "lora_fan_in_fan_out": True})
+    assert "lora_fan_in_fan_out" in recipe.not_carried and "peft sets fan_in_fan_out" in header
+
+
+def test_unfrozen_parameters_are_refused_saying_what_axolotl_does_with_them(tmp_path):
+    raw = {**AXOLOTL, "unfrozen_parameters": ["^model.language_model.*", "^lm_head.*"]}
+    with pytest.raises(RecipeError, match=r"match no parameter of the adapted model.*trains nothing"):
+        _import(tmp_path, raw)
+    with pytest.raises(RecipeError, match=r"recipe key 'unfrozen_parameters'.*lora_modules_to_save"):
+        _import(tmp_path, {**AXOLOTL, "unfrozen_parameters": ["base_model.model.lm_head.*"]})
