@@ -81,3 +81,17 @@ def test_offloading_lowers_the_measured_step_peak_on_cuda():
     assert offload.moved_bytes >= 8 * 2 * 512 * 256 * 4 * 0.9  # each layer's input and pre-activation
     assert offloaded < 0.5 * plain, (offloaded, plain)
     assert torch.equal(grad, offloaded_grad)
+
+
+def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path):
+    from tunegrid.prepare.cell_plan import CellPlan, cell_plan, mem_mb_for_job
+
+    spec = one_cell()
+    estimate = {"estimate_bytes": 4 * 2**30, "stage": "step", "worker": "spawned", "components": {}}
+    plain = cell_plan(spec, {"verdict": None, "estimate": estimate, "target": None, "budget_bytes": None}, "cuda")
+    estimate["components"]["activations_offloaded_to_host"] = 2 * 2**30
+    offloaded = cell_plan(spec, {"verdict": None, "estimate": estimate, "target": None, "budget_bytes": None}, "cuda")
+    assert offloaded.mem_mb == plain.mem_mb + 3 * 1024  # the safety factor 1.5 over 2 GiB
+    (tmp_path / "plan.json").write_text(offloaded.to_json())
+    assert mem_mb_for_job(tmp_path / "plan.json", {}, 1) == offloaded.mem_mb
+    assert CellPlan.read(tmp_path / "plan.json") == offloaded
