@@ -94,3 +94,16 @@ def test_unfrozen_parameters_are_refused_saying_what_axolotl_does_with_them(tmp_
         _import(tmp_path, raw)
     with pytest.raises(RecipeError, match=r"recipe key 'unfrozen_parameters'.*lora_modules_to_save"):
         _import(tmp_path, {**AXOLOTL, "unfrozen_parameters": ["base_model.model.lm_head.*"]})
+
+
+def test_a_string_of_lora_target_modules_is_the_regex_peft_matches(tmp_path):
+    regex = r"model.language_model.layers.[\d]+.(mlp|self_attn).(up|down|gate|q|k|v|o)_proj"
+    raw = {k: v for k, v in AXOLOTL.items() if k != "lora_target_linear"}
+    study, _, header = _import(tmp_path, {**raw, "lora_target_modules": regex})
+    assert study["lora"]["target_regex"] == regex and study["lora"]["target_modules"] == []
+    study, _, _ = _import(tmp_path, {**raw, "lora_target_modules": "q_proj"})  # one name: a suffix, as listed
+    assert study["lora"]["target_modules"] == ["q_proj"] and "target_regex" not in study["lora"]
+    study, _, _ = _import(tmp_path, {**AXOLOTL, "lora_target_modules": regex})  # with lora_target_linear
+    assert study["lora"]["target_modules"] == ["all-linear"] and "target_regex" not in study["lora"]
+    with pytest.raises(RecipeError, match="recipe key 'lora_target_modules'.*regular expression"):
+        _import(tmp_path, {**raw, "lora_target_modules": "layers.(q|v_proj"})

@@ -10,6 +10,7 @@ their grads and the optimizer's states, activations kept for backward, and the l
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,10 @@ def estimate_cell(
 ) -> dict[str, Any]:
     config, shapes, facts = checkpoint_facts(model_dir)
     return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
+
+
+def _regex(lora: dict[str, Any], module: str) -> bool:
+    return bool(lora.get("target_regex")) and re.fullmatch(lora["target_regex"], module) is not None
 
 
 def _expert_group(name: str, shape: list[int]) -> str:
@@ -260,7 +265,7 @@ def estimate_from_shapes(
             len(shape) == 2
             and not embedding
             and not expert
-            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]))
+            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]) or _regex(lora, module))
             and not (all_linear and module.endswith("lm_head"))  # peft's all-linear leaves the output head
         ):
             lora_params += lora["r"] * (shape[0] + shape[1])
