@@ -107,3 +107,11 @@ def test_a_string_of_lora_target_modules_is_the_regex_peft_matches(tmp_path):
     assert study["lora"]["target_modules"] == ["all-linear"] and "target_regex" not in study["lora"]
     with pytest.raises(RecipeError, match="recipe key 'lora_target_modules'.*regular expression"):
         _import(tmp_path, {**raw, "lora_target_modules": "layers.(q|v_proj"})
+
+
+def test_experts_quantized_in_8_bits_are_refused_not_read_as_off(tmp_path):
+    raw = {k: v for k, v in AXOLOTL.items() if k != "load_in_4bit"}
+    with pytest.raises(RecipeError, match="recipe key 'quantize_moe_experts': quantizes the MoE experts in 8 bits"):
+        _import(tmp_path, {**raw, "adapter": "lora", "load_in_8bit": True, "quantize_moe_experts": True})
+    study, _, _ = _import(tmp_path, {**AXOLOTL, "quantize_moe_experts": True})
+    assert study["grid"]["quant"][0] == "nf4-experts"

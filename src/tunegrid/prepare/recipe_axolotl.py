@@ -76,6 +76,10 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     experts = quant_of({"load_in_4bit": True, "bnb_4bit_quant_type": quant_type}, experts=True)
     if raw.get("quantize_moe_experts") and four and experts:
         recipe.carry("grid.quant", experts, "quantize_moe_experts")
+    elif raw.get("quantize_moe_experts"):  # axolotl's int8 row-wise parametrization under load_in_8bit
+        recipe.refuse("quantize_moe_experts", "quantizes the MoE experts in 8 bits; tunegrid quantizes them in 4 "
+                      "bits only (nf4-experts, with load_in_4bit); its int8 quantizes linear layers, not fused "
+                      "expert tensors")  # fmt: skip
     if bnb.get("bnb_4bit_use_double_quant") is False:
         recipe.notes.append("bnb_config_kwargs.bnb_4bit_use_double_quant: false; tunegrid's nf4 double-quantizes")
     bf16_key, fp16_key = axis_keys("axolotl", "precision")
