@@ -115,3 +115,17 @@ def test_experts_quantized_in_8_bits_are_refused_not_read_as_off(tmp_path):
         _import(tmp_path, {**raw, "adapter": "lora", "load_in_8bit": True, "quantize_moe_experts": True})
     study, _, _ = _import(tmp_path, {**AXOLOTL, "quantize_moe_experts": True})
     assert study["grid"]["quant"][0] == "nf4-experts"
+
+
+def test_fsdp_checkpointing_is_carried_and_its_parameter_offloading_refused(tmp_path):
+    # axolotl's FSDP2 config (docs/multi-gpu): fsdp_version 2 with an fsdp_config mapping
+    raw = {**AXOLOTL, "gradient_checkpointing": False, "fsdp_version": 2,
+           "fsdp_config": {"reshard_after_forward": True, "activation_checkpointing": True}}  # fmt: skip
+    study, recipe, header = _import(tmp_path, raw)
+    assert study["train"]["gradient_checkpointing"] is True and "fsdp_config" in recipe.differs
+    assert "fsdp_config.activation_checkpointing -> train.gradient_checkpointing = true" in header
+    for config in ({"offload_params": True}, {"fsdp_offload_params": True}):
+        with pytest.raises(RecipeError, match="recipe key 'fsdp_config.(fsdp_)?offload_params'"):
+            _import(tmp_path, {**raw, "fsdp_config": config})
+    with pytest.raises(RecipeError, match="recipe key 'fsdp': offload"):  # TrainingArguments' option string
+        _import(tmp_path, {**TRL, "fsdp": "full_shard auto_wrap offload"})

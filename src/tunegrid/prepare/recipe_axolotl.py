@@ -25,7 +25,12 @@ from tunegrid.prepare.recipe import (
     warmup,
 )
 from tunegrid.prepare.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
-from tunegrid.prepare.recipe_memory import checkpointing_and_offloading, fan_in_fan_out, unfrozen_parameters
+from tunegrid.prepare.recipe_memory import (
+    checkpointing_and_offloading,
+    fan_in_fan_out,
+    fsdp_memory,
+    unfrozen_parameters,
+)
 from tunegrid.prepare.recipe_optimizers import optimizer
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
@@ -134,6 +139,7 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
     (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
     checkpointing_and_offloading(recipe, checkpointing_key, raw.get(checkpointing_key))
+    fsdp_memory(recipe)
     if raw.get("ddp_timeout"):
         timeout = number(recipe, "ddp_timeout", raw["ddp_timeout"], integer=False, low=1, high=7 * 86400)
         if timeout:

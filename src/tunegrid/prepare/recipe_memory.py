@@ -78,3 +78,29 @@ def unfrozen_parameters(recipe: Recipe, key: str = "unfrozen_parameters") -> Non
         "and trains the matched base weights in full: not LoRA, and a 4-bit base cannot train them. To train "
         "lm_head / embed_tokens in full beside the adapters, use lora_modules_to_save"
     ))  # fmt: skip
+
+
+def fsdp_memory(recipe: Recipe) -> None:
+    """The two settings of an FSDP config that change what one rank holds even at world size 1: activation
+    checkpointing of each wrapped layer (carried: tunegrid checkpoints each decoder layer, non-reentrant) and
+    parameter offloading to host memory (refused: tunegrid keeps the weights on the device). Sharding itself is
+    run differently (recipe_keys.APPROXIMATED)."""
+    options = recipe.raw.get("fsdp")
+    options = options.split() if isinstance(options, str) else options if isinstance(options, list) else []
+    if "offload" in options:  # transformers' / axolotl's option list: full_shard auto_wrap offload
+        recipe.refuse("fsdp", "offload keeps the parameters in host memory and brings each wrapped layer's "
+                      "weights to the device for its compute; tunegrid keeps the model on the device")  # fmt: skip
+    config = recipe.raw.get("fsdp_config")
+    if not isinstance(config, dict):
+        return
+    for key in ("activation_checkpointing", "fsdp_activation_checkpointing"):
+        if config.get(key) is True:
+            recipe.carry("train.gradient_checkpointing", True, f"fsdp_config.{key}")
+            recipe.notes.append(f"fsdp_config.{key}: FSDP checkpoints each wrapped decoder layer; tunegrid's cells "
+                                "checkpoint each decoder layer (non-reentrant)")  # fmt: skip
+    for key in ("offload_params", "fsdp_offload_params"):
+        if config.get(key):
+            recipe.refuse(f"fsdp_config.{key}", "FSDP keeps the parameters, their gradients and the optimizer "
+                          "state in host memory and brings each wrapped layer's weights to the device for its "
+                          "compute, at any world size (the device holds one layer's weights); tunegrid keeps the "
+                          "model on the device")  # fmt: skip

@@ -27,7 +27,7 @@ from tunegrid.prepare.recipe import (
     warmup,
 )
 from tunegrid.prepare.recipe_keys import account_rest, check_tables, lora_options, number
-from tunegrid.prepare.recipe_memory import checkpointing_and_offloading
+from tunegrid.prepare.recipe_memory import checkpointing_and_offloading, fsdp_memory
 from tunegrid.prepare.recipe_optimizers import optimizer
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
@@ -167,6 +167,7 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     new_key, old_key = axis_keys(tool, "activation_checkpointing")
     checkpointing = raw.get(new_key, raw.get(old_key, _get(recipe, old_key)))
     checkpointing_and_offloading(recipe, old_key, bool(checkpointing), new_key, offloading=tool == "trl")
+    fsdp_memory(recipe)
     timeout = number(recipe, "ddp_timeout", _get(recipe, "ddp_timeout"), integer=False, low=1, high=7 * 86400,
                      default=1800.0)  # fmt: skip
     recipe.carry("distributed.collective_timeout_s", float(timeout), "ddp_timeout")
