@@ -129,3 +129,10 @@ def test_fsdp_checkpointing_is_carried_and_its_parameter_offloading_refused(tmp_
             _import(tmp_path, {**raw, "fsdp_config": config})
     with pytest.raises(RecipeError, match="recipe key 'fsdp': offload"):  # TrainingArguments' option string
         _import(tmp_path, {**TRL, "fsdp": "full_shard auto_wrap offload"})
+
+
+def test_qlora_without_double_quantization_is_said_to_run_differently(tmp_path):
+    _, recipe, _ = _import(tmp_path, {**TRL, "load_in_4bit": True})  # ModelConfig's use_bnb_nested_quant: false
+    assert "double-quantizes" in recipe.differs["use_bnb_nested_quant"]
+    _, recipe, _ = _import(tmp_path, {**TRL, "load_in_4bit": True, "use_bnb_nested_quant": True})
+    assert "use_bnb_nested_quant" not in recipe.differs

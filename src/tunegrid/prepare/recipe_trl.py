@@ -101,8 +101,11 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
         recipe, bool(raw.get("load_in_4bit")), bool(raw.get("load_in_8bit")), raw.get("bnb_4bit_quant_type"),
         ["load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"],
     )  # fmt: skip
-    if "use_bnb_nested_quant" in raw and not raw["use_bnb_nested_quant"]:
-        recipe.notes.append("use_bnb_nested_quant: false; tunegrid's nf4 double-quantizes (nested)")
+    if raw.get("load_in_4bit") and not raw.get("use_bnb_nested_quant"):  # ModelConfig's default: false
+        recipe.differs["use_bnb_nested_quant"] = (
+            "false (TRL's default): the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them "
+            "(about 0.37 bit per weight less)"
+        )
     bf16_key, fp16_key = axis_keys(tool, "precision")
     bf16 = raw.get(bf16_key)
     if tool == "trl" and bf16 is None:
