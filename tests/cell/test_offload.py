@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import one_cell, ready_trainer
+from conftest import one_cell, ready_trainer, run_in_process
 
 from tunegrid.cell.offload import ActivationOffload
 
@@ -31,6 +31,12 @@ def test_a_cpu_cell_hands_its_saved_tensors_to_the_hooks_and_trains_the_same(
     assert plain.offload is None and len(packed) > 10, "the forward's saved tensors go through the hooks"
     assert offloaded.offload.moved_bytes == 0, "on a CPU cell the activations already live in host memory"
     assert result.loss == plain_result.loss and result.grad_norm == plain_result.grad_norm
+
+
+def test_the_worker_records_what_the_first_step_moved(checkpoints, dataset_path, tmp_path):
+    spec = one_cell(train={"steps": 1, "activation_offloading": True})
+    facts = run_in_process(spec, checkpoints, dataset_path, tmp_path)
+    assert facts["memory"]["activations_offloaded_bytes"] == 0  # a CPU cell: nothing to move
 
 
 def test_the_hooks_leave_weights_and_small_tensors_and_bring_the_rest_back():
