@@ -136,3 +136,12 @@ def test_qlora_without_double_quantization_is_said_to_run_differently(tmp_path):
     assert "double-quantizes" in recipe.differs["use_bnb_nested_quant"]
     _, recipe, _ = _import(tmp_path, {**TRL, "load_in_4bit": True, "use_bnb_nested_quant": True})
     assert "use_bnb_nested_quant" not in recipe.differs
+
+
+def test_a_completion_dataset_is_raw_text_trained_whole(tmp_path):
+    # axolotl's dataset formats (docs/dataset-formats/pretraining): type completion, the text in `field` (text)
+    raw = {**AXOLOTL, "datasets": [{"path": "org/some-text", "type": "completion"}]}
+    study, _, _ = _import(tmp_path, raw)
+    assert study["data"]["fields"] == {"text": "text"} and study["data"]["loss_on"] == "all"
+    raw = {**AXOLOTL, "datasets": [{"path": "org/some-text", "type": "completion", "field": "content"}]}
+    assert _import(tmp_path, raw)[0]["data"]["fields"] == {"text": "content"}

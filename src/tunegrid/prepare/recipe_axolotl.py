@@ -292,13 +292,17 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
         recipe.notes.append(
             f"{key}.type alpaca: prompt = instruction, response = output (an `input` field is not read)"
         )
+    elif kind == "completion":  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
+        recipe.carry("data.fields", {"text": entry.get("field") or "text"}, f"{key}.type", f"{key}.field")
+        recipe.carry("data.loss_on", "all", f"{key}.type")
     elif isinstance(kind, dict) and kind.get("field_instruction") and kind.get("field_output"):
         recipe.carry(
             "data.fields", {"prompt": kind["field_instruction"], "response": kind["field_output"]}, f"{key}.type"
         )
     else:
         recipe.refuse(
-            f"{key}.type", f"{kind!r}: tunegrid reads chat_template, alpaca or {{field_instruction, field_output}}"
+            f"{key}.type",
+            f"{kind!r}: tunegrid reads chat_template, alpaca, completion or {{field_instruction, field_output}}",
         )
 
 
