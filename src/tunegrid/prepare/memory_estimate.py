@@ -61,10 +61,6 @@ def estimate_cell(
     return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
 
 
-def _regex(lora: dict[str, Any], module: str) -> bool:
-    return bool(lora.get("target_regex")) and re.fullmatch(lora["target_regex"], module) is not None
-
-
 def _expert_group(name: str, shape: list[int]) -> str:
     """The module holding an expert tensor: the fused parameter's parent, or for per-expert checkpoint
     tensors (layers.N.mlp.experts.M.proj.weight) the experts module above the expert index."""
@@ -227,6 +223,7 @@ def estimate_from_shapes(
     lora_params = 0
     lora_tensors: list[int] = []
     all_linear = list(lora["target_modules"]) == ["all-linear"]  # peft resolves it: every linear but the head
+    regex = re.compile(lora.get("target_regex") or "(?!)")  # peft full-matches a string against module names
     saved = list(lora.get("modules_to_save") or [])
     largest_dequant = 0
     expert_names: set[str] = set()
@@ -265,7 +262,7 @@ def estimate_from_shapes(
             len(shape) == 2
             and not embedding
             and not expert
-            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]) or _regex(lora, module))
+            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]) or regex.fullmatch(module))
             and not (all_linear and module.endswith("lm_head"))  # peft's all-linear leaves the output head
         ):
             lora_params += lora["r"] * (shape[0] + shape[1])
