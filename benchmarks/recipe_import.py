@@ -6,6 +6,11 @@ Each file is classified from its own keys, independently of the importer: an axo
 when it has `adapter: lora|qlora` and no `rl`, `reward_model`, `process_reward_model`, `pretraining_dataset`,
 `num_labels`; a TRL / alignment-handbook file when it sets `use_peft` and lives under no dpo/orpo/kto/grpo
 folder and has none of DPOConfig's `beta`. Files naming no model (accelerate/launcher configs) are skipped.
+Two kinds of SFT LoRA recipe are counted apart, because tunegrid does not train them: multimodal ones
+(`processor_type`, `image_size`, `freeze_mm_modules`), and LoRA over a base checkpoint stored in a quantization
+that is not bitsandbytes' (axolotl's `gptq`, `model_quantization_config` such as Mxfp4Config, `nvfp4_merge_aware`,
+`dsv4_fp4_grouped_mode`, `llmcompressor`, `use_onebitllms`: GPTQ, MXFP4, NVFP4, compressed or 1-bit bases).
+Both are expected to be refused by name, and are printed in their own rows, never dropped from the table.
 An SFT LoRA/QLoRA recipe counts as imported when `tunegrid import` writes its study and the study passes
 every check `tunegrid validate` runs (schema, cross-checks, cells); a non-SFT one counts as refused by name
 when the error names the key that makes it so. Any other exception is a traceback.
@@ -25,6 +30,14 @@ import yaml
 
 NON_SFT_FOLDERS = re.compile(r"/(dpo|orpo|kto|grpo|rl|reward|ppo|apo|simpo)/", re.IGNORECASE)
 MULTIMODAL = ("processor_type", "image_size", "freeze_mm_modules")
+PREQUANTIZED = ("gptq", "model_quantization_config", "nvfp4_merge_aware", "dsv4_fp4_grouped_mode", "llmcompressor",
+                "use_onebitllms")  # fmt: skip
+KINDS = {
+    "sft-lora": "SFT LoRA/QLoRA, text",
+    "sft-prequantized": "SFT LoRA over a GPTQ/MXFP4/NVFP4/... checkpoint",
+    "sft-multimodal": "SFT LoRA/QLoRA, multimodal",
+    "non-sft": "not SFT (DPO/ORPO/KTO/GRPO/reward/pretraining/full)",
+}
 
 
 def classify(path: Path, raw: dict) -> str | None:
@@ -33,6 +46,8 @@ def classify(path: Path, raw: dict) -> str | None:
             return "non-sft"
         if raw.get("pretraining_dataset") or raw.get("adapter") not in ("lora", "qlora"):
             return "non-sft"
+        if any(raw.get(k) for k in PREQUANTIZED):
+            return "sft-prequantized"
         return "sft-multimodal" if any(raw.get(k) for k in MULTIMODAL) else "sft-lora"
     if "model_name_or_path" in raw:
         if NON_SFT_FOLDERS.search(str(path)) or "beta" in raw or not raw.get("use_peft"):
@@ -85,7 +100,7 @@ def main() -> int:
             counts[(kind, outcome)] += 1
             if outcome == "traceback":
                 tracebacks.append((str(path), detail))
-            elif kind != "non-sft" and outcome == "refused":
+            elif kind != "non-sft" and outcome == "refused":  # text, pre-quantized and multimodal alike
                 refused_sft.append((str(path), detail))
             elif kind == "non-sft" and outcome == "refused" and "is not LoRA/QLoRA SFT" not in detail:
                 unnamed.append(f"{path}: {detail.splitlines()[-1]}")
@@ -93,24 +108,36 @@ def main() -> int:
                 unnamed.append(f"{path}: imported")
             if args.show:
                 print(f"{outcome:9} {kind:15} {path}")
-    total = {
-        k: sum(v for (kind, _), v in counts.items() if kind == k) for k in ("sft-lora", "sft-multimodal", "non-sft")
-    }
-    sft_ok = counts[("sft-lora", "imported")]
-    mm_ok = counts[("sft-multimodal", "imported")]
+    total = {kind: sum(v for (k, _), v in counts.items() if k == kind) for kind in KINDS}
     named = total["non-sft"] - len(unnamed) - counts[("non-sft", "traceback")]
     print(f"files read as recipes: {sum(total.values())}")
+    print(f"{'class':52} {'files':>5} {'imported':>8} {'refused':>7} {'traceback':>9}")
+    for kind, label in KINDS.items():
+        row = [counts[(kind, outcome)] for outcome in ("imported", "refused", "traceback")]
+        print(f"{label:52} {total[kind]:5} {row[0]:8} {row[1]:7} {row[2]:9}")
+    sft_ok, text = counts[("sft-lora", "imported")], total["sft-lora"]
     print(
-        f"SFT LoRA/QLoRA (text): {sft_ok}/{total['sft-lora']} imported with no flag and validated "
-        f"({100 * sft_ok / max(1, total['sft-lora']):.1f} %)"
+        f"SFT LoRA/QLoRA (text): {sft_ok}/{text} imported with no flag and validated "
+        f"({100 * sft_ok / max(1, text):.1f} %)"
     )
-    both = total["sft-lora"] + total["sft-multimodal"]
-    print(f"SFT LoRA/QLoRA incl. multimodal: {sft_ok + mm_ok}/{both} ({100 * (sft_ok + mm_ok) / max(1, both):.1f} %)")
+    every = text + total["sft-prequantized"] + total["sft-multimodal"]
+    every_ok = sft_ok + counts[("sft-prequantized", "imported")] + counts[("sft-multimodal", "imported")]
+    print(
+        f"every SFT LoRA recipe (text, pre-quantized, multimodal): {every_ok}/{every} "
+        f"({100 * every_ok / max(1, every):.1f} %)"
+    )
     print(
         f"non-SFT: {named}/{total['non-sft']} refused naming what makes them so "
         f"({100 * named / max(1, total['non-sft']):.1f} %)"
     )
     print(f"tracebacks: {len(tracebacks)}")
+    keys = Counter(
+        key for _, detail in refused_sft for key in dict.fromkeys(re.findall(r"recipe key '([^']+)'", detail))
+    )
+    print(
+        "keys refused in SFT recipes (a recipe can name several): "
+        + ", ".join(f"{k} {n}" for k, n in keys.most_common())
+    )
     for path, detail in refused_sft:
         print(f"\nrefused SFT recipe {path}:\n{detail}")
     for line in unnamed:

@@ -162,7 +162,8 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             from tunegrid.gguf_files import gguf_spec_problems
 
             problems += gguf_spec_problems(spec, key)
-    if not config["lora"]["target_modules"] and not config["lora"]["target_parameters"]:
+    lora = config["lora"]
+    if not lora["target_modules"] and not lora["target_parameters"] and not lora.get("target_regex"):
         problems.append(
             "config key 'lora.target_modules': empty, and so is lora.target_parameters: name the modules that get "
             "adapters (e.g. [q_proj, v_proj], or [all-linear])"

@@ -76,6 +76,10 @@ def is_chat(data: dict[str, Any]) -> bool:
 
 def fields_problems(data: dict[str, Any]) -> list[str]:
     fields = field_map(data)
+    if "text" in fields and set(fields) != {"text"}:
+        return ["config key 'data.fields': raw text is {text: <column>} alone"]
+    if "text" in fields:
+        return []
     if "messages" in fields and len(set(fields) - {"role", "content"}) > 1:
         return [
             "config key 'data.fields': give either {messages: <column>} or {prompt: <column>, response: <column>}, "

@@ -143,7 +143,7 @@ def test_every_key_is_in_one_place_and_memory_keys_are_never_waved_through(here)
     assert set(raw) <= set().union(*places) | {"plugins"}, "every key in one place"
     assert "tf32" in recipe.differs and "config" in recipe.not_carried["strict"]
     with pytest.raises(RecipeError, match="activation_offloading"):
-        _import(here, {**AXOLOTL, "activation_offloading": True})
+        _import(here, {**AXOLOTL, "gradient_checkpointing": True, "activation_offloading": "disk"})
 
 
 def test_a_typo_of_a_carried_key_is_refused_naming_the_key_it_resembles(here):

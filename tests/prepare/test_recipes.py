@@ -57,7 +57,7 @@ IMPORTS = {  # recipe -> (import options, the baseline cell, settings the study 
          "train.gradient_checkpointing": True, "train.warmup_steps": 5, "train.steps": 50},
     ),
     "axolotl-fsdp-8bit-optim.yaml": (
-        {"failure": "oom", "ignore": ["optimizer", "peft_use_dora"]},
+        {"failure": "oom", "ignore": ["optimizer", "peft_use_dora", "fsdp_config.fsdp_offload_params"]},
         "local-qwen3-moe_fp16_bs4_none_s42",
         {"lora.target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "data.loss_on": "all",
          "data.fields": {"prompt": "question", "response": "answer"}, "data.source": "parquet",
@@ -117,7 +117,7 @@ def test_the_grid_varies_what_bears_on_the_failure(workdir):
     assert list(zip(nan["grid"]["batch_size"], nan["grid"]["grad_accum"])) == [(2, 4), (1, 8)]  # same effective
     assert {c.batch_size * c.grad_accum for c in expand_cells(resolve_study(nan))} == {8}, "never crossed"
     oom, _, _ = import_recipe({"recipe": "axolotl-fsdp-8bit-optim.yaml", "failure": "oom",
-                               "ignore": ["optimizer", "peft_use_dora"]})  # fmt: skip
+                               "ignore": ["optimizer", "peft_use_dora", "fsdp_config"]})  # fmt: skip
     assert oom["grid"]["quant"] == ["none", "nf4-experts", "nf4", "int8"], "the memory fixes; nf4-experts for MoE"
     assert oom["grid"]["precision"] == ["fp16"]
     timeout, _, _ = import_recipe({"recipe": "trl-sft-chat.yaml", "failure": "timeout"})
@@ -127,7 +127,7 @@ def test_the_grid_varies_what_bears_on_the_failure(workdir):
 @pytest.mark.parametrize(
     ("name", "options", "keys", "needed"),
     [
-        ("axolotl-fsdp-8bit-optim.yaml", {}, ["optimizer"], []),
+        ("axolotl-fsdp-8bit-optim.yaml", {}, ["optimizer", "fsdp_config.fsdp_offload_params"], []),
         ("transformers-training-args.json", {"model": "models/local-gemma", "dataset": "data/chat.jsonl"},
          ["optim"], ["max_length"]),
     ],

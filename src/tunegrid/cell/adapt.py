@@ -53,8 +53,9 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
         }
     report["after_adapters"] = quant_audit.audit_model(model, quantization_requested=quantized)
     targets = list(lora["target_modules"])
-    if targets == ["all-linear"]:  # peft resolved it: audit the suffixes it attached to
+    if targets == ["all-linear"] or lora.get("target_regex"):  # peft resolved it: audit the suffixes it attached to
         targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if len(getattr(m, "lora_A", {}))})
+        targets = targets or [lora.get("target_regex") or "all-linear"]  # none attached: say what matched nothing
     report["lora"] = quant_audit.lora_attachment(model, targets, lora["target_parameters"])
     if report["lora"]["unmatched"]:
         print(

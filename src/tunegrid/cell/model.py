@@ -215,9 +215,9 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         lora_alpha=lora["alpha"],
         lora_dropout=lora["dropout"],
         # peft's own all-linear (every linear layer but the output head) when the import could not resolve it
-        target_modules="all-linear"
-        if list(lora["target_modules"]) == ["all-linear"]
-        else list(lora["target_modules"]) or None,  # none: the adapters go on target_parameters only
+        # a string is a regex peft full-matches against each module's name (lora.target_regex)
+        target_modules=lora.get("target_regex")
+        or ("all-linear" if list(lora["target_modules"]) == ["all-linear"] else list(lora["target_modules"]) or None),
         target_parameters=list(lora["target_parameters"]) or None,
         modules_to_save=list(lora.get("modules_to_save") or []) or None,
         use_rslora=bool(lora.get("use_rslora")),

@@ -40,7 +40,7 @@ def encode_record(record: dict[str, Any], tokenizer: Any, loss_on: str) -> Encod
 
     The first label is always -100: no token of the example predicts it, and in a packed row it would
     be learned from the end of the previous example."""
-    if has_chat_template(tokenizer):
+    if has_chat_template(tokenizer) and "text" not in record:  # raw text is never laid out as a chat
         ids, labels = _encode_chat_template(record, tokenizer, loss_on)
     else:
         ids, labels = _encode_project_template(record, tokenizer, loss_on)

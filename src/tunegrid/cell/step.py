@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tunegrid.cell.injection import NonfiniteInjector
+from tunegrid.cell.offload import ActivationOffload, offload_of
 from tunegrid.cell.packing import IGNORE
 from tunegrid.cell.precision import PrecisionPlan
 from tunegrid.cell.ranks import RankContext
@@ -71,6 +72,7 @@ class OptimizerStep:
     max_grad_norm: float
     forward_done_at: float = 0.0  # when the last forward ended (perf_counter): the end of the step's local time
     ddp_pre_forward_s: float = 0.0  # the step's time inside DDP's pre-forward (a sync of the ranks)
+    offload: ActivationOffload | None = None  # train.activation_offloading: saved tensors to host memory
 
     @classmethod
     def build(
@@ -122,6 +124,7 @@ class OptimizerStep:
             injector=injector,
             loss_by_count=loss_by_count,
             max_grad_norm=train["max_grad_norm"],
+            offload=offload_of(spec, ranks.device),
         )
 
     @property
@@ -148,7 +151,8 @@ class OptimizerStep:
         by_count = self.loss_by_count
         ddp = self.ranks.ddp
         called = time.perf_counter()
-        with autocast_context(self.plan):
+        offloaded = self.offload.active() if self.offload is not None else contextlib.nullcontext()
+        with autocast_context(self.plan), offloaded:
             loss = (ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
         self.forward_done_at = time.perf_counter()  # the last micro-batch's ends the step's local time
         if ddp is not None:  # DDP's pre-forward syncs the ranks once (its bucket rebuild, 2nd iteration)
@@ -201,6 +205,8 @@ class OptimizerStep:
             real_positions=real_positions or [None] * len(micro_batches),
         )
         self.meter.reset()
+        if self.offload is not None:
+            self.offload.moved_bytes = 0
         # the step's wall time runs from before an injected delay: a slow rank's own step is as long as its
         # peers' (they wait for it in the all-reduce), as a user's run would see it
         started = local_started

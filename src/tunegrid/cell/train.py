@@ -203,6 +203,8 @@ class CellTrainer:
                 )
                 if step == 0:  # the first step's peak, apart from the steady steps'
                     self.memory["first_step_peak_bytes"] = result.peak
+                    if optimizer_step.offload is not None:  # what the step's saved tensors put in host memory
+                        self.memory["activations_offloaded_bytes"] = optimizer_step.offload.moved_bytes
                 tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
                 record_step(log, files, step, result, tokens, measure_headroom, scaled)
                 progress.set_postfix(loss=f"{result.loss:.4g}", refresh=False)

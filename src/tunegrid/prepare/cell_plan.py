@@ -22,6 +22,7 @@ MEM_SAFETY_FACTOR = 1.5
 # No rank asks for less: a Python process with torch, transformers and peft imported holds ~0.5-0.7 GiB
 # before it loads a model (the probe's runtime baseline on the 2-core CPU host).
 MEM_FLOOR_MB_PER_RANK = 1024
+OFFLOADED = "activations_offloaded_to_host"  # the estimate's component held in host memory, not the device's
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def mem_mb_for_job(plan_file: str | Path | None, hardware: dict[str, Any], world
     if plan_file is None or not Path(plan_file).is_file():
         return job_mem_mb(0, world_size, override)
     plan = CellPlan.read(plan_file)
-    return job_mem_mb(plan.estimate_bytes, plan.world_size, override)
+    return override or plan.mem_mb
 
 
 def cell_plan(spec: dict[str, Any], planned: dict[str, Any], device: str) -> CellPlan:
@@ -86,7 +87,8 @@ def cell_plan(spec: dict[str, Any], planned: dict[str, Any], device: str) -> Cel
         worker=str(estimate["worker"]),
         verdict=str(verdict[0]),
         reason=str(verdict[1]),
-        mem_mb=job_mem_mb(int(estimate["estimate_bytes"]), world),
+        # activations offloaded from a GPU (train.activation_offloading) live in the host's memory besides
+        mem_mb=job_mem_mb(int(estimate["estimate_bytes"]) + int(estimate["components"].get(OFFLOADED, 0)), world),
     )
 
 

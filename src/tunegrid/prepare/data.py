@@ -57,7 +57,10 @@ def read_dataset(path: str | Path) -> list[dict[str, str]]:
 
 def template_turns(record: dict[str, Any]) -> list[tuple[str, bool]]:
     """A record in the project's prompt template as (text, is_response) pieces, for tokenizers without
-    a chat template. A pair is one instruction and its response; a chat is its turns in order."""
+    a chat template. A pair is one instruction and its response; a chat is its turns in order; raw text is
+    itself, trained whole."""
+    if "text" in record:
+        return [(record["text"], True)]
     if "messages" not in record:
         return [(PROMPT_TEMPLATE.format(instruction=record["instruction"]), False), (record["response"], True)]
     pieces = []

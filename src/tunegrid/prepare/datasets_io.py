@@ -1,7 +1,8 @@
 """A study's own training records: a local jsonl/parquet file or a pinned hub dataset, read with `datasets`.
 
 Whatever the source, the records are written once (the `dataset` rule) in one of the two shapes the rest of
-tunegrid reads: pairs `{"instruction", "response"}` (the generated set's shape) or chats `{"messages": [...]}`.
+tunegrid reads: pairs `{"instruction", "response"}` (the generated set's shape), chats `{"messages": [...]}`
+or raw text `{"text"}`.
 Cells then read that file and never touch the network.
 
 Config-time checks stay light (no `datasets` import): they run at every Snakefile parse.
@@ -21,6 +22,8 @@ from tunegrid.data_checks import DataError, check_records, config_problems, fiel
 def normalize(record: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     """One record in tunegrid's shape: chats keep role/content only, pairs become instruction/response."""
     fields = field_map(data)
+    if "text" in fields:
+        return {"text": str(record[fields["text"]])}
     if "messages" in fields:
         messages = [message_view(m, fields) for m in record[fields["messages"]]]
         return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}

@@ -10,6 +10,7 @@ their grads and the optimizer's states, activations kept for backward, and the l
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,7 @@ def estimate_from_shapes(
     lora_params = 0
     lora_tensors: list[int] = []
     all_linear = list(lora["target_modules"]) == ["all-linear"]  # peft resolves it: every linear but the head
+    regex = re.compile(lora.get("target_regex") or "(?!)")  # peft full-matches a string against module names
     saved = list(lora.get("modules_to_save") or [])
     largest_dequant = 0
     expert_names: set[str] = set()
@@ -195,7 +197,7 @@ def estimate_from_shapes(
             len(shape) == 2
             and not embedding
             and not expert
-            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]))
+            and (all_linear or any(module.endswith("." + t) for t in lora["target_modules"]) or regex.fullmatch(module))
             and not (all_linear and module.endswith("lm_head"))  # peft's all-linear leaves the output head
         ):
             lora_params += lora["r"] * (shape[0] + shape[1])
@@ -242,6 +244,10 @@ def estimate_from_shapes(
         activations = layers * tokens * hidden * act + per_layer * (2 if device == "cpu" else 1)
     else:
         activations = layers * per_layer
+    # offloaded (cell/offload.py): saved tensors live in host memory, the device holds one layer's; on CPU the same
+    kept = per_layer + tokens * hidden * act * bool(train["gradient_checkpointing"])
+    offloaded = max(0, activations - kept) if train.get("activation_offloading") and device != "cpu" else 0
+    activations -= offloaded
     logits = tokens * vocab * 4 * 3  # fp32 logits, log-softmax and its gradient
     # Weights stored wider than autocast computes (fp16-mixed): autograd keeps each matmul's cast copy, the head's
     # too, for the input's gradient until the backward (Gemma 3 270M: 268M values, 536 MB in fp16)
@@ -309,6 +315,7 @@ def estimate_from_shapes(
             "lora_params_grads": int(lora_bytes),
             "optimizer_state": int(optimizer_bytes),
             "activations": int(activations),
+            "activations_offloaded_to_host": int(offloaded),
             "experts_kept_for_backward": int(kept_experts),
             "logits": int(logits),
             "dequant_buffer": int(dequant),

@@ -212,6 +212,8 @@ def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
     if value in (None, [], ""):
         return
     if value == "all-linear" or value == ["all-linear"]:
+        recipe.settings.pop("lora.target_regex", None)  # axolotl lists a regex string beside every linear name
+        recipe.origin.pop("lora.target_regex", None)
         found = linear_modules(recipe)
         if found:
             recipe.carry("lora.target_modules", found, key)
@@ -221,8 +223,16 @@ def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
             recipe.notes.append(f"{key}: all-linear, resolved by peft against the fetched checkpoint's linear layers")
     elif isinstance(value, list) and all(isinstance(v, str) for v in value):
         recipe.carry("lora.target_modules", list(value), key)
-    elif isinstance(value, str) and value:
+    elif isinstance(value, str) and re.fullmatch(r"[\w.]+", value):  # one module name
         recipe.carry("lora.target_modules", [value], key)
+    elif isinstance(value, str) and value:  # peft reads a string as a regex full-matched against module names
+        try:
+            re.compile(value)
+        except re.error as exc:
+            recipe.refuse(key, f"{value!r} is not a regular expression peft can match ({exc})")
+            return
+        recipe.carry("lora.target_modules", [], key)
+        recipe.carry("lora.target_regex", value, key)
     else:
         recipe.refuse(key, f"{value!r}: tunegrid takes a list of module-name suffixes")
 

@@ -25,6 +25,12 @@ from tunegrid.prepare.recipe import (
     warmup,
 )
 from tunegrid.prepare.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.prepare.recipe_memory import (
+    checkpointing_and_offloading,
+    fan_in_fan_out,
+    fsdp_memory,
+    unfrozen_parameters,
+)
 from tunegrid.prepare.recipe_optimizers import optimizer
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
@@ -43,7 +49,8 @@ READER_KEYS = {
     "warmup_ratio", "warmup_steps", "ddp_timeout", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
     "lora_target_linear", "lora_target_parameters", "sample_packing", "train_on_inputs", "datasets",
     "attn_implementation", "pad_to_sequence_len", "peft", "lora_fan_in_fan_out", "lora_task_type",
-    "sample_packing_seq_len_multiplier", "eval_sample_packing", "model_config", *LORA_EXTRAS, *LORA_OPTIONS,
+    "sample_packing_seq_len_multiplier", "eval_sample_packing", "model_config", "activation_offloading",
+    "unfrozen_parameters", *LORA_EXTRAS, *LORA_OPTIONS,
     *ATTENTION_FLAGS,
 } | {key for keys in AXIS_KEYS.values() for key in keys["axolotl"]} | {"batch_size"}  # fmt: skip
 MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
@@ -74,8 +81,15 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     experts = quant_of({"load_in_4bit": True, "bnb_4bit_quant_type": quant_type}, experts=True)
     if raw.get("quantize_moe_experts") and four and experts:
         recipe.carry("grid.quant", experts, "quantize_moe_experts")
+    elif raw.get("quantize_moe_experts"):  # axolotl's int8 row-wise parametrization under load_in_8bit
+        recipe.refuse("quantize_moe_experts", "quantizes the MoE experts in 8 bits; tunegrid quantizes them in 4 "
+                      "bits only (nf4-experts, with load_in_4bit); its int8 quantizes linear layers, not fused "
+                      "expert tensors")  # fmt: skip
     if bnb.get("bnb_4bit_use_double_quant") is False:
-        recipe.notes.append("bnb_config_kwargs.bnb_4bit_use_double_quant: false; tunegrid's nf4 double-quantizes")
+        recipe.differs["bnb_config_kwargs.bnb_4bit_use_double_quant"] = (
+            "false: the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them (about 0.37 bit "
+            "per weight less)"
+        )
     bf16_key, fp16_key = axis_keys("axolotl", "precision")
     precision_flags(recipe, raw.get(bf16_key), raw.get(fp16_key), (bf16_key, fp16_key))
 
@@ -127,13 +141,8 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     (optimizer_key,) = axis_keys("axolotl", "optimizer")
     optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
     (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
-    checkpointing = raw.get(checkpointing_key)
-    if checkpointing == "offload":
-        recipe.refuse(checkpointing_key, "offload keeps checkpoints in host memory; tunegrid keeps them on the "
-                      "device (set it to true)")  # fmt: skip
-    elif checkpointing not in (None, True, False):
-        recipe.refuse(checkpointing_key, f"{checkpointing!r}: tunegrid checkpoints activations or not (bool)")
-    recipe.carry("train.gradient_checkpointing", bool(checkpointing), checkpointing_key)
+    checkpointing_and_offloading(recipe, checkpointing_key, raw.get(checkpointing_key))
+    fsdp_memory(recipe)
     if raw.get("ddp_timeout"):
         timeout = number(recipe, "ddp_timeout", raw["ddp_timeout"], integer=False, low=1, high=7 * 86400)
         if timeout:
@@ -159,8 +168,8 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
                 "unset: peft picks its default modules for the architecture; tunegrid adapts the attention and MLP "
                 "projections (lora.target_modules in the study says which)"
             )
-    if raw.get("lora_fan_in_fan_out"):
-        recipe.refuse("lora_fan_in_fan_out", "for Conv1D bases (GPT-2 style); tunegrid's LoRA wraps nn.Linear")
+    fan_in_fan_out(recipe, "lora_fan_in_fan_out")
+    unfrozen_parameters(recipe)
     for key in LORA_EXTRAS:
         if raw.get(key):
             recipe.refuse(key, "tunegrid trains peft's LoRA (r/alpha/dropout/targets, modules_to_save, rsLoRA, DoRA)")
@@ -283,13 +292,17 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
         recipe.notes.append(
             f"{key}.type alpaca: prompt = instruction, response = output (an `input` field is not read)"
         )
+    elif kind == "completion":  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
+        recipe.carry("data.fields", {"text": entry.get("field") or "text"}, f"{key}.type", f"{key}.field")
+        recipe.carry("data.loss_on", "all", f"{key}.type")
     elif isinstance(kind, dict) and kind.get("field_instruction") and kind.get("field_output"):
         recipe.carry(
             "data.fields", {"prompt": kind["field_instruction"], "response": kind["field_output"]}, f"{key}.type"
         )
     else:
         recipe.refuse(
-            f"{key}.type", f"{kind!r}: tunegrid reads chat_template, alpaca or {{field_instruction, field_output}}"
+            f"{key}.type",
+            f"{kind!r}: tunegrid reads chat_template, alpaca, completion or {{field_instruction, field_output}}",
         )
 
 

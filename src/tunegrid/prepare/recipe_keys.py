@@ -160,7 +160,8 @@ APPROXIMATED = {
     "fsdp": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP): a peak measured here "
     "is the unsharded one (the same at one rank)",
     "fsdp_config": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP): a peak "
-    "measured here is the unsharded one (the same at one rank)",
+    "measured here is the unsharded one (the same at one rank; its activation checkpointing is carried, its "
+    "parameter offloading refused)",
     "fsdp_version": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP)",
     "dp_shard_size": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP)",
     "deepspeed": "the recipe shards states across ranks (ZeRO); tunegrid's ranks hold all of them (DDP): a peak "
@@ -178,8 +179,6 @@ APPROXIMATED = {
 
 # keys that, when set (truthy), make another run than any tunegrid cell: refused naming the key
 REFUSED = {
-    "activation_offloading": "offloads activations to host memory (another peak); tunegrid keeps them on the "
-    "device: remove it, or turn on gradient_checkpointing to trade memory the way tunegrid can",
     "gptq": "a GPTQ-quantized base: tunegrid loads bitsandbytes quantizations (grid.quant); give the unquantized "
     "base with load_in_4bit / load_in_8bit",
     "gptq_model_v1": "a GPTQ-quantized base: tunegrid loads bitsandbytes quantizations (grid.quant)",
@@ -196,7 +195,6 @@ REFUSED = {
     "use_onebitllms": "a 1-bit base; tunegrid loads bitsandbytes quantizations",
     "nvfp4_merge_aware": "an nvfp4 base; tunegrid loads bitsandbytes quantizations",
     "dsv4_fp4_grouped_mode": "an fp4 base; tunegrid loads bitsandbytes quantizations",
-    "unfrozen_parameters": "trains base weights besides the adapters; tunegrid trains LoRA adapters only",
     "lora_model_dir": "starts from an existing adapter; tunegrid's cells start fresh adapters on the base",
     "resume_from_checkpoint": "resumes a run; tunegrid's cells start from the base weights",
     "overrides_of_model_config": "overrides the checkpoint's config.json; tunegrid loads the checkpoint's own",

@@ -27,6 +27,7 @@ from tunegrid.prepare.recipe import (
     warmup,
 )
 from tunegrid.prepare.recipe_keys import account_rest, check_tables, lora_options, number
+from tunegrid.prepare.recipe_memory import checkpointing_and_offloading, fsdp_memory
 from tunegrid.prepare.recipe_optimizers import optimizer
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
@@ -44,7 +45,7 @@ SFT_ONLY_KEYS = {
     "model_init_kwargs", "chat_template_path", "dataset_text_field", "dataset_kwargs", "dataset_num_proc",
     "eos_token", "max_length", "truncation_mode", "shuffle_dataset", "packing", "packing_strategy", "padding_free",
     "pad_to_multiple_of", "eval_packing", "completion_only_loss", "assistant_only_loss", "loss_type",
-    "router_aux_loss_coef",
+    "router_aux_loss_coef", "activation_offloading",
 }  # fmt: skip
 TRL_ONLY_KEYS = (MODEL_CONFIG_KEYS - {"trust_remote_code"}) | SCRIPT_ARGUMENTS_KEYS | SFT_ONLY_KEYS
 # the defaults a missing key takes, per tool (checked against the real dataclasses in the tests)
@@ -100,8 +101,11 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
         recipe, bool(raw.get("load_in_4bit")), bool(raw.get("load_in_8bit")), raw.get("bnb_4bit_quant_type"),
         ["load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"],
     )  # fmt: skip
-    if "use_bnb_nested_quant" in raw and not raw["use_bnb_nested_quant"]:
-        recipe.notes.append("use_bnb_nested_quant: false; tunegrid's nf4 double-quantizes (nested)")
+    if raw.get("load_in_4bit") and not raw.get("use_bnb_nested_quant"):  # ModelConfig's default: false
+        recipe.differs["use_bnb_nested_quant"] = (
+            "false (TRL's default): the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them "
+            "(about 0.37 bit per weight less)"
+        )
     bf16_key, fp16_key = axis_keys(tool, "precision")
     bf16 = raw.get(bf16_key)
     if tool == "trl" and bf16 is None:
@@ -165,7 +169,8 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     optimizer(recipe, optimizer_key, _get(recipe, optimizer_key))
     new_key, old_key = axis_keys(tool, "activation_checkpointing")
     checkpointing = raw.get(new_key, raw.get(old_key, _get(recipe, old_key)))
-    recipe.carry("train.gradient_checkpointing", bool(checkpointing), old_key, new_key)
+    checkpointing_and_offloading(recipe, old_key, bool(checkpointing), new_key, offloading=tool == "trl")
+    fsdp_memory(recipe)
     timeout = number(recipe, "ddp_timeout", _get(recipe, "ddp_timeout"), integer=False, low=1, high=7 * 86400,
                      default=1800.0)  # fmt: skip
     recipe.carry("distributed.collective_timeout_s", float(timeout), "ddp_timeout")
