@@ -14,7 +14,7 @@ from tunegrid.run import hooks
 from tunegrid.study_paths import StudyPaths
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.devices import cell_gpus, gpus_per_rank
-from tunegrid.prepare.cell_plan import mem_mb_for_job, write_cell_plan
+from tunegrid.prepare.cell_plan import mem_mb_for_job
 from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.review.doctor_plan import baseline_cell as doctor_baseline
 from tunegrid.review.doctor_plan import doctor_cells, memory_plan_cells
@@ -121,8 +121,21 @@ def get_cell_cpus(wildcards):
     return get_cell(wildcards).world_size * STUDY["train"]["threads"]
 
 
+def get_cell_job_args(wildcards):
+    """The `finetune` job's files, for the cell's contract (the cell_plan rule): the same paths its rule names."""
+    cell_id = get_cell(wildcards).cell_id
+    args = [
+        f"--data {RESULTS}/data/train.jsonl",
+        f"--run-dir {RESULTS}/runs/{cell_id}",
+        f"--result {RESULTS}/runs/{cell_id}/result.json",
+        f"--log {LOGS}/finetune/{cell_id}.log",
+        "--snakemake-job " + shlex.quote(f"finetune {RESULTS}/runs/{cell_id}/result.json"),
+    ]
+    return " ".join(args + [f"--tracking={RESULTS}/tracking.json"] if TRACKING else args)
+
+
 def get_cell_mem_mb(wildcards, input):
-    """From the cell's plan: Snakemake evaluates this again when it schedules the job, with the plan made; in a
+    """From the cell's contract: Snakemake evaluates this again when it schedules the job, with the plan made; in a
     dry run before it exists, the floor (tunegrid.prepare.cell_plan.MEM_FLOOR_MB_PER_RANK per rank)."""
     return mem_mb_for_job(input.get("plan"), STUDY["hardware"], get_cell(wildcards).world_size)
 

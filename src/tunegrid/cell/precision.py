@@ -60,15 +60,15 @@ def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
     )
 
 
-def autocast_context(plan: PrecisionPlan) -> contextlib.AbstractContextManager[Any]:
+def autocast_context(precision: PrecisionPlan) -> contextlib.AbstractContextManager[Any]:
     import torch
 
-    if not plan.autocast:
+    if not precision.autocast:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=plan.device_type, dtype=plan.torch_dtype("compute"))
+    return torch.autocast(device_type=precision.device_type, dtype=precision.torch_dtype("compute"))
 
 
-def make_grad_scaler(plan: PrecisionPlan, init_scale: float = 65536.0) -> Any | None:
+def make_grad_scaler(precision: PrecisionPlan, init_scale: float = 65536.0) -> Any | None:
     import torch
 
-    return torch.amp.GradScaler(plan.device_type, init_scale=init_scale) if plan.grad_scaler else None
+    return torch.amp.GradScaler(precision.device_type, init_scale=init_scale) if precision.grad_scaler else None

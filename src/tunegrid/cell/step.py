@@ -59,7 +59,7 @@ class OptimizerStep:
 
     model: Any
     trainable_named: list[tuple[str, Any]]
-    plan: PrecisionPlan
+    precision: PrecisionPlan
     meter: MemoryMeter
     ranks: RankContext
     optimizer: Any
@@ -78,7 +78,7 @@ class OptimizerStep:
         spec: dict[str, Any],
         model: Any,
         trainable_named: list[tuple[str, Any]],
-        plan: PrecisionPlan,
+        precision: PrecisionPlan,
         meter: MemoryMeter,
         ranks: RankContext,
     ) -> OptimizerStep:
@@ -101,7 +101,7 @@ class OptimizerStep:
             if schedule == "cosine_with_min_lr"
             else None,
         )
-        scaler = make_grad_scaler(plan, float(train.get("loss_scale_init", 65536)))
+        scaler = make_grad_scaler(precision, float(train.get("loss_scale_init", 65536)))
         loss_by_count = accepts_loss_kwargs(model)
         injection = (spec.get("debug") or {}).get("inject_nonfinite")
         injector = (
@@ -112,7 +112,7 @@ class OptimizerStep:
         return cls(
             model=model,
             trainable_named=trainable_named,
-            plan=plan,
+            precision=precision,
             meter=meter,
             ranks=ranks,
             optimizer=optimizer,
@@ -148,7 +148,7 @@ class OptimizerStep:
         by_count = self.loss_by_count
         ddp = self.ranks.ddp
         called = time.perf_counter()
-        with autocast_context(self.plan):
+        with autocast_context(self.precision):
             loss = (ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
         self.forward_done_at = time.perf_counter()  # the last micro-batch's ends the step's local time
         if ddp is not None:  # DDP's pre-forward syncs the ranks once (its bucket rebuild, 2nd iteration)
