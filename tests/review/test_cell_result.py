@@ -19,7 +19,7 @@ OLD = REPO / "tests" / "data" / "result-a7de793-gemma3-tiny_fp16_bs8_nf4_s0.json
 def test_a_result_json_from_before_the_type_still_reads():
     raw = json.loads(OLD.read_text())
     result = CellResult.from_json(raw)
-    assert result.outcome is Outcome.NAN and result.diagnosis.nan["kind"] == "loss_nonfinite"
+    assert result.outcome is Outcome.NAN and result.diagnosis.nan.kind == "loss_nonfinite"
     assert result.distributed == {} and result.lora_sha256 is None  # fields it predates take their defaults
     assert CellResult.from_json(result.to_json()) == result
     assert {k: v for k, v in result.to_json().items() if k in raw} == {**raw, "diagnosis": raw["diagnosis"]}

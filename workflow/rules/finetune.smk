@@ -30,4 +30,4 @@ rule finetune:
         host_cores=get_cell_host_cores,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     shell:
-        f"python {SCRIPT} finetune --contract {input.plan} > {log} 2>&1"
+        f"python {SCRIPT} finetune --contract {{input.plan}} > {{log}} 2>&1"

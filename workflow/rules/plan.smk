@@ -73,4 +73,4 @@ rule plan:
     params:
         plans=str(PATHS.study_dir / "plans"),
     shell:
-        f"python {SCRIPT} plan --study-file {input.study} --plans {params.plans} --out {output.plan} > {log} 2>        f"python {SCRIPT} plan" " --study-file {input.study} --plans {params.plans} --out {output.plan} > {log} 2>&1"1"
+        f"python {SCRIPT} plan --study-file {{input.study}} --plans {{params.plans}} --out {{output.plan}} > {{log}} 2>&1"
