@@ -14,7 +14,7 @@ from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_i
 from tunegrid.cell.resume import RESUME_DIR
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.prepare.checkpoints import verify_checkpoint
+from tunegrid.manifest import verify_checkpoint
 from tunegrid.review.summary import summary_row
 from tunegrid.track.tags import run_tags
 

@@ -3,7 +3,7 @@ supervisor and the worker read its file (tunegrid.contract). Read from the sourc
 
 Each planning function may be called only where the plan is made; a new caller (a supervisor that re-estimates, a
 worker that re-decides its kernels, a command that re-plans the grid) fails here. The worker's wing (cell/) does
-not import the prepare wing for what a plan decides.
+not import the prepare wing at all.
 """
 
 from __future__ import annotations
@@ -33,12 +33,6 @@ PLANNING: dict[str, set[str]] = {
     # the GPUs a cluster job was granted are known only once it runs: the supervisor asks then (a plan made on
     # the submitting host could not), nothing else
     "gpu_shortfall": {f"{PLAN}:_estimate", "tunegrid.run.supervisor:run_cell"},
-}
-# What the worker's wing still takes from the prepare wing, and why: none of it is a plan's decision.
-CELL_FROM_PREPARE = {
-    "tunegrid.prepare.data": "the data set's reader and batches: the prepare stage writes the file the cell reads",
-    "tunegrid.prepare.checkpoints": "the checkpoint's manifest check before the load (the file the prepare made)",
-    "tunegrid.prepare.probes": "the runtime baseline, measured as the probe measures it (the estimate's constant)",
 }
 
 
@@ -105,17 +99,18 @@ def test_the_planning_check_finds_a_supervisor_that_plans_again():
     )
 
 
-def test_the_worker_takes_no_plan_decision_from_the_prepare_wing():
+def test_the_worker_takes_nothing_from_the_prepare_wing():
+    """What the worker reads that the prepare stage also reads (the data set, the checkpoint's manifest, the
+    runtime baseline) is in a shared module; what the plan decided it reads from the cell's contract."""
     taken = {}
     for module, path in _modules().items():
         if module.startswith("tunegrid.cell."):
             for name in prepare_imports(path.read_text()):
                 taken.setdefault(name, []).append(module)
-    unexplained = {name: modules for name, modules in taken.items() if name not in CELL_FROM_PREPARE}
-    assert not unexplained, f"cell/ imports the prepare wing for {unexplained}; read it from the cell's contract"
+    assert not taken, f"cell/ imports the prepare wing: {taken}; read a plan's decision from the cell's contract"
 
 
 def test_the_import_check_finds_a_worker_that_decides_its_kernels():
     bad = "def use_cpu_kernels(spec):\n    from tunegrid.prepare.cpu_kernels import cpu_onednn_off\n"
     assert prepare_imports(bad) == {"tunegrid.prepare.cpu_kernels"}
-    assert "tunegrid.prepare.cpu_kernels" not in CELL_FROM_PREPARE
+    assert prepare_imports("from tunegrid.contract import CellKernels\n") == set()

@@ -10,8 +10,8 @@ import pytest
 from conftest import REPO, make_study, run_supervised, work_cell
 
 from tunegrid.config import ConfigError, cell_spec, expand_cells, resolve_study
+from tunegrid.dataset import read_dataset
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.prepare.data import read_dataset
 from tunegrid.prepare.datasets_io import DataError, write_study_dataset
 
 CHAT_FILE = REPO / "examples" / "chat.jsonl"

@@ -13,9 +13,10 @@ import yaml
 from conftest import REPO, run_supervised, snakemake_command, work_cell, workflow_env
 
 from tunegrid.config import cell_spec, expand_cells, load_study
+from tunegrid.dataset import read_dataset
 from tunegrid.files import read_json
 from tunegrid.prepare.checkpoints import produce_checkpoint
-from tunegrid.prepare.data import corpus_texts, read_dataset
+from tunegrid.prepare.data import corpus_texts
 
 STUDIES = sorted((REPO / "configs").glob("*.yaml"))
 

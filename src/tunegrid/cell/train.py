@@ -95,9 +95,8 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
-        from tunegrid.memory import apply_memory_budget
-        from tunegrid.prepare.checkpoints import verify_checkpoint
-        from tunegrid.prepare.probes import runtime_baseline_bytes
+        from tunegrid.manifest import verify_checkpoint
+        from tunegrid.memory import apply_memory_budget, runtime_baseline_bytes
 
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
@@ -126,7 +125,7 @@ class CellTrainer:
     # ---------------------------------------------------------------- data
     def build_data(self) -> None:
         from tunegrid.cell.packing import build_stream
-        from tunegrid.prepare.data import read_dataset
+        from tunegrid.dataset import read_dataset
 
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
         seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank

@@ -30,8 +30,9 @@ def dataset(args: argparse.Namespace) -> None:
 
 
 def checkpoint(args: argparse.Namespace) -> None:
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.prepare.data import corpus_texts
 
     spec = json.loads(args.spec)
     texts = list(corpus_texts(read_dataset(args.data)))

@@ -85,8 +85,9 @@ def worker_runtime_bytes(work_dir: Path | None = None) -> dict[str, Any]:
 
 def _micro_study(work_dir: Path) -> tuple[dict[str, Any], Path, Path]:
     from tunegrid.config import resolve_study
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset
+    from tunegrid.prepare.data import corpus_texts, write_dataset
 
     study = resolve_study({**MICRO_STUDY, "grid": {**MICRO_STUDY["grid"], "quant": [Quant.NONE]}})
     data = work_dir / "train.jsonl"
