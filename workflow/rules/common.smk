@@ -16,9 +16,9 @@ from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, 
 from tunegrid.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.cell_plan import mem_mb_for_job
 from tunegrid.prepare.recipe_study import expand_base
-from tunegrid.review.doctor_plan import baseline_cell as doctor_baseline
-from tunegrid.review.doctor_plan import doctor_cells, memory_plan_cells
-from tunegrid.review.doctor_plan import tries as doctor_tries
+from tunegrid.review.doctor_choice import baseline_cell as doctor_baseline
+from tunegrid.review.doctor_choice import doctor_cells, memory_choice_cells
+from tunegrid.review.doctor_choice import tries as doctor_tries
 from tunegrid.study_input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
@@ -201,12 +201,13 @@ def get_doctor_repeat(wildcards):
     return [str(PATHS.result(repeat))] if repeat else []
 
 
-def get_doctor_plans(wildcards):
-    """The plans the out-of-memory choice reads (its estimate and budget), for an out-of-memory baseline only."""
+def get_doctor_contracts(wildcards):
+    """The contracts whose plans the out-of-memory choice reads (estimate, verdict), for an out-of-memory baseline
+    only."""
     if _doctor_reproduced(wildcards)["outcome"] not in ("oom", "predicted_oom"):
         return []
     baseline = doctor_baseline(STUDY, wildcards.cell_id)
-    return [str(PATHS.cell_plan(cell)) for cell in memory_plan_cells(STUDY, baseline)]
+    return [str(PATHS.cell_plan(cell)) for cell in memory_choice_cells(STUDY, baseline)]
 
 
 def _doctor_tries(wildcards):

@@ -1,7 +1,9 @@
 """The one place where dtype decisions live: precision name -> storage dtype, autocast, GradScaler.
 
-Why an explicit plan: HF Trainer with fp16=True on CPU silently trains in fp32. Here the plan says what
-it chose and why, and the run records the dtypes actually seen so a mismatch is visible.
+Why an explicit precision plan (PrecisionPlan: a row of tunegrid.plans applied to the device, recorded as
+result.json's `precision_plan`; not the cell's plan, tunegrid.contract): HF Trainer with fp16=True on CPU silently
+trains in fp32. Here the precision plan says what it chose and why, and the run records the dtypes actually seen so
+a mismatch is visible.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ def doctor(args: argparse.Namespace) -> None:
 
 def doctor_reproduce(args: argparse.Namespace) -> None:
     from tunegrid.config import Cell
-    from tunegrid.review.doctor_plan import repeat_of, result_row
+    from tunegrid.review.doctor_choice import repeat_of, result_row
     from tunegrid.vocabulary import Outcome, parse_cell_id
 
     row = result_row(args.baseline)
@@ -89,7 +89,7 @@ def doctor_reproduce(args: argparse.Namespace) -> None:
 def doctor_diagnose(args: argparse.Namespace) -> None:
     from tunegrid.config import Cell, resolve_study
     from tunegrid.contract import CellContract
-    from tunegrid.review.doctor_plan import DETERMINISTIC, Choice, choose, reproduction, result_row
+    from tunegrid.review.doctor_choice import DETERMINISTIC, Choice, choose, reproduction, result_row
     from tunegrid.vocabulary import parse_cell_id
 
     study = resolve_study(read_json(args.study_file))
@@ -112,7 +112,7 @@ def doctor_diagnose(args: argparse.Namespace) -> None:
 
 def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
     """The baseline, its repeat and every try's cells up to `index`, in order."""
-    from tunegrid.review.doctor_plan import tries
+    from tunegrid.review.doctor_choice import tries
 
     reproduced = diagnosis["reproduction"]
     cells = [c for c in (reproduced["baseline_cell"], reproduced["repeat_cell"]) if c]
@@ -124,7 +124,7 @@ def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
 def doctor_try(args: argparse.Namespace) -> None:
     from tunegrid.config import resolve_study
     from tunegrid.review.doctor import try_verdict
-    from tunegrid.review.doctor_plan import tries
+    from tunegrid.review.doctor_choice import tries
 
     study = resolve_study(read_json(args.study_file))
     diagnosis = read_json(args.diagnosis)
