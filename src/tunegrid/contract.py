@@ -22,7 +22,7 @@ from typing import Any
 
 from tunegrid.files import atomic_write_text
 
-# The version of the file's shape; a file of another version is not read (its cell is planned again by the rule).
+# The version of the file's shape: a file of another version is refused (the cell_plan rule makes it again).
 CONTRACT_SCHEMA = 1
 
 
@@ -98,12 +98,6 @@ class CellPlan:
     def estimate(self, worker: str | None = None) -> MemoryEstimate:
         """The estimate for the path `worker` (the planned path's where None or not planned)."""
         return self.estimates.get(worker or self.worker) or self.estimates[self.worker]
-
-    @property
-    def verdict(self) -> tuple[str, str] | None:
-        """(outcome, reason) decided without training for the planned path, or None: the cell trains."""
-        planned = self.estimate()
-        return None if planned.verdict == "run" else (planned.verdict, planned.reason)
 
     def row(self) -> dict[str, Any]:
         """The cell's line of plan.csv (and what the doctor's out-of-memory choice reads)."""
