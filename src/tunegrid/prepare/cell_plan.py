@@ -57,18 +57,17 @@ def mem_mb_for_job(contract_file: str | Path | None, hardware: dict[str, Any], w
 
 def _estimate(
     spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], worker: str, target: Any
-) -> tuple[MemoryEstimate, str | None]:
-    """One path's estimate with its verdict, and the oneDNN decision the estimate made."""
+) -> MemoryEstimate:
+    """One path's estimate with its verdict."""
     from tunegrid.devices import gpu_shortfall
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
     from tunegrid.prepare.targets import feasibility
 
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
     raw = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker))
-    onednn_off = raw.pop("cpu_onednn_off", None)
     verdict = feasibility(precision, target, hardware, raw["estimate_bytes"]) if target else None
     verdict = verdict or gpu_shortfall(spec, capabilities)
-    estimate = MemoryEstimate(
+    return MemoryEstimate(
         worker=worker,
         estimate_bytes=int(raw["estimate_bytes"]),
         stage=str(raw["stage"]),
@@ -79,7 +78,17 @@ def _estimate(
         verdict=str(verdict[0]) if verdict else "run",
         reason=str(verdict[1]) if verdict else "",
     )
-    return estimate, onednn_off
+
+
+def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> CellKernels:
+    """The kernels the cell's ranks train with, on the device they train on: CUDA where the probe found it and
+    each rank gets a GPU, else the CPU (`hardware.gpus_per_rank: 0` trains on the CPU beside a GPU)."""
+    from tunegrid.devices import gpus_per_rank
+    from tunegrid.prepare.cpu_kernels import cpu_onednn_off
+
+    on_cuda = capabilities.get("device") == "cuda" and gpus_per_rank(spec["hardware"], capabilities) > 0
+    config = json.loads((model_dir / "config.json").read_text())
+    return CellKernels(cpu_onednn_off=cpu_onednn_off(spec, config, "cuda" if on_cuda else "cpu"))
 
 
 def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], warm_worker: bool) -> CellPlan:
@@ -95,10 +104,9 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
     target = resolve_target(hardware, capabilities) if capabilities else None
     enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
     worker = planned_worker(spec, device, warm_worker)
-    estimates, onednn_off = {}, None
     # every path the worker may take: the planned one, spawned, and forked wherever a warm worker could fork it
-    for path in dict.fromkeys([worker, SPAWNED, planned_worker(spec, device, True)]):
-        estimates[path], onednn_off = _estimate(spec, model_dir, capabilities, path, target)
+    paths = dict.fromkeys([worker, SPAWNED, planned_worker(spec, device, True)])
+    estimates = {path: _estimate(spec, model_dir, capabilities, path, target) for path in paths}
     world = int(spec["axes"].get("world_size", 1))
     return CellPlan(
         cell_id=spec["cell_id"],
@@ -108,7 +116,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
         device=device,
         worker=worker,
         estimates=estimates,
-        kernels=CellKernels(cpu_onednn_off=onednn_off),
+        kernels=_kernels(spec, model_dir, capabilities),
         liveness=cell_liveness(spec, model_dir, capabilities),
         mem_mb=job_mem_mb(estimates[worker].estimate_bytes, world),
     )
