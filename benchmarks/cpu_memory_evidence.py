@@ -31,6 +31,18 @@ PEAK_KEYS = ("peak_bytes", "load_peak_bytes", "first_step_peak_bytes", "steady_p
 TRAIN_KEYS = ("seq_len", "gradient_checkpointing", "steps")  # what the estimate reads, and the run's length
 
 
+def planned_estimate(path: Path) -> int | None:
+    """The planned path's estimate in a cell's contract (plans/<cell_id>.json); a plan file from before the
+    contract held it at its top level."""
+    if not path.exists():
+        return None
+    raw = json.loads(path.read_text())
+    if "plan" not in raw:
+        return raw["estimate_bytes"]
+    plan = raw["plan"]
+    return plan["estimates"][plan["worker"]]["estimate_bytes"]
+
+
 def record(study: Path, host: str) -> dict:
     from tunegrid.files import read_json
 
@@ -61,7 +73,7 @@ def record(study: Path, host: str) -> dict:
                 "estimate_bytes": memory.get("estimate_bytes"),
                 "estimate_worker": memory.get("estimate_worker"),
                 "cpu_onednn_off": memory.get("cpu_onednn_off"),
-                "cell_plan_estimate_bytes": read_json(plan_file)["estimate_bytes"] if plan_file.exists() else None,
+                "cell_plan_estimate_bytes": planned_estimate(plan_file),
                 "plan_csv_estimate_bytes": planned.get(result["cell_id"]),
                 "wall_s": result.get("wall_s"),
             }

@@ -57,7 +57,7 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
     from tunegrid.config import cells_by_id, load_study
     from tunegrid.files import read_json
     from tunegrid.review.doctor import baseline_fixes, cell_minutes
-    from tunegrid.review.doctor_plan import baseline_cell
+    from tunegrid.review.doctor_choice import baseline_cell
     from tunegrid.study_paths import StudyPaths
 
     path, _, cell = entry.partition(":")

@@ -105,8 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_device_argument(parser)
     parser.parse_args()
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset
+    from tunegrid.prepare.data import corpus_texts, write_dataset
 
     facts = machine_facts(DEVICE)
     work = Path(tempfile.mkdtemp(prefix="tunegrid-islands-"))

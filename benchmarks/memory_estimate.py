@@ -28,9 +28,12 @@ from machine import add_device_argument, describe, machine_facts  # noqa: E402
 from widths import GEMMA3_25M  # noqa: E402
 
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
+from tunegrid.contract import CellJob  # noqa: E402
+from tunegrid.dataset import read_dataset  # noqa: E402
 from tunegrid.files import read_json, write_json  # noqa: E402
+from tunegrid.prepare.cell_plan import write_contract  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
-from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
 from tunegrid.prepare.memory_estimate import device_constants, estimate_cell  # noqa: E402
 from tunegrid.prepare.probes import probe  # noqa: E402
 from tunegrid.run.supervisor import run_cell  # noqa: E402
@@ -67,17 +70,16 @@ def larger_cells(work: Path) -> list[dict]:
     for cell in expand_cells(study):
         spec = cell_spec(study, cell)
         run_dir = work / "runs" / cell.cell_id
-        result = run_cell(
-            spec=spec,
-            model_dir=work / "gemma3-25m",
-            data_path=data,
-            run_dir=run_dir,
-            result_path=run_dir / "result.json",
-            tracking_path=None,
-            capabilities_path=capabilities,
-            log_path=None,
-            command=["benchmark"],
+        job = CellJob(
+            model_dir=str(work / "gemma3-25m"),
+            data_path=str(data),
+            run_dir=str(run_dir),
+            result_path=str(run_dir / "result.json"),
+            capabilities_path=str(capabilities),
         )
+        contract = run_dir.parent / f"{cell.cell_id}.contract.json"
+        write_contract(spec, job, contract, warm_worker=False)
+        result = run_cell(contract, command=["benchmark"])
         if result["outcome"] == "ok":
             rows.append(row(result, "gemma3-25m"))
     return rows

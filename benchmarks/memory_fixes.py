@@ -106,8 +106,9 @@ def main() -> None:
     if unknown:
         parser.error(f"--settings: unknown {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
     from tunegrid.config import load_study
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset
+    from tunegrid.prepare.data import corpus_texts, write_dataset
 
     facts = machine_facts(DEVICE)
     study = load_study(args.study)

@@ -39,15 +39,18 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
 from machine import add_device_argument, describe, machine_facts, write_results  # noqa: E402
 
 from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
-from tunegrid.files import read_json, write_json  # noqa: E402
+from tunegrid.contract import CellJob  # noqa: E402
+from tunegrid.dataset import read_dataset  # noqa: E402
+from tunegrid.files import read_json  # noqa: E402
+from tunegrid.prepare.cell_plan import write_contract  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
-from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY = REPO / "configs" / "moe-oom-at-load.yaml"
 WORKER = (
-    "import sys, json; from tunegrid.cell.train import run_worker; "
-    "run_worker(json.load(open(sys.argv[1])), *sys.argv[2:])"
+    "import sys; from tunegrid.cell.train import run_worker; from tunegrid.contract import CellContract; "
+    "run_worker(CellContract.read(sys.argv[1]))"
 )
 MiB = 2**20
 
@@ -55,11 +58,16 @@ MiB = 2**20
 def run_cell(spec: dict, model_dir: Path, data: Path, run_dir: Path) -> dict:
     """One cell in a fresh process (its peak is its own); the worker's facts."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "spec.json", spec)
+    job = CellJob(model_dir=str(model_dir), data_path=str(data), run_dir=str(run_dir), result_path="")
+    write_contract(spec, job, run_dir / "contract.json", warm_worker=False)  # the cell's plan, as the rule makes it
     env_path = str(REPO / "src")
     subprocess.run(
-        [sys.executable, "-c", f"import sys; sys.path.insert(0, {env_path!r}); {WORKER}", str(run_dir / "spec.json")]
-        + [str(model_dir), str(data), str(run_dir)],
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {env_path!r}); {WORKER}",
+            str(run_dir / "contract.json"),
+        ],
         check=True,
     )
     return read_json(run_dir / "worker.json")

@@ -100,23 +100,13 @@ def orchestration(root: Path, repeats: int = 3) -> dict:
         started = time.perf_counter()
         subprocess.run(command, check=True, capture_output=True, env=ENV, cwd=root)
         rule_alone.append(time.perf_counter() - started)
-        spec_path = root / "results" / "orch" / "runs" / cell / "cell.json"
+        # the cell's contract, its run folder moved aside: the worker alone trains the same cell elsewhere
+        contract = json.loads((root / "results" / "orch" / "plans" / f"{cell}.json").read_text())
+        contract["job"]["run_dir"] = str(root / "alone")
+        alone_contract = root / "alone.contract.json"
+        alone_contract.write_text(json.dumps(contract))
         alone.append(
-            _timed(
-                [
-                    sys.executable,
-                    str(REPO / "scripts" / "tunegrid.py"),
-                    "worker",
-                    "--spec",
-                    str(spec_path),
-                    "--model-dir",
-                    str(root / "results" / "orch" / "models" / "qwen3moe-tiny"),
-                    "--data",
-                    str(root / "results" / "orch" / "data" / "train.jsonl"),
-                    "--run-dir",
-                    str(root / "alone"),
-                ]
-            )
+            _timed([sys.executable, str(REPO / "scripts" / "tunegrid.py"), "worker", "--contract", str(alone_contract)])
         )
     t, r, w, d = (statistics.median(x) for x in (through, rule_alone, alone, dry))
     fixed = t - w

@@ -42,8 +42,9 @@ from widths import gemma3_4b_width, olmoe_width, synthetic  # noqa: E402
 
 from tunegrid.cell.train import CellTrainer  # noqa: E402
 from tunegrid.config import load_study  # noqa: E402
+from tunegrid.dataset import read_dataset  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
-from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset  # noqa: E402
+from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
 from tunegrid.prepare.probes import cpu_inventory, cpu_precision_support  # noqa: E402
 
 GEMMA3_25M = synthetic("gemma3_text", GEMMA3_25M_CONFIG)

@@ -208,6 +208,71 @@ def one_cell(
     return cell_spec(study, expand_cells(study)[0])
 
 
+def cell_contract(
+    spec: dict[str, Any],
+    checkpoints: dict[str, Path],
+    dataset_path: Path,
+    run_dir: Path,
+    *,
+    tracking: Path | None = None,
+    capabilities: Path | None = None,
+) -> Path:
+    """The cell's contract as the cell_plan rule makes it, written in its run folder; returns its path."""
+    from tunegrid.contract import CellJob
+    from tunegrid.prepare.cell_plan import write_contract
+
+    job = CellJob(
+        model_dir=str(checkpoints[spec["model"]["name"]]),
+        data_path=str(dataset_path),
+        run_dir=str(run_dir),
+        result_path=str(run_dir / "result.json"),
+        capabilities_path=str(capabilities) if capabilities else None,
+        tracking_path=str(tracking) if tracking else None,
+    )
+    path = run_dir / "contract.json"
+    write_contract(spec, job, path, warm_worker=False)
+    return path
+
+
+def stub_contract(cell_id: str, world_size: int, estimate_bytes: int, device: str = "cuda") -> Any:
+    """A cell contract as the cell_plan rule writes one, with an estimate of the given size (for checkpoints that
+    are not on disk): what the workflow's memory requests and the doctor read from it."""
+    from tunegrid.contract import CellContract, CellJob, CellKernels, CellPlan, LivenessLimits, MemoryEstimate
+    from tunegrid.prepare.cell_plan import job_mem_mb
+
+    estimate = MemoryEstimate(
+        worker="spawned",
+        estimate_bytes=estimate_bytes,
+        stage="load",
+        load_bytes=estimate_bytes,
+        step_bytes=0,
+        components={},
+    )
+    limits = LivenessLimits(
+        heartbeat_timeout_s=300,
+        time_limit_s=3600,
+        predicted_step_s=None,
+        step_flops=0,
+        rate_tflops=None,
+        margin=4.0,
+        extra_steps=3,
+    )
+    plan = CellPlan(
+        cell_id=cell_id,
+        world_size=world_size,
+        target="native",
+        budget_bytes=None,
+        device=device,
+        worker="spawned",
+        estimates={"spawned": estimate},
+        kernels=CellKernels(),
+        liveness=limits,
+        mem_mb=job_mem_mb(estimate_bytes, world_size),
+    )
+    job = CellJob(model_dir="m", data_path="d", run_dir=f"runs/{cell_id}", result_path=f"runs/{cell_id}/result.json")
+    return CellContract(spec={"cell_id": cell_id}, plan=plan, job=job)
+
+
 def run_supervised(
     spec: dict[str, Any],
     checkpoints: dict[str, Path],
@@ -217,40 +282,39 @@ def run_supervised(
     tracking: Path | None = None,
     capabilities: Path | None = None,
 ) -> dict[str, Any]:
-    """The cell as a finetune job runs it: supervisor, worker process(es), result.json."""
+    """The cell as a finetune job runs it: its contract, the supervisor, worker process(es), result.json."""
     from tunegrid.run.supervisor import run_cell
 
-    return run_cell(
-        spec=spec,
-        model_dir=checkpoints[spec["model"]["name"]],
-        data_path=dataset_path,
-        run_dir=run_dir,
-        result_path=run_dir / "result.json",
-        tracking_path=tracking,
-        capabilities_path=capabilities,
-        log_path=None,
-        command=["tunegrid", "finetune"],
-    )
+    path = cell_contract(spec, checkpoints, dataset_path, run_dir, tracking=tracking, capabilities=capabilities)
+    return run_cell(path, command=["tunegrid", "finetune"])
 
 
 def run_in_process(
     spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, run_dir: Path
 ) -> dict[str, Any]:
     """The training worker alone, in this process; returns its facts (worker.json)."""
+    return work_cell(spec, checkpoints[spec["model"]["name"]], dataset_path, run_dir)
+
+
+def work_cell(spec: dict[str, Any], model_dir: Path, dataset_path: Path, run_dir: Path) -> dict[str, Any]:
+    """The worker of the cell's contract (made for `model_dir`) in this process; returns its facts (worker.json)."""
     from tunegrid.cell.train import run_worker
+    from tunegrid.contract import CellContract
     from tunegrid.files import read_json
 
-    run_worker(spec, str(checkpoints[spec["model"]["name"]]), str(dataset_path), str(run_dir))
-    return read_json(run_dir / "worker.json")
+    path = cell_contract(spec, {spec["model"]["name"]: Path(model_dir)}, dataset_path, Path(run_dir))
+    run_worker(CellContract.read(path))
+    return read_json(Path(run_dir) / "worker.json")
 
 
 def ready_trainer(spec: dict[str, Any], checkpoints: dict[str, Path], dataset_path: Path, tmp_path: Path) -> Any:
     """The cell's own set-up path (load, audit and adapt, data), stopped before the first step."""
     from tunegrid.cell.train import CellTrainer
+    from tunegrid.contract import CellContract
 
     run_dir = tmp_path / spec["cell_id"]
     run_dir.mkdir(parents=True)
-    trainer = CellTrainer(spec, checkpoints[spec["model"]["name"]], dataset_path, run_dir)
+    trainer = CellTrainer(CellContract.read(cell_contract(spec, checkpoints, dataset_path, run_dir)), run_dir)
     trainer.setup()
     trainer.build_model()
     trainer.build_data()
@@ -287,8 +351,9 @@ def dataset_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) -> dict[str, Path]:
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.prepare.data import corpus_texts
 
     texts = list(corpus_texts(read_dataset(dataset_path)))
     root = tmp_path_factory.mktemp("models")

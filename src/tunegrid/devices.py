@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tunegrid.vocabulary import Outcome
+
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")  # one folder per GPU the driver sees (no CUDA context needed)
 CLAIM_POLL_S = 1.0
@@ -129,3 +131,30 @@ def cell_devices(
     pool = device_list(listed) if listed is not None else [str(i) for i in range(len(capabilities.get("gpus") or []))]
     with claimed_devices(count, pool, lock_dir) as devices:
         yield ",".join(devices)
+
+
+def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
+    """`unsupported` before launch when the cell needs more GPUs than it has (a rank without its own GPU fails
+    at set-up with "invalid device ordinal"; a launch would only prove it).
+
+    Locally that is the GPUs the probe found on the machine. A probe that ran as a cluster job saw only the
+    GPUs granted to its own job (one rank's): there the count is what the cell's own job was granted, known only
+    once that job runs (the supervisor asks then), and outside a cluster job (the `cell_plan` rule on the
+    submitting host) nothing is decided."""
+    world = spec["axes"].get("world_size", 1)
+    per_rank = gpus_per_rank(spec["hardware"], capabilities)
+    needed = world * per_rank
+    if capabilities.get("device") != "cuda":
+        return None
+    if capabilities.get("cluster_job"):
+        if not placed_by_cluster():
+            return None
+        present, where = visible_gpu_count(), "granted to this job"
+    else:
+        present, where = len(capabilities.get("gpus") or []), "present on this machine"
+    if needed <= present:
+        return None
+    return (
+        Outcome.UNSUPPORTED,
+        f"needs {needed} GPUs (world_size {world} x gpus_per_rank {per_rank}), {present} {where}",
+    )

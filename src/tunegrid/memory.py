@@ -159,3 +159,14 @@ def _keep_malloc_arenas() -> str:
     if libc is None:
         return "not glibc: arenas as the allocator makes them"
     return "M_ARENA_MAX=1" if libc.mallopt(M_ARENA_MAX, 1) == 1 else "mallopt refused: arenas as glibc makes them"
+
+
+def runtime_baseline_bytes() -> int:
+    """Resident memory of a process holding the training stack, before any model: the calibrated
+    constant of the memory estimate on CPU (on CUDA the allocator's peak excludes it)."""
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import torch  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig  # noqa: F401
+
+    return MemoryMeter("cpu").current_bytes()

@@ -1,7 +1,7 @@
-"""A cell's outcome, typed: one line of metrics.jsonl (StepMetrics), the diagnosis of a failure (Diagnosis)
-and result.json (CellResult); and the composition of result.json from what its worker wrote (worker.json)
-or, where the worker could not say, from how it ended (a signal, an exit code, a supervisor verdict such
-as a timeout). result.json, summary.csv, the MLflow tags and the report read these types.
+"""A cell's outcome, typed: one line of metrics.jsonl (StepMetrics), the diagnosis of a failure (Diagnosis, in
+tunegrid.diagnosis) and result.json (CellResult); and the composition of result.json from what its worker wrote
+(worker.json) or, where the worker could not say, from how it ended (a signal, an exit code, a supervisor verdict
+such as a timeout). result.json, summary.csv, the MLflow tags and the report read these types.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tunegrid.diagnosis import Diagnosis
 from tunegrid.files import read_json
 from tunegrid.rundir import heartbeat_stage
 from tunegrid.vocabulary import Outcome
@@ -44,41 +45,6 @@ class StepMetrics:
 
 
 METRIC_KEYS = tuple(f.name for f in fields(StepMetrics) if f.name not in ("step", "time"))
-
-
-@dataclass(kw_only=True)
-class Diagnosis:
-    """Why a cell ended as it did, by failure; every part is None where it does not apply.
-
-    nan: the deciding non-finite event (step, kind, origin forward/backward, micro-batch); oom: stage and
-    bytes at failure; timeout: the stage and limits in effect; collective: the op, missing ranks and the
-    steps each rank reached; rank_crash / rank_failure: the ranks, exit or error, last log lines.
-    """
-
-    nan: dict[str, Any] | None = None
-    nonfinite_events: int | None = None
-    recovered_scaler_skips: dict[str, Any] | None = None
-    oom: dict[str, Any] | None = None
-    timeout: dict[str, Any] | None = None
-    collective: dict[str, Any] | None = None
-    collective_timeout: dict[str, Any] | None = None  # a rank's own view; `collective` is the cell's
-    peer_lost: dict[str, Any] | None = None
-    rank_crash: dict[str, Any] | None = None
-    rank_failure: dict[str, Any] | None = None
-    params_without_grad: list[str] | None = None
-    stopped_by_peer: dict[str, Any] | None = None  # a rank that stopped because another rank's cell ended
-    decided_by_rank: int | None = None  # a distributed cell: the rank whose own outcome decided the cell's
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any] | None) -> Diagnosis:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data or {}) - known)
-        if unknown:
-            raise ValueError(f"diagnosis has keys no Diagnosis field holds: {unknown}; add them to Diagnosis")
-        return cls(**(data or {}))
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
 def _empty() -> dict[str, Any]:

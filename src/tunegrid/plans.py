@@ -3,6 +3,11 @@ the audit, the memory estimate, the plots and the recommender read these rows an
 
 A new precision or quantization is a member of its enum in tunegrid.vocabulary, a row here, and its
 effect where it acts (for a quantization: the loader's branch if bitsandbytes needs another config).
+
+A row is a precision's or a quantization's "plan" (PRECISION_PLANS, QUANT_PLANS, result.json's `precision_plan`):
+what that value means wherever it is used, the same for every cell. That is not a cell's plan (tunegrid.contract:
+one cell's target, budget, estimates, kernels and limits, made by the `cell_plan` rule); the names are kept because
+result.json, the report and the recipes export them.
 Light module: standard library only (the estimate and the report read it without torch).
 """
 

@@ -93,7 +93,7 @@ class StudyPaths:
         return self.study_dir / "specs" / f"{cell_id}.json"
 
     def cell_plan(self, cell_id: str) -> Path:
-        """The cell's plan (tunegrid.prepare.cell_plan.CellPlan) its job takes its memory request from."""
+        """The cell's contract (tunegrid.contract.CellContract): its spec, plan and job, made by the cell_plan rule."""
         return self.study_dir / "plans" / f"{cell_id}.json"
 
     @property

@@ -58,7 +58,7 @@ def test_micro_batches_hold_different_numbers_of_loss_tokens(checkpoints, datase
 
     from tunegrid.cell.packing import build_stream
     from tunegrid.cell.step import loss_tokens
-    from tunegrid.prepare.data import read_dataset
+    from tunegrid.dataset import read_dataset
 
     class Plain:  # packing_mode reads only the config and the module of the model's class
         config = type("Config", (), {"_attn_implementation": "sdpa"})()

@@ -8,14 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import make_study, run_supervised
+from conftest import make_study, run_supervised, work_cell
 
 from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
 from tunegrid.cell.resume import RESUME_DIR
-from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.prepare.checkpoints import verify_checkpoint
+from tunegrid.manifest import verify_checkpoint
 from tunegrid.review.summary import summary_row
 from tunegrid.track.tags import run_tags
 
@@ -45,7 +44,7 @@ def test_saved_adapter_reloads_onto_its_base_with_the_cells_loss(checkpoints, da
 
     spec = _spec({"steps": 4})
     run_dir = tmp_path / spec["cell_id"]
-    run_worker(spec, str(checkpoints[MODEL]), str(dataset_path), str(run_dir))
+    work_cell(spec, checkpoints[MODEL], dataset_path, run_dir)
     facts = read_json(run_dir / "worker.json")
     assert facts["outcome"] == "ok", facts["reason"]
     adapter = run_dir / "adapter"
@@ -90,7 +89,7 @@ def test_saved_nf4_adapter_reloads_onto_its_4bit_base_with_the_cells_loss(
     study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, "lr": 0.01}, lora=LORA))
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir = tmp_path / spec["cell_id"]
-    run_worker(spec, str(checkpoints[MODEL]), str(dataset_path), str(run_dir))
+    work_cell(spec, checkpoints[MODEL], dataset_path, run_dir)
     facts = read_json(run_dir / "worker.json")
     assert facts["outcome"] == "ok", facts["reason"]
     expected = facts["training"]["reference_batch_loss"]

@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import REPO
 
+from tunegrid.cell.batches import tokenize_examples
 from tunegrid.cell.packing import IGNORE, build_stream, encode_record, pack, packing_mode
-from tunegrid.prepare.data import generate_examples, tokenize_examples
+from tunegrid.prepare.data import generate_examples
 
 CHATS = [json.loads(line) for line in (REPO / "examples" / "chat.jsonl").read_text().splitlines()]
 

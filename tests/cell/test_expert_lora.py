@@ -168,6 +168,7 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
     from tunegrid.cell.adapters import REFERENCE_BATCH_FILE, load_adapter
     from tunegrid.cell.model import load_model
     from tunegrid.cell.precision import plan_precision
+    from tunegrid.contract import CellKernels
 
     spec = one_cell(model="olmoe-tiny", quant="nf4-experts", lora=LORA, train={"steps": 4})
     run_dir = tmp_path / spec["cell_id"]
@@ -185,7 +186,9 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
     assert audit["after_adapters"]["flagged"] == [] and audit["expert_quantization"]["kept_for_lora"] == []
 
     # the saved adapter, loaded onto the same NF4 base, gives the cell's reference loss
-    model = load_model(checkpoints["olmoe-tiny"], spec, plan_precision("fp32", "cpu"), torch.device("cpu"))
+    model = load_model(
+        checkpoints["olmoe-tiny"], spec, plan_precision("fp32", "cpu"), CellKernels(), torch.device("cpu")
+    )
     model = load_adapter(model, run_dir / "adapter")
     batch = load_file(str(run_dir / "adapter" / REFERENCE_BATCH_FILE))
     with torch.no_grad():

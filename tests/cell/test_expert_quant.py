@@ -58,7 +58,7 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import torch
-from tunegrid.prepare.probes import runtime_baseline_bytes
+from tunegrid.memory import runtime_baseline_bytes
 from tunegrid.memory import MemoryMeter
 from tunegrid.cell import expert_quant, quant_audit
 
@@ -96,8 +96,9 @@ MiB = 2**20
 
 @pytest.mark.slow
 def test_load_peak_is_quantized_weights_plus_one_full_precision_tensor(tmp_path, dataset_path):
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import build_synthetic
-    from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.prepare.data import corpus_texts
 
     model_dir = tmp_path / "olmoe-reduced"
     build_synthetic(dict(REDUCED_OLMOE), list(corpus_texts(read_dataset(dataset_path))), model_dir)

@@ -23,10 +23,11 @@ def test_fp16_residual_carries_the_stream_in_fp32_while_its_matmuls_stay_fp16(ch
     from conftest import one_cell
 
     from tunegrid.cell.model import load_model
+    from tunegrid.contract import CellKernels
 
     spec = one_cell(precision=precision)
     plan = plan_precision(precision, "cpu")
-    model = load_model(checkpoints["gemma3-hot"], spec, plan, torch.device("cpu"))
+    model = load_model(checkpoints["gemma3-hot"], spec, plan, CellKernels(), torch.device("cpu"))
     seen: dict[str, torch.dtype] = {}
 
     def keep(name):

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import one_cell, ready_trainer
+from conftest import one_cell, ready_trainer, work_cell
 
 from tunegrid.cell.step import OptimizerStep
-from tunegrid.cell.train import CellTrainer, run_worker
+from tunegrid.cell.train import CellTrainer
 from tunegrid.files import read_json
 
 LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}
@@ -199,7 +199,7 @@ def test_missing_autograd_kernel_warning_fails_the_cell(checkpoints, dataset_pat
     monkeypatch.setattr(OptimizerStep, "forward_backward", through_op_without_backward)
     spec = _spec("gemma3-hot", "none")
     run_dir = tmp_path / spec["cell_id"]
-    run_worker(spec, str(checkpoints["gemma3-hot"]), str(dataset_path), str(run_dir))
+    work_cell(spec, checkpoints["gemma3-hot"], dataset_path, run_dir)
     facts = read_json(run_dir / "worker.json")
     assert facts["outcome"] == "error", facts["reason"]
     assert "autograd kernel was not registered" in facts["reason"] and facts["stage"] == "step"

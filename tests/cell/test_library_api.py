@@ -6,17 +6,20 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
-from conftest import one_cell
+from conftest import cell_contract, one_cell
 
 from tunegrid.cell import library_api
 from tunegrid.cell.library_api import Api, missing_api, missing_api_of
 from tunegrid.cell.train import CellTrainer
+from tunegrid.contract import CellContract
 from tunegrid.vocabulary import Outcome
 
 TRANSFORMERS = importlib.metadata.version("transformers")
 
 
-def test_nf4_experts_on_a_transformers_without_v5_loading_ends_unsupported(tmp_path, monkeypatch):
+def test_nf4_experts_on_a_transformers_without_v5_loading_ends_unsupported(
+    checkpoints, dataset_path, tmp_path, monkeypatch
+):
     """What transformers 4.x is to nf4-experts: no transformers.core_model_loading (blocked here)."""
     real_import = library_api._import
 
@@ -27,7 +30,7 @@ def test_nf4_experts_on_a_transformers_without_v5_loading_ends_unsupported(tmp_p
 
     monkeypatch.setattr(library_api, "_import", as_on_4x)
     spec = one_cell(model="qwen3moe-tiny", quant="nf4-experts")
-    facts = CellTrainer(spec, tmp_path / "no-model", tmp_path / "no-data.jsonl", tmp_path).run()
+    facts = CellTrainer(CellContract.read(cell_contract(spec, checkpoints, dataset_path, tmp_path)), tmp_path).run()
     assert facts["outcome"] == Outcome.UNSUPPORTED
     assert facts["reason"].startswith(
         f"transformers {TRANSFORMERS} lacks transformers.core_model_loading.ConversionOps"
@@ -37,10 +40,11 @@ def test_nf4_experts_on_a_transformers_without_v5_loading_ends_unsupported(tmp_p
     assert missing_api(one_cell(model="qwen3moe-tiny", quant="nf4")) is None
 
 
-def test_any_missing_api_of_the_table_names_package_version_and_api(tmp_path, monkeypatch):
+def test_any_missing_api_of_the_table_names_package_version_and_api(checkpoints, dataset_path, tmp_path, monkeypatch):
     needed = Api("peft", "NoSuchAdapterApi", "this test's adapters")
     monkeypatch.setattr(library_api, "APIS", (*library_api.APIS, needed))
-    facts = CellTrainer(one_cell(), tmp_path / "m", tmp_path / "d.jsonl", tmp_path).run()
+    contract = CellContract.read(cell_contract(one_cell(), checkpoints, dataset_path, tmp_path))
+    facts = CellTrainer(contract, tmp_path).run()
     assert facts["outcome"] == Outcome.UNSUPPORTED
     peft = importlib.metadata.version("peft")
     assert (

@@ -4,13 +4,14 @@ backward."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from conftest import one_cell, run_in_process, run_supervised
 
 from tunegrid.files import read_jsonl
-from tunegrid.prepare.liveness import LIVENESS_MARGIN, cell_liveness, matmul_weights, plan_liveness
+from tunegrid.prepare.liveness import LIVENESS_MARGIN, matmul_weights, plan_liveness
 from tunegrid.run.supervisor import Liveness
 
 
@@ -32,11 +33,11 @@ def test_the_plan_raises_the_limits_to_the_predicted_work_and_keeps_the_study_fl
 
 def test_reported_step_times_raise_the_limits_while_the_cell_trains() -> None:
     spec = one_cell(train={"heartbeat_timeout_s": 10, "time_limit_s": 20, "steps": 4})
-    unplanned = Liveness(spec)  # no probed rate: the study's wall-clock limit is the budget as written
+    unprobed = plan_liveness(spec, {"vocab_size": 10, "hidden_size": 10}, {}, {})
+    unplanned = Liveness(unprobed, steps=4)  # no probed rate: the study's wall-clock limit is the budget as written
     unplanned.observe([{"step": 0, "step_time_s": 30.0}], elapsed=45.0)
     assert (unplanned.heartbeat_s, unplanned.limit_s) == (LIVENESS_MARGIN * 30, 20)
-    spec = {**spec, "plan": {"liveness": {"heartbeat_timeout_s": 10, "time_limit_s": 20, "predicted_step_s": 5.0}}}
-    liveness = Liveness(spec)
+    liveness = Liveness(dataclasses.replace(unprobed, predicted_step_s=5.0), steps=4)
     assert (liveness.heartbeat_s, liveness.limit_s) == (10, 20)
     liveness.observe([{"step": 0, "step_time_s": 30.0, "loss": 1.0}], elapsed=45.0)
     assert liveness.heartbeat_s == LIVENESS_MARGIN * 30
@@ -62,13 +63,7 @@ def test_a_worker_slower_than_the_study_limits_ends_nan_where_its_work_was_predi
     `nan` at its first forward; without a measured rate the same cell is held to the study's limits and times
     out, which shows the limits, not luck, decided."""
     spec = one_cell(precision="fp16", batch=8, train={"heartbeat_timeout_s": 1, "time_limit_s": 3, "steps": 12})
-    capabilities = slow_host(tmp_path, 1e-7 if measured else None)
-    spec = {
-        **spec,
-        "plan": {
-            "liveness": cell_liveness(spec, checkpoints["gemma3-hot"], json.loads(capabilities.read_text())).as_dict()
-        },
-    }
+    capabilities = slow_host(tmp_path, 1e-7 if measured else None)  # the cell's contract takes its limits from it
     result = run_supervised(spec, checkpoints, dataset_path, tmp_path / "run", capabilities=capabilities)
     if measured:
         assert result["outcome"] == "nan", result["reason"]

@@ -23,7 +23,7 @@ def _positions(spec: dict, checkpoints: dict, dataset_path) -> tuple[int, tuple[
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tunegrid.cell.packing import build_stream
-    from tunegrid.prepare.data import read_dataset
+    from tunegrid.dataset import read_dataset
 
     model_dir = checkpoints[MODEL]
     stream, facts = build_stream(
@@ -91,8 +91,8 @@ def test_instruments_read_a_flattened_row_and_flattened_tokens_by_position():
     (batch, seq) into one dim. Poisoned directly: a padding value is padding in both layouts."""
     import torch
 
+    from tunegrid.cell.batches import BatchStream
     from tunegrid.cell.instrument import HeadroomMeter, OriginTracer
-    from tunegrid.prepare.data import BatchStream
 
     seq_len, hidden = 4, 3
     tensors = {"input_ids": torch.zeros(2, seq_len, dtype=torch.long), "labels": torch.zeros(2, seq_len)}

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import make_study, one_cell, run_in_process
+from conftest import make_study, one_cell, run_in_process, work_cell
 
-from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl
 
@@ -74,7 +73,7 @@ def test_lora_target_matching_nothing_is_an_error_outcome(checkpoints, dataset_p
     grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
     study = resolve_study(make_study(grid=grid, lora={"target_modules": ["no_such_module"]}))
     spec = cell_spec(study, expand_cells(study)[0])
-    run_worker(spec, str(checkpoints["qwen3moe-tiny"]), str(dataset_path), str(tmp_path / "r"))
+    work_cell(spec, checkpoints["qwen3moe-tiny"], dataset_path, tmp_path / "r")
     facts = read_json(tmp_path / "r" / "worker.json")
     assert facts["outcome"] == "error"
     assert "no_such_module" in facts["reason"]

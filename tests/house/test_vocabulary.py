@@ -60,7 +60,7 @@ AXIS_EFFECTS = {
     "vocabulary.py": "the table itself",
     "review/batch_advice.py": "a micro-batch recipe is batch_size x grad_accum",
     "review/memory_advice.py": "the memory settings a fix changes (optimizer, activation checkpointing)",
-    "review/doctor_plan.py": "the settings an out-of-memory fix may change (memory, quantization, micro-batch)",
+    "review/doctor_choice.py": "the settings an out-of-memory fix may change (memory, quantization, micro-batch)",
     "grid_axes.py": "the axes that stand for a study setting, each beside its setting",
     "cell/distributed.py": "a distributed cell's facts: its world size and the timeout in effect",
     "cell/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",

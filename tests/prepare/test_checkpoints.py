@@ -4,7 +4,8 @@ import shutil
 
 import pytest
 
-from tunegrid.prepare.checkpoints import CheckpointError, link_local, verify_checkpoint
+from tunegrid.manifest import verify_checkpoint
+from tunegrid.prepare.checkpoints import CheckpointError, link_local
 
 
 def test_synthetic_round_trip(checkpoints):
@@ -82,8 +83,9 @@ def test_streamed_synthetic_checkpoint_has_save_pretrained_names_in_shards(
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare import checkpoints as module
-    from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.prepare.data import corpus_texts
 
     spec = copy.deepcopy(getattr(conftest, spec_name))
     spec["config"]["dtype"] = "bfloat16"
@@ -135,8 +137,9 @@ def test_init_scale_multiplies_exactly_the_matching_initial_weights(dataset_path
     from conftest import GEMMA_HOT
     from safetensors.torch import load_file
 
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.prepare.data import corpus_texts
 
     texts = list(corpus_texts(read_dataset(dataset_path)))
     plain, scaled = copy.deepcopy(GEMMA_HOT), copy.deepcopy(GEMMA_HOT)

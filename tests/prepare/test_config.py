@@ -285,12 +285,15 @@ def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    cells = [line for line in lines if "tunegrid.py finetune" in line or "tunegrid.py cell-plan" in line]
+    contracts = [line for line in lines if "tunegrid.py cell-plan" in line]
+    cells = [line for line in lines if "tunegrid.py finetune" in line]
     plans = [line for line in lines if "tunegrid.py plan" in line]
-    # a cell's jobs read its resolved spec (the cell_config rule's file), the plan table the resolved study
-    assert cells and all(re.search(r"--spec-file results/default/specs/\S+\.json ", c) for c in cells)
+    # a cell's contract reads its resolved spec (the cell_config rule's file); its finetune job runs from the
+    # contract; the plan table reads the resolved study and the contracts
+    assert contracts and all(re.search(r"--spec-file results/default/specs/\S+\.json ", c) for c in contracts)
+    assert cells and all(re.search(r"--contract results/default/plans/\S+\.json ", c) for c in cells)
     assert plans and all("--study-file results/default/study.json" in c for c in plans)
-    assert not any('"axes"' in c or "--spec " in c or "--study '" in c for c in cells + plans)
+    assert not any('"axes"' in c or "--spec " in c or "--study '" in c for c in contracts + cells + plans)
 
 
 def test_the_t4_study_plans_fp16_islands_and_its_target_runs_it_as_fp16(tmp_path):

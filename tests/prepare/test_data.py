@@ -1,4 +1,5 @@
-from tunegrid.prepare.data import BatchStream, generate_examples, tokenize_examples
+from tunegrid.cell.batches import BatchStream, tokenize_examples
+from tunegrid.prepare.data import generate_examples
 
 
 def test_generation_is_deterministic():

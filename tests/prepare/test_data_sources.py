@@ -7,12 +7,11 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_study, run_supervised
+from conftest import REPO, make_study, run_supervised, work_cell
 
-from tunegrid.cell.train import run_worker
 from tunegrid.config import ConfigError, cell_spec, expand_cells, resolve_study
+from tunegrid.dataset import read_dataset
 from tunegrid.files import read_json, read_jsonl
-from tunegrid.prepare.data import read_dataset
 from tunegrid.prepare.datasets_io import DataError, write_study_dataset
 
 CHAT_FILE = REPO / "examples" / "chat.jsonl"
@@ -79,7 +78,7 @@ def test_parquet_pairs_train_with_their_own_field_names(checkpoints, tmp_path):
     write_study_dataset(data_path, study["data"])
     assert read_dataset(data_path)[0] == {"instruction": "Spell stone backwards.", "response": "enots"}
     spec = cell_spec(study, expand_cells(study)[0])
-    run_worker(spec, str(checkpoints["gemma3-hot"]), str(data_path), str(tmp_path / "run"))
+    work_cell(spec, checkpoints["gemma3-hot"], data_path, tmp_path / "run")
     facts = read_json(tmp_path / "run" / "worker.json")
     assert facts["outcome"] == "ok", facts["reason"]
     assert facts["data"]["packing"] == "position_ids" and facts["data"]["template"] == "prompt_template"

@@ -56,8 +56,9 @@ LORA = {
 
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory, dataset_path):
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.prepare.data import corpus_texts
 
     texts = list(corpus_texts(read_dataset(dataset_path)))
     root = tmp_path_factory.mktemp("families")

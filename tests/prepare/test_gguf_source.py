@@ -14,7 +14,8 @@ import pytest
 
 from tunegrid.config import resolve_study
 from tunegrid.errors import ConfigError
-from tunegrid.prepare.checkpoints import CheckpointError, produce_checkpoint, verify_checkpoint
+from tunegrid.manifest import verify_checkpoint
+from tunegrid.prepare.checkpoints import CheckpointError, produce_checkpoint
 
 pytest.importorskip("gguf", reason="the gguf source needs the gguf package (envs/requirements-real.txt)")
 

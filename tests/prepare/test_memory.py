@@ -174,11 +174,12 @@ def test_estimate_is_close_to_measured_for_ok_cells(checkpoints, dataset_path, t
 
 
 def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, capabilities, tmp_path):
-    import json
-
     import pandas as pd
 
     from tunegrid.cli import main
+    from tunegrid.config import expand_cells, resolve_study, spec_json
+    from tunegrid.contract import CellContract
+    from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb
 
     grid = {
         "model": ["gemma3-hot", "qwen3moe-tiny"],
@@ -190,43 +191,31 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
     study = make_study(grid=grid, hardware={"target": "t4", "refuse_emulated": True})
     models = next(iter(checkpoints.values())).parent
     out = tmp_path / "plan.csv"
-    study_file = tmp_path / "study.json"  # what the workflow writes once per invocation
-    study_file.write_text(json.dumps(study))
-    assert (
-        main(
-            [
-                "plan",
-                "--study-file",
-                str(study_file),
-                "--capabilities",
-                str(capabilities),
-                "--models",
-                str(models),
-                "--out",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    study_file = tmp_path / "study.json"  # as the study_config rule writes it: resolved
+    study_file.write_text(spec_json(resolve_study(study)))
+    plans = tmp_path / "plans"
+    for cell in expand_cells(resolve_study(study)):  # each cell's contract, as the cell_plan rule makes it
+        args = ["cell-plan", "--study-file", str(study_file), "--cell", cell.cell_id, "--model-dir"]
+        args += [
+            str(models / cell.model),
+            "--capabilities",
+            str(capabilities),
+            "--out",
+            str(plans / f"{cell.cell_id}.json"),
+        ]
+        assert main(args) == 0
+    assert main(["plan", "--study-file", str(study_file), "--plans", str(plans), "--out", str(out)]) == 0
     plan = pd.read_csv(out, keep_default_na=False)
     assert len(plan) == 6
     assert set(plan.loc[plan.precision == "bf16", "verdict"]) == {"unsupported"}
     assert set(plan.loc[plan.precision != "bf16", "verdict"]) == {"run"}
     assert (plan.estimate_bytes > 0).all() and set(plan.target) == {"t4"}
 
-    # each cell's own plan (the `cell_plan` rule's file, the finetune job's mem_mb) says what plan.csv says
-    from tunegrid.config import resolve_study, spec_json
-    from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, CellPlan, job_mem_mb
-
-    study_file.write_text(spec_json(resolve_study(study)))  # as the study_config rule writes it: resolved
+    # plan.csv is the union of the cells' contracts (the finetune job's mem_mb comes from the same file)
     for row in plan.itertuples():
-        cell_file = tmp_path / "plans" / f"{row.cell_id}.json"
-        main(
-            ["cell-plan", "--study-file", str(study_file), "--cell", row.cell_id, "--model-dir"]
-            + [str(models / row.model), "--capabilities", str(capabilities), "--out", str(cell_file)]
-        )
-        cell = CellPlan.read(cell_file)
-        assert (cell.estimate_bytes, cell.estimate_stage, cell.verdict, cell.target) == (
+        cell = CellContract.read(plans / f"{row.cell_id}.json").plan
+        estimate = cell.estimate()
+        assert (estimate.estimate_bytes, estimate.stage, estimate.verdict, cell.target) == (
             row.estimate_bytes,
             row.estimate_stage,
             row.verdict,

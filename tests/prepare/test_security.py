@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from tunegrid.config import ConfigError, resolve_study
-from tunegrid.prepare.checkpoints import CheckpointError, link_local, verify_checkpoint
+from tunegrid.manifest import verify_checkpoint
+from tunegrid.prepare.checkpoints import CheckpointError, link_local
 
 CANARY_TOKEN = "hf_CANARYcanaryCANARYcanary0123456789"
 

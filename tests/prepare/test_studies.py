@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_supervised, snakemake_command, workflow_env
+from conftest import REPO, run_supervised, snakemake_command, work_cell, workflow_env
 
-from tunegrid.cell.train import run_worker
 from tunegrid.config import cell_spec, expand_cells, load_study
+from tunegrid.dataset import read_dataset
 from tunegrid.files import read_json
 from tunegrid.prepare.checkpoints import produce_checkpoint
-from tunegrid.prepare.data import corpus_texts, read_dataset
+from tunegrid.prepare.data import corpus_texts
 
 STUDIES = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -57,7 +57,7 @@ def test_real_width_variant_trains_a_step_on_cpu_with_one_layer(config, model, d
     cell = next(c for c in expand_cells(study) if c.model == model and c.quant == "nf4" and c.batch_size == 1)
     spec = cell_spec(study, cell)
     spec["axes"] = {**spec["axes"], "precision": "fp32"}
-    run_worker(spec, str(tmp_path / model), str(dataset_path), str(tmp_path / "run"))
+    work_cell(spec, tmp_path / model, dataset_path, tmp_path / "run")
     facts = read_json(tmp_path / "run" / "worker.json")
     assert facts["outcome"] in ("ok", "nan"), facts["reason"]
     assert facts["training"]["steps_run"] == 1

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import one_cell
 
-from tunegrid.prepare.cell_plan import CellPlan, write_cell_plan
+from tunegrid.contract import CellContract
+from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb, mem_mb_for_job, write_contract
 from tunegrid.prepare.memory_estimate import device_constants
-from tunegrid.prepare.plan import plan_cell
 from tunegrid.workers import FORKED, SPAWNED, planned_worker
 
 MIB = 2**20
@@ -50,42 +51,33 @@ def test_only_a_local_one_rank_cpu_cell_with_a_warm_worker_is_forked():
     assert planned_worker(one, "cuda", warm_worker=True) == SPAWNED  # the warm worker never serves beside a GPU
 
 
-def test_the_plan_names_the_path_and_its_estimate(checkpoints, tmp_path):
-    from conftest import make_study
+def test_the_plan_names_the_path_and_holds_the_estimate_of_each_path_the_worker_may_take(checkpoints, tmp_path):
+    from tunegrid.contract import CellJob
 
-    from tunegrid.config import resolve_study
-
-    study = resolve_study(make_study())
-    study_file, capabilities = tmp_path / "study.json", tmp_path / "capabilities.json"
-    study_file.write_text(json.dumps(study))
-    capabilities.write_text(json.dumps(CAPABILITIES))
     spec = one_cell()
-    plans = {
-        local: write_cell_plan(
-            study_file, spec["cell_id"], checkpoints["gemma3-hot"], capabilities, tmp_path / f"{local}.json", local
-        )
-        for local in (True, False)
+    job = CellJob(model_dir=str(checkpoints["gemma3-hot"]), data_path="d", run_dir="r", result_path="r/result.json")
+    contracts = {
+        warm: write_contract(spec, job, tmp_path / f"{warm}.json", warm, capabilities=CAPABILITIES)
+        for warm in (True, False)
     }
-    assert plans[True].worker == FORKED and plans[False].worker == SPAWNED  # a cluster job spawns its worker
-    assert plans[False].estimate_bytes - plans[True].estimate_bytes == (458 - 384) * MIB
-    forked = plan_cell(spec, checkpoints["gemma3-hot"], CAPABILITIES, FORKED)["estimate"]
-    assert plans[True].estimate_bytes == forked["estimate_bytes"] and forked["worker"] == FORKED
-    assert CellPlan.read(tmp_path / "True.json") == plans[True]
+    local, cluster = contracts[True].plan, contracts[False].plan
+    assert local.worker == FORKED and cluster.worker == SPAWNED  # a cluster job spawns its worker
+    assert cluster.estimate().estimate_bytes - local.estimate().estimate_bytes == (458 - 384) * MIB
+    # either plan holds both paths: a worker the warm worker does not fork is spawned, with the spawned estimate
+    assert local.estimates == cluster.estimates and set(local.estimates) == {FORKED, SPAWNED}
+    assert local.estimate(SPAWNED) == cluster.estimate() and local.estimate(FORKED).worker == FORKED
+    # the job asks for the planned path's memory
+    assert (local.mem_mb, cluster.mem_mb) == (job_mem_mb(local.estimate().estimate_bytes, 1), cluster.mem_mb)
+    assert CellContract.read(tmp_path / "True.json") == contracts[True]
+    # a distributed cell's ranks are always spawned: one path
+    two = write_contract(one_cell(world=2), job, tmp_path / "two.json", True, capabilities=CAPABILITIES)
+    assert set(two.plan.estimates) == {SPAWNED}
 
 
-def test_a_plan_written_before_it_named_the_path_still_reads(tmp_path):
+def test_a_plan_of_another_schema_is_not_read_and_its_job_asks_for_the_floor(tmp_path):
     path = Path(tmp_path / "old.json")
-    raw = {
-        "budget_bytes": None,
-        "cell_id": "c",
-        "estimate_bytes": 1,
-        "estimate_device": "cpu",
-        "estimate_stage": "step",
-        "mem_mb": 1024,
-        "reason": "",
-        "target": "native",
-        "verdict": "run",
-        "world_size": 1,
-    }
-    path.write_text(json.dumps(raw))
-    assert CellPlan.read(path).worker == SPAWNED
+    raw = {"cell_id": "c", "estimate_bytes": 10 * 2**30, "world_size": 1, "verdict": "run", "worker": SPAWNED}
+    path.write_text(json.dumps(raw))  # a plan file from before the contract (no schema_version)
+    with pytest.raises(ValueError, match="schema"):
+        CellContract.read(path)
+    assert mem_mb_for_job(path, {}, 1) == MEM_FLOOR_MB_PER_RANK

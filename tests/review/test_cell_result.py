@@ -19,7 +19,7 @@ OLD = REPO / "tests" / "data" / "result-a7de793-gemma3-tiny_fp16_bs8_nf4_s0.json
 def test_a_result_json_from_before_the_type_still_reads():
     raw = json.loads(OLD.read_text())
     result = CellResult.from_json(raw)
-    assert result.outcome is Outcome.NAN and result.diagnosis.nan["kind"] == "loss_nonfinite"
+    assert result.outcome is Outcome.NAN and result.diagnosis.nan.kind == "loss_nonfinite"
     assert result.distributed == {} and result.lora_sha256 is None  # fields it predates take their defaults
     assert CellResult.from_json(result.to_json()) == result
     assert {k: v for k, v in result.to_json().items() if k in raw} == {**raw, "diagnosis": raw["diagnosis"]}
@@ -70,3 +70,39 @@ def test_composing_keeps_every_fact_the_worker_wrote(tmp_path):
     (tmp_path / "worker.json").write_text(json.dumps({**facts, "new_fact": 1}))
     with pytest.raises(ValueError, match="new_fact"):
         compose_result(_spec(), tmp_path, 0, None, 0.0, ["tunegrid", "finetune"])
+
+
+def test_each_part_of_a_diagnosis_reads_typed_and_writes_back_as_it_was():
+    raw = {
+        "oom": {"stage": "step", "peak_bytes": 9, "bytes_at_failure": 8, "extra": [1]},
+        "collective": {
+            "op": "ALLREDUCE",
+            "missing_ranks": [1],
+            "timeout_s": 5,
+            "step": 3,
+            "seq": 7,
+            "kind": "straggler",
+            "last_step_per_rank": {"0": 3, "1": 2},
+            "evidence": {
+                "before_the_stall": {"rank": 1, "median_ratio": 4.0},
+                "parted_ranks": [1],
+                "parted_at_step": 2,
+            },
+        },
+        "rank_crash": {"ranks": [1], "exit": "SIGKILL", "last_lines": ["x"]},
+        "nonfinite_events": 0,
+    }
+    diagnosis = Diagnosis.from_json(json.loads(json.dumps(raw)))
+    assert (diagnosis.oom.stage, diagnosis.oom.peak_bytes, diagnosis.oom.reserved_peak_bytes) == ("step", 9, None)
+    collective = diagnosis.collective
+    assert (collective.op, collective.missing_ranks, collective.kind, collective.parted_at_step) == (
+        "ALLREDUCE",
+        [1],
+        "straggler",
+        2,
+    )
+    assert collective.straggler == {"rank": 1, "median_ratio": 4.0}
+    assert (diagnosis.rank_crash.ranks, diagnosis.rank_crash.exit) == ([1], "SIGKILL")
+    assert diagnosis.to_json() == raw  # every key as written, those no field reads too
+    with pytest.raises(ValueError, match="no Diagnosis field"):
+        Diagnosis.from_json({"nan_reason": 1})

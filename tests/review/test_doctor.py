@@ -9,7 +9,7 @@ from conftest import make_study
 
 from tunegrid.config import cell_spec, cells_by_id, resolve_study
 from tunegrid.review.doctor import baseline_fixes
-from tunegrid.review.doctor_plan import (
+from tunegrid.review.doctor_choice import (
     DETERMINISTIC,
     NOT_REPRODUCED,
     TRANSIENT,

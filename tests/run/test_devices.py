@@ -17,7 +17,7 @@ CPU = {"device": "cpu", "gpus": []}
 
 
 def test_a_study_that_does_not_set_gpus_per_rank_asks_for_one_per_rank_where_the_probe_found_cuda(tmp_path):
-    from tunegrid.prepare.plan import gpu_shortfall
+    from tunegrid.devices import gpu_shortfall
 
     spec = one_cell(world=2)
     assert spec["hardware"]["gpus_per_rank"] == "auto"
@@ -80,7 +80,7 @@ def test_on_slurm_a_two_rank_cell_is_judged_by_the_gpus_its_own_job_was_granted(
     """The probe job asked for one rank's GPU, so its record lists 1: that is no reason to refuse a 2-rank cell
     whose job was granted 2 (it used to end every world_size > 1 cell `unsupported` on SLURM)."""
     import tunegrid.devices
-    from tunegrid.prepare.plan import gpu_shortfall
+    from tunegrid.devices import gpu_shortfall
 
     probe_job = {**H100, "cluster_job": True}  # the record as a SLURM probe job writes it: 1 GPU, its own
     spec = one_cell(world=2)

@@ -12,10 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, make_study, processes_mentioning
+from conftest import REPO, cell_contract, make_study, processes_mentioning
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
-from tunegrid.files import write_json
 from tunegrid.run import warm
 
 
@@ -35,14 +34,10 @@ def _start_supervisor(
     )
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    write_json(tmp_path / "spec.json", spec)
+    contract = cell_contract(spec, checkpoints, dataset_path, run_dir)
     code = (
-        "import json; from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
-        f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), "
-        f"model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
-        f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), "
-        f"result_path=Path({str(run_dir / 'result.json')!r}),"
-        " tracking_path=None, capabilities_path=None, log_path=None, command=['tunegrid', 'finetune'])\n"
+        "from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
+        f"run_cell(Path({str(contract)!r}), command=['tunegrid', 'finetune'])\n"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, make_study, run_supervised, snakemake_command, workflow_env
+from conftest import REPO, cell_contract, make_study, run_supervised, snakemake_command, workflow_env
 
 from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.files import read_json, read_jsonl, write_json
@@ -223,15 +223,10 @@ def test_result_json_appears_only_after_the_mlflow_run_is_finished(checkpoints, 
     tracking = tmp_path / "tracking.json"
     experiment_id = init_experiment(store, "tunegrid/t", None)
     write_json(tracking, {"tracking_uri": store, "experiment_id": experiment_id, "experiment_name": "tunegrid/t"})
-    write_json(tmp_path / "spec.json", spec)
+    contract = cell_contract(spec, checkpoints, dataset_path, run_dir, tracking=tracking)
     code = (
-        "import json, sys; from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
-        f"run_cell(spec=json.load(open({str(tmp_path / 'spec.json')!r})), "
-        f"model_dir=Path({str(checkpoints['qwen3moe-tiny'])!r}),"
-        f" data_path=Path({str(dataset_path)!r}), run_dir=Path({str(run_dir)!r}), "
-        f"result_path=Path({str(run_dir / 'result.json')!r}),"
-        f" tracking_path=Path({str(tracking)!r}), capabilities_path=None, log_path=None, command=['tunegrid', "
-        "'finetune'])\n"
+        "from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
+        f"run_cell(Path({str(contract)!r}), command=['tunegrid', 'finetune'])\n"
     )
     env = workflow_env()
     env.update(TUNEGRID_KILL_AT="before_result", PYTHONPATH=str(REPO / "src"))

@@ -75,14 +75,8 @@ def test_exit_codes_of_a_failing_worker_reach_the_supervisor(warm_process, tmp_p
         [
             "tunegrid",
             "worker",
-            "--spec",
+            "--contract",
             str(tmp_path / "missing.json"),
-            "--model-dir",
-            "x",
-            "--data",
-            "x",
-            "--run-dir",
-            str(tmp_path),
         ],
         dict(os.environ),
     )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 import subprocess
 
-from conftest import REPO, snakemake_command, workflow_env
+from conftest import REPO, snakemake_command, stub_contract, workflow_env
 
 from tunegrid.config import expand_cells, resolve_study
 from tunegrid.input_limits import read_study_yaml
-from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, CellPlan, job_mem_mb
+from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb
 from tunegrid.study_paths import StudyPaths
 
 STUDY = REPO / "configs" / "moe-qlora-memory.yaml"
@@ -40,27 +40,15 @@ def test_slurm_dry_run_asks_each_cell_for_its_plans_memory(tmp_path):
     # before any plan exists: the stated floor, per rank
     before = finetune_mem_mb(tmp_path)
     assert before == {c.cell_id: MEM_FLOOR_MB_PER_RANK * c.world_size for c in cells}
-    # plans as the cell_plan rule writes them, with estimates of the size these checkpoints have (the 30B MoE's
+    # contracts as the cell_plan rule writes them, with estimates of the size these checkpoints have (the 30B MoE's
     # bf16 experts ~58 GB); the hub checkpoints themselves are not downloaded here
     paths = StudyPaths.of(study["study"], tmp_path / "results")
     estimates = {}
     for i, cell in enumerate(cells):
         estimates[cell.cell_id] = (60 if cell.model.startswith("qwen3") else 14) * 2**30 + i * 2**20
-        plan = CellPlan(
-            cell_id=cell.cell_id,
-            world_size=cell.world_size,
-            target="native",
-            budget_bytes=None,
-            estimate_bytes=estimates[cell.cell_id],
-            estimate_stage="load",
-            estimate_device="cuda",
-            worker="spawned",
-            verdict="run",
-            reason="",
-            mem_mb=job_mem_mb(estimates[cell.cell_id], cell.world_size),
-        )
+        contract = stub_contract(cell.cell_id, cell.world_size, estimates[cell.cell_id])
         paths.cell_plan(cell.cell_id).parent.mkdir(parents=True, exist_ok=True)
-        paths.cell_plan(cell.cell_id).write_text(plan.to_json())
+        contract.write(paths.cell_plan(cell.cell_id))
     after = finetune_mem_mb(tmp_path)
     assert after == {c.cell_id: job_mem_mb(estimates[c.cell_id], c.world_size) for c in cells}
     assert len(set(after.values())) == len(cells) and 4000 not in after.values()

@@ -92,9 +92,9 @@ def failing_micro_batch(study_dir: Path, cell_id: str, model) -> tuple[dict, obj
     from transformers import AutoTokenizer
 
     from tunegrid.cell.packing import build_stream
-    from tunegrid.prepare.data import read_dataset
+    from tunegrid.dataset import read_dataset
 
-    spec = read_json(study_dir / "runs" / cell_id / "cell.json")
+    spec = read_json(study_dir / "plans" / f"{cell_id}.json")["spec"]  # the cell's contract
     tokenizer = AutoTokenizer.from_pretrained(study_dir / "models" / spec["model"]["name"])
     stream, _ = build_stream(
         read_dataset(study_dir / "data" / "train.jsonl"),

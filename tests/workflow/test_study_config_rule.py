@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_study, snakemake_command, workflow_env
+from conftest import make_study, snakemake_command, stub_contract, workflow_env
 
 from tunegrid.config import cell_spec, cells_by_id, resolve_study, spec_json
-from tunegrid.prepare.cell_plan import CellPlan, job_mem_mb
 from tunegrid.study_paths import StudyPaths
 
 GEMMA, QWEN = "gemma3-hot_fp32_bs2_none_s0", "qwen3moe-tiny_fp32_bs2_none_s0"
@@ -69,21 +68,7 @@ def _finished(workdir: Path, study: dict) -> StudyPaths:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("")
     for cell_id, cell in cells.items():  # its finetune job's mem_mb is read from it
-        estimate = 2**28
-        plan = CellPlan(
-            cell_id=cell_id,
-            world_size=cell.world_size,
-            target="native",
-            budget_bytes=None,
-            estimate_bytes=estimate,
-            estimate_stage="step",
-            estimate_device="cpu",
-            worker="spawned",
-            verdict="run",
-            reason="",
-            mem_mb=job_mem_mb(estimate, 1),
-        )
-        paths.cell_plan(cell_id).write_text(plan.to_json())
+        stub_contract(cell_id, cell.world_size, 2**28, device="cpu").write(paths.cell_plan(cell_id))
     _snakemake(workdir, "all", "--touch")
     assert _planned(workdir) == {}, "a finished study has nothing left to run"
     return paths

@@ -14,11 +14,11 @@ from tunegrid.run import hooks
 from tunegrid.study_paths import StudyPaths
 from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.devices import cell_gpus, gpus_per_rank
-from tunegrid.prepare.cell_plan import mem_mb_for_job, write_cell_plan
+from tunegrid.prepare.cell_plan import mem_mb_for_job
 from tunegrid.prepare.recipe_study import expand_base
-from tunegrid.review.doctor_plan import baseline_cell as doctor_baseline
-from tunegrid.review.doctor_plan import doctor_cells, memory_plan_cells
-from tunegrid.review.doctor_plan import tries as doctor_tries
+from tunegrid.review.doctor_choice import baseline_cell as doctor_baseline
+from tunegrid.review.doctor_choice import doctor_cells, memory_choice_cells
+from tunegrid.review.doctor_choice import tries as doctor_tries
 from tunegrid.study_input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
@@ -121,8 +121,21 @@ def get_cell_cpus(wildcards):
     return get_cell(wildcards).world_size * STUDY["train"]["threads"]
 
 
+def get_cell_job_args(wildcards):
+    """The `finetune` job's files, for the cell's contract (the cell_plan rule): the same paths its rule names."""
+    cell_id = get_cell(wildcards).cell_id
+    args = [
+        f"--data {RESULTS}/data/train.jsonl",
+        f"--run-dir {RESULTS}/runs/{cell_id}",
+        f"--result {RESULTS}/runs/{cell_id}/result.json",
+        f"--log {LOGS}/finetune/{cell_id}.log",
+        "--snakemake-job " + shlex.quote(f"finetune {RESULTS}/runs/{cell_id}/result.json"),
+    ]
+    return " ".join(args + [f"--tracking={RESULTS}/tracking.json"] if TRACKING else args)
+
+
 def get_cell_mem_mb(wildcards, input):
-    """From the cell's plan: Snakemake evaluates this again when it schedules the job, with the plan made; in a
+    """From the cell's contract: Snakemake evaluates this again when it schedules the job, with the plan made; in a
     dry run before it exists, the floor (tunegrid.prepare.cell_plan.MEM_FLOOR_MB_PER_RANK per rank)."""
     return mem_mb_for_job(input.get("plan"), STUDY["hardware"], get_cell(wildcards).world_size)
 
@@ -188,12 +201,13 @@ def get_doctor_repeat(wildcards):
     return [str(PATHS.result(repeat))] if repeat else []
 
 
-def get_doctor_plans(wildcards):
-    """The plans the out-of-memory choice reads (its estimate and budget), for an out-of-memory baseline only."""
+def get_doctor_contracts(wildcards):
+    """The contracts whose plans the out-of-memory choice reads (estimate, verdict), for an out-of-memory baseline
+    only."""
     if _doctor_reproduced(wildcards)["outcome"] not in ("oom", "predicted_oom"):
         return []
     baseline = doctor_baseline(STUDY, wildcards.cell_id)
-    return [str(PATHS.cell_plan(cell)) for cell in memory_plan_cells(STUDY, baseline)]
+    return [str(PATHS.cell_plan(cell)) for cell in memory_choice_cells(STUDY, baseline)]
 
 
 def _doctor_tries(wildcards):

@@ -35,7 +35,7 @@ checkpoint doctor_diagnose:
         baseline=f"{RESULTS}/runs/{{cell_id}}/result.json",
         reproduce=rules.doctor_reproduce.output.reproduce,
         repeat=get_doctor_repeat,
-        plans=get_doctor_plans,
+        contracts=get_doctor_contracts,  # the contracts of the cells an out-of-memory choice compares
         study=rules.study_config.output.study,
         capabilities=rules.probe.output.capabilities,
     output:
@@ -49,7 +49,7 @@ checkpoint doctor_diagnose:
         repeat=lambda wildcards, input: input.repeat[0] if input.repeat else "",
     shell:
         f"python {SCRIPT} doctor-diagnose --study-file {{input.study}} --baseline {{input.baseline}}"
-        " --repeat={params.repeat} --capabilities {input.capabilities} --out {output.diagnosis} {input.plans}"
+        " --repeat={params.repeat} --capabilities {input.capabilities} --out {output.diagnosis} {input.contracts}"
         " > {log} 2>&1"
 
 

@@ -8,7 +8,8 @@ rule finetune:
         tracking=get_tracking_file,
         capabilities=rules.probe.output.capabilities,
         probe_run=get_probe_run_file,  # read beside the capabilities: the probe's MLflow run id
-        # its mem_mb; re-made only when the cell's spec, model or probe changes, each of which re-runs the cell anyway
+        # the cell's contract: the job runs from it and takes its mem_mb from it; re-made only when the cell's spec,
+        # model or probe changes, each of which re-runs the cell anyway
         plan=rules.cell_plan.output.plan,
         stacks=get_stack_records,  # built (or refused) before any cell trains
     output:
@@ -28,13 +29,5 @@ rule finetune:
         cpus_per_task=get_cell_cpus,
         host_cores=get_cell_host_cores,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
-    params:
-        run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
-        # rule + output identify the job across invocations (Snakemake's job ids do not)
-        job=lambda wildcards, output: f"finetune {output.result}",
     shell:
-        f"python {SCRIPT} finetune"
-        " --spec-file {input.spec} --model-dir {input.model}"
-        " --data {input.data} --run-dir {params.run_dir} --result {output.result}"
-        " --tracking={input.tracking} --capabilities {input.capabilities} --log {log}"
-        " --snakemake-job {params.job:q} > {log} 2>&1"
+        f"python {SCRIPT} finetune --contract {{input.plan}} > {{log}} 2>&1"

@@ -31,12 +31,13 @@ rule cell_config:
         "jinja2"
 
 
-# One cell's plan before it trains (target, budget, memory estimate, verdict, the job's host memory), a typed
-# file (tunegrid.prepare.cell_plan.CellPlan) the `finetune` job takes its `mem_mb` from. Reads file headers only
-# (no torch, ~0.2 s a cell).
+# One cell's contract before it trains (tunegrid.contract.CellContract): its spec, its plan (target, budget, the
+# memory estimate of each path its worker may take and the verdict, the kernels, the liveness limits, the job's
+# host memory) and its job's files, in one typed file the `finetune` job runs from and takes its `mem_mb` from.
+# Every decision about the cell is made here, once. Reads file headers only (no torch, ~0.2 s a cell).
 rule cell_plan:
     input:
-        spec=rules.cell_config.output.spec,  # re-made when the cell's spec changes, and the plan with it
+        spec=rules.cell_config.output.spec,  # re-made when the cell's spec changes, and the contract with it
         model=get_cell_model_dir,
         capabilities=rules.probe.output.capabilities,
     output:
@@ -46,20 +47,22 @@ rule cell_plan:
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
+    params:
+        job=get_cell_job_args,  # the finetune job's files: its data, run folder, result, tracking, log
     # $TUNEGRID_CELL_PLAN_WORKER: how this invocation starts its cells (common.smk)
     shell:
         f"python {SCRIPT} cell-plan"
-        " --spec-file {input.spec} --model-dir {input.model} --capabilities {input.capabilities}"
+        " --spec-file {input.spec} --model-dir {input.model} --capabilities {input.capabilities} {params.job}"
         " --out {output.plan} $TUNEGRID_CELL_PLAN_WORKER > {log} 2>&1"
 
 
 # Before spending GPU hours: which cells this target cannot run (unsupported), which the estimate says
-# will not fit (predicted_oom), and every cell's estimated peak. `snakemake --cores 8 plan`; trains nothing.
+# will not fit (predicted_oom), and every cell's estimated peak: the union of the cells' contracts.
+# `snakemake --cores 8 plan`; trains nothing.
 rule plan:
     input:
         study=rules.study_config.output.study,
-        capabilities=rules.probe.output.capabilities,
-        models=get_model_dirs(),
+        plans=[str(PATHS.cell_plan(cell_id)) for cell_id in CELLS],
     output:
         plan=f"{RESULTS}/plan.csv",
     log:
@@ -68,9 +71,6 @@ rule plan:
     conda:
         "../../envs/tunegrid.yaml"
     params:
-        models=lambda wildcards, input: os.path.dirname(input.models[0]),
-        cluster=lambda wildcards: "" if workflow.local_exec else "--cluster",  # cluster jobs spawn every worker
+        plans=str(PATHS.study_dir / "plans"),
     shell:
-        f"python {SCRIPT} plan"
-        " --study-file {input.study} --capabilities {input.capabilities} --models {params.models}"
-        " --out {output.plan} {params.cluster} > {log} 2>&1"
+        f"python {SCRIPT} plan --study-file {{input.study}} --plans {{params.plans}} --out {{output.plan}} > {{log}} 2>&1"

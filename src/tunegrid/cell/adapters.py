@@ -73,7 +73,7 @@ def save_adapter(run_dir: Path, model: Any, batch: dict[str, Any], loss: float, 
 
 
 def base_record(
-    spec: dict[str, Any], manifest: dict[str, Any], plan: Any, fp32_islands: list[str] | None = None
+    spec: dict[str, Any], manifest: dict[str, Any], precision: Any, fp32_islands: list[str] | None = None
 ) -> dict[str, Any]:
     """Everything needed to rebuild the base the adapter was trained on: for a 4-bit cell, BitsAndBytesConfig's
     arguments too, and that its 4-bit layers kept bitsandbytes' training layout (on a CPU with AVX512-BF16 a
@@ -81,10 +81,14 @@ def base_record(
     from tunegrid.cell.model import bnb_settings
     from tunegrid.plans import quant_plan
 
-    load = {"storage_dtype": plan.storage_dtype, "compute_dtype": plan.compute_dtype, "quant": spec["axes"]["quant"]}
+    load = {
+        "storage_dtype": precision.storage_dtype,
+        "compute_dtype": precision.compute_dtype,
+        "quant": spec["axes"]["quant"],
+    }
     quant = quant_plan(spec["axes"]["quant"])
     if quant.record_key:
-        load[quant.record_key] = bnb_settings(spec, plan)
+        load[quant.record_key] = bnb_settings(spec, precision)
         load["cpu_inference_packing"] = False  # Linear4bit.support_avx512bf16_for_cpu = False on every layer
     import torch
 

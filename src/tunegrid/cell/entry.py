@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from tunegrid.files import read_json
+from tunegrid.contract import CellContract
 
 
 def run_worker_from_argv(argv: list[str]) -> int:
-    """`... worker --spec S --model-dir M --data D --run-dir R`, as the supervisor's command line names them."""
+    """`... worker --contract C`, as the supervisor's command line names it (the cell's contract file)."""
     from tunegrid.cell.train import run_worker
 
     parser = argparse.ArgumentParser(prog="tunegrid worker")
-    for option in ("--spec", "--model-dir", "--data", "--run-dir"):
-        parser.add_argument(option, required=True)
+    parser.add_argument("--contract", required=True)
     args = parser.parse_args(argv[argv.index("worker") + 1 :])
-    run_worker(read_json(args.spec), args.model_dir, args.data, args.run_dir)
+    run_worker(CellContract.read(args.contract))
     return 0

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tunegrid.contract import CellKernels
 from tunegrid.plans import quant_plan
 
 # transformers catches an exception raised while converting a checkpoint tensor, loads the rest, and then
@@ -23,13 +24,14 @@ REPORT_LOGGER = "transformers"  # the library logger its modules log through (th
 EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", re.MULTILINE)
 
 
-def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) -> Any:
+def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: CellKernels, device: Any) -> Any:
+    """The cell's model at its precision (a tunegrid.cell.precision.PrecisionPlan), with the kernels its plan chose."""
     from transformers import BitsAndBytesConfig
 
-    use_cpu_kernels(model_dir, spec, device)
+    use_cpu_kernels(kernels, device)
 
     kwargs: dict[str, Any] = {
-        "dtype": plan.torch_dtype("storage"),
+        "dtype": precision.torch_dtype("storage"),
         "use_safetensors": True,  # never a pickle
         "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
     }
@@ -39,7 +41,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
     if attention != "sdpa" or spec["model"].get("attn_implementation"):
         kwargs["attn_implementation"] = attention if attention != "sdpa" else spec["model"]["attn_implementation"]
     quant = quant_plan(spec["axes"]["quant"])
-    bnb = quant.bnb_settings(plan.torch_dtype("compute"))
+    bnb = quant.bnb_settings(precision.torch_dtype("compute"))
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
     if quant.experts_quantized:  # experts quantized as they are read: never all in full precision
@@ -60,7 +62,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], plan: Any, device: Any) ->
         disable_cpu_inference_packing(model)
     if device.type != "cuda":
         model.to(device)
-    if plan.residual_fp32:
+    if precision.residual_fp32:
         keep_residual_fp32(model)
     return model
 
@@ -156,24 +158,20 @@ def keep_residual_fp32(model: Any) -> None:
     model.get_input_embeddings().register_forward_hook(widen)
 
 
-def use_cpu_kernels(model_dir: Path, spec: dict[str, Any], device: Any) -> None:
-    """torch's oneDNN kernels on or off for this cell, as the plan decided (prepare.cpu_kernels.cpu_onednn_off:
-    off for CPU bf16 with routed experts). Set either way: the flag is the process's, and a worker trains one cell."""
-    import json
-
+def use_cpu_kernels(kernels: CellKernels, device: Any) -> None:
+    """torch's oneDNN kernels on or off for this cell, as its plan says (the `cell_plan` rule decided it:
+    tunegrid.prepare.cpu_kernels, off for CPU bf16 with routed experts). Set either way on a CPU: the flag is the
+    process's, and a worker trains one cell."""
     import torch
 
-    from tunegrid.prepare.cpu_kernels import cpu_onednn_off
-
     if device.type == "cpu":
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        torch.backends.mkldnn.enabled = cpu_onednn_off(spec, config, device.type) is None
+        torch.backends.mkldnn.enabled = kernels.cpu_onednn_off is None
 
 
-def bnb_settings(spec: dict[str, Any], plan: Any) -> dict[str, Any]:
-    """BitsAndBytesConfig's arguments for the cell's quantization (its plan's row), the compute dtype by name
-    (as an adapter's record keeps them); empty for a cell without quantization."""
-    return quant_plan(spec["axes"]["quant"]).bnb_settings(plan.compute_dtype)
+def bnb_settings(spec: dict[str, Any], precision: Any) -> dict[str, Any]:
+    """BitsAndBytesConfig's arguments for the cell's quantization (its row of the quantization table), the compute
+    dtype by name (as an adapter's record keeps them); empty for a cell without quantization."""
+    return quant_plan(spec["axes"]["quant"]).bnb_settings(precision.compute_dtype)
 
 
 @contextlib.contextmanager

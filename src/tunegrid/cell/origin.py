@@ -122,7 +122,7 @@ class FailingStepReplay:
             else:  # no graph: each layer's activations are freed as the next one runs
                 from tunegrid.cell.precision import autocast_context
 
-                with torch.no_grad(), autocast_context(trained.plan):
+                with torch.no_grad(), autocast_context(trained.precision):
                     trained.model(**batch)
         trained.optimizer.zero_grad(set_to_none=True)
         return tracer.as_dict()

@@ -17,7 +17,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.prepare.data import BatchStream, template_turns
+from tunegrid.cell.batches import BatchStream
+from tunegrid.dataset import template_turns
 
 IGNORE = -100
 MASKED_ATTENTION = ("eager", "sdpa", "flex_attention")

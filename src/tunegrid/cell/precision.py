@@ -1,7 +1,9 @@
 """The one place where dtype decisions live: precision name -> storage dtype, autocast, GradScaler.
 
-Why an explicit plan: HF Trainer with fp16=True on CPU silently trains in fp32. Here the plan says what
-it chose and why, and the run records the dtypes actually seen so a mismatch is visible.
+Why an explicit precision plan (PrecisionPlan: a row of tunegrid.plans applied to the device, recorded as
+result.json's `precision_plan`; not the cell's plan, tunegrid.contract): HF Trainer with fp16=True on CPU silently
+trains in fp32. Here the precision plan says what it chose and why, and the run records the dtypes actually seen so
+a mismatch is visible.
 """
 
 from __future__ import annotations
@@ -60,15 +62,15 @@ def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
     )
 
 
-def autocast_context(plan: PrecisionPlan) -> contextlib.AbstractContextManager[Any]:
+def autocast_context(precision: PrecisionPlan) -> contextlib.AbstractContextManager[Any]:
     import torch
 
-    if not plan.autocast:
+    if not precision.autocast:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=plan.device_type, dtype=plan.torch_dtype("compute"))
+    return torch.autocast(device_type=precision.device_type, dtype=precision.torch_dtype("compute"))
 
 
-def make_grad_scaler(plan: PrecisionPlan, init_scale: float = 65536.0) -> Any | None:
+def make_grad_scaler(precision: PrecisionPlan, init_scale: float = 65536.0) -> Any | None:
     import torch
 
-    return torch.amp.GradScaler(plan.device_type, init_scale=init_scale) if plan.grad_scaler else None
+    return torch.amp.GradScaler(precision.device_type, init_scale=init_scale) if precision.grad_scaler else None

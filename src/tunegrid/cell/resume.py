@@ -31,7 +31,6 @@ LOG_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl")
 
 # Settings that change no number the training computes: a resume state stays valid across edits of them.
 NON_TRAINING: dict[str, tuple[str, ...] | None] = {
-    "plan": None,
     "hardware": None,
     "train": ("time_limit_s", "retries", "heartbeat_timeout_s", "checkpoint_every"),
     "debug": ("stall_rank", "kill_rank", "slow_rank", "skip_collective"),

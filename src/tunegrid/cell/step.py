@@ -60,7 +60,7 @@ class OptimizerStep:
 
     model: Any
     trainable_named: list[tuple[str, Any]]
-    plan: PrecisionPlan
+    precision: PrecisionPlan
     meter: MemoryMeter
     ranks: RankContext
     optimizer: Any
@@ -80,7 +80,7 @@ class OptimizerStep:
         spec: dict[str, Any],
         model: Any,
         trainable_named: list[tuple[str, Any]],
-        plan: PrecisionPlan,
+        precision: PrecisionPlan,
         meter: MemoryMeter,
         ranks: RankContext,
     ) -> OptimizerStep:
@@ -103,7 +103,7 @@ class OptimizerStep:
             if schedule == "cosine_with_min_lr"
             else None,
         )
-        scaler = make_grad_scaler(plan, float(train.get("loss_scale_init", 65536)))
+        scaler = make_grad_scaler(precision, float(train.get("loss_scale_init", 65536)))
         loss_by_count = accepts_loss_kwargs(model)
         injection = (spec.get("debug") or {}).get("inject_nonfinite")
         injector = (
@@ -114,7 +114,7 @@ class OptimizerStep:
         return cls(
             model=model,
             trainable_named=trainable_named,
-            plan=plan,
+            precision=precision,
             meter=meter,
             ranks=ranks,
             optimizer=optimizer,
@@ -152,7 +152,7 @@ class OptimizerStep:
         ddp = self.ranks.ddp
         called = time.perf_counter()
         offloaded = self.offload.active() if self.offload is not None else contextlib.nullcontext()
-        with autocast_context(self.plan), offloaded:
+        with autocast_context(self.precision), offloaded:
             loss = (ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
         self.forward_done_at = time.perf_counter()  # the last micro-batch's ends the step's local time
         if ddp is not None:  # DDP's pre-forward syncs the ranks once (its bucket rebuild, 2nd iteration)

@@ -41,6 +41,7 @@ from tunegrid.cell.ranks import RankContext, lora_digest
 from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
 from tunegrid.cell.resume import ResumeStore, training_key
 from tunegrid.cell.step import OptimizerStep
+from tunegrid.contract import CellContract
 from tunegrid.files import write_json
 from tunegrid.memory import MemoryMeter
 from tunegrid.rundir import Heartbeat, rank_dir
@@ -60,10 +61,11 @@ class CellTrainer:
     optimizer_step: OptimizerStep | None = None  # from build_optimizer on
     resume_store: ResumeStore | None = None  # a single-process cell's, from the loop's start on
 
-    def __init__(self, spec: dict[str, Any], model_dir: Path, data_path: Path, run_dir: Path) -> None:
-        self.spec = spec
-        self.model_dir = model_dir
-        self.data_path = data_path
+    def __init__(self, contract: CellContract, run_dir: Path) -> None:
+        self.contract = contract  # the spec, the plan and the job, as the cell_plan rule made them (tunegrid.contract)
+        self.spec = contract.spec
+        self.model_dir = Path(contract.job.model_dir)
+        self.data_path = Path(contract.job.data_path)
         self.run_dir = run_dir
         self.facts: dict[str, Any] = {"outcome": Outcome.ERROR, "reason": "did not start", "stage": "setup"}
         self.heartbeat = Heartbeat(run_dir / "heartbeat")
@@ -85,29 +87,28 @@ class CellTrainer:
         if self.ranks.distributed:
             self.facts["distributed"] = self.ranks.group_facts(self.spec["distributed"])
             self.ranks.init_process_group(self.spec["distributed"], self.facts["distributed"]["backend"])
-        self.plan = plan_precision(self.spec["axes"]["precision"], self.device.type)
-        print(self.plan.describe(), flush=True)
-        self.facts["precision_plan"] = self.plan.__dict__
+        self.precision = plan_precision(self.spec["axes"]["precision"], self.device.type)
+        print(self.precision.describe(), flush=True)
+        self.facts["precision_plan"] = self.precision.__dict__
         self.meter = MemoryMeter(self.device.type)
         self.memory: dict[str, Any] = {"device": self.device.type}
 
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
-        from tunegrid.memory import apply_memory_budget
-        from tunegrid.prepare.checkpoints import verify_checkpoint
-        from tunegrid.prepare.probes import runtime_baseline_bytes
+        from tunegrid.manifest import verify_checkpoint
+        from tunegrid.memory import apply_memory_budget, runtime_baseline_bytes
 
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
         self.manifest = verify_checkpoint(self.model_dir)
         if self.device.type == "cpu":  # what the estimate's calibrated runtime constant stands for
             self.memory["runtime_bytes_measured"] = runtime_baseline_bytes()
-        budget = (self.spec.get("plan") or {}).get("budget_bytes")
+        budget = self.contract.plan.budget_bytes
         if budget:
             self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget, self.device.index)
         self.meter.reset()
         self.tokenizer = load_tokenizer(self.model_dir, bool(self.spec["model"].get("trust_remote_code")))
-        self.model = load_model(self.model_dir, self.spec, self.plan, self.device)
+        self.model = load_model(self.model_dir, self.spec, self.precision, self.contract.plan.kernels, self.device)
         self.model, self.facts["quant_audit"] = audit_and_adapt(self.model, self.spec, self.run_dir)
         self.model.train()
         self.memory["load_peak_bytes"] = self.meter.peak_bytes()
@@ -124,7 +125,7 @@ class CellTrainer:
     # ---------------------------------------------------------------- data
     def build_data(self) -> None:
         from tunegrid.cell.packing import build_stream
-        from tunegrid.prepare.data import read_dataset
+        from tunegrid.dataset import read_dataset
 
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
         seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank
@@ -142,7 +143,7 @@ class CellTrainer:
     # ---------------------------------------------------------------- fp32 islands (fp16-islands only)
     def place_fp32_islands(self) -> None:
         """Measured (or named) before the first step, on the model the steps train."""
-        if not self.plan.fp32_islands:
+        if not self.precision.fp32_islands:
             return
         self.facts["stage"] = "islands"
         self.heartbeat.beat("fp32 island calibration")
@@ -154,7 +155,7 @@ class CellTrainer:
     # ---------------------------------------------------------------- the optimizer step
     def build_optimizer(self) -> OptimizerStep:
         self.optimizer_step = OptimizerStep.build(
-            self.spec, self.model, self.trainable_named, self.plan, self.meter, self.ranks
+            self.spec, self.model, self.trainable_named, self.precision, self.meter, self.ranks
         )
         if self.ranks.distributed:
             self.facts["stage"] = "ddp"
@@ -269,10 +270,10 @@ class CellTrainer:
         if self.facts["outcome"] == Outcome.OK and self.ranks.rank == 0:
             self.facts["stage"] = "adapter"
             self.heartbeat.beat("adapter")
-            loss = reference_loss(self.model, self.last_batch, autocast_context(self.plan))
+            loss = reference_loss(self.model, self.last_batch, autocast_context(self.precision))
             self.facts["training"]["reference_batch_loss"] = loss
             islands = [island["module"] for island in (self.facts.get("fp32_islands") or {}).get("modules", [])]
-            record = base_record(self.spec, self.manifest, self.plan, islands)
+            record = base_record(self.spec, self.manifest, self.precision, islands)
             self.facts["adapter"] = save_adapter(self.run_dir, self.model, self.last_batch, loss, record)
         if self.resume_store is not None:
             self.resume_store.discard()
@@ -351,18 +352,19 @@ def meter_at_failure(meter: MemoryMeter | None) -> dict[str, int | None]:
     return facts
 
 
-def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
+def run_worker(contract: CellContract) -> int:
+    """The worker process of one rank of the contract's cell (`tunegrid worker --contract`)."""
     from tunegrid import lifeline
     from tunegrid.memory import keep_one_malloc_arena
 
-    keep_one_malloc_arena((spec.get("plan") or {}).get("budget_bytes"))  # before the lifeline's thread
+    keep_one_malloc_arena(contract.plan.budget_bytes)  # before the lifeline's thread
     lifeline.hold()  # never train on after the supervisor is gone (a kill -9 of the job)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     ranks = Ranks.from_env()
-    run = rank_dir(Path(run_dir), ranks.rank)
+    run = rank_dir(contract.job.run, ranks.rank)
     run.mkdir(parents=True, exist_ok=True)
     with missing_autograd_fails():
-        facts = CellTrainer(spec, Path(model_dir), Path(data_path), run).run()
+        facts = CellTrainer(contract, run).run()
     if ranks.distributed:
         import torch.distributed as dist
 

@@ -30,8 +30,9 @@ def dataset(args: argparse.Namespace) -> None:
 
 
 def checkpoint(args: argparse.Namespace) -> None:
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.prepare.data import corpus_texts
 
     spec = json.loads(args.spec)
     texts = list(corpus_texts(read_dataset(args.data)))
@@ -86,36 +87,17 @@ def tracking_init(args: argparse.Namespace) -> None:
 
 
 def finetune(args: argparse.Namespace) -> None:
-    from tunegrid.config import study_cell_spec
     from tunegrid.run.supervisor import run_cell
 
-    if args.spec_file:
-        spec = read_json(args.spec_file)
-    elif args.study_file:
-        if not args.cell:
-            raise ConfigError("finetune --study-file needs --cell (the cell id within the study)")
-        spec = study_cell_spec(args.study_file, args.cell)
-    else:
-        spec = json.loads(args.spec)
-    result = run_cell(
-        spec=spec,
-        model_dir=Path(args.model_dir),
-        data_path=Path(args.data),
-        run_dir=Path(args.run_dir),
-        result_path=Path(args.result),
-        tracking_path=Path(args.tracking) if args.tracking else None,
-        capabilities_path=Path(args.capabilities) if args.capabilities else None,
-        log_path=Path(args.log) if args.log else None,
-        command=[sys.executable, *sys.argv],
-        snakemake_job=args.snakemake_job,
-    )
-    print(f"cell {spec['cell_id']}: {result['outcome']} — {result['reason']}")
+    result = run_cell(Path(args.contract), command=[sys.executable, *sys.argv])
+    print(f"cell {result['cell_id']}: {result['outcome']} — {result['reason']}")
 
 
 def worker(args: argparse.Namespace) -> None:
     from tunegrid.cell.train import run_worker
+    from tunegrid.contract import CellContract
 
-    run_worker(read_json(args.spec), args.model_dir, args.data, args.run_dir)
+    run_worker(CellContract.read(args.contract))
 
 
 def summary(args: argparse.Namespace) -> None:
@@ -155,54 +137,49 @@ def sync(args: argparse.Namespace) -> None:
 
 
 def plan(args: argparse.Namespace) -> None:
+    """plan.csv: the union of the cells' contracts (the `cell_plan` rule's files), one line per cell of the study
+    in grid order; nothing is planned here."""
     import pandas as pd
 
-    from tunegrid.config import cell_spec, expand_cells, resolve_study
+    from tunegrid.config import expand_cells, resolve_study
+    from tunegrid.contract import CellContract
     from tunegrid.files import atomic_write_text
-    from tunegrid.prepare.cell_plan import warm_worker_of
-    from tunegrid.prepare.plan import plan_cell
-    from tunegrid.workers import planned_worker
 
     study = resolve_study(read_json(args.study_file))
-    capabilities = read_json(args.capabilities)
-    warm = not args.cluster and warm_worker_of(study)
     rows = []
     for cell in expand_cells(study):
-        spec = cell_spec(study, cell)
-        worker = planned_worker(spec, capabilities.get("device", "cpu"), warm)
-        plan = plan_cell(spec, Path(args.models) / cell.model, capabilities, worker)
-        verdict = plan["verdict"] or ("run", "")
-        rows.append(
-            {
-                "cell_id": cell.cell_id,
-                **cell.axes(),
-                "target": plan["target"],
-                "budget_bytes": plan["budget_bytes"],
-                "estimate_bytes": plan["estimate"]["estimate_bytes"],
-                "estimate_stage": plan["estimate"]["stage"],
-                "estimate_worker": plan["estimate"]["worker"],
-                "verdict": verdict[0],
-                "reason": verdict[1],
-            }
-        )
+        plan = CellContract.read(Path(args.plans) / f"{cell.cell_id}.json").plan
+        rows.append({"cell_id": cell.cell_id, **cell.axes(), **plan.row()})
     frame = pd.DataFrame(rows)
     atomic_write_text(args.out, frame.to_csv(index=False))
     print(frame[["cell_id", "target", "estimate_bytes", "verdict", "reason"]].to_string(index=False))
 
 
 def cell_plan(args: argparse.Namespace) -> None:
-    from tunegrid.prepare.cell_plan import write_cell_plan, write_spec_plan
+    from tunegrid.config import study_cell_spec
+    from tunegrid.contract import CellJob
+    from tunegrid.prepare.cell_plan import warm_worker_of, write_contract
 
     if args.spec_file:
+        spec = read_json(args.spec_file)
         warm = not (args.cluster or args.no_warm_worker)
-        planned = write_spec_plan(read_json(args.spec_file), args.model_dir, args.capabilities, args.out, warm)
     elif args.cell:
-        planned = write_cell_plan(
-            args.study_file, args.cell, args.model_dir, args.capabilities, args.out, local=not args.cluster
-        )
+        spec = study_cell_spec(args.study_file, args.cell)
+        warm = not (args.cluster or args.no_warm_worker) and warm_worker_of(read_json(args.study_file))
     else:
         raise ConfigError("cell-plan --study-file needs --cell (the cell id within the study)")
-    print(planned.to_json(), end="")
+    job = CellJob(
+        model_dir=args.model_dir,
+        data_path=args.data,
+        run_dir=args.run_dir,
+        result_path=args.result or (str(Path(args.run_dir) / "result.json") if args.run_dir else ""),
+        capabilities_path=args.capabilities or None,
+        tracking_path=args.tracking or None,
+        log_path=args.log or None,
+        snakemake_job=args.snakemake_job,
+    )
+    contract = write_contract(spec, job, args.out, warm)
+    print(json.dumps(contract.plan.row(), sort_keys=True))
 
 
 def report(args: argparse.Namespace) -> None:

@@ -39,7 +39,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", default="", help="its same-seed re-run's result.json")
     p.add_argument("--capabilities", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("plans", nargs="*", help="the cell plans an out-of-memory choice reads")
+    p.add_argument("plans", nargs="*", help="the cells' contracts (their plans) an out-of-memory choice reads")
     p.set_defaults(func=doctor_diagnose)
 
     p = sub.add_parser("doctor-try", help="(doctor rule) does a fix of the baseline hold among the cells so far")
@@ -76,7 +76,7 @@ def doctor(args: argparse.Namespace) -> None:
 
 def doctor_reproduce(args: argparse.Namespace) -> None:
     from tunegrid.config import Cell
-    from tunegrid.review.doctor_plan import repeat_of, result_row
+    from tunegrid.review.doctor_choice import repeat_of, result_row
     from tunegrid.vocabulary import Outcome, parse_cell_id
 
     row = result_row(args.baseline)
@@ -88,7 +88,8 @@ def doctor_reproduce(args: argparse.Namespace) -> None:
 
 def doctor_diagnose(args: argparse.Namespace) -> None:
     from tunegrid.config import Cell, resolve_study
-    from tunegrid.review.doctor_plan import DETERMINISTIC, Choice, choose, reproduction, result_row
+    from tunegrid.contract import CellContract
+    from tunegrid.review.doctor_choice import DETERMINISTIC, Choice, choose, reproduction, result_row
     from tunegrid.vocabulary import parse_cell_id
 
     study = resolve_study(read_json(args.study_file))
@@ -97,7 +98,8 @@ def doctor_diagnose(args: argparse.Namespace) -> None:
     reproduced["baseline_cell"] = base["cell_id"]
     reproduced["repeat_cell"] = result_row(args.repeat)["cell_id"] if args.repeat else ""
     if reproduced["verdict"] == DETERMINISTIC:
-        plans = {read_json(p)["cell_id"]: read_json(p) for p in args.plans}
+        contracts = [CellContract.read(p) for p in args.plans]
+        plans = {contract.cell_id: contract.plan.row() for contract in contracts}
         baseline = Cell(**parse_cell_id(base["cell_id"]))
         choice = choose(study, baseline, base, read_json(args.capabilities), plans)
     else:
@@ -110,7 +112,7 @@ def doctor_diagnose(args: argparse.Namespace) -> None:
 
 def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
     """The baseline, its repeat and every try's cells up to `index`, in order."""
-    from tunegrid.review.doctor_plan import tries
+    from tunegrid.review.doctor_choice import tries
 
     reproduced = diagnosis["reproduction"]
     cells = [c for c in (reproduced["baseline_cell"], reproduced["repeat_cell"]) if c]
@@ -122,7 +124,7 @@ def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
 def doctor_try(args: argparse.Namespace) -> None:
     from tunegrid.config import resolve_study
     from tunegrid.review.doctor import try_verdict
-    from tunegrid.review.doctor_plan import tries
+    from tunegrid.review.doctor_choice import tries
 
     study = resolve_study(read_json(args.study_file))
     diagnosis = read_json(args.diagnosis)

@@ -61,26 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.tracking_init)
 
     p = sub.add_parser("finetune", help="run one grid cell under supervision; always writes result.json")
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--spec-file", help="the cell's resolved spec (results/<study>/specs/<cell_id>.json)")
-    source.add_argument("--study-file", help="the resolved study (results/<study>/study.json); with --cell")
-    source.add_argument("--spec", help="the cell's resolved spec as JSON (by hand)")
-    p.add_argument("--cell", default="", help="the cell id within --study-file")
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--result", required=True)
-    p.add_argument("--tracking", default="", help="tracking.json from tracking-init; empty: no MLflow")
-    p.add_argument("--capabilities", default="", help="the probe's capabilities.json (target, budget, estimate)")
-    p.add_argument("--log", default="", help="the rule's log, attached to the MLflow run")
-    p.add_argument("--snakemake-job", default="", help="rule and job id, recorded as a run tag")
+    p.add_argument("--contract", required=True, help="the cell's contract (results/<study>/plans/<cell_id>.json)")
     p.set_defaults(func=commands.finetune)
 
     p = sub.add_parser("worker", help="(internal) the training process a finetune job supervises")
-    p.add_argument("--spec", required=True)
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--run-dir", required=True)
+    p.add_argument("--contract", required=True)
     p.set_defaults(func=commands.worker)
 
     p = sub.add_parser("summary", help="one row per cell as CSV")
@@ -97,30 +82,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", nargs="+")
     p.set_defaults(func=commands.sync)
 
-    p = sub.add_parser("plan", help="before training: per cell, the target, the memory estimate and the verdict")
+    p = sub.add_parser("plan", help="plan.csv: per cell, the target, the memory estimate and the verdict")
     p.add_argument("--study-file", required=True, help="the resolved study (results/<study>/study.json)")
-    p.add_argument("--capabilities", required=True)
-    p.add_argument("--models", required=True, help="folder of the study's checkpoints")
+    p.add_argument("--plans", required=True, help="the folder of the cells' contracts (results/<study>/plans)")
     p.add_argument("--out", required=True)
-    p.add_argument(
-        "--cluster", action="store_true", help="the cells run as cluster jobs (spawned workers, never forked)"
-    )
     p.set_defaults(func=commands.plan)
 
-    p = sub.add_parser("cell-plan", help="one cell's plan (estimate, budget, verdict, job memory) as JSON")
+    p = sub.add_parser("cell-plan", help="one cell's contract: its spec, its plan and its job's files, as JSON")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--spec-file", help="the cell's resolved spec (results/<study>/specs/<cell_id>.json)")
     source.add_argument("--study-file", help="the resolved study (results/<study>/study.json); with --cell")
     p.add_argument("--cell", default="", help="the cell id within --study-file")
-    p.add_argument("--capabilities", required=True)
+    p.add_argument("--capabilities", default="", help="the probe's capabilities.json (target, budget, constants)")
     p.add_argument("--model-dir", required=True)
+    p.add_argument("--data", default="", help="the study's data set the cell trains on")
+    p.add_argument("--run-dir", default="", help="the cell's run folder")
+    p.add_argument("--result", default="", help="its result.json (default: in the run folder)")
+    p.add_argument("--tracking", default="", help="tracking.json from tracking-init; empty: no MLflow")
+    p.add_argument("--log", default="", help="the finetune job's log, attached to the MLflow run")
+    p.add_argument("--snakemake-job", default="", help="rule and output of the finetune job, recorded as a run tag")
     p.add_argument("--out", required=True)
     p.add_argument(
         "--cluster", action="store_true", help="the cells run as cluster jobs (spawned workers, never forked)"
     )
-    p.add_argument(
-        "--no-warm-worker", action="store_true", help="with --spec-file: the run keeps no warm worker (all spawned)"
-    )
+    p.add_argument("--no-warm-worker", action="store_true", help="the run keeps no warm worker (all spawned)")
     p.set_defaults(func=commands.cell_plan)
 
     p = sub.add_parser("report", help="the comparison report: HTML, PNGs and recommendations")

@@ -1,20 +1,27 @@
-"""A cell's plan as a file (results/<study>/plans/<cell_id>.json): what the `cell_plan` rule decided before the
-cell trains (target, budget, memory estimate, verdict) and the host memory its job asks the scheduler for.
+"""The `cell_plan` rule's job: a cell's contract (tunegrid.contract.CellContract) made and written once, as
+results/<study>/plans/<cell_id>.json: its spec, its plan (target, budget, the memory estimate of each path its
+worker may take and the verdict, the kernels, the liveness limits, the job's host memory) and its job's files.
 
-The `finetune` rule takes the plan as input and its `mem_mb` from it. Snakemake evaluates a resource function
-again when the job is scheduled, with every input present; before the plan exists (`snakemake -n` on a study
+Every decision of a plan is made here and nowhere else: the supervisor and the worker read the file, plan.csv is
+the union of the files (a house test holds it: tests/house/test_contract.py).
+
+The `finetune` rule takes the contract as input and its `mem_mb` from it. Snakemake evaluates a resource function
+again when the job is scheduled, with every input present; before the contract exists (`snakemake -n` on a study
 whose probe has not run) the request is the floor, and `mem_mb_for_job` says so.
 
-Light module: standard library only (the Snakefile reads it at parse time).
+Light module: no torch (the Snakefile reads it at parse time; the rule reads file headers only, ~0.2 s a cell).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from tunegrid.contract import CellContract, CellJob, CellKernels, CellPlan, MemoryEstimate
+from tunegrid.files import read_json
+from tunegrid.workers import SPAWNED, planned_worker
 
 # The job's request is the estimate with room to spare: the estimate models the tensors and the probe's
 # measured constants, not the allocator's fragmentation or the loader's transient copies.
@@ -23,32 +30,6 @@ MEM_SAFETY_FACTOR = 1.5
 # before it loads a model (the probe's runtime baseline on the 2-core CPU host).
 MEM_FLOOR_MB_PER_RANK = 1024
 OFFLOADED = "activations_offloaded_to_host"  # the estimate's component held in host memory, not the device's
-
-
-@dataclass(frozen=True)
-class CellPlan:
-    cell_id: str
-    world_size: int
-    target: str | None  # the hardware target the cell is judged against (None: no probe record)
-    budget_bytes: int | None  # the memory budget enforced while training (None: none)
-    estimate_bytes: int  # the estimated peak of one rank
-    estimate_stage: str  # the stage (load / step) the estimated peak is reached in
-    estimate_device: str  # cpu / cuda: the memory the estimate is of
-    verdict: str  # run, or the outcome decided without training (unsupported, predicted_oom)
-    reason: str  # why, for a verdict other than run
-    mem_mb: int  # the host memory the cell's job asks for, all ranks (job_mem_mb; hardware.mem_mb replaces it)
-    # spawned / forked (tunegrid.workers): the worker path the estimate's runtime constant is for; result.json
-    # records the path taken and its estimate (equal to this one where the cell took this path). Last, with a
-    # default: a plan written before it named the path was a spawned worker's estimate
-    worker: str = "spawned"
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, indent=1) + "\n"
-
-    @classmethod
-    def read(cls, path: str | Path) -> CellPlan:
-        raw = {"worker": "spawned", **json.loads(Path(path).read_text())}  # a plan from before it named the path
-        return cls(**{f.name: raw[f.name] for f in fields(cls)})
 
 
 def job_mem_mb(estimate_bytes: int, world_size: int, override_mb: int = 0) -> int:
@@ -61,70 +42,111 @@ def job_mem_mb(estimate_bytes: int, world_size: int, override_mb: int = 0) -> in
     return per_rank * world_size
 
 
-def mem_mb_for_job(plan_file: str | Path | None, hardware: dict[str, Any], world_size: int) -> int:
-    """The `finetune` job's `mem_mb`: from its plan file; before that exists (a dry run on a study not yet
-    planned) the floor, MEM_FLOOR_MB_PER_RANK per rank, or the `hardware.mem_mb` override."""
+def mem_mb_for_job(contract_file: str | Path | None, hardware: dict[str, Any], world_size: int) -> int:
+    """The `finetune` job's `mem_mb`: from its contract; before that exists (a dry run on a study not yet
+    planned), or where it is of another schema (the rule makes it again), the floor, MEM_FLOOR_MB_PER_RANK per
+    rank, or the `hardware.mem_mb` override."""
     override = int(hardware.get("mem_mb") or 0)
-    if plan_file is None or not Path(plan_file).is_file():
+    if contract_file is None or not Path(contract_file).is_file():
         return job_mem_mb(0, world_size, override)
-    plan = CellPlan.read(plan_file)
+    try:
+        plan = CellContract.read(contract_file).plan
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+        return job_mem_mb(0, world_size, override)
     return override or plan.mem_mb
 
 
-def cell_plan(spec: dict[str, Any], planned: dict[str, Any], device: str) -> CellPlan:
-    """The typed plan of one cell from `prepare.plan.plan_cell`'s answer; `device`: the probe's."""
-    verdict = planned["verdict"] or ("run", "")
-    estimate = planned["estimate"]
+def _estimate(
+    spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], worker: str, target: Any
+) -> MemoryEstimate:
+    """One path's estimate with its verdict."""
+    from tunegrid.devices import gpu_shortfall
+    from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
+    from tunegrid.prepare.targets import feasibility
+
+    hardware, precision = spec["hardware"], spec["axes"]["precision"]
+    raw = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker))
+    verdict = feasibility(precision, target, hardware, raw["estimate_bytes"]) if target else None
+    verdict = verdict or gpu_shortfall(spec, capabilities)
+    return MemoryEstimate(
+        worker=worker,
+        estimate_bytes=int(raw["estimate_bytes"]),
+        stage=str(raw["stage"]),
+        load_bytes=int(raw["load_bytes"]),
+        step_bytes=int(raw["step_bytes"]),
+        components=dict(raw["components"]),
+        not_modelled=raw.get("not_modelled"),
+        verdict=str(verdict[0]) if verdict else "run",
+        reason=str(verdict[1]) if verdict else "",
+    )
+
+
+def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> CellKernels:
+    """The kernels the cell's ranks train with, on the device they train on: CUDA where the probe found it and
+    each rank gets a GPU, else the CPU (`hardware.gpus_per_rank: 0` trains on the CPU beside a GPU)."""
+    from tunegrid.devices import gpus_per_rank
+    from tunegrid.prepare.cpu_kernels import cpu_onednn_off
+
+    on_cuda = capabilities.get("device") == "cuda" and gpus_per_rank(spec["hardware"], capabilities) > 0
+    config = json.loads((model_dir / "config.json").read_text())
+    return CellKernels(cpu_onednn_off=cpu_onednn_off(spec, config, "cuda" if on_cuda else "cpu"))
+
+
+def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], warm_worker: bool) -> CellPlan:
+    """The cell's plan: its target, budget, estimates (of each path its worker may take: the supervisor spawns a
+    worker the warm worker does not fork), kernels and liveness limits. `warm_worker`: the run forks its cells
+    from a warm worker (a local run of a study with execution.warm_worker); the planned path and the job's memory
+    follow it."""
+    from tunegrid.prepare.liveness import cell_liveness
+    from tunegrid.prepare.targets import resolve_target
+
+    hardware = spec["hardware"]
+    device = capabilities.get("device", "cpu")
+    target = resolve_target(hardware, capabilities) if capabilities else None
+    enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
+    worker = planned_worker(spec, device, warm_worker)
+    # every path the worker may take: the planned one, spawned, and forked wherever a warm worker could fork it
+    paths = dict.fromkeys([worker, SPAWNED, planned_worker(spec, device, True)])
+    estimates = {path: _estimate(spec, model_dir, capabilities, path, target) for path in paths}
     world = int(spec["axes"].get("world_size", 1))
     return CellPlan(
         cell_id=spec["cell_id"],
         world_size=world,
-        target=planned["target"],
-        budget_bytes=planned["budget_bytes"],
-        estimate_bytes=int(estimate["estimate_bytes"]),
-        estimate_stage=str(estimate["stage"]),
-        estimate_device=device,
-        worker=str(estimate["worker"]),
-        verdict=str(verdict[0]),
-        reason=str(verdict[1]),
+        target=target.name if target else None,
+        budget_bytes=target.memory_bytes if enforced and target else None,
+        device=device,
+        worker=worker,
+        estimates=estimates,
+        kernels=_kernels(spec, model_dir, capabilities),
+        liveness=cell_liveness(spec, model_dir, capabilities),
         # activations offloaded from a GPU (train.activation_offloading) live in the host's memory besides
-        mem_mb=job_mem_mb(int(estimate["estimate_bytes"]) + int(estimate["components"].get(OFFLOADED, 0)), world),
+        mem_mb=job_mem_mb(
+            estimates[worker].estimate_bytes + int(estimates[worker].components.get(OFFLOADED, 0)), world
+        ),
     )
 
 
-def write_cell_plan(
-    study_file: str | Path,
-    cell_id: str,
-    model_dir: str | Path,
-    capabilities_file: str | Path,
+def make_contract(
+    spec: dict[str, Any], job: CellJob, warm_worker: bool, capabilities: dict[str, Any] | None = None
+) -> CellContract:
+    """The contract of one cell: its spec, its plan and its job. The capabilities are the job's probe record
+    (`job.capabilities_path`) unless given; none: no target, no budget, the estimate without measured constants."""
+    if capabilities is None:
+        capabilities = read_json(job.capabilities_path) if job.capabilities_path else {}
+    return CellContract(spec=spec, plan=plan_cell(spec, Path(job.model_dir), capabilities, warm_worker), job=job)
+
+
+def write_contract(
+    spec: dict[str, Any],
+    job: CellJob,
     out: str | Path,
-    local: bool = True,
-) -> CellPlan:
-    """`tunegrid cell-plan --study-file --cell`: a cell of a resolved study, planned. `local`: the cells run on
-    this machine (a local Snakemake run, which forks them where the study keeps a warm worker), not as cluster
-    jobs (each worker spawned)."""
-    from tunegrid.config import study_cell_spec
-    from tunegrid.files import read_json
-
-    spec = study_cell_spec(study_file, cell_id)
-    return write_spec_plan(spec, model_dir, capabilities_file, out, local and warm_worker_of(read_json(study_file)))
-
-
-def write_spec_plan(
-    spec: dict[str, Any], model_dir: str | Path, capabilities_file: str | Path, out: str | Path, warm_worker: bool
-) -> CellPlan:
-    """The `cell_plan` rule's job (`tunegrid cell-plan --spec-file`: file headers only, no torch). `warm_worker`:
-    the run forks its cells from a warm worker (a local run of a study with execution.warm_worker)."""
-    from tunegrid.files import atomic_write_text, read_json
-    from tunegrid.prepare.plan import plan_cell
-    from tunegrid.workers import planned_worker
-
-    capabilities = read_json(capabilities_file)
-    device = capabilities.get("device", "cpu")
-    worker = planned_worker(spec, device, warm_worker)
-    planned = cell_plan(spec, plan_cell(spec, Path(model_dir), capabilities, worker), device)
-    atomic_write_text(out, planned.to_json())
-    return planned
+    warm_worker: bool,
+    capabilities: dict[str, Any] | None = None,
+) -> CellContract:
+    """`tunegrid cell-plan`: the cell's contract, made and written to `out`."""
+    contract = make_contract(spec, job, warm_worker, capabilities)
+    contract.write(out)
+    return contract
 
 
 def warm_worker_of(study: dict[str, Any]) -> bool:

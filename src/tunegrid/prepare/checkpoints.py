@@ -6,27 +6,15 @@ config, size and sha256 of every file). Loading is safetensors-only: pickle chec
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import open_to_umask, read_json, write_json
+from tunegrid.files import open_to_umask, write_json
+from tunegrid.manifest import CheckpointError, sha256_file
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer*", "*.model", "*.txt"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be produced or trusted; the message says why and what to do."""
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
@@ -39,29 +27,6 @@ def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
 
     manifest = {"source": source, "files": files, "tokenizer_resident_bytes": tokenizer_resident_bytes(model_dir)}
     write_json(model_dir / "manifest.json", manifest)
-    return manifest
-
-
-def verify_checkpoint(model_dir: str | Path, *, hashes: bool = False) -> dict[str, Any]:
-    """Check the folder against its manifest before loading; sizes always, sha256 when asked."""
-    model_dir = Path(model_dir)
-    manifest_path = model_dir / "manifest.json"
-    if not manifest_path.is_file():
-        raise CheckpointError(f"{model_dir}: no manifest.json; rebuild it with the checkpoint rule")
-    manifest = read_json(manifest_path)
-    for name, fact in manifest["files"].items():
-        path = model_dir / name
-        if not path.exists():
-            raise CheckpointError(f"{model_dir}: {name} listed in manifest.json is missing; re-run the checkpoint rule")
-        size = path.resolve().stat().st_size
-        if size != fact["bytes"]:
-            raise CheckpointError(
-                f"{model_dir}: {name} has {size} bytes, manifest says {fact['bytes']} (truncated or replaced?)"
-            )
-        if hashes and sha256_file(path.resolve()) != fact["sha256"]:
-            raise CheckpointError(f"{model_dir}: {name} does not match its sha256 in manifest.json")
-    if not any(name.endswith(".safetensors") for name in manifest["files"]):
-        raise CheckpointError(f"{model_dir}: no *.safetensors weights; tunegrid loads safetensors only")
     return manifest
 
 

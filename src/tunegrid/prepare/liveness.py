@@ -16,10 +16,10 @@ Light module: standard library only (the estimate's header reader is torch-free)
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from tunegrid.contract import LivenessLimits
 from tunegrid.plans import precision_plan
 
 # How many times the predicted (or measured) work a limit allows: room for a host shared with other jobs and for
@@ -31,22 +31,6 @@ EXTRA_STEPS = 3
 # Forward + backward of a frozen base with LoRA: the forward's 2 FLOPs per weight and token, the backward's input
 # gradients as many again, and the recomputation of activation checkpointing at most once more.
 FLOPS_PER_WEIGHT_TOKEN = 6
-
-
-@dataclass(frozen=True, kw_only=True)
-class LivenessLimits:
-    """The limits a cell runs under, and what they were derived from (result.json and the plan keep it)."""
-
-    heartbeat_timeout_s: float  # the longest silence allowed (no heartbeat, no step recorded)
-    time_limit_s: float  # the wall-clock limit of the whole cell
-    predicted_step_s: float | None  # the step's matmul work over the probe's rate (None: no rate measured)
-    step_flops: float
-    rate_tflops: float | None
-    margin: float = LIVENESS_MARGIN
-    basis: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def matmul_weights(config: dict[str, Any], shapes: dict[str, list[int]]) -> float:
@@ -87,6 +71,8 @@ def plan_liveness(
             predicted_step_s=None,
             step_flops=flops,
             rate_tflops=None,
+            margin=LIVENESS_MARGIN,
+            extra_steps=EXTRA_STEPS,
             basis="the study's limits (the probe measured no matmul rate for this precision)",
         )
     step_s = flops / (rate * 1e12)
@@ -96,6 +82,8 @@ def plan_liveness(
         predicted_step_s=step_s,
         step_flops=flops,
         rate_tflops=rate,
+        margin=LIVENESS_MARGIN,
+        extra_steps=EXTRA_STEPS,
         basis=(
             f"{flops / 1e9:.0f} GFLOP per step at the probe's {rate:.4g} TFLOP/s ({dtype}) = {step_s:.1f} s; "
             f"limits: the study's, or {LIVENESS_MARGIN:g}x that work where longer"

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunegrid.memory import runtime_baseline_bytes
 from tunegrid.prepare.targets import cuda_precision_support
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -96,19 +97,6 @@ def matmul_tflops(device: str, dtype_name: str, size: int, budget_s: float) -> f
     except (RuntimeError, TypeError):
         return None
     return 2 * size**3 / statistics.median(times) / 1e12
-
-
-def runtime_baseline_bytes() -> int:
-    """Resident memory of a process holding the training stack, before any model: the calibrated
-    constant of the memory estimate on CPU (on CUDA the allocator's peak excludes it)."""
-    import bitsandbytes  # noqa: F401
-    import peft  # noqa: F401
-    import torch  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig  # noqa: F401
-
-    from tunegrid.memory import MemoryMeter
-
-    return MemoryMeter("cpu").current_bytes()
 
 
 def step_overhead_bytes(device: str) -> dict[str, int]:

@@ -2,7 +2,7 @@
 
 A target sets the memory budget and the native-precision facts (from the vendors' data sheets:
 bf16 and tf32 tensor cores arrive with compute capability 8.0). `native` means the machine itself,
-as the probe recorded it. Light module: no torch (the supervisor decides feasibility before training).
+as the probe recorded it. Light module: no torch (the `cell_plan` rule decides feasibility before training).
 """
 
 from __future__ import annotations

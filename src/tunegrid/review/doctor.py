@@ -14,7 +14,7 @@ from typing import Any
 
 from tunegrid.config import Cell
 from tunegrid.files import atomic_write_text, read_json, read_jsonl, write_json
-from tunegrid.review.doctor_plan import DETERMINISTIC, NOT_REPRODUCED, TRANSIENT, result_row, tokens_run
+from tunegrid.review.doctor_choice import DETERMINISTIC, NOT_REPRODUCED, TRANSIENT, result_row, tokens_run
 from tunegrid.study_paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import parse_cell_id

@@ -24,18 +24,14 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
     recorded = {**with_neutrals(result.axes), **{k: v for k, v in settings.items() if v is not None}}
     axes = {name: recorded.get(name) for name in axis_names()}
     diagnosis = result.diagnosis
-    nan = diagnosis.nan or {}
-    origin = nan.get("origin") or {}
+    nan, oom, collective, crash = diagnosis.nan, diagnosis.oom, diagnosis.collective, diagnosis.rank_crash
     memory = result.memory
     training = result.training
     throughput = result.throughput
     in_effect = result.precision_in_effect
-    collective = diagnosis.collective or {}
-    crash = diagnosis.rank_crash or {}
     audit = result.quant_audit
     final = audit.get("after_adapters") or {}
     loaded = audit.get("after_load") or {}
-    oom = diagnosis.oom or {}
     return {
         "cell_id": result.cell_id,
         **axes,
@@ -48,10 +44,10 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "initial_loss": training.get("initial_loss"),
         "final_loss": training.get("final_loss"),
         "skipped_steps": training.get("skipped_steps"),
-        "nan_step": nan.get("step"),
-        "nan_kind": nan.get("kind"),
-        "nan_forward_module": origin_label(origin.get("forward")),
-        "nan_backward_module": origin_label(origin.get("backward")),
+        "nan_step": nan.step if nan else None,
+        "nan_kind": nan.kind if nan else None,
+        "nan_forward_module": origin_label(nan.forward_origin) if nan else None,
+        "nan_backward_module": origin_label(nan.backward_origin) if nan else None,
         "target": memory.get("target"),
         "budget_bytes": memory.get("budget_bytes"),
         "estimate_bytes": memory.get("estimate_bytes"),
@@ -64,8 +60,8 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "steady_peak_bytes": memory.get("steady_peak_bytes"),
         "optimizer_state_bytes": result.optimizer.get("state_bytes"),
         "optimizer_state_estimate_bytes": (memory.get("estimate_components") or {}).get("optimizer_state"),
-        "oom_stage": oom.get("stage"),
-        "oom_peak_bytes": oom.get("peak_bytes"),
+        "oom_stage": oom.stage if oom else None,
+        "oom_peak_bytes": oom.peak_bytes if oom else None,
         "tokens_per_s": throughput.get("tokens_per_s_median"),
         "step_time_s": throughput.get("step_time_s_median"),
         "weight_bytes_loaded": loaded.get("total_bytes"),
@@ -83,14 +79,14 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "fp16_headroom_worst_where": _worst_headroom(result).get("where"),
         "fp16_headroom_worst_ratio": _worst_headroom(result).get("ratio_to_fp16_max"),
         "forward_dtypes": ",".join(sorted((in_effect.get("forward") or {}).keys())),
-        "collective_op": collective.get("op"),
-        "collective_missing_ranks": ",".join(map(str, collective.get("missing_ranks", []))) or None,
-        "collective_diagnosis": collective.get("kind"),
-        "collective_step": collective.get("step"),
-        "collective_seq": collective.get("seq"),
-        "collective_last_steps": json.dumps(collective["last_step_per_rank"]) if collective else None,
+        "collective_op": collective.op if collective else None,
+        "collective_missing_ranks": ",".join(map(str, collective.missing_ranks)) or None if collective else None,
+        "collective_diagnosis": collective.kind if collective else None,
+        "collective_step": collective.step if collective else None,
+        "collective_seq": collective.seq if collective else None,
+        "collective_last_steps": json.dumps(collective.last_step_per_rank) if collective else None,
         **_straggler_columns(result),
-        "crashed_ranks": ",".join(map(str, crash.get("ranks", []))) or None,
+        "crashed_ranks": ",".join(map(str, crash.ranks)) or None if crash else None,
         "attempts": len(result.attempts or [None]),
         "wall_s": result.wall_s,
         "stack_packages": stack_packages(result.env),
@@ -170,14 +166,14 @@ def stack_packages(env: dict[str, Any]) -> str | None:
 
 def _straggler_columns(result: CellResult) -> dict[str, Any]:
     """The straggler a timeout was blamed on, else the early warning of a cell that did not time out."""
-    evidence = (result.diagnosis.collective or {}).get("evidence") or {}
-    straggler = evidence.get("before_the_stall") or result.distributed.get("straggler") or {}
+    collective = result.diagnosis.collective
+    straggler = (collective.straggler if collective else None) or result.distributed.get("straggler") or {}
     return {
         "straggler_rank": straggler.get("rank"),
         "straggler_ratio": straggler.get("median_ratio"),
         "collective_parted": (
-            f"rank(s) {','.join(map(str, evidence['parted_ranks']))} at step {evidence['parted_at_step']}"
-            if evidence.get("parted_ranks")
+            f"rank(s) {','.join(map(str, collective.parted_ranks))} at step {collective.parted_at_step}"
+            if collective and collective.parted_ranks
             else None
         ),
     }

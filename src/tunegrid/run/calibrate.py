@@ -85,8 +85,9 @@ def worker_runtime_bytes(work_dir: Path | None = None) -> dict[str, Any]:
 
 def _micro_study(work_dir: Path) -> tuple[dict[str, Any], Path, Path]:
     from tunegrid.config import resolve_study
+    from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
-    from tunegrid.prepare.data import corpus_texts, read_dataset, write_dataset
+    from tunegrid.prepare.data import corpus_texts, write_dataset
 
     study = resolve_study({**MICRO_STUDY, "grid": {**MICRO_STUDY["grid"], "quant": [Quant.NONE]}})
     data = work_dir / "train.jsonl"
@@ -118,27 +119,24 @@ def _beyond_tensors(
 ) -> int | None:
     """The micro cell's measured peak less the estimate's tensors for it (no runtime constant)."""
     from tunegrid.config import cell_spec, expand_cells
-    from tunegrid.prepare.memory_estimate import estimate_cell
+    from tunegrid.contract import CellJob
+    from tunegrid.prepare.cell_plan import write_contract
     from tunegrid.run.supervisor import run_cell
 
     cell = next(c for c in expand_cells(study) if c.precision == arithmetic)
     spec = cell_spec(study, cell)
     run_dir = runs / cell.cell_id
+    job = CellJob(
+        model_dir=str(model_dir), data_path=str(data), run_dir=str(run_dir), result_path=str(run_dir / "result.json")
+    )
+    # no probe record: no target, and the estimate's tensors alone (no runtime constant), on the CPU
+    contract_path = runs / f"{cell.cell_id}.contract.json"
+    contract = write_contract(spec, job, contract_path, warm_worker=bool(warm_socket), capabilities={})
     previous = os.environ.pop(WARM_SOCKET_ENV, None)  # the invocation's own warm worker is not this path's
     if warm_socket:
         os.environ[WARM_SOCKET_ENV] = warm_socket
     try:
-        result = run_cell(
-            spec=spec,
-            model_dir=model_dir,
-            data_path=data,
-            run_dir=run_dir,
-            result_path=run_dir / "result.json",
-            tracking_path=None,
-            capabilities_path=None,
-            log_path=None,
-            command=["tunegrid", "calibrate"],
-        )
+        result = run_cell(contract_path, command=["tunegrid", "calibrate"])
     finally:
         os.environ.pop(WARM_SOCKET_ENV, None)
         if previous is not None:
@@ -146,5 +144,5 @@ def _beyond_tensors(
     peak = result["memory"].get("peak_bytes")
     if result["outcome"] != "ok" or not peak:
         return None
-    tensors = estimate_cell(spec, model_dir, runtime=0, device="cpu")["step_bytes"]
+    tensors = contract.plan.estimate().step_bytes
     return int(peak - tensors)

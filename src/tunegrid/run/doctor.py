@@ -72,7 +72,7 @@ def command(args: argparse.Namespace, study_file: Path, goal: Path) -> list[str]
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from tunegrid.review.doctor_plan import baseline_cell
+    from tunegrid.review.doctor_choice import baseline_cell
 
     study, study_file = study_of(args)
     try:

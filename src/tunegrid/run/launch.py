@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tunegrid.contract import CellContract
+
 KILL_GRACE_S = 5.0
 
 
@@ -29,11 +31,8 @@ def stop_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def launch_ranks(
-    spec: dict[str, Any],
-    spec_path: Path,
-    model_dir: Path,
-    data_path: Path,
-    run_dir: Path,
+    contract: CellContract,
+    contract_path: Path,
     warm_socket: str | None = None,
     visible_devices: str | None = None,
 ) -> list[Any]:
@@ -46,6 +45,7 @@ def launch_ranks(
     (the warm worker holds the base's libraries)."""
     from tunegrid.workers import stack_python
 
+    spec, run_dir = contract.spec, contract.job.run
     world = spec["axes"].get("world_size", 1)
     interpreter = stack_python(spec)
     if interpreter:
@@ -57,14 +57,8 @@ def launch_ranks(
         "-m",
         "tunegrid.cli",
         "worker",
-        "--spec",
-        str(spec_path),
-        "--model-dir",
-        str(model_dir),
-        "--data",
-        str(data_path),
-        "--run-dir",
-        str(run_dir),
+        "--contract",
+        str(contract_path),
     ]
     if world == 1:
         if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)

@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.devices import cell_devices
+from tunegrid.contract import CellContract, LivenessLimits
+from tunegrid.devices import cell_devices, gpu_shortfall
 from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.prepare.hub import fetched_env
-from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
 from tunegrid.study_paths import StudyPaths
@@ -52,37 +52,31 @@ class Liveness:
     predicts: tunegrid.prepare.liveness), raised again as the cell reports how long its steps really take, so
     that only a cell that stops making progress times out, never one on a host slower than predicted."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        train = spec["train"]
-        planned = (spec.get("plan") or {}).get("liveness") or {}
-        self.heartbeat_s = float(planned.get("heartbeat_timeout_s") or train["heartbeat_timeout_s"])
-        self.limit_s = float(planned.get("time_limit_s") or train["time_limit_s"])
-        self.steps = int(train["steps"])
+    def __init__(self, limits: LivenessLimits, steps: int) -> None:
+        self.heartbeat_s = float(limits.heartbeat_timeout_s)
+        self.limit_s = float(limits.time_limit_s)
+        self.margin, self.extra_steps = float(limits.margin), int(limits.extra_steps)
+        self.steps = int(steps)
         self.step_s = 0.0  # the longest step the cell reported
         # the wall-clock limit follows the measured pace only where the plan knew the cell's work (a probed rate);
         # without one the study's limit is the cell's budget as written
-        self.paced = planned.get("predicted_step_s") is not None
+        self.paced = limits.predicted_step_s is not None
 
     def observe(self, records: list[dict[str, Any]], elapsed: float) -> None:
         """Steps the cell recorded (metrics.jsonl lines) as it trains, `elapsed` seconds after its start."""
-        from tunegrid.prepare.liveness import EXTRA_STEPS, LIVENESS_MARGIN
-
         for record in records:
             if not isinstance(record.get("step_time_s"), (int, float)) or not isinstance(record.get("step"), int):
                 continue
             self.step_s = max(self.step_s, float(record["step_time_s"]))
-            remaining = max(0, self.steps - record["step"] - 1) + EXTRA_STEPS
-            self.heartbeat_s = max(self.heartbeat_s, LIVENESS_MARGIN * self.step_s)
+            remaining = max(0, self.steps - record["step"] - 1) + self.extra_steps
+            self.heartbeat_s = max(self.heartbeat_s, self.margin * self.step_s)
             if self.paced:
-                self.limit_s = max(self.limit_s, elapsed + LIVENESS_MARGIN * self.step_s * remaining)
+                self.limit_s = max(self.limit_s, elapsed + self.margin * self.step_s * remaining)
 
 
 def _supervise(
-    spec: dict[str, Any],
-    spec_path: Path,
-    model_dir: Path,
-    data_path: Path,
-    run_dir: Path,
+    contract: CellContract,
+    contract_path: Path,
     tracker: Any,
     tail: MetricsTail,
     procs: list[subprocess.Popen[bytes]] | None = None,
@@ -91,9 +85,10 @@ def _supervise(
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
     Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped)."""
+    spec, run_dir = contract.spec, contract.job.run
     grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
-    procs = procs or launch_ranks(spec, spec_path, model_dir, data_path, run_dir, visible_devices=visible_devices)
+    procs = procs or launch_ranks(contract, contract_path, visible_devices=visible_devices)
     stopped: list[int] = []
     previous_handler = signal.getsignal(signal.SIGTERM)
 
@@ -112,7 +107,7 @@ def _supervise(
     last_flush = time.monotonic()
     verdict: tuple[str, str] | None = None
     first_exit: float | None = None
-    liveness = Liveness(spec)
+    liveness = Liveness(contract.plan.liveness, spec["train"]["steps"])
     try:
         while any(proc.poll() is None for proc in procs):
             wait_any(procs, POLL_S)
@@ -140,24 +135,18 @@ def _supervise(
     return [proc.returncode for proc in procs], verdict, pending, stopped
 
 
-def run_cell(
-    *,
-    spec: dict[str, Any],
-    model_dir: Path,
-    data_path: Path,
-    run_dir: Path,
-    result_path: Path,
-    tracking_path: Path | None,
-    capabilities_path: Path | None,
-    log_path: Path | None,
-    command: list[str],
-    snakemake_job: str = "",
-) -> dict[str, Any]:
+def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
+    """The `finetune` job: the cell of this contract (tunegrid.contract, made by the `cell_plan` rule) trained
+    under supervision, or decided without training where its plan says so; returns result.json's content."""
     started = time.time()
+    contract = CellContract.read(contract_path)
+    spec, plan, job = contract.spec, contract.plan, contract.job
+    run_dir, model_dir, data_path = job.run, Path(job.model_dir), Path(job.data_path)
+    result_path = Path(job.result_path)
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_run_files(run_dir)
-    capabilities = read_json(capabilities_path) if capabilities_path else {}
-    probe_run = Path(capabilities_path).parent / "mlflow.json" if capabilities_path else None
+    capabilities = read_json(job.capabilities_path) if job.capabilities_path else {}
+    probe_run = Path(job.capabilities_path).parent / "mlflow.json" if job.capabilities_path else None
     if probe_run is not None and probe_run.exists():  # the probe's MLflow run, logged by probe_tracking
         capabilities["mlflow_run_id"] = read_json(probe_run).get("run_id")
     # a stack cell is spawned by its stack's interpreter: the warm worker holds the base's libraries
@@ -168,13 +157,14 @@ def run_cell(
 
         if ready_info(Path(warm_socket)) is None:
             warm_socket = None
-    # the estimate takes the probe's runtime constant for the path this worker takes (the cell_plan rule made
-    # the same estimate for the path it planned: tunegrid.workers.planned_worker)
-    plan = plan_cell(spec, model_dir, capabilities, worker=FORKED if warm_socket else SPAWNED)
-    verdict = plan.pop("verdict")
-    spec = {**spec, "plan": plan}
-    spec_path = run_dir / "cell.json"
-    write_json(spec_path, spec)
+    # the plan's estimate (and the verdict it leads to) for the path this worker takes: the planned one, or
+    # spawned where the warm worker does not answer (the plan holds both)
+    worker = FORKED if warm_socket else SPAWNED
+    estimate = plan.estimate(worker)
+    verdict = None if estimate.verdict == "run" else (estimate.verdict, estimate.reason)
+    if verdict is None and capabilities.get("cluster_job"):  # the GPUs granted to this job, known only now
+        verdict = gpu_shortfall(spec, capabilities)
+    cell = {**spec, "plan": plan.record(worker)}  # the spec and the plan as the cell ran them: result.json's `cell`
 
     # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
     world = spec["axes"].get("world_size", 1)
@@ -182,17 +172,12 @@ def run_cell(
         cell_devices(spec["hardware"], world, capabilities) if verdict is None else contextlib.nullcontext() as visible
     ):
         # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
-        early = (
-            launch_ranks(spec, spec_path, model_dir, data_path, run_dir, warm_socket, visible)
-            if verdict is None
-            else None
-        )
+        early = launch_ranks(contract, contract_path, warm_socket, visible) if verdict is None else None
         tracker: Any = NullRun()
         try:
-            if tracking_path is not None:
-                tracker = _open_run(
-                    spec, plan, capabilities, read_json(tracking_path), result_path, command, snakemake_job, started
-                )
+            if job.tracking_path is not None:
+                tracking = read_json(job.tracking_path)
+                tracker = _open_run(cell, capabilities, tracking, result_path, command, job.snakemake_job, started)
         except BaseException:  # never leave a started worker behind
             for proc in early or []:
                 stop_group(proc)
@@ -206,11 +191,11 @@ def run_cell(
             stopped: list[int] = []
             if feasible:
                 returncodes, verdict, pending, stopped = _supervise(
-                    spec, spec_path, model_dir, data_path, run_dir, tracker, tail, early, visible
+                    contract, contract_path, tracker, tail, early, visible
                 )
                 early = None
             env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
-            result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, env)
+            result = compose_result(cell, run_dir, returncodes[0], verdict, started, command, env)
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
                 from tunegrid.cell.distributed import diagnose_ranks
 
@@ -251,7 +236,7 @@ def run_cell(
         result = CellResult.from_json(result).to_json()  # the declared shape: a key no field holds is an error
         write_json(staged, result)
         if tracker.enabled:
-            _finish_run(tracker, result, staged, Path(data_path), log_path)
+            _finish_run(tracker, result, staged, data_path, Path(job.log_path) if job.log_path else None)
             from tunegrid.track.execution import cell_ended
 
             cell_ended(tracker.uri, StudyPaths.of_result(result_path).study_dir, spec["cell_id"], result["outcome"])
@@ -309,7 +294,6 @@ def _kill_point(name: str) -> None:
 
 def _open_run(
     spec: dict[str, Any],
-    plan: dict[str, Any],
     capabilities: dict[str, Any],
     tracking: dict[str, Any],
     result_path: Path,
@@ -324,7 +308,7 @@ def _open_run(
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
     tags = axis_tags(spec["axes"], spec.get("debug"))
-    tags.update(study=spec["study"], command=shlex.join(command), target=str(plan["target"]))
+    tags.update(study=spec["study"], command=shlex.join(command), target=str(spec["plan"]["target"]))
     tags.update(env_tags(capabilities))
     tags.update(rerun_tags(result_path, snakemake_job))
     probe_run = capabilities.get("mlflow_run_id") or ""

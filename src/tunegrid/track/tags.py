@@ -97,13 +97,12 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
         tags["slurm.job_id"] = slurm_job
     nan = diagnosis.nan
     if nan:
-        origin = nan.get("origin") or {}
         tags.update(
             {
-                "nan.kind": nan["kind"],
-                "nan.step": str(nan["step"]),
-                "nan.forward_module": origin_label(origin.get("forward")) or "",
-                "nan.backward_module": origin_label(origin.get("backward")) or "",
+                "nan.kind": nan.kind,
+                "nan.step": str(nan.step),
+                "nan.forward_module": origin_label(nan.forward_origin) or "",
+                "nan.backward_module": origin_label(nan.backward_origin) or "",
             }
         )
     audit = result.quant_audit
@@ -122,17 +121,15 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     if collective:
         tags.update(
             {
-                "collective.op": collective["op"],
-                "collective.missing_ranks": ",".join(map(str, collective["missing_ranks"])),
-                "collective.timeout_s": str(collective["timeout_s"]),
-                "collective.step": str(collective["step"]),
+                "collective.op": str(collective.op),
+                "collective.missing_ranks": ",".join(map(str, collective.missing_ranks)),
+                "collective.timeout_s": str(collective.timeout_s),
+                "collective.step": str(collective.step),
             }
         )
-        if collective.get("kind"):
-            tags["collective.diagnosis"] = collective["kind"]
-    straggler = ((collective or {}).get("evidence") or {}).get("before_the_stall") or result.distributed.get(
-        "straggler"
-    )
+        if collective.kind:
+            tags["collective.diagnosis"] = collective.kind
+    straggler = (collective.straggler if collective else None) or result.distributed.get("straggler")
     if straggler:  # the straggler a timeout is blamed on, or an early warning in a cell that did not time out
         tags.update({"straggler.rank": str(straggler["rank"]), "straggler.ratio": f"{straggler['median_ratio']:g}"})
     islands = result.fp32_islands
@@ -144,13 +141,13 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
         )
     crash = diagnosis.rank_crash
     if crash:
-        tags.update({"rank_crash.ranks": ",".join(map(str, crash["ranks"])), "rank_crash.exit": crash["exit"]})
+        tags.update({"rank_crash.ranks": ",".join(map(str, crash.ranks)), "rank_crash.exit": crash.exit})
     if result.optimizer.get("state_bytes") is not None:
         optimizer = result.optimizer
         tags.update({"optimizer.state_bytes": str(optimizer["state_bytes"]), "optimizer.paging": optimizer["paging"]})
     oom = diagnosis.oom
     if oom:
-        tags["oom.stage"] = str(oom.get("stage"))
+        tags["oom.stage"] = str(oom.stage)
     memory = result.memory
     if memory.get("estimate_bytes"):
         tags["memory.estimate_bytes"] = str(memory["estimate_bytes"])

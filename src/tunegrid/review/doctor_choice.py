@@ -238,8 +238,8 @@ def _only_differs(cell: Any, baseline: Any, axis: str) -> bool:
     return a[axis] != b[axis] and all(a[k] == b[k] for k in a if k != axis)
 
 
-def memory_plan_cells(study: dict[str, Any], baseline: Any) -> list[str]:
-    """The cells whose plans (estimate, budget, verdict) the out-of-memory choice reads."""
+def memory_choice_cells(study: dict[str, Any], baseline: Any) -> list[str]:
+    """The cells whose contracts' plans (estimate, verdict) the out-of-memory choice reads."""
     base = baseline.axes()
     return [
         c.cell_id

@@ -1,0 +1,48 @@
+"""A cell's contract (tunegrid.contract): made once by the cell_plan rule, read back the same, holding every
+decision the supervisor and the worker act on (the kernels among them) and recording the plan as result.json
+always kept it."""
+
+from __future__ import annotations
+
+from conftest import one_cell
+
+from tunegrid.contract import CellContract, CellJob
+from tunegrid.prepare.cell_plan import write_contract
+from tunegrid.workers import SPAWNED
+
+CPU = {"device": "cpu", "gpus": [], "precision": {"fp32": "native", "bf16": "native", "fp16": "emulated"}}
+CUDA = {
+    "device": "cuda",
+    "gpus": [{"total_bytes": 80 * 2**30, "compute_capability": "9.0"}],
+    "precision": CPU["precision"],
+}
+
+
+def _contract(tmp_path, checkpoints, spec, capabilities):
+    job = CellJob(model_dir=str(checkpoints[spec["model"]["name"]]), data_path="d", run_dir="r", result_path="r/x")
+    return write_contract(spec, job, tmp_path / f"{spec['cell_id']}.json", False, capabilities=capabilities)
+
+
+def test_the_contract_reads_back_as_written_and_records_the_plan_in_its_old_shape(tmp_path, checkpoints):
+    contract = _contract(tmp_path, checkpoints, one_cell(), CPU)
+    assert CellContract.read(tmp_path / f"{contract.cell_id}.json") == contract
+    assert contract.schema_version == 1 and contract.spec == one_cell()
+    record = contract.plan.record(SPAWNED)  # result.json's cell.plan, the MLflow run's plan.* params
+    assert set(record) == {"target", "budget_bytes", "estimate", "liveness"}
+    assert {"estimate_bytes", "stage", "components", "not_modelled", "worker", "cpu_onednn_off"} <= set(
+        record["estimate"]
+    )
+    assert "verdict" not in record["estimate"]
+
+
+def test_the_plan_decides_the_kernels_for_the_device_the_cell_trains_on(tmp_path, checkpoints):
+    moe_bf16 = one_cell(model="qwen3moe-tiny", precision="bf16")
+    assert "oneDNN" in _contract(tmp_path, checkpoints, moe_bf16, CPU).plan.kernels.cpu_onednn_off
+    assert _contract(tmp_path, checkpoints, one_cell(model="qwen3moe-tiny"), CPU).plan.kernels.cpu_onednn_off is None
+    assert _contract(tmp_path, checkpoints, one_cell(precision="bf16"), CPU).plan.kernels.cpu_onednn_off is None
+    on_gpu = _contract(tmp_path, checkpoints, moe_bf16, CUDA).plan
+    assert on_gpu.kernels.cpu_onednn_off is None  # the GPU's kernels
+    beside = {**moe_bf16, "hardware": {**moe_bf16["hardware"], "gpus_per_rank": 0}}
+    assert "oneDNN" in _contract(tmp_path, checkpoints, beside, CUDA).plan.kernels.cpu_onednn_off  # trains on the CPU
+    # the record says what the cell trained with
+    assert on_gpu.record()["estimate"]["cpu_onednn_off"] is None
