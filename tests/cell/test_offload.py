@@ -89,15 +89,20 @@ def test_offloading_lowers_the_measured_step_peak_on_cuda():
     assert torch.equal(grad, offloaded_grad)
 
 
-def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path):
-    from tunegrid.prepare.cell_plan import CellPlan, cell_plan, mem_mb_for_job
+def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path, checkpoints):
+    from dataclasses import replace
 
-    spec = one_cell()
-    estimate = {"estimate_bytes": 4 * 2**30, "stage": "step", "worker": "spawned", "components": {}}
-    plain = cell_plan(spec, {"verdict": None, "estimate": estimate, "target": None, "budget_bytes": None}, "cuda")
-    estimate["components"]["activations_offloaded_to_host"] = 2 * 2**30
-    offloaded = cell_plan(spec, {"verdict": None, "estimate": estimate, "target": None, "budget_bytes": None}, "cuda")
-    assert offloaded.mem_mb == plain.mem_mb + 3 * 1024  # the safety factor 1.5 over 2 GiB
-    (tmp_path / "plan.json").write_text(offloaded.to_json())
-    assert mem_mb_for_job(tmp_path / "plan.json", {}, 1) == offloaded.mem_mb
-    assert CellPlan.read(tmp_path / "plan.json") == offloaded
+    from tunegrid.contract import CellContract, CellJob, MemoryEstimate
+    from tunegrid.prepare.cell_plan import OFFLOADED, host_mem_mb, mem_mb_for_job, write_contract
+
+    plain = MemoryEstimate(
+        worker="spawned", estimate_bytes=4 * 2**30, stage="step", load_bytes=0, step_bytes=4 * 2**30, components={}
+    )
+    offloaded = replace(plain, components={OFFLOADED: 2 * 2**30})
+    assert host_mem_mb(offloaded, 1) == host_mem_mb(plain, 1) + 3 * 1024  # the safety factor 1.5 over 2 GiB
+    spec = one_cell(train={"activation_offloading": True})
+    job = CellJob(model_dir=str(checkpoints[spec["model"]["name"]]), data_path="d", run_dir="r", result_path="r/x")
+    contract = write_contract(spec, job, tmp_path / "contract.json", False, capabilities={})
+    assert contract.plan.mem_mb == host_mem_mb(contract.plan.estimate(), 1)
+    assert mem_mb_for_job(tmp_path / "contract.json", {}, 1) == contract.plan.mem_mb
+    assert CellContract.read(tmp_path / "contract.json") == contract

@@ -42,6 +42,12 @@ def job_mem_mb(estimate_bytes: int, world_size: int, override_mb: int = 0) -> in
     return per_rank * world_size
 
 
+def host_mem_mb(estimate: MemoryEstimate, world_size: int) -> int:
+    """The job's host memory for this estimate: the estimate's peak, and the activations offloaded from a GPU
+    (train.activation_offloading), which live in the host's memory besides."""
+    return job_mem_mb(estimate.estimate_bytes + int(estimate.components.get(OFFLOADED, 0)), world_size)
+
+
 def mem_mb_for_job(contract_file: str | Path | None, hardware: dict[str, Any], world_size: int) -> int:
     """The `finetune` job's `mem_mb`: from its contract; before that exists (a dry run on a study not yet
     planned), or where it is of another schema (the rule makes it again), the floor, MEM_FLOOR_MB_PER_RANK per
@@ -119,10 +125,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
         estimates=estimates,
         kernels=_kernels(spec, model_dir, capabilities),
         liveness=cell_liveness(spec, model_dir, capabilities),
-        # activations offloaded from a GPU (train.activation_offloading) live in the host's memory besides
-        mem_mb=job_mem_mb(
-            estimates[worker].estimate_bytes + int(estimates[worker].components.get(OFFLOADED, 0)), world
-        ),
+        mem_mb=host_mem_mb(estimates[worker], world),
     )
 
 
