@@ -32,7 +32,7 @@ TRAIN_KEYS = ("seq_len", "gradient_checkpointing", "steps")  # what the estimate
 
 
 def record(study: Path, host: str) -> dict:
-    from tunegrid.files import read_json
+    from tunegrid.runtime.files import read_json
 
     probe = read_json(study / "probe" / "capabilities.json")
     plan_csv = study / "plan.csv"

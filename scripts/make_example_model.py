@@ -16,9 +16,9 @@ sys.path.insert(0, str(REPO / "src"))
 
 
 def main() -> None:
-    from tunegrid.config import resolve_study
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts, read_dataset
+    from tunegrid.study.config import resolve_study
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="examples/models/gemma3-tiny")

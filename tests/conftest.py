@@ -190,7 +190,7 @@ def one_cell(
     """The resolved spec of a one-cell study: these axes (and any other axis's one value in `axes`), `train`
     merged over the small default, and any other section (debug, lora, hardware, distributed, data) replacing
     make_study's."""
-    from tunegrid.config import cell_spec, expand_cells, resolve_study
+    from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
     grid = {
         "model": [model],
@@ -238,7 +238,7 @@ def run_in_process(
 ) -> dict[str, Any]:
     """The training worker alone, in this process; returns its facts (worker.json)."""
     from tunegrid.cell.train import run_worker
-    from tunegrid.files import read_json
+    from tunegrid.runtime.files import read_json
 
     run_worker(spec, str(checkpoints[spec["model"]["name"]]), str(dataset_path), str(run_dir))
     return read_json(run_dir / "worker.json")

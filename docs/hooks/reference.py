@@ -81,7 +81,7 @@ def _rows(schema: dict[str, Any], node: dict[str, Any], path: str) -> list[str]:
 
 
 def study_reference() -> str:
-    from tunegrid.config import load_schema
+    from tunegrid.study.config import load_schema
 
     schema = load_schema()
     out = [_text(schema.get("description", "")), ""]

@@ -13,8 +13,8 @@ from conftest import one_cell, processes_mentioning, run_supervised
 
 from tunegrid.cell.collective import find_straggler
 from tunegrid.cell.distributed import diagnose_ranks
-from tunegrid.files import write_json
-from tunegrid.rundir import rank_dir
+from tunegrid.runtime.files import write_json
+from tunegrid.runtime.rundir import rank_dir
 
 TIMEOUT_S = 5
 ALL_REDUCE = "step {} forward+backward (DDP all-reduce of gradients)"
@@ -255,7 +255,7 @@ def test_the_diagnosis_and_a_straggler_reach_the_run_tags_and_the_summary():
 def test_a_fault_axis_value_needs_its_debug_setting():
     import pytest
 
-    from tunegrid.errors import ConfigError
+    from tunegrid.study.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"grid.fault': 'slow-rank' injects debug.slow_rank, which sets no rank"):
         one_cell(model="qwen3moe-tiny", world=2, axes={"fault": "slow-rank"})

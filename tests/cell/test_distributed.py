@@ -7,8 +7,8 @@ import time
 import pytest
 from conftest import REPO, one_cell, processes_mentioning, run_supervised
 
-from tunegrid.config import ConfigError
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.config import ConfigError
 
 
 def _spec(world=2, train=None, debug=None, distributed=None, precision="fp32"):

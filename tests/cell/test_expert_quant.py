@@ -59,7 +59,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import torch
 from tunegrid.prepare.probes import runtime_baseline_bytes
-from tunegrid.memory import MemoryMeter
+from tunegrid.runtime.memory import MemoryMeter
 from tunegrid.cell import expert_quant, quant_audit
 
 baseline = runtime_baseline_bytes()  # the training stack imported, no model

@@ -6,8 +6,8 @@ import pytest
 from conftest import make_study, one_cell, run_in_process
 
 from tunegrid.cell.train import run_worker
-from tunegrid.config import cell_spec, expand_cells, resolve_study
-from tunegrid.files import read_json, read_jsonl
+from tunegrid.runtime.files import read_json, read_jsonl
+from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
 
 def _run(

@@ -51,7 +51,7 @@ def test_the_cli_reference_holds_every_command_and_argument(site):
 
 
 def test_the_study_reference_holds_every_key_of_the_schema(site):
-    from tunegrid.config import load_schema
+    from tunegrid.study.config import load_schema
 
     text = _page(site, "study")
     schema = load_schema()

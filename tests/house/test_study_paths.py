@@ -6,10 +6,10 @@ import ast
 
 from conftest import REPO
 
-from tunegrid.study_paths import StudyPaths
+from tunegrid.study.paths import StudyPaths
 
 # where `.parents[N]` is allowed: locating the package or the repository itself, never a study's files
-PACKAGE_LOCATION = {"config.py", "run/warm.py"}
+PACKAGE_LOCATION = {"study/config.py", "run/warm.py"}
 
 
 def test_no_module_finds_a_study_file_by_walking_up():
@@ -21,7 +21,7 @@ def test_no_module_finds_a_study_file_by_walking_up():
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute):
                 if node.value.attr == "parents":
                     offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
-    assert not offenders, "parents[N] path arithmetic (use tunegrid.study_paths.StudyPaths):\n" + "\n".join(offenders)
+    assert not offenders, "parents[N] path arithmetic (use tunegrid.study.paths.StudyPaths):\n" + "\n".join(offenders)
 
 
 def test_a_cell_file_leads_back_to_its_study():

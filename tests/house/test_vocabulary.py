@@ -9,7 +9,7 @@ import re
 import yaml
 from conftest import REPO, make_study
 
-from tunegrid.config import expand_cells, load_schema, resolve_study
+from tunegrid.study.config import expand_cells, load_schema, resolve_study
 from tunegrid.vocabulary import (
     AXIS_TABLE,
     OUTCOMES,

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tunegrid.config import resolve_study
-from tunegrid.errors import ConfigError
 from tunegrid.prepare.checkpoints import CheckpointError, produce_checkpoint, verify_checkpoint
+from tunegrid.study.config import resolve_study
+from tunegrid.study.errors import ConfigError
 
 pytest.importorskip("gguf", reason="the gguf source needs the gguf package (envs/requirements-real.txt)")
 

@@ -12,10 +12,10 @@ import pytest
 import yaml
 
 from tunegrid.cli.main import main
-from tunegrid.config import resolve_study
 from tunegrid.outcome import CellResult
 from tunegrid.prepare import hub
 from tunegrid.prepare.checkpoints import CheckpointError, download_hub
+from tunegrid.study.config import resolve_study
 from tunegrid.track.tags import run_tags
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

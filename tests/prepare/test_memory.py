@@ -215,8 +215,8 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
     assert (plan.estimate_bytes > 0).all() and set(plan.target) == {"t4"}
 
     # each cell's own plan (the `cell_plan` rule's file, the finetune job's mem_mb) says what plan.csv says
-    from tunegrid.config import resolve_study, spec_json
     from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, CellPlan, job_mem_mb
+    from tunegrid.study.config import resolve_study, spec_json
 
     study_file.write_text(spec_json(resolve_study(study)))  # as the study_config rule writes it: resolved
     for row in plan.itertuples():
@@ -249,7 +249,7 @@ def test_job_memory_is_the_estimate_with_room_a_floor_per_rank_or_the_override()
 
 
 def test_the_job_memory_override_re_runs_no_cell():
-    from tunegrid.config import cell_spec, expand_cells, resolve_study
+    from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
     studies = [resolve_study(make_study(hardware={"mem_mb": mb})) for mb in (0, 64_000)]
     assert studies[1]["hardware"]["mem_mb"] == 64_000 and studies[0]["hardware"]["mem_mb"] == 0
@@ -355,7 +355,7 @@ def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_
     import torch
 
     from tunegrid.cell.train import meter_at_failure
-    from tunegrid.memory import MemoryMeter, apply_memory_budget
+    from tunegrid.runtime.memory import MemoryMeter, apply_memory_budget
 
     fractions = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunegrid.config import expand_cells, resolve_study
 from tunegrid.plans import PRECISION_PLANS
 from tunegrid.prepare.recipe import RecipeError, tool_value
 from tunegrid.prepare.recipe_study import import_recipe
+from tunegrid.study.config import expand_cells, resolve_study
 
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 SHAREGPT = {"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]}

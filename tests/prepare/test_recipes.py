@@ -16,12 +16,12 @@ import yaml
 from conftest import REPO, snakemake_command, workflow_env
 
 from tunegrid.cli.main import main
-from tunegrid.config import expand_cells, resolve_study
 from tunegrid.plans import PRECISION_PLANS
 from tunegrid.prepare.recipe import RecipeError
 from tunegrid.prepare.recipe_study import baseline_cell_id, expand_base, import_recipe
 from tunegrid.prepare.recipe_trl import DEFAULTS, MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS, SFT_ONLY_KEYS
 from tunegrid.review.recipe_export import export_cell, exported_mapping, split_trl
+from tunegrid.study.config import expand_cells, resolve_study
 
 RECIPES = REPO / "tests" / "data" / "recipes"
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
@@ -269,7 +269,7 @@ def test_exported_trl_arguments_construct_trl_dataclasses(workdir, tmp_path):
 
 
 def test_export_refuses_what_the_tool_cannot_say(workdir):
-    from tunegrid.errors import ConfigError
+    from tunegrid.study.errors import ConfigError
 
     study = _resolved("trl-sft-qlora.json", failure="oom")
     with pytest.raises(ConfigError, match="export it --to trl"):

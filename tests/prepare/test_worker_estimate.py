@@ -11,7 +11,7 @@ from conftest import one_cell
 from tunegrid.prepare.cell_plan import CellPlan, write_cell_plan
 from tunegrid.prepare.memory_estimate import device_constants
 from tunegrid.prepare.plan import plan_cell
-from tunegrid.workers import FORKED, SPAWNED, planned_worker
+from tunegrid.runtime.workers import FORKED, SPAWNED, planned_worker
 
 MIB = 2**20
 # what a probe measured on a CPU host (tunegrid.run.calibrate): a forked worker holds less than a spawned one
@@ -53,7 +53,7 @@ def test_only_a_local_one_rank_cpu_cell_with_a_warm_worker_is_forked():
 def test_the_plan_names_the_path_and_its_estimate(checkpoints, tmp_path):
     from conftest import make_study
 
-    from tunegrid.config import resolve_study
+    from tunegrid.study.config import resolve_study
 
     study = resolve_study(make_study())
     study_file, capabilities = tmp_path / "study.json", tmp_path / "capabilities.json"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from conftest import make_study
 
-from tunegrid.config import cell_spec, cells_by_id, resolve_study
 from tunegrid.review.doctor import baseline_fixes
 from tunegrid.review.doctor_plan import (
     DETERMINISTIC,
@@ -20,6 +19,7 @@ from tunegrid.review.doctor_plan import (
     reproduction,
     tries,
 )
+from tunegrid.study.config import cell_spec, cells_by_id, resolve_study
 from tunegrid.vocabulary import parse_cell_id
 
 CAPABILITIES = {"precision": {"fp32": "native", "bf16": "native", "fp16": "emulated", "tf32": "absent"}}

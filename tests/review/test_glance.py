@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tunegrid.files import write_json
 from tunegrid.review.glance import glance
+from tunegrid.runtime.files import write_json
 
 
 def _result(study_dir: Path, cell_id: str, outcome: str, reason: str) -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_study, processes_mentioning
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
-from tunegrid.files import write_json
 from tunegrid.run import warm
+from tunegrid.runtime.files import write_json
+from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
 
 def _start_supervisor(

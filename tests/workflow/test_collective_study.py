@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from conftest import REPO, processes_mentioning, snakemake_command, workflow_env
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 # Config validation, the grid, and the input functions every stage uses. Parsing stays light:
-# tunegrid.config imports no torch, so `snakemake -n` on thousands of cells is quick.
+# tunegrid.study.config imports no torch, so `snakemake -n` on thousands of cells is quick.
 import json
 import os
 import shlex
@@ -11,15 +11,15 @@ from snakemake.exceptions import WorkflowError
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
-from tunegrid.study_paths import StudyPaths
-from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
-from tunegrid.devices import cell_gpus, gpus_per_rank
+from tunegrid.study.paths import StudyPaths
+from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid.runtime.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.cell_plan import mem_mb_for_job, write_cell_plan
 from tunegrid.prepare.recipe_study import expand_base
 from tunegrid.review.doctor_plan import baseline_cell as doctor_baseline
 from tunegrid.review.doctor_plan import doctor_cells, memory_plan_cells
 from tunegrid.review.doctor_plan import tries as doctor_tries
-from tunegrid.study_input import STUDY_FILE_ENV, study_config, study_file_named
+from tunegrid.study.input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from tunegrid.cell.collective import classify_timeout, describe, find_straggler
 from tunegrid.cell.throughput import cell_throughput, metric_records, step_records
-from tunegrid.files import read_json
-from tunegrid.rundir import rank_dir
+from tunegrid.runtime.files import read_json
+from tunegrid.runtime.rundir import rank_dir
 from tunegrid.vocabulary import Outcome
 
 STEP_RE = re.compile(r"step (\d+)")

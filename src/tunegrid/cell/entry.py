@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 
 def run_worker_from_argv(argv: list[str]) -> int:

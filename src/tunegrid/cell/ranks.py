@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tunegrid.cell.distributed import Ranks
-from tunegrid.rundir import Heartbeat
+from tunegrid.runtime.rundir import Heartbeat
 
 
 @dataclass

@@ -16,7 +16,7 @@ from tunegrid.cell.injection import NonfiniteInjector
 from tunegrid.cell.packing import IGNORE
 from tunegrid.cell.precision import PrecisionPlan
 from tunegrid.cell.ranks import RankContext
-from tunegrid.memory import MemoryMeter
+from tunegrid.runtime.memory import MemoryMeter
 
 
 def loss_tokens(batch: dict[str, Any]) -> Any:

@@ -41,9 +41,9 @@ from tunegrid.cell.ranks import RankContext, lora_digest
 from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
 from tunegrid.cell.resume import ResumeStore, training_key
 from tunegrid.cell.step import OptimizerStep
-from tunegrid.files import write_json
-from tunegrid.memory import MemoryMeter
-from tunegrid.rundir import Heartbeat, rank_dir
+from tunegrid.runtime.files import write_json
+from tunegrid.runtime.memory import MemoryMeter
+from tunegrid.runtime.rundir import Heartbeat, rank_dir
 from tunegrid.vocabulary import Outcome
 
 
@@ -93,9 +93,9 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
-        from tunegrid.memory import apply_memory_budget
         from tunegrid.prepare.checkpoints import verify_checkpoint
         from tunegrid.prepare.probes import runtime_baseline_bytes
+        from tunegrid.runtime.memory import apply_memory_budget
 
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
@@ -299,7 +299,7 @@ class CellTrainer:
             self.facts["memory"] = getattr(self, "memory", {})
             enforcement = self.facts["memory"].get("budget_enforcement") or {}
             if enforcement.get("mechanism") == "RLIMIT_AS":
-                from tunegrid.memory import address_space_added
+                from tunegrid.runtime.memory import address_space_added
 
                 enforcement["address_space_added_peak"] = address_space_added(enforcement)
             if self.optimizer_step is not None:
@@ -350,8 +350,8 @@ def meter_at_failure(meter: MemoryMeter | None) -> dict[str, int | None]:
 
 
 def run_worker(spec: dict[str, Any], model_dir: str, data_path: str, run_dir: str) -> int:
-    from tunegrid import lifeline
-    from tunegrid.memory import keep_one_malloc_arena
+    from tunegrid.runtime import lifeline
+    from tunegrid.runtime.memory import keep_one_malloc_arena
 
     keep_one_malloc_arena((spec.get("plan") or {}).get("budget_bytes"))  # before the lifeline's thread
     lifeline.hold()  # never train on after the supervisor is gone (a kill -9 of the job)

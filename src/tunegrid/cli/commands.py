@@ -11,8 +11,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json, write_json
+from tunegrid.runtime.files import read_json, write_json
+from tunegrid.study.errors import ConfigError
 
 
 def dataset(args: argparse.Namespace) -> None:
@@ -86,8 +86,8 @@ def tracking_init(args: argparse.Namespace) -> None:
 
 
 def finetune(args: argparse.Namespace) -> None:
-    from tunegrid.config import study_cell_spec
     from tunegrid.run.supervisor import run_cell
+    from tunegrid.study.config import study_cell_spec
 
     if args.spec_file:
         spec = read_json(args.spec_file)
@@ -157,11 +157,11 @@ def sync(args: argparse.Namespace) -> None:
 def plan(args: argparse.Namespace) -> None:
     import pandas as pd
 
-    from tunegrid.config import cell_spec, expand_cells, resolve_study
-    from tunegrid.files import atomic_write_text
     from tunegrid.prepare.cell_plan import warm_worker_of
     from tunegrid.prepare.plan import plan_cell
-    from tunegrid.workers import planned_worker
+    from tunegrid.runtime.files import atomic_write_text
+    from tunegrid.runtime.workers import planned_worker
+    from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
     study = resolve_study(read_json(args.study_file))
     capabilities = read_json(args.capabilities)
@@ -287,8 +287,8 @@ def mlflow_ui(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from tunegrid.config import expand_cells, read_study_file, resolve_study
     from tunegrid.prepare.recipe_study import expand_base
+    from tunegrid.study.config import expand_cells, read_study_file, resolve_study
 
     study = resolve_study(expand_base(read_study_file(args.config)))
     print(f"study {study['study']!r}: {len(expand_cells(study))} cells")

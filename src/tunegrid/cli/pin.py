@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.errors import ConfigError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -38,8 +38,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def import_recipe(args: argparse.Namespace) -> None:
-    from tunegrid.config import expand_cells, resolve_study
     from tunegrid.prepare.recipe_study import import_recipe as build
+    from tunegrid.study.config import expand_cells, resolve_study
 
     base = {"recipe": args.recipe, "from": args.tool, "failure": args.failure, "ignore": list(args.ignore)}
     base.update({k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v})

@@ -36,7 +36,7 @@ class CellPlan:
     verdict: str  # run, or the outcome decided without training (unsupported, predicted_oom)
     reason: str  # why, for a verdict other than run
     mem_mb: int  # the host memory the cell's job asks for, all ranks (job_mem_mb; hardware.mem_mb replaces it)
-    # spawned / forked (tunegrid.workers): the worker path the estimate's runtime constant is for; result.json
+    # spawned / forked (tunegrid.runtime.workers): the worker path the estimate's runtime constant is for; result.json
     # records the path taken and its estimate (equal to this one where the cell took this path). Last, with a
     # default: a plan written before it named the path was a spawned worker's estimate
     worker: str = "spawned"
@@ -101,8 +101,8 @@ def write_cell_plan(
     """`tunegrid cell-plan --study-file --cell`: a cell of a resolved study, planned. `local`: the cells run on
     this machine (a local Snakemake run, which forks them where the study keeps a warm worker), not as cluster
     jobs (each worker spawned)."""
-    from tunegrid.config import study_cell_spec
-    from tunegrid.files import read_json
+    from tunegrid.runtime.files import read_json
+    from tunegrid.study.config import study_cell_spec
 
     spec = study_cell_spec(study_file, cell_id)
     return write_spec_plan(spec, model_dir, capabilities_file, out, local and warm_worker_of(read_json(study_file)))
@@ -113,9 +113,9 @@ def write_spec_plan(
 ) -> CellPlan:
     """The `cell_plan` rule's job (`tunegrid cell-plan --spec-file`: file headers only, no torch). `warm_worker`:
     the run forks its cells from a warm worker (a local run of a study with execution.warm_worker)."""
-    from tunegrid.files import atomic_write_text, read_json
     from tunegrid.prepare.plan import plan_cell
-    from tunegrid.workers import planned_worker
+    from tunegrid.runtime.files import atomic_write_text, read_json
+    from tunegrid.runtime.workers import planned_worker
 
     capabilities = read_json(capabilities_file)
     device = capabilities.get("device", "cpu")

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import open_to_umask, read_json, write_json
+from tunegrid.runtime.files import open_to_umask, read_json, write_json
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer*", "*.model", "*.txt"]
@@ -320,8 +320,8 @@ def produce_checkpoint(
     if source == "hub":
         return download_hub(spec, out_dir, key)
     if source == "gguf":
-        from tunegrid.gguf_files import GgufSourceError
         from tunegrid.prepare.gguf_checkpoint import dequantize_gguf
+        from tunegrid.study.gguf_files import GgufSourceError
 
         try:
             return write_manifest(out_dir, dequantize_gguf(spec, out_dir))

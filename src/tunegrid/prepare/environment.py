@@ -14,7 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
-from tunegrid.config import REPO_ROOT
+from tunegrid.study.config import REPO_ROOT
 
 CORE_PACKAGES = (
     "torch",

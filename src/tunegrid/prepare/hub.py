@@ -18,8 +18,8 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.errors import ConfigError
 
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 DATA_SOURCE_SUFFIX = ".source.json"  # beside the dataset rule's train.jsonl

@@ -16,7 +16,7 @@ def plan_cell(
     spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], worker: str = "spawned"
 ) -> dict[str, Any]:
     """Before training: the target, its memory budget, the memory estimate and whether to train at all.
-    `worker`: the path the cell's worker takes (tunegrid.workers.planned_worker), whose runtime it counts."""
+    `worker`: the path the cell's worker takes (tunegrid.runtime.workers.planned_worker), whose runtime it counts."""
     from tunegrid.prepare.liveness import cell_liveness
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
     from tunegrid.prepare.targets import feasibility, resolve_target
@@ -44,7 +44,7 @@ def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[s
     Locally that is the GPUs the probe found on the machine. A probe that ran as a cluster job saw only the
     GPUs granted to its own job (one rank's): there the count is what the cell's own job was granted, and
     outside a cluster job (the `plan` rule on the submitting host) nothing is decided."""
-    from tunegrid.devices import gpus_per_rank, placed_by_cluster, visible_gpu_count
+    from tunegrid.runtime.devices import gpus_per_rank, placed_by_cluster, visible_gpu_count
 
     world = spec["axes"].get("world_size", 1)
     per_rank = gpus_per_rank(spec["hardware"], capabilities)

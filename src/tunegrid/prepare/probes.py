@@ -106,7 +106,7 @@ def runtime_baseline_bytes() -> int:
     import torch  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig  # noqa: F401
 
-    from tunegrid.memory import MemoryMeter
+    from tunegrid.runtime.memory import MemoryMeter
 
     return MemoryMeter("cpu").current_bytes()
 
@@ -120,7 +120,7 @@ def step_overhead_bytes(device: str) -> dict[str, int]:
     Run it before any other benchmark: on CUDA the workspaces it measures are created only once."""
     import torch
 
-    from tunegrid.memory import MemoryMeter
+    from tunegrid.runtime.memory import MemoryMeter
 
     meter = MemoryMeter(device)
     width, tokens, depth = 256, 512, 4
@@ -270,8 +270,8 @@ def driver_version() -> str | None:
 def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[str, Any]:
     import torch
 
-    from tunegrid.devices import placed_by_cluster
     from tunegrid.prepare.environment import bitsandbytes_backend
+    from tunegrid.runtime.devices import placed_by_cluster
 
     started = time.perf_counter()
     baseline = runtime_baseline_bytes()  # first, before the benchmarks allocate anything

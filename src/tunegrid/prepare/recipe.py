@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.errors import ConfigError
-from tunegrid.input_limits import read_study_yaml, study_file_problems
 from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
+from tunegrid.study.errors import ConfigError
+from tunegrid.study.input_limits import read_study_yaml, study_file_problems
 
 MAPPED_VERSIONS = {"axolotl": "0.18.0", "trl": "1.16.0", "transformers": "5.23.0"}
 TOOLS = ("axolotl", "trl", "transformers")

@@ -181,7 +181,7 @@ def build_study(recipe: Recipe, failure: str, base: dict[str, Any], study: str |
 
 
 def baseline_cell_id(study: dict[str, Any]) -> str:
-    from tunegrid.config import Cell
+    from tunegrid.study.config import Cell
     from tunegrid.vocabulary import AXES
 
     grid = study["grid"]

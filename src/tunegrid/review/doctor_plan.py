@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.config import Cell, cells_by_id
-from tunegrid.files import read_json
 from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS, precision_plan
 from tunegrid.review.precision_advice import support_of
 from tunegrid.review.summary import summary_row
+from tunegrid.runtime.files import read_json
+from tunegrid.study.config import Cell, cells_by_id
 from tunegrid.vocabulary import Outcome, axis_names
 
 REPEAT = 1  # the same-seed re-run of a failing baseline is its repeat 1
@@ -86,7 +86,7 @@ def result_row(path: str | Path) -> dict[str, Any]:
 
 def tokens_run(run_dir: Path) -> int:
     """The real tokens a cell trained on, from its metrics.jsonl (tokens/s x step time per step)."""
-    from tunegrid.files import read_jsonl
+    from tunegrid.runtime.files import read_jsonl
 
     metrics = run_dir / "metrics.jsonl"
     lines = read_jsonl(metrics) if metrics.is_file() else []

@@ -17,10 +17,10 @@ from typing import Any
 
 import yaml
 
-from tunegrid.errors import ConfigError
 from tunegrid.prepare.recipe import read_file, tool_value
 from tunegrid.prepare.recipe_trl import DEFAULTS as TRL_DEFAULTS
 from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
+from tunegrid.study.errors import ConfigError
 from tunegrid.vocabulary import AXES
 
 AXOLOTL_DEFAULTS = {
@@ -71,7 +71,7 @@ def _effective(tool: str, raw: dict[str, Any], key: str, updated: dict[str, Any]
 
 
 def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
-    from tunegrid.config import cells_by_id
+    from tunegrid.study.config import cells_by_id
 
     base = study.get("base") or {}
     if not base.get("recipe"):
@@ -101,7 +101,7 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
             changes[axis] = value
         except KeyError:  # an axis no recipe key says (the ranks: how many processes the user launches)
             if axis == "stack":  # the fix is the library versions the recipe runs on, not a key of it
-                from tunegrid.stacks import requirements
+                from tunegrid.study.stacks import requirements
 
                 pins = " ".join(f"'{r}'" for r in requirements((study.get("stacks") or {}).get(value, {})))
                 notes.append(f"stack {value}: not a key of a {tool} config; install its versions: pip install {pins}")
@@ -166,7 +166,7 @@ def exported_mapping(export: Export) -> dict[str, Any]:
 def recommended(study: dict[str, Any], recommendations: list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
     """(the fix's change, the cell that is the recipe with it) for every fix of every recommendation whose
     failing cells include the baseline, where that cell ran ok (it is among the fix's evidence)."""
-    from tunegrid.config import Cell
+    from tunegrid.study.config import Cell
 
     grid = study["grid"]
     baseline = {axis: grid[axis][0] for axis in AXES if grid.get(axis)}

@@ -11,7 +11,6 @@ import numbers
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import atomic_write_text, read_json, read_jsonl
 from tunegrid.outcome import CellResult
 from tunegrid.review.advice import Recommendation
 from tunegrid.review.memory_advice import memory_setting_rows
@@ -20,7 +19,8 @@ from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
 from tunegrid.review.run_links import mlflow_note, mlflow_run_base, run_link
 from tunegrid.review.stack_advice import stack_facts
-from tunegrid.study_paths import StudyPaths
+from tunegrid.runtime.files import atomic_write_text, read_json, read_jsonl
+from tunegrid.study.paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
 

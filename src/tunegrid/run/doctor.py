@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from tunegrid.config import REPO_ROOT, read_study_file, resolve_study
-from tunegrid.errors import ConfigError
-from tunegrid.study_paths import StudyPaths
+from tunegrid.study.config import REPO_ROOT, read_study_file, resolve_study
+from tunegrid.study.errors import ConfigError
+from tunegrid.study.paths import StudyPaths
 
 STUDY_KEYS = {"study", "models", "grid", "base"}  # a file holding any of these is a study, not a recipe
 

@@ -18,15 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.devices import cell_devices
-from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.prepare.hub import fetched_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
-from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
-from tunegrid.study_paths import StudyPaths
+from tunegrid.runtime.devices import cell_devices
+from tunegrid.runtime.files import read_json, read_jsonl, write_json
+from tunegrid.runtime.rundir import MetricsTail, clear_run_files, last_activity
+from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_python
+from tunegrid.study.paths import StudyPaths
 from tunegrid.track.tags import (
     ARTIFACT_FILES,
     axis_tags,
@@ -41,7 +42,6 @@ from tunegrid.track.tags import (
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
-from tunegrid.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_python
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
@@ -169,7 +169,7 @@ def run_cell(
         if ready_info(Path(warm_socket)) is None:
             warm_socket = None
     # the estimate takes the probe's runtime constant for the path this worker takes (the cell_plan rule made
-    # the same estimate for the path it planned: tunegrid.workers.planned_worker)
+    # the same estimate for the path it planned: tunegrid.runtime.workers.planned_worker)
     plan = plan_cell(spec, model_dir, capabilities, worker=FORKED if warm_socket else SPAWNED)
     verdict = plan.pop("verdict")
     spec = {**spec, "plan": plan}
@@ -267,7 +267,7 @@ def cell_env(spec: dict[str, Any]) -> dict[str, Any]:
     env = light_env()
     python = stack_python(spec)
     if python:
-        from tunegrid.stacks import read_stack_record
+        from tunegrid.study.stacks import read_stack_record
 
         record = read_stack_record(spec["stack"]["folder"])
         versions = record.get("versions", {})

@@ -1,7 +1,7 @@
 """A point of the grid as a type: `Cell`, a frozen dataclass with one field per row of the axis table; and
 the grid's exclusions (`grid.exclude`), the cells a study leaves out of the product.
 
-Light module (the Snakefile imports it through tunegrid.config at parse time).
+Light module (the Snakefile imports it through tunegrid.study.config at parse time).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from conftest import REPO, make_study, snakemake_command
 
-from tunegrid.config import ConfigError, cell_spec, expand_cells, load_study, resolve_study, spec_json
+from tunegrid.study.config import ConfigError, cell_spec, expand_cells, load_study, resolve_study, spec_json
 from tunegrid.vocabulary import PRECISIONS
 
 
@@ -161,7 +161,7 @@ def test_snakemake_rejects_bad_config_before_any_job(tmp_path):
 
 def test_snakefile_parse_does_not_import_torch():
     code = (
-        "import sys; sys.path.insert(0, 'src'); import tunegrid.config, tunegrid.track.tracking, "
+        "import sys; sys.path.insert(0, 'src'); import tunegrid.study.config, tunegrid.track.tracking, "
         "tunegrid.review.summary;"
         "assert 'torch' not in sys.modules, 'torch imported at parse time'"
     )
@@ -201,7 +201,7 @@ def test_a_study_file_is_the_whole_study_and_the_default_applies_only_without_on
 
 
 def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
-    from tunegrid.study_input import coerce_overrides
+    from tunegrid.study.input import coerce_overrides
 
     raw = {
         "execution": {"warm_worker": "False"},
@@ -232,7 +232,7 @@ def test_command_line_overrides_are_typed_by_the_schema(tmp_path):
 
 
 def test_an_override_that_does_not_convert_names_the_key(tmp_path):
-    from tunegrid.study_input import coerce_overrides
+    from tunegrid.study.input import coerce_overrides
 
     with pytest.raises(ConfigError, match="train.steps"):
         resolve_study(make_study(train={"steps": coerce_overrides({"train": {"steps": "many"}})["train"]["steps"]}))

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tunegrid.errors import ConfigError
+from tunegrid.study.errors import ConfigError
 
 LOCAL_SOURCES = ("jsonl", "parquet")
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tunegrid.errors import ConfigError
-from tunegrid.grid import Cell, cell_class, excluded, exclusion_problems, exclusion_schema
-from tunegrid.input_limits import (
+from tunegrid.study.errors import ConfigError
+from tunegrid.study.grid import Cell, cell_class, excluded, exclusion_problems, exclusion_schema
+from tunegrid.study.input_limits import (
     known_architecture,
     number_problems,
     read_study_yaml,
@@ -29,7 +29,7 @@ from tunegrid.vocabulary import BASE_STACK, PRECISIONS, QUANTS, axis_table
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 
@@ -127,7 +127,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                 "transformers knows (a config.json `model_type`, e.g. gemma3_text, qwen3_moe, olmoe, llama)"
             )
     problems += exclusion_problems(config["grid"])
-    from tunegrid.stacks import stack_problems
+    from tunegrid.study.stacks import stack_problems
 
     problems += stack_problems(config)
     if not problems and not expand_cells(config):
@@ -159,7 +159,7 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
                     f"config key '{key}.path': {spec['path']!r} is not a directory; give the checkpoint's folder"
                 )
         elif spec["source"] == "gguf":
-            from tunegrid.gguf_files import gguf_spec_problems
+            from tunegrid.study.gguf_files import gguf_spec_problems
 
             problems += gguf_spec_problems(spec, key)
     if not config["lora"]["target_modules"] and not config["lora"]["target_parameters"]:
@@ -167,10 +167,10 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             "config key 'lora.target_modules': empty, and so is lora.target_parameters: name the modules that get "
             "adapters (e.g. [q_proj, v_proj], or [all-linear])"
         )
-    from tunegrid.data_checks import config_problems
+    from tunegrid.study.data_checks import config_problems
 
     problems += config_problems(config["data"])
-    from tunegrid.grid_axes import debug_problems
+    from tunegrid.study.grid_axes import debug_problems
 
     problems += debug_problems(config)
     tracking = config["tracking"]
@@ -226,7 +226,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
     """Everything one cell needs to train, fully resolved: what result.json records as `cell`. The axes that
     stand for a study setting (activation checkpointing, the collective timeout, the rank faults) are written
     into it, so the trainer reads one place."""
-    from tunegrid.grid_axes import cell_debug, setting_values
+    from tunegrid.study.grid_axes import cell_debug, setting_values
 
     settings = setting_values(study, cell)
     spec = {
@@ -243,7 +243,7 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},
     }
     if cell.stack != BASE_STACK:  # only then: the spec of a cell on the base stack is what it was before stacks
-        from tunegrid.stacks import stack_ref
+        from tunegrid.study.stacks import stack_ref
 
         spec["stack"] = stack_ref(study, cell.stack).to_json()
     return spec

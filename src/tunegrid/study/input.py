@@ -10,9 +10,9 @@ from typing import Any
 
 import yaml
 
-from tunegrid.config import DEFAULT_STUDY_PATH, load_schema, read_yaml
-from tunegrid.errors import ConfigError
-from tunegrid.input_limits import read_study_yaml, size_problems
+from tunegrid.study.config import DEFAULT_STUDY_PATH, load_schema, read_yaml
+from tunegrid.study.errors import ConfigError
+from tunegrid.study.input_limits import read_study_yaml, size_problems
 
 _TRUE, _FALSE = {"true", "yes", "on", "1"}, {"false", "no", "off", "0"}
 

@@ -89,7 +89,7 @@ class StudyPaths:
         return self.study_dir / "plan.csv"
 
     def cell_spec(self, cell_id: str) -> Path:
-        """The cell's resolved spec (tunegrid.config.cell_spec), what its plan and its fine-tune read."""
+        """The cell's resolved spec (tunegrid.study.config.cell_spec), what its plan and its fine-tune read."""
         return self.study_dir / "specs" / f"{cell_id}.json"
 
     def cell_plan(self, cell_id: str) -> Path:

@@ -13,10 +13,10 @@ import yaml
 from conftest import REPO, run_supervised, snakemake_command, workflow_env
 
 from tunegrid.cell.train import run_worker
-from tunegrid.config import cell_spec, expand_cells, load_study
-from tunegrid.files import read_json
 from tunegrid.prepare.checkpoints import produce_checkpoint
 from tunegrid.prepare.data import corpus_texts, read_dataset
+from tunegrid.runtime.files import read_json
+from tunegrid.study.config import cell_spec, expand_cells, load_study
 
 STUDIES = sorted((REPO / "configs").glob("*.yaml"))
 

@@ -2,7 +2,7 @@
 faults injected): at their neutral value the study's setting holds, what one cell's spec holds for them, and
 the checks of the debug section's fault injection against the grid.
 
-Light module (the Snakefile reads it through tunegrid.config at parse time): standard library only.
+Light module (the Snakefile reads it through tunegrid.study.config at parse time): standard library only.
 """
 
 from __future__ import annotations

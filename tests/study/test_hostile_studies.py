@@ -20,8 +20,8 @@ from conftest import make_study, snakemake_command
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tunegrid.config import ConfigError, load_schema, load_study
-from tunegrid.study_input import coerce_overrides, study_config
+from tunegrid.study.config import ConfigError, load_schema, load_study
+from tunegrid.study.input import coerce_overrides, study_config
 
 # ------------------------------------------------------------------------------------------ the corpus
 
@@ -197,7 +197,7 @@ def test_exponent_numbers_are_numbers_in_validate_and_snakemake(tmp_path):
     path = tmp_path / "study.yaml"
     path.write_text(text)
     assert load_study(path)["train"]["lr"] == 0.001
-    from tunegrid.study_input import study_config
+    from tunegrid.study.input import study_config
 
     snakemakes = yaml.load(text, Loader=yaml.FullLoader)  # what snakemake's --configfile loader makes of it
     assert snakemakes["train"]["lr"] == "1e-3"
@@ -220,7 +220,7 @@ def test_typed_overrides_of_every_schema_type(tmp_path):
     assert typed["grid"] == {"batch_size": [2, 4], "precision": ["fp32"]}
     assert typed["debug"]["inject_nonfinite"]["value"] == "nan"
     with pytest.raises(ConfigError, match=r"train\.lr': nan is not a finite number"):
-        from tunegrid.config import resolve_study
+        from tunegrid.study.config import resolve_study
 
         resolve_study(
             make_study(train={**make_study()["train"], **coerce_overrides({"train": {"lr": "nan"}})["train"]})

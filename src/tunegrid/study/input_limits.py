@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from tunegrid.errors import ConfigError
+from tunegrid.study.errors import ConfigError
 
 # Token-shaped values: Hugging Face tokens, MLflow/Databricks tokens, generic API keys, bearer secrets.
 SECRET_VALUE = re.compile(r"\b(hf_[A-Za-z0-9]{20,}|dapi[0-9a-f]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{20,})")

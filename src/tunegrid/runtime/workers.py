@@ -31,5 +31,5 @@ def planned_worker(spec: dict[str, Any], device: str, warm_worker: bool) -> str:
 
 
 def stack_python(spec: dict[str, Any]) -> str:
-    """The interpreter of the cell's library stack (tunegrid.stacks); "" on the base stack."""
+    """The interpreter of the cell's library stack (tunegrid.study.stacks); "" on the base stack."""
     return (spec.get("stack") or {}).get("python", "")
