@@ -55,9 +55,8 @@ def _fix_words(fix: dict | None) -> str:
 
 def measure(entry: str, workdir: Path, cores: int) -> dict:
     from tunegrid.review.doctor import baseline_fixes, cell_minutes
-    from tunegrid.review.doctor_plan import baseline_cell
     from tunegrid.runtime.files import read_json
-    from tunegrid.study.config import cells_by_id, load_study
+    from tunegrid.study.config import baseline_cell, cells_by_id, load_study
     from tunegrid.study.paths import StudyPaths
 
     path, _, cell = entry.partition(":")

@@ -140,8 +140,8 @@ def _fake_ranks(run_dir, heartbeats, logs):
 
 
 def test_nccl_watchdog_abort_is_a_collective_timeout_not_a_retried_crash(tmp_path):
-    from tunegrid.cell.distributed import diagnose_ranks
     from tunegrid.outcome import infrastructure_fault
+    from tunegrid.run.rank_diagnosis import diagnose_ranks
 
     spec = _spec(distributed={"collective_timeout_s": 4})
     run_dir = tmp_path / "run"
@@ -162,7 +162,7 @@ def test_nccl_watchdog_abort_is_a_collective_timeout_not_a_retried_crash(tmp_pat
 
 
 def test_a_rank_killed_without_the_watchdog_line_is_still_a_crash(tmp_path):
-    from tunegrid.cell.distributed import diagnose_ranks
+    from tunegrid.run.rank_diagnosis import diagnose_ranks
 
     spec = _spec()
     run_dir = tmp_path / "run"

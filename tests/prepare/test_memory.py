@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, make_study, one_cell, run_supervised
 
 from tunegrid.prepare.memory_estimate import estimate_cell, estimate_from_shapes, nf4_bytes, tensor_shapes
-from tunegrid.prepare.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
+from tunegrid.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
 
 
 @pytest.fixture(scope="module")

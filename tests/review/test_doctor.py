@@ -12,14 +12,13 @@ from tunegrid.review.doctor_plan import (
     DETERMINISTIC,
     NOT_REPRODUCED,
     TRANSIENT,
-    baseline_cell,
     choose,
     doctor_cells,
     repeat_of,
     reproduction,
     tries,
 )
-from tunegrid.study.config import cell_spec, cells_by_id, resolve_study
+from tunegrid.study.config import baseline_cell, cell_spec, cells_by_id, resolve_study
 from tunegrid.vocabulary import parse_cell_id
 
 CAPABILITIES = {"precision": {"fp32": "native", "bf16": "native", "fp16": "emulated", "tf32": "absent"}}

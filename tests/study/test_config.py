@@ -295,7 +295,7 @@ def test_jobs_get_the_study_by_file_never_on_the_command_line(tmp_path):
 
 def test_the_t4_study_plans_fp16_islands_and_its_target_runs_it_as_fp16(tmp_path):
     """fp16-islands runs on fp16 arithmetic: planned on a T4 target (native fp16), where bf16 is refused."""
-    from tunegrid.prepare.targets import TARGETS, feasibility
+    from tunegrid.targets import TARGETS, feasibility
 
     hardware = {"refuse_emulated": True, "predicted_oom": "run", "oom_margin": 1.0}
     assert feasibility("fp16-islands", TARGETS["t4"], hardware, None) is None

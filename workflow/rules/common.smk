@@ -15,8 +15,8 @@ from tunegrid.study.paths import StudyPaths
 from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
 from tunegrid.runtime.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.cell_plan import mem_mb_for_job, write_cell_plan
-from tunegrid.prepare.recipe_study import expand_base
-from tunegrid.review.doctor_plan import baseline_cell as doctor_baseline
+from tunegrid.recipes.recipe_study import expand_base
+from tunegrid.study.config import baseline_cell as doctor_baseline
 from tunegrid.review.doctor_plan import doctor_cells, memory_plan_cells
 from tunegrid.review.doctor_plan import tries as doctor_tries
 from tunegrid.study.input import STUDY_FILE_ENV, study_config, study_file_named

@@ -30,14 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.cell.adapt import audit_and_adapt
-from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
 from tunegrid.cell.islands import place_fp32_islands
 from tunegrid.cell.library_api import missing_api_of, require_apis
 from tunegrid.cell.liveness import block_progress
 from tunegrid.cell.model import load_model, load_tokenizer
 from tunegrid.cell.origin import FailingStepReplay
-from tunegrid.cell.ranks import RankContext, lora_digest
+from tunegrid.cell.ranks import RankContext, Ranks, lora_digest
 from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
 from tunegrid.cell.resume import ResumeStore, training_key
 from tunegrid.cell.step import OptimizerStep

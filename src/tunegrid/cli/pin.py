@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def pins(study: dict[str, Any], study_dir: Path) -> dict[str, str]:
     """{study key: commit} for each unpinned hub source whose fetch recorded a commit."""
-    from tunegrid.prepare.hub import data_source_path
+    from tunegrid.study.sources import data_source_path
 
     found: dict[str, str] = {}
     for name, spec in (study.get("models") or {}).items():

@@ -36,7 +36,7 @@ class CellPlan:
     verdict: str  # run, or the outcome decided without training (unsupported, predicted_oom)
     reason: str  # why, for a verdict other than run
     mem_mb: int  # the host memory the cell's job asks for, all ranks (job_mem_mb; hardware.mem_mb replaces it)
-    # spawned / forked (tunegrid.runtime.workers): the worker path the estimate's runtime constant is for; result.json
+    # spawned / forked (tunegrid.workers): the worker path the estimate's runtime constant is for; result.json
     # records the path taken and its estimate (equal to this one where the cell took this path). Last, with a
     # default: a plan written before it named the path was a spawned worker's estimate
     worker: str = "spawned"

@@ -328,19 +328,3 @@ def produce_checkpoint(
         except GgufSourceError as exc:
             raise CheckpointError(str(exc)) from None
     return link_local(spec, out_dir)
-
-
-def linear_modules(folder: Path) -> list[str] | None:
-    """The suffixes of a checkpoint's linear layers but the output head (what peft's all-linear picks), built
-    from its config.json on the meta device; None when this transformers cannot build it."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
-    except Exception:  # an architecture this transformers lacks: peft resolves all-linear when the cell loads it
-        return None
-    head = built.get_output_embeddings()
-    names = {n.rsplit(".", 1)[-1] for n, m in built.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
-    return sorted(names) or None

@@ -80,12 +80,13 @@ def write_study_dataset(path: str | Path, data: dict[str, Any]) -> int:
     if data["source"] == "hub":
         from tunegrid.prepare import hub
         from tunegrid.runtime.files import write_json
+        from tunegrid.study.sources import data_source_path
 
         data = dict(data)
         pinned = bool(data["revision"])
         records = load_records(data)
         source = hub.source_record(data["repo_id"], data["revision"], pinned, data.get("ref") or "main")
-        write_json(hub.data_source_path(path), source)
+        write_json(data_source_path(path), source)
         if not records:
             raise DataError("config key 'data.repo_id': the source holds no records")
         write_records(path, records)

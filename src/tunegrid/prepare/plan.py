@@ -16,10 +16,10 @@ def plan_cell(
     spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], worker: str = "spawned"
 ) -> dict[str, Any]:
     """Before training: the target, its memory budget, the memory estimate and whether to train at all.
-    `worker`: the path the cell's worker takes (tunegrid.runtime.workers.planned_worker), whose runtime it counts."""
+    `worker`: the path the cell's worker takes (tunegrid.workers.planned_worker), whose runtime it counts."""
     from tunegrid.prepare.liveness import cell_liveness
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
-    from tunegrid.prepare.targets import feasibility, resolve_target
+    from tunegrid.targets import feasibility, resolve_target
 
     hardware = spec["hardware"]
     target = resolve_target(hardware, capabilities) if capabilities else None

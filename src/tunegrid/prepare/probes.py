@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.prepare.targets import cuda_precision_support
+from tunegrid.targets import cuda_precision_support
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CPU_FP16_FLAGS = ("avx512_fp16", "amx_fp16")

@@ -29,18 +29,6 @@ MEMORY_AXES = ("quant", "optimizer", "activation_checkpointing", "batch_size", "
 DETERMINISTIC, TRANSIENT, NOT_REPRODUCED = "deterministic", "transient", "not reproduced"
 
 
-def baseline_cell(study: dict[str, Any], cell_id: str = "") -> Any:
-    """The cell the doctor reproduces: `cell_id`, else the first value of every axis (an imported recipe's own
-    cell). An id the study lacks is a ValueError naming some of its cells."""
-    cells = cells_by_id(study)
-    if not cell_id:
-        return Cell(**{axis: study["grid"][axis][0] for axis in axis_names()})
-    if cell_id not in cells:
-        shown = ", ".join(list(cells)[:6]) + (" …" if len(cells) > 6 else "")
-        raise ValueError(f"{cell_id!r} is not a cell of study {study['study']!r} ({len(cells)} cells: {shown})")
-    return cells[cell_id]
-
-
 def repeat_of(cell: Any) -> Any:
     return dataclasses.replace(cell, repeat=REPEAT)
 

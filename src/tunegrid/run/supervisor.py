@@ -20,7 +20,6 @@ from typing import Any
 
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
-from tunegrid.prepare.hub import fetched_env
 from tunegrid.prepare.plan import plan_cell
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.runtime.devices import cell_devices
@@ -28,6 +27,7 @@ from tunegrid.runtime.files import read_json, read_jsonl, write_json
 from tunegrid.runtime.rundir import MetricsTail, clear_run_files, last_activity
 from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_python
 from tunegrid.study.paths import StudyPaths
+from tunegrid.study.sources import fetched_env
 from tunegrid.track.tags import (
     ARTIFACT_FILES,
     axis_tags,
@@ -169,7 +169,7 @@ def run_cell(
         if ready_info(Path(warm_socket)) is None:
             warm_socket = None
     # the estimate takes the probe's runtime constant for the path this worker takes (the cell_plan rule made
-    # the same estimate for the path it planned: tunegrid.runtime.workers.planned_worker)
+    # the same estimate for the path it planned: tunegrid.workers.planned_worker)
     plan = plan_cell(spec, model_dir, capabilities, worker=FORKED if warm_socket else SPAWNED)
     verdict = plan.pop("verdict")
     spec = {**spec, "plan": plan}
@@ -212,7 +212,7 @@ def run_cell(
             env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
             result = compose_result(spec, run_dir, returncodes[0], verdict, started, command, env)
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
-                from tunegrid.cell.distributed import diagnose_ranks
+                from tunegrid.run.rank_diagnosis import diagnose_ranks
 
                 ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped)
                 # the supervisor's view of the ranks completes the worker's (its DDP backend stays)

@@ -24,7 +24,7 @@ from tunegrid.study.input_limits import (
     secret_problems,
     size_problems,
 )
-from tunegrid.vocabulary import BASE_STACK, PRECISIONS, QUANTS, axis_table
+from tunegrid.vocabulary import BASE_STACK, PRECISIONS, QUANTS, axis_names, axis_table
 
 if TYPE_CHECKING:  # jsonschema is imported where a config is validated: the cell supervisor never needs it
     import jsonschema
@@ -220,6 +220,18 @@ def expand_cells(study: dict[str, Any]) -> list[Cell]:
 
 def cells_by_id(study: dict[str, Any]) -> dict[str, Cell]:
     return {cell.cell_id: cell for cell in expand_cells(study)}
+
+
+def baseline_cell(study: dict[str, Any], cell_id: str = "") -> Cell:
+    """The cell the doctor reproduces: `cell_id`, else the first value of every axis (an imported recipe's own
+    cell). An id the study lacks is a ValueError naming some of its cells."""
+    cells = cells_by_id(study)
+    if not cell_id:
+        return Cell(**{axis: study["grid"][axis][0] for axis in axis_names()})
+    if cell_id not in cells:
+        shown = ", ".join(list(cells)[:6]) + (" …" if len(cells) > 6 else "")
+        raise ValueError(f"{cell_id!r} is not a cell of study {study['study']!r} ({len(cells)} cells: {shown})")
+    return cells[cell_id]
 
 
 def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:

@@ -165,7 +165,7 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
 
 def env_tags(capabilities: dict[str, Any]) -> dict[str, str]:
     """Versions and device as tags, so the UI can filter and group by them."""
-    from tunegrid.prepare.environment import package_version
+    from tunegrid.runtime.packages import package_version
 
     tags = {f"env.{name}": package_version(name) or "" for name in ("torch", "transformers", "peft", "bitsandbytes")}
     gpus = capabilities.get("gpus") or []

@@ -2,7 +2,7 @@
 settings of a tunegrid study, with every key of the source accounted for.
 
 `Recipe` is what crosses from the readers (recipe_axolotl, recipe_trl) to the study builder
-(recipe_study) and back out to the exporter (review/recipe_export): `settings` maps tunegrid's own config
+(recipe_study) and back out to the exporter (recipe_export): `settings` maps tunegrid's own config
 paths (`grid.precision`, `train.lr`, `lora.r`, `data.fields` …) to the recipe's values; `origin` says
 which recipe keys each came from; `not_carried` lists, with the reason, every key tunegrid does not take
 over (never dropped silently); `ignored` the keys it cannot honour that the user chose to drop (`--ignore`).
@@ -242,9 +242,23 @@ def linear_modules(recipe: Recipe) -> list[str] | None:
         folder = Path(cached).parent if isinstance(cached, str) else None
     if folder is None or not (folder / "config.json").is_file():
         return None
-    from tunegrid.prepare.checkpoints import linear_modules as built_linear_modules
-
     return built_linear_modules(folder)
+
+
+def built_linear_modules(folder: Path) -> list[str] | None:
+    """The suffixes of a checkpoint's linear layers but the output head (what peft's all-linear picks), built
+    from its config.json on the meta device; None when this transformers cannot build it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
+    except Exception:  # an architecture this transformers lacks: peft resolves all-linear when the cell loads it
+        return None
+    head = built.get_output_embeddings()
+    names = {n.rsplit(".", 1)[-1] for n, m in built.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(names) or None
 
 
 def precision_of(dtype: str) -> str:

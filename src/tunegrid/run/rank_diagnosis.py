@@ -4,21 +4,22 @@ Precedence: a rank that died by itself (signal or non-zero exit the supervisor d
 cause, whatever its peers reported afterwards (`error`); then a collective timeout (`timeout`: the
 ranks that reported it waited, the others never arrived); otherwise rank 0's outcome, checked against
 the other ranks (their LoRA weights must be bit-identical after DDP).
+
+The supervisor's reading, after the ranks ended, of the files they leave (no torch; PyTorch's fr_trace runs
+in a process of its own).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.collective import classify_timeout, describe, find_straggler
-from tunegrid.cell.throughput import cell_throughput, metric_records, step_records
+from tunegrid.run.collective import classify_timeout, describe, find_straggler
+from tunegrid.run.throughput import cell_throughput, metric_records, step_records
 from tunegrid.runtime.files import read_json
 from tunegrid.runtime.rundir import rank_dir
 from tunegrid.vocabulary import Outcome
@@ -291,22 +292,3 @@ def diagnose_ranks(
                 outcome=Outcome.ERROR, reason="ranks ended with different LoRA weights (DDP did not keep them in sync)"
             )
     return update
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in a distributed cell (env set by the supervisor, as torchrun would)."""
-
-    rank: int = 0
-    world: int = 1
-    local: int = 0
-
-    @classmethod
-    def from_env(cls) -> Ranks:
-        return cls(
-            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-        )
-
-    @property
-    def distributed(self) -> bool:
-        return self.world > 1

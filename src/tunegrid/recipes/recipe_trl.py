@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.prepare.recipe import (
+from tunegrid.recipes.recipe import (
     ATTENTION_NAMES,
     AXIS_KEYS,
     HEX40,
@@ -26,8 +26,8 @@ from tunegrid.prepare.recipe import (
     scheduler,
     warmup,
 )
-from tunegrid.prepare.recipe_keys import account_rest, check_tables, lora_options, number
-from tunegrid.prepare.recipe_optimizers import optimizer
+from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_options, number
+from tunegrid.recipes.recipe_optimizers import optimizer
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
 MODEL_CONFIG_KEYS = {

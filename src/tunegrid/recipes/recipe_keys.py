@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.prepare.recipe import Recipe
+from tunegrid.recipes.recipe import Recipe
 
 
 @dataclass(frozen=True)

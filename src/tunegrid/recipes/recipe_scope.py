@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.prepare.recipe import Recipe
+from tunegrid.recipes.recipe import Recipe
 
 WHAT_TUNEGRID_TRAINS = "tunegrid trains LoRA/QLoRA supervised fine-tuning (SFT)"
 AS_SFT = "pass --as-sft for the SFT study tunegrid would run instead"

@@ -3,7 +3,7 @@ cell changes relative to the baseline (the recipe itself) rewritten, so the fix 
 
 YAML recipes are edited line by line at their top-level keys (comments, order and every other key stay
 as written); JSON recipes are rewritten with the same keys. Axes map back through the table the readers
-read them with (prepare/recipe.AXIS_KEYS, through prepare/recipe.tool_value).
+read them with (recipe.AXIS_KEYS, through recipe.tool_value).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from tunegrid.prepare.recipe import read_file, tool_value
-from tunegrid.prepare.recipe_trl import DEFAULTS as TRL_DEFAULTS
-from tunegrid.prepare.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
+from tunegrid.recipes.recipe import read_file, tool_value
+from tunegrid.recipes.recipe_trl import DEFAULTS as TRL_DEFAULTS
+from tunegrid.recipes.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
 from tunegrid.study.errors import ConfigError
 from tunegrid.vocabulary import AXES
 
@@ -84,7 +84,7 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
     tool = base.get("from") or "auto"
     raw = read_file(base["recipe"])
     if tool == "auto":
-        from tunegrid.prepare.recipe_trl import detect_tool
+        from tunegrid.recipes.recipe_trl import detect_tool
 
         tool = detect_tool(raw)
     if _family(tool) != to:

@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tunegrid.prepare.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
-from tunegrid.prepare.recipe_scope import check_scope
-from tunegrid.prepare.recipe_trl import detect_tool
+from tunegrid.recipes.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
+from tunegrid.recipes.recipe_scope import check_scope
+from tunegrid.recipes.recipe_trl import detect_tool
 
 MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
 RECORD_ONLY = {"model", "adapter", "data.dataset", *(f"model.{key}" for key in MODEL_KEYS)}
@@ -25,8 +25,8 @@ BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model",
 
 def read_recipe(base: dict[str, Any]) -> Recipe:
     """The recipe a `base:` section names, read with its options (`from`, `ignore`, `model`, `dataset` …)."""
-    from tunegrid.prepare.recipe_axolotl import read_axolotl
-    from tunegrid.prepare.recipe_trl import read_trl
+    from tunegrid.recipes.recipe_axolotl import read_axolotl
+    from tunegrid.recipes.recipe_trl import read_trl
 
     unknown = set(base) - BASE_KEYS
     if unknown:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
-from tunegrid.cell.collective import find_straggler
-from tunegrid.cell.distributed import diagnose_ranks
+from tunegrid.run.collective import find_straggler
+from tunegrid.run.rank_diagnosis import diagnose_ranks
 from tunegrid.runtime.files import write_json
 from tunegrid.runtime.rundir import rank_dir
 
@@ -114,7 +114,7 @@ def test_a_straggler_overrides_nothing_when_the_ranks_are_in_different_collectiv
 
 
 def test_flight_recorder_mismatch_verdict_decides_on_gpu():
-    from tunegrid.cell.collective import classify_timeout
+    from tunegrid.run.collective import classify_timeout
 
     ranks = [
         {"rank": 0, "local_times": {1: 0.1, 2: 0.1}, "last_heartbeat": ALL_REDUCE.format(3), "diagnosis": {}},
@@ -214,7 +214,7 @@ def test_a_slow_rank_0_slows_the_cells_tokens_per_s_with_each_ranks_figure_besid
 
 
 def test_cell_throughput_is_all_tokens_over_the_slowest_ranks_step_time():
-    from tunegrid.cell.distributed import cell_throughput
+    from tunegrid.run.rank_diagnosis import cell_throughput
 
     per_rank = {0: {0: (100, 9.0), 1: (100, 2.0), 2: (100, 2.0)}, 1: {0: (120, 9.0), 1: (120, 1.0), 2: (120, 3.0)}}
     done = cell_throughput(per_rank)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.prepare.recipe import (
+from tunegrid.recipes.recipe import (
     ATTENTION_NAMES,
     AXIS_KEYS,
     HEX40,
@@ -24,8 +24,8 @@ from tunegrid.prepare.recipe import (
     scheduler,
     warmup,
 )
-from tunegrid.prepare.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
-from tunegrid.prepare.recipe_optimizers import optimizer
+from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.recipes.recipe_optimizers import optimizer
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
 LORA_EXTRAS = ("loraplus_lr_ratio", "relora")
