@@ -77,7 +77,7 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
         }
     wall = _snakemake(workdir, Path(path), cores, "all")
     grid_cells = list(cells_by_id(study))
-    fixes = baseline_fixes(baseline, read_json(paths.report_dir / "recommendations.json"))
+    fixes = baseline_fixes(baseline, read_json(paths.report_file("recommendations.json")))
     grid = {
         "fix": _fix_words(fixes[0] if fixes else None),
         "cells": len(grid_cells),

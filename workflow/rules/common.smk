@@ -105,7 +105,7 @@ def get_cell_spec(wildcards):
 
 
 def get_cell_model_dir(wildcards):
-    return f"{RESULTS}/models/{get_cell(wildcards).model}"
+    return str(PATHS.model_dir(get_cell(wildcards).model))
 
 
 def get_cell_gpus(wildcards):
@@ -132,7 +132,7 @@ def get_model_spec(wildcards):
 
 
 def get_model_dirs():
-    return [f"{RESULTS}/models/{model}" for model in STUDY["grid"]["model"]]
+    return [str(PATHS.model_dir(model)) for model in STUDY["grid"]["model"]]
 
 
 def get_stack_pins(wildcards):
@@ -144,38 +144,38 @@ def get_stack_pins(wildcards):
 
 def get_stack_records(wildcards):
     """Every stack the grid names, for every cell: a stack that cannot be built stops the run before any cell."""
-    return [f"{RESULTS}/stacks/{name}/stack.json" for name in STUDY["grid"]["stack"] if name in STUDY["stacks"]]
+    return [str(PATHS.stack_record(name)) for name in STUDY["grid"]["stack"] if name in STUDY["stacks"]]
 
 
 def get_tracking_file(wildcards):
-    return [f"{RESULTS}/tracking.json"] if TRACKING else []
+    return [str(PATHS.tracking)] if TRACKING else []
 
 
 def get_probe_run_file(wildcards):
-    return [f"{RESULTS}/probe/mlflow.json"] if TRACKING else []
+    return [str(PATHS.probe_run)] if TRACKING else []
 
 
 def get_result_files():
-    return [f"{RESULTS}/runs/{cell_id}/result.json" for cell_id in CELLS]
+    return [str(PATHS.result(cell_id)) for cell_id in CELLS]
 
 
 def get_sync_file():
-    return [f"{RESULTS}/tracking-sync.json"] if TRACKING else []
+    return [str(PATHS.tracking_sync)] if TRACKING else []
 
 
 def get_final_outputs():
     return [
-        f"{RESULTS}/env/environment.json",
-        f"{RESULTS}/probe/capabilities.json",
-        f"{RESULTS}/summary.csv",
-        f"{RESULTS}/report/index.html",
+        str(PATHS.environment),
+        str(PATHS.capabilities),
+        str(PATHS.summary),
+        str(PATHS.report_file("index.html")),
         *get_sync_file(),
     ]
 
 
 # `tunegrid doctor` (doctor.smk): its waves read the checkpoints' files
 def get_doctor_target():
-    return f"{PATHS.doctor_dir(doctor_baseline(STUDY).cell_id)}/all/doctor.json"
+    return str(PATHS.doctor_file(doctor_baseline(STUDY).cell_id, "all", "doctor.json"))
 
 
 def _doctor_reproduced(wildcards):
@@ -204,7 +204,7 @@ def _doctor_tries(wildcards):
 def get_doctor_try_cells(wildcards):
     cells = _doctor_tries(wildcards)[int(wildcards.index)]
     previous = int(wildcards.index) - 1
-    earlier = [f"{PATHS.doctor_dir(wildcards.cell_id)}/{wildcards.mode}/try-{previous}.json"] if previous >= 0 else []
+    earlier = [str(PATHS.doctor_try(wildcards.cell_id, wildcards.mode, previous))] if previous >= 0 else []
     return [str(PATHS.result(cell)) for cell in cells] + earlier
 
 

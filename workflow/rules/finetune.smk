@@ -12,11 +12,11 @@ rule finetune:
         plan=rules.cell_plan.output.plan,
         stacks=get_stack_records,  # built (or refused) before any cell trains
     output:
-        result=f"{RESULTS}/runs/{{cell_id}}/result.json",
+        result=str(PATHS.result("{cell_id}")),
     log:
-        f"{LOGS}/finetune/{{cell_id}}.log",
+        str(PATHS.cell_log("{cell_id}")),
     benchmark:
-        f"{RESULTS}/benchmarks/finetune/{{cell_id}}.tsv"
+        str(PATHS.benchmark("finetune", "{cell_id}"))
     conda:
         "../../envs/tunegrid.yaml"
     # every rank of a distributed cell is a process of this one job: it asks for all their cores and
@@ -29,7 +29,7 @@ rule finetune:
         host_cores=get_cell_host_cores,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     params:
-        run_dir=lambda wildcards: f"{RESULTS}/runs/{wildcards.cell_id}",
+        run_dir=lambda wildcards: str(PATHS.run_dir(wildcards.cell_id)),
         # rule + output identify the job across invocations (Snakemake's job ids do not)
         job=lambda wildcards, output: f"finetune {output.result}",
     shell:

@@ -5,18 +5,18 @@
 # Every cell waits for every stack (common.smk), so pins pip cannot resolve stop the run before any cell trains.
 rule stack:
     output:
-        record=f"{RESULTS}/stacks/{{stack}}/stack.json",
-        freeze=f"{RESULTS}/stacks/{{stack}}/pip-freeze.txt",
+        record=str(PATHS.stack_record("{stack}")),
+        freeze=str(PATHS.stack_freeze("{stack}")),
     log:
-        f"{LOGS}/stacks/{{stack}}.log",
+        str(PATHS.log("stacks", "{stack}")),
     benchmark:
-        f"{RESULTS}/benchmarks/stacks/{{stack}}.tsv"
+        str(PATHS.benchmark("stacks", "{stack}"))
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
     params:
         pins=get_stack_pins,  # the pins themselves: a changed pin re-runs the job (and builds another key)
-        results=lambda wildcards, output: output.record.rsplit("/stacks/", 1)[0],  # the results folder
+        results=str(PATHS.study_dir),  # the folder that holds the stack's record
     # pip's refusal is the log's last lines; they are repeated on stderr so that the run's own output names it
     shell:
         f"python {SCRIPT} stack"

@@ -60,7 +60,7 @@ def study_of(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 
 def target(study: dict[str, Any], cell_id: str, first: bool) -> Path:
-    return StudyPaths.of(study["study"]).doctor_dir(cell_id) / ("first" if first else "all") / "doctor.json"
+    return StudyPaths.of(study["study"]).doctor_file(cell_id, "first" if first else "all", "doctor.json")
 
 
 def command(args: argparse.Namespace, study_file: Path, goal: Path) -> list[str]:
