@@ -1,4 +1,4 @@
-"""A study's files are named by StudyPaths: no module walks up from one file to find another."""
+"""A study's files are named by StudyPaths: no module walks up from one file to find another, no rule spells one."""
 
 from __future__ import annotations
 
