@@ -65,7 +65,7 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
     paths = StudyPaths.of(study["study"], workdir / "results")
     doctor = {}
     for mode in ("all", "first"):
-        goal = paths.doctor_dir(baseline) / mode / "doctor.json"
+        goal = paths.doctor_file(baseline, mode, "doctor.json")
         wall = _snakemake(workdir, Path(path), cores, str(goal.relative_to(workdir)))
         record = read_json(goal)
         doctor[mode] = {

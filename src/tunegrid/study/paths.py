@@ -149,20 +149,20 @@ class StudyPaths:
     def tracking_sync(self) -> Path:
         return self.study_dir / "tracking-sync.json"
 
-    def doctor_dir(self, cell_id: str) -> Path:
-        """`tunegrid doctor`'s files for one baseline cell: reproduce.json, diagnosis.json, <mode>/…"""
-        return self.study_dir / "doctor" / cell_id
-
     def doctor_reproduce(self, cell_id: str) -> Path:
-        return self.doctor_dir(cell_id) / "reproduce.json"
+        return self._doctor_dir(cell_id) / "reproduce.json"
 
     def doctor_diagnosis(self, cell_id: str) -> Path:
-        return self.doctor_dir(cell_id) / "diagnosis.json"
+        return self._doctor_dir(cell_id) / "diagnosis.json"
 
     def doctor_try(self, cell_id: str, mode: str, index: int | str) -> Path:
         """One wave's verdict: did a fix of the baseline hold (mode `first` stops at the first that does)."""
-        return self.doctor_dir(cell_id) / mode / f"try-{index}.json"
+        return self._doctor_dir(cell_id) / mode / f"try-{index}.json"
 
     def doctor_file(self, cell_id: str, mode: str, name: str) -> Path:
         """The doctor's verdict for one mode: doctor.json, screen.txt, summary.csv, report/index.html."""
-        return self.doctor_dir(cell_id) / mode / name
+        return self._doctor_dir(cell_id) / mode / name
+
+    def _doctor_dir(self, cell_id: str) -> Path:
+        """`tunegrid doctor`'s files for one baseline cell: reproduce.json, diagnosis.json, <mode>/…"""
+        return self.study_dir / "doctor" / cell_id
