@@ -16,7 +16,7 @@ rule stack:
         "../../envs/tunegrid.yaml"
     params:
         pins=get_stack_pins,  # the pins themselves: a changed pin re-runs the job (and builds another key)
-        results=str(PATHS.study_dir),  # the folder whose stacks/ holds the record (as the build's cache)
+        results=lambda wildcards, output: output.record.rsplit("/stacks/", 1)[0],  # the results folder
     # pip's refusal is the log's last lines; they are repeated on stderr so that the run's own output names it
     shell:
         f"python {SCRIPT} stack"
