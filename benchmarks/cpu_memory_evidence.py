@@ -44,7 +44,7 @@ def planned_estimate(path: Path) -> int | None:
 
 
 def record(study: Path, host: str) -> dict:
-    from tunegrid.files import read_json
+    from tunegrid.runtime.files import read_json
 
     probe = read_json(study / "probe" / "capabilities.json")
     plan_csv = study / "plan.csv"

@@ -54,11 +54,10 @@ def _fix_words(fix: dict | None) -> str:
 
 
 def measure(entry: str, workdir: Path, cores: int) -> dict:
-    from tunegrid.config import cells_by_id, load_study
-    from tunegrid.files import read_json
     from tunegrid.review.doctor import baseline_fixes, cell_minutes
-    from tunegrid.review.doctor_choice import baseline_cell
-    from tunegrid.study_paths import StudyPaths
+    from tunegrid.runtime.files import read_json
+    from tunegrid.study.config import baseline_cell, cells_by_id, load_study
+    from tunegrid.study.paths import StudyPaths
 
     path, _, cell = entry.partition(":")
     path = str(Path(path).resolve())  # the studies run in their own folder: a relative path would not reach it
@@ -67,7 +66,7 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
     paths = StudyPaths.of(study["study"], workdir / "results")
     doctor = {}
     for mode in ("all", "first"):
-        goal = paths.doctor_dir(baseline) / mode / "doctor.json"
+        goal = paths.doctor_file(baseline, mode, "doctor.json")
         wall = _snakemake(workdir, Path(path), cores, str(goal.relative_to(workdir)))
         record = read_json(goal)
         doctor[mode] = {
@@ -79,7 +78,7 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
         }
     wall = _snakemake(workdir, Path(path), cores, "all")
     grid_cells = list(cells_by_id(study))
-    fixes = baseline_fixes(baseline, read_json(paths.report_dir / "recommendations.json"))
+    fixes = baseline_fixes(baseline, read_json(paths.report_file("recommendations.json")))
     grid = {
         "fix": _fix_words(fixes[0] if fixes else None),
         "cells": len(grid_cells),

@@ -61,7 +61,7 @@ def measure(precision: str, work: str, device: str, out: multiprocessing.Queue) 
     sys.path.insert(0, str(REPO / "src"))
     from nan_overhead import trainer_for
 
-    from tunegrid.config import load_study
+    from tunegrid.study.config import load_study
 
     model, batch, seq_len, quant, threads = CASES[device]
     study = load_study(REPO / "configs" / "config.yaml")

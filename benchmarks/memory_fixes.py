@@ -54,7 +54,7 @@ SETTINGS = {
 
 def _spec(setting: str, study_file: str) -> dict:
     """The setting's cell of the study, with no memory budget (a benchmark measures, it does not cap)."""
-    from tunegrid.config import cell_spec, expand_cells, load_study
+    from tunegrid.study.config import cell_spec, expand_cells, load_study
 
     study = load_study(Path(study_file))
     change = dict(SETTINGS[setting])
@@ -105,10 +105,10 @@ def main() -> None:
     unknown = [setting for setting in chosen if setting not in SETTINGS]
     if unknown:
         parser.error(f"--settings: unknown {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
-    from tunegrid.config import load_study
     from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts, write_dataset
+    from tunegrid.study.config import load_study
 
     facts = machine_facts(DEVICE)
     study = load_study(args.study)

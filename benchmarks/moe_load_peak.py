@@ -38,13 +38,13 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
 
 from machine import add_device_argument, describe, machine_facts, write_results  # noqa: E402
 
-from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
 from tunegrid.contract import CellJob  # noqa: E402
 from tunegrid.dataset import read_dataset  # noqa: E402
-from tunegrid.files import read_json  # noqa: E402
 from tunegrid.prepare.cell_plan import write_contract  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
+from tunegrid.runtime.files import read_json  # noqa: E402
+from tunegrid.study.config import cell_spec, expand_cells, load_study  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY = REPO / "configs" / "moe-oom-at-load.yaml"

@@ -36,10 +36,10 @@ from machine import absolute_times, add_device_argument, describe, machine_facts
 from widths import GEMMA3_25M, gemma3_4b_width  # noqa: E402
 
 from tunegrid.cell.train import CellTrainer  # noqa: E402
-from tunegrid.config import cell_spec, expand_cells, load_study  # noqa: E402
 from tunegrid.dataset import read_dataset  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
+from tunegrid.study.config import cell_spec, expand_cells, load_study  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

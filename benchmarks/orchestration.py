@@ -44,8 +44,8 @@ if __name__ == "__main__":  # --device cpu hides the GPUs from this process and 
 import yaml  # noqa: E402
 from conftest import make_study  # noqa: E402
 
-from tunegrid.files import JsonlAppender, read_json, read_jsonl  # noqa: E402
 from tunegrid.outcome import METRIC_KEYS  # noqa: E402
+from tunegrid.runtime.files import JsonlAppender, read_json, read_jsonl  # noqa: E402
 from tunegrid.track.store import init_experiment  # noqa: E402
 from tunegrid.track.tracking import CellRun  # noqa: E402
 

@@ -57,9 +57,9 @@ def classify(path: Path, raw: dict) -> str | None:
 
 
 def run(path: Path, kind: str, out: Path) -> tuple[str, str]:
-    from tunegrid.config import expand_cells, resolve_study
-    from tunegrid.errors import ConfigError
-    from tunegrid.prepare.recipe_study import import_recipe
+    from tunegrid.recipes.recipe_study import import_recipe
+    from tunegrid.study.config import expand_cells, resolve_study
+    from tunegrid.study.errors import ConfigError
 
     try:
         study, recipe, _ = import_recipe({"recipe": str(path), "failure": "all"})

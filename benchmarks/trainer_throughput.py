@@ -41,11 +41,11 @@ from widths import GEMMA3_25M as GEMMA3_25M_CONFIG  # noqa: E402
 from widths import gemma3_4b_width, olmoe_width, synthetic  # noqa: E402
 
 from tunegrid.cell.train import CellTrainer  # noqa: E402
-from tunegrid.config import load_study  # noqa: E402
 from tunegrid.dataset import read_dataset  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
 from tunegrid.prepare.probes import cpu_inventory, cpu_precision_support  # noqa: E402
+from tunegrid.study.config import load_study  # noqa: E402
 
 GEMMA3_25M = synthetic("gemma3_text", GEMMA3_25M_CONFIG)
 GEMMA3_4B_WIDTH = synthetic("gemma3_text", gemma3_4b_width(layers=4))

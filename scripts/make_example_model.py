@@ -16,10 +16,10 @@ sys.path.insert(0, str(REPO / "src"))
 
 
 def main() -> None:
-    from tunegrid.config import resolve_study
     from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts
+    from tunegrid.study.config import resolve_study
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="examples/models/gemma3-tiny")

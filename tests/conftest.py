@@ -190,7 +190,7 @@ def one_cell(
     """The resolved spec of a one-cell study: these axes (and any other axis's one value in `axes`), `train`
     merged over the small default, and any other section (debug, lora, hardware, distributed, data) replacing
     make_study's."""
-    from tunegrid.config import cell_spec, expand_cells, resolve_study
+    from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
     grid = {
         "model": [model],
@@ -300,7 +300,7 @@ def work_cell(spec: dict[str, Any], model_dir: Path, dataset_path: Path, run_dir
     """The worker of the cell's contract (made for `model_dir`) in this process; returns its facts (worker.json)."""
     from tunegrid.cell.train import run_worker
     from tunegrid.contract import CellContract
-    from tunegrid.files import read_json
+    from tunegrid.runtime.files import read_json
 
     path = cell_contract(spec, {spec["model"]["name"]: Path(model_dir)}, dataset_path, Path(run_dir))
     run_worker(CellContract.read(path))

@@ -81,7 +81,7 @@ def _rows(schema: dict[str, Any], node: dict[str, Any], path: str) -> list[str]:
 
 
 def study_reference() -> str:
-    from tunegrid.config import load_schema
+    from tunegrid.study.config import load_schema
 
     schema = load_schema()
     out = [_text(schema.get("description", "")), ""]
@@ -221,12 +221,13 @@ def axes_reference() -> str:
 # ---- the package, from its modules' docstrings --------------------------------------------------------
 
 
-def _summary(path: Path) -> str:
-    """The first sentence of a module's docstring (read, not imported: no module runs to be listed)."""
+def _summary(path: Path, paragraph: int = 0) -> str:
+    """The first sentence of a module's docstring, or of a later paragraph of it (read, not imported: no module
+    runs to be listed)."""
     import ast
 
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-    first = " ".join(doc.split("\n\n")[0].split())
+    first = " ".join(doc.split("\n\n")[paragraph].split())
     return _text(re.split(r"(?<=\.)\s", first, maxsplit=1)[0].rstrip(".:"))
 
 
@@ -235,7 +236,8 @@ def layout_reference() -> str:
     out = []
     for folder in [package, *sorted(p for p in package.iterdir() if (p / "__init__.py").exists())]:
         name = "tunegrid" if folder == package else f"tunegrid.{folder.name}"
-        out += [f"## `{name}`", "", _summary(folder / "__init__.py"), "", "| module | what it holds |", "|---|---|"]
+        room = _summary(folder / "__init__.py", paragraph=1 if folder == package else 0)  # the root: its room
+        out += [f"## `{name}`", "", room, "", "| module | what it holds |", "|---|---|"]
         for module in sorted(folder.glob("*.py")):
             if module.name != "__init__.py":
                 out.append(

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import atomic_write_text
+from tunegrid.runtime.files import atomic_write_text
 
 # The version of the file's shape: a file of another version is refused (the cell_plan rule makes it again).
 CONTRACT_SCHEMA = 1
@@ -58,7 +58,7 @@ class MemoryEstimate:
     """The estimated peak of one rank whose worker takes `worker`'s path (tunegrid.prepare.memory_estimate), and
     the verdict it leads to: `run`, or the outcome decided without training (unsupported, predicted_oom)."""
 
-    worker: str  # spawned / forked (tunegrid.workers): the path whose runtime constant the estimate took
+    worker: str  # spawned / forked (tunegrid.runtime.workers): the path whose runtime constant the estimate took
     estimate_bytes: int
     stage: str  # load / step: where the peak is reached
     load_bytes: int
@@ -87,7 +87,7 @@ class CellPlan:
     target: str | None  # the hardware target the cell is judged against (None: no probe record)
     budget_bytes: int | None  # the memory budget enforced while training (None: none)
     device: str  # cpu / cuda: the memory the estimates are of (the probe's device)
-    worker: str  # the path the worker is planned to take (tunegrid.workers.planned_worker)
+    worker: str  # the path the worker is planned to take (tunegrid.runtime.workers.planned_worker)
     # the estimate of each path the worker may take: spawned, and forked where a warm worker could fork it (the
     # supervisor spawns a worker the warm worker does not fork); result.json records the path taken and its estimate
     estimates: dict[str, MemoryEstimate]

@@ -9,7 +9,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 
 class CheckpointError(RuntimeError):

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from tunegrid.diagnosis import Diagnosis
-from tunegrid.files import read_json
-from tunegrid.rundir import heartbeat_stage
+from tunegrid.runtime.files import read_json
+from tunegrid.runtime.rundir import heartbeat_stage
 from tunegrid.vocabulary import Outcome
 
 

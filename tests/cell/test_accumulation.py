@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from conftest import one_cell, run_in_process, run_supervised
 
-from tunegrid.files import read_jsonl
+from tunegrid.runtime.files import read_jsonl
 
 MODEL = "qwen3moe-tiny"
 # Every split sums the same fp32 token losses in another order and through other matmul shapes: measured at

@@ -12,10 +12,10 @@ from conftest import make_study, run_supervised, work_cell
 
 from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
 from tunegrid.cell.resume import RESUME_DIR
-from tunegrid.config import cell_spec, expand_cells, resolve_study
-from tunegrid.files import read_json, read_jsonl
 from tunegrid.manifest import verify_checkpoint
 from tunegrid.review.summary import summary_row
+from tunegrid.runtime.files import read_json, read_jsonl
+from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 from tunegrid.track.tags import run_tags
 
 MODEL = "qwen3moe-tiny"

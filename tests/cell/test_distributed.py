@@ -7,8 +7,8 @@ import time
 import pytest
 from conftest import REPO, one_cell, processes_mentioning, run_supervised
 
-from tunegrid.config import ConfigError
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.config import ConfigError
 
 
 def _spec(world=2, train=None, debug=None, distributed=None, precision="fp32"):
@@ -112,64 +112,6 @@ def test_more_ranks_than_gpus_is_unsupported_before_launch(checkpoints, dataset_
     assert result["outcome"] == "unsupported"
     assert "needs 2 GPUs" in result["reason"] and "1 present" in result["reason"]
     assert not (run_dir / "metrics.jsonl").exists() or (run_dir / "metrics.jsonl").read_text() == ""
-
-
-# What ProcessGroupNCCL's watchdog writes to a waiting rank's stderr before it aborts the process (SIGABRT):
-# the lines as torch 2.x logs them for an all-reduce that one rank never joined.
-NCCL_WATCHDOG_LOG = """\
-[rank0]:[E1124 22:10:01.000000000 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog caught collective operation timeout: \
-WorkNCCL(SeqNum=7, OpType=ALLREDUCE, NumelIn=9216, NumelOut=9216, Timeout(ms)=4000) ran for 4012 milliseconds \
-before timing out.
-[rank0]:[E1124 22:10:01.000000000 ProcessGroupNCCL.cpp:630] [Rank 0] Some NCCL operations have failed or timed out. \
-Due to the asynchronous nature of CUDA kernels, subsequent GPU operations might run on corrupted/incomplete data.
-[rank0]:[E1124 22:10:01.000000000 ProcessGroupNCCL.cpp:636] [Rank 0] To avoid data inconsistency, we are taking \
-the entire process down.
-terminate called after throwing an instance of 'c10::DistBackendError'
-"""
-
-
-def _fake_ranks(run_dir, heartbeats, logs):
-    """Rank folders as a cell's ranks leave them (heartbeat, rank log), without worker.json: a rank the NCCL
-    watchdog aborted never writes one."""
-    for rank, (beat, log) in enumerate(zip(heartbeats, logs, strict=True)):
-        folder = run_dir if rank == 0 else run_dir / "ranks" / f"rank{rank}"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "heartbeat").write_text(beat)
-        (run_dir / "ranks").mkdir(exist_ok=True)
-        (run_dir / "ranks" / f"rank{rank}.log").write_text(log)
-
-
-def test_nccl_watchdog_abort_is_a_collective_timeout_not_a_retried_crash(tmp_path):
-    from tunegrid.cell.distributed import diagnose_ranks
-    from tunegrid.outcome import infrastructure_fault
-
-    spec = _spec(distributed={"collective_timeout_s": 4})
-    run_dir = tmp_path / "run"
-    _fake_ranks(
-        run_dir,
-        ["step 2 forward+backward (DDP all-reduce of gradients)", "step 2 stalled (injected, 120 s)"],
-        [NCCL_WATCHDOG_LOG, ""],
-    )
-    # rank 0 died by SIGABRT in the watchdog; rank 1 (the straggler) was stopped by the supervisor
-    base = {"outcome": "error", "reason": "worker killed by SIGABRT", "worker_exit_code": -6}
-    result = {**base, **diagnose_ranks(spec, run_dir, base, [-6, -15], [1])}
-    assert result["outcome"] == "timeout", result["reason"]
-    collective = result["diagnosis"]["collective"]
-    assert collective["op"] == "ALLREDUCE" and collective["seq"] == 7 and collective["step"] == 2
-    assert collective["waiting_ranks"] == [0] and collective["missing_ranks"] == [1]
-    assert "rank(s) 1 did not arrive" in result["reason"]
-    assert not infrastructure_fault(result)  # the settings time out again: never retried
-
-
-def test_a_rank_killed_without_the_watchdog_line_is_still_a_crash(tmp_path):
-    from tunegrid.cell.distributed import diagnose_ranks
-
-    spec = _spec()
-    run_dir = tmp_path / "run"
-    _fake_ranks(run_dir, ["step 1 forward+backward", "step 1 forward+backward"], ["Segmentation fault\n", ""])
-    base = {"outcome": "error", "reason": "worker killed by SIGABRT", "worker_exit_code": -6}
-    update = diagnose_ranks(spec, run_dir, base, [-6, -15], [1])
-    assert update["outcome"] == "error" and update["diagnosis"]["rank_crash"]["ranks"] == [0]
 
 
 @pytest.mark.slow

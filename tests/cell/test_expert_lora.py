@@ -17,7 +17,7 @@ import test_gradients
 from conftest import QWEN_MOE, one_cell, ready_trainer, run_in_process
 from test_gradients import RELATIVE_TOLERANCE, _dequantized_reference
 
-from tunegrid.files import read_json, read_jsonl
+from tunegrid.runtime.files import read_json, read_jsonl
 
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "target_parameters": EXPERTS, "dropout": 0.0}

@@ -58,8 +58,8 @@ import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 import torch
-from tunegrid.memory import runtime_baseline_bytes
-from tunegrid.memory import MemoryMeter
+from tunegrid.runtime.memory import runtime_baseline_bytes
+from tunegrid.runtime.memory import MemoryMeter
 from tunegrid.cell import expert_quant, quant_audit
 
 baseline = runtime_baseline_bytes()  # the training stack imported, no model

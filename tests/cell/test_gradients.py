@@ -19,7 +19,7 @@ from conftest import one_cell, ready_trainer, work_cell
 
 from tunegrid.cell.step import OptimizerStep
 from tunegrid.cell.train import CellTrainer
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"], "dropout": 0.0}
 

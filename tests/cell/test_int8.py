@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import one_cell, run_supervised
 
-from tunegrid.files import read_json
 from tunegrid.prepare.memory_estimate import tensor_shapes
 from tunegrid.review.summary import summary_row
+from tunegrid.runtime.files import read_json
 
 ATTENTION_ONLY = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 

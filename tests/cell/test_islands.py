@@ -9,8 +9,8 @@ import copy
 import pytest
 from conftest import GEMMA_HOT, make_study, one_cell, ready_trainer, run_in_process, run_supervised
 
-from tunegrid.files import read_jsonl
 from tunegrid.review.quality import default_review, loss_curve, loss_deviation, loss_fall
+from tunegrid.runtime.files import read_jsonl
 
 DEFAULT_REVIEW = default_review()
 

@@ -10,9 +10,9 @@ import json
 import pytest
 from conftest import one_cell, run_in_process, run_supervised
 
-from tunegrid.files import read_jsonl
 from tunegrid.prepare.liveness import LIVENESS_MARGIN, matmul_weights, plan_liveness
 from tunegrid.run.supervisor import Liveness
+from tunegrid.runtime.files import read_jsonl
 
 
 def test_the_plan_raises_the_limits_to_the_predicted_work_and_keeps_the_study_floor() -> None:
@@ -88,7 +88,7 @@ def test_a_single_process_worker_beats_at_every_decoder_block(checkpoints, datas
     import torch
 
     from tunegrid.cell.liveness import block_progress
-    from tunegrid.rundir import Heartbeat
+    from tunegrid.runtime.rundir import Heartbeat
 
     class Recording(Heartbeat):
         pulses: list[str] = []

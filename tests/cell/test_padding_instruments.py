@@ -9,9 +9,9 @@ import math
 import pytest
 from conftest import make_study, one_cell, run_in_process
 
-from tunegrid.config import ConfigError, resolve_study
-from tunegrid.files import read_jsonl
 from tunegrid.outcome import origin_label
+from tunegrid.runtime.files import read_jsonl
+from tunegrid.study.config import ConfigError, resolve_study
 
 MODEL = "qwen3moe-tiny"  # routed experts: their (batch*seq, ...) and token-subset outputs are read too
 LAST_MLP = "model.layers.1.mlp"  # nothing attends after it, so a padding value reaches no real position in forward

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import one_cell, run_in_process
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 ATTENTION_ONLY = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from tunegrid.cell.packing import IGNORE, encode_record
-from tunegrid.data_checks import config_problems
 from tunegrid.prepare.datasets_io import load_records
+from tunegrid.study.data_checks import config_problems
 
 
 def test_raw_text_is_tokenized_whole_and_trained_on_every_token(checkpoints):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from tunegrid.config import cell_spec, expand_cells, load_study, resolve_study
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.config import cell_spec, expand_cells, load_study, resolve_study
 
 # relative bound per precision: the same weights through the same kernels (measured 0 on CPU for every cell,
 # bf16 and fp16 under autocast included)

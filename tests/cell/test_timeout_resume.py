@@ -15,7 +15,7 @@ from conftest import one_cell, run_supervised
 
 import tunegrid.run.supervisor as supervisor
 from tunegrid.cell.resume import RESUME_DIR
-from tunegrid.files import read_json, read_jsonl, write_json
+from tunegrid.runtime.files import read_json, read_jsonl, write_json
 
 LIMIT_S = 10_000  # never reached by the real clock of a test
 LORA = {"dropout": 0.1, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}  # dropout: the RNG must resume

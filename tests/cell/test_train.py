@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from conftest import make_study, one_cell, run_in_process, work_cell
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
-from tunegrid.files import read_json, read_jsonl
+from tunegrid.runtime.files import read_json, read_jsonl
+from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
 
 def _run(

@@ -1,8 +1,9 @@
-"""The floor plan holds: wings that mirror the rules, imports that only point down, no circles, and the
-heavy dependencies each in their own wing. Read from the source (ast), nothing imported.
+"""The floor plan holds: rooms that mirror the rules, each importing only the rooms its row of the table names,
+no circles, and the heavy dependencies each in their own room. Read from the source (ast), nothing imported.
 
-Layers, bottom to top: the shared base (tunegrid/*.py but cli), prepare, then cell / track / review
-(side by side), then run, then cli. A module may import its own layer or any below it.
+The rooms: the shared words and types (tunegrid/*.py, "words"), the runtime helpers (tunegrid.runtime), the study
+itself (tunegrid.study), a user's recipes (tunegrid.recipes), then the stages prepare, cell, track, review and
+run, and the command line (cli). A module may import its own room and the rooms MAY_IMPORT lists for it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,27 @@ from pathlib import Path
 from conftest import REPO
 
 SRC = REPO / "src"
-LAYER = {"base": 0, "prepare": 1, "cell": 2, "track": 2, "review": 2, "run": 3, "cli": 4}
+BELOW_THE_STAGES = {"words", "runtime", "study"}
+# Which rooms each room may import, besides its own. A row says what the room means: the review reads files
+# and speaks the study's words, it never prepares a cell (review -> prepare) nor starts a process; the tracker
+# records, it never prepares (track -> prepare); the run starts cells and reads what they leave, it never
+# imports their training code (run -> cell) nor the review's (run -> review).
+MAY_IMPORT: dict[str, set[str]] = {
+    "runtime": set(),  # standard library only: it knows no word of a study
+    "words": {"runtime"},
+    "study": {"words", "runtime"},
+    "recipes": BELOW_THE_STAGES,
+    "prepare": BELOW_THE_STAGES,
+    "cell": BELOW_THE_STAGES | {"prepare"},  # the data, checkpoints, probe and CPU kernels a cell loads
+    "track": BELOW_THE_STAGES,
+    "review": BELOW_THE_STAGES | {"recipes"},  # a fix written back as the user's own recipe
+    "run": BELOW_THE_STAGES | {"recipes", "prepare", "track"},
+    "cli": BELOW_THE_STAGES | {"recipes", "prepare", "cell", "track", "review", "run"},
+}
+# The imports across a line of the table, each with why it is there.
+CROSSINGS = {
+    ("tunegrid.run.warm", "tunegrid.cell.entry"): "the warm worker forks, and the child runs the cell's worker",
+}
 # Where the heavy dependencies may be imported, and why the exceptions are there.
 ALLOWED = {
     "mlflow": {"track"},
@@ -23,16 +44,16 @@ ALLOWED = {
         "prepare.checkpoints",
         "prepare.data",
         "prepare.environment",
-        "memory",
+        "recipes.recipe",
+        "runtime.memory",
         "run.warm",
-    },  # synthetic checkpoints, the tokenizer, the probe, the meter, the warm worker's preload
+    },  # synthetic checkpoints, the tokenizer, the probe, all-linear on the meta device, the meter, the warm preload
     "subprocess": {
         "run",
         "prepare.environment",
         "prepare.probes",
         "prepare.stacks",
-        "cell.distributed",
-    },  # git/pip facts; rank processes; pip builds stacks
+    },  # git/pip facts; rank processes and PyTorch's flight-recorder reader; pip builds stacks
 }
 MAX_LINES = 350
 # Modules that read better whole: the cell's recipe (setup, model, data, the loop, the record in one place)
@@ -51,11 +72,10 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def _wing(module: str) -> str:
+def room(module: str) -> str:
+    """tunegrid.X.Y (and the package tunegrid.X) is in room X; a module of the package root is in `words`."""
     parts = module.split(".")
-    if parts == ["tunegrid", "cli"]:
-        return "cli"
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYER) else "base"
+    return parts[1] if len(parts) > 1 and parts[1] in MAY_IMPORT else "words"
 
 
 def _imports(path: Path) -> set[str]:
@@ -73,17 +93,54 @@ def _internal(path: Path) -> set[str]:
     return {name for name in _imports(path) if name in MODULES and name != "tunegrid"}
 
 
-def test_imports_point_down_the_layers():
-    upward = []
-    for module, path in MODULES.items():
-        for target in _internal(path):
-            if target.count(".") == 1 and target.split(".")[1] in LAYER and target != "tunegrid.cli":
-                continue  # a wing package itself (its __init__ holds only a docstring)
-            if LAYER[_wing(target)] > LAYER[_wing(module)] or (
-                LAYER[_wing(target)] == LAYER[_wing(module)] and _wing(target) != _wing(module)
-            ):
-                upward.append(f"{module} -> {target}")
-    assert not upward, upward
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`module -> target` for every import the table does not allow (a room package itself, whose __init__
+    holds only a docstring, is no import of its room's code)."""
+    found = []
+    for module, targets in graph.items():
+        for target in targets:
+            if target.count(".") == 1 and target.split(".")[1] in MAY_IMPORT and target != "tunegrid.cli":
+                continue
+            source_room, target_room = room(module), room(target)
+            if target_room == source_room or target_room in MAY_IMPORT[source_room]:
+                continue
+            if (module, target) not in CROSSINGS:
+                found.append(f"{module} -> {target}")
+    return sorted(found)
+
+
+def test_every_module_is_in_a_room_of_the_table():
+    rooms = {room(module) for module in MODULES}
+    assert rooms == set(MAY_IMPORT), rooms ^ set(MAY_IMPORT)
+    packages = {path.parent.name for path in (SRC / "tunegrid").glob("*/__init__.py")}
+    assert packages == set(MAY_IMPORT) - {"words"}, packages ^ (set(MAY_IMPORT) - {"words"})
+
+
+def test_imports_follow_the_table():
+    graph = {module: _internal(path) for module, path in MODULES.items()}
+    forbidden = forbidden_imports(graph)
+    assert not forbidden, "imports the table of rooms does not allow (MAY_IMPORT):\n" + "\n".join(forbidden)
+
+
+def test_the_table_refuses_the_imports_that_break_meaning():
+    bad = {
+        "tunegrid.run.supervisor": {"tunegrid.cell.train", "tunegrid.review.summary", "tunegrid.track.tags"},
+        "tunegrid.review.report": {"tunegrid.prepare.hub", "tunegrid.recipes.recipe_export"},
+        "tunegrid.track.tags": {"tunegrid.prepare.environment", "tunegrid.study.config"},
+        "tunegrid.study.config": {"tunegrid.prepare.plan", "tunegrid.vocabulary"},
+        "tunegrid.runtime.files": {"tunegrid.vocabulary"},
+        "tunegrid.outcome": {"tunegrid.study.errors", "tunegrid.runtime.rundir"},
+        "tunegrid.run.warm": {"tunegrid.cell.entry"},
+    }
+    assert forbidden_imports(bad) == [
+        "tunegrid.outcome -> tunegrid.study.errors",
+        "tunegrid.review.report -> tunegrid.prepare.hub",
+        "tunegrid.run.supervisor -> tunegrid.cell.train",
+        "tunegrid.run.supervisor -> tunegrid.review.summary",
+        "tunegrid.runtime.files -> tunegrid.vocabulary",
+        "tunegrid.study.config -> tunegrid.prepare.plan",
+        "tunegrid.track.tags -> tunegrid.prepare.environment",
+    ]
 
 
 def test_no_import_cycles():
@@ -103,14 +160,14 @@ def test_no_import_cycles():
             visit(module, [])
 
 
-def test_heavy_dependencies_stay_in_their_wings():
+def test_heavy_dependencies_stay_in_their_rooms():
     misplaced = []
     for module, path in MODULES.items():
         short = module.removeprefix("tunegrid.")
         for dependency, places in ALLOWED.items():
             if any(name == dependency or name.startswith(dependency + ".") for name in _imports(path)):
                 if not any(
-                    short == place or short.startswith(place + ".") or _wing(module) == place for place in places
+                    short == place or short.startswith(place + ".") or room(module) == place for place in places
                 ):
                     misplaced.append(f"{module} imports {dependency}")
     assert not misplaced, misplaced

@@ -11,9 +11,9 @@ import pytest
 from conftest import make_study
 
 from tunegrid import vocabulary
-from tunegrid.config import ConfigError, expand_cells, resolve_study
 from tunegrid.review import plots
 from tunegrid.review.summary import summary_row
+from tunegrid.study.config import ConfigError, expand_cells, resolve_study
 from tunegrid.vocabulary import Axis, CurvePlace, MatrixPlace, Outcome, PlotRole, parse_cell_id
 
 RANK = Axis(

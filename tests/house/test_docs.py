@@ -51,7 +51,7 @@ def test_the_cli_reference_holds_every_command_and_argument(site):
 
 
 def test_the_study_reference_holds_every_key_of_the_schema(site):
-    from tunegrid.config import load_schema
+    from tunegrid.study.config import load_schema
 
     text = _page(site, "study")
     schema = load_schema()
@@ -97,7 +97,7 @@ def test_the_screenshots_show_the_default_study_as_it_is_now() -> None:
     when the default study's grid changes, its cell count no longer matches and the pictures are out of date."""
     import json
 
-    from tunegrid.config import DEFAULT_STUDY_PATH, expand_cells, load_study
+    from tunegrid.study.config import DEFAULT_STUDY_PATH, expand_cells, load_study
 
     study = load_study(DEFAULT_STUDY_PATH)
     record = SCREENSHOTS / "screenshots.json"

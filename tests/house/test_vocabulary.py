@@ -9,7 +9,7 @@ import re
 import yaml
 from conftest import REPO, make_study
 
-from tunegrid.config import expand_cells, load_schema, resolve_study
+from tunegrid.study.config import expand_cells, load_schema, resolve_study
 from tunegrid.vocabulary import (
     AXIS_TABLE,
     OUTCOMES,
@@ -61,11 +61,11 @@ AXIS_EFFECTS = {
     "review/batch_advice.py": "a micro-batch recipe is batch_size x grad_accum",
     "review/memory_advice.py": "the memory settings a fix changes (optimizer, activation checkpointing)",
     "review/doctor_choice.py": "the settings an out-of-memory fix may change (memory, quantization, micro-batch)",
-    "grid_axes.py": "the axes that stand for a study setting, each beside its setting",
-    "cell/distributed.py": "a distributed cell's facts: its world size and the timeout in effect",
+    "study/grid_axes.py": "the axes that stand for a study setting, each beside its setting",
+    "run/rank_diagnosis.py": "a distributed cell's facts: its world size and the timeout in effect",
     "cell/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",
-    "prepare/recipe_study.py": "recipe keys recorded, not study paths (its model name)",
-    "prepare/recipe.py": "each axis beside the keys that say it in a tool's file (import and export)",
+    "recipes/recipe_study.py": "recipe keys recorded, not study paths (its model name)",
+    "recipes/recipe.py": "each axis beside the keys that say it in a tool's file (import and export)",
     "run/calibrate.py": "the probe's micro study: a study's grid as written in a study file",
 }
 

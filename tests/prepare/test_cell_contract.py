@@ -8,7 +8,7 @@ from conftest import one_cell
 
 from tunegrid.contract import CellContract, CellJob
 from tunegrid.prepare.cell_plan import write_contract
-from tunegrid.workers import SPAWNED
+from tunegrid.runtime.workers import SPAWNED
 
 CPU = {"device": "cpu", "gpus": [], "precision": {"fp32": "native", "bf16": "native", "fp16": "emulated"}}
 CUDA = {

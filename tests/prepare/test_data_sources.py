@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, make_study, run_supervised, work_cell
 
-from tunegrid.config import ConfigError, cell_spec, expand_cells, resolve_study
 from tunegrid.dataset import read_dataset
-from tunegrid.files import read_json, read_jsonl
 from tunegrid.prepare.datasets_io import DataError, write_study_dataset
+from tunegrid.runtime.files import read_json, read_jsonl
+from tunegrid.study.config import ConfigError, cell_spec, expand_cells, resolve_study
 
 CHAT_FILE = REPO / "examples" / "chat.jsonl"
 PINNED = "0123456789abcdef0123456789abcdef01234567"

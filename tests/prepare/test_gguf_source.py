@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tunegrid.config import resolve_study
-from tunegrid.errors import ConfigError
 from tunegrid.manifest import verify_checkpoint
 from tunegrid.prepare.checkpoints import CheckpointError, produce_checkpoint
+from tunegrid.study.config import resolve_study
+from tunegrid.study.errors import ConfigError
 
 pytest.importorskip("gguf", reason="the gguf source needs the gguf package (envs/requirements-real.txt)")
 

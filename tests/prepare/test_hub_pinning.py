@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from tunegrid.cli.main import main
-from tunegrid.config import resolve_study
 from tunegrid.outcome import CellResult
 from tunegrid.prepare import hub
 from tunegrid.prepare.checkpoints import CheckpointError, download_hub
+from tunegrid.study.config import resolve_study
+from tunegrid.study.sources import fetched_env, fetched_sources
 from tunegrid.track.tags import run_tags
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -111,11 +112,11 @@ def test_the_result_mlflow_tags_and_report_header_say_not_pinned_fetched_at(stan
     download_hub({"repo_id": "org/m", "revision": ""}, study_dir / "models" / "m")
     (study_dir / "data").mkdir(parents=True)
     (study_dir / "data" / "train.jsonl").write_text(json.dumps(CHAT) + "\n")
-    env = hub.fetched_env(study_dir / "models" / "m", study_dir / "data" / "train.jsonl")
+    env = fetched_env(study_dir / "models" / "m", study_dir / "data" / "train.jsonl")
     assert env == {"model_source": {"repo_id": "org/m", "revision": COMMIT, "pinned": False}}
     tags = run_tags(CellResult(cell_id="c", cell={}, outcome="ok", reason="", env=env))
     assert tags["model.revision"] == COMMIT and tags["model.pinned"] == "false"
-    assert hub.fetched_sources(study_dir) == [f"model m: org/m: not pinned; fetched at {COMMIT} ('main')"]
+    assert fetched_sources(study_dir) == [f"model m: org/m: not pinned; fetched at {COMMIT} ('main')"]
 
 
 def test_tunegrid_pin_writes_the_fetched_commits_back_into_the_study(stand_in, tmp_path, monkeypatch):

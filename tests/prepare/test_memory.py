@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO, make_study, one_cell, run_supervised
 
 from tunegrid.prepare.memory_estimate import estimate_cell, estimate_from_shapes, nf4_bytes, tensor_shapes
-from tunegrid.prepare.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
+from tunegrid.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
 
 
 @pytest.fixture(scope="module")
@@ -177,9 +177,9 @@ def test_plan_reads_before_training_which_cells_a_t4_cannot_run(checkpoints, cap
     import pandas as pd
 
     from tunegrid.cli import main
-    from tunegrid.config import expand_cells, resolve_study, spec_json
     from tunegrid.contract import CellContract
     from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb
+    from tunegrid.study.config import expand_cells, resolve_study, spec_json
 
     grid = {
         "model": ["gemma3-hot", "qwen3moe-tiny"],
@@ -238,7 +238,7 @@ def test_job_memory_is_the_estimate_with_room_a_floor_per_rank_or_the_override()
 
 
 def test_the_job_memory_override_re_runs_no_cell():
-    from tunegrid.config import cell_spec, expand_cells, resolve_study
+    from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
     studies = [resolve_study(make_study(hardware={"mem_mb": mb})) for mb in (0, 64_000)]
     assert studies[1]["hardware"]["mem_mb"] == 64_000 and studies[0]["hardware"]["mem_mb"] == 0
@@ -344,7 +344,7 @@ def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_
     import torch
 
     from tunegrid.cell.train import meter_at_failure
-    from tunegrid.memory import MemoryMeter, apply_memory_budget
+    from tunegrid.runtime.memory import MemoryMeter, apply_memory_budget
 
     fractions = []
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(total_memory=80 * 2**30))

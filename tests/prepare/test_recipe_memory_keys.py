@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from tunegrid.prepare.recipe import RecipeError
-from tunegrid.prepare.recipe_study import import_recipe
+from tunegrid.recipes.recipe import RecipeError
+from tunegrid.recipes.recipe_study import import_recipe
 
 AXOLOTL = {
     "base_model": "org/some-model", "adapter": "qlora", "load_in_4bit": True, "lora_r": 16, "lora_alpha": 32,

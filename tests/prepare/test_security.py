@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from tunegrid.config import ConfigError, resolve_study
 from tunegrid.manifest import verify_checkpoint
 from tunegrid.prepare.checkpoints import CheckpointError, link_local
+from tunegrid.study.config import ConfigError, resolve_study
 
 CANARY_TOKEN = "hf_CANARYcanaryCANARYcanary0123456789"
 

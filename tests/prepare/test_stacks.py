@@ -17,9 +17,9 @@ import pytest
 import yaml
 from conftest import make_study, snakemake_command, workflow_env
 
-from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study
 from tunegrid.prepare.stacks import StackError, build_stack
-from tunegrid.stacks import requirement, stack_dir, stack_key
+from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, resolve_study
+from tunegrid.study.stacks import requirement, stack_dir, stack_key
 
 BASE = {"python": "3.11.7", "prefix": "/opt/base", "platform": "linux"}
 

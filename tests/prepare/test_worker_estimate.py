@@ -12,7 +12,7 @@ from conftest import one_cell
 from tunegrid.contract import CellContract
 from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb, mem_mb_for_job, write_contract
 from tunegrid.prepare.memory_estimate import device_constants
-from tunegrid.workers import FORKED, SPAWNED, planned_worker
+from tunegrid.runtime.workers import FORKED, SPAWNED, planned_worker
 
 MIB = 2**20
 # what a probe measured on a CPU host (tunegrid.run.calibrate): a forked worker holds less than a spawned one

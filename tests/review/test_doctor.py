@@ -7,19 +7,18 @@ from __future__ import annotations
 import pytest
 from conftest import make_study
 
-from tunegrid.config import cell_spec, cells_by_id, resolve_study
 from tunegrid.review.doctor import baseline_fixes
 from tunegrid.review.doctor_choice import (
     DETERMINISTIC,
     NOT_REPRODUCED,
     TRANSIENT,
-    baseline_cell,
     choose,
     doctor_cells,
     repeat_of,
     reproduction,
     tries,
 )
+from tunegrid.study.config import baseline_cell, cell_spec, cells_by_id, resolve_study
 from tunegrid.vocabulary import parse_cell_id
 
 CAPABILITIES = {"precision": {"fp32": "native", "bf16": "native", "fp16": "emulated", "tf32": "absent"}}

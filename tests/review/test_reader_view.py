@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from tunegrid.files import atomic_write_text, write_json, write_text_if_changed
-from tunegrid.study_paths import StudyPaths
+from tunegrid.runtime.files import atomic_write_text, write_json, write_text_if_changed
+from tunegrid.study.paths import StudyPaths
 
 
 @pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
@@ -30,7 +30,7 @@ def test_files_safetensors_wrote_private_are_opened_to_the_umask(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from tunegrid.files import open_to_umask
+    from tunegrid.runtime.files import open_to_umask
 
     folder, users = tmp_path / "adapter", tmp_path / "users"
     folder.mkdir()
@@ -55,7 +55,7 @@ def test_the_reports_export_command_names_the_study_folder():
     import shlex
 
     from tunegrid.cli.main import build_parser
-    from tunegrid.review.recipe_export import export_command
+    from tunegrid.recipes.recipe_export import export_command
 
     command = export_command("gemma3-tiny_fp32_bs8_nf4_s0", "axolotl", StudyPaths.of("my study").study_dir)
     args = build_parser().parse_args(shlex.split(command)[1:])
@@ -79,9 +79,9 @@ def test_a_module_is_spelled_one_way_on_every_line_of_the_report():
 
 
 def test_the_reports_run_ids_link_to_the_run_in_the_mlflow_ui(tmp_path):
-    from tunegrid.files import write_json
     from tunegrid.review.report import _cell
     from tunegrid.review.run_links import mlflow_run_base
+    from tunegrid.runtime.files import write_json
 
     study, tracking = tmp_path / "study.json", tmp_path / "tracking.json"
     write_json(study, {"tracking": {"enabled": True, "ui_host": "127.0.0.1", "ui_port": 5001}})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from tunegrid.files import write_json
 from tunegrid.review.summary import write_summary
+from tunegrid.runtime.files import write_json
 
 
 def _result(cell_id: str, outcome: str, headroom: object, steps: object) -> dict:

@@ -8,16 +8,16 @@ import threading
 
 from conftest import REPO, one_cell
 
-from tunegrid.devices import cell_devices, cell_gpus, claimed_devices, gpus_per_rank, visible_gpu_count
-from tunegrid.files import read_json
 from tunegrid.run.launch import child_env
+from tunegrid.runtime.devices import cell_devices, cell_gpus, claimed_devices, gpus_per_rank, visible_gpu_count
+from tunegrid.runtime.files import read_json
 
 H100 = read_json(REPO / "tests" / "data" / "capabilities-h100.json")  # recorded on a one-GPU machine
 CPU = {"device": "cpu", "gpus": []}
 
 
 def test_a_study_that_does_not_set_gpus_per_rank_asks_for_one_per_rank_where_the_probe_found_cuda(tmp_path):
-    from tunegrid.devices import gpu_shortfall
+    from tunegrid.targets import gpu_shortfall
 
     spec = one_cell(world=2)
     assert spec["hardware"]["gpus_per_rank"] == "auto"
@@ -79,15 +79,15 @@ def test_a_cell_trains_on_its_own_claimed_gpu_or_on_the_cpu_when_it_asks_for_non
 def test_on_slurm_a_two_rank_cell_is_judged_by_the_gpus_its_own_job_was_granted(monkeypatch):
     """The probe job asked for one rank's GPU, so its record lists 1: that is no reason to refuse a 2-rank cell
     whose job was granted 2 (it used to end every world_size > 1 cell `unsupported` on SLURM)."""
-    import tunegrid.devices
-    from tunegrid.devices import gpu_shortfall
+    import tunegrid.runtime.devices
+    from tunegrid.targets import gpu_shortfall
 
     probe_job = {**H100, "cluster_job": True}  # the record as a SLURM probe job writes it: 1 GPU, its own
     spec = one_cell(world=2)
     monkeypatch.setenv("SLURM_JOB_ID", "41")
-    monkeypatch.setattr(tunegrid.devices, "visible_gpu_count", lambda: 2)  # the cell's job: --gpus=2
+    monkeypatch.setattr(tunegrid.runtime.devices, "visible_gpu_count", lambda: 2)  # the cell's job: --gpus=2
     assert gpu_shortfall(spec, probe_job) is None
-    monkeypatch.setattr(tunegrid.devices, "visible_gpu_count", lambda: 1)  # a job granted too few
+    monkeypatch.setattr(tunegrid.runtime.devices, "visible_gpu_count", lambda: 1)  # a job granted too few
     verdict = gpu_shortfall(spec, probe_job)
     assert verdict is not None and "1 granted to this job" in verdict[1]
     monkeypatch.delenv("SLURM_JOB_ID")  # the plan rule on the submitting host: the scheduler decides

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, workflow_env
 
-from tunegrid.config import ConfigError
 from tunegrid.plans import PRECISION_PLANS
 from tunegrid.run.doctor import command, run_doctor, study_of, target
+from tunegrid.study.config import ConfigError
 
 RECIPE = REPO / "tests" / "data" / "recipes" / "trl-sft-chat.yaml"
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, cell_contract, make_study, processes_mentioning
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
 from tunegrid.run import warm
+from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
 
 def _start_supervisor(

@@ -16,10 +16,10 @@ import pytest
 import yaml
 from conftest import REPO, cell_contract, make_study, run_supervised, snakemake_command, workflow_env
 
-from tunegrid.config import cell_spec, expand_cells, resolve_study
-from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import METRIC_KEYS
 from tunegrid.run.ui import free_port, mlflow_server
+from tunegrid.runtime.files import read_json, read_jsonl, write_json
+from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 from tunegrid.track.store import client, init_experiment
 from tunegrid.track.tracking import CELL_TAG, CellRun, sync_cell
 

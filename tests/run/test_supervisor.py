@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
-from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.run.supervisor import compose_result
+from tunegrid.runtime.files import read_json, read_jsonl, write_json
 from tunegrid.track.store import client, init_experiment
 from tunegrid.track.tracking import CELL_TAG, metrics_from_records, sync_cell
 

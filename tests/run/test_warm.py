@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
-from tunegrid.files import read_json
 from tunegrid.run import warm, warm_client
+from tunegrid.runtime.files import read_json
 
 
 def _spec(train=None):

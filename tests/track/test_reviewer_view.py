@@ -3,8 +3,8 @@ exactly the cells of the study's latest grid."""
 
 from __future__ import annotations
 
-from tunegrid.config import resolve_study
-from tunegrid.grid_axes import cell_debug
+from tunegrid.study.config import resolve_study
+from tunegrid.study.grid_axes import cell_debug
 from tunegrid.track.current import CURRENT_TAG, SUPERSEDED_OUTCOME_TAG, mark_current
 from tunegrid.track.tags import axis_tags
 from tunegrid.track.tracking import CELL_TAG

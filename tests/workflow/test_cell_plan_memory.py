@@ -7,10 +7,10 @@ import subprocess
 
 from conftest import REPO, snakemake_command, stub_contract, workflow_env
 
-from tunegrid.config import expand_cells, resolve_study
-from tunegrid.input_limits import read_study_yaml
 from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb
-from tunegrid.study_paths import StudyPaths
+from tunegrid.study.config import expand_cells, resolve_study
+from tunegrid.study.input_limits import read_study_yaml
+from tunegrid.study.paths import StudyPaths
 
 STUDY = REPO / "configs" / "moe-qlora-memory.yaml"
 

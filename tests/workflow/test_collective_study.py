@@ -2,7 +2,7 @@
 cell, the fix cells ok, and the report's recommendations as the diagnoses call for (a few minutes).
 
 Run less its two 7 s twins that repeat a 5 s cell: without a fault both timeouts are ok, and a rank that leaves
-the loop is a mismatch whatever the timeout (tests/cell/test_collective_diagnosis.py: at 4 s, rank and step
+the loop is a mismatch whatever the timeout (tests/run/test_collective_diagnosis.py: at 4 s, rank and step
 named), so neither cell is evidence of anything the other cells and the unit tests do not show."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 from conftest import REPO, processes_mentioning, snakemake_command, workflow_env
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ import pytest
 import yaml
 from conftest import REPO, snakemake_command, workflow_env
 
-from tunegrid.config import cells_by_id, load_study
-from tunegrid.files import read_json
 from tunegrid.review.doctor import baseline_fixes
+from tunegrid.runtime.files import read_json
+from tunegrid.study.config import cells_by_id, load_study
 
 pytestmark = pytest.mark.slow
 

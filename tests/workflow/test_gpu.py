@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import GEMMA_HOT, OLMOE, QWEN_MOE, REPO, snakemake_command, workflow_env
 
-from tunegrid.files import read_json, read_jsonl
+from tunegrid.runtime.files import read_json, read_jsonl
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -4,7 +4,7 @@ fixes by throughput with each one's peak, cost and loss parity. One run feeds ev
 
 The budget sits 27 MiB from the nearest cell on either side of it (the study's comment has the address space each
 cell adds, from runs at load average 10-19). What a cell is charged does not depend on how fast it runs: under a
-budget the worker keeps one malloc arena from its start and maps every large block on its own (tunegrid.memory),
+budget the worker keeps one malloc arena from its start and maps every large block on its own (tunegrid.runtime.memory),
 so the charge follows the tensors alive, and each cell records it. The tests assert that record against the budget
 first (a margin gone thin fails there, naming the cell), then the outcomes."""
 
@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from conftest import REPO, processes_mentioning, snakemake_command, workflow_env
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 pytestmark = pytest.mark.slow
 

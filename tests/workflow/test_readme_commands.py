@@ -112,7 +112,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "snakemake --cores 2 all --config study=configs/moe-oom-at-load.yaml": (
         "dry",
-        "5 min on a 2-core CPU; tests/prepare/test_studies.py runs it at reduced size end to end",
+        "5 min on a 2-core CPU; tests/study/test_studies.py runs it at reduced size end to end",
     ),
     "snakemake all --cores 8 --config study=configs/collective-timeout.yaml --resources gpu=2": (
         "dry",
@@ -153,7 +153,7 @@ HOW: dict[str, tuple[str, str]] = {
     "tunegrid validate configs/<study>.yaml": ("each", "every shipped study"),
     "tunegrid validate their-study.yaml": (
         "elsewhere",
-        "tests/prepare/test_hostile_studies.py validates generated hostile study files",
+        "tests/study/test_hostile_studies.py validates generated hostile study files",
     ),
     "snakemake --cores 8 --resources gpu=1 all": (
         "name",
@@ -162,11 +162,11 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "snakemake --cores 1 -n --configfile merge.yaml": (
         "elsewhere",
-        "the upstream report's merge-key bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
+        "the upstream report's merge-key bomb: tests/study/test_hostile_studies.py runs Snakemake's loader on it",
     ),
     "snakemake --cores 1 -n --configfile mapping.yaml": (
         "elsewhere",
-        "the upstream report's mapping bomb: tests/prepare/test_hostile_studies.py runs Snakemake's loader on it",
+        "the upstream report's mapping bomb: tests/study/test_hostile_studies.py runs Snakemake's loader on it",
     ),
     "tunegrid import": ("name", "its full forms are the recipe page's commands"),
     "tunegrid pin": ("name", "its full form is the entry below"),
@@ -175,7 +175,7 @@ HOW: dict[str, tuple[str, str]] = {
     "tunegrid export <cell> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
     "python benchmarks/recipe_import.py <folder>...": (
         "cannot",
-        "needs a folder of real-world recipes this checkout does not ship; tests/prepare/test_recipes.py imports "
+        "needs a folder of real-world recipes this checkout does not ship; tests/recipes/test_recipes.py imports "
         "the held-out ones it does",
     ),
     "snakemake --cores 8 all --config study=configs/memory-fixes-oom-cpu.yaml": ("dry", "the out-of-memory study"),

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from conftest import REPO, snakemake_command, workflow_env
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 pytestmark = pytest.mark.slow
 

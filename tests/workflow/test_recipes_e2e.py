@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import REPO, workflow_env
 
-from tunegrid.review.recipe_export import split_trl
+from tunegrid.recipes.recipe_export import split_trl
 
 pytestmark = pytest.mark.slow
 

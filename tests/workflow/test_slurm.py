@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO, make_study, workflow_env
 from slurm_cluster import available, slurm_cluster
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 from tunegrid.track.store import client
 from tunegrid.track.tags import distinct_part
 from tunegrid.track.tracking import CELL_TAG

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from conftest import make_study, snakemake_command, stub_contract, workflow_env
 
-from tunegrid.config import cell_spec, cells_by_id, resolve_study, spec_json
-from tunegrid.study_paths import StudyPaths
+from tunegrid.study.config import cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid.study.paths import StudyPaths
 
 GEMMA, QWEN = "gemma3-hot_fp32_bs2_none_s0", "qwen3moe-tiny_fp32_bs2_none_s0"
 

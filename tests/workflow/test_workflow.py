@@ -14,7 +14,7 @@ import pytest
 import yaml
 from conftest import REPO, make_study, processes_mentioning, snakemake_command, workflow_env
 
-from tunegrid.files import current_umask, read_json, read_jsonl
+from tunegrid.runtime.files import current_umask, read_json, read_jsonl
 from tunegrid.track.store import client
 from tunegrid.track.tags import distinct_part
 from tunegrid.track.tracking import CELL_TAG

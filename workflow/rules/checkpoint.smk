@@ -4,9 +4,9 @@ rule model_checkpoint:
     input:
         data=rules.dataset.output.data,
     output:
-        model=directory(f"{RESULTS}/models/{{model}}"),
+        model=directory(str(PATHS.model_dir("{model}"))),
     log:
-        f"{LOGS}/checkpoint/{{model}}.log",
+        str(PATHS.log("checkpoint", "{model}")),
     conda:
         "../../envs/tunegrid.yaml"
     resources:

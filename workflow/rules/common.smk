@@ -1,5 +1,5 @@
 # Config validation, the grid, and the input functions every stage uses. Parsing stays light:
-# tunegrid.config imports no torch, so `snakemake -n` on thousands of cells is quick.
+# tunegrid.study.config imports no torch, so `snakemake -n` on thousands of cells is quick.
 import json
 import os
 import shlex
@@ -11,15 +11,15 @@ from snakemake.exceptions import WorkflowError
 sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
-from tunegrid.study_paths import StudyPaths
-from tunegrid.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
-from tunegrid.devices import cell_gpus, gpus_per_rank
+from tunegrid.study.paths import StudyPaths
+from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid.runtime.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.cell_plan import mem_mb_for_job
-from tunegrid.prepare.recipe_study import expand_base
-from tunegrid.review.doctor_choice import baseline_cell as doctor_baseline
+from tunegrid.recipes.recipe_study import expand_base
+from tunegrid.study.config import baseline_cell as doctor_baseline
 from tunegrid.review.doctor_choice import doctor_cells, memory_choice_cells
 from tunegrid.review.doctor_choice import tries as doctor_tries
-from tunegrid.study_input import STUDY_FILE_ENV, study_config, study_file_named
+from tunegrid.study.input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
 from tunegrid.vocabulary import cell_id_pattern
 
@@ -105,7 +105,7 @@ def get_cell_spec(wildcards):
 
 
 def get_cell_model_dir(wildcards):
-    return f"{RESULTS}/models/{get_cell(wildcards).model}"
+    return str(PATHS.model_dir(get_cell(wildcards).model))
 
 
 def get_cell_gpus(wildcards):
@@ -125,13 +125,13 @@ def get_cell_job_args(wildcards):
     """The `finetune` job's files, for the cell's contract (the cell_plan rule): the same paths its rule names."""
     cell_id = get_cell(wildcards).cell_id
     args = [
-        f"--data {RESULTS}/data/train.jsonl",
-        f"--run-dir {RESULTS}/runs/{cell_id}",
-        f"--result {RESULTS}/runs/{cell_id}/result.json",
-        f"--log {LOGS}/finetune/{cell_id}.log",
-        "--snakemake-job " + shlex.quote(f"finetune {RESULTS}/runs/{cell_id}/result.json"),
+        f"--data {PATHS.dataset}",
+        f"--run-dir {PATHS.run_dir(cell_id)}",
+        f"--result {PATHS.result(cell_id)}",
+        f"--log {PATHS.cell_log(cell_id)}",
+        "--snakemake-job " + shlex.quote(f"finetune {PATHS.result(cell_id)}"),
     ]
-    return " ".join(args + [f"--tracking={RESULTS}/tracking.json"] if TRACKING else args)
+    return " ".join(args + [f"--tracking={PATHS.tracking}"] if TRACKING else args)
 
 
 def get_cell_mem_mb(wildcards, input):
@@ -145,7 +145,7 @@ def get_model_spec(wildcards):
 
 
 def get_model_dirs():
-    return [f"{RESULTS}/models/{model}" for model in STUDY["grid"]["model"]]
+    return [str(PATHS.model_dir(model)) for model in STUDY["grid"]["model"]]
 
 
 def get_stack_pins(wildcards):
@@ -157,38 +157,38 @@ def get_stack_pins(wildcards):
 
 def get_stack_records(wildcards):
     """Every stack the grid names, for every cell: a stack that cannot be built stops the run before any cell."""
-    return [f"{RESULTS}/stacks/{name}/stack.json" for name in STUDY["grid"]["stack"] if name in STUDY["stacks"]]
+    return [str(PATHS.stack_record(name)) for name in STUDY["grid"]["stack"] if name in STUDY["stacks"]]
 
 
 def get_tracking_file(wildcards):
-    return [f"{RESULTS}/tracking.json"] if TRACKING else []
+    return [str(PATHS.tracking)] if TRACKING else []
 
 
 def get_probe_run_file(wildcards):
-    return [f"{RESULTS}/probe/mlflow.json"] if TRACKING else []
+    return [str(PATHS.probe_run)] if TRACKING else []
 
 
 def get_result_files():
-    return [f"{RESULTS}/runs/{cell_id}/result.json" for cell_id in CELLS]
+    return [str(PATHS.result(cell_id)) for cell_id in CELLS]
 
 
 def get_sync_file():
-    return [f"{RESULTS}/tracking-sync.json"] if TRACKING else []
+    return [str(PATHS.tracking_sync)] if TRACKING else []
 
 
 def get_final_outputs():
     return [
-        f"{RESULTS}/env/environment.json",
-        f"{RESULTS}/probe/capabilities.json",
-        f"{RESULTS}/summary.csv",
-        f"{RESULTS}/report/index.html",
+        str(PATHS.environment),
+        str(PATHS.capabilities),
+        str(PATHS.summary),
+        str(PATHS.report_file("index.html")),
         *get_sync_file(),
     ]
 
 
 # `tunegrid doctor` (doctor.smk): its waves read the checkpoints' files
 def get_doctor_target():
-    return f"{PATHS.doctor_dir(doctor_baseline(STUDY).cell_id)}/all/doctor.json"
+    return str(PATHS.doctor_file(doctor_baseline(STUDY).cell_id, "all", "doctor.json"))
 
 
 def _doctor_reproduced(wildcards):
@@ -218,7 +218,7 @@ def _doctor_tries(wildcards):
 def get_doctor_try_cells(wildcards):
     cells = _doctor_tries(wildcards)[int(wildcards.index)]
     previous = int(wildcards.index) - 1
-    earlier = [f"{PATHS.doctor_dir(wildcards.cell_id)}/{wildcards.mode}/try-{previous}.json"] if previous >= 0 else []
+    earlier = [str(PATHS.doctor_try(wildcards.cell_id, wildcards.mode, previous))] if previous >= 0 else []
     return [str(PATHS.result(cell)) for cell in cells] + earlier
 
 

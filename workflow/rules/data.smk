@@ -4,9 +4,9 @@ rule dataset:
     input:
         source=lambda wildcards: [STUDY["data"]["path"]] if STUDY["data"]["source"] in ("jsonl", "parquet") else [],
     output:
-        data=f"{RESULTS}/data/train.jsonl",
+        data=str(PATHS.dataset),
     log:
-        f"{LOGS}/dataset.log",
+        str(PATHS.log("dataset")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"

@@ -18,11 +18,11 @@ rule doctor:
 
 checkpoint doctor_reproduce:
     input:
-        baseline=f"{RESULTS}/runs/{{cell_id}}/result.json",
+        baseline=str(PATHS.result("{cell_id}")),
     output:
-        reproduce=f"{RESULTS}/doctor/{{cell_id}}/reproduce.json",
+        reproduce=str(PATHS.doctor_reproduce("{cell_id}")),
     log:
-        f"{LOGS}/doctor/{{cell_id}}/reproduce.log",
+        str(PATHS.log("doctor", "{cell_id}", "reproduce")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
@@ -32,16 +32,16 @@ checkpoint doctor_reproduce:
 
 checkpoint doctor_diagnose:
     input:
-        baseline=f"{RESULTS}/runs/{{cell_id}}/result.json",
+        baseline=str(PATHS.result("{cell_id}")),
         reproduce=rules.doctor_reproduce.output.reproduce,
         repeat=get_doctor_repeat,
         contracts=get_doctor_contracts,  # the contracts of the cells an out-of-memory choice compares
         study=rules.study_config.output.study,
         capabilities=rules.probe.output.capabilities,
     output:
-        diagnosis=f"{RESULTS}/doctor/{{cell_id}}/diagnosis.json",
+        diagnosis=str(PATHS.doctor_diagnosis("{cell_id}")),
     log:
-        f"{LOGS}/doctor/{{cell_id}}/diagnosis.log",
+        str(PATHS.log("doctor", "{cell_id}", "diagnosis")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
@@ -60,9 +60,9 @@ checkpoint doctor_try:
         study=rules.study_config.output.study,
         capabilities=rules.probe.output.capabilities,
     output:
-        verdict=f"{RESULTS}/doctor/{{cell_id}}/{{mode}}/try-{{index}}.json",
+        verdict=str(PATHS.doctor_try("{cell_id}", "{mode}", "{index}")),
     log:
-        f"{LOGS}/doctor/{{cell_id}}/{{mode}}/try-{{index}}.log",
+        str(PATHS.log("doctor", "{cell_id}", "{mode}", "try-{index}")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
@@ -80,12 +80,12 @@ rule doctor_verdict:
         capabilities=rules.probe.output.capabilities,
         environment=rules.environment.output.env,
     output:
-        doctor=f"{RESULTS}/doctor/{{cell_id}}/{{mode}}/doctor.json",
-        screen=f"{RESULTS}/doctor/{{cell_id}}/{{mode}}/screen.txt",
-        summary=f"{RESULTS}/doctor/{{cell_id}}/{{mode}}/summary.csv",
-        report=f"{RESULTS}/doctor/{{cell_id}}/{{mode}}/report/index.html",
+        doctor=str(PATHS.doctor_file("{cell_id}", "{mode}", "doctor.json")),
+        screen=str(PATHS.doctor_file("{cell_id}", "{mode}", "screen.txt")),
+        summary=str(PATHS.doctor_file("{cell_id}", "{mode}", "summary.csv")),
+        report=str(PATHS.doctor_file("{cell_id}", "{mode}", "report/index.html")),
     log:
-        f"{LOGS}/doctor/{{cell_id}}/{{mode}}/verdict.log",
+        str(PATHS.log("doctor", "{cell_id}", "{mode}", "verdict")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"

@@ -1,9 +1,9 @@
 rule environment:
     output:
-        env=f"{RESULTS}/env/environment.json",
-        freeze=f"{RESULTS}/env/pip-freeze.txt",
+        env=str(PATHS.environment),
+        freeze=str(PATHS.pip_freeze),
     log:
-        f"{LOGS}/environment.log",
+        str(PATHS.log("environment")),
     conda:
         "../../envs/tunegrid.yaml"
     shell:

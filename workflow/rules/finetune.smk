@@ -13,11 +13,11 @@ rule finetune:
         plan=rules.cell_plan.output.plan,
         stacks=get_stack_records,  # built (or refused) before any cell trains
     output:
-        result=f"{RESULTS}/runs/{{cell_id}}/result.json",
+        result=str(PATHS.result("{cell_id}")),
     log:
-        f"{LOGS}/finetune/{{cell_id}}.log",
+        str(PATHS.cell_log("{cell_id}")),
     benchmark:
-        f"{RESULTS}/benchmarks/finetune/{{cell_id}}.tsv"
+        str(PATHS.benchmark("finetune", "{cell_id}"))
     conda:
         "../../envs/tunegrid.yaml"
     # every rank of a distributed cell is a process of this one job: it asks for all their cores and

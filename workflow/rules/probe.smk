@@ -2,9 +2,9 @@
 # on the store, and a store that is down costs the probe nothing).
 rule probe:
     output:
-        capabilities=f"{RESULTS}/probe/capabilities.json",
+        capabilities=str(PATHS.capabilities),
     log:
-        f"{LOGS}/probe.log",
+        str(PATHS.log("probe")),
     conda:
         "../../envs/tunegrid.yaml"
     resources:

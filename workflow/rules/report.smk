@@ -8,15 +8,15 @@ rule comparison_report:
         environment=rules.environment.output.env,
         study=rules.study_config.output.study,  # read for an imported recipe's fixes (its base section)
     output:
-        html=report(f"{RESULTS}/report/index.html", caption="../report/index.rst", category="Review"),
-        outcomes=report(f"{RESULTS}/report/outcomes.png", caption="../report/outcomes.rst", category="Review"),
-        loss=report(f"{RESULTS}/report/loss_curves.png", caption="../report/loss_curves.rst", category="Review"),
-        memory=report(f"{RESULTS}/report/memory.png", caption="../report/memory.rst", category="Review"),
+        html=report(str(PATHS.report_file("index.html")), caption="../report/index.rst", category="Review"),
+        outcomes=report(str(PATHS.report_file("outcomes.png")), caption="../report/outcomes.rst", category="Review"),
+        loss=report(str(PATHS.report_file("loss_curves.png")), caption="../report/loss_curves.rst", category="Review"),
+        memory=report(str(PATHS.report_file("memory.png")), caption="../report/memory.rst", category="Review"),
         recommendations=report(
-            f"{RESULTS}/report/recommendations.json", caption="../report/recommendations.rst", category="Review"
+            str(PATHS.report_file("recommendations.json")), caption="../report/recommendations.rst", category="Review"
         ),
     log:
-        f"{LOGS}/report.log",
+        str(PATHS.log("report")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
@@ -35,7 +35,7 @@ rule mlflow_ui:
     input:
         tracking=rules.tracking_init.output.tracking,
     log:
-        f"{LOGS}/mlflow_ui.log",
+        str(PATHS.log("mlflow_ui")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"

@@ -5,12 +5,12 @@
 # Every cell waits for every stack (common.smk), so pins pip cannot resolve stop the run before any cell trains.
 rule stack:
     output:
-        record=f"{RESULTS}/stacks/{{stack}}/stack.json",
-        freeze=f"{RESULTS}/stacks/{{stack}}/pip-freeze.txt",
+        record=str(PATHS.stack_record("{stack}")),
+        freeze=str(PATHS.stack_freeze("{stack}")),
     log:
-        f"{LOGS}/stacks/{{stack}}.log",
+        str(PATHS.log("stacks", "{stack}")),
     benchmark:
-        f"{RESULTS}/benchmarks/stacks/{{stack}}.tsv"
+        str(PATHS.benchmark("stacks", "{stack}"))
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"

@@ -4,13 +4,13 @@ rule summary:
         sync=get_sync_file(),
     output:
         csv=report(
-            f"{RESULTS}/summary.csv",
+            str(PATHS.summary),
             caption="../report/summary.rst",
             category="Summary",
         ),
-        parquet=f"{RESULTS}/summary.parquet",
+        parquet=str(PATHS.summary_parquet),
     log:
-        f"{LOGS}/summary.log",
+        str(PATHS.log("summary")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"

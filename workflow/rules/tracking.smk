@@ -11,16 +11,16 @@
 
 rule tracking_init:
     output:
-        tracking=f"{RESULTS}/tracking.json",
+        tracking=str(PATHS.tracking),
     log:
-        f"{LOGS}/tracking_init.log",
+        str(PATHS.log("tracking_init")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
     params:
         uri=STUDY["tracking"]["tracking_uri"],
         experiment=STUDY["tracking"]["experiment"] or f"tunegrid/{STUDY['study']}",
-        artifact_root="results/mlartifacts",
+        artifact_root=str(PATHS.artifacts),
         system_metrics=STUDY["tracking"]["system_metrics_interval_s"],
     shell:
         f"python {SCRIPT} tracking-init"
@@ -36,14 +36,14 @@ rule mlflow_sync:
         tracking=rules.tracking_init.output.tracking,
         results=get_result_files(),
     output:
-        sync=f"{RESULTS}/tracking-sync.json",
+        sync=str(PATHS.tracking_sync),
     log:
-        f"{LOGS}/mlflow_sync.log",
+        str(PATHS.log("mlflow_sync")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"
     params:
-        logs=f"{LOGS}/finetune",
+        logs=str(PATHS.cell_logs_dir),
     shell:
         f"python {SCRIPT} sync"
         " --tracking {input.tracking} --logs {params.logs} --out {output.sync} {input.results} > {log} 2>&1"
@@ -55,9 +55,9 @@ rule probe_tracking:
         tracking=rules.tracking_init.output.tracking,
         capabilities=rules.probe.output.capabilities,
     output:
-        run=f"{RESULTS}/probe/mlflow.json",
+        run=str(PATHS.probe_run),
     log:
-        f"{LOGS}/probe_tracking.log",
+        str(PATHS.log("probe_tracking")),
     localrule: True
     conda:
         "../../envs/tunegrid.yaml"

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.cell.model import attach_lora
-from tunegrid.files import write_json
 from tunegrid.plans import quant_plan
+from tunegrid.runtime.files import write_json
 
 
 def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[Any, dict[str, Any]]:

@@ -16,7 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import open_to_umask, write_json
+from tunegrid.runtime.files import open_to_umask, write_json
 
 ADAPTER_DIR = "adapter"
 BASE_FILE = "base_model.json"

@@ -1,6 +1,6 @@
 """The library APIs a cell's code calls that not every version of those libraries has.
 
-A cell may run on a library stack (tunegrid.stacks) with another transformers or peft than the one
+A cell may run on a library stack (tunegrid.study.stacks) with another transformers or peft than the one
 tunegrid was written against. Before it loads anything, the worker checks that every API the cell will call
 exists in the versions it runs on; one that does not ends the cell `unsupported`, naming the package, its
 version and the API (never `error`: the cell's settings are fine, this stack cannot run them). A missing API

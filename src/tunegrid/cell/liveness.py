@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from tunegrid.rundir import Heartbeat
+from tunegrid.runtime.rundir import Heartbeat
 from tunegrid.sites import BLOCK_NAME
 
 PULSE_EVERY_S = 1.0

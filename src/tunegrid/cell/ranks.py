@@ -12,8 +12,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunegrid.cell.distributed import Ranks
-from tunegrid.rundir import Heartbeat
+from tunegrid.runtime.rundir import Heartbeat
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a distributed cell (env set by the supervisor, as torchrun would)."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @classmethod
+    def from_env(cls) -> Ranks:
+        return cls(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        )
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
 
 
 @dataclass

@@ -16,8 +16,8 @@ from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
 from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
-from tunegrid.files import JsonlAppender
 from tunegrid.outcome import StepMetrics, module_name
+from tunegrid.runtime.files import JsonlAppender
 from tunegrid.sites import BLOCK_NAME, site_words
 from tunegrid.vocabulary import Outcome
 

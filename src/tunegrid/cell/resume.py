@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import open_to_umask, read_json, write_json
+from tunegrid.runtime.files import open_to_umask, read_json, write_json
 
 RESUME_DIR = "checkpoint"  # the folder's name on disk, as earlier versions wrote it
 LOG_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl")

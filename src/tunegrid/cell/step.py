@@ -17,7 +17,7 @@ from tunegrid.cell.offload import ActivationOffload, offload_of
 from tunegrid.cell.packing import IGNORE
 from tunegrid.cell.precision import PrecisionPlan
 from tunegrid.cell.ranks import RankContext
-from tunegrid.memory import MemoryMeter
+from tunegrid.runtime.memory import MemoryMeter
 
 
 def loss_tokens(batch: dict[str, Any]) -> Any:

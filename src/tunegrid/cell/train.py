@@ -30,21 +30,20 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.cell.adapt import audit_and_adapt
-from tunegrid.cell.distributed import Ranks
 from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
 from tunegrid.cell.islands import place_fp32_islands
 from tunegrid.cell.library_api import missing_api_of, require_apis
 from tunegrid.cell.liveness import block_progress
 from tunegrid.cell.model import load_model, load_tokenizer
 from tunegrid.cell.origin import FailingStepReplay
-from tunegrid.cell.ranks import RankContext, lora_digest
+from tunegrid.cell.ranks import RankContext, Ranks, lora_digest
 from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
 from tunegrid.cell.resume import ResumeStore, training_key
 from tunegrid.cell.step import OptimizerStep
 from tunegrid.contract import CellContract
-from tunegrid.files import write_json
-from tunegrid.memory import MemoryMeter
-from tunegrid.rundir import Heartbeat, rank_dir
+from tunegrid.runtime.files import write_json
+from tunegrid.runtime.memory import MemoryMeter
+from tunegrid.runtime.rundir import Heartbeat, rank_dir
 from tunegrid.vocabulary import Outcome
 
 
@@ -96,7 +95,7 @@ class CellTrainer:
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
         from tunegrid.manifest import verify_checkpoint
-        from tunegrid.memory import apply_memory_budget, runtime_baseline_bytes
+        from tunegrid.runtime.memory import apply_memory_budget, runtime_baseline_bytes
 
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
@@ -302,7 +301,7 @@ class CellTrainer:
             self.facts["memory"] = getattr(self, "memory", {})
             enforcement = self.facts["memory"].get("budget_enforcement") or {}
             if enforcement.get("mechanism") == "RLIMIT_AS":
-                from tunegrid.memory import address_space_added
+                from tunegrid.runtime.memory import address_space_added
 
                 enforcement["address_space_added_peak"] = address_space_added(enforcement)
             if self.optimizer_step is not None:
@@ -354,8 +353,8 @@ def meter_at_failure(meter: MemoryMeter | None) -> dict[str, int | None]:
 
 def run_worker(contract: CellContract) -> int:
     """The worker process of one rank of the contract's cell (`tunegrid worker --contract`)."""
-    from tunegrid import lifeline
-    from tunegrid.memory import keep_one_malloc_arena
+    from tunegrid.runtime import lifeline
+    from tunegrid.runtime.memory import keep_one_malloc_arena
 
     keep_one_malloc_arena(contract.plan.budget_bytes)  # before the lifeline's thread
     lifeline.hold()  # never train on after the supervisor is gone (a kill -9 of the job)

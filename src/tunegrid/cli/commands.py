@@ -11,8 +11,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json, write_json
+from tunegrid.runtime.files import read_json, write_json
+from tunegrid.study.errors import ConfigError
 
 
 def dataset(args: argparse.Namespace) -> None:
@@ -141,9 +141,9 @@ def plan(args: argparse.Namespace) -> None:
     in grid order; nothing is planned here."""
     import pandas as pd
 
-    from tunegrid.config import expand_cells, resolve_study
     from tunegrid.contract import CellContract
-    from tunegrid.files import atomic_write_text
+    from tunegrid.runtime.files import atomic_write_text
+    from tunegrid.study.config import expand_cells, resolve_study
 
     study = resolve_study(read_json(args.study_file))
     rows = []
@@ -156,9 +156,9 @@ def plan(args: argparse.Namespace) -> None:
 
 
 def cell_plan(args: argparse.Namespace) -> None:
-    from tunegrid.config import study_cell_spec
     from tunegrid.contract import CellJob
     from tunegrid.prepare.cell_plan import warm_worker_of, write_contract
+    from tunegrid.study.config import study_cell_spec
 
     if args.spec_file:
         spec = read_json(args.spec_file)
@@ -270,8 +270,8 @@ def mlflow_ui(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from tunegrid.config import expand_cells, read_study_file, resolve_study
-    from tunegrid.prepare.recipe_study import expand_base
+    from tunegrid.recipes.recipe_study import expand_base
+    from tunegrid.study.config import expand_cells, read_study_file, resolve_study
 
     study = resolve_study(expand_base(read_study_file(args.config)))
     print(f"study {study['study']!r}: {len(expand_cells(study))} cells")

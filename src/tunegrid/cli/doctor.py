@@ -7,8 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from tunegrid.files import read_json, write_json
-from tunegrid.study_paths import StudyPaths
+from tunegrid.runtime.files import read_json, write_json
+from tunegrid.study.paths import StudyPaths
 
 MODES = ("all", "first")
 
@@ -75,8 +75,8 @@ def doctor(args: argparse.Namespace) -> None:
 
 
 def doctor_reproduce(args: argparse.Namespace) -> None:
-    from tunegrid.config import Cell
     from tunegrid.review.doctor_choice import repeat_of, result_row
+    from tunegrid.study.config import Cell
     from tunegrid.vocabulary import Outcome, parse_cell_id
 
     row = result_row(args.baseline)
@@ -87,9 +87,9 @@ def doctor_reproduce(args: argparse.Namespace) -> None:
 
 
 def doctor_diagnose(args: argparse.Namespace) -> None:
-    from tunegrid.config import Cell, resolve_study
     from tunegrid.contract import CellContract
     from tunegrid.review.doctor_choice import DETERMINISTIC, Choice, choose, reproduction, result_row
+    from tunegrid.study.config import Cell, resolve_study
     from tunegrid.vocabulary import parse_cell_id
 
     study = resolve_study(read_json(args.study_file))
@@ -122,9 +122,9 @@ def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
 
 
 def doctor_try(args: argparse.Namespace) -> None:
-    from tunegrid.config import resolve_study
     from tunegrid.review.doctor import try_verdict
     from tunegrid.review.doctor_choice import tries
+    from tunegrid.study.config import resolve_study
 
     study = resolve_study(read_json(args.study_file))
     diagnosis = read_json(args.diagnosis)
@@ -143,8 +143,8 @@ def doctor_try(args: argparse.Namespace) -> None:
 
 
 def doctor_verdict(args: argparse.Namespace) -> None:
-    from tunegrid.config import resolve_study
     from tunegrid.review.doctor import conclude
+    from tunegrid.study.config import resolve_study
 
     study = resolve_study(read_json(args.study_file))
     diagnosis = read_json(args.diagnosis)

@@ -12,8 +12,8 @@ import tunegrid.cli.commands as commands
 import tunegrid.cli.doctor as doctor
 import tunegrid.cli.pin as pin
 import tunegrid.cli.recipes as recipes
-from tunegrid.config import ConfigError
 from tunegrid.prepare.checkpoints import CheckpointError
+from tunegrid.study.config import ConfigError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def pins(study: dict[str, Any], study_dir: Path) -> dict[str, str]:
     """{study key: commit} for each unpinned hub source whose fetch recorded a commit."""
-    from tunegrid.prepare.hub import data_source_path
+    from tunegrid.study.sources import data_source_path
 
     found: dict[str, str] = {}
     for name, spec in (study.get("models") or {}).items():

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import yaml
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
+from tunegrid.study.errors import ConfigError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -38,8 +38,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def import_recipe(args: argparse.Namespace) -> None:
-    from tunegrid.config import expand_cells, resolve_study
-    from tunegrid.prepare.recipe_study import import_recipe as build
+    from tunegrid.recipes.recipe_study import import_recipe as build
+    from tunegrid.study.config import expand_cells, resolve_study
 
     base = {"recipe": args.recipe, "from": args.tool, "failure": args.failure, "ignore": list(args.ignore)}
     base.update({k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v})
@@ -59,7 +59,7 @@ def import_recipe(args: argparse.Namespace) -> None:
 
 
 def export_cell(args: argparse.Namespace) -> None:
-    from tunegrid.review.recipe_export import export_cell as export
+    from tunegrid.recipes.recipe_export import export_cell as export
 
     study_file = Path(args.study_dir) / "study.json"
     if not study_file.is_file():
@@ -67,7 +67,7 @@ def export_cell(args: argparse.Namespace) -> None:
     study = read_json(study_file)
     cell_id = args.cell_id
     if cell_id == "recommended":  # the first fix the report carries back to the recipe
-        from tunegrid.review.recipe_export import recommended
+        from tunegrid.recipes.recipe_export import recommended
 
         recs_file = Path(args.study_dir) / "report" / "recommendations.json"
         fixes = recommended(study, read_json(recs_file)) if recs_file.is_file() else []

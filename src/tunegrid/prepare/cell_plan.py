@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.contract import CellContract, CellJob, CellKernels, CellPlan, MemoryEstimate
-from tunegrid.files import read_json
-from tunegrid.workers import SPAWNED, planned_worker
+from tunegrid.runtime.files import read_json
+from tunegrid.runtime.workers import SPAWNED, planned_worker
 
 # The job's request is the estimate with room to spare: the estimate models the tensors and the probe's
 # measured constants, not the allocator's fragmentation or the loader's transient copies.
@@ -66,9 +66,8 @@ def _estimate(
     spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], worker: str, target: Any
 ) -> MemoryEstimate:
     """One path's estimate with its verdict."""
-    from tunegrid.devices import gpu_shortfall
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
-    from tunegrid.prepare.targets import feasibility
+    from tunegrid.targets import feasibility, gpu_shortfall
 
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
     raw = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker))
@@ -90,8 +89,8 @@ def _estimate(
 def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> CellKernels:
     """The kernels the cell's ranks train with, on the device they train on: CUDA where the probe found it and
     each rank gets a GPU, else the CPU (`hardware.gpus_per_rank: 0` trains on the CPU beside a GPU)."""
-    from tunegrid.devices import gpus_per_rank
     from tunegrid.prepare.cpu_kernels import cpu_onednn_off
+    from tunegrid.runtime.devices import gpus_per_rank
 
     on_cuda = capabilities.get("device") == "cuda" and gpus_per_rank(spec["hardware"], capabilities) > 0
     config = json.loads((model_dir / "config.json").read_text())
@@ -104,7 +103,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
     from a warm worker (a local run of a study with execution.warm_worker); the planned path and the job's memory
     follow it."""
     from tunegrid.prepare.liveness import cell_liveness
-    from tunegrid.prepare.targets import resolve_target
+    from tunegrid.targets import resolve_target
 
     hardware = spec["hardware"]
     device = capabilities.get("device", "cpu")

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import open_to_umask, write_json
 from tunegrid.manifest import CheckpointError, sha256_file
+from tunegrid.runtime.files import open_to_umask, write_json
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer*", "*.model", "*.txt"]
@@ -285,27 +285,11 @@ def produce_checkpoint(
     if source == "hub":
         return download_hub(spec, out_dir, key)
     if source == "gguf":
-        from tunegrid.gguf_files import GgufSourceError
         from tunegrid.prepare.gguf_checkpoint import dequantize_gguf
+        from tunegrid.study.gguf_files import GgufSourceError
 
         try:
             return write_manifest(out_dir, dequantize_gguf(spec, out_dir))
         except GgufSourceError as exc:
             raise CheckpointError(str(exc)) from None
     return link_local(spec, out_dir)
-
-
-def linear_modules(folder: Path) -> list[str] | None:
-    """The suffixes of a checkpoint's linear layers but the output head (what peft's all-linear picks), built
-    from its config.json on the meta device; None when this transformers cannot build it."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            built = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)))
-    except Exception:  # an architecture this transformers lacks: peft resolves all-linear when the cell loads it
-        return None
-    head = built.get_output_embeddings()
-    names = {n.rsplit(".", 1)[-1] for n, m in built.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
-    return sorted(names) or None

@@ -43,7 +43,7 @@ def generate_examples(n: int, seed: int) -> list[dict[str, str]]:
 
 
 def write_dataset(path: str | Path, n: int, seed: int) -> None:
-    from tunegrid.files import atomic_write_text
+    from tunegrid.runtime.files import atomic_write_text
 
     lines = "".join(json.dumps(ex, sort_keys=True) + "\n" for ex in generate_examples(n, seed))
     atomic_write_text(path, lines)

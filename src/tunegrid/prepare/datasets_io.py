@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tunegrid.data_checks import DataError, check_records, config_problems, field_map, message_view, read_jsonl
+from tunegrid.study.data_checks import DataError, check_records, config_problems, field_map, message_view, read_jsonl
 
 
 def normalize(record: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def _load_table(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def write_records(path: str | Path, records: list[dict[str, Any]]) -> None:
-    from tunegrid.files import atomic_write_text
+    from tunegrid.runtime.files import atomic_write_text
 
     atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
 
@@ -81,14 +81,15 @@ def write_study_dataset(path: str | Path, data: dict[str, Any]) -> int:
     """The `dataset` rule: generated pairs, or the configured source's records; returns how many. A hub
     dataset's commit is written beside them (train.source.json: pinned or fetched at)."""
     if data["source"] == "hub":
-        from tunegrid.files import write_json
         from tunegrid.prepare import hub
+        from tunegrid.runtime.files import write_json
+        from tunegrid.study.sources import data_source_path
 
         data = dict(data)
         pinned = bool(data["revision"])
         records = load_records(data)
         source = hub.source_record(data["repo_id"], data["revision"], pinned, data.get("ref") or "main")
-        write_json(hub.data_source_path(path), source)
+        write_json(data_source_path(path), source)
         if not records:
             raise DataError("config key 'data.repo_id': the source holds no records")
         write_records(path, records)

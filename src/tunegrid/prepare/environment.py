@@ -14,7 +14,8 @@ import subprocess
 import sys
 from typing import Any
 
-from tunegrid.config import REPO_ROOT
+from tunegrid.runtime.packages import package_version
+from tunegrid.study.config import REPO_ROOT
 
 CORE_PACKAGES = (
     "torch",
@@ -28,13 +29,6 @@ CORE_PACKAGES = (
     "safetensors",
     "accelerate",
 )
-
-
-def package_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def git_sha() -> str | None:

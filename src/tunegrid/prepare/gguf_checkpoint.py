@@ -18,7 +18,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tunegrid.gguf_files import GgufSourceError, gguf_spec_problems, installed_package, not_gguf
+from tunegrid.study.gguf_files import GgufSourceError, gguf_spec_problems, installed_package, not_gguf
 
 LICENCE_DIR = "licence"
 

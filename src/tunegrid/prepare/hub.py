@@ -1,8 +1,8 @@
 """The hub, for the checkpoint and dataset rules: a model or dataset at a pinned 40-hex commit, or an unpinned
 one (a recipe as its author wrote it) resolved to the commit its branch or tag points at when the rule
 fetches, and recorded: the model's manifest.json and the dataset's train.source.json hold the commit, with
-`pinned: false`; the cells' results, their MLflow tags and the report's header read it from there; and
-`tunegrid pin <study>` writes it back into the study file.
+`pinned: false`; the cells' results, their MLflow tags and the report's header read it from there
+(tunegrid.study.sources); and `tunegrid pin <study>` writes it back into the study file.
 
 Offline (HF_HUB_OFFLINE, or no network) an unpinned id is resolved from the local hub cache's refs when it
 holds one; else the fetch fails naming the model and how to give it as a local folder.
@@ -18,11 +18,9 @@ import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from tunegrid.errors import ConfigError
-from tunegrid.files import read_json
+from tunegrid.study.errors import ConfigError
 
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
-DATA_SOURCE_SUFFIX = ".source.json"  # beside the dataset rule's train.jsonl
 
 
 class HubClient(Protocol):
@@ -101,48 +99,6 @@ def source_record(repo_id: str, revision: str, pinned: bool, ref: str) -> dict[s
     if not pinned:
         record["ref"] = ref or "main"
     return record
-
-
-def fetched_line(what: str, source: dict[str, Any]) -> str:
-    """The report header's line for one fetched source."""
-    where = f"{what} {source.get('repo_id')}"
-    if source.get("pinned", True):
-        return f"{where}: pinned at {source.get('revision')}"
-    return f"{where}: not pinned; fetched at {source.get('revision')} ({source.get('ref')!r})"
-
-
-def fetched_sources(study_dir: Path) -> list[str]:
-    """One line per hub model and dataset a study fetched (their manifests), for the report's header."""
-    lines = []
-    for manifest in sorted((study_dir / "models").glob("*/manifest.json")):
-        source = read_json(manifest).get("source") or {}
-        if source.get("kind") == "hub":
-            lines.append(fetched_line(f"model {manifest.parent.name}:", source))
-    for sidecar in sorted((study_dir / "data").glob(f"*{DATA_SOURCE_SUFFIX}")):
-        source = read_json(sidecar)
-        if source.get("kind") == "hub":
-            lines.append(fetched_line("dataset:", source))
-    return lines
-
-
-def fetched_env(model_dir: Path, data_path: Path) -> dict[str, Any]:
-    """The cell result's record of where its model and data came from (the MLflow tags read it)."""
-    env: dict[str, Any] = {}
-    manifest = Path(model_dir) / "manifest.json"
-    if manifest.is_file():
-        source = read_json(manifest).get("source") or {}
-        if source.get("kind") == "hub":
-            env["model_source"] = {k: source.get(k) for k in ("repo_id", "revision", "pinned")}
-    sidecar = data_source_path(data_path)
-    if sidecar.is_file():
-        source = read_json(sidecar)
-        env["data_source"] = {k: source.get(k) for k in ("repo_id", "revision", "pinned")}
-    return env
-
-
-def data_source_path(data_path: str | Path) -> Path:
-    path = Path(data_path)
-    return path.with_name(path.stem + DATA_SOURCE_SUFFIX)
 
 
 def download_error_sentence(repo_id: str, revision: str, exc: Exception) -> str:

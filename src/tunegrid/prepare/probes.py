@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.memory import runtime_baseline_bytes
-from tunegrid.prepare.targets import cuda_precision_support
+from tunegrid.runtime.memory import runtime_baseline_bytes
+from tunegrid.targets import cuda_precision_support
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 CPU_FP16_FLAGS = ("avx512_fp16", "amx_fp16")
@@ -108,7 +108,7 @@ def step_overhead_bytes(device: str) -> dict[str, int]:
     Run it before any other benchmark: on CUDA the workspaces it measures are created only once."""
     import torch
 
-    from tunegrid.memory import MemoryMeter
+    from tunegrid.runtime.memory import MemoryMeter
 
     meter = MemoryMeter(device)
     width, tokens, depth = 256, 512, 4
@@ -258,8 +258,8 @@ def driver_version() -> str | None:
 def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[str, Any]:
     import torch
 
-    from tunegrid.devices import placed_by_cluster
     from tunegrid.prepare.environment import bitsandbytes_backend
+    from tunegrid.runtime.devices import placed_by_cluster
 
     started = time.perf_counter()
     baseline = runtime_baseline_bytes()  # first, before the benchmarks allocate anything

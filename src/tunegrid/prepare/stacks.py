@@ -1,7 +1,7 @@
 """Building a library stack: a virtual environment layered on the environment tunegrid runs in, with the
-stack's pins installed by pip from the package registry (tunegrid.stacks names its folder and key).
+stack's pins installed by pip from the package registry (tunegrid.study.stacks names its folder and key).
 
-    results/stacks/<key>/pip.log     pip's output of the build, beside what tunegrid.stacks lists
+    results/stacks/<key>/pip.log     pip's output of the build, beside what tunegrid.study.stacks lists
 
 The stack's own site-packages come first on its sys.path, so a pinned package shadows the base's copy and
 everything unpinned (torch, peft, bitsandbytes, tunegrid's own dependencies) is the base's. pip runs from the
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.errors import ConfigError
-from tunegrid.stacks import (
+from tunegrid.study.errors import ConfigError
+from tunegrid.study.stacks import (
     FREEZE_FILE,
     RECORD_FILE,
     REPORTED_PACKAGES,

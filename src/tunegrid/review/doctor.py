@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tunegrid.config import Cell
-from tunegrid.files import atomic_write_text, read_json, read_jsonl, write_json
 from tunegrid.review.doctor_choice import DETERMINISTIC, NOT_REPRODUCED, TRANSIENT, result_row, tokens_run
-from tunegrid.study_paths import StudyPaths
+from tunegrid.runtime.files import atomic_write_text, read_json, read_jsonl, write_json
+from tunegrid.study.config import Cell
+from tunegrid.study.paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import parse_cell_id
 
@@ -86,8 +86,8 @@ def _cause(text: str, limit: int = 320) -> str:
 
 def _export(study: dict[str, Any], fix_cell: str, out_dir: Path) -> str:
     """The fix as the user's own recipe file (an imported study), else the study setting to change."""
-    from tunegrid.errors import ConfigError
-    from tunegrid.review.recipe_export import _family, export_cell
+    from tunegrid.recipes.recipe_export import _family, export_cell
+    from tunegrid.study.errors import ConfigError
 
     base = study.get("base") or {}
     if not base.get("recipe"):

@@ -17,28 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.config import Cell, cells_by_id
-from tunegrid.files import read_json
 from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS, precision_plan
 from tunegrid.review.precision_advice import support_of
 from tunegrid.review.summary import summary_row
+from tunegrid.runtime.files import read_json
+from tunegrid.study.config import Cell, cells_by_id
 from tunegrid.vocabulary import Outcome, axis_names
 
 REPEAT = 1  # the same-seed re-run of a failing baseline is its repeat 1
 MEMORY_AXES = ("quant", "optimizer", "activation_checkpointing", "batch_size", "grad_accum")
 DETERMINISTIC, TRANSIENT, NOT_REPRODUCED = "deterministic", "transient", "not reproduced"
-
-
-def baseline_cell(study: dict[str, Any], cell_id: str = "") -> Any:
-    """The cell the doctor reproduces: `cell_id`, else the first value of every axis (an imported recipe's own
-    cell). An id the study lacks is a ValueError naming some of its cells."""
-    cells = cells_by_id(study)
-    if not cell_id:
-        return Cell(**{axis: study["grid"][axis][0] for axis in axis_names()})
-    if cell_id not in cells:
-        shown = ", ".join(list(cells)[:6]) + (" …" if len(cells) > 6 else "")
-        raise ValueError(f"{cell_id!r} is not a cell of study {study['study']!r} ({len(cells)} cells: {shown})")
-    return cells[cell_id]
 
 
 def repeat_of(cell: Any) -> Any:
@@ -86,7 +74,7 @@ def result_row(path: str | Path) -> dict[str, Any]:
 
 def tokens_run(run_dir: Path) -> int:
     """The real tokens a cell trained on, from its metrics.jsonl (tokens/s x step time per step)."""
-    from tunegrid.files import read_jsonl
+    from tunegrid.runtime.files import read_jsonl
 
     metrics = run_dir / "metrics.jsonl"
     lines = read_jsonl(metrics) if metrics.is_file() else []

@@ -18,9 +18,9 @@ from statistics import median
 from typing import Any
 
 from tunegrid.plans import PRECISION_PLANS, precision_plan
-from tunegrid.prepare.targets import TARGETS
 from tunegrid.review.advice import Fix, holds, ok_cells, siblings
 from tunegrid.sites import BLOCK_NAME, site_words
+from tunegrid.targets import TARGETS
 
 # the candidates in the plans' order (the order of equals in throughput)
 CANDIDATES = sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank)

@@ -36,7 +36,7 @@ NO_REFERENCE = "no reference"
 
 def default_review() -> dict[str, Any]:
     """The review settings of a summary built without a study: the schema's defaults."""
-    from tunegrid.config import load_schema
+    from tunegrid.study.config import load_schema
 
     properties = load_schema()["properties"]["review"]["properties"]
     settings = {name: spec["default"] for name, spec in properties.items() if name != "reference"}

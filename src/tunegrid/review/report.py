@@ -11,16 +11,16 @@ import numbers
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import atomic_write_text, read_json, read_jsonl
 from tunegrid.outcome import CellResult
+from tunegrid.recipes.recipe_export import fixes_html
 from tunegrid.review.advice import Recommendation
 from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
-from tunegrid.review.recipe_export import fixes_html
 from tunegrid.review.recommend import recommend
 from tunegrid.review.run_links import mlflow_note, mlflow_run_base, run_link
 from tunegrid.review.stack_advice import stack_facts
-from tunegrid.study_paths import StudyPaths
+from tunegrid.runtime.files import atomic_write_text, read_json, read_jsonl
+from tunegrid.study.paths import StudyPaths
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, axis_names
 
@@ -343,7 +343,7 @@ def build_report(
 
 def _sources_html(study_dir: Path) -> str:
     """The hub models and datasets the study fetched: pinned, or "not pinned; fetched at <sha>"."""
-    from tunegrid.prepare.hub import fetched_sources
+    from tunegrid.study.sources import fetched_sources
 
     lines = fetched_sources(study_dir) if study_dir.is_dir() else []
     return "".join(f"<p class='source'>{html.escape(line)}</p>" for line in lines)

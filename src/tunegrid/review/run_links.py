@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from tunegrid.files import read_json
+from tunegrid.runtime.files import read_json
 
 
 def mlflow_run_base(study_file: Path, tracking_file: Path) -> str | None:

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import read_json, read_jsonl
-from tunegrid.grid_axes import SETTING_AXES
 from tunegrid.outcome import CellResult, module_name, origin_label
 from tunegrid.review.quality import default_review, loss_curve, quality_columns
+from tunegrid.runtime.files import read_json, read_jsonl
+from tunegrid.study.grid_axes import SETTING_AXES
 from tunegrid.vocabulary import axis_names, with_neutrals
 
 
@@ -209,7 +209,7 @@ def write_summary(
     sync_path: str | Path | None = None,
     review: dict[str, Any] | None = None,
 ) -> Any:
-    from tunegrid.files import atomic_write_text
+    from tunegrid.runtime.files import atomic_write_text
 
     frame = build_summary(result_paths, sync_path, review)
     atomic_write_text(csv_path, frame.to_csv(index=False))

@@ -1,4 +1,4 @@
-"""Advice for collective timeouts, by their diagnosis (cell/collective.py), each fix proven by a twin cell:
+"""Advice for collective timeouts, by their diagnosis (run/collective.py), each fix proven by a twin cell:
 
 - long_pause: the smallest `collective_timeout_s` a twin (same cell, only the timeout changed) ran ok with;
 - straggler: the twin without the slow rank (the imbalance removed); a larger timeout only delays the failure,

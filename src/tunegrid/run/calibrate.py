@@ -25,8 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV
 from tunegrid.vocabulary import Precision, Quant
-from tunegrid.workers import FORKED, SPAWNED, WARM_SOCKET_ENV
 
 ARITHMETICS = (Precision.FP32, Precision.BF16, Precision.FP16)
 # A Llama decoder small enough that its tensors are noise beside the runtime (~0.2 MB of weights), trained the
@@ -84,10 +84,10 @@ def worker_runtime_bytes(work_dir: Path | None = None) -> dict[str, Any]:
 
 
 def _micro_study(work_dir: Path) -> tuple[dict[str, Any], Path, Path]:
-    from tunegrid.config import resolve_study
     from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts, write_dataset
+    from tunegrid.study.config import resolve_study
 
     study = resolve_study({**MICRO_STUDY, "grid": {**MICRO_STUDY["grid"], "quant": [Quant.NONE]}})
     data = work_dir / "train.jsonl"
@@ -118,10 +118,10 @@ def _beyond_tensors(
     study: dict[str, Any], arithmetic: str, model_dir: Path, data: Path, runs: Path, warm_socket: str | None
 ) -> int | None:
     """The micro cell's measured peak less the estimate's tensors for it (no runtime constant)."""
-    from tunegrid.config import cell_spec, expand_cells
     from tunegrid.contract import CellJob
     from tunegrid.prepare.cell_plan import write_contract
     from tunegrid.run.supervisor import run_cell
+    from tunegrid.study.config import cell_spec, expand_cells
 
     cell = next(c for c in expand_cells(study) if c.precision == arithmetic)
     spec = cell_spec(study, cell)

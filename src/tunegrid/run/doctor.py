@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from tunegrid.config import REPO_ROOT, read_study_file, resolve_study
-from tunegrid.errors import ConfigError
-from tunegrid.study_paths import StudyPaths
+from tunegrid.study.config import REPO_ROOT, read_study_file, resolve_study
+from tunegrid.study.errors import ConfigError
+from tunegrid.study.paths import StudyPaths
 
 STUDY_KEYS = {"study", "models", "grid", "base"}  # a file holding any of these is a study, not a recipe
 
@@ -29,7 +29,7 @@ def recipe_study(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     """A recipe as the doctor's study: imported for every failure, every precision of the plans beside its own,
     written where the doctor keeps it (the file Snakemake reads)."""
     from tunegrid.plans import PRECISION_PLANS
-    from tunegrid.prepare.recipe_study import import_recipe
+    from tunegrid.recipes.recipe_study import import_recipe
 
     base = {"recipe": args.source, "from": args.tool, "failure": "all", "ignore": list(args.ignore)}
     base.update({k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v})
@@ -44,7 +44,7 @@ def recipe_study(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 
 def study_of(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
-    from tunegrid.prepare.recipe_study import expand_base
+    from tunegrid.recipes.recipe_study import expand_base
 
     path = Path(args.source)
     if not path.is_file():
@@ -60,7 +60,7 @@ def study_of(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 
 def target(study: dict[str, Any], cell_id: str, first: bool) -> Path:
-    return StudyPaths.of(study["study"]).doctor_dir(cell_id) / ("first" if first else "all") / "doctor.json"
+    return StudyPaths.of(study["study"]).doctor_file(cell_id, "first" if first else "all", "doctor.json")
 
 
 def command(args: argparse.Namespace, study_file: Path, goal: Path) -> list[str]:
@@ -72,7 +72,7 @@ def command(args: argparse.Namespace, study_file: Path, goal: Path) -> list[str]
 
 
 def run_doctor(args: argparse.Namespace) -> int:
-    from tunegrid.review.doctor_choice import baseline_cell
+    from tunegrid.study.config import baseline_cell
 
     study, study_file = study_of(args)
     try:

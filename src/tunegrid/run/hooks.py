@@ -41,7 +41,7 @@ def on_end(
 def _print_glance(study: dict[str, Any], results: str, cell_ids: list[str]) -> None:
     """The outcome counts, the failures' reasons grouped and the report's path, as the run's last lines
     (read after every job has ended: it costs no cell any time). Never fails the workflow."""
-    from tunegrid.review.glance import glance
+    from tunegrid.run.glance import glance
 
     try:
         lines = glance(study["study"], Path(results), cell_ids)

@@ -1,5 +1,5 @@
 """Launching a cell's worker processes and stopping them: one process per rank with the environment torchrun
-would give it, in its own process group, tied to the supervisor by the lifeline (tunegrid.lifeline).
+would give it, in its own process group, tied to the supervisor by the lifeline (tunegrid.runtime.lifeline).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def launch_ranks(
     LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
     every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
     the invocation's warm worker forks it instead (tunegrid.run.warm). `visible_devices` (the job's own GPUs,
-    tunegrid.devices.cell_devices; "" for none) becomes every rank's CUDA_VISIBLE_DEVICES; rank r trains on
+    tunegrid.runtime.devices.cell_devices; "" for none) becomes every rank's CUDA_VISIBLE_DEVICES; rank r trains on
     the r-th of them. A cell on a library stack runs its ranks in the stack's interpreter, spawned, never forked
     (the warm worker holds the base's libraries)."""
-    from tunegrid.workers import stack_python
+    from tunegrid.runtime.workers import stack_python
 
     spec, run_dir = contract.spec, contract.job.run
     world = spec["axes"].get("world_size", 1)
@@ -122,14 +122,14 @@ def wait_any(procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
 
 
 def child_env(visible_devices: str | None = None) -> dict[str, str]:
-    from tunegrid.config import REPO_ROOT
-    from tunegrid.devices import VISIBLE_ENV
-    from tunegrid.lifeline import SUPERVISOR_PID_ENV
+    from tunegrid.runtime.devices import VISIBLE_ENV
+    from tunegrid.runtime.lifeline import SUPERVISOR_PID_ENV
+    from tunegrid.study.config import REPO_ROOT
 
     env = dict(os.environ)
     if visible_devices is not None:
         env[VISIBLE_ENV] = visible_devices
-    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.lifeline)
+    env[SUPERVISOR_PID_ENV] = str(os.getpid())  # the worker dies with this process (tunegrid.runtime.lifeline)
     src = str(REPO_ROOT / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env

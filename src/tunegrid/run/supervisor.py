@@ -19,14 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.contract import CellContract, LivenessLimits
-from tunegrid.devices import cell_devices, gpu_shortfall
-from tunegrid.files import read_json, read_jsonl, write_json
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
-from tunegrid.prepare.hub import fetched_env
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
-from tunegrid.rundir import MetricsTail, clear_run_files, last_activity
-from tunegrid.study_paths import StudyPaths
+from tunegrid.runtime.devices import cell_devices
+from tunegrid.runtime.files import read_json, read_jsonl, write_json
+from tunegrid.runtime.rundir import MetricsTail, clear_run_files, last_activity
+from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_python
+from tunegrid.study.paths import StudyPaths
+from tunegrid.study.sources import fetched_env
+from tunegrid.targets import gpu_shortfall
 from tunegrid.track.tags import (
     ARTIFACT_FILES,
     axis_tags,
@@ -41,7 +43,6 @@ from tunegrid.track.tags import (
 )
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
-from tunegrid.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_python
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
@@ -197,7 +198,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
             env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
             result = compose_result(cell, run_dir, returncodes[0], verdict, started, command, env)
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
-                from tunegrid.cell.distributed import diagnose_ranks
+                from tunegrid.run.rank_diagnosis import diagnose_ranks
 
                 ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped)
                 # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
@@ -252,7 +253,7 @@ def cell_env(spec: dict[str, Any]) -> dict[str, Any]:
     env = light_env()
     python = stack_python(spec)
     if python:
-        from tunegrid.stacks import read_stack_record
+        from tunegrid.study.stacks import read_stack_record
 
         record = read_stack_record(spec["stack"]["folder"])
         versions = record.get("versions", {})

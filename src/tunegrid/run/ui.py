@@ -51,7 +51,7 @@ def mlflow_server(
 
     The server runs in a session of its own (a terminal's Ctrl-C reaches only its owner, which stops it
     cleanly) and dies with its owner if the owner is killed."""
-    from tunegrid.lifeline import die_with_parent
+    from tunegrid.runtime.lifeline import die_with_parent
 
     port = port or free_port(host)
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"

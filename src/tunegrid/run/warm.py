@@ -29,8 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunegrid.lifeline import alive
-from tunegrid.workers import WARM_SOCKET_ENV
+from tunegrid.runtime.lifeline import alive
+from tunegrid.runtime.workers import WARM_SOCKET_ENV
 
 SOCKET_ENV = WARM_SOCKET_ENV  # the jobs find this invocation's socket here
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tunegrid.lifeline import alive
+from tunegrid.runtime.lifeline import alive
 
 
 def ready_info(path: Path, wait_s: float = 30.0) -> dict[str, Any] | None:

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tunegrid.files import read_json, write_json
+from tunegrid.runtime.files import read_json, write_json
 
 EXECUTION_ENV = "TUNEGRID_EXECUTION_ID"
 COMMAND_ENV = "TUNEGRID_SNAKEMAKE_COMMAND"

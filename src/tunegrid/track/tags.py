@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tunegrid.grid_axes import injected_faults
 from tunegrid.outcome import CellResult, origin_label
+from tunegrid.study.grid_axes import injected_faults
 from tunegrid.vocabulary import FAULTS
 
 FAULT_AXIS_NEUTRAL = FAULTS[0]  # `debug`: the cell injects what the debug section sets, which may be nothing
@@ -44,9 +44,9 @@ def distinct_part(cell_id: str, study_cell_ids: Iterable[str]) -> str:
 
 def study_cell_ids(run_dir: Path) -> list[str]:
     """The ids of the cells of the study a run folder belongs to (its study.json), or none when it has none."""
-    from tunegrid.config import cells_by_id, resolve_study
-    from tunegrid.files import read_json
-    from tunegrid.study_paths import StudyPaths
+    from tunegrid.runtime.files import read_json
+    from tunegrid.study.config import cells_by_id, resolve_study
+    from tunegrid.study.paths import StudyPaths
 
     study_file = StudyPaths.of_run_dir(run_dir).study_file
     try:
@@ -162,7 +162,7 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
 
 def env_tags(capabilities: dict[str, Any]) -> dict[str, str]:
     """Versions and device as tags, so the UI can filter and group by them."""
-    from tunegrid.prepare.environment import package_version
+    from tunegrid.runtime.packages import package_version
 
     tags = {f"env.{name}": package_version(name) or "" for name in ("torch", "transformers", "peft", "bitsandbytes")}
     gpus = capabilities.get("gpus") or []
@@ -176,7 +176,7 @@ def rerun_tags(result_path: Path, snakemake_job: str) -> dict[str, str]:
     rerun = ["snakemake", "--cores", "1", "--forcerun", str(result_path)]
     for path in filter(None, configfiles.split(os.pathsep)):
         rerun += ["--configfile", path]
-    from tunegrid.study_input import STUDY_FILE_ENV
+    from tunegrid.study.input import STUDY_FILE_ENV
 
     study_file = os.environ.get(STUDY_FILE_ENV, "")
     if study_file:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tunegrid.outcome import METRIC_KEYS
-from tunegrid.study_paths import StudyPaths
+from tunegrid.study.paths import StudyPaths
 from tunegrid.track.refusals import REFUSED_TAG, checked, checked_metrics, refused_note, shown
 from tunegrid.track.store import client, is_refusal, with_retries
 from tunegrid.vocabulary import Outcome
@@ -292,7 +292,7 @@ def sync_cell(
     For cells whose store was down or locked while they trained: the run is created (or completed)
     from the files, which are the source of truth.
     """
-    from tunegrid.files import read_jsonl
+    from tunegrid.runtime.files import read_jsonl
     from tunegrid.track.tags import (
         ARTIFACT_FILES,
         axis_tags,

@@ -1,0 +1,326 @@
+"""An axolotl config (the YAML `axolotl train` reads) as tunegrid settings.
+
+Key names and defaults as axolotl 0.18.0 documents them (src/axolotl/utils/schemas/: config.py, model.py,
+peft.py, training.py, datasets.py; the 4-bit defaults of src/axolotl/loaders/model.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunegrid.recipes.recipe import (
+    ATTENTION_NAMES,
+    AXIS_KEYS,
+    HEX40,
+    Recipe,
+    axis_keys,
+    first_record,
+    local_dataset,
+    lora_targets,
+    model_entry,
+    precision_flags,
+    quant_of,
+    quantization,
+    scheduler,
+    warmup,
+)
+from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.recipes.recipe_memory import (
+    checkpointing_and_offloading,
+    fan_in_fan_out,
+    fsdp_memory,
+    unfrozen_parameters,
+)
+from tunegrid.recipes.recipe_optimizers import optimizer
+
+# LoRA variants and extras tunegrid's plain peft LoRA does not train
+LORA_EXTRAS = ("loraplus_lr_ratio", "relora")
+# peft LoraConfig options tunegrid's LoRA takes, as axolotl names them
+LORA_OPTIONS = {"lora_modules_to_save": "lora.modules_to_save", "peft_use_rslora": "lora.use_rslora",
+                "peft_use_dora": "lora.use_dora"}  # fmt: skip
+# axolotl's attention switches (schemas/config.py), as transformers' attn_implementation names
+ATTENTION_FLAGS = {
+    "flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager",
+    "flex_attention": "flex_attention", "xformers_attention": "sdpa",
+}  # fmt: skip
+READER_KEYS = {
+    "base_model", "revision_of_model", "trust_remote_code", "bnb_config_kwargs", "sequence_len", "max_steps",
+    "num_epochs", "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler", "cosine_min_lr_ratio",
+    "warmup_ratio", "warmup_steps", "ddp_timeout", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+    "lora_target_linear", "lora_target_parameters", "sample_packing", "train_on_inputs", "datasets",
+    "attn_implementation", "pad_to_sequence_len", "peft", "lora_fan_in_fan_out", "lora_task_type",
+    "sample_packing_seq_len_multiplier", "eval_sample_packing", "model_config", "activation_offloading",
+    "unfrozen_parameters", *LORA_EXTRAS, *LORA_OPTIONS,
+    *ATTENTION_FLAGS,
+} | {key for keys in AXIS_KEYS.values() for key in keys["axolotl"]} | {"batch_size"}  # fmt: skip
+MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
+MAX_STEPS = 1_000_000
+
+
+def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
+    raw = recipe.raw
+    model_entry(recipe, "base_model", raw.get("base_model"), "revision_of_model", raw.get("revision_of_model"))
+    recipe.carry("model.trust_remote_code", bool(raw.get("trust_remote_code")), "trust_remote_code")
+    check_tables(recipe)
+    _attention(recipe)
+    adapter = raw.get("adapter")
+    if adapter not in ("lora", "qlora"):
+        recipe.refuse("adapter", f"{adapter!r}: tunegrid trains LoRA adapters (adapter: lora or qlora)")
+    recipe.carry("adapter", adapter, "adapter")
+    peft_section = raw.get("peft") or {}
+    if isinstance(peft_section, dict) and peft_section.get("loftq_config"):
+        recipe.refuse("peft.loftq_config", "LoftQ initializes the adapters from a quantization of the base; "
+                      "tunegrid initializes peft's LoRA plainly over a bitsandbytes base (remove it)")  # fmt: skip
+    bnb = raw.get("bnb_config_kwargs") or {}
+    four = bool(raw.get("load_in_4bit")) or adapter == "qlora"
+    quant_type = bnb.get("bnb_4bit_quant_type", "nf4")
+    quantization(
+        recipe, four, bool(raw.get("load_in_8bit")), quant_type,
+        ["load_in_4bit", "load_in_8bit", "adapter", "bnb_config_kwargs"],
+    )  # fmt: skip
+    experts = quant_of({"load_in_4bit": True, "bnb_4bit_quant_type": quant_type}, experts=True)
+    if raw.get("quantize_moe_experts") and four and experts:
+        recipe.carry("grid.quant", experts, "quantize_moe_experts")
+    elif raw.get("quantize_moe_experts"):  # axolotl's int8 row-wise parametrization under load_in_8bit
+        recipe.refuse("quantize_moe_experts", "quantizes the MoE experts in 8 bits; tunegrid quantizes them in 4 "
+                      "bits only (nf4-experts, with load_in_4bit); its int8 quantizes linear layers, not fused "
+                      "expert tensors")  # fmt: skip
+    if bnb.get("bnb_4bit_use_double_quant") is False:
+        recipe.differs["bnb_config_kwargs.bnb_4bit_use_double_quant"] = (
+            "false: the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them (about 0.37 bit "
+            "per weight less)"
+        )
+    bf16_key, fp16_key = axis_keys("axolotl", "precision")
+    precision_flags(recipe, raw.get(bf16_key), raw.get(fp16_key), (bf16_key, fp16_key))
+
+    (micro_key,), (accum_key,) = axis_keys("axolotl", "batch_size"), axis_keys("axolotl", "grad_accum")
+    (seed_key,) = axis_keys("axolotl", "seed")
+    micro = number(recipe, micro_key, raw.get(micro_key), integer=True, low=1, high=4096, default=1)
+    recipe.carry("grid.batch_size", micro, micro_key)
+    accum = number(recipe, accum_key, raw.get(accum_key), integer=True, low=1, high=4096, default=1)
+    recipe.carry("grid.grad_accum", accum, accum_key)
+    total_batch = number(recipe, "batch_size", raw.get("batch_size"), integer=True, low=1, high=1 << 20)
+    if total_batch and accum_key not in raw:
+        recipe.carry("grid.grad_accum", max(1, total_batch // micro), "batch_size")
+    seed = number(recipe, seed_key, raw.get(seed_key), integer=True, low=0, high=2**32 - 1, default=42)
+    recipe.carry("grid.seed", seed, seed_key)
+    length = seq_len or number(
+        recipe, "sequence_len", raw.get("sequence_len"), integer=True, low=8, high=MAX_SEQ_LEN, default=512
+    )  # axolotl's own default is 512 (schemas/config.py)
+    recipe.carry("train.seq_len", int(length), "sequence_len")
+    max_steps = number(recipe, "max_steps", raw.get("max_steps"), integer=True, low=1, high=MAX_STEPS)
+    total = max_steps or steps or 50
+    recipe.carry("train.steps", total, "max_steps")
+    epochs = number(recipe, "num_epochs", raw.get("num_epochs"), integer=False, low=0, high=1e6, default=1.0)
+    if not max_steps:
+        effective = micro * recipe.settings["grid.grad_accum"]
+        recipe.not_carried["num_epochs"] = (
+            f"{epochs:g} epoch(s) of the recipe's data; tunegrid trains {total} steps per cell (--steps), "
+            f"{total * effective} sequences at the recipe's effective batch {effective} (the failures show in "
+            "the first steps; the recipe's epoch length depends on its dataset's size)"
+        )
+        recipe.accounted.add("num_epochs")
+    lr = number(recipe, "learning_rate", raw.get("learning_rate"), integer=False, low=0, high=10)
+    if lr is not None:
+        recipe.carry("train.lr", lr, "learning_rate")
+    weight_decay = number(recipe, "weight_decay", raw.get("weight_decay"), integer=False, low=0, high=10, default=0.0)
+    recipe.carry("train.weight_decay", weight_decay, "weight_decay")
+    grad_norm = number(recipe, "max_grad_norm", raw.get("max_grad_norm"), integer=False, low=0, high=1e6, default=1.0)
+    recipe.carry("train.max_grad_norm", grad_norm, "max_grad_norm")
+    min_ratio = number(recipe, "cosine_min_lr_ratio", raw.get("cosine_min_lr_ratio"), integer=False, low=0, high=1)
+    scheduler(recipe, "lr_scheduler", raw.get("lr_scheduler") or "cosine", min_ratio, "cosine_min_lr_ratio")
+    ratio = number(recipe, "warmup_ratio", raw.get("warmup_ratio"), integer=False, low=0, high=1)
+    warm = number(recipe, "warmup_steps", raw.get("warmup_steps"), integer=False, low=0, high=MAX_STEPS)
+    if warm is not None:
+        warmup(recipe, warm, total, "warmup_steps")
+    elif ratio is not None:
+        warmup(recipe, ratio, total, "warmup_ratio")
+    else:  # axolotl's own default (core/builders/base.py): 3 % of the steps, at most 100
+        recipe.carry("train.warmup_steps", min(int(0.03 * total), 100), "warmup_steps")
+        recipe.notes.append("warmup_steps unset: axolotl's default, 3 % of the steps (at most 100)")
+    (optimizer_key,) = axis_keys("axolotl", "optimizer")
+    optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
+    (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
+    checkpointing_and_offloading(recipe, checkpointing_key, raw.get(checkpointing_key))
+    fsdp_memory(recipe)
+    if raw.get("ddp_timeout"):
+        timeout = number(recipe, "ddp_timeout", raw["ddp_timeout"], integer=False, low=1, high=7 * 86400)
+        if timeout:
+            recipe.carry("distributed.collective_timeout_s", timeout, "ddp_timeout")
+
+    recipe.carry(
+        "lora.r", number(recipe, "lora_r", raw.get("lora_r"), integer=True, low=1, high=4096, default=8), "lora_r"
+    )
+    alpha = number(recipe, "lora_alpha", raw.get("lora_alpha"), integer=False, low=0, high=1e6, default=16.0)
+    recipe.carry("lora.alpha", alpha, "lora_alpha")
+    dropout = number(recipe, "lora_dropout", raw.get("lora_dropout"), integer=False, low=0, high=1, default=0.0)
+    recipe.carry("lora.dropout", dropout, "lora_dropout")
+    lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
+    if raw.get("lora_target_linear"):
+        lora_targets(recipe, "lora_target_linear", "all-linear")
+    if raw.get("lora_target_parameters"):
+        recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
+    if "lora.target_modules" not in recipe.settings:
+        if raw.get("lora_target_parameters"):  # axolotl passes no modules: only the parameters get adapters
+            recipe.carry("lora.target_modules", [], "lora_target_modules", "lora_target_parameters")
+        else:
+            recipe.differs["lora_target_modules"] = (
+                "unset: peft picks its default modules for the architecture; tunegrid adapts the attention and MLP "
+                "projections (lora.target_modules in the study says which)"
+            )
+    fan_in_fan_out(recipe, "lora_fan_in_fan_out")
+    unfrozen_parameters(recipe)
+    for key in LORA_EXTRAS:
+        if raw.get(key):
+            recipe.refuse(key, "tunegrid trains peft's LoRA (r/alpha/dropout/targets, modules_to_save, rsLoRA, DoRA)")
+    lora_options(recipe, LORA_OPTIONS)
+    config_overrides(recipe, "model_config")
+    packing = bool(raw.get("sample_packing"))
+    recipe.carry("data.packing", packing, "sample_packing", "sample_packing_seq_len_multiplier")
+    if raw.get("pad_to_sequence_len") and not packing:
+        recipe.refuse("pad_to_sequence_len", "pads every batch to sequence_len (its peak); tunegrid pads to the "
+                      "batch's longest example: turn on sample_packing or remove it")  # fmt: skip
+    elif raw.get("pad_to_sequence_len"):
+        recipe.carry("data.packing", packing, "pad_to_sequence_len")
+        recipe.notes.append("pad_to_sequence_len with sample_packing: tunegrid's packs fill train.seq_len as well")
+    recipe.carry("data.loss_on", "all" if raw.get("train_on_inputs") else "response", "train_on_inputs")
+    _datasets(recipe, raw.get("datasets"))
+    account_rest(recipe, READER_KEYS)
+
+
+def _attention(recipe: Recipe) -> None:
+    """`attn_implementation` (or axolotl's older switches) as the model's attention implementation."""
+    raw = recipe.raw
+    name = raw.get("attn_implementation")
+    keys = ["attn_implementation"] if name else []
+    for flag, implementation in ATTENTION_FLAGS.items():
+        if raw.get(flag) and not name:
+            name, keys = implementation, [flag]
+            if flag == "xformers_attention":
+                recipe.differs[flag] = "xformers' memory-efficient attention; tunegrid runs torch's sdpa (the same "
+                "memory-efficient kernel family)"
+    if not name:
+        return
+    if name == "xformers":
+        recipe.differs[keys[0]] = "xformers' memory-efficient attention; tunegrid runs torch's sdpa (the same "
+        "memory-efficient kernel family)"
+        name = "sdpa"
+    if name not in ATTENTION_NAMES:
+        recipe.refuse(
+            keys[0], f"{name!r} is not an attention implementation tunegrid loads ({sorted(ATTENTION_NAMES)})"
+        )
+        return
+    recipe.carry("model.attn_implementation", name, *keys)
+
+
+DATASET_KEYS = {  # axolotl 0.18.0 SFTDataset fields this reader reads, and what the rest becomes
+    "path", "type", "split", "name", "data_files", "ds_type", "revision", "field_messages",
+    "message_property_mappings", "message_field_role", "message_field_content", "roles_to_train", "train_on_eos",
+    "drop_system_message", "field_system", "field_thinking", "template_thinking_key", "chat_template",
+    "shards", "preprocess_shards", "trust_remote_code", "conversation", "field",
+}  # fmt: skip
+DATASET_NOT_CARRIED = {
+    "drop_system_message": "tunegrid trains on the messages as the records hold them (system messages included)",
+    "field_system": "tunegrid reads role/content messages or prompt/response pairs (no separate system field)",
+    "field_thinking": "reasoning traces are rendered by the checkpoint's chat template from the messages",
+    "template_thinking_key": "reasoning traces are rendered by the checkpoint's chat template from the messages",
+    "chat_template": "tunegrid renders chats with the checkpoint's own chat template",
+    "train_on_eos": "tunegrid's loss covers the response tokens and the end-of-turn token the template writes",
+    "shards": "tunegrid reads the whole split", "preprocess_shards": "tunegrid reads the whole split",
+    "trust_remote_code": "tunegrid reads data files, never a dataset's loading script",
+}  # fmt: skip
+
+
+def _datasets(recipe: Recipe, datasets: Any) -> None:
+    if not datasets:
+        recipe.need("datasets", "no dataset: give one local file or a hub dataset, or pass --dataset")
+        return
+    if not isinstance(datasets, list):
+        datasets = [datasets]
+    for index in range(1, len(datasets)):
+        recipe.differs[f"datasets.{index}"] = "tunegrid trains each cell on the first dataset; this one is not mixed in"
+    entry, key = datasets[0], "datasets.0"
+    if not isinstance(entry, dict) or not entry.get("path"):
+        recipe.need(key, "a dataset entry needs a path (a local file or a hub id)")
+        return
+    recipe.carry("data.dataset", dict(entry), "datasets")
+    for sub in entry:
+        if sub in DATASET_NOT_CARRIED:
+            recipe.not_carried[f"{key}.{sub}"] = DATASET_NOT_CARRIED[sub]
+        elif sub not in DATASET_KEYS:
+            recipe.unknown[f"{key}.{sub}"] = f"not an axolotl {recipe.version} dataset key"
+    files = entry.get("data_files")
+    files = files[0] if isinstance(files, list) and len(files) == 1 else files
+    found = local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
+    if found is None and "data.source" not in recipe.settings:
+        if entry.get("name"):
+            recipe.refuse(f"{key}.name", "tunegrid reads a hub dataset's default configuration")
+        _hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
+        if files:
+            names = [files] if isinstance(files, str) else list(files)
+            recipe.carry("data.data_files", [str(n) for n in names], f"{key}.data_files")
+    kind = entry.get("type")
+    record = first_record(found) if found is not None and kind is None else {}
+    if kind is None and {"instruction", "output"} <= set(record):
+        kind = "alpaca"
+    elif kind is None and "prompt" in record and ({"response", "completion"} & set(record)):
+        kind = {"field_instruction": "prompt", "field_output": "response" if "response" in record else "completion"}
+    if kind == "chat_template" or (kind is None and "messages" in record):
+        mapping = dict(entry.get("message_property_mappings") or {})
+        for old, field in (("message_field_role", "role"), ("message_field_content", "content")):
+            if entry.get(old):  # axolotl's older spelling of message_property_mappings
+                mapping[field] = entry[old]
+        recipe.carry(
+            "data.fields",
+            {"messages": entry.get("field_messages") or "messages",
+             **{k: str(mapping[k]) for k in ("role", "content") if mapping.get(k, k) != k}},
+            f"{key}.type",
+            *[f"{key}.{k}" for k in ("field_messages", "message_property_mappings", "message_field_role",
+                                     "message_field_content") if k in entry],
+        )  # fmt: skip
+        if entry.get("roles_to_train") not in (None, ["assistant"]) and not recipe.raw.get("train_on_inputs"):
+            recipe.notes.append(f"{key}.roles_to_train: tunegrid trains on assistant tokens (data.loss_on: response)")
+        recipe.accounted.update({f"{key}.roles_to_train"} if "roles_to_train" in entry else set())
+    elif isinstance(kind, str) and kind.startswith("alpaca:"):  # alpaca records in another prompt layout
+        recipe.carry("data.fields", {"prompt": "instruction", "response": "output"}, f"{key}.type")
+        recipe.not_carried[f"{key}.type"] = (
+            f"{kind}: the same alpaca fields; tunegrid lays the prompt out with the checkpoint's chat template, "
+            "not the recipe's prompter"
+        )
+    elif kind == "alpaca":
+        recipe.carry("data.fields", {"prompt": "instruction", "response": "output"}, f"{key}.type")
+        recipe.notes.append(
+            f"{key}.type alpaca: prompt = instruction, response = output (an `input` field is not read)"
+        )
+    elif kind == "completion":  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
+        recipe.carry("data.fields", {"text": entry.get("field") or "text"}, f"{key}.type", f"{key}.field")
+        recipe.carry("data.loss_on", "all", f"{key}.type")
+    elif isinstance(kind, dict) and kind.get("field_instruction") and kind.get("field_output"):
+        recipe.carry(
+            "data.fields", {"prompt": kind["field_instruction"], "response": kind["field_output"]}, f"{key}.type"
+        )
+    else:
+        recipe.refuse(
+            f"{key}.type",
+            f"{kind!r}: tunegrid reads chat_template, alpaca, completion or {{field_instruction, field_output}}",
+        )
+
+
+def _hub_dataset(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> None:
+    """A hub dataset, pinned or not: an unpinned one is fetched at `ref` when the dataset rule runs."""
+    revision = str(revision or "")
+    recipe.carry("data.source", "hub", f"{key}.path")
+    recipe.carry("data.repo_id", repo_id, f"{key}.path")
+    recipe.carry("data.split", split, f"{key}.split")
+    if HEX40.match(revision):
+        recipe.carry("data.revision", revision, f"{key}.revision")
+        return
+    ref = revision or "main"
+    said = f"{key}.revision" if revision else f"{key}.path"
+    recipe.carry("data.revision", "", said)
+    recipe.carry("data.ref", ref, said)
+    recipe.unpinned[f"{key}.path"] = ref
+    recipe.notes.append(
+        f"{key}.path: {repo_id!r} is not pinned; the dataset rule fetches {ref!r} and records its commit "
+        "(`tunegrid pin <study>` writes it back)"
+    )

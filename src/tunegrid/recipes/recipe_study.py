@@ -1,0 +1,257 @@
+"""A study whose baseline cell is the user's recipe, and whose grid varies, around it, the settings that bear
+on the failure the user names (`nan`, `oom`, `timeout`, or `all`).
+
+`tunegrid import` writes it with a header listing what was carried, what was not and why; a study file
+with a `base:` key is expanded the same way when Snakemake (or `tunegrid validate`) reads it, the file's
+own keys winning over the recipe's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from tunegrid.recipes.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
+from tunegrid.recipes.recipe_scope import check_scope
+from tunegrid.recipes.recipe_trl import detect_tool
+
+MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
+RECORD_ONLY = {"model", "adapter", "data.dataset", *(f"model.{key}" for key in MODEL_KEYS)}
+BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset", "as_sft"}
+
+
+def read_recipe(base: dict[str, Any]) -> Recipe:
+    """The recipe a `base:` section names, read with its options (`from`, `ignore`, `model`, `dataset` …)."""
+    from tunegrid.recipes.recipe_axolotl import read_axolotl
+    from tunegrid.recipes.recipe_trl import read_trl
+
+    unknown = set(base) - BASE_KEYS
+    if unknown:
+        raise RecipeError(f"config key 'base': unknown keys {sorted(unknown)}; allowed {sorted(BASE_KEYS)}")
+    path = str(base.get("recipe") or "")
+    raw = read_file(path)
+    tool = base.get("from") or "auto"
+    if tool == "auto":
+        tool = detect_tool(raw)
+    if tool not in TOOLS:
+        raise RecipeError(f"config key 'base.from': {tool!r} is not one of {['auto', *TOOLS]}")
+    raw = _with_overrides(raw, tool, base.get("model"), base.get("dataset"))
+    recipe = Recipe(tool=tool, path=path, raw=raw, ignore=set(base.get("ignore") or []))
+    check_scope(recipe, bool(base.get("as_sft")))
+    if recipe.refused:  # another kind of run: say what makes it so before anything else
+        raise RecipeError(
+            f"recipe {path!r} (read as {tool} {recipe.version}) is not LoRA/QLoRA SFT:\n  - "
+            + "\n  - ".join(recipe.refused)
+        )
+    reader = read_axolotl if tool == "axolotl" else read_trl
+    reader(recipe, base.get("steps"), base.get("seq_len"))
+    if recipe.refused:
+        raise RecipeError(
+            f"recipe {path!r} (read as {tool} {recipe.version}) cannot be run as it is:\n  - "
+            + "\n  - ".join(recipe.refused)
+        )
+    return recipe
+
+
+def _with_overrides(raw: dict[str, Any], tool: str, model: str | None, dataset: str | None) -> dict[str, Any]:
+    """`--model path|repo@rev` and `--dataset file` as the tool's own keys (a TrainingArguments file names neither)."""
+    raw = copy.deepcopy(raw)
+    if model:
+        name, _, revision = model.partition("@")
+        keys = ("base_model", "revision_of_model") if tool == "axolotl" else ("model_name_or_path", "model_revision")
+        raw[keys[0]] = name
+        if revision:
+            raw[keys[1]] = revision
+    if dataset:
+        name, _, revision = dataset.partition("@")
+        if tool == "axolotl":
+            entry: dict[str, Any] = {"path": name, **({"revision": revision} if revision else {})}
+            raw["datasets"] = [entry]
+        else:
+            raw["dataset_name"] = name
+    return raw
+
+
+def model_name(recipe: Recipe) -> str:
+    model = recipe.settings["model"]
+    base = Path(model.get("path") or model.get("repo_id")).name
+    return _slug(base) or "model"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.-]+", "-", text).strip("-.")[:64]
+
+
+def _is_moe(recipe: Recipe) -> bool:
+    model = recipe.settings["model"]
+    if model["source"] != "local":
+        return False
+    config = json.loads((Path(model["path"]) / "config.json").read_text())
+    return any((config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _smaller_micro_batch(batch: int) -> int | None:
+    """The largest divisor of `batch` at most a quarter of it (else half): the same effective batch with
+    accumulation, and a quarter of the activations."""
+    for limit in (batch // 4, batch // 2):
+        divisors = [d for d in range(1, limit + 1) if batch % d == 0]
+        if divisors:
+            return max(divisors)
+    return None
+
+
+def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], list[str]]:
+    """The grid: every axis at the recipe's value, the axes that bear on `failure` varied around it."""
+    from tunegrid.vocabulary import AXES
+
+    s = recipe.settings
+    grid: dict[str, list[Any]] = {axis: [s[f"grid.{axis}"]] for axis in AXES if f"grid.{axis}" in s}
+    why: list[str] = []
+    failures = {"nan", "oom", "timeout"} if failure == "all" else {failure}
+    smaller = _smaller_micro_batch(s["grid.batch_size"])
+    if "nan" in failures:  # every precision row tunegrid has, its fp16 fixes included, the recipe's first
+        from tunegrid.plans import PRECISION_PLANS
+
+        rows = sorted(PRECISION_PLANS.values(), key=lambda row: row.nan_fix_rank)
+        grid["precision"] += [str(row.precision) for row in rows if row.precision != s["grid.precision"]]
+        own = PRECISION_PLANS[s["grid.precision"]].arithmetic  # the fixes that keep the recipe's arithmetic
+        same = [str(r.precision) for r in rows if r.arithmetic == own and r.precision != s["grid.precision"]]
+        why.append(f"nan: every precision tunegrid has ({', '.join(grid['precision'])}; in the recipe's own "
+                   f"arithmetic: {', '.join(same) or 'none'})")  # fmt: skip
+    if ("nan" in failures or "oom" in failures) and smaller:
+        factor = s["grid.batch_size"] // smaller
+        grid["batch_size"].append(smaller)
+        grid["grad_accum"].append(s["grid.grad_accum"] * factor)
+        # only the two pairs that keep the recipe's effective batch (the grid is a product otherwise)
+        grid["exclude"] = [
+            {"batch_size": s["grid.batch_size"], "grad_accum": s["grid.grad_accum"] * factor},
+            {"batch_size": smaller, "grad_accum": s["grid.grad_accum"]},
+        ]
+        why.append(
+            f"nan/oom: micro-batch {smaller} with {s['grid.grad_accum'] * factor} micro-batches per step "
+            f"(the recipe's effective batch {s['grid.batch_size'] * s['grid.grad_accum']}, a smaller activation "
+            "peak; never crossed with the recipe's own pair)"
+        )
+    if "oom" in failures:
+        from tunegrid.plans import QUANT_PLANS, memory_fix_quants
+
+        moe = _is_moe(recipe)
+        quants = [str(q) for q in memory_fix_quants() if moe or not QUANT_PLANS[q].experts_quantized]
+        grid["quant"] += [q for q in quants if q not in grid["quant"]]
+        why.append(f"oom: quantizations {quants}")
+        if grid.get("optimizer", ["adamw"]) == ["adamw"]:  # an 8-bit recipe already keeps the smaller state
+            grid["optimizer"] = ["adamw", "adamw-8bit"]
+            why.append("oom: adamw-8bit (bitsandbytes' 8-bit moments) beside the recipe's AdamW")
+        if not s.get("train.gradient_checkpointing"):  # at false the axis follows the recipe's own setting
+            grid["activation_checkpointing"] = [False, True]
+            why.append("oom: activation checkpointing off (the recipe's) and on")
+    if "timeout" in failures:
+        grid["world_size"] = [1, 2]
+        why.append("timeout: one rank and two (DDP; collectives with the recipe's ddp_timeout)")
+    return grid, why
+
+
+def build_study(recipe: Recipe, failure: str, base: dict[str, Any], study: str | None = None) -> dict[str, Any]:
+    if failure not in FAILURES:
+        raise RecipeError(f"config key 'base.failure': {failure!r} is not one of {list(FAILURES)}")
+    name = model_name(recipe)
+    model = dict(recipe.settings["model"])
+    for key in sorted(MODEL_KEYS):
+        if recipe.settings.get(f"model.{key}"):
+            model[key] = recipe.settings[f"model.{key}"]
+    grid, _ = grid_around(recipe, failure)
+    out: dict[str, Any] = {
+        "study": study or _slug(Path(recipe.path).stem) or "recipe",
+        "base": base,
+        "models": {name: model},
+        "grid": {"model": [name], **grid},
+    }
+    # parity is judged against fp32 on the recipe's own base: a QLoRA grid has no unquantized twin
+    if grid.get("quant"):
+        out["review"] = {"reference": {"precision": "fp32", "quant": grid["quant"][0]}}
+    for path, value in recipe.settings.items():
+        if path in RECORD_ONLY or path.startswith("grid."):
+            continue
+        section, key = path.split(".", 1)
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+def baseline_cell_id(study: dict[str, Any]) -> str:
+    from tunegrid.study.config import Cell
+    from tunegrid.vocabulary import AXES
+
+    grid = study["grid"]
+    return Cell(**{axis: grid[axis][0] for axis in AXES if grid.get(axis)}).cell_id
+
+
+def header(recipe: Recipe, failure: str, study: dict[str, Any]) -> list[str]:
+    """What the import did, for the study file's header and the command's output."""
+    _, why = grid_around(recipe, failure)
+    lines = [
+        f"Imported from {recipe.path} (read as {recipe.tool} {recipe.version} keys) for failure: {failure}.",
+        f"Baseline cell (the recipe itself): {baseline_cell_id(study)}",
+        "Grid around it: " + ("; ".join(why) or "the baseline alone"),
+        "Carried over:",
+    ]
+    for path, keys in sorted(recipe.origin.items()):
+        if keys and path != "data.dataset":
+            value = recipe.settings[path]
+            given = [k for k in keys if k.split(".")[0] in recipe.raw] or [f"({recipe.tool}'s default)"]
+            lines.append(f"  {', '.join(given)} -> {path} = {json.dumps(value, default=str)}")
+    if recipe.unpinned:
+        lines.append("Not pinned (fetched when the study runs; `tunegrid pin <study>` writes the commit back):")
+        lines += [f"  {key}: {ref}" for key, ref in sorted(recipe.unpinned.items())]
+    if recipe.changed:
+        lines.append("Changed to the SFT study tunegrid runs (--as-sft):")
+        lines += [f"  {line}" for line in recipe.changed]
+    if recipe.differs:
+        lines.append(f"Run differently from the recipe (they bear on memory or numerics; {len(recipe.differs)} keys):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.differs.items())]
+    if recipe.not_carried:
+        lines.append(f"Not carried over ({len(recipe.not_carried)} keys):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.not_carried.items())]
+    if recipe.unknown:
+        lines.append(f"Unknown keys ({len(recipe.unknown)}; the tool itself may reject or ignore them):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.unknown.items())]
+    if recipe.ignored:
+        lines.append("Ignored (--ignore; tunegrid cannot honour them):")
+        lines += [f"  {key}: {why}" for key, why in sorted(recipe.ignored.items())]
+    if recipe.notes:
+        lines.append("Notes:")
+        lines += [f"  {note}" for note in recipe.notes]
+    return lines
+
+
+def import_recipe(base: dict[str, Any], study: str | None = None) -> tuple[dict[str, Any], Recipe, list[str]]:
+    """The study for a `base:` section: (study, the recipe as read, header lines)."""
+    recipe = read_recipe(base)
+    failure = base.get("failure") or "all"
+    built = build_study(recipe, failure, base, study)
+    return built, recipe, header(recipe, failure, built)
+
+
+def expand_base(config: dict[str, Any]) -> dict[str, Any]:
+    """A study with `base:` = the imported study with the file's own keys on top (deep); else unchanged."""
+    if not config.get("base"):
+        return config
+    base = config["base"]
+    if not isinstance(base, dict):
+        base = {"recipe": base}
+    imported, _, _ = import_recipe(base, config.get("study"))
+    merged = _deep_merge(imported, {k: v for k, v in config.items() if k != "base"})
+    merged["base"] = base
+    return merged
+
+
+def _deep_merge(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(under)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

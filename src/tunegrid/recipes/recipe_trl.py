@@ -1,0 +1,304 @@
+"""TRL's SFT arguments (the flat YAML/JSON `trl sft --config` reads: ScriptArguments + ModelConfig +
+SFTConfig) and Transformers' TrainingArguments as tunegrid settings.
+
+Key names and defaults as trl 1.16.0 (trl/trainer/sft_config.py, trl/trainer/model_config.py,
+trl/scripts/utils.py) and transformers 5.23.0 (transformers/training_args.py) define them. SFTConfig's
+own defaults differ from TrainingArguments' (bf16 unless fp16, activation checkpointing on, lr 2e-5,
+max_length 1024), so the tool the file is read as matters; the command says which it assumed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tunegrid.recipes.recipe import (
+    ATTENTION_NAMES,
+    AXIS_KEYS,
+    HEX40,
+    Recipe,
+    axis_keys,
+    first_record,
+    local_dataset,
+    lora_targets,
+    model_entry,
+    precision_flags,
+    quantization,
+    scheduler,
+    warmup,
+)
+from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_options, number
+from tunegrid.recipes.recipe_memory import checkpointing_and_offloading, fsdp_memory
+from tunegrid.recipes.recipe_optimizers import optimizer
+
+# trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
+MODEL_CONFIG_KEYS = {
+    "model_name_or_path", "model_revision", "dtype", "attn_implementation", "use_peft", "lora_r", "lora_alpha",
+    "lora_dropout", "lora_target_modules", "lora_target_parameters", "lora_modules_to_save", "lora_task_type",
+    "use_rslora", "use_dora", "load_in_8bit", "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant",
+    "bnb_4bit_quant_storage", "trust_remote_code",
+}  # fmt: skip
+SCRIPT_ARGUMENTS_KEYS = {
+    "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "dataset_streaming",
+    "ignore_bias_buffers", "datasets",
+}  # fmt: skip
+SFT_ONLY_KEYS = {
+    "model_init_kwargs", "chat_template_path", "dataset_text_field", "dataset_kwargs", "dataset_num_proc",
+    "eos_token", "max_length", "truncation_mode", "shuffle_dataset", "packing", "packing_strategy", "padding_free",
+    "pad_to_multiple_of", "eval_packing", "completion_only_loss", "assistant_only_loss", "loss_type",
+    "router_aux_loss_coef", "activation_offloading",
+}  # fmt: skip
+TRL_ONLY_KEYS = (MODEL_CONFIG_KEYS - {"trust_remote_code"}) | SCRIPT_ARGUMENTS_KEYS | SFT_ONLY_KEYS
+# the defaults a missing key takes, per tool (checked against the real dataclasses in the tests)
+DEFAULTS = {
+    "trl": {
+        "learning_rate": 2e-5, "gradient_checkpointing": True, "max_length": 1024, "packing": False,
+        "per_device_train_batch_size": 8, "lr_scheduler_type": "linear", "optim": "adamw_torch_fused",
+        "seed": 42, "ddp_timeout": 1800, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+    },
+    "transformers": {
+        "learning_rate": 5e-5, "gradient_checkpointing": False, "per_device_train_batch_size": 8,
+        "lr_scheduler_type": "linear", "optim": "adamw_torch_fused", "seed": 42, "ddp_timeout": 1800,
+    },
+}  # fmt: skip
+# keys this reader reads (besides the tables of recipe_keys), for telling unknown keys from known ones
+READER_KEYS = MODEL_CONFIG_KEYS | SCRIPT_ARGUMENTS_KEYS | SFT_ONLY_KEYS | {
+    "max_steps",
+    "num_train_epochs", "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "lr_scheduler_kwargs",
+    "warmup_steps", "warmup_ratio", "ddp_timeout",
+    "max_seq_length", "dataset_mixture", "fsdp", "fsdp_config", "deepspeed", "tf32",
+} | {key for keys in AXIS_KEYS.values() for key in keys["trl"]}  # fmt: skip
+MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
+MAX_STEPS = 1_000_000
+
+
+def detect_tool(raw: dict[str, Any]) -> str:
+    """axolotl names its model `base_model`; TRL's `trl sft --config` files carry ModelConfig/ScriptArguments/
+    SFTConfig keys; anything else is read as Transformers' TrainingArguments."""
+    if "base_model" in raw:
+        return "axolotl"
+    return "trl" if TRL_ONLY_KEYS & set(raw) else "transformers"
+
+
+def _get(recipe: Recipe, key: str) -> Any:
+    return recipe.raw[key] if key in recipe.raw else DEFAULTS[recipe.tool].get(key)
+
+
+def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
+    raw, tool = recipe.raw, recipe.tool
+    model_entry(
+        recipe, "model_name_or_path", raw.get("model_name_or_path"), "model_revision", raw.get("model_revision")
+    )
+    recipe.carry("model.trust_remote_code", bool(raw.get("trust_remote_code")), "trust_remote_code")
+    check_tables(recipe)
+    attention = raw.get("attn_implementation")
+    if attention:
+        if attention in ATTENTION_NAMES:
+            recipe.carry("model.attn_implementation", attention, "attn_implementation")
+        else:
+            recipe.refuse("attn_implementation", f"{attention!r} is not one tunegrid loads ({sorted(ATTENTION_NAMES)})")
+    recipe.carry("adapter", "lora", "use_peft")
+    quantization(
+        recipe, bool(raw.get("load_in_4bit")), bool(raw.get("load_in_8bit")), raw.get("bnb_4bit_quant_type"),
+        ["load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"],
+    )  # fmt: skip
+    if raw.get("load_in_4bit") and not raw.get("use_bnb_nested_quant"):  # ModelConfig's default: false
+        recipe.differs["use_bnb_nested_quant"] = (
+            "false (TRL's default): the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them "
+            "(about 0.37 bit per weight less)"
+        )
+    bf16_key, fp16_key = axis_keys(tool, "precision")
+    bf16 = raw.get(bf16_key)
+    if tool == "trl" and bf16 is None:
+        bf16 = not raw.get(fp16_key)  # SFTConfig: bf16 unless fp16 is set
+    precision_flags(recipe, bf16, raw.get(fp16_key), (bf16_key, fp16_key))
+
+    (batch_key,), (accum_key,) = axis_keys(tool, "batch_size"), axis_keys(tool, "grad_accum")
+    (seed_key,) = axis_keys(tool, "seed")
+    batch = number(recipe, batch_key, _get(recipe, batch_key), integer=True, low=1, high=4096, default=8)
+    recipe.carry("grid.batch_size", batch, batch_key)
+    accum = number(recipe, accum_key, raw.get(accum_key), integer=True, low=1, high=4096, default=1)
+    recipe.carry("grid.grad_accum", accum, accum_key)
+    recipe.carry("grid.seed", number(recipe, seed_key, _get(recipe, seed_key), integer=True, low=0,
+                                     high=2**32 - 1, default=42), seed_key)  # fmt: skip
+    length_key = "max_seq_length" if "max_seq_length" in raw and "max_length" not in raw else "max_length"
+    length = seq_len or number(
+        recipe, length_key, _get(recipe, length_key) if length_key == "max_length" else raw[length_key],
+        integer=True, low=8, high=MAX_SEQ_LEN,
+    )  # fmt: skip
+    if length_key == "max_seq_length":
+        recipe.notes.append("max_seq_length: TRL's older name of max_length, read as it")
+    if not length:
+        if not recipe.refused or not any(length_key in line for line in recipe.refused):
+            recipe.need(length_key, "TrainingArguments holds no sequence length; pass --seq-len")
+    else:
+        recipe.carry("train.seq_len", int(length), length_key)
+    max_steps = raw.get("max_steps")
+    if max_steps not in (None, -1):
+        max_steps = number(recipe, "max_steps", max_steps, integer=True, low=1, high=MAX_STEPS)
+    total = max_steps if max_steps not in (None, -1) else (steps or 50)
+    recipe.carry("train.steps", total, "max_steps")
+    if max_steps in (None, -1):
+        epochs = number(recipe, "num_train_epochs", raw.get("num_train_epochs"), integer=False, low=0, high=1e6,
+                        default=3.0)  # fmt: skip
+        effective = batch * accum
+        recipe.not_carried["num_train_epochs"] = (
+            f"{epochs:g} epoch(s) of the recipe's data; tunegrid trains {total} steps per cell (--steps), "
+            f"{total * effective} sequences at the recipe's effective batch {effective} (the failures show in the "
+            "first steps; the recipe's epoch length depends on its dataset's size)"
+        )
+        recipe.accounted.add("num_train_epochs")
+    recipe.carry("train.lr", number(recipe, "learning_rate", _get(recipe, "learning_rate"), integer=False, low=0,
+                                    high=10, default=2e-5), "learning_rate")  # fmt: skip
+    recipe.carry("train.weight_decay", number(recipe, "weight_decay", raw.get("weight_decay"), integer=False, low=0,
+                                              high=10, default=0.0), "weight_decay")  # fmt: skip
+    grad_norm = number(recipe, "max_grad_norm", raw.get("max_grad_norm", 1.0), integer=False, low=0, high=1e6)
+    recipe.carry("train.max_grad_norm", 1.0 if grad_norm is None else grad_norm, "max_grad_norm")
+    kwargs = raw.get("lr_scheduler_kwargs") or {}
+    scheduler(
+        recipe, "lr_scheduler_type", _get(recipe, "lr_scheduler_type"), kwargs.get("min_lr_rate"), "lr_scheduler_kwargs"
+    )
+    warm = number(recipe, "warmup_steps", raw.get("warmup_steps"), integer=False, low=0, high=MAX_STEPS)
+    ratio = number(recipe, "warmup_ratio", raw.get("warmup_ratio"), integer=False, low=0, high=1)
+    if warm:
+        warmup(recipe, warm, total, "warmup_steps")
+    elif ratio:  # transformers 5 still reads warmup_ratio (a share of the steps)
+        warmup(recipe, ratio, total, "warmup_ratio")
+    else:
+        warmup(recipe, 0, total, "warmup_steps")
+    (optimizer_key,) = axis_keys(tool, "optimizer")
+    optimizer(recipe, optimizer_key, _get(recipe, optimizer_key))
+    new_key, old_key = axis_keys(tool, "activation_checkpointing")
+    checkpointing = raw.get(new_key, raw.get(old_key, _get(recipe, old_key)))
+    checkpointing_and_offloading(recipe, old_key, bool(checkpointing), new_key, offloading=tool == "trl")
+    fsdp_memory(recipe)
+    timeout = number(recipe, "ddp_timeout", _get(recipe, "ddp_timeout"), integer=False, low=1, high=7 * 86400,
+                     default=1800.0)  # fmt: skip
+    recipe.carry("distributed.collective_timeout_s", float(timeout), "ddp_timeout")
+
+    if tool == "trl":
+        recipe.carry("lora.r", number(recipe, "lora_r", _get(recipe, "lora_r"), integer=True, low=1, high=4096,
+                                      default=16), "lora_r")  # fmt: skip
+        recipe.carry("lora.alpha", number(recipe, "lora_alpha", _get(recipe, "lora_alpha"), integer=False, low=0,
+                                          high=1e6, default=32.0), "lora_alpha")  # fmt: skip
+        recipe.carry("lora.dropout", number(recipe, "lora_dropout", _get(recipe, "lora_dropout"), integer=False,
+                                            low=0, high=1, default=0.05), "lora_dropout")  # fmt: skip
+        lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
+        if "lora.target_modules" not in recipe.settings:  # peft's default for the architecture; tunegrid resolves
+            lora_targets(recipe, "lora_target_modules", "all-linear")
+        if raw.get("lora_target_parameters"):
+            recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
+        lora_options(recipe, {"lora_modules_to_save": "lora.modules_to_save", "use_rslora": "lora.use_rslora",
+                              "use_dora": "lora.use_dora"})  # fmt: skip
+        recipe.carry("data.packing", bool(_get(recipe, "packing")), "packing", "packing_strategy")
+        if raw.get("packing") and raw.get("packing_strategy") == "wrapped":
+            recipe.notes.append("packing_strategy wrapped: tunegrid packs whole examples (as bfd does)")
+    _dataset(recipe)
+    account_rest(recipe, READER_KEYS)
+
+
+def _dataset(recipe: Recipe) -> None:
+    raw = recipe.raw
+    found = None
+    if raw.get("datasets"):
+        entries = raw["datasets"] if isinstance(raw["datasets"], list) else [raw["datasets"]]
+        _extra_datasets(recipe, "datasets", len(entries))
+        entry = entries[0] if isinstance(entries[0], dict) else {}
+        files = entry.get("data_files")
+        files = files[0] if isinstance(files, list) and len(files) == 1 else files
+        if isinstance(files, str):
+            found = local_dataset(recipe, "datasets.0.data_files", files, entry.get("path"))
+        if found is None and entry.get("path") and not files:
+            _hub(recipe, "datasets.0.path", entry["path"], entry.get("revision"), entry.get("split") or "train")
+            recipe.carry("data.dataset", dict(entry), "datasets")
+            return
+        if found is None:
+            recipe.need("datasets.0", "give a local JSON-lines or parquet file (data_files) or pass --dataset")
+            return
+        recipe.carry("data.dataset", dict(entry), "datasets")
+    elif isinstance(raw.get("dataset_mixture"), dict):  # alignment-handbook's ScriptArguments
+        entries = raw["dataset_mixture"].get("datasets") or []
+        entry = entries[0] if entries and isinstance(entries[0], dict) else {}
+        if not entry.get("id"):
+            recipe.need("dataset_mixture.datasets", "no dataset: each entry needs an id (a hub dataset)")
+            return
+        _extra_datasets(recipe, "dataset_mixture.datasets", len(entries))
+        if entry.get("config") not in (None, "default"):
+            recipe.refuse("dataset_mixture.datasets.0.config", "tunegrid reads a hub dataset's default configuration")
+        found = local_dataset(recipe, "dataset_mixture.datasets.0.id", str(entry["id"]))
+        if found is None:
+            _hub(
+                recipe,
+                "dataset_mixture.datasets.0.id",
+                entry["id"],
+                entry.get("revision"),
+                entry.get("split") or "train",
+            )
+            columns = entry.get("columns") or ["messages"]
+            _hub_fields(recipe, columns, "dataset_mixture.datasets.0.columns")
+            recipe.carry("data.dataset", dict(entry), "dataset_mixture")
+            return
+        recipe.carry("data.dataset", dict(entry), "dataset_mixture")
+    elif raw.get("dataset_name"):
+        found = local_dataset(recipe, "dataset_name", str(raw["dataset_name"]))
+        if found is None:
+            split = raw.get("dataset_train_split") or "train"
+            if raw.get("dataset_config"):
+                recipe.refuse("dataset_config", "tunegrid reads a hub dataset's default configuration")
+            _hub(recipe, "dataset_name", raw["dataset_name"], None, split)
+            _hub_fields(recipe, [raw.get("dataset_text_field") or "messages"], "dataset_name")
+            recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name", "dataset_train_split")
+            return
+        recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
+    else:
+        recipe.need("dataset_name", "no dataset: give dataset_name (a local file or a hub id) or pass --dataset")
+        return
+    record = first_record(found)
+    text_field = raw.get("dataset_text_field") or "text"
+    if "messages" in record:
+        recipe.carry("data.fields", {"messages": "messages"}, "dataset_name")
+        recipe.carry("data.loss_on", "response" if raw.get("assistant_only_loss") else "all", "assistant_only_loss")
+    elif {"prompt", "completion"} <= set(record):
+        recipe.carry("data.fields", {"prompt": "prompt", "response": "completion"}, "dataset_name")
+        only = raw.get("completion_only_loss")
+        recipe.carry("data.loss_on", "all" if only is False else "response", "completion_only_loss")
+    else:
+        recipe.need(
+            "dataset_text_field",
+            f"records with only a {text_field!r} text: tunegrid trains on prompt/completion pairs or messages",
+        )
+
+
+def _extra_datasets(recipe: Recipe, key: str, count: int) -> None:
+    for index in range(1, count):
+        recipe.differs[f"{key}.{index}"] = "tunegrid trains each cell on the first dataset; this one is not mixed in"
+    if count > 1:
+        recipe.accounted.add(key.split(".")[0])
+
+
+def _hub(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> None:
+    revision = str(revision or "")
+    recipe.carry("data.source", "hub", key)
+    recipe.carry("data.repo_id", str(repo_id), key)
+    recipe.carry("data.split", str(split), key)
+    if HEX40.match(revision):
+        recipe.carry("data.revision", revision, key)
+        return
+    recipe.carry("data.revision", "", key)
+    recipe.carry("data.ref", revision or "main", key)
+    recipe.unpinned[key] = revision or "main"
+    recipe.notes.append(
+        f"{key}: {repo_id!r} is not pinned (TRL's arguments hold no dataset revision); the dataset rule fetches "
+        f"{revision or 'main'!r} and records its commit (`tunegrid pin <study>` writes it back)"
+    )
+
+
+def _hub_fields(recipe: Recipe, columns: list[Any], key: str) -> None:
+    """A hub dataset's records are not read at import: TRL's conversational column is assumed."""
+    column = str(columns[0]) if columns else "messages"
+    if column not in ("messages", "conversations"):
+        recipe.need(key, f"{column!r}: tunegrid trains on chats (a messages column) or prompt/completion pairs; "
+                    "give data.fields in the study")  # fmt: skip
+        return
+    recipe.carry("data.fields", {"messages": column}, key)
+    only = recipe.raw.get("assistant_only_loss")
+    recipe.carry("data.loss_on", "response" if only else "all", "assistant_only_loss")

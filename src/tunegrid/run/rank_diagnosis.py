@@ -1,0 +1,294 @@
+"""What happened to a multi-process cell: per-rank facts, exit codes and heartbeats -> one outcome.
+
+Precedence: a rank that died by itself (signal or non-zero exit the supervisor did not cause) is the
+cause, whatever its peers reported afterwards (`error`); then a collective timeout (`timeout`: the
+ranks that reported it waited, the others never arrived); otherwise rank 0's outcome, checked against
+the other ranks (their LoRA weights must be bit-identical after DDP).
+
+The supervisor's reading, after the ranks ended, of the files they leave (no torch; PyTorch's fr_trace runs
+in a process of its own).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tunegrid.run.collective import classify_timeout, describe, find_straggler
+from tunegrid.run.throughput import cell_throughput, metric_records, step_records
+from tunegrid.runtime.files import read_json
+from tunegrid.runtime.rundir import rank_dir
+from tunegrid.vocabulary import Outcome
+
+STEP_RE = re.compile(r"step (\d+)")
+# What ProcessGroupNCCL's watchdog logs (to the rank's stderr, its log here) before it takes the process down
+# with SIGABRT: on NCCL a collective timeout never reaches Python as an exception, so no worker.json says so.
+NCCL_WATCHDOG_RE = re.compile(
+    r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)"
+)
+
+
+def _tail(path: Path, lines: int = 15) -> list[str]:
+    if not path.exists():
+        return []
+    return path.read_text(errors="replace").splitlines()[-lines:]
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def nccl_watchdog_timeout(log_path: Path) -> dict[str, Any] | None:
+    """The NCCL watchdog's timeout line in a rank's log: the collective it waited in and its sequence number."""
+    if not log_path.exists():
+        return None
+    for line in log_path.read_text(errors="replace").splitlines():
+        found = NCCL_WATCHDOG_RE.search(line)
+        if found:
+            return {"op": found["op"], "seq": int(found["seq"]), "message": line.strip()[:400]}
+    return None
+
+
+def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> dict[str, Any]:
+    folder = rank_dir(run_dir, rank)
+    facts_path = folder / "worker.json"
+    facts = read_json(facts_path) if facts_path.exists() else {}
+    beat_path = folder / "heartbeat"
+    heartbeat = beat_path.read_text().strip() if beat_path.exists() else ""
+    step = STEP_RE.search(heartbeat)
+    diagnosis = facts.get("diagnosis") or {}
+    watchdog = nccl_watchdog_timeout(run_dir / "ranks" / f"rank{rank}.log") if not stopped else None
+    if watchdog is not None and "collective_timeout" not in diagnosis:
+        # the rank died (SIGABRT) in the NCCL watchdog before it could write its facts: a waiting rank
+        diagnosis = {"collective_timeout": {"rank": rank, "waiting_in": heartbeat, **watchdog}}
+    return {
+        "rank": rank,
+        "exit_code": code,
+        "exit": _exit_text(code),
+        "stopped_by_supervisor": stopped,
+        "outcome": facts.get("outcome"),
+        "reason": facts.get("reason"),
+        "last_heartbeat": heartbeat,
+        "last_step": int(step.group(1)) if step else None,
+        "lora_sha256": facts.get("lora_sha256"),
+        "diagnosis": diagnosis,
+        "traceback": facts.get("traceback"),
+        "log_tail": _tail(run_dir / "ranks" / f"rank{rank}.log"),
+        "last_heartbeat_at": beat_path.stat().st_mtime if beat_path.exists() else None,
+        "local_times": local_times(folder / "metrics.jsonl"),
+    }
+
+
+def local_times(metrics_path: Path) -> dict[int, float]:
+    """step -> the rank's local time (metrics.jsonl's local_time_s; absent in runs from before it was written)."""
+    return {int(r["step"]): float(r["local_time_s"]) for r in metric_records(metrics_path) if "local_time_s" in r}
+
+
+def _collective_op(waiting: dict[str, Any]) -> str:
+    waiting_in = waiting["waiting_in"]
+    if waiting.get("op"):  # named by the NCCL watchdog itself
+        return str(waiting["op"])
+    if "all-reduce" in waiting_in:
+        return "ALLREDUCE"
+    if "init_process_group" in waiting_in or "ddp" in waiting_in:
+        return "BROADCAST/BARRIER (process-group or DDP setup)"
+    return "unknown"
+
+
+def analyze_flight_recorder(run_dir: Path) -> dict[str, Any] | None:
+    """On NCCL timeouts, PyTorch dumps each rank's ring buffer; fr_trace names the mismatch."""
+    folder = run_dir / "flight_recorder"
+    dumps = sorted(folder.glob("rank_*")) if folder.is_dir() else []
+    if not dumps:
+        return None
+    try:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.flight_recorder.fr_trace",
+                str(folder),
+                "--prefix",
+                "rank_",
+                "--allow-incomplete-ranks",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        text = proc.stdout + proc.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = f"fr_trace failed: {exc}"
+    lines = [line for line in text.splitlines() if line.strip()]
+    verdict = next(
+        (line for line in lines if re.search(r"mismatch|not.*(join|arriv)|missing|timeout", line, re.I)),
+        lines[-1] if lines else "",
+    )
+    return {"dumps": [d.name for d in dumps], "verdict": verdict[:400], "report_tail": lines[-20:]}
+
+
+def _on_the_main_path(
+    collective: dict[str, Any], kind: dict[str, Any], ranks: list[dict[str, Any]], waiting: list[dict[str, Any]]
+) -> tuple[str, list[int], list[dict[str, Any]]]:
+    """For a mismatch, the collective, step and missing ranks as the main path sees them: whichever rank gave
+    up first, the ranks that parted are the ones that never arrive at the collective the others wait in."""
+    if kind["kind"] != "mismatch" or kind["evidence"] != "collectives":
+        return collective["op"], collective["missing_ranks"], waiting
+    main = kind["main_path"]
+    op = "BARRIER" if main["collective"] == "barrier" else "ALLREDUCE"
+    waiting = [r for r in ranks if r["rank"] not in kind["parted_ranks"]]
+    collective.update(
+        op=op, step=main["step"], missing_ranks=kind["parted_ranks"], waiting_ranks=[r["rank"] for r in waiting]
+    )
+    return op, kind["parted_ranks"], waiting
+
+
+def diagnose_ranks(
+    spec: dict[str, Any], run_dir: Path, result: dict[str, Any], codes: list[int | None], stopped: list[int]
+) -> dict[str, Any]:
+    """Fields of result.json for a distributed cell: outcome, reason, diagnosis, ranks."""
+    world = len(codes)
+    timeout_s = spec["distributed"]["collective_timeout_s"]
+    ranks = [rank_record(run_dir, r, codes[r], r in stopped) for r in range(world)]
+    last_steps = {r["rank"]: r["last_step"] for r in ranks}
+    update: dict[str, Any] = {"ranks": ranks, "distributed": {"world_size": world, "collective_timeout_s": timeout_s}}
+    throughput = cell_throughput({r: step_records(rank_dir(run_dir, r) / "metrics.jsonl") for r in range(world)})
+    if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
+        update["throughput"] = {**(result.get("throughput") or {}), **throughput}
+    recorder = analyze_flight_recorder(run_dir)
+    if recorder:
+        update["distributed"]["flight_recorder"] = recorder
+
+    # a rank that left on its own after noticing its peer was gone (gloo/NCCL "connection closed by peer")
+    # is a consequence, not a crash: whether it exits before the supervisor stops it is only timing
+    crashed = [
+        r
+        for r in ranks
+        if not r["stopped_by_supervisor"]
+        and r["exit_code"] not in (0, None)
+        and not {"peer_lost", "collective_timeout"} & set(r["diagnosis"])
+    ]
+    if crashed:
+        first = crashed[0]
+        at = (
+            f" at step {first['last_step']}"
+            if first["last_step"] is not None
+            else f" during {first['last_heartbeat'] or 'start-up'}"
+        )
+        update.update(
+            outcome=Outcome.ERROR,
+            reason=f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
+            diagnosis={
+                "rank_crash": {
+                    "ranks": [r["rank"] for r in crashed],
+                    "exit": first["exit"],
+                    "last_step": first["last_step"],
+                    "last_log_lines": first["log_tail"],
+                    "last_step_per_rank": last_steps,
+                }
+            },
+        )
+        return update
+
+    # A rank that failed on its own (its worker.json says error/oom, not a symptom of a peer) is the
+    # cause: its peers then wait or are stopped. Deterministic, so the cell is never retried for it.
+    failed = [
+        r
+        for r in ranks
+        if r["outcome"] in (Outcome.ERROR, Outcome.OOM)
+        and not {"collective_timeout", "peer_lost"} & set(r["diagnosis"])
+    ]
+    if failed:
+        first = failed[0]
+        update.update(
+            outcome=first["outcome"],
+            reason=f"rank {first['rank']} failed: {first['reason']}; the other ranks were stopped",
+            diagnosis={
+                "rank_failure": {
+                    "ranks": [r["rank"] for r in failed],
+                    "reason": first["reason"],
+                    "traceback": (first["traceback"] or "")[-2000:],
+                    "last_log_lines": first["log_tail"],
+                    "last_step_per_rank": last_steps,
+                }
+            },
+        )
+        return update
+
+    waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
+    if waiting:
+        missing = [r["rank"] for r in ranks if r not in waiting]
+        waited = waiting[0]["diagnosis"]["collective_timeout"]
+        op = _collective_op(waited)
+        step = STEP_RE.search(waited["waiting_in"])
+        collective = {
+            "op": op,
+            "waiting_ranks": [r["rank"] for r in waiting],
+            "missing_ranks": missing,
+            "timeout_s": timeout_s,
+            "step": int(step.group(1)) if step else None,
+            "seq": waited.get("seq"),  # NCCL's watchdog names it; gloo does not report one
+            "last_step_per_rank": last_steps,
+            "last_heartbeat_per_rank": {r["rank"]: r["last_heartbeat"] for r in ranks},
+            "message": waited["message"],
+        }
+        if recorder:
+            collective["flight_recorder_verdict"] = recorder["verdict"]
+        kind = classify_timeout(
+            ranks,
+            missing,
+            collective["step"],
+            timeout_s,
+            spec["distributed"]["straggler_factor"],
+            recorder["verdict"] if recorder else "",
+            spec["distributed"]["straggler_min_lag_s"],
+        )
+        collective.update(kind=kind["kind"], evidence=kind)
+        op, missing, waiting = _on_the_main_path(collective, kind, ranks, waiting)
+        who = ", ".join(map(str, missing)) or "none identified"
+        update.update(
+            outcome=Outcome.TIMEOUT,
+            reason=(
+                f"collective timeout after {timeout_s:g} s in {op}"
+                + (f" at step {collective['step']}" if collective["step"] is not None else "")
+                + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
+                + f"; {describe(kind)}"
+            ),
+            diagnosis={"collective": collective},
+        )
+        return update
+
+    settings = spec["distributed"]
+    warning = find_straggler(
+        {r["rank"]: r["local_times"] for r in ranks},
+        settings["straggler_factor"],
+        settings["straggler_min_lag_s"],
+    )
+    if warning is not None:  # an early warning: slow on most steps, not (yet) slow enough to time out
+        update["distributed"]["straggler"] = warning
+    if "stopped_by_peer" in (result.get("diagnosis") or {}):  # rank 0 stopped because another rank decided to
+        decider = next((r for r in ranks if r["outcome"] and "stopped_by_peer" not in r["diagnosis"]), None)
+        if decider is not None:
+            update.update(
+                outcome=decider["outcome"],
+                reason=f"rank {decider['rank']}: {decider['reason']}; the other ranks stopped with it",
+                diagnosis={**decider["diagnosis"], "decided_by_rank": decider["rank"]},
+            )
+        return update
+
+    if result["outcome"] == Outcome.OK:
+        digests = {r["lora_sha256"] for r in ranks}
+        update["distributed"]["lora_identical"] = len(digests) == 1 and None not in digests
+        if not update["distributed"]["lora_identical"]:
+            update.update(
+                outcome=Outcome.ERROR, reason="ranks ended with different LoRA weights (DDP did not keep them in sync)"
+            )
+    return update

@@ -1,0 +1,35 @@
+"""How a cell's worker process starts, which decides the CPU memory it begins with.
+
+`spawned`: a fresh Python process that imports torch, transformers, peft and bitsandbytes itself. `forked`: a
+child of the invocation's warm worker (tunegrid.run.warm), which inherits those imports. On CPU the two start
+from different resident sets (a fork maps the parent's libraries lazily, so it starts lower and grows as it
+touches them), so the memory estimate takes the probe's constant for the path the cell takes.
+
+Light module: standard library only (the Snakefile and the plan rules read it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SPAWNED = "spawned"
+FORKED = "forked"
+WORKERS = (SPAWNED, FORKED)
+# the environment variable through which a snakemake invocation's jobs find its warm worker's socket
+WARM_SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
+
+
+def planned_worker(spec: dict[str, Any], device: str, warm_worker: bool) -> str:
+    """The path a cell's worker will take: forked where the run has a warm worker (`warm_worker`: a local run of
+    a study with `execution.warm_worker`) and the cell is one CPU rank (the warm worker never serves where a GPU
+    is visible, and the ranks of a distributed cell are spawned); spawned otherwise. The supervisor spawns if
+    the warm worker does not answer; result.json records the path taken. A cell on a library stack of its own
+    is always spawned, by its stack's interpreter: the warm worker has the base's libraries imported."""
+    one_rank = int(spec["axes"].get("world_size", 1)) == 1
+    forkable = warm_worker and one_rank and device == "cpu" and not stack_python(spec)
+    return FORKED if forkable else SPAWNED
+
+
+def stack_python(spec: dict[str, Any]) -> str:
+    """The interpreter of the cell's library stack (tunegrid.study.stacks); "" on the base stack."""
+    return (spec.get("stack") or {}).get("python", "")

@@ -1,0 +1,35 @@
+"""The end of a run at a glance: the counts, the failures grouped, the report's path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tunegrid.run.glance import glance
+from tunegrid.runtime.files import write_json
+
+
+def _result(study_dir: Path, cell_id: str, outcome: str, reason: str) -> None:
+    write_json(study_dir / "runs" / cell_id / "result.json", {"outcome": outcome, "reason": reason})
+
+
+def test_glance_counts_outcomes_groups_reasons_and_names_the_report(tmp_path: Path):
+    for i in range(5):
+        _result(tmp_path, f"m_fp32_bs{i}", "ok", "trained all 4 steps with finite loss")
+    for step in range(4):
+        _result(tmp_path, f"m_fp16_bs{step}", "nan", f"loss non-finite at step {step} in layers.0.mlp.down_proj")
+    _result(tmp_path, "m_bf16_bs8", "oom", "out of memory at stage load after 8.2 GiB")
+    (tmp_path / "report").mkdir()
+    (tmp_path / "report" / "index.html").write_text("<html></html>")
+    cells = [p.name for p in (tmp_path / "runs").iterdir()] + ["m_never_ran"]
+    lines = glance("s", tmp_path, sorted(cells))
+    assert lines[0] == "tunegrid study 's': 10 cells: 5 ok, 4 nan, 1 oom (1 without a result)"
+    nan_line = next(line for line in lines if line.startswith("  nan"))
+    # the four nan cells differ only by their step: one group, one line, three cells named and one counted
+    assert nan_line.startswith("  nan x4: loss non-finite at step 0 in layers.0.mlp.down_proj [")
+    assert nan_line.endswith("and 1 more]")
+    assert any(line.startswith("  oom x1: out of memory at stage load") for line in lines)
+    assert lines[-1] == f"report: {tmp_path / 'report' / 'index.html'}"
+
+
+def test_glance_is_silent_before_any_cell_ran(tmp_path: Path):
+    assert glance("s", tmp_path, ["a", "b"]) == []
