@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.plans import precision_plan
-from tunegrid.runtime.devices import gpus_per_rank, placed_by_cluster, visible_gpu_count
+from tunegrid.runtime import devices
 from tunegrid.vocabulary import Outcome
 
 GIB = 2**30
@@ -122,14 +122,14 @@ def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[s
     once that job runs (the supervisor asks then), and outside a cluster job (the `cell_plan` rule on the
     submitting host) nothing is decided."""
     world = spec["axes"].get("world_size", 1)
-    per_rank = gpus_per_rank(spec["hardware"], capabilities)
+    per_rank = devices.gpus_per_rank(spec["hardware"], capabilities)
     needed = world * per_rank
     if capabilities.get("device") != "cuda":
         return None
     if capabilities.get("cluster_job"):
-        if not placed_by_cluster():
+        if not devices.placed_by_cluster():
             return None
-        present, where = visible_gpu_count(), "granted to this job"
+        present, where = devices.visible_gpu_count(), "granted to this job"
     else:
         present, where = len(capabilities.get("gpus") or []), "present on this machine"
     if needed <= present:

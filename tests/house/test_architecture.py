@@ -25,7 +25,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "study": {"words", "runtime"},
     "recipes": BELOW_THE_STAGES,
     "prepare": BELOW_THE_STAGES,
-    "cell": BELOW_THE_STAGES | {"prepare"},  # the data, checkpoints, probe and CPU kernels a cell loads
+    "cell": BELOW_THE_STAGES,  # it trains from its contract: every decision about it was made when it was planned
     "track": BELOW_THE_STAGES,
     "review": BELOW_THE_STAGES | {"recipes"},  # a fix written back as the user's own recipe
     "run": BELOW_THE_STAGES | {"recipes", "prepare", "track"},
