@@ -19,7 +19,7 @@ from conftest import make_study, snakemake_command, workflow_env
 
 from tunegrid.prepare.stacks import StackError, build_stack
 from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, resolve_study
-from tunegrid.study.stacks import requirement, stack_dir, stack_key
+from tunegrid.study.stacks import requirement, stack_dir, stack_key, stack_ref
 
 BASE = {"python": "3.11.7", "prefix": "/opt/base", "platform": "linux"}
 
@@ -147,8 +147,11 @@ def test_the_rule_refuses_an_unresolvable_stack_before_any_cell(local_index, tmp
     def command(*args: str) -> list[str]:  # --configfile takes every word after it: last
         return snakemake_command(tmp_path, *args, "--cores", "1", "--configfile", str(tmp_path / "study.yaml"))
 
-    dry = subprocess.run(command("-n", "all"), env=env, capture_output=True, text=True, timeout=300)
+    dry = subprocess.run(command("-n", "-p", "all"), env=env, capture_output=True, text=True, timeout=300)
     assert dry.returncode == 0, dry.stderr[-2000:]
+    # the stack is built where the cells' specs look for its interpreter: under the results folder all studies share
+    (built_in,) = re.findall(r"stack --name clash .* --results (\S+) ", dry.stdout + dry.stderr)
+    assert Path(stack_ref(resolve_study(study), "clash").folder).parents[1] == Path(built_in) == Path("results")
     inputs = re.findall(r"^rule finetune:\n\s+input: (.*)$", dry.stdout + dry.stderr, flags=re.M)
     assert len(inputs) == 2 and all("results/t/stacks/clash/stack.json" in line for line in inputs)
     run = subprocess.run(command("all"), env=env, capture_output=True, text=True, timeout=600)

@@ -16,7 +16,9 @@ rule stack:
         "../../envs/tunegrid.yaml"
     params:
         pins=get_stack_pins,  # the pins themselves: a changed pin re-runs the job (and builds another key)
-        results=lambda wildcards, output: output.record.rsplit("/stacks/", 1)[0],  # the results folder
+        # the results folder every study shares (record: <results>/<study>/stacks/<name>/stack.json), where the
+        # cells' specs look for the stack's interpreter (tunegrid.study.stacks.stack_ref)
+        results=lambda wildcards, output: str(Path(output.record).parents[3]),
     # pip's refusal is the log's last lines; they are repeated on stderr so that the run's own output names it
     shell:
         f"python {SCRIPT} stack"
