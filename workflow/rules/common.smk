@@ -129,7 +129,7 @@ def get_cell_job_args(wildcards):
         f"--run-dir {PATHS.run_dir(cell_id)}",
         f"--result {PATHS.result(cell_id)}",
         f"--log {PATHS.cell_log(cell_id)}",
-        "--snakemake-job " + shlex.quote(f"finetune {PATHS.result(cell_id)}"),
+        f"--snakemake-job {shlex.quote(f'finetune {PATHS.result(cell_id)}')}",
     ]
     return " ".join(args + [f"--tracking={PATHS.tracking}"] if TRACKING else args)
 

@@ -71,6 +71,6 @@ rule plan:
     conda:
         "../../envs/tunegrid.yaml"
     params:
-        plans=str(PATHS.study_dir / "plans"),
+        plans=lambda wildcards, input: str(Path(input.plans[0]).parent),  # the contracts' folder
     shell:
         f"python {SCRIPT} plan --study-file {{input.study}} --plans {{params.plans}} --out {{output.plan}} > {{log}} 2>&1"
