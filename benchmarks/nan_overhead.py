@@ -36,7 +36,9 @@ from machine import absolute_times, add_device_argument, describe, machine_facts
 from widths import GEMMA3_25M, gemma3_4b_width  # noqa: E402
 
 from tunegrid.cell.train import CellTrainer  # noqa: E402
+from tunegrid.contract import CellJob  # noqa: E402
 from tunegrid.dataset import read_dataset  # noqa: E402
+from tunegrid.prepare.cell_plan import make_contract  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
 from tunegrid.study.config import cell_spec, expand_cells, load_study  # noqa: E402
@@ -58,7 +60,8 @@ def trainer_for(
     study["grid"].update(model=[model], precision=[precision], batch_size=[batch], quant=[quant], seed=[0])
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = CellTrainer(spec, model_dir, data, run_dir)
+    job = CellJob(model_dir=str(model_dir), data_path=str(data), run_dir=str(run_dir), result_path=str(run_dir / "r"))
+    trainer = CellTrainer(make_contract(spec, job, warm_worker=False, capabilities={}), run_dir)  # as the rule plans it
     trainer.setup()
     trainer.build_model()
     trainer.build_data()
