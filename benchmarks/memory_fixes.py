@@ -69,11 +69,16 @@ def _spec(setting: str, study_file: str) -> dict:
 def measure(setting: str, study_file: str, work: str, out: multiprocessing.Queue) -> None:
     """One setting as a whole cell in this (fresh) process."""
     from tunegrid.cell.train import run_worker
+    from tunegrid.contract import CellJob
+    from tunegrid.prepare.cell_plan import make_contract
 
     spec = _spec(setting, study_file)
     model = spec["model"]["name"]
     run = Path(work) / f"{spec['cell_id']}-{len(list(Path(work).glob(spec['cell_id'] + '-*')))}"
-    run_worker(spec, str(Path(work) / model), str(Path(work) / "train.jsonl"), str(run))
+    job = CellJob(
+        model_dir=str(Path(work) / model), data_path=str(Path(work) / "train.jsonl"), run_dir=str(run), result_path=""
+    )
+    run_worker(make_contract(spec, job, warm_worker=False, capabilities={}))  # planned as the cell_plan rule plans it
     facts = json.loads((run / "worker.json").read_text())
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     out.put(

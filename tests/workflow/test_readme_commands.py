@@ -185,6 +185,7 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "tunegrid export": ("name", "its full forms are the recipe page's commands"),
     "tunegrid validate": ("name", "its full forms are entries above"),
+    "tunegrid finetune --contract": ("name", "the finetune rule's shell line: every study run in this file runs it"),
     "tunegrid export <cell_id> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
     "python scripts/tunegrid.py": ("name", "the entry point; every full command of it is an entry"),
     "python -m tunegrid.cli": ("name", "the same entry point as a module"),
