@@ -69,11 +69,20 @@ def trainer_for(
     return trainer
 
 
+def on_device(trainer: CellTrainer, step: int) -> dict:
+    """The step's rows where the model is, as the trainer's own loop moves them."""
+    return {k: v.to(trainer.device) for k, v in trainer.stream.batch(step).items()}
+
+
 def bare_step(trainer: CellTrainer, batch: dict, anomaly: bool) -> None:
+    """A plain loop in the cell's own precision: under the same autocast (bf16 and the fp16 modes compute under
+    it), so the two loops differ by tunegrid's instruments only."""
     import torch
 
+    from tunegrid.cell.precision import autocast_context
+
     context = torch.autograd.detect_anomaly(check_nan=True) if anomaly else torch.enable_grad()
-    with context:
+    with context, autocast_context(trainer.optimizer_step.precision):
         loss = trainer.model(**batch).loss
         loss.backward()
     torch.nn.utils.clip_grad_norm_(trainer.optimizer_step.trainable, 1.0)
@@ -86,11 +95,11 @@ def measure(trainer: CellTrainer, rounds: int, steps_per_round: int) -> dict[str
     times: dict[str, list[float]] = {"bare": [], "tunegrid": [], "detect_anomaly": []}
     step = 0
     for _ in range(2):  # warm-up
-        bare_step(trainer, trainer.stream.batch(step), anomaly=False)
+        bare_step(trainer, on_device(trainer, step), anomaly=False)
     for _ in range(rounds):
         for variant in times:
             for _ in range(steps_per_round):
-                batch = trainer.stream.batch(step)
+                batch = on_device(trainer, step)
                 started = time.perf_counter()
                 if variant == "tunegrid":
                     trainer.optimizer_step.run(step, [batch])

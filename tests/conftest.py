@@ -53,8 +53,8 @@ def runs_snakemake_jobs(args: Any) -> bool:
 def _end_to_end_runs_are_marked_slow(request, monkeypatch):
     """A test that runs Snakemake jobs must be marked `slow`, so `-m 'not slow'` stays the fast tier: outside
     a slow test, starting such a process fails the test naming the command."""
-    if request.node.get_closest_marker("slow") is not None:
-        return
+    if any(request.node.get_closest_marker(mark) is not None for mark in ("slow", "gpu")):
+        return  # GPU tests are opt-in (`-m gpu`) and never in the fast tier
     start = subprocess.Popen.__init__
 
     def guarded(self, args, *rest, **kwargs):

@@ -86,7 +86,9 @@ def test_offloading_lowers_the_measured_step_peak_on_cuda():
     offloaded, offloaded_grad = peak(offload)
     assert offload.moved_bytes >= 8 * 2 * 512 * 256 * 4 * 0.9  # each layer's input and pre-activation
     assert offloaded < 0.5 * plain, (offloaded, plain)
-    assert torch.equal(grad, offloaded_grad)
+    # cuBLAS may pick another kernel for tensors at other addresses, so the sums can differ in the last bit; a
+    # stale or unsynchronised copy would differ by far more than this
+    torch.testing.assert_close(offloaded_grad, grad, rtol=1e-5, atol=1e-7)
 
 
 def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path, checkpoints):

@@ -54,19 +54,21 @@ OLMOE_WIDTH = {  # allenai/OLMoE-1B-7B-0924's width, 2 of 16 layers
 }
 
 
-def _run(tmp_path: Path, study: dict, timeout: int = 420, resources: tuple[str, ...] = ("gpu=1",)) -> pd.DataFrame:
+def study_command(tmp_path: Path, study: dict, resources: tuple[str, ...] = ("gpu=1",)) -> list[str]:
+    """The Snakemake command line every study here runs (a CPU test dry-runs it, so a command Snakemake would
+    not parse is found before a GPU is lent)."""
     config = tmp_path / "study.yaml"
     # the probe's micro-benchmarks in 4 s rather than 30 (no test here reads their TFLOP/s): the suite runs a
     # study per test, and the whole suite has to fit one device call beside the other GPU checks
     config.write_text(yaml.safe_dump({"probe": {"budget_s": 4}} | study))
-    env = workflow_env()
     limits = ("--resources", *resources) if resources else ()
+    # the target first: `--resources` takes every word after it up to the next option
+    return snakemake_command(tmp_path, "all", "--cores", "8", *limits, "--configfile", str(config))
+
+
+def _run(tmp_path: Path, study: dict, timeout: int = 420, resources: tuple[str, ...] = ("gpu=1",)) -> pd.DataFrame:
     done = subprocess.run(
-        snakemake_command(tmp_path, "--cores", "8", *limits, "all", "--configfile", str(config)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
+        study_command(tmp_path, study, resources), capture_output=True, text=True, timeout=timeout, env=workflow_env()
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return pd.read_parquet(tmp_path / "results" / study["study"] / "summary.parquet").set_index("cell_id")

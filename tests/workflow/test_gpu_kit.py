@@ -123,12 +123,13 @@ def test_a_load_that_was_not_carried_is_named(tmp_path, monkeypatch, capsys):
     assert kit.status(None) == 1 and kit.site(None) == 1
 
 
-def test_the_plan_runs_the_timing_sections_once_the_packages_are_there(built):
+def test_the_plan_runs_the_gpu_tests_once_the_packages_are_there_and_the_real_study_last(built):
     _, manifest = built
     lines = kit.plan_text(manifest).splitlines()
-    calls = lines[1:]
+    calls, spare = lines[1:-1], lines[-1]
     assert len(calls) == len(manifest["loads"])
-    assert "--only timing" in calls[0] and "completes: packages" in calls[0]
+    assert "--only tests" in calls[0] and "completes: packages" in calls[0]
     assert all("kit.py receive" in line for line in calls[1:-1])
-    assert "--skip timing" in calls[-1] and "completes: weights" in calls[-1]
+    assert "--only real,moe" in calls[-1] and "completes: weights" in calls[-1]
+    assert "--only timing,paged" in spare and "budget_left_s" in spare
     assert all(json.dumps([f".gpu-kit/load-{n}"]) in line for n, line in enumerate(calls, start=1))
