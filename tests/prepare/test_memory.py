@@ -403,7 +403,7 @@ def test_a_chunked_loss_cell_peaks_lower_and_its_estimate_stays_in_band(dataset_
             train={"steps": 3, "seq_len": 256, "loss": loss, "loss_chunk_tokens": 128},
             models={"wide": copy.deepcopy(wide)},
         )
-        result = _run(spec, {"wide": tmp_path / "wide"}, dataset_path, tmp_path, capabilities)
+        result = _run(spec, {"wide": tmp_path / "wide"}, dataset_path, tmp_path / loss, capabilities)
         assert result["outcome"] == "ok", result["reason"]
         memory[loss] = result["memory"]
     full, chunked = memory["full"], memory["chunked"]
