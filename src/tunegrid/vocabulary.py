@@ -38,6 +38,8 @@ class Quant(StrEnum):
 PRECISIONS = tuple(p.value for p in Precision)
 QUANTS = tuple(q.value for q in Quant)
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsandbytes' 8-bit, unpaged and paged
+LOSSES = ("full", "chunked")  # train.loss: the model's own loss over all logits, or chunked (cell/chunked_loss.py)
+LOSS_CHUNK_TOKENS = 256  # train.loss_chunk_tokens' default (the schema's), for specs written before it
 ATTENTIONS = ("sdpa", "eager")  # transformers' attn_implementation: its default kernel (sdpa), or eager
 FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
 NO_FAULT = FAULTS[1]  # the twin without an injected fault
@@ -283,6 +285,21 @@ AXIS_TABLE: tuple[Axis, ...] = (
         default=(BASE_STACK,),
         id_prefix="stack-",
         neutral=BASE_STACK,
+        plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
+    ),
+    Axis(
+        name="loss",
+        type=str,
+        items=_enum(LOSSES),
+        description=(
+            "how the loss is taken: full = the model's own, over every token's fp32 logits; chunked = the same "
+            "loss, the output head and cross entropy over train.loss_chunk_tokens loss tokens at a time, each "
+            "chunk rebuilt in backward (one chunk's logits at once). At full a cell follows train.loss. Cells "
+            "other than full get `_loss-<value>` appended to their id"
+        ),
+        default=(LOSSES[0],),
+        id_prefix="loss-",
+        neutral=LOSSES[0],
         plot=PlotRole(matrix=MatrixPlace.COLUMN, curves=CurvePlace.PANEL),
     ),
 )

@@ -378,3 +378,35 @@ def test_the_manifest_measures_the_tokenizer_in_memory_and_the_estimate_holds_it
     assert estimate["components"]["tokenizer"] == recorded
     without = estimate_from_shapes(_spec(), json.loads((folder / "config.json").read_text()), tensor_shapes(folder), 0)
     assert estimate["estimate_bytes"] - without["estimate_bytes"] == recorded
+
+
+@pytest.mark.slow
+def test_a_chunked_loss_cell_peaks_lower_and_its_estimate_stays_in_band(dataset_path, tmp_path, capabilities):
+    """A Gemma 3 of vocab 32768 over 4 x 256 tokens: the full loss's fp32 logits (128 MiB, three times over with
+    their log-softmax and gradient) lead its peak. With train.loss chunked the measured peak falls by most of
+    them, and both estimates stay within 0.9-1.1 of the measured peaks (spawned workers, the probe's constants)."""
+    import copy
+
+    from conftest import GEMMA_HOT
+
+    from tunegrid.dataset import read_dataset
+    from tunegrid.prepare.checkpoints import produce_checkpoint
+    from tunegrid.prepare.data import corpus_texts
+
+    wide = {**GEMMA_HOT, "config": {**GEMMA_HOT["config"], "vocab_size": 32768, "initializer_range": 0.02}}
+    produce_checkpoint(copy.deepcopy(wide), list(corpus_texts(read_dataset(dataset_path))), tmp_path / "wide")
+    memory = {}
+    for loss in ("full", "chunked"):
+        spec = one_cell(
+            model="wide",
+            batch=4,
+            train={"steps": 3, "seq_len": 256, "loss": loss, "loss_chunk_tokens": 128},
+            models={"wide": copy.deepcopy(wide)},
+        )
+        result = _run(spec, {"wide": tmp_path / "wide"}, dataset_path, tmp_path / loss, capabilities)
+        assert result["outcome"] == "ok", result["reason"]
+        memory[loss] = result["memory"]
+    full, chunked = memory["full"], memory["chunked"]
+    assert full["steady_peak_bytes"] - chunked["steady_peak_bytes"] > 1.5 * 1024 * 32768 * 4, (full, chunked)
+    ratios = {loss: m["estimate_over_measured"] for loss, m in memory.items()}
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), ratios

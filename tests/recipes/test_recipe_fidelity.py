@@ -134,7 +134,8 @@ def test_every_key_is_in_one_place_and_memory_keys_are_never_waved_through(here)
            "some_future_key": 1, "tf32": True, "strict": False}  # fmt: skip
     study, recipe, header = _import(here, raw)
     assert study["models"]["some-model"]["attn_implementation"] == "flash_attention_2"
-    assert "plugins: CutCrossEntropyPlugin" in recipe.differs and "liger_rms_norm" in recipe.differs
+    assert "plugins: CutCrossEntropyPlugin" not in recipe.differs and "liger_rms_norm" in recipe.differs
+    assert study["train"]["loss"] == "chunked"  # Cut Cross Entropy: the chunked loss (test_recipe_loss_keys.py)
     assert "logging" in recipe.not_carried["wandb_project"] and "evaluation" in recipe.not_carried["val_set_size"]
     assert "some_future_key" in recipe.unknown
     carried = {key for keys in recipe.origin.values() for key in keys if key in raw}

@@ -48,6 +48,8 @@ def test_every_section_runs_at_tiny_sizes_on_the_cpu(tmp_path):
     assert {">= 0.95", "<= 1.03", ">= 1.0", "<= 5 GB", "0.9-1.1", "< 1, ok"} <= goals
     moe = {figure["measure"] for figure in sections["moe"]["figures"]}
     assert {"nf4-experts estimate / measured peak", "peak nf4-experts / nf4"} <= moe
+    # the third cell: nf4-experts with the chunked loss, its peak beside the same goal
+    assert {"nf4-experts+chunked estimate / measured peak", "peak nf4-experts chunked loss / full loss"} <= moe
 
     table = (out / "acceptance.md").read_text()
     assert "CPU check, tiny sizes" in table and "| moe | ran" in table

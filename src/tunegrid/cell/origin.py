@@ -123,7 +123,10 @@ class FailingStepReplay:
                 from tunegrid.cell.precision import autocast_context
 
                 with torch.no_grad(), autocast_context(trained.precision):
-                    trained.model(**batch)
+                    if trained.chunked is not None:  # train.loss: chunked: no full logits here either
+                        trained.chunked.loss(trained.model, batch)
+                    else:
+                        trained.model(**batch)
         trained.optimizer.zero_grad(set_to_none=True)
         return tracer.as_dict()
 

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunegrid.cell.chunked_loss import ChunkedLoss, chunked_loss_of
 from tunegrid.cell.injection import NonfiniteInjector
 from tunegrid.cell.offload import ActivationOffload, offload_of
 from tunegrid.cell.packing import IGNORE
@@ -73,6 +74,7 @@ class OptimizerStep:
     forward_done_at: float = 0.0  # when the last forward ended (perf_counter): the end of the step's local time
     ddp_pre_forward_s: float = 0.0  # the step's time inside DDP's pre-forward (a sync of the ranks)
     offload: ActivationOffload | None = None  # train.activation_offloading: saved tensors to host memory
+    chunked: ChunkedLoss | None = None  # train.loss: chunked: the loss without the full logits
 
     @classmethod
     def build(
@@ -125,6 +127,7 @@ class OptimizerStep:
             loss_by_count=loss_by_count,
             max_grad_norm=train["max_grad_norm"],
             offload=offload_of(spec, ranks.device),
+            chunked=chunked_loss_of(spec, model),
         )
 
     @property
@@ -153,7 +156,10 @@ class OptimizerStep:
         called = time.perf_counter()
         offloaded = self.offload.active() if self.offload is not None else contextlib.nullcontext()
         with autocast_context(self.precision), offloaded:
-            loss = (ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
+            if self.chunked is not None:  # the same loss, its logits a chunk at a time
+                loss = self.chunked.loss(ddp or self.model, batch, step_tokens if by_count else None)
+            else:
+                loss = (ddp or self.model)(**batch, **({"num_items_in_batch": step_tokens} if by_count else {})).loss
         self.forward_done_at = time.perf_counter()  # the last micro-batch's ends the step's local time
         if ddp is not None:  # DDP's pre-forward syncs the ranks once (its bucket rebuild, 2nd iteration)
             self.ddp_pre_forward_s += self.ranks.inner_forward_at - called

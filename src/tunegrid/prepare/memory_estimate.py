@@ -18,7 +18,7 @@ from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
 from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import cpu_onednn_off
 from tunegrid.prepare.load_peaks import cast_load_peak, expert_group, fused_expert_bytes, largest_read_at_once
-from tunegrid.vocabulary import Quant
+from tunegrid.vocabulary import LOSS_CHUNK_TOKENS, Quant
 
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
 # a time where the checkpoint stores experts apart, so only one full-precision tensor exists at once.
@@ -257,10 +257,18 @@ def estimate_from_shapes(
     offloaded = max(0, activations - kept) if train.get("activation_offloading") and device != "cpu" else 0
     activations -= offloaded
     logits = tokens * vocab * 4 * 3  # fp32 logits, log-softmax and its gradient
+    # train.loss chunked (cell/chunked_loss.py): one chunk's logits at a time (rebuilt in backward), beside the
+    # loss tokens' rows of the final hidden states that the chunks are cut from
+    chunked = train.get("loss", "full") == "chunked"
+    if chunked:
+        chunk = min(tokens, int(train.get("loss_chunk_tokens", LOSS_CHUNK_TOKENS)))
+        logits = chunk * vocab * 4 * 3 + tokens * hidden * act
     # Weights stored wider than autocast computes (fp16-mixed): autograd keeps each matmul's cast copy, the head's
-    # too, for the input's gradient until the backward (Gemma 3 270M: 268M values, 536 MB in fp16)
+    # too, for the input's gradient until the backward (Gemma 3 270M: 268M values, 536 MB in fp16); a chunked
+    # loss casts the head afresh for each chunk and keeps none of them
     if row.autocast and (compute := 2 if row.dtype in ("float16", "bfloat16") else 4) < storage:
-        activations += (cast_numel + vocab * hidden) * compute
+        activations += (cast_numel + vocab * hidden * (not chunked)) * compute
+        logits += vocab * hidden * compute * chunked
     # bitsandbytes dequantizes a 4-bit weight for each matmul. Its CPU path keeps those copies for backward;
     # on CUDA one layer's copies live at a time (a Linear's weight, or all of an MoE layer's experts), and
     # they are gone by the time the logits are built, so the step peaks at the larger of the two.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.recipes.recipe import Recipe
+from tunegrid.recipes.recipe_loss import CCE_PLUGIN, LOSS_KEYS, fused_loss
 
 
 @dataclass(frozen=True)
@@ -110,22 +111,16 @@ FAMILIES = (
 
 # keys that bear on memory or numerics, that tunegrid's cells run without, and what that does to a measurement
 APPROXIMATED = {
-    "plugins:CutCrossEntropyPlugin": "Cut Cross Entropy never holds the logits; tunegrid's cells do, so their "
-    "peak is above the recipe's by up to batch x seq_len x vocab x 4 bytes",
     "plugins:LigerPlugin": "Liger's fused kernels keep fewer activations; tunegrid's cells run the model's own "
     "modules (a higher peak, the same arithmetic up to rounding)",
     "plugins:KernelsPlugin": "hub kernels (fused MoE / norms) replace the model's modules; tunegrid's cells run "
     "the model's own (the same arithmetic up to rounding, another peak)",
-    "cut_cross_entropy": "a loss kernel that never holds the logits; tunegrid's cells hold them (a higher peak)",
-    "liger_fused_linear_cross_entropy": "a loss kernel that never holds the logits; tunegrid's cells hold them "
-    "(a higher peak)",
     "flash_attn_cross_entropy": "a fused loss kernel; tunegrid's cells compute the plain cross entropy",
     "liger_rope": "a fused kernel; tunegrid's cells run the model's own module (a higher peak)",
     "liger_rms_norm": "a fused kernel; tunegrid's cells run the model's own module (a higher peak)",
     "liger_rms_norm_gated": "a fused kernel; tunegrid's cells run the model's own module (a higher peak)",
     "liger_glu_activation": "a fused kernel; tunegrid's cells run the model's own module (a higher peak)",
     "liger_layer_norm": "a fused kernel; tunegrid's cells run the model's own module (a higher peak)",
-    "use_liger_kernel": "Liger's fused kernels; tunegrid's cells run the model's own modules (a higher peak)",
     "lora_mlp_kernel": "axolotl's fused LoRA kernels save fewer activations; tunegrid runs peft's LoRA",
     "lora_qkv_kernel": "axolotl's fused LoRA kernels save fewer activations; tunegrid runs peft's LoRA",
     "lora_o_kernel": "axolotl's fused LoRA kernels save fewer activations; tunegrid runs peft's LoRA",
@@ -219,7 +214,7 @@ PLUGIN_FAMILY = {"SwanLabPlugin": "logging/output"}
 
 def known_keys(extra: set[str]) -> set[str]:
     """Every key this table or a reader knows (the reader's own keys passed in)."""
-    names = {k for family in FAMILIES for k in family.keys} | set(APPROXIMATED) | set(REFUSED) | extra
+    names = {k for family in FAMILIES for k in family.keys} | set(APPROXIMATED) | set(REFUSED) | LOSS_KEYS | extra
     return {k.split(":")[0] for k in names}
 
 
@@ -228,7 +223,8 @@ def family_of(key: str) -> KeyFamily | None:
 
 
 def check_tables(recipe: Recipe) -> None:
-    """Refuse the REFUSED keys that are set, and note the APPROXIMATED ones (plugins one by one)."""
+    """Refuse the REFUSED keys that are set, note the APPROXIMATED ones (plugins one by one), and carry the loss
+    kernels that never hold the full logits (recipe_loss)."""
     raw = recipe.raw
     for key, why in REFUSED.items():
         if _is_set(raw.get(key)):
@@ -242,6 +238,8 @@ def check_tables(recipe: Recipe) -> None:
         return
     for plugin in plugins if isinstance(plugins, list) else []:
         name = str(plugin).rsplit(".", 1)[-1]
+        if name == CCE_PLUGIN:  # carried as train.loss: chunked (recipe_loss)
+            continue
         if f"plugins:{name}" in APPROXIMATED:
             recipe.differs[f"plugins: {name}"] = APPROXIMATED[f"plugins:{name}"]
         elif name in PLUGIN_FAMILY:
@@ -250,6 +248,7 @@ def check_tables(recipe: Recipe) -> None:
             recipe.refuse("plugins", f"{plugin!r} is a plugin tunegrid does not know what it changes; remove it")
     if plugins:
         recipe.accounted.add("plugins")
+    fused_loss(recipe)
 
 
 def family_reason(name: str) -> str:

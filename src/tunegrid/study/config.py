@@ -237,8 +237,8 @@ def baseline_cell(study: dict[str, Any], cell_id: str = "") -> Cell:
 
 def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
     """Everything one cell needs to train, fully resolved: what result.json records as `cell`. The axes that
-    stand for a study setting (activation checkpointing, the collective timeout, the rank faults) are written
-    into it, so the trainer reads one place."""
+    stand for a study setting (activation checkpointing, the loss, the collective timeout, the rank faults) are
+    written into it, so the trainer reads one place."""
     from tunegrid.study.grid_axes import cell_debug, setting_values
 
     settings = setting_values(study, cell)
@@ -247,7 +247,11 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "cell_id": cell.cell_id,
         "axes": cell.axes(),
         "model": {"name": cell.model, **study["models"][cell.model]},
-        "train": {**study["train"], "gradient_checkpointing": settings["activation_checkpointing"]},
+        "train": {
+            **study["train"],
+            "gradient_checkpointing": settings["activation_checkpointing"],
+            "loss": settings["loss"],
+        },
         "lora": study["lora"],
         "data": study["data"],
         "debug": cell_debug(study["debug"], cell.fault, cell.repeat),

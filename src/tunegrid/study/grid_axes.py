@@ -1,6 +1,6 @@
-"""The grid axes that stand for a study setting (activation checkpointing, the collective timeout, the rank
-faults injected): at their neutral value the study's setting holds, what one cell's spec holds for them, and
-the checks of the debug section's fault injection against the grid.
+"""The grid axes that stand for a study setting (activation checkpointing, the loss, the collective timeout, the
+rank faults injected): at their neutral value the study's setting holds, what one cell's spec holds for them,
+and the checks of the debug section's fault injection against the grid.
 
 Light module (the Snakefile reads it through tunegrid.study.config at parse time): standard library only.
 """
@@ -19,9 +19,10 @@ RANK_FAULTS = {
 
 
 # axis -> the study setting it stands for, as (section, key); the axis's neutral value defers to the setting
-NEUTRAL = {"activation_checkpointing": False, "collective_timeout_s": 600}
+NEUTRAL = {"activation_checkpointing": False, "collective_timeout_s": 600, "loss": "full"}
 SETTING_AXES = {
     "activation_checkpointing": ("train", "gradient_checkpointing"),
+    "loss": ("train", "loss"),
     "collective_timeout_s": ("distributed", "collective_timeout_s"),
 }
 
@@ -32,7 +33,7 @@ def setting_values(study: dict[str, Any], cell: Any) -> dict[str, Any]:
     values = {}
     for axis, (section, key) in SETTING_AXES.items():
         own = getattr(cell, axis)
-        values[axis] = own if own != NEUTRAL[axis] else study[section][key]
+        values[axis] = own if own != NEUTRAL[axis] else study[section].get(key, NEUTRAL[axis])
     return values
 
 
