@@ -45,6 +45,10 @@ def _targets_parameters(spec: dict[str, Any]) -> bool:
     return bool(spec["lora"].get("target_parameters"))
 
 
+def _offloads_weights(spec: dict[str, Any]) -> bool:
+    return bool(spec["train"].get("weight_offloading"))
+
+
 @dataclass(frozen=True)
 class Api:
     module: str
@@ -60,6 +64,12 @@ APIS: tuple[Api, ...] = (
     Api("transformers", "BitsAndBytesConfig", "a bitsandbytes load", _quantizes),
     Api("peft", "get_peft_model", "attaching LoRA"),
     Api("peft", "LoraConfig.target_parameters", "LoRA on parameters (lora.target_parameters)", _targets_parameters),
+    Api(
+        "torch._C",
+        "_current_graph_task_id",
+        "weight offloading (it tells the forward activation checkpointing reruns in the backward)",
+        _offloads_weights,
+    ),
     Api(
         "transformers.core_model_loading",
         "ConversionOps",

@@ -17,7 +17,13 @@ from typing import Any
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
 from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import cpu_onednn_off
-from tunegrid.prepare.load_peaks import cast_load_peak, expert_group, fused_expert_bytes, largest_read_at_once
+from tunegrid.prepare.load_peaks import (
+    cast_load_peak,
+    expert_group,
+    fused_expert_bytes,
+    largest_read_at_once,
+    offloaded_weight_bytes,
+)
 from tunegrid.vocabulary import Quant
 
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
@@ -167,6 +173,7 @@ def estimate_from_shapes(
     experts_full = 0.0  # expert bytes at storage dtype, and as they end up after quantization
     experts_final = 0.0
     adapted_experts = 0  # elements of expert parameters with LoRA on them (target_parameters)
+    offloadable: dict[str, float] = {}  # train.weight_offloading: bytes each decoder layer's weights move
     # Checkpoints keep MoE experts per expert on disk (layers.N.mlp.experts.M.*); transformers v5 fuses
     # them into 3-D parameters at load, which bitsandbytes' 4-bit load then skips. So an expert is a
     # tensor nested under two indices in a model whose config has experts, or one that is already ≥3-D.
@@ -188,8 +195,10 @@ def estimate_from_shapes(
             quantized_numel += numel
             quantized_names.add(name)
             largest_dequant = max(largest_dequant, numel)
+            offloadable[name] = numel * quant.bytes_per_param  # the packed bytes; the statistics stay
         else:
             weights += numel * storage
+            offloadable[name] = numel * storage
             kept_at_storage[name] = numel * storage
             cast_numel += numel if len(shape) == 2 and not embedding and name.endswith(".weight") else 0
         module = name.removesuffix(".weight")
@@ -295,6 +304,11 @@ def estimate_from_shapes(
             weights_at_load = max(weights_at_load, cast_load_peak(kept_at_storage, on_disk, storage))
         load = runtime + tokenizer_bytes + weights_at_load
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
+    # weight offloading (cell/weight_offload.py): the load put every weight on the device; from the first step each
+    # decoder layer's live in host memory and come to a GPU one layer at a time. On CPU nothing moves.
+    on = train.get("weight_offloading") and device != "cpu"
+    weights_offloaded = offloaded_weight_bytes(offloadable) if on else 0
+    weights = int(weights) - weights_offloaded
     held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
     train_peak = sum(held) + transient
     total = max(load, train_peak)
@@ -316,6 +330,7 @@ def estimate_from_shapes(
             "optimizer_state": int(optimizer_bytes),
             "activations": int(activations),
             "activations_offloaded_to_host": int(offloaded),
+            "weights_offloaded_to_host": int(weights_offloaded),
             "experts_kept_for_backward": int(kept_experts),
             "logits": int(logits),
             "dequant_buffer": int(dequant),
