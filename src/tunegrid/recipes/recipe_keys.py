@@ -160,8 +160,8 @@ APPROXIMATED = {
     "fsdp": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP): a peak measured here "
     "is the unsharded one (the same at one rank)",
     "fsdp_config": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP): a peak "
-    "measured here is the unsharded one (the same at one rank; its activation checkpointing is carried, its "
-    "parameter offloading refused)",
+    "measured here is the unsharded one (the same at one rank; its activation checkpointing and parameter "
+    "offloading are carried)",
     "fsdp_version": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP)",
     "dp_shard_size": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP)",
     "deepspeed": "the recipe shards states across ranks (ZeRO); tunegrid's ranks hold all of them (DDP): a peak "
