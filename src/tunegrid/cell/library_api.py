@@ -38,7 +38,13 @@ def _quantizes(spec: dict[str, Any]) -> bool:
 
 
 def _experts_quantized(spec: dict[str, Any]) -> bool:
-    return quant_plan(spec["axes"]["quant"]).experts_quantized
+    """nf4-experts: quantized inside transformers' loader."""
+    plan = quant_plan(spec["axes"]["quant"])
+    return plan.experts_quantized and not plan.experts_after_load
+
+
+def _experts_after_load(spec: dict[str, Any]) -> bool:
+    return quant_plan(spec["axes"]["quant"]).experts_after_load
 
 
 def _targets_parameters(spec: dict[str, Any]) -> bool:
@@ -64,6 +70,12 @@ APIS: tuple[Api, ...] = (
     Api("transformers", "BitsAndBytesConfig", "a bitsandbytes load", _quantizes),
     Api("peft", "get_peft_model", "attaching LoRA"),
     Api("peft", "LoraConfig.target_parameters", "LoRA on parameters (lora.target_parameters)", _targets_parameters),
+    Api(
+        "bitsandbytes.functional",
+        "int8_vectorwise_quant",
+        "int8-experts (row-wise int8 of the expert tensors)",
+        _experts_after_load,
+    ),
     Api(
         "torch._C",
         "_current_graph_task_id",

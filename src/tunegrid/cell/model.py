@@ -44,7 +44,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     bnb = quant.bnb_settings(precision.torch_dtype("compute"))
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
-    if quant.experts_quantized:  # experts quantized as they are read: never all in full precision
+    if quant.experts_quantized and not quant.experts_after_load:  # quantized as read: never all at full width
         from tunegrid.cell import expert_quant  # transformers v5's loader (cell.library_api checked it is there)
 
         kwargs["quantization_config"] = expert_quant.load_config(bnb)
@@ -54,6 +54,10 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     # their load peaks is what each keeps in full precision
     with conversion_errors_named():
         model = load_causal_lm(model_dir, kwargs)
+    if quant.experts_after_load:  # int8-experts: the 8-bit load replaced nn.Linear; the experts now, where they are
+        from tunegrid.cell.int8_experts import quantize_experts
+
+        quantize_experts(model)
     if quant.quantizes:
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 

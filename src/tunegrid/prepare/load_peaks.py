@@ -91,3 +91,10 @@ def offloaded_weight_bytes(weight_bytes: dict[str, float]) -> int:
         if found:
             layers[name[: found.end()]] = layers.get(name[: found.end()], 0.0) + size
     return int(sum(layers.values()) - max(layers.values(), default=0.0))
+
+
+def int8_quantize_bytes(largest_expert_numel: int, device: str) -> int:
+    """What quantizing the largest fused expert tensor row-wise to int8 holds beside the loaded weights
+    (int8-experts, cell/int8_experts.py): its fp16 copy and the int8 result; on CPU bitsandbytes' op also builds
+    the scaled product and its rounding in fp32 (2 + 4 + 4 bytes per value at once; its CUDA kernel, 2 + 1)."""
+    return largest_expert_numel * (10 if device == "cpu" else 3)

@@ -21,6 +21,7 @@ from tunegrid.prepare.load_peaks import (
     cast_load_peak,
     expert_group,
     fused_expert_bytes,
+    int8_quantize_bytes,
     largest_read_at_once,
     offloaded_weight_bytes,
 )
@@ -275,16 +276,19 @@ def estimate_from_shapes(
     if materialized_experts and not checkpointed:
         counted = device == "cpu" and quant.experts_quantized
         kept_experts = 0 if counted else sum(numel_of(shapes[name]) for name in expert_names) * act
+    # int8-experts dequantize a layer's experts to fp32 once per forward (its cache), beside the casts kept above
+    width = quant.experts_dequantized_bytes or 0
+    experts_fp32 = _largest_layer_experts(shapes, expert_names) * width if width != act else 0
     if device == "cpu" and train["gradient_checkpointing"]:
         # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
-        dequant = _largest_layer_numel(shapes, quantized_names) * act
+        dequant = _largest_layer_numel(shapes, quantized_names) * act + experts_fp32
     elif device == "cpu":
-        dequant = quantized_numel * act
+        dequant = quantized_numel * act + experts_fp32
     else:
         experts_numel = _largest_layer_experts(shapes, expert_names) if materialized_experts else 0
-        dequant = max(largest_dequant, experts_numel if checkpointed else 0) * act
+        dequant = max(largest_dequant * act, experts_numel * act if checkpointed else 0, experts_fp32)
     # Loading. Experts quantized after the load exist at full width until then.
-    streamed = quant.experts_quantized and experts_quantized_at == "load"
+    streamed = quant.experts_quantized and not quant.experts_after_load and experts_quantized_at == "load"
     at_load = weights + (0 if streamed else experts_full - experts_final)
     if streamed:
         # the checkpoint is read into private memory (no mapped pages) and every tensor to quantize is
@@ -299,6 +303,9 @@ def estimate_from_shapes(
         # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
         # parameter holds the parts and the whole at once
         weights_at_load = at_load + fused_expert_bytes(shapes, expert_names, storage)
+        if quant.experts_after_load:  # int8-experts: all at full width, the largest being quantized
+            fused = max(map(numel_of, fused_expert_parameters(shapes, expert_names).values()), default=0)
+            weights_at_load = max(weights_at_load, at_load + int8_quantize_bytes(fused, device))
         numel, on_disk = largest_on_disk
         if on_disk and on_disk != storage:
             weights_at_load = max(weights_at_load, cast_load_peak(kept_at_storage, on_disk, storage))
