@@ -109,12 +109,18 @@ def test_a_string_of_lora_target_modules_is_the_regex_peft_matches(tmp_path):
         _import(tmp_path, {**raw, "lora_target_modules": "layers.(q|v_proj"})
 
 
-def test_experts_quantized_in_8_bits_are_refused_not_read_as_off(tmp_path):
+def test_experts_quantized_in_8_bits_are_int8_experts_and_in_4_bits_nf4_experts(tmp_path):
+    # axolotl's config reference: quantize_moe_experts quantizes MoE expert weights under load_in_4bit/load_in_8bit
     raw = {k: v for k, v in AXOLOTL.items() if k != "load_in_4bit"}
-    with pytest.raises(RecipeError, match="recipe key 'quantize_moe_experts': quantizes the MoE experts in 8 bits"):
-        _import(tmp_path, {**raw, "adapter": "lora", "load_in_8bit": True, "quantize_moe_experts": True})
-    study, _, _ = _import(tmp_path, {**AXOLOTL, "quantize_moe_experts": True})
-    assert study["grid"]["quant"][0] == "nf4-experts"
+    study, recipe, header = _import(
+        tmp_path, {**raw, "adapter": "lora", "load_in_8bit": True, "quantize_moe_experts": True}
+    )
+    assert study["grid"]["quant"][0] == "int8-experts" and "quantize_moe_experts -> grid.quant" in header
+    assert "a higher load peak" in recipe.differs["quantize_moe_experts"]
+    study, recipe, _ = _import(tmp_path, {**AXOLOTL, "quantize_moe_experts": True})
+    assert study["grid"]["quant"][0] == "nf4-experts" and "quantize_moe_experts" not in recipe.differs
+    with pytest.raises(RecipeError, match="recipe key 'quantize_moe_experts': .*loads neither"):
+        _import(tmp_path, {**raw, "adapter": "lora", "quantize_moe_experts": True})
 
 
 def test_fsdp_checkpointing_and_parameter_offloading_are_carried(tmp_path):
