@@ -210,6 +210,17 @@ def conversion_errors_named() -> Iterator[None]:
         report.removeHandler(handler)
 
 
+def loftq_arguments(lora: dict[str, Any], model: Any) -> dict[str, Any]:
+    """LoraConfig's LoftQ arguments where lora.loftq_bits asks for it (peft's loftq_init computes on CUDA only)."""
+    if not lora.get("loftq_bits"):
+        return {}
+    from peft import LoftQConfig
+
+    if next(model.parameters()).device.type != "cuda":
+        raise RuntimeError("peft's LoftQ initialization runs on CUDA only (its loftq_init moves each weight there)")
+    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(lora["loftq_bits"], lora.get("loftq_iter", 1))}
+
+
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
     """peft's LoRA; adapters on 4-bit (nf4-experts) expert tensors train over the NF4 base (cell/expert_lora.py)."""
     from peft import LoraConfig, get_peft_model
@@ -233,6 +244,7 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         use_rslora=bool(lora.get("use_rslora")),
         use_dora=bool(lora.get("use_dora")),
         task_type="CAUSAL_LM",
+        **loftq_arguments(lora, model),
     )
     if has_v5_loading():  # on transformers 4.x (a library stack) experts are modules: nothing to rename
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers

@@ -69,12 +69,12 @@ def _estimate(
 ) -> MemoryEstimate:
     """One path's estimate with its verdict."""
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
-    from tunegrid.targets import feasibility, gpu_shortfall
+    from tunegrid.targets import feasibility, gpu_shortfall, needs_cuda
 
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
     raw = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker))
     verdict = feasibility(precision, target, hardware, raw["estimate_bytes"]) if target else None
-    verdict = verdict or gpu_shortfall(spec, capabilities)
+    verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, capabilities)
     return MemoryEstimate(
         worker=worker,
         estimate_bytes=int(raw["estimate_bytes"]),

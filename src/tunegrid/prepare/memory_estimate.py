@@ -322,6 +322,8 @@ def estimate_from_shapes(
     # What this model leaves out, said where it applies rather than fitted (nothing today: the one case that
     # grew step by step, CPU bf16 with routed experts, trains without oneDNN: cpu_onednn_off)
     not_modelled = None
+    if lora.get("loftq_bits"):  # peft's, after the load, one weight at a time: transient, not measured here
+        not_modelled = "LoftQ's initialization (an adapted weight's fp32 copies, its round trip and SVD, in turn)"
     return {
         "not_modelled": not_modelled,
         "cpu_onednn_off": cpu_onednn_off(spec, config, device),

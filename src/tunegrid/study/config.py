@@ -170,6 +170,12 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
         )
     from tunegrid.plans import QUANT_PLANS
 
+    quantized = [q for q in config["grid"]["quant"] if QUANT_PLANS[q].quantizes]
+    if lora.get("loftq_bits") and quantized:
+        problems.append(
+            f"config key 'lora.loftq_bits': LoftQ replaces each adapted weight of an unquantized base by its "
+            f"quantization round trip; grid.quant {quantized} loads a quantized one: keep quant none"
+        )
     after_load = [q for q in config["grid"]["quant"] if QUANT_PLANS[q].experts_after_load]
     if after_load and lora["target_parameters"]:
         problems.append(
