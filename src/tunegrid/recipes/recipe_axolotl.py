@@ -25,6 +25,7 @@ from tunegrid.recipes.recipe import (
     warmup,
 )
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.recipes.recipe_lora import loftq
 from tunegrid.recipes.recipe_memory import (
     checkpointing_and_offloading,
     fan_in_fan_out,
@@ -67,12 +68,9 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     if adapter not in ("lora", "qlora"):
         recipe.refuse("adapter", f"{adapter!r}: tunegrid trains LoRA adapters (adapter: lora or qlora)")
     recipe.carry("adapter", adapter, "adapter")
-    peft_section = raw.get("peft") or {}
-    if isinstance(peft_section, dict) and peft_section.get("loftq_config"):
-        recipe.refuse("peft.loftq_config", "LoftQ initializes the adapters from a quantization of the base; "
-                      "tunegrid initializes peft's LoRA plainly over a bitsandbytes base (remove it)")  # fmt: skip
     bnb = raw.get("bnb_config_kwargs") or {}
     four = bool(raw.get("load_in_4bit")) or adapter == "qlora"
+    loftq(recipe, four or bool(raw.get("load_in_8bit")))
     quant_type = bnb.get("bnb_4bit_quant_type", "nf4")
     quantization(
         recipe, four, bool(raw.get("load_in_8bit")), quant_type,
