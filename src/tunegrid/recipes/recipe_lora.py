@@ -26,7 +26,7 @@ def loftq(recipe: Recipe, quantized: bool) -> None:
         recipe.notes.append(
             "peft.loftq_config: peft's LoftQ (init_lora_weights: loftq, one iteration as axolotl passes it): each "
             "adapted weight becomes its quantization round trip and the adapters start from the SVD of what it "
-            "lost; peft computes it on CUDA only, so a cell on this CPU is unsupported"
+            "lost; peft computes it on CUDA only, so a cell that trains on a CPU is unsupported"
         )
         for key in set(config) - {"loftq_bits"}:
             recipe.unknown[f"peft.loftq_config.{key}"] = "axolotl's LoftQConfig takes loftq_bits only"
