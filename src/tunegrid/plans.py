@@ -153,6 +153,10 @@ class QuantPlan:
     row_scale_bytes: int  # per output row (LLM.int8's fp32 scale)
     audit_dtype: str | None
     memory_fix_rank: int | None
+    # experts quantized once the load is done (every expert at full width until then), not as they are read
+    experts_after_load: bool = False
+    # bytes per value a quantized expert is dequantized to on use (None: the precision's storage dtype)
+    experts_dequantized_bytes: int | None = None
 
     @property
     def quantizes(self) -> bool:
@@ -167,8 +171,8 @@ class QuantPlan:
         if self.block:
             blocks = numel / self.block
             stats = blocks + (blocks / DQ_BLOCK) * 4  # uint8 absmax + fp32 second level
-        if self.row_scale_bytes and shape:
-            stats += shape[0] * self.row_scale_bytes
+        if self.row_scale_bytes and shape:  # one per row over the last dim (an expert tensor's rows: E x out)
+            stats += numel // shape[-1] * self.row_scale_bytes
         return numel * self.bytes_per_param + stats
 
     def bnb_settings(self, compute_dtype: Any) -> dict[str, Any]:
@@ -235,6 +239,21 @@ QUANT_PLANS: dict[Quant, QuantPlan] = {
             row_scale_bytes=4,  # SCB: one fp32 absmax per output row
             audit_dtype="int8",
             memory_fix_rank=2,
+        ),
+        QuantPlan(
+            quant=Quant.INT8_EXPERTS,
+            bits=8,
+            bnb={"load_in_8bit": True},
+            compute_dtype_arg=None,
+            record_key="bnb_8bit",
+            experts_quantized=True,  # row-wise int8 (bitsandbytes' int8_vectorwise_quant) under a parametrization
+            bytes_per_param=1.0,
+            block=None,
+            row_scale_bytes=4,  # one fp32 absmax per row over the last dim
+            audit_dtype="int8",
+            memory_fix_rank=None,  # the recipe's own setting, carried; not offered as a fix
+            experts_after_load=True,
+            experts_dequantized_bytes=4,  # int8_vectorwise_dequant returns fp32
         ),
     )
 }

@@ -113,6 +113,19 @@ def feasibility(
     return None
 
 
+def needs_cuda(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
+    """`unsupported` before launch for a cell that would train on the CPU with a setting that runs on CUDA only:
+    peft's LoftQ initialization (lora.loftq_bits), whose loftq_init moves each weight to "cuda"."""
+    if not spec["lora"].get("loftq_bits"):
+        return None
+    if capabilities.get("device") == "cuda" and devices.gpus_per_rank(spec["hardware"], capabilities) > 0:
+        return None
+    return (
+        Outcome.UNSUPPORTED,
+        "lora.loftq_bits: peft's LoftQ initialization runs on CUDA only; this cell trains on the CPU",
+    )
+
+
 def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
     """`unsupported` before launch when the cell needs more GPUs than it has (a rank without its own GPU fails
     at set-up with "invalid device ordinal"; a launch would only prove it).

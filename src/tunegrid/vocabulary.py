@@ -33,6 +33,7 @@ class Quant(StrEnum):
     NF4 = "nf4"
     NF4_EXPERTS = "nf4-experts"
     INT8 = "int8"
+    INT8_EXPERTS = "int8-experts"
 
 
 PRECISIONS = tuple(p.value for p in Precision)
@@ -153,7 +154,9 @@ AXIS_TABLE: tuple[Axis, ...] = (
             "base-weight quantization. none: plain LoRA; nf4: QLoRA through BitsAndBytesConfig (bitsandbytes "
             "replaces nn.Linear only, so fused 3-D MoE experts stay in full precision); nf4-experts: nf4 plus "
             "NF4 quantization of every >=3-D expert parameter as the checkpoint is read; int8: bitsandbytes "
-            "8-bit (LLM.int8) base weights through BitsAndBytesConfig(load_in_8bit), nn.Linear only"
+            "8-bit (LLM.int8) base weights through BitsAndBytesConfig(load_in_8bit), nn.Linear only; "
+            "int8-experts: int8 plus row-wise int8 of every >=3-D expert parameter after the load, dequantized "
+            "to fp32 on use (axolotl's quantize_moe_experts with load_in_8bit)"
         ),
         default=(Quant.NF4.value,),
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.STYLE, always=True),

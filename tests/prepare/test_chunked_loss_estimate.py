@@ -60,4 +60,4 @@ def test_at_olmoe_width_the_transient_becomes_the_dequantized_experts():
     assert full_parts["dequant_buffer"] == parts["dequant_buffer"] == pytest.approx(0.805e9, rel=1e-3)
     saved = full_parts["logits"] - parts["dequant_buffer"]  # the transient was the logits, now the experts
     assert full["estimate_bytes"] - chunked["estimate_bytes"] == saved
-    assert chunked["estimate_bytes"] == pytest.approx(5.352e9, rel=1e-3)
+    assert chunked["estimate_bytes"] == pytest.approx(5.151e9, rel=1e-3)

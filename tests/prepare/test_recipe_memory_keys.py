@@ -109,26 +109,50 @@ def test_a_string_of_lora_target_modules_is_the_regex_peft_matches(tmp_path):
         _import(tmp_path, {**raw, "lora_target_modules": "layers.(q|v_proj"})
 
 
-def test_experts_quantized_in_8_bits_are_refused_not_read_as_off(tmp_path):
+def test_experts_quantized_in_8_bits_are_int8_experts_and_in_4_bits_nf4_experts(tmp_path):
+    # axolotl's config reference: quantize_moe_experts quantizes MoE expert weights under load_in_4bit/load_in_8bit
     raw = {k: v for k, v in AXOLOTL.items() if k != "load_in_4bit"}
-    with pytest.raises(RecipeError, match="recipe key 'quantize_moe_experts': quantizes the MoE experts in 8 bits"):
-        _import(tmp_path, {**raw, "adapter": "lora", "load_in_8bit": True, "quantize_moe_experts": True})
-    study, _, _ = _import(tmp_path, {**AXOLOTL, "quantize_moe_experts": True})
-    assert study["grid"]["quant"][0] == "nf4-experts"
+    study, recipe, header = _import(
+        tmp_path, {**raw, "adapter": "lora", "load_in_8bit": True, "quantize_moe_experts": True}
+    )
+    assert study["grid"]["quant"][0] == "int8-experts" and "quantize_moe_experts -> grid.quant" in header
+    assert "a higher load peak" in recipe.differs["quantize_moe_experts"]
+    study, recipe, _ = _import(tmp_path, {**AXOLOTL, "quantize_moe_experts": True})
+    assert study["grid"]["quant"][0] == "nf4-experts" and "quantize_moe_experts" not in recipe.differs
+    with pytest.raises(RecipeError, match="recipe key 'quantize_moe_experts': .*loads neither"):
+        _import(tmp_path, {**raw, "adapter": "lora", "quantize_moe_experts": True})
 
 
-def test_fsdp_checkpointing_is_carried_and_its_parameter_offloading_refused(tmp_path):
+def test_fsdp_checkpointing_and_parameter_offloading_are_carried(tmp_path):
     # axolotl's FSDP2 config (docs/multi-gpu): fsdp_version 2 with an fsdp_config mapping
     raw = {**AXOLOTL, "gradient_checkpointing": False, "fsdp_version": 2,
            "fsdp_config": {"reshard_after_forward": True, "activation_checkpointing": True}}  # fmt: skip
     study, recipe, header = _import(tmp_path, raw)
     assert study["train"]["gradient_checkpointing"] is True and "fsdp_config" in recipe.differs
     assert "fsdp_config.activation_checkpointing -> train.gradient_checkpointing = true" in header
-    for config in ({"offload_params": True}, {"fsdp_offload_params": True}):
-        with pytest.raises(RecipeError, match="recipe key 'fsdp_config.(fsdp_)?offload_params'"):
-            _import(tmp_path, {**raw, "fsdp_config": config})
-    with pytest.raises(RecipeError, match="recipe key 'fsdp': offload"):  # TrainingArguments' option string
-        _import(tmp_path, {**TRL, "fsdp": "full_shard auto_wrap offload"})
+    assert "weight_offloading" not in study["train"]
+    for key in ("offload_params", "fsdp_offload_params"):  # FSDP2's name, and FSDP1's as axolotl's examples write it
+        config = {key: True, "transformer_layer_cls_to_wrap": "LlamaDecoderLayer"}
+        study, recipe, header = _import(tmp_path, {**raw, "fsdp_config": config})
+        assert study["train"]["weight_offloading"] is True
+        assert f"fsdp_config.{key} -> train.weight_offloading = true" in header
+        said = recipe.differs[f"fsdp_config.{key}"]
+        assert "the adapters, their gradients and the optimizer state on the device" in said
+        assert not any("cls_to_wrap" in name for name in recipe.differs), "a decoder layer is tunegrid's unit too"
+    # TrainingArguments' option string (TRL's file)
+    study, recipe, header = _import(tmp_path, {**TRL, "fsdp": "full_shard auto_wrap offload"})
+    assert study["train"]["weight_offloading"] is True and "fsdp -> train.weight_offloading = true" in header
+    with pytest.raises(RecipeError, match="recipe key 'fsdp_config.offload_params': 'yes'"):
+        _import(tmp_path, {**raw, "fsdp_config": {"offload_params": "yes"}})
+
+
+def test_fsdp_offloading_of_a_part_of_each_layer_says_how_the_peak_moves(tmp_path):
+    # axolotl's Mixtral QLoRA FSDP example wraps the sparse MoE block, not the decoder layer
+    config = {"fsdp_offload_params": True, "fsdp_transformer_layer_cls_to_wrap": "MixtralSparseMoeBlock"}
+    study, recipe, _ = _import(tmp_path, {**AXOLOTL, "fsdp": ["full_shard", "auto_wrap"], "fsdp_config": config})
+    assert study["train"]["weight_offloading"] is True
+    said = recipe.differs["fsdp_config.fsdp_transformer_layer_cls_to_wrap"]
+    assert "MixtralSparseMoeBlock" in said and "root unit" in said and "a lower peak here" in said
 
 
 def test_qlora_without_double_quantization_is_said_to_run_differently(tmp_path):

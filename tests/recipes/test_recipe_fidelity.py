@@ -99,14 +99,25 @@ def test_trl_max_seq_length_is_the_sequence_length(here):
 
 @pytest.mark.parametrize(
     "extra",
-    [{"gptq": True, "gptq_groupsize": 128}, {"peft": {"loftq_config": {"loftq_bits": 4}}},
+    [{"gptq": True, "gptq_groupsize": 128}, {"peft": {"loftq_config": {"loftq_bits": 4}}, "load_in_4bit": True},
      {"model_quantization_config": "Mxfp4Config"}],
 )  # fmt: skip
-def test_gptq_and_loftq_bases_are_refused_never_dropped(here, extra):
+def test_gptq_bases_and_loftq_over_a_4_bit_base_are_refused_never_dropped(here, extra):
     with pytest.raises(RecipeError) as caught:
         _import(here, {**AXOLOTL, **extra})
     named = next(iter(extra))
     assert f"recipe key '{named}" in str(caught.value)
+
+
+def test_loftq_is_carried_as_peft_initializes_it_and_the_grid_keeps_the_base_unquantized(here):
+    # axolotl's LoftQ example (examples/llama-2/loftq.yml, docs/config-reference): adapter lora with
+    # peft.loftq_config.loftq_bits, which axolotl hands to peft's LoftQConfig with init_lora_weights: loftq
+    study, recipe, header = _import(here, {**AXOLOTL, "peft": {"loftq_config": {"loftq_bits": 4}}}, failure="oom")
+    assert study["lora"]["loftq_bits"] == 4 and "peft.loftq_config.loftq_bits -> lora.loftq_bits = 4" in header
+    assert study["grid"]["quant"] == ["none"] and "no quantization (LoftQ" in header
+    assert any("CUDA only" in note for note in recipe.notes)
+    with pytest.raises(RecipeError, match="recipe key 'peft.loftq_config.loftq_bits': 3"):
+        _import(here, {**AXOLOTL, "peft": {"loftq_config": {"loftq_bits": 3}}})
 
 
 def test_lora_target_linear_is_resolved_against_the_checkpoints_own_modules(here):

@@ -57,9 +57,10 @@ IMPORTS = {  # recipe -> (import options, the baseline cell, settings the study 
          "train.gradient_checkpointing": True, "train.warmup_steps": 5, "train.steps": 50},
     ),
     "axolotl-fsdp-8bit-optim.yaml": (
-        {"failure": "oom", "ignore": ["optimizer", "peft_use_dora", "fsdp_config.fsdp_offload_params"]},
+        {"failure": "oom", "ignore": ["optimizer", "peft_use_dora"]},
         "local-qwen3-moe_fp16_bs4_none_s42",
         {"lora.target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "data.loss_on": "all",
+         "train.weight_offloading": True,
          "data.fields": {"prompt": "question", "response": "answer"}, "data.source": "parquet",
          "distributed.collective_timeout_s": 600.0, "train.lr_scheduler": "linear"},
     ),
@@ -127,7 +128,7 @@ def test_the_grid_varies_what_bears_on_the_failure(workdir):
 @pytest.mark.parametrize(
     ("name", "options", "keys", "needed"),
     [
-        ("axolotl-fsdp-8bit-optim.yaml", {}, ["optimizer", "fsdp_config.fsdp_offload_params"], []),
+        ("axolotl-fsdp-8bit-optim.yaml", {}, ["optimizer"], []),
         ("transformers-training-args.json", {"model": "models/local-gemma", "dataset": "data/chat.jsonl"},
          ["optim"], ["max_length"]),
     ],

@@ -117,7 +117,7 @@ def test_invalid_configs_name_the_key(mutate, expected):
 def test_enum_error_lists_allowed_values():
     raw = make_study()
     raw["grid"]["quant"] = ["int3"]
-    with pytest.raises(ConfigError, match=r"choose one of \['none', 'nf4', 'nf4-experts', 'int8'\]"):
+    with pytest.raises(ConfigError, match=r"choose one of \['none', 'nf4', 'nf4-experts', 'int8', 'int8-experts'\]"):
         resolve_study(raw)
 
 

@@ -29,10 +29,15 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
         "bits": quant.bits,  # of a quantized base weight, as the plan says; the audit shows the storage
         "after_load": quant_audit.audit_model(model, quantization_requested=quantized),
     }
-    if quant.experts_quantized:
+    nf4_experts = quant.experts_quantized and not quant.experts_after_load
+    if nf4_experts:
         from tunegrid.cell.expert_quant import quantized_at_load
 
         at_load = quantized_at_load(model)
+    elif quant.experts_quantized:  # int8-experts: the loader quantized them once the load was done
+        from tunegrid.cell.int8_experts import quantized_experts
+
+        report["expert_quantization"] = {"order": "after_load", "changed": quantized_experts(model)}
     if quantized and lora["prepare_kbit_training"]:
         before = quant_audit.audit_model(model, quantization_requested=quantized)
         model = prepare_model_for_kbit_training(
@@ -42,7 +47,7 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
             before, quant_audit.audit_model(model, quantization_requested=quantized)
         )
     model = attach_lora(model, spec)
-    if quant.experts_quantized:
+    if nf4_experts:
         # the load quantized every expert tensor, those with adapters too; the pass would catch any it missed
         after_load = quant_audit.quantize_experts_post_load(model)
         report["expert_quantization"] = {

@@ -96,6 +96,8 @@ def base_record(
         load["cpu_onednn"] = False  # (cell.model.use_cpu_kernels): they round differently, so a reload matches
     if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/islands.make_island)
         load["fp32_islands"] = list(fp32_islands)
+    if spec["lora"].get("loftq_bits"):  # the adapted weights were replaced by their LoftQ round trip
+        load["loftq"] = {"bits": spec["lora"]["loftq_bits"], "iter": spec["lora"].get("loftq_iter", 1)}
     return {
         "base_model": base_model_identity(manifest),
         "model_name": spec["model"]["name"],

@@ -38,11 +38,21 @@ def _quantizes(spec: dict[str, Any]) -> bool:
 
 
 def _experts_quantized(spec: dict[str, Any]) -> bool:
-    return quant_plan(spec["axes"]["quant"]).experts_quantized
+    """nf4-experts: quantized inside transformers' loader."""
+    plan = quant_plan(spec["axes"]["quant"])
+    return plan.experts_quantized and not plan.experts_after_load
+
+
+def _experts_after_load(spec: dict[str, Any]) -> bool:
+    return quant_plan(spec["axes"]["quant"]).experts_after_load
 
 
 def _targets_parameters(spec: dict[str, Any]) -> bool:
     return bool(spec["lora"].get("target_parameters"))
+
+
+def _offloads_weights(spec: dict[str, Any]) -> bool:
+    return bool(spec["train"].get("weight_offloading"))
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,18 @@ APIS: tuple[Api, ...] = (
     Api("transformers", "BitsAndBytesConfig", "a bitsandbytes load", _quantizes),
     Api("peft", "get_peft_model", "attaching LoRA"),
     Api("peft", "LoraConfig.target_parameters", "LoRA on parameters (lora.target_parameters)", _targets_parameters),
+    Api(
+        "bitsandbytes.functional",
+        "int8_vectorwise_quant",
+        "int8-experts (row-wise int8 of the expert tensors)",
+        _experts_after_load,
+    ),
+    Api(
+        "torch._C",
+        "_current_graph_task_id",
+        "weight offloading (it tells the forward activation checkpointing reruns in the backward)",
+        _offloads_weights,
+    ),
     Api(
         "transformers.core_model_loading",
         "ConversionOps",

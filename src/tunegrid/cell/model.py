@@ -44,7 +44,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     bnb = quant.bnb_settings(precision.torch_dtype("compute"))
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
-    if quant.experts_quantized:  # experts quantized as they are read: never all in full precision
+    if quant.experts_quantized and not quant.experts_after_load:  # quantized as read: never all at full width
         from tunegrid.cell import expert_quant  # transformers v5's loader (cell.library_api checked it is there)
 
         kwargs["quantization_config"] = expert_quant.load_config(bnb)
@@ -54,6 +54,10 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     # their load peaks is what each keeps in full precision
     with conversion_errors_named():
         model = load_causal_lm(model_dir, kwargs)
+    if quant.experts_after_load:  # int8-experts: the 8-bit load replaced nn.Linear; the experts now, where they are
+        from tunegrid.cell.int8_experts import quantize_experts
+
+        quantize_experts(model)
     if quant.quantizes:
         from tunegrid.cell.quant_audit import disable_cpu_inference_packing
 
@@ -206,6 +210,17 @@ def conversion_errors_named() -> Iterator[None]:
         report.removeHandler(handler)
 
 
+def loftq_arguments(lora: dict[str, Any], model: Any) -> dict[str, Any]:
+    """LoraConfig's LoftQ arguments where lora.loftq_bits asks for it (peft's loftq_init computes on CUDA only)."""
+    if not lora.get("loftq_bits"):
+        return {}
+    from peft import LoftQConfig
+
+    if next(model.parameters()).device.type != "cuda":
+        raise RuntimeError("peft's LoftQ initialization runs on CUDA only (its loftq_init moves each weight there)")
+    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(lora["loftq_bits"], lora.get("loftq_iter", 1))}
+
+
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
     """peft's LoRA; adapters on 4-bit (nf4-experts) expert tensors train over the NF4 base (cell/expert_lora.py)."""
     from peft import LoraConfig, get_peft_model
@@ -229,6 +244,7 @@ def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
         use_rslora=bool(lora.get("use_rslora")),
         use_dora=bool(lora.get("use_dora")),
         task_type="CAUSAL_LM",
+        **loftq_arguments(lora, model),
     )
     if has_v5_loading():  # on transformers 4.x (a library stack) experts are modules: nothing to rename
         from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers

@@ -16,8 +16,12 @@ FOUR_BIT_TYPES = frozenset({"nf4", "fp4"})  # bitsandbytes' QuantState.quant_typ
 
 def _int8_scale(module: Any, storage: Any) -> Any | None:
     """The per-row scale (SCB) of a bitsandbytes 8-bit weight, None for any other tensor. Structural: an
-    Int8Params storage, its scale on the parameter or, once a forward has run, on the layer's state."""
+    Int8Params storage, its scale on the parameter or, once a forward has run, on the layer's state; or the
+    row statistics of an int8 tensor held under a row-wise parametrization (int8-experts, cell/int8_experts.py)."""
     if type(storage).__name__ != "Int8Params":
+        for plist in getattr(module, "parametrizations", {}).values():
+            if plist.original is storage and getattr(plist[0], "row_stats", None) is not None:
+                return plist[0].row_stats
         return None
     scale = getattr(storage, "SCB", None)
     return scale if scale is not None else getattr(getattr(module, "state", None), "SCB", None)
@@ -95,7 +99,7 @@ def audit_model(model: Any, *, quantization_requested: bool, flag_bytes: int = D
     flagged = []
     for name, module, _param_name, storage, state in entries:
         int8_scale = _int8_scale(module, storage)
-        quantized = state is not None or type(storage).__name__ == "Int8Params"
+        quantized = state is not None or int8_scale is not None or type(storage).__name__ == "Int8Params"
         shape = list(state.shape) if state is not None else list(storage.shape)
         stored = _tensor_bytes(storage) + (quant_state_bytes(state) if state is not None else 0)
         stored += _tensor_bytes(int8_scale) if int8_scale is not None else 0

@@ -40,6 +40,7 @@ from tunegrid.cell.ranks import RankContext, Ranks, lora_digest
 from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
 from tunegrid.cell.resume import ResumeStore, training_key
 from tunegrid.cell.step import OptimizerStep
+from tunegrid.cell.weight_offload import WeightOffload, weight_offload_of
 from tunegrid.contract import CellContract
 from tunegrid.runtime.files import write_json
 from tunegrid.runtime.memory import MemoryMeter
@@ -58,6 +59,7 @@ class CellTrainer:
     after any stage."""
 
     optimizer_step: OptimizerStep | None = None  # from build_optimizer on
+    weight_offload: WeightOffload | None = None  # train.weight_offloading on a GPU, from build_optimizer on
     resume_store: ResumeStore | None = None  # a single-process cell's, from the loop's start on
 
     def __init__(self, contract: CellContract, run_dir: Path) -> None:
@@ -159,6 +161,10 @@ class CellTrainer:
         if self.ranks.distributed:
             self.facts["stage"] = "ddp"
             self.ranks.wrap(self.model)
+        # after DDP, whose construction broadcasts every parameter: from here each layer's base weights sit on the host
+        self.weight_offload = weight_offload_of(self.spec, self.model, self.device)
+        if self.spec["train"].get("weight_offloading"):  # 0 on a CPU cell: nothing moves
+            self.memory["weights_offloaded_bytes"] = getattr(self.weight_offload, "offloaded_bytes", 0)
         return self.optimizer_step
 
     # ---------------------------------------------------------------- the loop
@@ -205,6 +211,8 @@ class CellTrainer:
                     self.memory["first_step_peak_bytes"] = result.peak
                     if optimizer_step.offload is not None:  # what the step's saved tensors put in host memory
                         self.memory["activations_offloaded_bytes"] = optimizer_step.offload.moved_bytes
+                    if self.weight_offload is not None:  # the most offloaded weight bytes on the device at once
+                        self.memory["weights_resident_peak_bytes"] = self.weight_offload.peak_resident_bytes
                 tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
                 record_step(log, files, step, result, tokens, measure_headroom, scaled)
                 progress.set_postfix(loss=f"{result.loss:.4g}", refresh=False)

@@ -29,7 +29,8 @@ MEM_SAFETY_FACTOR = 1.5
 # No rank asks for less: a Python process with torch, transformers and peft imported holds ~0.5-0.7 GiB
 # before it loads a model (the probe's runtime baseline on the 2-core CPU host).
 MEM_FLOOR_MB_PER_RANK = 1024
-OFFLOADED = "activations_offloaded_to_host"  # the estimate's component held in host memory, not the device's
+OFFLOADED = "activations_offloaded_to_host"  # the estimate's components held in host memory, not the device's
+WEIGHTS_OFFLOADED = "weights_offloaded_to_host"
 
 
 def job_mem_mb(estimate_bytes: int, world_size: int, override_mb: int = 0) -> int:
@@ -43,9 +44,10 @@ def job_mem_mb(estimate_bytes: int, world_size: int, override_mb: int = 0) -> in
 
 
 def host_mem_mb(estimate: MemoryEstimate, world_size: int) -> int:
-    """The job's host memory for this estimate: the estimate's peak, and the activations offloaded from a GPU
-    (train.activation_offloading), which live in the host's memory besides."""
-    return job_mem_mb(estimate.estimate_bytes + int(estimate.components.get(OFFLOADED, 0)), world_size)
+    """The job's host memory for this estimate: the estimate's peak, and the activations and weights offloaded from
+    a GPU (train.activation_offloading, train.weight_offloading), which live in the host's memory besides."""
+    offloaded = sum(int(estimate.components.get(key, 0)) for key in (OFFLOADED, WEIGHTS_OFFLOADED))
+    return job_mem_mb(estimate.estimate_bytes + offloaded, world_size)
 
 
 def mem_mb_for_job(contract_file: str | Path | None, hardware: dict[str, Any], world_size: int) -> int:
@@ -67,12 +69,12 @@ def _estimate(
 ) -> MemoryEstimate:
     """One path's estimate with its verdict."""
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
-    from tunegrid.targets import feasibility, gpu_shortfall
+    from tunegrid.targets import feasibility, gpu_shortfall, needs_cuda
 
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
     raw = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker))
     verdict = feasibility(precision, target, hardware, raw["estimate_bytes"]) if target else None
-    verdict = verdict or gpu_shortfall(spec, capabilities)
+    verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, capabilities)
     return MemoryEstimate(
         worker=worker,
         estimate_bytes=int(raw["estimate_bytes"]),

@@ -1,13 +1,18 @@
 """What loading a checkpoint holds at once, beside the weights it has loaded so far: the parts and the whole of a
 fused expert tensor, the largest full-precision tensor a quantizing load reads, and a checkpoint cast to another
-dtype as it loads. Read by the memory estimate (prepare.memory_estimate).
+dtype as it loads; and what weight offloading moves to host memory once the model is loaded. Read by the memory
+estimate (prepare.memory_estimate).
 
 Light module: no torch (names and shapes from the safetensors headers).
 """
 
 from __future__ import annotations
 
+import re
+
 from tunegrid.prepare.checkpoint_headers import numel_of
+
+LAYER = re.compile(r"(?:^|\.)(?:layers|h|blocks|block)\.\d+\.")  # a decoder layer's tensors (model.layers.N.…)
 
 
 def expert_group(name: str, shape: list[int]) -> str:
@@ -74,3 +79,22 @@ def cast_load_peak(kept_at_storage: dict[str, int], on_disk: int, storage: int) 
         peak = max(peak, loaded + at_storage // storage * on_disk + 2 * at_storage)
         loaded += at_storage
     return max(peak, loaded)
+
+
+def offloaded_weight_bytes(weight_bytes: dict[str, float]) -> int:
+    """What weight offloading keeps in host memory during a step: every decoder layer's weights (`weight_bytes` by
+    checkpoint name; the outermost layers.N / h.N / blocks.N is the layer) but the largest layer's, which is the
+    most the device holds at once. Tensors outside the layers (embeddings, head, final norm) stay on the device."""
+    layers: dict[str, float] = {}
+    for name, size in weight_bytes.items():
+        found = LAYER.search(name)
+        if found:
+            layers[name[: found.end()]] = layers.get(name[: found.end()], 0.0) + size
+    return int(sum(layers.values()) - max(layers.values(), default=0.0))
+
+
+def int8_quantize_bytes(largest_expert_numel: int, device: str) -> int:
+    """What quantizing the largest fused expert tensor row-wise to int8 holds beside the loaded weights
+    (int8-experts, cell/int8_experts.py): its fp16 copy and the int8 result; on CPU bitsandbytes' op also builds
+    the scaled product and its rounding in fp32 (2 + 4 + 4 bytes per value at once; its CUDA kernel, 2 + 1)."""
+    return largest_expert_numel * (10 if device == "cpu" else 3)

@@ -15,9 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
+from tunegrid.prepare.activation_peaks import saved_activations
 from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import cpu_onednn_off
-from tunegrid.prepare.load_peaks import cast_load_peak, expert_group, fused_expert_bytes, largest_read_at_once
+from tunegrid.prepare.load_peaks import (
+    cast_load_peak,
+    expert_group,
+    fused_expert_bytes,
+    int8_quantize_bytes,
+    largest_read_at_once,
+    offloaded_weight_bytes,
+)
 from tunegrid.vocabulary import LOSS_CHUNK_TOKENS, Quant
 
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
@@ -172,6 +180,7 @@ def estimate_from_shapes(
     experts_full = 0.0  # expert bytes at storage dtype, and as they end up after quantization
     experts_final = 0.0
     adapted_experts = 0  # elements of expert parameters with LoRA on them (target_parameters)
+    offloadable: dict[str, float] = {}  # train.weight_offloading: bytes each decoder layer's weights move
     # Checkpoints keep MoE experts per expert on disk (layers.N.mlp.experts.M.*); transformers v5 fuses
     # them into 3-D parameters at load, which bitsandbytes' 4-bit load then skips. So an expert is a
     # tensor nested under two indices in a model whose config has experts, or one that is already ≥3-D.
@@ -193,8 +202,10 @@ def estimate_from_shapes(
             quantized_numel += numel
             quantized_names.add(name)
             largest_dequant = max(largest_dequant, numel)
+            offloadable[name] = numel * quant.bytes_per_param  # the packed bytes; the statistics stay
         else:
             weights += numel * storage
+            offloadable[name] = numel * storage
             kept_at_storage[name] = numel * storage
             cast_numel += numel if len(shape) == 2 and not embedding and name.endswith(".weight") else 0
         module = name.removesuffix(".weight")
@@ -225,37 +236,7 @@ def estimate_from_shapes(
     batch, seq = axes["batch_size"], train["seq_len"]  # the micro-batch: accumulated ones hold no activations
     tokens = batch * seq
     act = storage
-    layers = int(config.get("num_hidden_layers", 1))
-    heads = int(config.get("num_attention_heads", 1))
-    experts_per_token = int(config.get("num_experts_per_tok") or 1)
-    intermediate = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * hidden)
-    # Saved for backward per token and layer, in units of hidden and intermediate width (norms in and
-    # out, q/k/v/o, gated-MLP gate/up/act/product), fitted on this project's CPU runs (benchmarks/). CUDA keeps
-    # less (no oneDNN reorders; a frozen matmul keeps no input for a weight gradient): fitted on the H100 cells of
-    # tests/data (the tiny models, the MoE widths, real Gemma 3 270M and SmolLM2), estimate/measured 0.99-1.04.
-    per_hidden, per_intermediate = (24, 7) if device == "cpu" else (12, 4)
-    # Attention: the CPU kernels keep the seq x seq probabilities (and their dropout mask); CUDA's SDPA kernels
-    # (flash, memory-efficient) keep only an fp32 log-sum-exp per query (torch's meta registrations of
-    # _scaled_dot_product_{flash,efficient}_attention); eager attention keeps the probabilities on any device
-    kernel = axes.get("attention", "sdpa")
-    kernel = kernel if kernel != "sdpa" else (spec.get("model") or {}).get("attn_implementation") or "sdpa"
-    probabilities = device == "cpu" or kernel == "eager"
-    attention = batch * heads * seq * seq * act * 2 if probabilities else batch * heads * seq * 4
-    per_layer = tokens * (per_hidden * hidden + per_intermediate * intermediate * experts_per_token) * act + attention
-    if train["gradient_checkpointing"]:
-        # Each checkpointed layer keeps its input (torch's non-reentrant checkpoint, as the cell enables it); at
-        # backward one layer's activations are rebuilt. On CPU the forward's working set of a layer (the same
-        # tensors, built and freed without being saved) stays in the process's heap beside the rebuilt ones:
-        # measured 2-core EPYC, Llama width 1024 r 128 fp32, 2 x 256 tokens: 2 layers +226 MiB (this: 226), 4
-        # layers, configs/memory-fixes-cpu.yaml, peaks 0.94 of this (1 layer's worth: 0.84). The CUDA allocator
-        # reuses those blocks for the rebuilt layer.
-        activations = layers * tokens * hidden * act + per_layer * (2 if device == "cpu" else 1)
-    else:
-        activations = layers * per_layer
-    # offloaded (cell/offload.py): saved tensors live in host memory, the device holds one layer's; on CPU the same
-    kept = per_layer + tokens * hidden * act * bool(train["gradient_checkpointing"])
-    offloaded = max(0, activations - kept) if train.get("activation_offloading") and device != "cpu" else 0
-    activations -= offloaded
+    activations, offloaded = saved_activations(spec, config, device, act)
     logits = tokens * vocab * 4 * 3  # fp32 logits, log-softmax and its gradient
     # train.loss chunked (cell/chunked_loss.py): one chunk's logits at a time (rebuilt in backward), beside the
     # loss tokens' rows of the final hidden states that the chunks are cut from
@@ -282,16 +263,19 @@ def estimate_from_shapes(
     if materialized_experts and not checkpointed:
         counted = device == "cpu" and quant.experts_quantized
         kept_experts = 0 if counted else sum(numel_of(shapes[name]) for name in expert_names) * act
+    # int8-experts dequantize a layer's experts to fp32 once per forward (its cache), beside the casts kept above
+    width = quant.experts_dequantized_bytes or 0
+    experts_fp32 = _largest_layer_experts(shapes, expert_names) * width if width != act else 0
     if device == "cpu" and train["gradient_checkpointing"]:
         # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
-        dequant = _largest_layer_numel(shapes, quantized_names) * act
+        dequant = _largest_layer_numel(shapes, quantized_names) * act + experts_fp32
     elif device == "cpu":
-        dequant = quantized_numel * act
+        dequant = quantized_numel * act + experts_fp32
     else:
         experts_numel = _largest_layer_experts(shapes, expert_names) if materialized_experts else 0
-        dequant = max(largest_dequant, experts_numel if checkpointed else 0) * act
+        dequant = max(largest_dequant * act, experts_numel * act if checkpointed else 0, experts_fp32)
     # Loading. Experts quantized after the load exist at full width until then.
-    streamed = quant.experts_quantized and experts_quantized_at == "load"
+    streamed = quant.experts_quantized and not quant.experts_after_load and experts_quantized_at == "load"
     at_load = weights + (0 if streamed else experts_full - experts_final)
     if streamed:
         # the checkpoint is read into private memory (no mapped pages) and every tensor to quantize is
@@ -306,11 +290,19 @@ def estimate_from_shapes(
         # as it arrives where bitsandbytes replaces the layer; fusing per-expert tensors into a 3-D
         # parameter holds the parts and the whole at once
         weights_at_load = at_load + fused_expert_bytes(shapes, expert_names, storage)
+        if quant.experts_after_load:  # int8-experts: all at full width, the largest being quantized
+            fused = max(map(numel_of, fused_expert_parameters(shapes, expert_names).values()), default=0)
+            weights_at_load = max(weights_at_load, at_load + int8_quantize_bytes(fused, device))
         numel, on_disk = largest_on_disk
         if on_disk and on_disk != storage:
             weights_at_load = max(weights_at_load, cast_load_peak(kept_at_storage, on_disk, storage))
         load = runtime + tokenizer_bytes + weights_at_load
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
+    # weight offloading (cell/weight_offload.py): the load put every weight on the device; from the first step each
+    # decoder layer's live in host memory and come to a GPU one layer at a time. On CPU nothing moves.
+    on = train.get("weight_offloading") and device != "cpu"
+    weights_offloaded = offloaded_weight_bytes(offloadable) if on else 0
+    weights = int(weights) - weights_offloaded
     held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
     train_peak = sum(held) + transient
     total = max(load, train_peak)
@@ -322,6 +314,9 @@ def estimate_from_shapes(
         # weights grow to fp32 and its activations are fp32 (H100, Gemma 3 270M, 8 of 18 layers: +146 MiB, 0.86 of
         # the peak without them). On a CPU the checkpoint's cast load is the peak and covers them.
         not_modelled = "fp32 islands: their fp32 weights and activations (chosen when the cell starts)"
+    if lora.get("loftq_bits"):  # peft's, after the load, one weight at a time: transient, not measured here
+        loftq = "LoftQ's initialization (an adapted weight's fp32 copies, its round trip and SVD, in turn)"
+        not_modelled = f"{not_modelled}; {loftq}" if not_modelled else loftq
     return {
         "not_modelled": not_modelled,
         "cpu_onednn_off": cpu_onednn_off(spec, config, device),
@@ -337,6 +332,7 @@ def estimate_from_shapes(
             "optimizer_state": int(optimizer_bytes),
             "activations": int(activations),
             "activations_offloaded_to_host": int(offloaded),
+            "weights_offloaded_to_host": int(weights_offloaded),
             "experts_kept_for_backward": int(kept_experts),
             "logits": int(logits),
             "dequant_buffer": int(dequant),

@@ -25,6 +25,7 @@ from tunegrid.recipes.recipe import (
     warmup,
 )
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.recipes.recipe_lora import loftq
 from tunegrid.recipes.recipe_memory import (
     checkpointing_and_offloading,
     fan_in_fan_out,
@@ -67,24 +68,28 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     if adapter not in ("lora", "qlora"):
         recipe.refuse("adapter", f"{adapter!r}: tunegrid trains LoRA adapters (adapter: lora or qlora)")
     recipe.carry("adapter", adapter, "adapter")
-    peft_section = raw.get("peft") or {}
-    if isinstance(peft_section, dict) and peft_section.get("loftq_config"):
-        recipe.refuse("peft.loftq_config", "LoftQ initializes the adapters from a quantization of the base; "
-                      "tunegrid initializes peft's LoRA plainly over a bitsandbytes base (remove it)")  # fmt: skip
     bnb = raw.get("bnb_config_kwargs") or {}
     four = bool(raw.get("load_in_4bit")) or adapter == "qlora"
+    loftq(recipe, four or bool(raw.get("load_in_8bit")))
     quant_type = bnb.get("bnb_4bit_quant_type", "nf4")
     quantization(
         recipe, four, bool(raw.get("load_in_8bit")), quant_type,
         ["load_in_4bit", "load_in_8bit", "adapter", "bnb_config_kwargs"],
     )  # fmt: skip
-    experts = quant_of({"load_in_4bit": True, "bnb_4bit_quant_type": quant_type}, experts=True)
-    if raw.get("quantize_moe_experts") and four and experts:
+    eight = bool(raw.get("load_in_8bit")) and not four
+    loads = {"load_in_4bit": True, "bnb_4bit_quant_type": quant_type} if four else {"load_in_8bit": True}
+    experts = quant_of(loads, experts=True) if four or eight else None
+    if raw.get("quantize_moe_experts") and experts:  # nf4-experts, or int8-experts (axolotl's row-wise int8)
         recipe.carry("grid.quant", experts, "quantize_moe_experts")
-    elif raw.get("quantize_moe_experts"):  # axolotl's int8 row-wise parametrization under load_in_8bit
-        recipe.refuse("quantize_moe_experts", "quantizes the MoE experts in 8 bits; tunegrid quantizes them in 4 "
-                      "bits only (nf4-experts, with load_in_4bit); its int8 quantizes linear layers, not fused "
-                      "expert tensors")  # fmt: skip
+        if eight:
+            recipe.differs["quantize_moe_experts"] = (
+                "axolotl quantizes each expert tensor as the checkpoint is read onto a GPU; tunegrid quantizes them "
+                "once the 8-bit load is done, the same way (row-wise int8, dequantized to fp32 on use), so its load "
+                "holds the experts at full width first (a higher load peak; the step is the same)"
+            )
+    elif raw.get("quantize_moe_experts"):
+        recipe.refuse("quantize_moe_experts", "axolotl quantizes MoE experts under load_in_4bit or load_in_8bit; "
+                      "the recipe loads neither")  # fmt: skip
     if bnb.get("bnb_4bit_use_double_quant") is False:
         recipe.differs["bnb_config_kwargs.bnb_4bit_use_double_quant"] = (
             "false: the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them (about 0.37 bit "

@@ -155,8 +155,8 @@ APPROXIMATED = {
     "fsdp": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP): a peak measured here "
     "is the unsharded one (the same at one rank)",
     "fsdp_config": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP): a peak "
-    "measured here is the unsharded one (the same at one rank; its activation checkpointing is carried, its "
-    "parameter offloading refused)",
+    "measured here is the unsharded one (the same at one rank; its activation checkpointing and parameter "
+    "offloading are carried)",
     "fsdp_version": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP)",
     "dp_shard_size": "the recipe shards the model across ranks; tunegrid's ranks hold all of it (DDP)",
     "deepspeed": "the recipe shards states across ranks (ZeRO); tunegrid's ranks hold all of them (DDP): a peak "
@@ -204,8 +204,8 @@ REFUSED = {
     "freeze_mm_modules": "a multimodal model; tunegrid trains text-only causal LMs",
     "processor_type": "a multimodal processor; tunegrid trains text-only causal LMs on text records",
     "image_size": "a multimodal model; tunegrid trains text-only causal LMs",
-    "loftq_config": "LoftQ initializes the adapters from a quantization of the base; tunegrid initializes "
-    "peft's LoRA plainly",
+    "loftq_config": "LoftQ, as no key of this tool: set the study's lora.loftq_bits (peft's LoftQ; axolotl's "
+    "peft.loftq_config is carried so)",
     "init_lora_weights": "another adapter initialization; tunegrid initializes peft's LoRA plainly",
 }
 # what one of these keys is when it is set to something else than it would be anyway (off/empty/1)

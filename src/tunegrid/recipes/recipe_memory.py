@@ -1,11 +1,13 @@
 """Recipe keys that change where a run keeps its tensors or which of them it trains: activation offloading,
-`gradient_checkpointing: offload`, axolotl's `unfrozen_parameters`, `lora_fan_in_fan_out`. Each is carried as
+`gradient_checkpointing: offload`, FSDP's checkpointing and parameter offloading, axolotl's `unfrozen_parameters`,
+`lora_fan_in_fan_out`. Each is carried as
 the study setting that does the same in the cell, accounted for with the reason it changes nothing, or refused
 saying precisely why it cannot be.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tunegrid.recipes.recipe import Recipe
@@ -15,6 +17,8 @@ from tunegrid.recipes.recipe import Recipe
 OFFLOADED = {True: "every saved tensor", "legacy": "every saved tensor (without CUDA streams)"}
 # gradient_checkpointing values: axolotl 0.18 reads `offload` as checkpointing with activation_offloading: true
 CHECKPOINTING = {None: False, False: False, True: True, "offload": True}
+# an FSDP wrap class that is part of a decoder layer (transformers' class names: MixtralSparseMoeBlock, LlamaMLP)
+PART_OF_A_LAYER = re.compile(r"Moe|MoE|Sparse|Expert|MLP|Mlp|Attention")
 
 
 def checkpointing_and_offloading(
@@ -81,26 +85,42 @@ def unfrozen_parameters(recipe: Recipe, key: str = "unfrozen_parameters") -> Non
 
 
 def fsdp_memory(recipe: Recipe) -> None:
-    """The two settings of an FSDP config that change what one rank holds even at world size 1: activation
+    """The settings of an FSDP config that change what one rank holds even at world size 1: activation
     checkpointing of each wrapped layer (carried: tunegrid checkpoints each decoder layer, non-reentrant) and
-    parameter offloading to host memory (refused: tunegrid keeps the weights on the device). Sharding itself is
-    run differently (recipe_keys.APPROXIMATED)."""
+    parameter offloading to host memory (carried as train.weight_offloading, saying where tunegrid's differs).
+    Sharding itself is run differently (recipe_keys.APPROXIMATED)."""
     options = recipe.raw.get("fsdp")
     options = options.split() if isinstance(options, str) else options if isinstance(options, list) else []
-    if "offload" in options:  # transformers' / axolotl's option list: full_shard auto_wrap offload
-        recipe.refuse("fsdp", "offload keeps the parameters in host memory and brings each wrapped layer's "
-                      "weights to the device for its compute; tunegrid keeps the model on the device")  # fmt: skip
     config = recipe.raw.get("fsdp_config")
-    if not isinstance(config, dict):
-        return
+    config = config if isinstance(config, dict) else {}
     for key in ("activation_checkpointing", "fsdp_activation_checkpointing"):
         if config.get(key) is True:
             recipe.carry("train.gradient_checkpointing", True, f"fsdp_config.{key}")
             recipe.notes.append(f"fsdp_config.{key}: FSDP checkpoints each wrapped decoder layer; tunegrid's cells "
                                 "checkpoint each decoder layer (non-reentrant)")  # fmt: skip
+    said = [f"fsdp_config.{key}" for key in ("offload_params", "fsdp_offload_params") if config.get(key) is True]
+    said += ["fsdp"] if "offload" in options else []  # transformers' / axolotl's options: full_shard auto_wrap offload
     for key in ("offload_params", "fsdp_offload_params"):
-        if config.get(key):
-            recipe.refuse(f"fsdp_config.{key}", "FSDP keeps the parameters, their gradients and the optimizer "
-                          "state in host memory and brings each wrapped layer's weights to the device for its "
-                          "compute, at any world size (the device holds one layer's weights); tunegrid keeps the "
-                          "model on the device")  # fmt: skip
+        if config.get(key) not in (None, False, True):
+            recipe.refuse(f"fsdp_config.{key}", f"{config[key]!r}: FSDP's offload_params is true or false")
+    if not said:
+        return
+    recipe.carry("train.weight_offloading", True, *said)
+    recipe.differs[said[0]] = (
+        "FSDP keeps the parameters, their gradients and the optimizer state in host memory (its optimizer steps on "
+        "the CPU); tunegrid's weight offloading keeps each decoder layer's frozen base weights there and brings "
+        "them to the device for the layer's forward and backward, one layer at a time, but keeps the adapters, their "
+        "gradients and the optimizer state on the device (a higher peak by lora_params_grads + optimizer_state in "
+        "the estimate); and tunegrid loads the whole model onto the device before it offloads (the load's peak is "
+        "the unoffloaded one)"
+    )
+    wrapped = config.get("transformer_layer_cls_to_wrap") or config.get("fsdp_transformer_layer_cls_to_wrap")
+    names = [wrapped] if isinstance(wrapped, str) else list(wrapped) if isinstance(wrapped, list) else []
+    other = [str(n) for n in names if not str(n).endswith("DecoderLayer") and PART_OF_A_LAYER.search(str(n))]
+    if other:
+        key = next(k for k in ("transformer_layer_cls_to_wrap", "fsdp_transformer_layer_cls_to_wrap") if k in config)
+        recipe.differs[f"fsdp_config.{key}"] = (
+            f"{other}: FSDP offloads each such module as its own unit and keeps what no unit wraps (attention, "
+            "norms, embeddings) in its root unit, on the device for the whole step; tunegrid's offloading moves "
+            "each whole decoder layer (a lower peak here by every layer's weights outside those modules, but one's)"
+        )

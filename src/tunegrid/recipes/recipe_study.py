@@ -135,7 +135,9 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
             f"(the recipe's effective batch {s['grid.batch_size'] * s['grid.grad_accum']}, a smaller activation "
             "peak; never crossed with the recipe's own pair)"
         )
-    if "oom" in failures:
+    if "oom" in failures and s.get("lora.loftq_bits"):
+        why.append("oom: no quantization (LoftQ initializes over the recipe's unquantized base)")
+    elif "oom" in failures:
         from tunegrid.plans import QUANT_PLANS, memory_fix_quants
 
         moe = _is_moe(recipe)

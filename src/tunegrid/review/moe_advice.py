@@ -24,13 +24,14 @@ from tunegrid.review.advice import (
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, Quant
 
-# quantizations that quantize the fused experts too (nf4-experts), from their plans
+# quantizations that quantize the fused experts too (nf4-experts, int8-experts), from their plans
 EXPERT_QUANTS = [p.quant for p in QUANT_PLANS.values() if p.experts_quantized]
 EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
 
 
 def expert_gap(frame: Any) -> list[Recommendation]:
-    """One recommendation per model: plain-4-bit cells with unquantized experts vs their nf4-experts twins."""
+    """One recommendation per model: plain-4-bit (8-bit) cells with unquantized experts vs their nf4-experts
+    (int8-experts) twins."""
     if "quant" not in frame.columns:
         return []
     leaves_experts = [p.quant for p in QUANT_PLANS.values() if p.quantizes and not p.experts_quantized]
@@ -42,7 +43,9 @@ def expert_gap(frame: Any) -> list[Recommendation]:
     pairs: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
     for _, row in gap.iterrows():
         fixed = siblings(frame, row, "quant")
-        fixed = fixed[fixed["quant"].isin(EXPERT_QUANTS) & (fixed["outcome"] == Outcome.OK)]
+        bits = QUANT_PLANS[Quant(row["quant"])].bits  # nf4 -> nf4-experts, int8 -> int8-experts
+        twins = [q for q in EXPERT_QUANTS if QUANT_PLANS[q].bits == bits]
+        fixed = fixed[fixed["quant"].isin(twins) & (fixed["outcome"] == Outcome.OK)]
         if not fixed.empty:
             pairs[row["model"]].append((row, fixed.iloc[0]))
     out = []
