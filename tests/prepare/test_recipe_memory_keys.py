@@ -7,20 +7,12 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from conftest import AXOLOTL_QLORA_RECIPE, TRL_PEFT_RECIPE
 
 from tunegrid.recipes.recipe import RecipeError
 from tunegrid.recipes.recipe_study import import_recipe
 
-AXOLOTL = {
-    "base_model": "org/some-model", "adapter": "qlora", "load_in_4bit": True, "lora_r": 16, "lora_alpha": 32,
-    "lora_target_linear": True, "sequence_len": 2048, "micro_batch_size": 1, "gradient_accumulation_steps": 8,
-    "num_epochs": 1, "learning_rate": 2e-4, "bf16": True, "gradient_checkpointing": True,
-    "datasets": [{"path": "org/some-chats", "type": "chat_template"}],
-}  # fmt: skip
-TRL = {
-    "model_name_or_path": "org/some-model", "dataset_name": "org/some-chats", "use_peft": True,
-    "learning_rate": 2e-4, "max_length": 1024, "per_device_train_batch_size": 2,
-}  # fmt: skip
+AXOLOTL, TRL = AXOLOTL_QLORA_RECIPE, TRL_PEFT_RECIPE
 
 
 def _import(tmp_path, raw: dict, **base):
