@@ -372,6 +372,32 @@ def test_the_oom_grid_varies_the_optimizer_and_activation_checkpointing_around_t
     assert any("adamw-8bit" in line and "activation checkpointing" in line for line in header)
 
 
+def test_the_oom_grid_tries_the_chunked_loss_where_the_recipe_takes_the_full_one(workdir):
+    plain = _resolved(_recipe_with("axolotl", "adamw_torch"), failure="oom")
+    assert plain["grid"]["loss"] == ["full", "chunked"]
+    assert "local-gemma_fp32_bs4_none_s42_loss-chunked" in {c.cell_id for c in expand_cells(plain)}
+    assert baseline_cell_id(plain) == "local-gemma_fp32_bs4_none_s42"
+    header = import_recipe({"recipe": "axolotl-adamw_torch.yaml", "failure": "oom"})[2]
+    assert any("chunked loss" in line for line in header)
+    assert _resolved(_recipe_with("axolotl", "adamw_torch"), failure="nan")["grid"]["loss"] == ["full"]
+    fused = Path("fused.yaml")
+    fused.write_text(Path("axolotl-adamw_torch.yaml").read_text() + "plugins:\n  - x.CutCrossEntropyPlugin\n")
+    assert _resolved("fused.yaml", failure="oom")["grid"]["loss"] == ["full"], "chunked already: nothing to vary"
+    # a model whose logits are scaled after the head (Cohere's logit_scale): the chunks would not reproduce it
+    config = Path("models/local-gemma/config.json")
+    config.write_text(json.dumps({"model_type": "cohere", "logit_scale": 0.0625}))
+    assert _resolved(_recipe_with("axolotl", "adamw_torch"), failure="oom")["grid"]["loss"] == ["full"]
+
+
+@pytest.mark.parametrize("tool", ["axolotl", "trl"])
+def test_an_exported_chunked_loss_fix_says_which_key_of_the_tool_carries_it(workdir, tool):
+    study = _resolved(_recipe_with(tool, "adamw_torch"), failure="oom")
+    done = export_cell(study, baseline_cell_id(study) + "_loss-chunked", tool)
+    assert done.changes == {"loss": "chunked"} and done.keys == {} and done.diff == []
+    (note,) = done.notes
+    assert ("CutCrossEntropyPlugin" if tool == "axolotl" else "use_liger_kernel: true") in note
+
+
 def test_an_exported_memory_fix_writes_the_tools_own_optimizer_and_checkpointing_keys(workdir, tmp_path):
     from trl import ModelConfig, ScriptArguments, SFTConfig, TrlParser
 

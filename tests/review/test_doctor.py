@@ -14,6 +14,7 @@ from tunegrid.review.doctor_choice import (
     TRANSIENT,
     choose,
     doctor_cells,
+    memory_choice_cells,
     repeat_of,
     reproduction,
     tries,
@@ -108,6 +109,27 @@ def _memory_study():
         "activation_checkpointing": [False, True],
     }
     return resolve_study(make_study(grid=grid))
+
+
+def test_the_chunked_loss_is_a_memory_candidate_ranked_by_its_predicted_saving():
+    grid = {"model": ["gemma3-hot"], "precision": ["fp32"], "quant": ["none"], "loss": ["full", "chunked"]}
+    grid["optimizer"] = ["adamw", "adamw-8bit"]
+    study = resolve_study(make_study(grid=grid))
+    baseline = baseline_cell(study)
+    mib = 2**20
+    plans = {
+        baseline.cell_id: {"estimate_bytes": 500 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_adamw-8bit": {"estimate_bytes": 450 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_loss-chunked": {"estimate_bytes": 300 * mib, "verdict": "run"},
+        f"{baseline.cell_id}_adamw-8bit_loss-chunked": {"estimate_bytes": 250 * mib, "verdict": "run"},
+    }
+    choice = choose(study, baseline, {"outcome": "oom", "oom_stage": "step"}, CAPABILITIES, plans)
+    assert [c.change for c in choice.candidates] == [
+        {"loss": "chunked"},
+        {"optimizer": "adamw-8bit"},
+        {"optimizer": "adamw-8bit", "loss": "chunked"},
+    ]
+    assert f"{baseline.cell_id}_loss-chunked" in memory_choice_cells(study, baseline)
 
 
 def test_an_oom_gets_the_memory_settings_the_estimate_allows_one_change_at_a_time_first():

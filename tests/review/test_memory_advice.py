@@ -27,9 +27,11 @@ def _cell(
     loss=2.0,
     quality="holds",
     deviation=0.01,
+    loss_kind="full",
 ):
     cell_id = f"w_fp32_bs{batch}_{quant}_s0" + (f"_ga{accum}" if accum > 1 else "")
     cell_id += (f"_{optimizer}" if optimizer != "adamw" else "") + ("_ac" if ac else "")
+    cell_id += f"_loss-{loss_kind}" if loss_kind != "full" else ""
     return {
         "cell_id": cell_id,
         "model": "w",
@@ -41,6 +43,7 @@ def _cell(
         "grad_accum": accum,
         "optimizer": optimizer,
         "activation_checkpointing": ac,
+        "loss": loss_kind,
         "collective_timeout_s": 600.0,
         "fault": "debug",
         "effective_batch": batch * accum,
@@ -149,10 +152,17 @@ def test_memory_settings_beside_their_plain_twin():
             _cell(optimizer="adamw-8bit", peak=450, tps=900.0, loss=2.01),
             _cell(ac=True, peak=300, tps=750.0, loss=2.0),
             _cell(optimizer="adamw-8bit", ac=True, peak=250, tps=700.0, loss=2.01),
+            _cell(loss_kind="chunked", peak=400, tps=980.0, loss=2.0),
         ]
     )
     rows = {r["setting"]: r for r in memory_setting_rows(frame)}
-    assert set(rows) == {"adamw-8bit", "activation checkpointing", "adamw-8bit + activation checkpointing"}
+    assert set(rows) == {
+        "adamw-8bit",
+        "activation checkpointing",
+        "adamw-8bit + activation checkpointing",
+        "chunked loss",
+    }
+    assert rows["chunked loss"]["peak / plain"] == 0.8 and rows["chunked loss"]["plain cell"] == "w_fp32_bs4_none_s0"
     assert rows["activation checkpointing"]["peak / plain"] == 0.6
     assert rows["activation checkpointing"]["tokens/s / plain"] == 0.75
     assert abs(rows["adamw-8bit"]["final loss - plain"] - 0.01) < 1e-9
@@ -211,3 +221,16 @@ def test_without_a_checkpointing_twin_the_failing_cells_finite_steps_are_the_par
         frame, {}, {"w_fp32_bs4_none_s0": _curve([3.0]), "w_fp32_bs4_none_s0_adamw-8bit": _curve([3.0, 2.5, 2.1])}
     )
     assert rec.fixes[0].parity is None and "logged only step 0's loss, before any update, nothing" in rec.text
+
+
+def test_the_chunked_loss_is_a_memory_fix_named_as_such():
+    frame = pd.DataFrame(
+        [
+            _cell(outcome="oom"),
+            _cell(loss_kind="chunked", peak=420, tps=990.0, deviation=0.0),
+            _cell(ac=True, peak=300, tps=700.0, deviation=0.0),
+        ]
+    )
+    (rec,) = recommend(frame, {}, {})
+    assert [f.change for f in rec.fixes] == [{"loss": "chunked"}, {"activation_checkpointing": True}]
+    assert "the chunked loss fits (peak 420" in rec.text

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.cell.packing import IGNORE
-from tunegrid.vocabulary import LOSS_CHUNK_TOKENS
+from tunegrid.vocabulary import LOSS_CHUNK_TOKENS, SCALED_LOGIT_KEYS
 
 FULL, CHUNKED = "full", "chunked"  # train.loss
-# config keys of a post-processing of the logits that this loss does not reproduce (Cohere, Granite)
-UNREPRODUCED = ("logit_scale", "logits_scaling")
 
 
 def head_of(model: Any) -> Any:
@@ -116,7 +114,7 @@ class ChunkedLoss:
     @classmethod
     def of(cls, model: Any, chunk_tokens: int) -> ChunkedLoss:
         config = text_config(model)
-        scaled = [key for key in UNREPRODUCED if getattr(config, key, None) not in (None, 1, 1.0)]
+        scaled = [key for key in SCALED_LOGIT_KEYS if getattr(config, key, None) not in (None, 1, 1.0)]
         if scaled:
             raise ValueError(
                 f"train.loss: chunked does not reproduce {type(config).__name__}'s {scaled[0]} "

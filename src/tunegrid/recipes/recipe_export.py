@@ -31,6 +31,15 @@ AXOLOTL_DEFAULTS = {
 }  # fmt: skip
 
 
+# how a tool's config says the chunked loss (train.loss: chunked; recipes/recipe_loss.py reads each back)
+LOSS_EXPORT = {
+    "axolotl": "add axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin to `plugins` (Cut Cross Entropy: "
+    "the loss without the full logits)",
+    "trl": "set use_liger_kernel: true (Liger's fused linear cross entropy: the loss without the full logits; "
+    "Liger's other kernels come with it unless liger_kernel_config turns them off)",
+}
+LOSS_OFF = "the recipe's Cut Cross Entropy plugin or Liger's fused linear cross entropy"
+
 # SFTConfig's defaults that follow another key (trl 1.16.0 base_config.__post_init__): bf16 unless fp16
 SFT_DERIVED = {"bf16": lambda raw, updated: not updated.get("fp16", raw.get("fp16", False))}
 
@@ -105,6 +114,11 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
 
                 pins = " ".join(f"'{r}'" for r in requirements((study.get("stacks") or {}).get(value, {})))
                 notes.append(f"stack {value}: not a key of a {tool} config; install its versions: pip install {pins}")
+                changes[axis] = value
+            elif axis == "loss":  # one of several kernels in the tool says it, each with more than this key
+                notes.append(
+                    f"loss {value}: {LOSS_EXPORT[_family(tool)] if value != 'full' else 'turn off ' + LOSS_OFF}"
+                )
                 changes[axis] = value
             else:
                 notes.append(f"{axis} {value}: not a key of a {tool} config (e.g. launch that many processes)")

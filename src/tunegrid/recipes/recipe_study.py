@@ -17,6 +17,7 @@ from typing import Any
 from tunegrid.recipes.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
 from tunegrid.recipes.recipe_scope import check_scope
 from tunegrid.recipes.recipe_trl import detect_tool
+from tunegrid.vocabulary import LOSSES, SCALED_LOGIT_KEYS
 
 MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
 RECORD_ONLY = {"model", "adapter", "data.dataset", *(f"model.{key}" for key in MODEL_KEYS)}
@@ -85,12 +86,27 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.-]+", "-", text).strip("-.")[:64]
 
 
-def _is_moe(recipe: Recipe) -> bool:
+def _local_config(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's model config where it is a local folder (a hub model's is not read here: {})."""
     model = recipe.settings["model"]
     if model["source"] != "local":
-        return False
-    config = json.loads((Path(model["path"]) / "config.json").read_text())
+        return {}
+    return json.loads((Path(model["path"]) / "config.json").read_text())
+
+
+def _is_moe(recipe: Recipe) -> bool:
+    config = _local_config(recipe)
     return any((config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def _chunked_loss_applies(recipe: Recipe) -> bool:
+    """The chunked loss is a memory setting for this recipe: it takes the full loss (a recipe with a fused loss
+    kernel is chunked already), and its model's logits are not scaled in a way the chunks do not reproduce."""
+    if recipe.settings.get("train.loss", LOSSES[0]) != LOSSES[0]:
+        return False
+    config = _local_config(recipe)
+    text = config.get("text_config") or config
+    return all(text.get(key) in (None, 1, 1.0) for key in SCALED_LOGIT_KEYS)
 
 
 def _smaller_micro_batch(batch: int) -> int | None:
@@ -150,6 +166,9 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
         if not s.get("train.gradient_checkpointing"):  # at false the axis follows the recipe's own setting
             grid["activation_checkpointing"] = [False, True]
             why.append("oom: activation checkpointing off (the recipe's) and on")
+        if _chunked_loss_applies(recipe):
+            grid["loss"] = list(LOSSES)
+            why.append("oom: the chunked loss (one chunk of the output head's logits at a time) beside the full one")
     if "timeout" in failures:
         grid["world_size"] = [1, 2]
         why.append("timeout: one rank and two (DDP; collectives with the recipe's ddp_timeout)")

@@ -25,7 +25,7 @@ from tunegrid.study.config import Cell, cells_by_id
 from tunegrid.vocabulary import Outcome, axis_names
 
 REPEAT = 1  # the same-seed re-run of a failing baseline is its repeat 1
-MEMORY_AXES = ("quant", "optimizer", "activation_checkpointing", "batch_size", "grad_accum")
+MEMORY_AXES = ("quant", "optimizer", "activation_checkpointing", "loss", "batch_size", "grad_accum")
 DETERMINISTIC, TRANSIENT, NOT_REPRODUCED = "deterministic", "transient", "not reproduced"
 
 

@@ -1,7 +1,7 @@
 """Out of memory: the memory fixes the grid proved, cheapest first, and what each memory setting saves and costs.
 
 For a cell that ran out of memory, every ok twin that differs in memory settings only is a fix: the optimizer
-(8-bit or paged 8-bit state), activation checkpointing, both of these together, the quantization, or a smaller
+(8-bit or paged 8-bit state), activation checkpointing, the chunked loss, these together, the quantization, or a smaller
 micro-batch with the accumulation that keeps the effective batch. A twin is cited only where its quality holds
 (review/quality.py: it learned, and its loss matched its reference twin's within tolerance); an ok twin that did
 not learn or deviates is named as no evidence of a fix. Each fix is cited with its peak, its throughput against
@@ -41,15 +41,27 @@ from tunegrid.review.batch_advice import memory_batch_fix
 from tunegrid.review.moe_advice import load_peaks
 from tunegrid.review.quality import loss_curve, loss_deviation
 from tunegrid.units import human_bytes
-from tunegrid.vocabulary import Outcome, axis_names
+from tunegrid.vocabulary import LOSSES, Outcome, axis_names
 
-MEMORY_SETTINGS = ("optimizer", "activation_checkpointing")  # besides quant and the micro-batch
+MEMORY_SETTINGS = ("optimizer", "activation_checkpointing", "loss")  # besides quant and the micro-batch
+PLAIN = {"optimizer": "adamw", "activation_checkpointing": False, "loss": LOSSES[0]}  # each setting off
 
 
 def _setting(axis: str, value: Any) -> str:
     if axis == "activation_checkpointing":
         return "activation checkpointing " + ("on" if value else "off")
+    if axis == "loss":
+        return f"the {value} loss"
     return f"{axis}={value}"
+
+
+def _settings(frame: Any) -> list[str]:
+    """The memory settings this summary has columns for (one written before an axis lacks its column)."""
+    return [axis for axis in MEMORY_SETTINGS if axis in frame.columns]
+
+
+def _is_plain(cell: Any, settings: list[str]) -> bool:
+    return all(_value(cell, a) == PLAIN[a] if a != "activation_checkpointing" else not bool(cell[a]) for a in settings)
 
 
 def _value(twin: Any, axis: str) -> Any:
@@ -140,7 +152,7 @@ def _memory_twins(frame: Any, row: Any) -> Any:
         if axis in frame.columns and axis not in MEMORY_SETTINGS:
             mask &= frame[axis] == row[axis]
     differs = frame["cell_id"] != frame["cell_id"]
-    for axis in MEMORY_SETTINGS:
+    for axis in _settings(frame):
         differs |= frame[axis] != row[axis]
     return frame[mask & differs]
 
@@ -168,12 +180,12 @@ def _candidates(frame: Any, row: Any) -> tuple[list[tuple[dict[str, Any], str, A
                 )
             )
             break
-    if set(MEMORY_SETTINGS) <= set(frame.columns):
+    if _settings(frame):
         for _, twin in ok_cells(_memory_twins(frame, row)).iterrows():
             if not _evidence(twin):
                 unproven.append(unproven_name(twin))
                 continue
-            change = {a: _value(twin, a) for a in MEMORY_SETTINGS if twin[a] != row[a]}
+            change = {a: _value(twin, a) for a in _settings(frame) if twin[a] != row[a]}
             why = " with ".join(_setting(a, v) for a, v in change.items())
             found.append((change, f"{why} fits (peak {human_bytes(twin['peak_bytes'])})", twin))
     return found, unproven
@@ -223,16 +235,18 @@ def memory_fixes(frame: Any, curves: dict[str, list[dict[str, Any]]] | None = No
 
 
 def memory_setting_rows(frame: Any) -> list[dict[str, Any]]:
-    """Each ok cell with a memory setting on (8-bit optimizer, activation checkpointing) beside its plain twin
-    (adamw, no checkpointing, every other axis equal): the peak it saves and the throughput it costs."""
-    if not set(MEMORY_SETTINGS) <= set(frame.columns):
+    """Each ok cell with a memory setting on (8-bit optimizer, activation checkpointing, the chunked loss) beside
+    its plain twin (adamw, no checkpointing, the full loss, every other axis equal): the peak it saves and the
+    throughput it costs."""
+    settings = _settings(frame)
+    if not settings:
         return []
     ok = ok_cells(frame)
-    plain = ok[(ok["optimizer"] == "adamw") & (~ok["activation_checkpointing"].astype(bool))]
+    plain = ok[ok.apply(lambda cell: _is_plain(cell, settings), axis=1)] if not ok.empty else ok
     others = [a for a in axis_names() if a in frame.columns and a not in MEMORY_SETTINGS]
     rows = []
     for _, cell in ok.iterrows():
-        if cell["optimizer"] == "adamw" and not bool(cell["activation_checkpointing"]):
+        if _is_plain(cell, settings):
             continue
         mask = plain.index == plain.index
         for axis in others:
@@ -240,12 +254,13 @@ def memory_setting_rows(frame: Any) -> list[dict[str, Any]]:
         if not mask.any():
             continue
         base = plain[mask].iloc[0]
-        settings = [cell["optimizer"]] if cell["optimizer"] != "adamw" else []
-        settings += ["activation checkpointing"] if bool(cell["activation_checkpointing"]) else []
+        names = [cell["optimizer"]] if "optimizer" in settings and cell["optimizer"] != PLAIN["optimizer"] else []
+        names += ["activation checkpointing"] if bool(cell.get("activation_checkpointing")) else []
+        names += [f"{cell['loss']} loss"] if "loss" in settings and cell["loss"] != PLAIN["loss"] else []
         rows.append(
             {
                 "cell_id": cell["cell_id"],
-                "setting": " + ".join(settings),
+                "setting": " + ".join(names),
                 "plain cell": base["cell_id"],
                 "peak_bytes": cell["peak_bytes"],
                 "peak / plain": cell["peak_bytes"] / base["peak_bytes"],
