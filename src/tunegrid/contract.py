@@ -78,6 +78,7 @@ class CellKernels:
     """Which kernels the cell's worker trains with (tunegrid.prepare.cpu_kernels decides)."""
 
     cpu_onednn_off: str | None = None  # why torch's oneDNN kernels are off; None: on
+    cpu_fp16_matmul: str | None = None  # why fp16 matmuls run with fp32 sums in tunegrid's blocks; None: torch's
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,6 +120,7 @@ class CellPlan:
             "target": self.target,
             "budget_bytes": self.budget_bytes,
             "estimate": {**self.estimate(worker).record(), "cpu_onednn_off": self.kernels.cpu_onednn_off},
+            "kernels": asdict(self.kernels),
             "liveness": self.liveness.as_dict(),
         }
 

@@ -94,6 +94,10 @@ def base_record(
 
     if not torch.backends.mkldnn.enabled:  # a CPU bf16 cell with routed experts trained without oneDNN's kernels
         load["cpu_onednn"] = False  # (cell.model.use_cpu_kernels): they round differently, so a reload matches
+    from tunegrid.cell.fp16_matmul import installed
+
+    if installed():  # a CPU fp16 cell's matmuls summed in fp32 (cell.fp16_matmul): a reload computes them alike
+        load["cpu_fp16_matmul"] = "fp32-sums"
     if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/islands.make_island)
         load["fp32_islands"] = list(fp32_islands)
     if spec["lora"].get("loftq_bits"):  # the adapted weights were replaced by their LoftQ round trip

@@ -171,13 +171,18 @@ def keep_residual_fp32(model: Any) -> None:
 
 
 def use_cpu_kernels(kernels: CellKernels, device: Any) -> None:
-    """torch's oneDNN kernels on or off for this cell, as its plan says (the `cell_plan` rule decided it:
-    tunegrid.prepare.cpu_kernels, off for CPU bf16 with routed experts). Set either way on a CPU: the flag is the
-    process's, and a worker trains one cell."""
+    """torch's oneDNN kernels on or off for this cell, and fp16 matmuls with fp32 sums in tunegrid's blocks, as
+    its plan says (the `cell_plan` rule decided it: tunegrid.prepare.cpu_kernels; oneDNN off for CPU bf16 with
+    routed experts, the fp16 matmuls for every CPU fp16 cell). Set on a CPU for the process: a worker trains one
+    cell."""
     import torch
 
     if device.type == "cpu":
         torch.backends.mkldnn.enabled = kernels.cpu_onednn_off is None
+    if device.type == "cpu" and kernels.cpu_fp16_matmul:
+        from tunegrid.cell.fp16_matmul import install
+
+        install()
 
 
 def bnb_settings(spec: dict[str, Any], precision: Any) -> dict[str, Any]:

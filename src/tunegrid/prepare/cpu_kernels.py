@@ -34,3 +34,18 @@ def cpu_onednn_off(spec: dict[str, Any], config: dict[str, Any], device: str) ->
         "CPU bf16 with routed experts: oneDNN builds a kernel per token count an expert sees and keeps it, so the "
         "process would grow every step; torch's own bf16 kernels instead (flat memory, slower)"
     )
+
+
+def cpu_fp16_matmul(spec: dict[str, Any], device: str) -> str | None:
+    """Why a cell's fp16 matmuls run as fp32 products and sums over fp16 operands, rounded to fp16 once (the
+    arithmetic of a GPU's fp16 GEMM; tunegrid.cell.fp16_matmul), or None where torch's own kernels run them.
+
+    On a CPU, torch's fp16 matrix products accumulate in fp32 as well, but where an operand is used transposed
+    (every backward through a linear layer) they run 25-35x slower than the same product in fp32; a real model's
+    fp16 step spent 95 % of its time there."""
+    if device != "cpu" or precision_plan(spec["axes"]["precision"]).dtype != "float16":
+        return None
+    return (
+        "CPU fp16: matmuls multiply and sum fp16 operands in fp32 and round each result to fp16 once, as a GPU's "
+        "fp16 GEMM does (torch's CPU fp16 kernels, same arithmetic, are 25-35x slower where an operand is transposed)"
+    )
