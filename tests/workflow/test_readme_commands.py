@@ -24,7 +24,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -140,7 +139,8 @@ HOW: dict[str, tuple[str, str]] = {
     ),
     "python benchmarks/nan_overhead.py": (
         "elsewhere",
-        "a benchmark of minutes; its `--quick` form runs in tests/workflow/test_readme_commands.py (slow)",
+        "a benchmark of minutes; its `--smoke` form (the same code at tiny sizes) runs in the GPU acceptance's CPU "
+        "mode, tests/workflow/test_gpu_acceptance.py",
     ),
     "python -m pytest": ("elsewhere", ".ci/run"),
     "python -m pytest -m 'not slow'": ("elsewhere", "a subset of what .ci/run runs"),
@@ -414,25 +414,3 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     assert subprocess.run(["pgrep", "-f", f"mlflow.*{clone}"], capture_output=True, check=False).stdout == b"", (
         "no server left behind"
     )
-
-
-@pytest.mark.slow
-def test_nan_overhead_benchmark_quick_form_runs(tmp_path):
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "benchmarks" / "nan_overhead.py"),
-            "--quick",
-            "--device",
-            "cpu",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
