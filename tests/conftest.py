@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -362,6 +363,29 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) ->
         produce_checkpoint(copy.deepcopy(spec), texts, root / name)
         built[name] = root / name
     return built
+
+
+@pytest.fixture(scope="session")
+def _empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow sqlite store with MLflow's tables made and nothing else in it (its one Default experiment)."""
+    from tunegrid.track.store import client
+
+    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
+    client(f"sqlite:///{path}").search_experiments()  # MLflow creates the tables on first use
+    return path
+
+
+@pytest.fixture
+def sqlite_store(_empty_store: Path):
+    """new_store(path) -> the URI of a new, empty sqlite store at `path`. MLflow's migrations take seconds of CPU
+    for each new store, so a test whose claim is not about making a store gets a copy of one made once per
+    session: the same schema MLflow writes, and the same code from there on."""
+
+    def new_store(path: Path) -> str:
+        shutil.copyfile(_empty_store, path)
+        return f"sqlite:///{path}"
+
+    return new_store
 
 
 def processes_mentioning(path: Path) -> list[str]:
