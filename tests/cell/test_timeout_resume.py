@@ -45,6 +45,7 @@ def _tracking(tmp_path, sqlite_store):  # type: ignore[no-untyped-def]
     return path, store
 
 
+@pytest.mark.slow  # three supervised cells, the first cut by its limit
 def test_timed_out_cell_resumes_from_its_resume_state_to_the_uninterrupted_curve(
     checkpoints, dataset_path, tmp_path, monkeypatch, sqlite_store
 ):
