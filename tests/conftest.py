@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import copy
+import fcntl
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from xdist_groups import pytest_collection_modifyitems  # noqa: F401 — which tests share a pytest-xdist worker
+
+if importlib.util.find_spec("xdist") is not None:
+    from xdist_groups import pytest_xdist_make_scheduler  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -21,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Every process this test session starts inherits this marker (snakemake, supervisors, warm workers and the
 # workers they fork, even once reparented), so processes_mentioning sees this session's processes only and
-# not those of another checkout's suite or pipeline running on the same host.
+# not those of another checkout's suite or pipeline running on the same host (each pytest-xdist worker has its own).
 # The suite's studies read data files from its temporary folders, outside the folder they run in.
 os.environ.setdefault("TUNEGRID_DATA_ROOTS", tempfile.gettempdir())
 
@@ -340,13 +348,35 @@ def meta_model_shapes(model: dict[str, Any]) -> tuple[dict, dict]:
     return _META_SHAPES[key]
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], None]) -> Path:
+    """A new folder `name` filled by make(folder) once for the whole run: under pytest-xdist the first worker to
+    take the lock makes it in the run's base temporary folder and the others wait for it and read it (what a
+    session fixture read by tests is; none writes into it)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        folder = tmp_path_factory.mktemp(name)
+        make(folder)
+        return folder
+    root = tmp_path_factory.getbasetemp().parent  # the run's, above each worker's own
+    folder = root / name
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (root / f"{name}.made").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a worker that died while making it
+            folder.mkdir()
+            make(folder)
+            (root / f"{name}.made").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def dataset_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tunegrid.prepare.data import write_dataset
 
-    path = tmp_path_factory.mktemp("data") / "train.jsonl"
-    write_dataset(path, 64, 0)
-    return path
+    folder = made_once(tmp_path_factory, "data", lambda made: write_dataset(made / "train.jsonl", 64, 0))
+    return folder / "train.jsonl"
+
+
+SESSION_MODELS = {"gemma3-hot": GEMMA_HOT, "qwen3moe-tiny": QWEN_MOE, "olmoe-tiny": OLMOE}
 
 
 @pytest.fixture(scope="session")
@@ -355,13 +385,36 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, dataset_path: Path) ->
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts
 
-    texts = list(corpus_texts(read_dataset(dataset_path)))
-    root = tmp_path_factory.mktemp("models")
-    built = {}
-    for name, spec in (("gemma3-hot", GEMMA_HOT), ("qwen3moe-tiny", QWEN_MOE), ("olmoe-tiny", OLMOE)):
-        produce_checkpoint(copy.deepcopy(spec), texts, root / name)
-        built[name] = root / name
-    return built
+    def make(root: Path) -> None:
+        texts = list(corpus_texts(read_dataset(dataset_path)))
+        for name, spec in SESSION_MODELS.items():
+            produce_checkpoint(copy.deepcopy(spec), texts, root / name)
+
+    root = made_once(tmp_path_factory, "models", make)
+    return {name: root / name for name in SESSION_MODELS}
+
+
+@pytest.fixture(scope="session")
+def _empty_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An MLflow sqlite store with MLflow's tables made and nothing else in it (its one Default experiment)."""
+    from tunegrid.track.store import client
+
+    path = tmp_path_factory.mktemp("mlflow-store") / "mlflow.db"
+    client(f"sqlite:///{path}").search_experiments()  # MLflow creates the tables on first use
+    return path
+
+
+@pytest.fixture
+def sqlite_store(_empty_store: Path):
+    """new_store(path) -> the URI of a new, empty sqlite store at `path`. MLflow's migrations take seconds of CPU
+    for each new store, so a test whose claim is not about making a store gets a copy of one made once per
+    session: the same schema MLflow writes, and the same code from there on."""
+
+    def new_store(path: Path) -> str:
+        shutil.copyfile(_empty_store, path)
+        return f"sqlite:///{path}"
+
+    return new_store
 
 
 def processes_mentioning(path: Path) -> list[str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 def collect(selection: list[str], junit_dir: Path) -> tuple[list[str], list[str]]:
     """The selected test ids, and the lines of any module that could not be collected."""
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *selection],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-n", "0", *selection],
         capture_output=True,
         text=True,
     )
@@ -55,7 +55,8 @@ def main() -> int:
             # the test's own folders (its study's results) under the JUnit folder, packed as evidence
             tmp = tempfile.mkdtemp(prefix=f"tg-test{number}-")
             env = {**os.environ, "TMPDIR": tmp}
-            command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider"]
+            # -n 0: one test per process already; pyproject's `-n 2` would start two pytest-xdist workers for it
+            command = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-n", "0"]
             command += [f"--basetemp={args.junit_dir / f'test-{number}'}"]
             command += [f"--junitxml={args.junit_dir / f'{number}.xml'}", test_id]
             log = (args.junit_dir / f"{number}.log").open("w")

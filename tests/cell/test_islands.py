@@ -180,6 +180,7 @@ def test_a_pattern_that_matches_nothing_is_an_error_naming_the_key(hot_checkpoin
     assert "train.fp32_islands" in facts["reason"] and "*.mlp.down_proj" in facts["reason"]
 
 
+@pytest.mark.slow  # a supervised cell of two ranks
 def test_two_gloo_ranks_agree_on_the_islands(hot_checkpoints, dataset_path, tmp_path):
     spec = _spec("gemma3-overflow", "fp16-islands", world=2, train={"steps": 3, "threads": 1})
     run_dir = tmp_path / "runs" / spec["cell_id"]

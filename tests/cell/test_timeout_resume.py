@@ -36,21 +36,22 @@ class _ClockPastLimitOnceStalled:
         return getattr(time, name)
 
 
-def _tracking(tmp_path):  # type: ignore[no-untyped-def]
+def _tracking(tmp_path, sqlite_store):  # type: ignore[no-untyped-def]
     from tunegrid.track.store import init_experiment
 
-    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    store = sqlite_store(tmp_path / "mlflow.db")
     path = tmp_path / "tracking.json"
     write_json(path, {"tracking_uri": store, "experiment_id": init_experiment(store, "tunegrid/t", None)})
     return path, store
 
 
+@pytest.mark.slow  # three supervised cells, the first cut by its limit
 def test_timed_out_cell_resumes_from_its_resume_state_to_the_uninterrupted_curve(
-    checkpoints, dataset_path, tmp_path, monkeypatch
+    checkpoints, dataset_path, tmp_path, monkeypatch, sqlite_store
 ):
     from mlflow.tracking import MlflowClient
 
-    tracking, store = _tracking(tmp_path)
+    tracking, store = _tracking(tmp_path, sqlite_store)
     stalled = one_cell(
         model="qwen3moe-tiny", train=TRAIN, lora=LORA, debug={"stall_rank": {"rank": 0, "step": 5, "seconds": LIMIT_S}}
     )

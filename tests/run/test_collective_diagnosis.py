@@ -196,6 +196,7 @@ def test_slow_rank_that_does_not_time_out_ends_ok_with_a_straggler_warning(check
     assert all(m["local_time_s"] >= 0.6 for m in metrics)  # the injected delay is inside the local time
 
 
+@pytest.mark.slow
 def test_a_slow_rank_0_slows_the_cells_tokens_per_s_with_each_ranks_figure_beside_it(
     checkpoints, dataset_path, tmp_path
 ):

@@ -20,8 +20,9 @@ def _spec(model="qwen3moe-tiny", train=None):
     return one_cell(model=model, quant="nf4", train={"steps": 4, **(train or {})})
 
 
-def _store(tmp_path: Path) -> tuple[str, Path]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def _store(tmp_path: Path, sqlite_store) -> tuple[str, Path]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    uri = sqlite_store(tmp_path / "mlflow.db")
     experiment_id = init_experiment(uri, "tunegrid/t", tmp_path / "artifacts")
     tracking = tmp_path / "tracking.json"
     write_json(
@@ -44,8 +45,8 @@ def _run(spec, checkpoints, dataset_path, tmp_path, tracking=None, capabilities=
 
 
 @pytest.mark.slow
-def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path, tmp_path):
-    uri, tracking = _store(tmp_path)
+def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path, tmp_path, sqlite_store):
+    uri, tracking = _store(tmp_path, sqlite_store)
     spec = _spec()
     result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path, tracking)
     assert result["outcome"] == "ok", result["reason"]
@@ -106,7 +107,7 @@ def test_killed_worker_is_an_error_with_the_signal(tmp_path):
 
 
 @pytest.mark.slow
-def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset_path, tmp_path):
+def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset_path, tmp_path, sqlite_store):
     with socket.socket() as s:  # a loopback port with nothing listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -116,7 +117,7 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
     result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path, tracking)
     assert result["outcome"] == "ok"
     assert result["tracking"]["run_id"] is None and result["tracking"]["errors"]
-    uri, _ = _store(tmp_path / "later")
+    uri, _ = _store(tmp_path / "later", sqlite_store)
     experiment_id = client(uri).get_experiment_by_name("tunegrid/t").experiment_id
     synced = sync_cell(uri, experiment_id, result, run_dir, None)
     assert synced["created"]
@@ -140,8 +141,10 @@ def test_store_down_training_goes_on_and_sync_fills_the_run(checkpoints, dataset
 
 
 @pytest.mark.slow
-def test_a_cell_that_did_not_end_ok_ends_its_run_failed_and_named_by_outcome(checkpoints, dataset_path, tmp_path):
-    uri, tracking = _store(tmp_path)
+def test_a_cell_that_did_not_end_ok_ends_its_run_failed_and_named_by_outcome(
+    checkpoints, dataset_path, tmp_path, sqlite_store
+):
+    uri, tracking = _store(tmp_path, sqlite_store)
     spec = one_cell(debug={"inject_nonfinite": {"module": "model.layers.0.mlp", "step": 1, "phase": "forward"}})
     result, _ = _run(spec, checkpoints, dataset_path, tmp_path, tracking)
     assert result["outcome"] == "nan", result["reason"]

@@ -61,7 +61,9 @@ def test_a_timeout_stops_the_forked_worker_and_leaves_nothing(warm_process, chec
     result = _run(spec, checkpoints, dataset_path, tmp_path / "run")
     assert result["outcome"] == "timeout" and "wall-clock limit" in result["reason"]
     assert result["worker_exit_code"] in (-15, -9), "the signal is relayed like Popen's returncode"
-    assert time.time() - started < 30
+    # a hang guard, not a speed test (the outcome and the signal above say the 2 s limit stopped it): 32 s were
+    # seen beside a second test worker at load 7, and 100000 steps would run for many minutes
+    assert time.time() - started < 180
     # a forked worker's command line is the warm process's, so look it up by pid
     pid = int(re.search(r"worker (\d+) forked by the warm worker", capfd.readouterr().out).group(1))
     assert not Path(f"/proc/{pid}").exists()

@@ -12,9 +12,9 @@ from tunegrid.track.store import client, init_experiment
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
+def store(tmp_path, monkeypatch, sqlite_store):
     monkeypatch.setenv(EXECUTION_ENV, "20261123T000000-1")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     return uri, init_experiment(uri, "exec", tmp_path / "art"), tmp_path / "study"
 
 

@@ -22,10 +22,10 @@ SECRET = "s3cretVALUE"  # inside the too-long value: a refusal names the key, ne
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
+def store(tmp_path, monkeypatch, sqlite_store):
     monkeypatch.delenv("TUNEGRID_EXECUTION_ID", raising=False)
     monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", "false")  # over the limit is refused, not cut
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     return uri, init_experiment(uri, "refusals", tmp_path / "art")
 
 

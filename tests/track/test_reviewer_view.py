@@ -33,10 +33,10 @@ def test_an_injected_fault_is_tagged_with_what_it_injects():
     assert twin["fault"] == "none" and "fault.injected" not in twin  # the grid's own value tells twins apart
 
 
-def test_runs_of_cells_left_out_of_the_grid_no_longer_answer_the_outcome_filter(tmp_path):
+def test_runs_of_cells_left_out_of_the_grid_no_longer_answer_the_outcome_filter(tmp_path, sqlite_store):
     from tunegrid.track.store import client, init_experiment
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path / "mlflow.db")
     experiment = init_experiment(uri, "tunegrid/s", tmp_path / "artifacts")
     c = client(uri)
 
