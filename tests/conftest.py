@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_times import (  # noqa: F401 — CPU seconds per test (--cpu-durations)
+    pytest_addoption,
+    pytest_runtest_logreport,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+    pytest_terminal_summary,
+)
 from xdist_groups import pytest_collection_modifyitems  # noqa: F401 — which tests share a pytest-xdist worker
 
 if importlib.util.find_spec("xdist") is not None:

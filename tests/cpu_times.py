@@ -1,0 +1,61 @@
+"""CPU seconds per test, beside pytest's wall-clock `--durations`: on a shared or 2-core host a test's wall time
+is mostly what the others left it, while its CPU time (this process's and every child it waited for: Snakemake,
+its rules, the cell workers) is what it costs. `--cpu-durations N` prints the N costliest tests at the end (the
+suite's addopts ask for 30; a pytest-xdist run gathers them from its workers)."""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+import pytest
+
+KEY = "cpu_s"
+
+
+def _cpu() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the N tests that cost the most CPU seconds, their children's included (0: none)",
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "teardown":  # setup, call and teardown so far: the test's cost with its fixtures'
+        report.user_properties.append((KEY, _cpu() - item.config.stash.get(_START, {}).get(item.nodeid, _cpu())))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.config.stash.setdefault(_START, {})[item.nodeid] = _cpu()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == KEY and report.when == "teardown":
+            _COSTS[report.nodeid] = float(value)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    count = config.getoption("--cpu-durations")
+    if not count or not _COSTS:
+        return
+    terminalreporter.write_sep("=", f"costliest {count} tests in CPU seconds (children included)")
+    for nodeid, seconds in sorted(_COSTS.items(), key=lambda item: -item[1])[:count]:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+    terminalreporter.write_line(f"{sum(_COSTS.values()):8.1f}s cpu  all {len(_COSTS)} tests")
+
+
+_START = pytest.StashKey[dict]()
+_COSTS: dict[str, float] = {}
