@@ -119,8 +119,8 @@ class CellPlan:
         return {
             "target": self.target,
             "budget_bytes": self.budget_bytes,
-            "estimate": {**self.estimate(worker).record(), "cpu_onednn_off": self.kernels.cpu_onednn_off},
-            "kernels": asdict(self.kernels),
+            # the kernels beside the estimate they bear on (oneDNN's kept shapes, fp16 products' fp32 blocks)
+            "estimate": {**self.estimate(worker).record(), **asdict(self.kernels)},
             "liveness": self.liveness.as_dict(),
         }
 

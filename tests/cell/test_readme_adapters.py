@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+from tunegrid.cell import fp16_matmul
 from tunegrid.runtime.files import read_json
 from tunegrid.study.config import cell_spec, expand_cells, load_study, resolve_study
 
@@ -55,7 +56,10 @@ def test_readme_snippet_reproduces_every_ok_cells_reference_loss(default_study_r
             "results/<study>/runs/<cell_id>/adapter", str(Path(run_dir) / "adapter")
         )
         namespace: dict = {}
-        exec(compile(code, "review.md", "exec"), namespace)  # noqa: S102 — the page's own snippet, as written
+        try:
+            exec(compile(code, "review.md", "exec"), namespace)  # noqa: S102 — the page's own snippet, as written
+        finally:
+            fp16_matmul.uninstall()  # this process goes on with torch's own kernels
         expected = facts["training"]["reference_batch_loss"]
         assert namespace["record"]["reference"]["loss"] == expected
         off[spec["cell_id"]] = abs(namespace["loss"] - expected) / abs(expected)

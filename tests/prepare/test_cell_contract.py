@@ -46,3 +46,7 @@ def test_the_plan_decides_the_kernels_for_the_device_the_cell_trains_on(tmp_path
     assert "oneDNN" in _contract(tmp_path, checkpoints, beside, CUDA).plan.kernels.cpu_onednn_off  # trains on the CPU
     # the record says what the cell trained with
     assert on_gpu.record()["estimate"]["cpu_onednn_off"] is None
+    fp16 = one_cell(precision="fp16")
+    assert "fp32" in _contract(tmp_path, checkpoints, fp16, CPU).plan.record()["estimate"]["cpu_fp16_matmul"]
+    assert _contract(tmp_path, checkpoints, fp16, CUDA).plan.kernels.cpu_fp16_matmul is None
+    assert _contract(tmp_path, checkpoints, one_cell(), CPU).plan.kernels.cpu_fp16_matmul is None

@@ -31,6 +31,12 @@ def installed() -> bool:
     return bool(_LIBRARY)
 
 
+def uninstall() -> None:
+    """torch's own kernels back (dropping the registration restores them): for a process that goes on after
+    evaluating a cell, as a test does."""
+    _LIBRARY.clear()
+
+
 def _mm_into(out: Any, a: Any, b: Any, beta: float = 0.0, bias: Any = None, alpha: float = 1.0) -> Any:
     """out (fp16, [M, N]) = round(beta * bias + alpha * a @ b), the products and sums in fp32, in blocks along
     whichever of N (columns) and K (the reduction) is longer."""
