@@ -367,21 +367,30 @@ def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_
     assert "reserved_peak_bytes" not in meter_at_failure(MemoryMeter("cpu"))
 
 
-def test_the_manifest_measures_the_tokenizer_in_memory_and_the_estimate_holds_it(checkpoints):
+def test_the_manifest_measures_the_tokenizer_in_memory_and_the_estimate_holds_it(checkpoints, monkeypatch, tmp_path):
     """A real tokenizer is large in memory (Gemma 3's: ~340 MB for a 262k vocabulary), and a cell holds it for its
-    whole life; the checkpoint measures it once, in a fresh process, and the estimate adds it at load and step."""
+    whole life; the checkpoint measures it once, in a fresh process, and the estimate adds it at load and step. A
+    tokenizer under SMALL_TOKENIZER_BYTES on disk (a synthetic model's) is not measured: the manifest says None."""
     import json
+    import shutil
 
-    from tunegrid.prepare.probes import tokenizer_resident_bytes
+    from tunegrid.prepare import probes
+    from tunegrid.prepare.checkpoints import write_manifest
 
     folder = checkpoints["gemma3-hot"]
-    measured = tokenizer_resident_bytes(folder)
+    assert json.loads((folder / "manifest.json").read_text())["tokenizer_resident_bytes"] is None
+    assert probes.tokenizer_resident_bytes(folder) is None
+    monkeypatch.setattr(probes, "SMALL_TOKENIZER_BYTES", 0)  # as a real tokenizer is: measured
+    measured = probes.tokenizer_resident_bytes(folder)
     assert measured is not None and measured > 0
-    assert json.loads((folder / "manifest.json").read_text())["tokenizer_resident_bytes"] is not None
-    estimate = estimate_cell(_spec(), folder, 0)
-    recorded = json.loads((folder / "manifest.json").read_text())["tokenizer_resident_bytes"]
+    copy = tmp_path / "gemma3-hot"
+    shutil.copytree(folder, copy)
+    write_manifest(copy, json.loads((folder / "manifest.json").read_text())["source"])
+    recorded = json.loads((copy / "manifest.json").read_text())["tokenizer_resident_bytes"]
+    assert recorded > 0
+    estimate = estimate_cell(_spec(), copy, 0)
     assert estimate["components"]["tokenizer"] == recorded
-    without = estimate_from_shapes(_spec(), json.loads((folder / "config.json").read_text()), tensor_shapes(folder), 0)
+    without = estimate_from_shapes(_spec(), json.loads((copy / "config.json").read_text()), tensor_shapes(copy), 0)
     assert estimate["estimate_bytes"] - without["estimate_bytes"] == recorded
 
 

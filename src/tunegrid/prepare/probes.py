@@ -319,12 +319,20 @@ print(resident() - before)
 """
 
 
+SMALL_TOKENIZER_BYTES = 2**20  # tokenizer files on disk below which the footprint is not measured
+
+
 def tokenizer_resident_bytes(model_dir: Path) -> int | None:
     """What the model's tokenizer holds in memory once loaded, measured in a fresh process: a cell holds it beside
     the model for all its life, and a real one is large (Gemma 3's 262k-entry tokenizer: ~340 MB resident for a
     33 MB tokenizer.json), which a worker's calibrated runtime, measured with a tiny one, does not include. None
-    where /proc is absent or the folder has no tokenizer."""
-    if not Path("/proc/self/status").exists() or not any(Path(model_dir).glob("tokenizer*")):
+    where /proc is absent, the folder has no tokenizer, or its files are under SMALL_TOKENIZER_BYTES: a tokenizer
+    that small is the calibration's own size (a synthetic model's 22 kB tokenizer.json holds ~150 kB), and the
+    fresh process that measures it costs seconds of CPU per checkpoint."""
+    files = list(Path(model_dir).glob("tokenizer*"))
+    if not Path("/proc/self/status").exists() or not files:
+        return None
+    if sum(path.stat().st_size for path in files) < SMALL_TOKENIZER_BYTES:
         return None
     done = subprocess.run(
         [sys.executable, "-c", TOKENIZER_FOOTPRINT, str(model_dir)], capture_output=True, text=True, timeout=600
