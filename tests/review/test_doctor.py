@@ -111,18 +111,20 @@ def _memory_study():
     return resolve_study(make_study(grid=grid))
 
 
+def _runnable(baseline, estimates_mib: dict[str, int]) -> dict[str, dict]:
+    """Plans that run, by the baseline's id suffix: {suffix: estimate in MiB}."""
+    return {
+        f"{baseline.cell_id}{suffix}": {"estimate_bytes": mib * 2**20, "verdict": "run"}
+        for suffix, mib in estimates_mib.items()
+    }
+
+
 def test_the_chunked_loss_is_a_memory_candidate_ranked_by_its_predicted_saving():
     grid = {"model": ["gemma3-hot"], "precision": ["fp32"], "quant": ["none"], "loss": ["full", "chunked"]}
     grid["optimizer"] = ["adamw", "adamw-8bit"]
     study = resolve_study(make_study(grid=grid))
     baseline = baseline_cell(study)
-    mib = 2**20
-    plans = {
-        baseline.cell_id: {"estimate_bytes": 500 * mib, "verdict": "run"},
-        f"{baseline.cell_id}_adamw-8bit": {"estimate_bytes": 450 * mib, "verdict": "run"},
-        f"{baseline.cell_id}_loss-chunked": {"estimate_bytes": 300 * mib, "verdict": "run"},
-        f"{baseline.cell_id}_adamw-8bit_loss-chunked": {"estimate_bytes": 250 * mib, "verdict": "run"},
-    }
+    plans = _runnable(baseline, {"": 500, "_adamw-8bit": 450, "_loss-chunked": 300, "_adamw-8bit_loss-chunked": 250})
     choice = choose(study, baseline, {"outcome": "oom", "oom_stage": "step"}, CAPABILITIES, plans)
     assert [c.change for c in choice.candidates] == [
         {"loss": "chunked"},
@@ -136,12 +138,7 @@ def test_an_oom_gets_the_memory_settings_the_estimate_allows_one_change_at_a_tim
     study = _memory_study()
     baseline = baseline_cell(study)
     mib = 2**20
-    plans = {
-        baseline.cell_id: {"estimate_bytes": 500 * mib, "verdict": "run"},
-        f"{baseline.cell_id}_adamw-8bit": {"estimate_bytes": 450 * mib, "verdict": "run"},
-        f"{baseline.cell_id}_ac": {"estimate_bytes": 380 * mib, "verdict": "run"},
-        f"{baseline.cell_id}_adamw-8bit_ac": {"estimate_bytes": 330 * mib, "verdict": "run"},
-    }
+    plans = _runnable(baseline, {"": 500, "_adamw-8bit": 450, "_ac": 380, "_adamw-8bit_ac": 330})
     oom = {"outcome": "oom", "oom_stage": "step"}
     choice = choose(study, baseline, oom, CAPABILITIES, plans)
     assert [c.change for c in choice.candidates] == [
