@@ -99,11 +99,17 @@ def _micro_study(work_dir: Path) -> tuple[dict[str, Any], Path, Path]:
 
 @contextlib.contextmanager
 def _warm_worker(work_dir: Path) -> Iterator[Callable[[], str | None]]:
-    """A warm worker of this process's own (not the invocation's), started at once; the callable waits until it
-    serves and returns its socket, or None where it does not serve."""
+    """The warm worker the forked micro cells come from: the invocation's, where this probe runs in one that has
+    one (the very process its cells will be forked from, before any cell is), else one of this process's own,
+    started at once (a second import of the training stack would cost seconds of CPU). The callable waits until
+    it serves and returns its socket, or None where it does not serve."""
     from tunegrid.run import warm
     from tunegrid.run.warm_client import ready_info
 
+    invocation = os.environ.get(WARM_SOCKET_ENV)
+    if invocation:  # waited for only once the spawned micro cell has run: it may still be importing
+        yield lambda: invocation if ready_info(Path(invocation), wait_s=900.0) is not None else None
+        return
     path = warm.socket_path(f"calibrate-{os.getpid()}-{time.monotonic_ns()}")
     proc = warm.start(path, work_dir / "warm.log")
     try:
@@ -132,7 +138,7 @@ def _beyond_tensors(
     # no probe record: no target, and the estimate's tensors alone (no runtime constant), on the CPU
     contract_path = runs / f"{cell.cell_id}.contract.json"
     contract = write_contract(spec, job, contract_path, warm_worker=bool(warm_socket), capabilities={})
-    previous = os.environ.pop(WARM_SOCKET_ENV, None)  # the invocation's own warm worker is not this path's
+    previous = os.environ.pop(WARM_SOCKET_ENV, None)  # the spawned path runs without one
     if warm_socket:
         os.environ[WARM_SOCKET_ENV] = warm_socket
     try:
