@@ -3,8 +3,8 @@ rounded to fp16 once.
 
 torch's CPU kernels for fp16 matrix products have no fp16 hardware to run on on most CPUs. Where one operand
 is used transposed, as in every backward through a linear layer (the gradient times the weight), they fall to a
-path that is 25-35x slower than the same product in fp32 (a [48 x 32,768] by [32,768 x 640] product: 3.7 s
-against 0.14 s on an AVX512-BF16 EPYC core), so a real model's fp16 step spent 99 % of its time there (Gemma 3
+slow path (a [48 x 32,768] by [32,768 x 640] product: 2.0 s against 0.03 s here, on one AVX512-BF16 EPYC core;
+benchmarks/cpu_fp16_matmul.py), so a real model's fp16 step spent 99 % of its time there (Gemma 3
 270M, 48 tokens: 141 s; its first 6 layers and head: 130 s, and 3.9 s with these kernels). They accumulate in
 fp32 too, so the arithmetic is the same: the product of two fp16 values is exact in fp32, the sum is fp32, and
 the result is rounded to fp16 once, as a GPU's fp16 GEMM with fp32 accumulation rounds it. Only the order of

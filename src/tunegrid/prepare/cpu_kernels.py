@@ -41,11 +41,11 @@ def cpu_fp16_matmul(spec: dict[str, Any], device: str) -> str | None:
     arithmetic of a GPU's fp16 GEMM; tunegrid.cell.fp16_matmul), or None where torch's own kernels run them.
 
     On a CPU, torch's fp16 matrix products accumulate in fp32 as well, but where an operand is used transposed
-    (every backward through a linear layer) they run 25-35x slower than the same product in fp32; a real model's
-    fp16 step spent 95 % of its time there."""
+    (every backward through a linear layer) they run 19-65x slower than fp32 sums in blocks
+    (benchmarks/cpu_fp16_matmul.py); a real model's fp16 step spent 99 % of its time there."""
     if device != "cpu" or precision_plan(spec["axes"]["precision"]).dtype != "float16":
         return None
     return (
         "CPU fp16: matmuls multiply and sum fp16 operands in fp32 and round each result to fp16 once, as a GPU's "
-        "fp16 GEMM does (torch's CPU fp16 kernels, same arithmetic, are 25-35x slower where an operand is transposed)"
+        "fp16 GEMM does (torch's CPU fp16 kernels, same arithmetic, are 19-65x slower where an operand is transposed)"
     )
