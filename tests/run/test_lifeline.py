@@ -1,5 +1,6 @@
 """A worker never outlives its supervisor: kill -9 of the supervisor's whole tree mid-cell leaves no
-worker (spawned, forked by the warm worker, or a DDP rank) running after 2 s."""
+worker (spawned, forked by the warm worker, or a DDP rank) running after 2 s. Nor does a supervisor forked by the
+warm supervisor outlive its `finetune` job, which passes Snakemake's SIGTERM on to it."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
 
 def _start_supervisor(
-    tmp_path: Path, checkpoints, dataset_path, world: int, env: dict[str, str]
+    tmp_path: Path, checkpoints, dataset_path, world: int, env: dict[str, str], as_job: bool = False
 ) -> tuple[subprocess.Popen, Path]:
+    """A supervisor training a long cell, once it trains; `as_job`: the `finetune` job's command line, as the
+    rule runs it (forked by the warm supervisor where `env` names one), else run_cell in a process of its own."""
     grid = {
         "model": ["qwen3moe-tiny"],
         "precision": ["fp32"],
@@ -39,8 +42,9 @@ def _start_supervisor(
         "from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
         f"run_cell(Path({str(contract)!r}), command=['tunegrid', 'finetune'])\n"
     )
+    job = [str(REPO / "scripts" / "tunegrid.py"), "finetune", "--contract", str(contract)]
     proc = subprocess.Popen(
-        [sys.executable, "-c", code],
+        [sys.executable, *(job if as_job else ["-c", code])],
         env={**env, "PYTHONPATH": str(REPO / "src")},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -104,6 +108,45 @@ def test_a_worker_forked_by_the_warm_worker_dies_with_its_supervisor(checkpoints
         assert left == []
     finally:
         warm.stop(warm_proc, path)
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.slow
+def test_a_supervisor_forked_by_the_warm_supervisor_stops_with_its_job(checkpoints, dataset_path, tmp_path):
+    """The job's SIGTERM (Snakemake's cancel) reaches the forked supervisor, which stops its worker and ends the
+    job with its own code; kill -9 of the job's tree takes the supervisor and its worker with it."""
+    sockets = {role: warm.socket_path(f"test-job-{os.getpid()}-{time.monotonic_ns()}", role) for role in ROLES}
+    started = {role: warm.start(path, tmp_path / f"{role}.log", role) for role, path in sockets.items()}
+    env = {**os.environ, warm.SOCKET_ENV: str(sockets[warm.WORKER])}
+    env[warm.SUPERVISOR_SOCKET_ENV] = str(sockets[warm.SUPERVISOR])
+    try:
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            proc, _ = _start_supervisor(tmp_path / signum.name, checkpoints, dataset_path, 1, env, as_job=True)
+            supervisor = int(re.findall(r"forked supervisor (\d+)", (tmp_path / "supervisor.log").read_text())[-1])
+            if signum == signal.SIGTERM:
+                proc.send_signal(signum)  # the job alone: the supervisor is in a session of its own
+            else:
+                os.killpg(proc.pid, signum)
+            code = proc.wait(timeout=60)
+            # from the warm worker's log: the job's output stays open while anything holding it still runs
+            worker = int(re.findall(r"forked worker (\d+)", (tmp_path / "worker.log").read_text())[-1])
+            pids = (supervisor, worker)
+            left = _gone_within(lambda pids=pids: [str(pid) for pid in pids if _alive(pid)])
+            for pid in left:
+                os.kill(int(pid), signal.SIGKILL)
+            assert left == [], f"{signum.name}: left running"
+            out = proc.stdout.read()
+            assert f"worker {worker} forked by the warm worker" in out
+            assert code == (128 + signal.SIGTERM if signum == signal.SIGTERM else -signal.SIGKILL), out[-2000:]
+    finally:
+        for role, proc in started.items():
+            warm.stop(proc, sockets[role])
+
+
+ROLES = (warm.WORKER, warm.SUPERVISOR)
 
 
 def test_processes_mentioning_sees_only_this_sessions_processes(tmp_path):

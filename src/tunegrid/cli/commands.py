@@ -87,10 +87,11 @@ def tracking_init(args: argparse.Namespace) -> None:
 
 
 def finetune(args: argparse.Namespace) -> None:
-    from tunegrid.run.supervisor import run_cell
+    from tunegrid.run.warm_jobs import run_finetune
 
-    result = run_cell(Path(args.contract), command=[sys.executable, *sys.argv])
-    print(f"cell {result['cell_id']}: {result['outcome']} — {result['reason']}")
+    code = run_finetune(Path(args.contract), [sys.executable, *sys.argv])
+    if code:
+        raise SystemExit(code)
 
 
 def worker(args: argparse.Namespace) -> None:

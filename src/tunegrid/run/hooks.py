@@ -1,7 +1,7 @@
 """What the Snakefile's onstart / onsuccess / onerror do: one package call each.
 
-onstart starts this invocation's warm worker (local runs; the resolved study and the cells' specs are rules'
-files, workflow/rules/plan.smk);
+onstart starts this invocation's warm worker and warm supervisor (local runs; the resolved study and the cells'
+specs are rules' files, workflow/rules/plan.smk);
 onsuccess / onerror stop it and close the invocation's MLflow run when there is more to record. A
 cluster job's own snakemake runs no hooks. Nothing here may fail the workflow's own outcome.
 """
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_WARM: list[tuple[Any, Path]] = []  # (process, socket path) of this invocation's warm worker
+_WARM: list[tuple[Any, Path]] = []  # (process, socket path) of this invocation's warm processes
 
 
 def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | None = None) -> None:
@@ -22,7 +22,7 @@ def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | 
     peft imported, ~1 s and hundreds of MiB) serves cells only, so `snakemake mlflow_ui`, `report` or a
     run with every cell done does not start one."""
     if cells_to_run != 0:
-        _start_warm_worker(study, logs, local)
+        _start_warm_worker(study, logs, local, cells_to_run)
 
 
 def on_end(
@@ -55,16 +55,24 @@ def _print_glance(study: dict[str, Any], results: str, cell_ids: list[str]) -> N
         atexit.register(lambda: print("\n".join(lines), file=sys.stderr, flush=True))
 
 
-def _start_warm_worker(study: dict[str, Any], logs: str, local: bool) -> None:
-    """The warm worker (tunegrid.run.warm), whose socket the jobs find in the environment."""
+def _start_warm_worker(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | None) -> None:
+    """The warm worker and the warm supervisor (tunegrid.run.warm), whose sockets the jobs find in the
+    environment. The warm supervisor saves each cell's supervisor the import of MLflow, so it starts only where
+    the cells track to MLflow and there is more than one of them (its own import costs what one cell saves)."""
     from tunegrid.run import warm
     from tunegrid.track.execution import EXECUTION_ENV
 
-    if not (local and study["execution"]["warm_worker"]) or os.environ.get(warm.SOCKET_ENV):
+    if not (local and study["execution"]["warm_worker"]):
         return
-    path = warm.socket_path(os.environ[EXECUTION_ENV])
-    _WARM.append((warm.start(path, Path(f"{logs}/warm_worker.log")), path))
-    os.environ[warm.SOCKET_ENV] = str(path)
+    roles = [(warm.WORKER, warm.SOCKET_ENV, "warm_worker.log")]
+    if study["tracking"]["enabled"] and (cells_to_run is None or cells_to_run > 1):
+        roles.append((warm.SUPERVISOR, warm.SUPERVISOR_SOCKET_ENV, "warm_supervisor.log"))
+    for role, env, log in roles:
+        if os.environ.get(env):  # given by the environment (an enclosing invocation): its jobs use that one
+            continue
+        path = warm.socket_path(os.environ[EXECUTION_ENV], role)
+        _WARM.append((warm.start(path, Path(f"{logs}/{log}"), role), path))
+        os.environ[env] = str(path)
 
 
 def _close_execution(status: str, results: str, logs: str, script: str) -> None:

@@ -1,17 +1,18 @@
-"""A warm worker: one process per local `snakemake` invocation that has imported torch, transformers,
-peft and bitsandbytes once and forks each cell's worker on request.
+"""A warm worker: one process per local `snakemake` invocation that has imported torch, transformers, peft and
+bitsandbytes once and forks each cell's worker on request. Its sibling, the warm supervisor, has imported MLflow and
+the supervisor's code once and forks each cell's supervisor (the `finetune` job).
 
-Why: a short cell is mostly imports (~6.5 s of an 8 s CPU cell here: benchmarks/README.md); the fork
-inherits them. What stays as before: the worker is a process of its own in its own session, so the
-supervisor still stops its whole group, reads its exit code (relayed over the socket) and watches its
-heartbeat; its stdout/stderr are the supervisor's own descriptors (passed with SCM_RIGHTS), its
-environment and working directory the supervisor's. Anything unusual — no socket, a refused or broken
-connection — and the supervisor spawns the worker the ordinary way; nothing depends on this process.
-The supervisor's side of the socket is tunegrid.run.warm_client.
+Why: a short cell is mostly imports (~6.5 s of an 8 s CPU cell here: benchmarks/README.md); the fork inherits them.
+The supervisor's own share is MLflow's import and its SQL store's (~2 CPU-s per cell, more than a tiny cell's
+training), paid once per invocation by the warm supervisor (tunegrid.run.warm_jobs). What stays as before: the worker
+is a process of its own in its own session, so the supervisor still stops its whole group, reads its exit code
+(relayed over the socket) and watches its heartbeat; its stdout/stderr are the supervisor's own descriptors (passed
+with SCM_RIGHTS), its environment and working directory the supervisor's. Anything unusual — no socket, a refused or
+broken connection — and the supervisor spawns the worker the ordinary way; nothing depends on this process. The
+supervisor's side of the socket is tunegrid.run.warm_client.
 
-It must stay single-threaded and must not touch CUDA or torch's thread pools before forking (neither
-survives a fork): it only imports. It exits when the `snakemake` that started it is gone or after
-`idle_s` without requests.
+It must stay single-threaded and must not touch CUDA or torch's thread pools before forking (neither survives a
+fork): it only imports. It exits when the `snakemake` that started it is gone or after `idle_s` without requests.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunegrid.runtime.lifeline import alive
-from tunegrid.runtime.workers import WARM_SOCKET_ENV
+from tunegrid.runtime.lifeline import JOB_PID_ENV, alive, hold
+from tunegrid.runtime.workers import WARM_SOCKET_ENV, WARM_SUPERVISOR_SOCKET_ENV
 
 SOCKET_ENV = WARM_SOCKET_ENV  # the jobs find this invocation's socket here
+SUPERVISOR_SOCKET_ENV = WARM_SUPERVISOR_SOCKET_ENV  # and the warm supervisor's here
+WORKER, SUPERVISOR = "worker", "supervisor"  # what a warm process forks: cells' workers, or cells' supervisors
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
 PRELOAD = (
     "torch",
@@ -43,13 +46,16 @@ PRELOAD = (
     "tunegrid.cell.instrument",
     "tunegrid.cell.precision",
 )
+# what a cell's supervisor imports (no torch: it never trains); MLflow's client and SQL store are the cost
+SUPERVISOR_PRELOAD = ("tunegrid.run.warm_jobs", "tunegrid.track.tracking", "tunegrid.track.execution")
 
 
-def socket_path(execution_id: str) -> Path:
+def socket_path(execution_id: str, role: str = WORKER) -> Path:
     import tempfile
 
     # AF_UNIX paths are limited to ~107 bytes: the temp dir, not the (possibly deep) results folder
-    return Path(tempfile.gettempdir()) / f"tunegrid-{os.getuid()}-{execution_id}.sock"
+    suffix = "" if role == WORKER else f"-{role}"
+    return Path(tempfile.gettempdir()) / f"tunegrid-{os.getuid()}-{execution_id}{suffix}.sock"
 
 
 # ----------------------------------------------------------------------------------------- server
@@ -73,16 +79,20 @@ def fork_refusal() -> str | None:
     return None
 
 
-def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
+def serve(path: Path, owner_pid: int, idle_s: float = 600.0, role: str = WORKER) -> None:
     import importlib
 
     started = time.time()
-    for name in PRELOAD:
+    for name in PRELOAD if role == WORKER else SUPERVISOR_PRELOAD:
         importlib.import_module(name)
-    refusal = fork_refusal()
+    if role == SUPERVISOR:
+        from tunegrid.track.store import import_client
+
+        import_client()
+    refusal = fork_refusal() if role == WORKER else None  # a supervisor never touches torch, so nor CUDA
     if refusal:  # no socket appears: every supervisor spawns its worker the ordinary way
         Path(str(path) + ".json").write_text(json.dumps({"pid": os.getpid(), "refused": refusal}))
-        print(f"warm worker {os.getpid()} not serving: {refusal}", flush=True)
+        print(f"warm {role} {os.getpid()} not serving: {refusal}", flush=True)
         return
     # what a forked worker holds at work is the probe's to measure (tunegrid.run.calibrate), not this process's
     info = {"pid": os.getpid(), "import_s": time.time() - started}
@@ -92,7 +102,7 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
     listener.bind(str(path) + ".tmp")
     os.replace(str(path) + ".tmp", path)  # the socket appears only when it is ready to serve
     listener.listen(64)
-    print(f"warm worker {os.getpid()} ready at {path} after {time.time() - started:.1f} s", flush=True)
+    print(f"warm {role} {os.getpid()} ready at {path} after {time.time() - started:.1f} s", flush=True)
     children: dict[int, socket.socket] = {}
     last_request = time.time()
     try:
@@ -101,16 +111,18 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0) -> None:
             if ready:
                 conn, _ = listener.accept()
                 last_request = time.time()
-                pid = _fork_one(conn, listener, children)
+                pid = _fork_one(conn, listener, children, role)
                 if pid:
-                    print(f"forked worker {pid}", flush=True)
+                    print(f"forked {role} {pid}", flush=True)
             _reap(children)
     finally:
         listener.close()
         path.unlink(missing_ok=True)
 
 
-def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, socket.socket]) -> int | None:
+def _fork_one(
+    conn: socket.socket, listener: socket.socket, children: dict[int, socket.socket], role: str
+) -> int | None:
     try:
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         request = json.loads(message)
@@ -120,7 +132,7 @@ def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, 
         print(f"bad request: {exc}", flush=True)
         conn.close()
         return None
-    refusal = fork_refusal()
+    refusal = fork_refusal() if role == WORKER else None
     if refusal:  # closing the connection makes the supervisor spawn this worker instead
         print(f"refused to fork: {refusal}", flush=True)
         conn.close()
@@ -131,7 +143,7 @@ def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, 
         for other in children.values():
             other.close()
         conn.close()
-        _become_worker(request, fds)
+        _become_worker(request, fds, role)
     for fd in fds:
         os.close(fd)
     children[pid] = conn
@@ -139,7 +151,7 @@ def _fork_one(conn: socket.socket, listener: socket.socket, children: dict[int, 
     return pid
 
 
-def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
+def _become_worker(request: dict[str, Any], fds: list[int], role: str = WORKER) -> None:
     code = 1
     try:
         os.setsid()
@@ -152,9 +164,18 @@ def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
-        from tunegrid.cell.entry import run_worker_from_argv
+        if role == SUPERVISOR:
+            # the job that asked is the supervisor's owner: killed (Snakemake's cancel, kill -9), it takes this
+            # process, and this one its worker, with it (the worker's lifeline watches this pid)
+            hold(int(os.environ.pop(JOB_PID_ENV, "0") or 0))
+            os.environ.pop(SUPERVISOR_SOCKET_ENV, None)  # this is the supervisor: it asks for no other
+            from tunegrid.run.warm_jobs import finetune_from_argv
 
-        code = run_worker_from_argv(request["argv"])
+            code = finetune_from_argv(request["argv"])
+        else:
+            from tunegrid.cell.entry import run_worker_from_argv
+
+            code = run_worker_from_argv(request["argv"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # noqa: BLE001 — printed like an uncaught exception, the exit code says it failed
@@ -206,7 +227,7 @@ def sweep_stale(directory: Path) -> list[Path]:
     return removed
 
 
-def start(path: Path, log_path: Path) -> subprocess.Popen[bytes]:
+def start(path: Path, log_path: Path, role: str = WORKER) -> subprocess.Popen[bytes]:
     """Start the warm process for this invocation (Snakefile onstart). Same process group as snakemake,
     so a signal to the whole tree reaches it too."""
     sweep_stale(path.parent)
@@ -219,7 +240,7 @@ def start(path: Path, log_path: Path) -> subprocess.Popen[bytes]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tunegrid.run.warm", str(path), str(os.getpid())],
+            [sys.executable, "-m", "tunegrid.run.warm", str(path), str(os.getpid()), role],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -244,6 +265,6 @@ def stop(proc: subprocess.Popen[bytes], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    serve(Path(sys.argv[1]), int(sys.argv[2]))
+    serve(Path(sys.argv[1]), int(sys.argv[2]), role=sys.argv[3] if len(sys.argv) > 3 else WORKER)
     sys.stdout.flush()
     os._exit(0)

@@ -23,6 +23,9 @@ import threading
 import time
 
 SUPERVISOR_PID_ENV = "TUNEGRID_SUPERVISOR_PID"
+# A supervisor forked by the warm supervisor (tunegrid.run.warm_jobs) is held the same way to its `finetune` job,
+# the process Snakemake started and would kill: this variable carries that job's pid in the fork request.
+JOB_PID_ENV = "TUNEGRID_JOB_PID"
 _PR_SET_PDEATHSIG = 1
 
 

@@ -17,6 +17,8 @@ FORKED = "forked"
 WORKERS = (SPAWNED, FORKED)
 # the environment variable through which a snakemake invocation's jobs find its warm worker's socket
 WARM_SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
+# and its warm supervisor's, which forks each `finetune` job's supervisor (tunegrid.run.warm_jobs)
+WARM_SUPERVISOR_SOCKET_ENV = "TUNEGRID_WARM_SUPERVISOR_SOCKET"
 
 
 def planned_worker(spec: dict[str, Any], device: str, warm_worker: bool) -> str:

@@ -75,6 +75,15 @@ def with_retries(call: Callable[[], T], what: str, attempts: int = 6, first_wait
     raise AssertionError("unreachable")
 
 
+def import_client() -> None:
+    """Import what a cell's MLflow run needs (the client, the SQL store, the system-metrics monitor): ~2 CPU-s,
+    which the warm supervisor pays once so that the supervisors it forks do not (tunegrid.run.warm_jobs). Only
+    imports: an engine or thread made here would not survive the fork."""
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    import mlflow.system_metrics.system_metrics_monitor  # noqa: F401
+    from mlflow.tracking import MlflowClient  # noqa: F401
+
+
 def client(uri: str) -> Any:
     # A tracking server that is down must not stall a cell for minutes inside MLflow's own HTTP
     # retries: ours (with_retries) are enough. A user's explicit setting wins.
