@@ -322,3 +322,15 @@ def test_cells_at_once_ask_for_no_more_than_the_hosts_cores(tmp_path):
     blocks = done.stdout.split("\n\n")
     finetune = [b for b in blocks if "rule finetune:" in b]
     assert finetune and all("host_cores=1" in b for b in finetune), finetune[:1]
+
+
+def test_the_probe_measures_all_reduce_at_the_grids_world_sizes_unless_the_study_names_its_own():
+    """A study of one-process cells starts no all-reduce ranks; one with 2- and 4-rank cells measures both; a
+    study's own `probe.world_sizes` is kept as written ([] measures none)."""
+    from tunegrid.study.config import probe_world_sizes
+
+    assert probe_world_sizes(resolve_study(make_study())) == []
+    grid = {**make_study()["grid"], "world_size": [1, 4, 2]}
+    assert probe_world_sizes(resolve_study(make_study(grid=grid))) == [2, 4]
+    assert probe_world_sizes(resolve_study(make_study(grid=grid, probe={"world_sizes": []}))) == []
+    assert probe_world_sizes(resolve_study(make_study(probe={"world_sizes": [8]}))) == [8]

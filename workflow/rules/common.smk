@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 
 from tunegrid.run import hooks
 from tunegrid.study.paths import StudyPaths
-from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, resolve_study, spec_json
+from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, probe_world_sizes, resolve_study, spec_json
 from tunegrid.runtime.devices import cell_gpus, gpus_per_rank
 from tunegrid.prepare.cell_plan import mem_mb_for_job
 from tunegrid.recipes.recipe_study import expand_base

@@ -10,7 +10,7 @@ rule probe:
     resources:
         gpu=get_probe_gpus,
     params:
-        world_sizes=" ".join(map(str, STUDY["probe"]["world_sizes"])),
+        world_sizes=" ".join(map(str, probe_world_sizes(STUDY))),
         budget_s=STUDY["probe"]["budget_s"],
     # gpus_per_rank 0: the cells train on the CPU even where a GPU is visible, so the probe measures it (in the
     # command rather than a param: a study that does not hide GPUs keeps the probe's command as it was)

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("probe", help="record hardware capabilities")
     p.add_argument("--out", required=True)
     p.add_argument("--budget-s", type=float, default=30.0)
-    p.add_argument("--world-sizes", type=int, nargs="*", default=[2])
+    p.add_argument("--world-sizes", type=int, nargs="*", default=[], help="ranks of the all-reduce benchmark")
     p.set_defaults(func=commands.probe)
 
     p = sub.add_parser("tracking-init", help="create the MLflow store and the study's experiment once")

@@ -117,6 +117,13 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def probe_world_sizes(study: dict[str, Any]) -> list[int]:
+    """The process counts the probe's all-reduce benchmark runs at: the study's own (`probe.world_sizes`), else the
+    grid's world sizes above 1. The figure is a fact of the report, measured where the study has collectives."""
+    given = study["probe"]["world_sizes"]
+    return sorted(set(given)) if given is not None else sorted({int(w) for w in study["grid"]["world_size"] if w > 1})
+
+
 def _semantic_problems(config: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     models = config["models"]
