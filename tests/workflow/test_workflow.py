@@ -89,9 +89,9 @@ def test_tiny_study_end_to_end(finished_study):
     cell_logs = sorted((tmp_path / "results" / "logs" / "e2e" / "finetune").glob("*.log"))
     assert len(cell_logs) == len(summary) and all("forked by the warm worker" in p.read_text() for p in cell_logs)
     assert "ready at" in (tmp_path / "results" / "logs" / "e2e" / "warm_worker.log").read_text()
-    # and every cell's supervisor by its warm supervisor (MLflow imported once per invocation, not per cell)
-    forked = (tmp_path / "results" / "logs" / "e2e" / "warm_supervisor.log").read_text().count("forked supervisor")
-    assert forked == len(summary)
+    # and every cell's supervisor and tracking job by its warm supervisor (MLflow imported once, not per job)
+    forked = (tmp_path / "results" / "logs" / "e2e" / "warm_supervisor.log").read_text()
+    assert forked.count("(finetune)") == len(summary) and "(tracking-init)" in forked and "(sync)" in forked
     assert processes_mentioning(Path("tunegrid.run.warm")) == [], "the warm worker stopped with snakemake"
     env = read_json(results / "env" / "environment.json")
     assert env["packages"]["torch"] and env["bitsandbytes"]["nf4_runs"] is True

@@ -87,11 +87,10 @@ def tracking_init(args: argparse.Namespace) -> None:
 
 
 def finetune(args: argparse.Namespace) -> None:
-    from tunegrid.run.warm_jobs import run_finetune
+    from tunegrid.run.supervisor import run_cell
 
-    code = run_finetune(Path(args.contract), [sys.executable, *sys.argv])
-    if code:
-        raise SystemExit(code)
+    result = run_cell(Path(args.contract), command=[sys.executable, *sys.argv])
+    print(f"cell {result['cell_id']}: {result['outcome']} — {result['reason']}")
 
 
 def worker(args: argparse.Namespace) -> None:

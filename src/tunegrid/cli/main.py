@@ -169,8 +169,12 @@ def run() -> None:
     mlflow costs 0.6-1.3 s per process here (benchmarks/orchestration.py) and does nothing for us, since
     every file is written atomically or line-flushed before return (crash-safe writers never rely on
     teardown) and every child process has been waited for. An exception still exits the normal way, with
-    its traceback. Tests call main() in-process, which is unaffected."""
-    code = main()
+    its traceback. Tests call main() in-process, which is unaffected. A command the invocation's warm supervisor
+    serves is forked by it (tunegrid.run.warm_jobs): this process then only waits and relays."""
+    from tunegrid.run.warm_jobs import forked_job
+
+    forked = forked_job(sys.argv)
+    code = main() if forked is None else forked
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -22,7 +22,7 @@ def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | 
     peft imported, ~1 s and hundreds of MiB) serves cells only, so `snakemake mlflow_ui`, `report` or a
     run with every cell done does not start one."""
     if cells_to_run != 0:
-        _start_warm_worker(study, logs, local, cells_to_run)
+        _start_warm_worker(study, logs, local)
 
 
 def on_end(
@@ -55,17 +55,17 @@ def _print_glance(study: dict[str, Any], results: str, cell_ids: list[str]) -> N
         atexit.register(lambda: print("\n".join(lines), file=sys.stderr, flush=True))
 
 
-def _start_warm_worker(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | None) -> None:
+def _start_warm_worker(study: dict[str, Any], logs: str, local: bool) -> None:
     """The warm worker and the warm supervisor (tunegrid.run.warm), whose sockets the jobs find in the
-    environment. The warm supervisor saves each cell's supervisor the import of MLflow, so it starts only where
-    the cells track to MLflow and there is more than one of them (its own import costs what one cell saves)."""
+    environment. The warm supervisor saves each cell's supervisor and each tracking job the import of MLflow
+    (tunegrid.run.warm_jobs), so it starts where the study tracks to MLflow."""
     from tunegrid.run import warm
     from tunegrid.track.execution import EXECUTION_ENV
 
     if not (local and study["execution"]["warm_worker"]):
         return
     roles = [(warm.WORKER, warm.SOCKET_ENV, "warm_worker.log")]
-    if study["tracking"]["enabled"] and (cells_to_run is None or cells_to_run > 1):
+    if study["tracking"]["enabled"]:
         roles.append((warm.SUPERVISOR, warm.SUPERVISOR_SOCKET_ENV, "warm_supervisor.log"))
     for role, env, log in roles:
         if os.environ.get(env):  # given by the environment (an enclosing invocation): its jobs use that one

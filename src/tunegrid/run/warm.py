@@ -1,6 +1,6 @@
 """A warm worker: one process per local `snakemake` invocation that has imported torch, transformers, peft and
 bitsandbytes once and forks each cell's worker on request. Its sibling, the warm supervisor, has imported MLflow and
-the supervisor's code once and forks each cell's supervisor (the `finetune` job).
+the supervisor's code once and forks each cell's supervisor and the tracking, summary and report jobs.
 
 Why: a short cell is mostly imports (~6.5 s of an 8 s CPU cell here: benchmarks/README.md); the fork inherits them.
 The supervisor's own share is MLflow's import and its SQL store's (~2 CPU-s per cell, more than a tiny cell's
@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -46,8 +47,15 @@ PRELOAD = (
     "tunegrid.cell.instrument",
     "tunegrid.cell.precision",
 )
-# what a cell's supervisor imports (no torch: it never trains); MLflow's client and SQL store are the cost
-SUPERVISOR_PRELOAD = ("tunegrid.run.warm_jobs", "tunegrid.track.tracking", "tunegrid.track.execution")
+# what a cell's supervisor and the tracking jobs import (no torch: they never train); MLflow's client and SQL store
+# (which import pandas too) are the cost
+SUPERVISOR_PRELOAD = (
+    "tunegrid.cli.commands",
+    "tunegrid.run.supervisor",
+    "tunegrid.track.tracking",
+    "tunegrid.track.execution",
+    "tunegrid.track.probe_run",
+)
 
 
 def socket_path(execution_id: str, role: str = WORKER) -> Path:
@@ -111,9 +119,7 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0, role: str = WORKER)
             if ready:
                 conn, _ = listener.accept()
                 last_request = time.time()
-                pid = _fork_one(conn, listener, children, role)
-                if pid:
-                    print(f"forked {role} {pid}", flush=True)
+                _fork_one(conn, listener, children, role)
             _reap(children)
     finally:
         listener.close()
@@ -137,6 +143,7 @@ def _fork_one(
         print(f"refused to fork: {refusal}", flush=True)
         conn.close()
         return None
+    sys.stdout.flush()
     pid = os.fork()
     if pid == 0:  # the worker
         listener.close()
@@ -148,6 +155,8 @@ def _fork_one(
         os.close(fd)
     children[pid] = conn
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    what = f" ({request['argv'][1]})" if role == SUPERVISOR and len(request["argv"]) > 1 else ""
+    print(f"forked {role} {pid}{what}", flush=True)
     return pid
 
 
@@ -165,13 +174,12 @@ def _become_worker(request: dict[str, Any], fds: list[int], role: str = WORKER) 
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
         if role == SUPERVISOR:
-            # the job that asked is the supervisor's owner: killed (Snakemake's cancel, kill -9), it takes this
-            # process, and this one its worker, with it (the worker's lifeline watches this pid)
+            # the job that asked owns this process: killed (kill -9 of its tree), it takes this process, and a
+            # supervisor its worker (whose lifeline watches this pid), with it
             hold(int(os.environ.pop(JOB_PID_ENV, "0") or 0))
-            os.environ.pop(SUPERVISOR_SOCKET_ENV, None)  # this is the supervisor: it asks for no other
-            from tunegrid.run.warm_jobs import finetune_from_argv
-
-            code = finetune_from_argv(request["argv"])
+            # the job's command line, as `python -m tunegrid.cli ...` runs it (and as a cell's worker is spawned):
+            # its entry point flushes and leaves by os._exit with the command's code
+            runpy.run_module("tunegrid.cli", run_name="__main__")  # sys.argv stays the job's own
         else:
             from tunegrid.cell.entry import run_worker_from_argv
 
