@@ -43,6 +43,32 @@ os.environ.setdefault("TUNEGRID_DATA_ROOTS", tempfile.gettempdir())
 SESSION_ENV = "TUNEGRID_TEST_SESSION"
 os.environ[SESSION_ENV] = uuid.uuid4().hex
 
+# The session's one cache of dequantized GGUF checkpoints (prepare/gguf_cache.py), shared by its tests, the
+# Snakemake runs and the acceptance script they start (all inherit the environment): each GGUF is dequantized once
+# a session, not once a study. pytest_configure makes it in the controller, before pytest-xdist starts the workers
+# that inherit it; a TUNEGRID_CACHE the caller set wins. A test about the cache itself sets its own.
+CACHE_ENV = "TUNEGRID_CACHE"
+_SESSION_CACHE = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's, which makes the base temporary folder
+def pytest_configure(config: pytest.Config) -> None:
+    """The session's cache, made by the controller (or the one process of `-n 0`)."""
+    if hasattr(config, "workerinput") or os.environ.get(CACHE_ENV):  # a worker: the controller's is inherited
+        return
+    folder = config._tmp_path_factory.getbasetemp() / "tunegrid-cache"  # the run's, above each worker's own
+    folder.mkdir(exist_ok=True)
+    os.environ[CACHE_ENV] = str(folder)
+    config.stash[_SESSION_CACHE] = folder
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's cache removed with it (a gigabyte and more once the real models have been dequantized)."""
+    folder = config.stash.get(_SESSION_CACHE, None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop(CACHE_ENV, None)
+
 
 def snakemake_command(workdir: Path, *args: str) -> list[str]:
     """This workflow's snakemake command line, run in `workdir` as in a user's own project folder."""

@@ -25,8 +25,11 @@ REFERENCE_BATCH_FILE = "reference_batch.safetensors"
 
 def base_model_identity(manifest: dict[str, Any]) -> dict[str, Any]:
     """Which base checkpoint: the manifest's sha256 always (it lists every file's sha256), the hub
-    coordinates when it came from the hub, the GGUF's package, version or path and sha256 when from one."""
-    text = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    coordinates when it came from the hub, the GGUF's package, version or path and sha256 when from one. The
+    manifest's `cache` is left out of its sha256: whether the files were taken from tunegrid's cache or made
+    afresh, they are the same files, so an adapter (and a resume state) keeps its base either way."""
+    which = {key: value for key, value in manifest.items() if key != "cache"}
+    text = json.dumps(which, sort_keys=True, separators=(",", ":"))
     source = manifest.get("source") or {}
     identity: dict[str, Any] = {
         "kind": source.get("kind"),

@@ -17,15 +17,19 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos
 HUB_PATTERNS = ["*.safetensors", "*.safetensors.index.json", "*.json", "tokenizer*", "*.model", "*.txt"]
 
 
-def write_manifest(model_dir: Path, source: dict[str, Any]) -> dict[str, Any]:
+def write_manifest(model_dir: Path, source: dict[str, Any], known: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The folder's manifest.json. `known`: what the source already measured or knows beside `source` (a gguf
+    folder's `cache` and its tokenizer footprint, kept in the cache with the folder), not measured again."""
     open_to_umask(model_dir)  # safetensors writes its files 0600; a team member reads the checkpoint too
     files = {}
     for path in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.name != "manifest.json"):
         real = path.resolve()
         files[str(path.relative_to(model_dir))] = {"bytes": real.stat().st_size, "sha256": sha256_file(real)}
-    from tunegrid.prepare.probes import tokenizer_resident_bytes
+    manifest = {"source": source, "files": files, **(known or {})}
+    if "tokenizer_resident_bytes" not in manifest:
+        from tunegrid.prepare.probes import tokenizer_resident_bytes
 
-    manifest = {"source": source, "files": files, "tokenizer_resident_bytes": tokenizer_resident_bytes(model_dir)}
+        manifest["tokenizer_resident_bytes"] = tokenizer_resident_bytes(model_dir)
     write_json(model_dir / "manifest.json", manifest)
     return manifest
 
@@ -289,7 +293,8 @@ def produce_checkpoint(
         from tunegrid.study.gguf_files import GgufSourceError
 
         try:
-            return write_manifest(out_dir, dequantize_gguf(spec, out_dir))
+            source, known = dequantize_gguf(spec, out_dir)
+            return write_manifest(out_dir, source, known)
         except GgufSourceError as exc:
             raise CheckpointError(str(exc)) from None
     return link_local(spec, out_dir)

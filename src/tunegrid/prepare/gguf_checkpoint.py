@@ -1,5 +1,6 @@
 """A `gguf` model: the GGUF file (a path, or from an installed package) dequantized once by transformers
-(`from_pretrained(folder, gguf_file=...)`) to a float32 safetensors folder with its tokenizer.
+(`from_pretrained(folder, gguf_file=...)`) to a float32 safetensors folder with its tokenizer, and kept in
+tunegrid's cache (prepare/gguf_cache.py), so the next study that needs the same file takes the folder from there.
 
 The manifest says where the file came from (package and version, or path), its sha256 and size, its
 quantization (file type and tensor types), the licence (declared, and the licence files copied beside the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import os
 import re
 import shutil
 import tempfile
@@ -18,13 +20,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from tunegrid.prepare.gguf_cache import CacheEntry, fill, take
+from tunegrid.prepare.probes import tokenizer_resident_bytes
 from tunegrid.study.gguf_files import GgufSourceError, gguf_spec_problems, installed_package, not_gguf
 
 LICENCE_DIR = "licence"
 
 
-def dequantize_gguf(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Write the dequantized folder; returns the manifest's `source` (the caller writes the manifest)."""
+def dequantize_gguf(spec: dict[str, Any], out_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write the dequantized folder, from the cache when it holds this GGUF's (prepare/gguf_cache.py); returns the
+    manifest's `source`, the same either way, and what else the manifest says (its `cache`, the tokenizer's
+    footprint); the caller writes the manifest."""
     key = f"models.{out_dir.name}"
     problems = gguf_spec_problems(spec, key)
     if problems:
@@ -42,22 +48,44 @@ def dequantize_gguf(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
                 f"config key '{key}.sha256': the GGUF {gguf_path.name} has sha256 {digest}, not the pinned "
                 f"{spec['sha256']}; install the pinned package version, or update the pin if the new file is meant"
             )
-        try:
-            facts = gguf_facts(gguf_path)
-        except (ValueError, KeyError, IndexError, OSError) as exc:  # numpy/struct errors of a damaged file
-            raise GgufSourceError(
-                f"{key}: {gguf_path.name} starts like a GGUF but cannot be read ({type(exc).__name__}: "
-                f"{str(exc)[:200]}); it is truncated or damaged: reinstall the package or copy the file again"
-            ) from None
-        dequantize_to(gguf_path, out_dir, key)
+        entry = CacheEntry.of(digest)
+        # the facts measured on the folder come back with it: reading Gemma's 262k-token vocabulary from the GGUF
+        # and measuring its tokenizer's footprint in a fresh process cost ~15 CPU-s a hit would spend again
+        cached = take(entry, out_dir, needs=("gguf", "tokenizer_resident_bytes"))
+        filled = False
+        if cached is None:
+            measured = {"gguf": _read_facts(gguf_path, key)}
+            fresh = Path(scratch) / "dequantized"  # beside the study's folder: the cache gets what transformers wrote
+            dequantize_to(gguf_path, fresh, key)
+            measured["tokenizer_resident_bytes"] = tokenizer_resident_bytes(fresh)
+            filled = fill(entry, fresh, measured)
+            for path in sorted(p for p in fresh.rglob("*") if p.is_file()):
+                target = out_dir / path.relative_to(fresh)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)  # renamed over: a link an earlier run took from the cache is not written
+        else:
+            measured = cached
         size = gguf_path.stat().st_size
+    facts = measured["gguf"]
     copied = _copy_licences(licence_files, out_dir / LICENCE_DIR)
     declared = origin.pop("licence", None)
     licence = {"declared": declared, "gguf_metadata": facts.pop("licence"), "files": copied}
     source = {"kind": "gguf", **origin, "gguf_file": gguf_path.name, "gguf_sha256": digest, "gguf_bytes": size}
     source.update(facts, licence=licence, stored_dtype="float32", versions=_versions())
     source["dequantized"] = dequantized_sentence(facts["quantization"])
-    return source
+    cache = entry.note(cached is not None, filled)
+    return source, {"cache": cache, "tokenizer_resident_bytes": measured["tokenizer_resident_bytes"]}
+
+
+def _read_facts(gguf_path: Path, key: str) -> dict[str, Any]:
+    """gguf_facts, a file that cannot be read refused before transformers is asked to dequantize it."""
+    try:
+        return gguf_facts(gguf_path)
+    except (ValueError, KeyError, IndexError, OSError) as exc:  # numpy/struct errors of a damaged file
+        raise GgufSourceError(
+            f"{key}: {gguf_path.name} starts like a GGUF but cannot be read ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); it is truncated or damaged: reinstall the package or copy the file again"
+        ) from None
 
 
 def _locate(spec: dict[str, Any], key: str, scratch: Path) -> tuple[Path, dict[str, Any], list[Path]]:
