@@ -28,12 +28,12 @@ def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | 
 def on_end(
     status: str, study: dict[str, Any], results: str, logs: str, script: str, cell_ids: list[str] | None = None
 ) -> None:
+    if study["tracking"]["enabled"]:  # first: the warm supervisor forks its job (no import of MLflow here)
+        _close_execution(status, results, logs, script)
     while _WARM:
         from tunegrid.run import warm
 
         warm.stop(*_WARM.pop())
-    if study["tracking"]["enabled"]:
-        _close_execution(status, results, logs, script)
     if cell_ids is not None:
         _print_glance(study, results, cell_ids)
 

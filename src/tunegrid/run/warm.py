@@ -1,6 +1,7 @@
 """A warm worker: one process per local `snakemake` invocation that has imported torch, transformers, peft and
-bitsandbytes once and forks each cell's worker on request. Its sibling, the warm supervisor, has imported MLflow and
-the supervisor's code once and forks each cell's supervisor and the tracking, summary and report jobs.
+bitsandbytes once and forks each cell's worker on request (and the environment and checkpoint jobs). Its sibling, the
+warm supervisor, has imported MLflow and the supervisor's code once and forks each cell's supervisor and the
+tracking, summary and report jobs.
 
 Why: a short cell is mostly imports (~6.5 s of an 8 s CPU cell here: benchmarks/README.md); the fork inherits them.
 The supervisor's own share is MLflow's import and its SQL store's (~2 CPU-s per cell, more than a tiny cell's
@@ -155,7 +156,7 @@ def _fork_one(
         os.close(fd)
     children[pid] = conn
     conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
-    what = f" ({request['argv'][1]})" if role == SUPERVISOR and len(request["argv"]) > 1 else ""
+    what = f" ({request['argv'][1]})" if JOB_PID_ENV in request["env"] and len(request["argv"]) > 1 else ""
     print(f"forked {role} {pid}{what}", flush=True)
     return pid
 
@@ -173,10 +174,11 @@ def _become_worker(request: dict[str, Any], fds: list[int], role: str = WORKER) 
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
-        if role == SUPERVISOR:
+        job_pid = os.environ.pop(JOB_PID_ENV, "")
+        if job_pid:  # a rule's job (tunegrid.run.warm_jobs), not a cell's worker
             # the job that asked owns this process: killed (kill -9 of its tree), it takes this process, and a
             # supervisor its worker (whose lifeline watches this pid), with it
-            hold(int(os.environ.pop(JOB_PID_ENV, "0") or 0))
+            hold(int(job_pid))
             # the job's command line, as `python -m tunegrid.cli ...` runs it (and as a cell's worker is spawned):
             # its entry point flushes and leaves by os._exit with the command's code
             runpy.run_module("tunegrid.cli", run_name="__main__")  # sys.argv stays the job's own

@@ -1,9 +1,10 @@
-"""A tunegrid job (a rule's `python scripts/tunegrid.py <command> ...`) forked by the invocation's warm supervisor, or
-run in the job's own process.
+"""A tunegrid job (a rule's `python scripts/tunegrid.py <command> ...`) forked by one of the invocation's warm
+processes, or run in the job's own process.
 
 A cell's supervisor imports MLflow's client and SQL store to keep the cell's run live (~2 CPU-s on a 2-core host,
 more than a tiny cell's training), and so do the rules that create the study's experiment, log the probe and sync
-the runs; the report and the summary import pandas. The warm supervisor (tunegrid.run.warm, role `supervisor`) has
+the runs; the report and the summary import pandas; the environment record and a checkpoint import torch and
+transformers, which the warm worker holds. The warm supervisor (tunegrid.run.warm, role `supervisor`) has
 imported them once, so such a job asks it to fork the command instead. What Snakemake sees is unchanged: the job's
 process lives as long as the command, its output is the command's (the same descriptors), its exit code is the
 command's, and a SIGTERM or SIGINT it gets (Snakemake's cancel) is passed on. A command killed by a signal ends the
@@ -21,22 +22,31 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.runtime.lifeline import JOB_PID_ENV
-from tunegrid.runtime.workers import WARM_SUPERVISOR_SOCKET_ENV
+from tunegrid.runtime.workers import WARM_SOCKET_ENV, WARM_SUPERVISOR_SOCKET_ENV
 
-# the commands whose imports the warm supervisor holds; none of them imports torch (nor, so, touches CUDA)
-SERVED_COMMANDS = frozenset({"finetune", "tracking-init", "probe-tracking", "sync", "summary", "report", "cell-plan"})
+# Which warm process forks which command, by the socket the job finds in its environment. The warm supervisor's
+# commands never import torch (nor, so, touch CUDA); the warm worker's import what it holds (torch, transformers:
+# the environment record and the checkpoints), and it serves no fork where a GPU is visible.
+SERVED_BY = {
+    **dict.fromkeys(("environment", "checkpoint"), WARM_SOCKET_ENV),
+    **dict.fromkeys(
+        ("finetune", "tracking-init", "probe-tracking", "sync", "execution-end", "summary", "report", "cell-plan"),
+        WARM_SUPERVISOR_SOCKET_ENV,
+    ),
+}
 
 
 def forked_job(argv: list[str]) -> int | None:
     """The exit code of the command `argv` names (`[script, command, ...]`, as sys.argv holds it) forked by the warm
-    supervisor, a signal that ended it re-raised here; or None where it is not forked (no warm supervisor in this
-    invocation, a command it does not serve, or it does not answer): the caller then runs it in this process."""
-    socket = os.environ.get(WARM_SUPERVISOR_SOCKET_ENV)
-    if not socket or len(argv) < 2 or argv[1] not in SERVED_COMMANDS:
+    process that serves it, a signal that ended it re-raised here; or None where it is not forked (none in this
+    invocation, a command none serves, or it does not answer): the caller then runs it in this process."""
+    socket_env = SERVED_BY.get(argv[1]) if len(argv) > 1 else None
+    socket = os.environ.get(socket_env) if socket_env else None
+    if not socket_env or not socket:
         return None
     from tunegrid.run.warm_client import fork_worker
 
-    env = {key: value for key, value in os.environ.items() if key != WARM_SUPERVISOR_SOCKET_ENV}
+    env = {key: value for key, value in os.environ.items() if key != socket_env}  # the command asks no fork itself
     env[JOB_PID_ENV] = str(os.getpid())
     job = fork_worker(Path(socket), list(argv), env, wait_ready_s=60.0)
     if job is None:
