@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import resource
 import shlex
 import statistics
 import subprocess
@@ -72,6 +73,13 @@ def snakemake(workdir: Path, config: Path, *args: str) -> float:
         env=ENV,
     )
     return time.perf_counter() - started
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of the children this process has waited for (a Snakemake run and everything it waited for:
+    its jobs, and the warm processes with every worker and job they forked)."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def _timed(command: list[str]) -> float:
@@ -131,8 +139,9 @@ def orchestration(root: Path, repeats: int = 3) -> dict:
 
 
 def grid(root: Path, repeats: int = 2) -> dict:
-    """An 8-cell grid through Snakemake on 2 cores, the cells forced to re-run: with the warm worker
-    (each worker forked with the imports done) and without (each worker spawned), interleaved."""
+    """An 8-cell grid through Snakemake on 2 cores, the cells forced to re-run: with the warm processes (each
+    worker forked by the warm worker, each supervisor and tracking job by the warm supervisor, their imports done)
+    and without (each worker spawned, each job importing for itself), interleaved; wall and CPU seconds."""
     study = make_study(
         study="grid",
         grid={
@@ -154,11 +163,23 @@ def grid(root: Path, repeats: int = 2) -> dict:
         str(p.relative_to(workdir)) for p in sorted((workdir / "results" / "grid" / "runs").glob("*/result.json"))
     ]
     times: dict[str, list[float]] = {"warm": [], "cold": []}
+    cpu: dict[str, list[float]] = {"warm": [], "cold": []}
     for _ in range(repeats):
         for name in ("warm", "cold"):
+            before = _children_cpu_s()
             times[name].append(snakemake(workdir, configs[name], *targets, "--cores", "2", "--forcerun", *targets))
+            cpu[name].append(_children_cpu_s() - before)
     warm_s, cold_s = (statistics.median(times[k]) for k in ("warm", "cold"))
-    return {"cells": len(targets), "warm_s": warm_s, "cold_s": cold_s, "cold_over_warm": cold_s / warm_s}
+    warm_cpu_s, cold_cpu_s = (statistics.median(cpu[k]) for k in ("warm", "cold"))
+    return {
+        "cells": len(targets),
+        "warm_s": warm_s,
+        "cold_s": cold_s,
+        "cold_over_warm": cold_s / warm_s,
+        "warm_cpu_s": warm_cpu_s,
+        "cold_cpu_s": cold_cpu_s,
+        "cold_over_warm_cpu": cold_cpu_s / warm_cpu_s,
+    }
 
 
 def dag_scale(root: Path) -> dict:
