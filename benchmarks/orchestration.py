@@ -294,8 +294,9 @@ def main() -> None:
     g = results.get("grid")
     if g:
         print(
-            f"grid of {g['cells']} cells on 2 cores: spawned workers {g['cold_s']:.1f} s / warm worker "
-            f"{g['warm_s']:.1f} s = {g['cold_over_warm']:.2f}x"
+            f"grid of {g['cells']} cells on 2 cores: no warm processes {g['cold_s']:.1f} s / warm processes "
+            f"{g['warm_s']:.1f} s = {g['cold_over_warm']:.2f}x; CPU {g['cold_cpu_s']:.1f} s / {g['warm_cpu_s']:.1f} s "
+            f"= {g['cold_over_warm_cpu']:.2f}x"
         )
     o = results.get("orchestration")
     if o:

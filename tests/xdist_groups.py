@@ -58,10 +58,17 @@ def shared_fixture_groups(items: list[Any]) -> dict[str, str]:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[Any]) -> None:
-    """In a worker: its collection's groups, for the controller (every worker collects the same tests)."""
+    """In a worker: the `slow` tests first, then its collection's groups, for the controller (every worker
+    collects the same tests, so they agree on the order).
+
+    Why slow first: the controller hands the groups out in collection order, and the costliest tests (end-to-end
+    studies, minutes each) sit in tests/workflow, collected last; started last, the longest of them ran alone for
+    minutes while the other worker had nothing left. Started first, the many short tests fill the end on both.
+    A group's tests stay together (one worker runs them in a row), so no module fixture is made twice."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None:
         return
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
     folder = config._tmp_path_factory.getbasetemp().parent  # the controller's, above each worker's own
     path = folder / GROUPS_FILE.format(worker)
     path.with_suffix(".tmp").write_text(json.dumps(shared_fixture_groups(items)))
