@@ -18,9 +18,9 @@ _WARM: list[tuple[Any, Path]] = []  # (process, socket path) of this invocation'
 
 
 def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | None = None) -> None:
-    """`cells_to_run`: the cell jobs this invocation will run (None: not known). The warm worker (torch and
-    peft imported, ~1 s and hundreds of MiB) serves cells only, so `snakemake mlflow_ui`, `report` or a
-    run with every cell done does not start one."""
+    """`cells_to_run`: the cell jobs this invocation will run (None: not known). The warm processes (torch and
+    peft imported, ~1 s and hundreds of MiB; MLflow) serve runs with cells only, so `snakemake mlflow_ui`,
+    `report` or a run with every cell done starts neither."""
     if cells_to_run != 0:
         _start_warm_worker(study, logs, local)
 

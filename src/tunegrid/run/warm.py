@@ -37,7 +37,7 @@ from tunegrid.runtime.workers import WARM_SOCKET_ENV, WARM_SUPERVISOR_SOCKET_ENV
 
 SOCKET_ENV = WARM_SOCKET_ENV  # the jobs find this invocation's socket here
 SUPERVISOR_SOCKET_ENV = WARM_SUPERVISOR_SOCKET_ENV  # and the warm supervisor's here
-WORKER, SUPERVISOR = "worker", "supervisor"  # what a warm process forks: cells' workers, or cells' supervisors
+WORKER, SUPERVISOR = "worker", "supervisor"  # which warm process: the one with torch, or the one with MLflow
 # the modules every worker imports; importing more would inflate each forked worker's RSS (the CPU peak)
 PRELOAD = (
     "torch",
@@ -51,7 +51,6 @@ PRELOAD = (
 # what a cell's supervisor and the tracking jobs import (no torch: they never train); MLflow's client and SQL store
 # (which import pandas too) are the cost
 SUPERVISOR_PRELOAD = (
-    "tunegrid.cli.commands",
     "tunegrid.run.supervisor",
     "tunegrid.track.tracking",
     "tunegrid.track.execution",
@@ -151,7 +150,7 @@ def _fork_one(
         for other in children.values():
             other.close()
         conn.close()
-        _become_worker(request, fds, role)
+        _become_worker(request, fds)
     for fd in fds:
         os.close(fd)
     children[pid] = conn
@@ -161,7 +160,7 @@ def _fork_one(
     return pid
 
 
-def _become_worker(request: dict[str, Any], fds: list[int], role: str = WORKER) -> None:
+def _become_worker(request: dict[str, Any], fds: list[int]) -> None:
     code = 1
     try:
         os.setsid()
