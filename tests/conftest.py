@@ -257,10 +257,13 @@ def cell_contract(
     *,
     tracking: Path | None = None,
     capabilities: Path | None = None,
+    warm_worker: bool | None = None,
 ) -> Path:
-    """The cell's contract as the cell_plan rule makes it, written in its run folder; returns its path."""
+    """The cell's contract as the cell_plan rule makes it, written in its run folder; returns its path.
+    `warm_worker`: the run forks its cells from a warm worker (None: where this process's jobs would find one)."""
     from tunegrid.contract import CellJob
     from tunegrid.prepare.cell_plan import write_contract
+    from tunegrid.runtime.workers import WARM_SOCKET_ENV
 
     job = CellJob(
         model_dir=str(checkpoints[spec["model"]["name"]]),
@@ -271,7 +274,9 @@ def cell_contract(
         tracking_path=str(tracking) if tracking else None,
     )
     path = run_dir / "contract.json"
-    write_contract(spec, job, path, warm_worker=False)
+    if warm_worker is None:
+        warm_worker = bool(os.environ.get(WARM_SOCKET_ENV))
+    write_contract(spec, job, path, warm_worker=warm_worker)
     return path
 
 

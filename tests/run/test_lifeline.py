@@ -37,7 +37,7 @@ def _start_supervisor(
     )
     spec = cell_spec(study, expand_cells(study)[0])
     run_dir = tmp_path / "runs" / spec["cell_id"]
-    contract = cell_contract(spec, checkpoints, dataset_path, run_dir)
+    contract = cell_contract(spec, checkpoints, dataset_path, run_dir, warm_worker=bool(env.get(warm.SOCKET_ENV)))
     code = (
         "from pathlib import Path; from tunegrid.run.supervisor import run_cell\n"
         f"run_cell(Path({str(contract)!r}), command=['tunegrid', 'finetune'])\n"

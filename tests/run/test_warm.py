@@ -92,6 +92,66 @@ def test_without_a_warm_process_the_supervisor_spawns(tmp_path):
     assert time.monotonic() - started < 1, "no pid file: nothing is starting, no wait"
 
 
+def _unreaped_exit() -> subprocess.Popen[bytes]:
+    """A child that has exited and that nobody has reaped yet: a zombie, as a refused warm process is until its
+    Snakemake parent stops it at the end of the run."""
+    child = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{child.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.05)
+    return child
+
+
+def _returns(call, within_s: float = 60.0):
+    """call()'s value, or a failure if it is still waiting after `within_s` (never a measure of speed: the calls
+    below would otherwise wait an hour)."""
+    import threading
+
+    answer: list = []
+    waiting = threading.Thread(target=lambda: answer.append(call()), daemon=True)  # left behind if it hangs
+    waiting.start()
+    waiting.join(within_s)
+    assert answer, f"still waiting after {within_s:.0f} s"
+    return answer[0]
+
+
+def test_a_zombie_is_not_alive():
+    from tunegrid.runtime.lifeline import alive
+
+    child = _unreaped_exit()
+    try:
+        assert alive(os.getpid())
+        assert not alive(child.pid), "an exited, unreaped process answers signal 0 but runs no more"
+    finally:
+        child.wait()
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_a_warm_process_that_will_not_serve_is_not_waited_for(tmp_path, refused):
+    """The Snakemake process that starts a warm process reaps it only at the end of the run. Before, a warm
+    worker that refused to serve (a GPU visible) stayed a zombie that looked alive, and every cell's supervisor
+    waited 30 s for its socket, every environment and checkpoint job 60 s (seen on an H200)."""
+    path = tmp_path / "warm.sock"
+    child = _unreaped_exit()
+    try:
+        Path(str(path) + ".pid").write_text(str(child.pid))
+        if refused:
+            Path(str(path) + ".json").write_text(f'{{"pid": {child.pid}, "refused": "a GPU is visible"}}')
+        assert _returns(lambda: warm_client.ready_info(path, wait_s=3600)) is None
+        assert _returns(lambda: warm_client.fork_worker(path, ["tunegrid", "worker"], {}, wait_ready_s=3600)) is None
+    finally:
+        child.wait()
+
+
+def test_a_refusal_on_file_is_final_while_the_process_lives(tmp_path):
+    """It wrote why it will not serve and has not ended yet: no socket will appear, so nobody waits."""
+    path = tmp_path / "warm.sock"
+    Path(str(path) + ".pid").write_text(str(os.getpid()))  # alive: this very process
+    Path(str(path) + ".json").write_text('{"pid": 1, "refused": "a GPU is visible"}')
+    assert _returns(lambda: warm_client.ready_info(path, wait_s=3600)) is None
+
+
 def test_files_left_by_a_killed_warm_process_are_swept(tmp_path):
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -147,7 +207,10 @@ def test_a_warm_process_that_refuses_leaves_the_cell_to_a_spawned_worker(
     monkeypatch.delenv("PYTHONPATH")
     monkeypatch.setenv(warm.SOCKET_ENV, str(path))
     try:
-        proc.wait(timeout=120)
+        # not reaped, as the Snakemake process that started it does not reap it: a zombie with a refusal on file
+        deadline = time.monotonic() + 300
+        while "not serving" not in (tmp_path / "warm.log").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert "not serving" in (tmp_path / "warm.log").read_text()
         result = _run(_spec(), checkpoints, dataset_path, tmp_path / "cell")
         assert "forked by the warm worker" not in capfd.readouterr().out
@@ -196,3 +259,30 @@ def test_mlflow_ui_starts_no_warm_worker(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_no_warm_worker_is_started_where_a_gpu_is_visible(tmp_path, monkeypatch):
+    """Every cell's worker is spawned beside a GPU (fork_refusal), so the invocation starts no warm worker to
+    import the stack for nothing and to keep jobs asking; the log says why."""
+    from tunegrid.run import hooks
+    from tunegrid.runtime import devices
+    from tunegrid.track.execution import EXECUTION_ENV
+
+    started = []
+    monkeypatch.setattr(warm, "start", lambda path, log, role=warm.WORKER: started.append(role))
+    monkeypatch.setenv(EXECUTION_ENV, f"test-{os.getpid()}")
+    monkeypatch.delenv(warm.SOCKET_ENV, raising=False)
+    monkeypatch.delenv(warm.SUPERVISOR_SOCKET_ENV, raising=False)
+    study = {"execution": {"warm_worker": True}, "tracking": {"enabled": True}}
+    monkeypatch.setattr(hooks, "_WARM", [])
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 1)
+    hooks.on_start(study, str(tmp_path / "gpu"), local=True)
+    assert started == [warm.SUPERVISOR], "the supervisor needs no torch and still serves"
+    assert "no warm worker: 1 CUDA device(s) visible" in (tmp_path / "gpu" / "warm_worker.log").read_text()
+    assert warm.SOCKET_ENV not in os.environ
+
+    monkeypatch.setattr(hooks, "_WARM", [])
+    monkeypatch.delenv(warm.SUPERVISOR_SOCKET_ENV)
+    monkeypatch.setattr(devices, "visible_gpu_count", lambda: 0)
+    hooks.on_start(study, str(tmp_path / "cpu"), local=True)
+    assert started[1:] == [warm.WORKER, warm.SUPERVISOR]

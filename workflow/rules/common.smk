@@ -14,6 +14,7 @@ from tunegrid.run import hooks
 from tunegrid.study.paths import StudyPaths
 from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, probe_world_sizes, resolve_study, spec_json
 from tunegrid.runtime.devices import cell_gpus, gpus_per_rank
+from tunegrid.runtime.telemetry import telemetry_off
 from tunegrid.prepare.cell_plan import mem_mb_for_job
 from tunegrid.recipes.recipe_study import expand_base
 from tunegrid.study.config import baseline_cell as doctor_baseline
@@ -60,6 +61,8 @@ os.environ.setdefault(EXECUTION_ENV, new_execution_id())
 os.environ.setdefault(COMMAND_ENV, " ".join(["snakemake", *sys.argv[1:]]))
 os.environ.setdefault("TUNEGRID_CONFIGFILES", os.pathsep.join(map(str, workflow.overwrite_configfiles or [])))
 os.environ.setdefault(STUDY_FILE_ENV, study_file_named(dict(workflow.config_settings.config or {})) or "")
+# no usage telemetry from MLflow or the hub in any job (tunegrid.runtime.telemetry; the user's setting wins)
+telemetry_off()
 # How this invocation starts its cells, for their plans (an estimate takes the worker path's constant): cluster
 # jobs spawn every worker, a local run forks one-rank CPU cells where the study keeps a warm worker. In the
 # environment of the cell_plan jobs (local rules), not a param: a plan follows the run that made it and is

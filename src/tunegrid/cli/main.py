@@ -172,7 +172,9 @@ def run() -> None:
     its traceback. Tests call main() in-process, which is unaffected. A command the invocation's warm supervisor
     serves is forked by it (tunegrid.run.warm_jobs): this process then only waits and relays."""
     from tunegrid.run.warm_jobs import forked_job
+    from tunegrid.runtime.telemetry import telemetry_off
 
+    telemetry_off()  # before anything imports MLflow or the hub (tunegrid.runtime.telemetry says why)
     forked = forked_job(sys.argv)
     code = main() if forked is None else forked
     sys.stdout.flush()

@@ -60,11 +60,19 @@ def _start_warm_worker(study: dict[str, Any], logs: str, local: bool) -> None:
     environment. The warm supervisor saves each cell's supervisor and each tracking job the import of MLflow
     (tunegrid.run.warm_jobs), so it starts where the study tracks to MLflow."""
     from tunegrid.run import warm
+    from tunegrid.runtime.devices import visible_gpu_count
     from tunegrid.track.execution import EXECUTION_ENV
 
     if not (local and study["execution"]["warm_worker"]):
         return
-    roles = [(warm.WORKER, warm.SOCKET_ENV, "warm_worker.log")]
+    roles = []
+    gpus = visible_gpu_count()
+    if gpus == 0:
+        roles.append((warm.WORKER, warm.SOCKET_ENV, "warm_worker.log"))
+    else:  # CUDA does not survive a fork (warm.fork_refusal): every cell's worker is spawned, none would ask it
+        Path(logs).mkdir(parents=True, exist_ok=True)
+        with open(f"{logs}/warm_worker.log", "a") as note:
+            print(f"no warm worker: {gpus} CUDA device(s) visible, so every cell's worker is spawned", file=note)
     if study["tracking"]["enabled"]:
         roles.append((warm.SUPERVISOR, warm.SUPERVISOR_SOCKET_ENV, "warm_supervisor.log"))
     for role, env, log in roles:

@@ -150,13 +150,14 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     probe_run = Path(job.capabilities_path).parent / "mlflow.json" if job.capabilities_path else None
     if probe_run is not None and probe_run.exists():  # the probe's MLflow run, logged by probe_tracking
         capabilities["mlflow_run_id"] = read_json(probe_run).get("run_id")
-    # a stack cell is spawned by its stack's interpreter: the warm worker holds the base's libraries
-    one_rank = spec["axes"].get("world_size", 1) == 1 and not stack_python(spec)
-    warm_socket = os.environ.get(WARM_SOCKET_ENV) if one_rank else None
+    # the plan decided the worker's path (tunegrid.runtime.workers.planned_worker): only a cell planned forked
+    # asks the warm worker, so a spawned cell (a GPU, several ranks, a stack of its own) never waits for one
+    warm_socket = os.environ.get(WARM_SOCKET_ENV) if plan.worker == FORKED else None
     if warm_socket:
         from tunegrid.run.warm_client import ready_info
 
         if ready_info(Path(warm_socket)) is None:
+            print("the warm worker does not serve this run: the cell's worker is spawned", flush=True)
             warm_socket = None
     # the plan's estimate (and the verdict it leads to) for the path this worker takes: the planned one, or
     # spawned where the warm worker does not answer (the plan holds both)

@@ -19,11 +19,14 @@ from tunegrid.runtime.lifeline import alive
 
 
 def ready_info(path: Path, wait_s: float = 30.0) -> dict[str, Any] | None:
-    """The warm process's facts once it serves, or None if there is none (or it is not ready in time:
-    it started before this cell did, so waiting for it is never slower than spawning)."""
+    """The warm process's facts once it serves, or None if there is none: it has ended, it said it will not
+    serve (its facts name why: a GPU is visible), or it is not ready in time (it started before this cell
+    did, so waiting for it is never slower than spawning)."""
     pid_file = Path(str(path) + ".pid")
     deadline = time.monotonic() + wait_s
     while not path.exists():
+        if "refused" in (_facts(path) or {}):  # it decided before serving; its socket never appears
+            return None
         try:
             starting = alive(int(pid_file.read_text()))
         except (OSError, ValueError):
@@ -31,6 +34,11 @@ def ready_info(path: Path, wait_s: float = 30.0) -> dict[str, Any] | None:
         if not starting or time.monotonic() > deadline:
             return None
         time.sleep(0.1)
+    return _facts(path)
+
+
+def _facts(path: Path) -> dict[str, Any] | None:
+    """What the warm process wrote beside its socket (tunegrid.run.warm.serve), once it has."""
     try:
         return dict(json.loads(Path(str(path) + ".json").read_text()))
     except (OSError, ValueError):

@@ -21,6 +21,7 @@ import select
 import signal
 import threading
 import time
+from pathlib import Path
 
 SUPERVISOR_PID_ENV = "TUNEGRID_SUPERVISOR_PID"
 # A supervisor forked by the warm supervisor (tunegrid.run.warm_jobs) is held the same way to its `finetune` job,
@@ -63,14 +64,19 @@ def _watch(pid: int) -> None:
 
 
 def alive(pid: int) -> bool:
-    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    """Whether a process with this pid is running (one we may not signal counts as alive). A zombie, ended
+    but not yet reaped by its parent, answers signals as if it ran: it is not alive."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # the state letter follows the parenthesised command name in /proc/<pid>/stat
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):  # no procfs (or gone meanwhile): the signal's answer stands
+        return True
+    return state not in ("Z", "X")
 
 
 def _die() -> None:
