@@ -86,6 +86,9 @@ def _check_common(summary: pd.DataFrame, results: Path) -> None:
             assert 0.9 <= row["estimate_over_measured"] <= 1.1, (cell_id, row["estimate_over_measured"])
         log = (results.parent / "logs" / results.name / "finetune" / f"{cell_id}.log").read_text()
         assert "forked by the warm worker" not in log  # CUDA does not survive a fork
+        assert "the warm worker does not serve this run" not in log, "planned spawned: it never asks (or waits)"
+    warm_log = (results.parent / "logs" / results.name / "warm_worker.log").read_text()
+    assert "no warm worker: " in warm_log, warm_log  # none started beside the GPU, so no job waits for one
 
 
 def test_probe_measures_the_cuda_step_overhead(tmp_path):
