@@ -234,6 +234,26 @@ def test_an_adapter_names_the_gguf_its_base_was_dequantized_from(tiny_gguf, tiny
     assert identity["gguf_sha256"] == manifest["source"]["gguf_sha256"]
 
 
+def test_the_file_is_parsed_once_per_dequantization(tiny_gguf, tmp_path, monkeypatch):
+    """transformers makes a reader for the config, the tokenizer and the weights, the manifest a fourth; each
+    parses the whole file (Gemma 3 270M: ~12 CPU-s each). One parse serves them all, and the files are the same."""
+    import gguf
+
+    parsed = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parsed.append(str(path))
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    monkeypatch.setenv("TUNEGRID_CACHE", "off")
+    out = tmp_path / "models" / "tiny"
+    produce_checkpoint({"source": "gguf", "path": str(tiny_gguf[0]), "package": "", "sha256": ""}, [], out)
+    assert len(parsed) == 1, parsed
+    assert gguf.GGUFReader is Counting, "the library's reader is back after the block"
+
+
 def test_a_pinned_sha256_that_differs_is_refused(tiny_gguf, tmp_path):
     spec = {"source": "gguf", "path": str(tiny_gguf[0]), "package": "", "sha256": "0" * 64}
     with pytest.raises(CheckpointError, match=r"models\.m\.sha256'.*not the pinned"):
