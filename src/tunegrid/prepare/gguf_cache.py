@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.manifest import sha256_file
+from tunegrid.runtime.cache import CACHE_ENV, OFF, cache_root  # noqa: F401 — the cache's words, read here too
 from tunegrid.runtime.files import current_umask, open_to_umask
 
 # Bump when dequantize_to changes what it writes (a dtype, a file, a config key it drops): every older entry then
@@ -39,20 +40,8 @@ FORMAT = 1
 # The packages whose code writes the folder: transformers unpacks the blocks and saves it, gguf reads the file,
 # tokenizers serializes tokenizer.json. torch and numpy only carry the values (the unpacking is exact arithmetic).
 KEY_PACKAGES = ("transformers", "gguf", "tokenizers")
-CACHE_ENV = "TUNEGRID_CACHE"
-OFF = "off"
 ENTRY_FILE = "entry.json"
 MODEL_DIR = "model"
-
-
-def cache_root() -> Path | None:
-    """Where the cache lives, or None when TUNEGRID_CACHE=off."""
-    chosen = os.environ.get(CACHE_ENV, "")
-    if chosen == OFF:
-        return None
-    if chosen:
-        return Path(chosen).expanduser().absolute()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser().absolute() / "tunegrid"
 
 
 def key_versions() -> dict[str, str]:
