@@ -311,8 +311,9 @@ def build(args: argparse.Namespace) -> None:
 
 # The acceptance run split over the calls (seconds). What a session most needs first: the GPU tests as soon as
 # the packages are there, then the real-weights study (it needs the last load) with the MoE memory case beside it.
-# The timing benchmarks and the paged optimizer come last, in what is left of the 15 minutes (on 2026-11-26 the
-# sections side by side slowed the real study's cells to ~50 s each, so it no longer shares a call with the tests).
+# The timing benchmarks and the paged optimizer come last, in what is left of the 15 minutes (both 2026-11-26 runs
+# lost their deadlines to cells of ~50 s, 30 s of each a wait for a warm worker that had declined to serve beside
+# the GPU: fixed since, docs/findings.md).
 # Each call's timeout leaves its run ~50 s for the transfer, the unpacking and the packing of its evidence.
 # docs/gpu.md adds them up against a session's 15 minutes.
 FIRST_SECTIONS, LAST_SECTIONS, SPARE_SECTIONS = "tests", "real,moe", "timing,paged"
