@@ -34,7 +34,7 @@ from tunegrid.prepare.cell_plan import write_contract  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
 from tunegrid.prepare.memory_estimate import device_constants, estimate_cell  # noqa: E402
-from tunegrid.prepare.probes import probe  # noqa: E402
+from tunegrid.run.calibration_cache import probe_record  # noqa: E402
 from tunegrid.run.supervisor import run_cell  # noqa: E402
 from tunegrid.runtime.files import read_json, write_json  # noqa: E402
 from tunegrid.study.config import cell_spec, expand_cells, load_study  # noqa: E402
@@ -66,7 +66,8 @@ def larger_cells(work: Path) -> list[dict]:
         copy.deepcopy(study["models"]["gemma3-25m"]), list(corpus_texts(read_dataset(data))), work / "gemma3-25m"
     )
     capabilities = work / "capabilities.json"
-    write_json(capabilities, probe(budget_s=5, world_sizes=[]))
+    # as the probe rule records it: with the calibration a study's estimates take (cached per machine and stack)
+    write_json(capabilities, probe_record(budget_s=5, world_sizes=[]))
     rows = []
     for cell in expand_cells(study):
         spec = cell_spec(study, cell)

@@ -55,17 +55,9 @@ def stack(args: argparse.Namespace) -> None:
 
 
 def probe(args: argparse.Namespace) -> None:
-    from tunegrid.prepare.probes import probe
+    from tunegrid.run.calibration_cache import probe_record
 
-    record = probe(budget_s=args.budget_s, world_sizes=args.world_sizes)
-    if record["device"] == "cpu":  # on CUDA the estimate's constants are the allocator's (cuBLAS workspaces)
-        from tunegrid.run.calibrate import worker_runtime_bytes
-        from tunegrid.run.calibration_cache import calibrated
-
-        try:  # measured once per machine and software stack (tunegrid.run.calibration_cache says what that is)
-            record["worker_runtime_bytes"] = calibrated(worker_runtime_bytes, record["cpu"], record["torch_threads"])
-        except Exception as exc:  # noqa: BLE001 — a probe that cannot calibrate says so; the estimate falls back
-            record["worker_runtime_bytes"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    record = probe_record(args.budget_s, args.world_sizes)
     write_json(args.out, record)
     print(f"probe: device {record['device']}, precision {record['precision']}, {record['probe_seconds']:.1f} s")
 

@@ -124,3 +124,19 @@ def calibrated(measure: Callable[[], dict[str, Any]], cpu: dict[str, Any], torch
 
 def _warn(message: str) -> None:
     print(f"warning: tunegrid cache: {message}", file=sys.stderr, flush=True)
+
+
+def probe_record(budget_s: float, world_sizes: list[int]) -> dict[str, Any]:
+    """The probe's record as the `probe` rule writes it: the machine's facts and benchmarks, and on a CPU the
+    calibration (from the cache where it holds one). A calibration that fails is recorded as such; the estimate
+    then falls back to the probe's older constants."""
+    from tunegrid.prepare.probes import probe
+    from tunegrid.run.calibrate import worker_runtime_bytes
+
+    record = probe(budget_s=budget_s, world_sizes=world_sizes)
+    if record["device"] == "cpu":  # on CUDA the estimate's constants are the allocator's (cuBLAS workspaces)
+        try:
+            record["worker_runtime_bytes"] = calibrated(worker_runtime_bytes, record["cpu"], record["torch_threads"])
+        except Exception as exc:  # noqa: BLE001 — a probe that cannot calibrate says so; the estimate falls back
+            record["worker_runtime_bytes"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    return record
