@@ -22,7 +22,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -31,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.manifest import sha256_file
-from tunegrid.runtime.cache import CACHE_ENV, OFF, cache_root  # noqa: F401 — the cache's words, read here too
+from tunegrid.runtime.cache import CACHE_ENV, OFF, cache_root, warn  # noqa: F401 — the cache's words, read here too
 from tunegrid.runtime.files import current_umask, open_to_umask
 
 # Bump when dequantize_to changes what it writes (a dtype, a file, a config key it drops): every older entry then
@@ -73,11 +72,6 @@ class CacheEntry:
         if self.path is None:
             return {"hit": False, "entry": None, "off": f"{CACHE_ENV}={OFF}"}
         return {"hit": hit, "entry": str(self.path), **({} if hit else {"filled": filled})}
-
-
-def warn(message: str) -> None:
-    """To stderr, which the checkpoint rule sends to its log: the study goes on."""
-    print(f"warning: tunegrid cache: {message}", file=sys.stderr, flush=True)
 
 
 def take(entry: CacheEntry, out_dir: Path, needs: tuple[str, ...] = ()) -> dict[str, Any] | None:

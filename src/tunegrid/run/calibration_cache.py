@@ -29,7 +29,7 @@ from typing import Any
 
 import tunegrid
 from tunegrid.run.calibrate import ARITHMETICS
-from tunegrid.runtime.cache import cache_root
+from tunegrid.runtime.cache import cache_root, warn
 from tunegrid.runtime.files import write_json
 from tunegrid.runtime.workers import FORKED, SPAWNED
 
@@ -109,7 +109,7 @@ def calibrated(measure: Callable[[], dict[str, Any]], cpu: dict[str, Any], torch
     except FileNotFoundError:
         pass
     except (OSError, ValueError, AttributeError) as exc:  # unreadable, or not our JSON: measured and written again
-        _warn(f"entry {path} cannot be read ({type(exc).__name__}); measuring afresh")
+        warn(f"entry {path} cannot be read ({type(exc).__name__}); measuring afresh")
     measured = measure()
     if not whole(measured):
         return {**measured, "cache": "not kept"}
@@ -117,13 +117,9 @@ def calibrated(measure: Callable[[], dict[str, Any]], cpu: dict[str, Any], torch
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, {"identity": which, "worker_runtime_bytes": measured})  # atomic: racing probes agree
     except OSError as exc:  # a read-only or full cache: the probe goes on
-        _warn(f"cannot write {path} ({type(exc).__name__}: {exc})")
+        warn(f"cannot write {path} ({type(exc).__name__}: {exc})")
         return {**measured, "cache": "not kept"}
     return {**measured, "cache": "filled"}
-
-
-def _warn(message: str) -> None:
-    print(f"warning: tunegrid cache: {message}", file=sys.stderr, flush=True)
 
 
 def probe_record(budget_s: float, world_sizes: list[int]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ Light module: standard library only.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 CACHE_ENV = "TUNEGRID_CACHE"
@@ -26,3 +27,8 @@ def cache_root() -> Path | None:
     if chosen:
         return Path(chosen).expanduser().absolute()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser().absolute() / "tunegrid"
+
+
+def warn(message: str) -> None:
+    """To stderr, which the rule sends to its log: the study goes on without the cache."""
+    print(f"warning: tunegrid cache: {message}", file=sys.stderr, flush=True)
