@@ -181,6 +181,14 @@ def test_export_writes_every_key_the_fix_changes_in_the_tools_terms():
     assert tool_value("trl", "quant", "nf4")["use_peft"] is True
 
 
+@pytest.mark.parametrize("tool", ["axolotl", "trl"])
+@pytest.mark.parametrize("precision", ["fp16-islands", "fp16-residual"])
+def test_a_fix_no_tool_key_says_is_not_exported_as_the_tools_plain_fp16(tool, precision):
+    # both train fp16 matmuls; written as the tool's fp16 they would be the failing setting again
+    with pytest.raises(ValueError, match=f"precision {precision} .* is not a setting of a {tool} config"):
+        tool_value(tool, "precision", precision)
+
+
 @pytest.mark.parametrize(
     ("text", "key"),
     [("max_steps: .inf", "max_steps"), ("micro_batch_size: .inf", "micro_batch_size"),

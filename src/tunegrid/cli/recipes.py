@@ -74,7 +74,8 @@ def export_cell(args: argparse.Namespace) -> None:
         if not fixes:
             raise ConfigError(f"{recs_file}: no fix of the recipe's own cell ran ok; name a cell instead")
         done = None
-        for _, fix_cell in fixes:  # the first fix the tool's own keys can say (fp32 islands are tunegrid's)
+        # the first fix the tool's own keys can say (fp32 islands and an fp32 residual stream are tunegrid's)
+        for _, fix_cell in fixes:
             try:
                 done = export(study, fix_cell, args.to)
                 break
