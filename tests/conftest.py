@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cpu_times
 import pytest
 from cpu_times import (  # noqa: F401 — CPU seconds per test (--cpu-durations)
     pytest_addoption,
@@ -319,6 +320,36 @@ def stub_contract(cell_id: str, world_size: int, estimate_bytes: int, device: st
     return CellContract(spec={"cell_id": cell_id}, plan=plan, job=job)
 
 
+# This process's warm worker (tunegrid.run.warm), started at the first cell that forks and kept for the session:
+# the cells the tests supervise are forked from it, as a local study's are from its invocation's, instead of each
+# worker importing the training stack again (~7 CPU-s a process on a 2-core host).
+_SESSION_WARM: dict[str, Any] = {}
+
+
+def session_warm_socket() -> str:
+    """The socket of this test process's warm worker, started (again, if it has ended) on first use."""
+    from tunegrid.run import warm
+
+    proc = _SESSION_WARM.get("proc")
+    if proc is None or proc.poll() is not None:  # poll() reaps an ended one: its CPU is now this process's children's
+        cpu_times.TRACKED.discard(getattr(proc, "pid", None))
+        path = warm.socket_path(f"tests-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        log = Path(os.environ.get(CACHE_ENV) or tempfile.gettempdir()) / f"warm-{path.stem}.log"
+        _SESSION_WARM.update(proc=warm.start(path, log), path=path)
+        cpu_times.TRACKED.add(_SESSION_WARM["proc"].pid)  # the cells it forks count for the tests that ran them
+    return str(_SESSION_WARM["path"])
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's warm worker stopped with it (it also leaves by itself once this process is gone)."""
+    if _SESSION_WARM.get("proc") is not None:
+        from tunegrid.run import warm
+
+        cpu_times.TRACKED.discard(_SESSION_WARM["proc"].pid)
+        warm.stop(_SESSION_WARM["proc"], _SESSION_WARM["path"])
+        _SESSION_WARM.clear()
+
+
 def run_supervised(
     spec: dict[str, Any],
     checkpoints: dict[str, Path],
@@ -327,12 +358,27 @@ def run_supervised(
     *,
     tracking: Path | None = None,
     capabilities: Path | None = None,
+    worker: str = "forked",
 ) -> dict[str, Any]:
-    """The cell as a finetune job runs it: its contract, the supervisor, worker process(es), result.json."""
+    """The cell as a finetune job runs it: its contract, the supervisor, worker process(es), result.json.
+    `worker`: "forked" (where the cell's plan forks it: one CPU rank) from the session's warm worker, as a local
+    study's cells are; "spawned": fresh processes, as on a GPU, a cluster or without a warm worker."""
     from tunegrid.run.supervisor import run_cell
+    from tunegrid.runtime.workers import FORKED, WARM_SOCKET_ENV
 
-    path = cell_contract(spec, checkpoints, dataset_path, run_dir, tracking=tracking, capabilities=capabilities)
-    return run_cell(path, command=["tunegrid", "finetune"])
+    forked = worker == FORKED
+    path = cell_contract(
+        spec, checkpoints, dataset_path, run_dir, tracking=tracking, capabilities=capabilities, warm_worker=forked
+    )
+    previous = os.environ.pop(WARM_SOCKET_ENV, None)  # a test's own warm worker, where it started one, is the one
+    if forked:
+        os.environ[WARM_SOCKET_ENV] = previous or session_warm_socket()
+    try:
+        return run_cell(path, command=["tunegrid", "finetune"])
+    finally:
+        os.environ.pop(WARM_SOCKET_ENV, None)
+        if previous is not None:
+            os.environ[WARM_SOCKET_ENV] = previous
 
 
 def run_in_process(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -28,11 +29,18 @@ def _run(spec, checkpoints, dataset_path, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, dataset_path, tmp_path):
+@pytest.mark.parametrize("worker", ["forked", "spawned"])  # a local study's ranks, and a cluster's or a GPU's
+def test_two_rank_gloo_cell_trains_with_identical_lora_weights(checkpoints, dataset_path, tmp_path, capfd, worker):
     spec = _spec()
     assert spec["cell_id"].endswith("_ws2")
-    result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
+    run_dir = tmp_path / "runs" / spec["cell_id"]
+    result = run_supervised(spec, checkpoints, dataset_path, run_dir, worker=worker)
     assert result["outcome"] == "ok", result["reason"]
+    forks = re.findall(r"rank (\d): worker \d+ forked by the warm worker", capfd.readouterr().out)
+    assert forks == (["0", "1"] if worker == "forked" else [])
+    assert result["memory"]["estimate_worker"] == worker  # the estimate of the path the ranks took
+    for rank in (0, 1):  # each rank's output in its own log, whichever way it started
+        assert "precision=fp32 on cpu" in (run_dir / "ranks" / f"rank{rank}.log").read_text()
     assert result["distributed"]["lora_identical"] is True
     assert [r["exit_code"] for r in result["ranks"]] == [0, 0]
     assert result["ranks"][0]["lora_sha256"] == result["ranks"][1]["lora_sha256"]

@@ -105,7 +105,9 @@ def _spec(model="gemma3-hot", batch=2, precision="fp32", quant="none", hardware=
 
 
 def _run(spec, checkpoints, dataset_path, tmp_path, capabilities):
-    return run_supervised(spec, checkpoints, dataset_path, tmp_path / spec["cell_id"], capabilities=capabilities)
+    """Spawned, as on a cluster: the estimate's constants for a fresh process (the forked path's: test_warm.py)."""
+    run_dir = tmp_path / spec["cell_id"]
+    return run_supervised(spec, checkpoints, dataset_path, run_dir, capabilities=capabilities, worker="spawned")
 
 
 def test_estimate_grows_with_batch_and_shrinks_with_nf4(checkpoints):

@@ -22,7 +22,9 @@ def _spec(train=None):
 
 
 def _run(spec, checkpoints, dataset_path, run_dir):
-    return run_supervised(spec, checkpoints, dataset_path, run_dir)
+    """Forked by the test's own warm process where it started one, else spawned (never the session's)."""
+    worker = "forked" if os.environ.get(warm.SOCKET_ENV) else "spawned"
+    return run_supervised(spec, checkpoints, dataset_path, run_dir, worker=worker)
 
 
 @pytest.fixture

@@ -38,8 +38,9 @@ def launch_ranks(
 ) -> list[Any]:
     """One worker process per rank, with the environment torchrun would give them (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT). Launched here rather than through torchrun so that the supervisor sees
-    every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (one rank only)
-    the invocation's warm worker forks it instead (tunegrid.run.warm). `visible_devices` (the job's own GPUs,
+    every rank's exit code and heartbeat itself, and can stop them all. With `warm_socket` (CPU ranks) the
+    invocation's warm worker forks each rank instead (tunegrid.run.warm); a rank it does not fork is spawned,
+    and either way each rank's output goes to its own log. `visible_devices` (the job's own GPUs,
     tunegrid.runtime.devices.cell_devices; "" for none) becomes every rank's CUDA_VISIBLE_DEVICES; rank r trains on
     the r-th of them. A cell on a library stack runs its ranks in the stack's interpreter, spawned, never forked
     (the warm worker holds the base's libraries)."""
@@ -74,19 +75,22 @@ def launch_ranks(
     env = child_env(visible_devices)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
     env.update(flight_recorder_env(spec, run_dir))
-    procs = []
+    procs: list[Any] = []
     for rank in range(world):
         log_path = run_dir / "ranks" / f"rank{rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         with open(log_path, "wb") as log:
+            forked = None
+            if warm_socket:
+                from tunegrid.run.warm_client import fork_worker
+
+                forked = fork_worker(Path(warm_socket), ["tunegrid", *command[3:]], rank_env, output=log.fileno())
+                if forked is not None:
+                    print(f"rank {rank}: worker {forked.pid} forked by the warm worker", flush=True)
             procs.append(
-                subprocess.Popen(
-                    command,
-                    start_new_session=True,
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
+                forked
+                or subprocess.Popen(command, start_new_session=True, env=rank_env, stdout=log, stderr=subprocess.STDOUT)
             )
     return procs
 

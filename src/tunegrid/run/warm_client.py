@@ -86,8 +86,11 @@ class WarmProcess:
             self.conn.close()
 
 
-def fork_worker(path: Path, argv: list[str], env: dict[str, str], wait_ready_s: float = 30.0) -> WarmProcess | None:
-    """A worker forked by the warm process at `path`, or None (the caller spawns one the usual way)."""
+def fork_worker(
+    path: Path, argv: list[str], env: dict[str, str], wait_ready_s: float = 30.0, output: int | None = None
+) -> WarmProcess | None:
+    """A worker forked by the warm process at `path`, or None (the caller spawns one the usual way). Its stdout and
+    stderr are this process's, or the open file `output` (a rank's log) for both."""
     if ready_info(path, wait_ready_s) is None:
         return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -98,7 +101,8 @@ def fork_worker(path: Path, argv: list[str], env: dict[str, str], wait_ready_s: 
         sys.stderr.flush()
         devnull = os.open(os.devnull, os.O_RDONLY)  # a worker reads no input
         try:
-            socket.send_fds(conn, [payload], [devnull, sys.stdout.fileno(), sys.stderr.fileno()])
+            streams = [sys.stdout.fileno(), sys.stderr.fileno()] if output is None else [output, output]
+            socket.send_fds(conn, [payload], [devnull, *streams])
         finally:
             os.close(devnull)
         buffer = b""

@@ -22,13 +22,12 @@ WARM_SUPERVISOR_SOCKET_ENV = "TUNEGRID_WARM_SUPERVISOR_SOCKET"
 
 
 def planned_worker(spec: dict[str, Any], device: str, warm_worker: bool) -> str:
-    """The path a cell's worker will take: forked where the run has a warm worker (`warm_worker`: a local run of
-    a study with `execution.warm_worker`) and the cell is one CPU rank (the warm worker never serves where a GPU
-    is visible, and the ranks of a distributed cell are spawned); spawned otherwise. The supervisor spawns if
-    the warm worker does not answer; result.json records the path taken. A cell on a library stack of its own
-    is always spawned, by its stack's interpreter: the warm worker has the base's libraries imported."""
-    one_rank = int(spec["axes"].get("world_size", 1)) == 1
-    forkable = warm_worker and one_rank and device == "cpu" and not stack_python(spec)
+    """The path a cell's workers will take: forked where the run has a warm worker (`warm_worker`: a local run of
+    a study with `execution.warm_worker`) and the cell trains on the CPU, each of its ranks a child of the warm
+    worker (which never serves where a GPU is visible); spawned otherwise. The supervisor spawns if the warm
+    worker does not answer; result.json records the path taken. A cell on a library stack of its own is always
+    spawned, by its stack's interpreter: the warm worker has the base's libraries imported."""
+    forkable = warm_worker and device == "cpu" and not stack_python(spec)
     return FORKED if forkable else SPAWNED
 
 
