@@ -88,6 +88,36 @@ def test_exit_codes_of_a_failing_worker_reach_the_supervisor(warm_process, tmp_p
     assert proc.wait(timeout=60) == 1  # the traceback goes to the supervisor's stderr, the code to it
 
 
+@pytest.mark.slow
+def test_the_probe_forked_by_the_warm_worker_records_a_fresh_processs_baseline(warm_process, tmp_path):
+    """The probe job is forked once (it does not ask for a fork of itself), its calibration's forked micro cells
+    come from the same warm worker, and the runtime baseline it records is a fresh process's: measured in one on
+    a cache miss, then kept with the calibration (the fork's own resident set is not that baseline)."""
+    from conftest import REPO
+
+    env = {**os.environ, "TUNEGRID_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(REPO / "src")}
+    records = []
+    for run in ("miss", "hit"):
+        out = tmp_path / f"{run}.json"
+        command = [sys.executable, str(REPO / "scripts" / "tunegrid.py"), "probe", "--budget-s", "1", "--out", str(out)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        records.append(read_json(out))
+    log = (tmp_path / "warm.log").read_text()
+    assert log.count("(probe)") == 2, log[-2000:]  # one fork per probe job, none of itself
+    assert log.count("forked worker") == 2 + 3, "and the three forked micro cells of the one calibration"
+    miss, hit = records
+    assert (miss["worker_runtime_bytes"]["cache"], hit["worker_runtime_bytes"]["cache"]) == ("filled", "hit")
+    assert "runtime_baseline_bytes" not in miss["worker_runtime_bytes"]  # a cache entry's, not the record's
+    # a fresh process's, as this test measures one (a fork of the warm worker holds ~20 % less: it maps its
+    # parent's pages lazily), and the hit takes the miss's measurement
+    from tunegrid.run.calibration_cache import fresh_runtime_baseline_bytes
+
+    baseline, fresh = miss["runtime_baseline_bytes"], fresh_runtime_baseline_bytes()
+    assert fresh and abs(baseline - fresh) < 0.05 * fresh, (baseline, fresh)
+    assert hit["runtime_baseline_bytes"] == baseline
+
+
 def test_without_a_warm_process_the_supervisor_spawns(tmp_path):
     started = time.monotonic()
     assert warm_client.fork_worker(tmp_path / "none.sock", ["tunegrid", "worker"], {}) is None

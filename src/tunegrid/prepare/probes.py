@@ -255,14 +255,18 @@ def driver_version() -> str | None:
     return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
 
 
-def probe(budget_s: float = 30.0, world_sizes: list[int] | None = None) -> dict[str, Any]:
+def probe(
+    budget_s: float = 30.0, world_sizes: list[int] | None = None, measure_baseline: bool = True
+) -> dict[str, Any]:
+    """The machine's facts and benchmarks. `measure_baseline`: this process is a fresh one, whose resident set is the
+    runtime baseline (else `runtime_baseline_bytes` is None here, for the caller to fill: calibration_cache)."""
     import torch
 
     from tunegrid.prepare.environment import bitsandbytes_backend
     from tunegrid.runtime.devices import placed_by_cluster
 
     started = time.perf_counter()
-    baseline = runtime_baseline_bytes()  # first, before the benchmarks allocate anything
+    baseline = runtime_baseline_bytes() if measure_baseline else None  # first, before the benchmarks allocate
     cpu = cpu_inventory()
     on_cuda = torch.cuda.is_available()
     gpus = gpu_inventory() if on_cuda else []

@@ -320,16 +320,13 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
     """The keys of `tool`'s file that say a tunegrid axis value (for export): only what the axis sets."""
     keys = axis_keys(tool, axis)
     if axis == "precision":
-        # tunegrid-only fixes: no key of either tool runs fp32 islands or keeps the residual stream in fp32, and
-        # writing their fp16 as the tool's plain fp16 would hand back the very setting that failed
-        if PRECISION_PLANS[value].fp32_islands:
-            raise ValueError(f"precision {value} (fp32 islands) is not a setting of a {tool} config")
-        if PRECISION_PLANS[value].residual_fp32:
-            raise ValueError(f"precision {value} (an fp32 residual stream) is not a setting of a {tool} config")
-        dtype = PRECISION_PLANS[value].dtype
-        said = dict(zip(keys, (dtype == "bfloat16", dtype == "float16"), strict=True))
+        row = PRECISION_PLANS[value]
+        what = "fp32 islands" if row.fp32_islands else "an fp32 residual stream" if row.residual_fp32 else ""
+        if what:  # tunegrid-only fixes: written as the tool's plain fp16, they would be the failing setting again
+            raise ValueError(f"precision {value} ({what}) is not a setting of a {tool} config")
+        said = dict(zip(keys, (row.dtype == "bfloat16", row.dtype == "float16"), strict=True))
         if tool == "axolotl":  # axolotl's storage switches too: bfloat16: true would keep an fp32 fix in bf16
-            said.update({"bfloat16": dtype == "bfloat16", "float16": dtype == "float16"})
+            said.update({"bfloat16": row.dtype == "bfloat16", "float16": row.dtype == "float16"})
         return said
     if axis == "quant":
         plan = QUANT_PLANS[value]

@@ -8,6 +8,8 @@ forked ones (~8 CPU-s on a 2-core AMD EPYC), paid by every study's probe; with t
 
     <cache>/calibration/<key>.json   {"identity": what the key is the hash of, "worker_runtime_bytes": ...}
 
+(`worker_runtime_bytes` there also holds the runtime baseline of a fresh process, for a probe that is not one.)
+
 The identity: the Python and the versions of the libraries a worker imports, a hash of tunegrid's own source, the
 CPU (model, ISA flags, cores) and torch's thread count, and the environment variables that change a process's
 resident set (allocator and thread settings). Any change there is another key, measured afresh. Only a whole
@@ -22,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +37,7 @@ from tunegrid.runtime.files import write_json
 from tunegrid.runtime.workers import FORKED, SPAWNED
 
 # Bump when the calibration's micro cell or what it subtracts changes in a way the source hash would not show.
-FORMAT = 1
+FORMAT = 2  # 2: an entry holds the runtime baseline too
 # what a worker imports and runs: their code decides what it maps and allocates
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "safetensors", "tokenizers", "numpy")
 # what changes a process's resident set or its kernels' scratch memory without changing any code
@@ -122,17 +125,49 @@ def calibrated(measure: Callable[[], dict[str, Any]], cpu: dict[str, Any], torch
     return {**measured, "cache": "filled"}
 
 
+BASELINE = "runtime_baseline_bytes"  # kept in a cache entry beside the calibration, out of the record's copy of it
+
+
 def probe_record(budget_s: float, world_sizes: list[int]) -> dict[str, Any]:
     """The probe's record as the `probe` rule writes it: the machine's facts and benchmarks, and on a CPU the
     calibration (from the cache where it holds one). A calibration that fails is recorded as such; the estimate
-    then falls back to the probe's older constants."""
+    then falls back to the probe's older constants, the runtime baseline among them.
+
+    The baseline is a fresh process's resident set with the training stack imported. A probe in a process of its
+    own measures it first; one forked by the invocation's warm worker (tunegrid.run.warm_jobs), or called by a
+    process that holds the stack already, is not such a process, so there it comes with the calibration: from the
+    cache, or measured in a fresh process when the calibration is."""
     from tunegrid.prepare.probes import probe
     from tunegrid.run.calibrate import worker_runtime_bytes
 
-    record = probe(budget_s=budget_s, world_sizes=world_sizes)
-    if record["device"] == "cpu":  # on CUDA the estimate's constants are the allocator's (cuBLAS workspaces)
-        try:
-            record["worker_runtime_bytes"] = calibrated(worker_runtime_bytes, record["cpu"], record["torch_threads"])
-        except Exception as exc:  # noqa: BLE001 — a probe that cannot calibrate says so; the estimate falls back
-            record["worker_runtime_bytes"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    fresh = "torch" not in sys.modules  # nothing imported yet: this process's own resident set is the baseline
+    record = probe(budget_s=budget_s, world_sizes=world_sizes, measure_baseline=fresh)
+    if record["device"] != "cpu":  # on CUDA the estimate's constants are the allocator's (cuBLAS workspaces)
+        return record
+    measured_here = record[BASELINE]
+
+    def measure() -> dict[str, Any]:
+        return {**worker_runtime_bytes(), BASELINE: measured_here or fresh_runtime_baseline_bytes()}
+
+    try:
+        calibration = calibrated(measure, record["cpu"], record["torch_threads"])
+        baseline = calibration.pop(BASELINE, None)
+        record["worker_runtime_bytes"] = calibration
+    except Exception as exc:  # noqa: BLE001 — a probe that cannot calibrate says so; the estimate falls back
+        record["worker_runtime_bytes"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        baseline = None
+    if measured_here is None:
+        record[BASELINE] = baseline or fresh_runtime_baseline_bytes()
     return record
+
+
+FRESH_BASELINE = "from tunegrid.runtime.memory import runtime_baseline_bytes\nprint(runtime_baseline_bytes())"
+
+
+def fresh_runtime_baseline_bytes() -> int | None:
+    """The runtime baseline (tunegrid.runtime.memory.runtime_baseline_bytes) of a fresh process; None if it fails."""
+    source = str(PACKAGE_DIR.parent)  # the folder tunegrid is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", FRESH_BASELINE], capture_output=True, text=True, env=env, timeout=900)
+    lines = done.stdout.strip().splitlines()
+    return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else None
