@@ -43,11 +43,12 @@ def test_each_path_and_arithmetic_takes_its_own_measured_constant():
     assert device_constants(cuda, "fp32", FORKED)["runtime"] == 0
 
 
-def test_only_a_local_one_rank_cpu_cell_with_a_warm_worker_is_forked():
+def test_only_a_local_cpu_cell_with_a_warm_worker_is_forked_each_of_its_ranks_too():
     one, two = one_cell(), one_cell(world=2)
     assert planned_worker(one, "cpu", warm_worker=True) == FORKED
     assert planned_worker(one, "cpu", warm_worker=False) == SPAWNED  # execution.warm_worker off, or a cluster job
-    assert planned_worker(two, "cpu", warm_worker=True) == SPAWNED  # ranks are spawned
+    assert planned_worker(two, "cpu", warm_worker=True) == FORKED  # one child of the warm worker per rank
+    assert planned_worker(two, "cpu", warm_worker=False) == SPAWNED
     assert planned_worker(one, "cuda", warm_worker=True) == SPAWNED  # the warm worker never serves beside a GPU
 
 
@@ -69,9 +70,10 @@ def test_the_plan_names_the_path_and_holds_the_estimate_of_each_path_the_worker_
     # the job asks for the planned path's memory
     assert (local.mem_mb, cluster.mem_mb) == (job_mem_mb(local.estimate().estimate_bytes, 1), cluster.mem_mb)
     assert CellContract.read(tmp_path / "True.json") == contracts[True]
-    # a distributed cell's ranks are always spawned: one path
+    # a distributed cell's ranks take the same paths, each rank's estimate per path; its job asks for every rank's
     two = write_contract(one_cell(world=2), job, tmp_path / "two.json", True, capabilities=CAPABILITIES)
-    assert set(two.plan.estimates) == {SPAWNED}
+    assert two.plan.worker == FORKED and set(two.plan.estimates) == {FORKED, SPAWNED}
+    assert two.plan.mem_mb == job_mem_mb(two.plan.estimate().estimate_bytes, 2)
 
 
 def test_a_plan_of_another_schema_is_not_read_and_its_job_asks_for_the_floor(tmp_path):

@@ -67,7 +67,7 @@ def worker_runtime_bytes(work_dir: Path | None = None) -> dict[str, Any]:
         study, model_dir, data = _micro_study(work_dir)
         forked: dict[str, int] = {}
         # the warm worker imports while the spawned micro cell runs: the two overlap, neither's memory changes
-        with _warm_worker(work_dir) as warm_socket:
+        with serving_warm_worker(work_dir) as warm_socket:
             spawned_fp32 = _beyond_tensors(study, Precision.FP32, model_dir, data, work_dir / SPAWNED, None)
             if warm_socket() is not None:
                 for arithmetic in ARITHMETICS:
@@ -98,8 +98,8 @@ def _micro_study(work_dir: Path) -> tuple[dict[str, Any], Path, Path]:
 
 
 @contextlib.contextmanager
-def _warm_worker(work_dir: Path) -> Iterator[Callable[[], str | None]]:
-    """The warm worker the forked micro cells come from: the invocation's, where this probe runs in one that has
+def serving_warm_worker(work_dir: Path) -> Iterator[Callable[[], str | None]]:
+    """The warm worker forked cells come from: the invocation's, where this process runs in one that has
     one (the very process its cells will be forked from, before any cell is), else one of this process's own,
     started at once (a second import of the training stack would cost seconds of CPU). The callable waits until
     it serves and returns its socket, or None where it does not serve."""
