@@ -503,14 +503,16 @@ def sqlite_store(_empty_store: Path):
 
 def processes_mentioning(path: Path) -> list[str]:
     """PIDs of this test session's processes whose command line names `path`: what a cell left behind (must
-    be none). Only processes carrying this session's marker in their environment count."""
+    be none). Only processes carrying this session's marker in their environment count; the session's own warm
+    worker (session_warm_socket), which lives as long as the session, and what it forks do not."""
     found = []
     marker = f"{SESSION_ENV}={os.environ[SESSION_ENV]}".encode()
+    session_warm = str(_SESSION_WARM.get("path", ""))  # its forks keep its command line
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) != os.getpid():
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                if str(path) not in cmdline:
+                if str(path) not in cmdline or (session_warm and session_warm in cmdline):
                     continue
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:  # gone meanwhile, or another user's
