@@ -151,7 +151,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     if probe_run is not None and probe_run.exists():  # the probe's MLflow run, logged by probe_tracking
         capabilities["mlflow_run_id"] = read_json(probe_run).get("run_id")
     # the plan decided the worker's path (tunegrid.runtime.workers.planned_worker): only a cell planned forked
-    # asks the warm worker, so a spawned cell (a GPU, several ranks, a stack of its own) never waits for one
+    # asks the warm worker, so a spawned cell (a GPU, a cluster job, a stack of its own) never waits for one
     warm_socket = os.environ.get(WARM_SOCKET_ENV) if plan.worker == FORKED else None
     if warm_socket:
         from tunegrid.run.warm_client import ready_info
