@@ -26,7 +26,7 @@ from tunegrid.runtime.workers import WARM_SOCKET_ENV, WARM_SUPERVISOR_SOCKET_ENV
 
 # Which warm process forks which command, by the socket the job finds in its environment. The warm supervisor's
 # commands never import torch (nor, so, touch CUDA); the warm worker's import what it holds (torch, transformers:
-# the environment record and the checkpoints), and it serves no fork where a GPU is visible.
+# the environment record, the checkpoints and the probe), and it serves no fork where a GPU is visible.
 SERVED_BY = {
     **dict.fromkeys(("environment", "checkpoint", "probe"), WARM_SOCKET_ENV),
     **dict.fromkeys(
