@@ -35,7 +35,6 @@ SERVED_BY = {
     ),
 }
 
-ASKS_ITS_OWN_SERVER = frozenset({"probe"})
 FORKED_ENV = "TUNEGRID_FORKED_JOB"
 
 
@@ -51,12 +50,9 @@ def forked_job(argv: list[str]) -> int | None:
         return None
     from tunegrid.run.warm_client import fork_worker
 
-    # the command asks no fork of itself; the probe does ask the warm worker that forked it for its calibration's
-    # forked micro cells (tunegrid.run.calibrate), which it serves beside the probe
-    keep = argv[1] in ASKS_ITS_OWN_SERVER
-    env = {key: value for key, value in os.environ.items() if key != socket_env or keep}
-    env[JOB_PID_ENV] = str(os.getpid())
-    env[FORKED_ENV] = "1"  # the command, forked, runs itself
+    # the environment as it is (the probe asks the warm worker that forked it for its calibration's forked micro
+    # cells, tunegrid.run.calibrate), marked so that the forked command runs itself instead of asking again
+    env = {**os.environ, JOB_PID_ENV: str(os.getpid()), FORKED_ENV: "1"}
     job = fork_worker(Path(socket), list(argv), env, wait_ready_s=60.0)
     if job is None:
         return None
