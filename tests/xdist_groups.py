@@ -5,11 +5,6 @@ one worker makes the fixture once and runs them in their order, as without xdist
 device) and tests that carry an explicit `xdist_group` mark. Every other test is a group of its own, handed to
 whichever worker is free.
 
-With three workers or more, the last is the waiting lane: it runs only the groups whose every test is marked
-`waits` (most of its wall time waits on a scheduler, a timeout or a server, not on the CPU: the SLURM run, the
-collective timeouts, a killed tree's rerun), beside the CPU-bound tests the others run, instead of holding one of
-their cores idle. The others take a waiting group too once nothing else is left.
-
 pytest-xdist 3.8's own loadgroup tells the controller a test's group by appending it to the test's id, which
 pytest 9.2's structured ids no longer take (pytest-xdist#1386: the groups are silently ignored). Here each worker
 writes the groups it collected to a file in the run's base temporary folder, and the controller's scheduler
@@ -29,7 +24,6 @@ import pytest
 # makes those once for all workers; an empty store) take seconds.
 COSTLY_SESSION_FIXTURES = frozenset({"default_study_clone"})
 GROUPS_FILE = "xdist-groups-{}.json"
-WAITS = "waits"
 
 
 def shared_fixture_groups(items: list[Any]) -> dict[str, str]:
@@ -62,15 +56,6 @@ def shared_fixture_groups(items: list[Any]) -> dict[str, str]:
     return {nodeid: root(keys[0]) for nodeid, keys in keys_of.items()}
 
 
-def waiting_groups(items: list[Any], groups: dict[str, str]) -> list[str]:
-    """The groups whose every test is marked `waits` (a test in no group is a group of its own)."""
-    waiting: dict[str, bool] = {}
-    for item in items:
-        group = groups.get(item.nodeid, item.nodeid)
-        waiting[group] = waiting.get(group, True) and item.get_closest_marker(WAITS) is not None
-    return sorted(group for group, waits in waiting.items() if waits)
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[Any]) -> None:
     """In a worker: the `slow` tests first, then its collection's groups, for the controller (every worker
@@ -84,52 +69,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[Any]) -> No
     if worker is None:
         return
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: the rest keep their order
-    groups = shared_fixture_groups(items)
     folder = config._tmp_path_factory.getbasetemp().parent  # the controller's, above each worker's own
     path = folder / GROUPS_FILE.format(worker)
-    written = {"groups": groups, "waiting": waiting_groups(items, groups)}
-    path.with_suffix(".tmp").write_text(json.dumps(written))
+    path.with_suffix(".tmp").write_text(json.dumps(shared_fixture_groups(items)))
     path.with_suffix(".tmp").replace(path)
 
 
-def next_group(queue: list[str], waiting: set[str], lane: bool) -> str | None:
-    """The group a worker runs next, of those queued (in order): the lane takes the first waiting group, and
-    none once no waiting group is left (it stops); another worker the first group that does not wait, else the
-    first waiting one."""
-    mine = [group for group in queue if (group in waiting) == lane]
-    if lane:
-        return mine[0] if mine else None
-    return (mine or queue or [None])[0]
-
-
 def groups_scheduler(config: pytest.Config, log: Any) -> Any:
-    """loadscope's scheduler whose scopes are the groups the workers wrote (a test alone is its own scope), with
-    the waiting lane where there are three workers or more."""
+    """loadscope's scheduler whose scopes are the groups the workers wrote (a test alone is its own scope)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class SharedFixtureScheduling(LoadScopeScheduling):
-        written: dict[str, Any] | None = None
-
-        def _groups(self) -> dict[str, Any]:
-            if self.written is None:
-                found = sorted(Path(config._tmp_path_factory.getbasetemp()).glob(GROUPS_FILE.format("*")))
-                assert found, "no pytest-xdist worker wrote its test groups (tests/xdist_groups.py)"
-                self.written = json.loads(found[0].read_text())
-            return self.written
+        groups: dict[str, str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
-            return self._groups()["groups"].get(nodeid, nodeid)
-
-        def _assign_work_unit(self, node: Any) -> None:
-            lane = self.numnodes >= 3 and node.gateway.id == f"gw{self.numnodes - 1}"
-            scope = next_group(list(self.workqueue), set(self._groups()["waiting"]), lane)
-            if scope is None:
-                node.shutdown()
-                return
-            work_unit = self.workqueue.pop(scope)
-            self.assigned_work.setdefault(node, {})[scope] = work_unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some([collection.index(nodeid) for nodeid, done in work_unit.items() if not done])
+            if self.groups is None:
+                written = sorted(Path(config._tmp_path_factory.getbasetemp()).glob(GROUPS_FILE.format("*")))
+                assert written, "no pytest-xdist worker wrote its test groups (tests/xdist_groups.py)"
+                self.groups = json.loads(written[0].read_text())
+            return self.groups.get(nodeid, nodeid)
 
     return SharedFixtureScheduling(config, log)
 

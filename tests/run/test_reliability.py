@@ -50,7 +50,6 @@ def _grep_tree(root: Path, needles: list[str]) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.waits
 def test_sigkill_of_the_whole_tree_then_plain_rerun_completes(tmp_path):
     grid = {
         "model": ["qwen3moe-tiny"],
@@ -174,7 +173,6 @@ def test_eight_concurrent_writers_lose_nothing_on_sqlite(tmp_path, sqlite_store)
 
 
 @pytest.mark.slow
-@pytest.mark.waits
 def test_tracking_server_stopped_mid_run_training_goes_on_and_sync_fills(checkpoints, dataset_path, tmp_path):
     store = f"sqlite:///{tmp_path / 'server.db'}"
     port = free_port()

@@ -15,7 +15,7 @@ from conftest import REPO, processes_mentioning, snakemake_command, workflow_env
 
 from tunegrid.runtime.files import read_json
 
-pytestmark = [pytest.mark.slow, pytest.mark.waits]
+pytestmark = pytest.mark.slow
 
 STUDY = "collective-timeout-cpu"
 CELL = "qwen3moe-tiny_fp32_bs2_none_s0_ws2_ct{}_fault-{}"

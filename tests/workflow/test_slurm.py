@@ -24,7 +24,6 @@ from tunegrid.track.tracking import CELL_TAG
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.waits,
     pytest.mark.skipif(
         not available() and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"),
         reason="needs root and Debian's slurm-wlm + munge (.ci/run installs them)",
