@@ -221,12 +221,15 @@ def test_report_and_recommendations_cite_the_cells_that_prove_the_fix(finished_s
 
 
 def test_mlflow_server_rest_api_serves_every_cell(finished_study):
-    from tunegrid.run.ui import mlflow_server, rest
+    from tunegrid.run.ui import _SERVERS, mlflow_server, rest
 
     workdir, _ = finished_study
     summary = pd.read_parquet(workdir / "results" / "e2e" / "summary.parquet")
     with mlflow_server(f"sqlite:///{workdir / 'results' / 'mlflow.db'}") as url:
         assert url.startswith("http://127.0.0.1:")
+        # it serves runs only: MLflow's job runner (huey consumers) is not started in its session
+        session = subprocess.run(["ps", "-o", "args=", "-s", str(_SERVERS[url].pid)], capture_output=True, text=True)
+        assert "mlflow" in session.stdout and "huey" not in session.stdout, session.stdout
         experiment = rest(url, "experiments/get-by-name?experiment_name=tunegrid/e2e", method="GET")["experiment"]
         nan_runs = rest(
             url, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.outcome = 'nan'"}
