@@ -39,8 +39,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # threads of all of them often outnumber the cores. OpenMP's default wait spins: a thread waiting at the end of an
 # operator holds a core that the thread it waits for needs, and the other worker's cells crawl. Passive waits
 # (every process the session starts inherits them): two memory_estimate.py runs side by side took 69 s each,
-# 28 s with them; the whole suite 18 min 23 s (1,815 CPU-s) and 14 min 12 s (1,383) on 2 cores. A caller's own
-# setting wins.
+# 28 s with them; the whole suite on 2 cores took 18 min 23 s without them and 14–16 min with them over four runs
+# (docs/measurements.md). A caller's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # Every process this test session starts inherits this marker (snakemake, supervisors, warm workers and the
