@@ -87,16 +87,30 @@ def parsed_once() -> Iterator[None]:
     gguf's reader parses the whole file when it is made, the tokenizer's vocabulary one numpy view per string
     (Gemma 3's 262k tokens: ~12 CPU-s on a 2-core AMD EPYC), and transformers makes one reader for the config,
     one for the tokenizer and one for the weights; the manifest's facts take a fourth. Readers only read (a
-    read-only memory map), so the first one made for a path serves every later request for it."""
+    read-only memory map), so the first one made for a path serves every later request for it.
+
+    And each reader parses over a plain array of the same mapped bytes: every view the parse takes of a
+    `numpy.memmap` goes through that subclass's Python-level `__getitem__` and `__array_finalize__`, two thirds of
+    the parse (Gemma 3's file: 10.5-11.7 CPU-s as a memory map, 3.3-4.1 over the plain array, the same tensors)."""
     import gguf
+    import numpy as np
 
     made = gguf.GGUFReader
     readers: dict[tuple[str, str], Any] = {}
 
+    class PlainArrayReader(made):  # type: ignore[misc, valid-type]
+        @property
+        def data(self) -> Any:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: Any) -> None:  # the reader's own memory map; the view keeps it open
+            self._plain = mapped.view(np.ndarray) if isinstance(mapped, np.memmap) else mapped
+
     def shared(path: str | os.PathLike[str], mode: str = "r") -> Any:
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
-            readers[key] = made(path, mode)
+            readers[key] = PlainArrayReader(path, mode)
         return readers[key]
 
     gguf.GGUFReader = shared  # transformers and gguf_facts import it from the module when they run
