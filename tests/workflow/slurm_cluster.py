@@ -2,7 +2,8 @@
 
 Minimal on purpose: proctrack/linuxproc, task/none, no accounting daemon (so `sacct` does not work and
 the executor must poll with squeue; MinJobAge keeps finished jobs visible to squeue long enough).
-Two fake GPUs (device files /dev/null, /dev/zero) so that a rule's `gpu=1` really becomes `--gpus=1`.
+Three fake GPUs (device files /dev/null, /dev/zero, /dev/full) so that a rule's `gpu=1` really becomes `--gpus=1`,
+and a one-rank and a two-rank cell are scheduled side by side rather than one after the other.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def _free_port() -> int:
 
 MARKER = "# written by tunegrid's tests/workflow/slurm_cluster.py; removed when the test ends"
 ETC = Path("/etc/slurm")
+FAKE_GPUS = ("/dev/null", "/dev/zero", "/dev/full")  # character devices every Linux has
 
 
 def write_config(root: Path, cpus: int = 8, memory_mb: int = 16000, min_job_age_s: int = 60) -> Path:
@@ -74,12 +76,11 @@ MinJobAge={min_job_age_s}
 InactiveLimit=0
 KillWait=5
 GresTypes=gpu
-NodeName={host} CPUs={cpus} RealMemory={memory_mb} Gres=gpu:2 State=UNKNOWN
+NodeName={host} CPUs={cpus} RealMemory={memory_mb} Gres=gpu:{len(FAKE_GPUS)} State=UNKNOWN
 PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """)
-    (ETC / "gres.conf").write_text(
-        f"{MARKER}\nNodeName={host} Name=gpu File=/dev/null\nNodeName={host} Name=gpu File=/dev/zero\n"
-    )
+    gres = "".join(f"NodeName={host} Name=gpu File={device}\n" for device in FAKE_GPUS)
+    (ETC / "gres.conf").write_text(f"{MARKER}\n{gres}")
     return conf
 
 
