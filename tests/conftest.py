@@ -330,31 +330,49 @@ def stub_contract(cell_id: str, world_size: int, estimate_bytes: int, device: st
 
 # This process's warm worker (tunegrid.run.warm), started at the first cell that forks and kept for the session:
 # the cells the tests supervise are forked from it, as a local study's are from its invocation's, instead of each
-# worker importing the training stack again (~7 CPU-s a process on a 2-core host).
-_SESSION_WARM: dict[str, Any] = {}
+# worker importing the training stack again (~7 CPU-s a process on a 2-core host). Its warm supervisor likewise,
+# for the Snakemake runs that take both (with_session_warm_processes).
+_SESSION_WARM: dict[str, dict[str, Any]] = {}  # role -> {"proc", "path"}
 
 
-def session_warm_socket() -> str:
-    """The socket of this test process's warm worker, started (again, if it has ended) on first use."""
+def session_warm_socket(role: str = "worker") -> str:
+    """The socket of this test process's warm worker (or warm supervisor), started (again, if it has ended) on first
+    use."""
     from tunegrid.run import warm
 
-    proc = _SESSION_WARM.get("proc")
+    proc = _SESSION_WARM.get(role, {}).get("proc")
     if proc is None or proc.poll() is not None:  # poll() reaps an ended one: its CPU is now this process's children's
         cpu_times.TRACKED.discard(getattr(proc, "pid", None))
-        path = warm.socket_path(f"tests-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        path = warm.socket_path(f"tests-{os.getpid()}-{uuid.uuid4().hex[:8]}", role)
         log = Path(os.environ.get(CACHE_ENV) or tempfile.gettempdir()) / f"warm-{path.stem}.log"
-        _SESSION_WARM.update(proc=warm.start(path, log), path=path)
-        cpu_times.TRACKED.add(_SESSION_WARM["proc"].pid)  # the cells it forks count for the tests that ran them
-    return str(_SESSION_WARM["path"])
+        _SESSION_WARM[role] = {"proc": warm.start(path, log, role), "path": path}
+        cpu_times.TRACKED.add(_SESSION_WARM[role]["proc"].pid)  # the cells it forks count for the tests that ran them
+    return str(_SESSION_WARM[role]["path"])
+
+
+def with_session_warm_processes(env: dict[str, str]) -> dict[str, str]:
+    """`env` naming this process's warm worker and warm supervisor, so a local Snakemake run started with it forks
+    its jobs and cells from them, as an invocation inside another does (tunegrid.run.hooks), instead of starting and
+    importing its own two (~8 CPU-s, and its first jobs wait for them). Only for a run in this checkout whose
+    environment is this process's but for MLflow's store (workflow_env): the warm processes imported the stack with
+    this process's environment. The tests of the warm processes' own start and lifetime do not take them."""
+    from tunegrid.run import warm
+
+    return {
+        **env,
+        warm.SOCKET_ENV: session_warm_socket(warm.WORKER),
+        warm.SUPERVISOR_SOCKET_ENV: session_warm_socket(warm.SUPERVISOR),
+    }
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """The session's warm worker stopped with it (it also leaves by itself once this process is gone)."""
-    if _SESSION_WARM.get("proc") is not None:
+    """The session's warm processes stopped with it (they also leave by themselves once this process is gone)."""
+    if _SESSION_WARM:
         from tunegrid.run import warm
 
-        cpu_times.TRACKED.discard(_SESSION_WARM["proc"].pid)
-        warm.stop(_SESSION_WARM["proc"], _SESSION_WARM["path"])
+        for held in _SESSION_WARM.values():
+            cpu_times.TRACKED.discard(held["proc"].pid)
+            warm.stop(held["proc"], held["path"])
         _SESSION_WARM.clear()
 
 
@@ -512,15 +530,15 @@ def sqlite_store(_empty_store: Path):
 def processes_mentioning(path: Path) -> list[str]:
     """PIDs of this test session's processes whose command line names `path`: what a cell left behind (must
     be none). Only processes carrying this session's marker in their environment count; the session's own warm
-    worker (session_warm_socket), which lives as long as the session, and what it forks do not."""
+    processes (session_warm_socket), which live as long as the session, and what they fork do not."""
     found = []
     marker = f"{SESSION_ENV}={os.environ[SESSION_ENV]}".encode()
-    session_warm = str(_SESSION_WARM.get("path", ""))  # its forks keep its command line
+    session_warm = [str(held["path"]) for held in _SESSION_WARM.values()]  # their forks keep their command line
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) != os.getpid():
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-                if str(path) not in cmdline or (session_warm and session_warm in cmdline):
+                if str(path) not in cmdline or any(socket in cmdline for socket in session_warm):
                     continue
                 environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             except OSError:  # gone meanwhile, or another user's

@@ -11,7 +11,7 @@ import subprocess
 
 import pandas as pd
 import pytest
-from conftest import REPO, processes_mentioning, snakemake_command, workflow_env
+from conftest import REPO, processes_mentioning, snakemake_command, with_session_warm_processes, workflow_env
 
 from tunegrid.runtime.files import read_json
 
@@ -30,7 +30,7 @@ def test_cpu_collective_study_tells_the_three_timeouts_apart_and_proves_their_fi
         capture_output=True,
         text=True,
         timeout=1200,
-        env=workflow_env(),
+        env=with_session_warm_processes(workflow_env()),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = tmp_path / "results" / STUDY

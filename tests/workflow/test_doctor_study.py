@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, snakemake_command, workflow_env
+from conftest import REPO, snakemake_command, with_session_warm_processes, workflow_env
 
 from tunegrid.review.doctor import baseline_fixes
 from tunegrid.runtime.files import read_json
@@ -55,7 +55,7 @@ def doctor(workdir: Path, study: Path, *args: str) -> subprocess.CompletedProces
     return subprocess.run(
         [sys.executable, str(REPO / "scripts" / "tunegrid.py"), "doctor", str(study), *args],
         cwd=workdir,
-        env=workflow_env(),
+        env=with_session_warm_processes(workflow_env()),
         capture_output=True,
         text=True,
         timeout=1200,
@@ -94,7 +94,7 @@ def test_the_doctor_reaches_the_grids_recommendation_with_fewer_cells(workdir):
         capture_output=True,
         text=True,
         timeout=1200,
-        env=workflow_env(),
+        env=with_session_warm_processes(workflow_env()),
         check=False,
     )
     assert grid.returncode == 0, grid.stderr[-3000:]

@@ -12,7 +12,7 @@ import sys
 import tarfile
 
 import pytest
-from conftest import REPO, workflow_env
+from conftest import REPO, with_session_warm_processes, workflow_env
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ def _real_weights_available() -> bool:
 
 def test_every_section_runs_at_tiny_sizes_on_the_cpu(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    env = workflow_env()
+    env = with_session_warm_processes(workflow_env())
     env["PYTHON"] = sys.executable
     command = ["bash", str(REPO / "scripts" / "gpu_acceptance.sh"), "--cpu", "--out", str(out), "--work", str(work)]
     command += ["--budget-s", "3000"]  # a deadline no run reaches: this checks the sections, not the host's speed

@@ -16,7 +16,7 @@ import subprocess
 
 import pandas as pd
 import pytest
-from conftest import REPO, processes_mentioning, snakemake_command, workflow_env
+from conftest import REPO, processes_mentioning, snakemake_command, with_session_warm_processes, workflow_env
 
 from tunegrid.runtime.files import read_json
 
@@ -36,7 +36,7 @@ def study_run(tmp_path_factory):
         capture_output=True,
         text=True,
         timeout=900,
-        env=workflow_env(),
+        env=with_session_warm_processes(workflow_env()),
         preexec_fn=lambda: os.umask(0o022),  # the usual umask: results readable by the group and others
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, snakemake_command, workflow_env
+from conftest import REPO, snakemake_command, with_session_warm_processes, workflow_env
 
 from tunegrid.runtime.files import read_json
 
@@ -56,7 +56,7 @@ def real_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True,
         text=True,
         timeout=3000,
-        env=workflow_env(),
+        env=with_session_warm_processes(workflow_env()),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return workdir / "results" / STUDY
