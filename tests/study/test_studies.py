@@ -1,4 +1,4 @@
-"""The shipped studies (configs/*.yaml): valid, dry-runnable without a download, and their synthetic
+"""The shipped studies (configs/*.yaml): valid, their hub models pinned, and their synthetic
 real-width variants build and train a step on CPU at a reduced layer count."""
 
 from __future__ import annotations
@@ -6,11 +6,10 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, run_supervised, snakemake_command, work_cell, workflow_env
+from conftest import REPO, run_supervised, work_cell
 
 from tunegrid.dataset import read_dataset
 from tunegrid.prepare.checkpoints import produce_checkpoint
@@ -22,25 +21,13 @@ STUDIES = sorted((REPO / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", STUDIES, ids=lambda p: p.stem)
-def test_shipped_study_validates_and_dry_runs(path, tmp_path):
+def test_shipped_study_validates_and_pins_its_hub_models(path):
+    # its dry run, as the docs write it (`--config study=configs/<study>.yaml`), is
+    # tests/workflow/test_readme_commands.py::test_dry_run_as_written's, once per shipped study
     study = load_study(path)
     for name, model in study["models"].items():
         if model["source"] == "hub":
             assert len(model["revision"]) == 40, f"{name}: hub models are pinned"
-    data_path = study["data"].get("path")
-    if data_path and not Path(data_path).is_absolute():  # relative paths are the working directory's, as for a user
-        (tmp_path / data_path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / data_path).write_bytes((REPO / data_path).read_bytes())
-    env = workflow_env("HF_HUB_OFFLINE")
-    proc = subprocess.run(
-        snakemake_command(tmp_path, "all", "-n", "--cores", "8", "--configfile", str(path), "--resources", "gpu=8"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "finetune" in proc.stdout
 
 
 @pytest.mark.slow
