@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, workflow_env
+from conftest import REPO, with_session_warm_processes, workflow_env
 
 from tunegrid.plans import PRECISION_PLANS
 from tunegrid.recipes.recipe import tool_value
@@ -48,7 +48,8 @@ def test_the_recipe_commands_import_run_and_export_the_examples(tmp_path: Path):
     shutil.copytree(
         REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", "models")
     )
-    env = workflow_env("TUNEGRID_EXECUTION_ID")
+    # the copy's code is this checkout's, so its runs may fork from the session's warm processes (conftest)
+    env = with_session_warm_processes(workflow_env("TUNEGRID_EXECUTION_ID"))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     outputs = {}
     for command in recipe_commands():
