@@ -98,9 +98,11 @@ def serve(path: Path, owner_pid: int, idle_s: float = 600.0, role: str = WORKER)
         from tunegrid.track.store import import_client
 
         import_client()
-    # What the imports made lives as long as this process: out of the collector's sight (gc.freeze), a child's
-    # collections scan only what the child made, not the parent's millions of objects: a forked cell's worker spends
-    # about half its CPU less (0.6 -> 0.3 s for a tiny cell, measured in benchmarks/README.md), its peak unchanged.
+    # What the imports made lives as long as this process: out of the collector's sight (gc.freeze, after one
+    # collection so that no import's garbage is frozen with it), a child's collections scan only what the child
+    # made, not the parent's millions of objects: a forked cell's worker spends about half its CPU less (0.6 -> 0.3 s
+    # for a tiny cell, measured in benchmarks/README.md), its peak unchanged.
+    gc.collect()
     gc.freeze()
     refusal = fork_refusal() if role == WORKER else None  # a supervisor never touches torch, so nor CUDA
     if refusal:  # no socket appears: every supervisor spawns its worker the ordinary way
