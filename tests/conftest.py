@@ -79,6 +79,61 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ.pop(CACHE_ENV, None)
 
 
+# The user's own work in this checkout: a newcomer who ran README's main command first has the default study's
+# results, Snakemake's records and the MLflow store here. No test reads or writes them: each runs in a copy of the
+# checkout or a temporary folder. The controller fingerprints them when the session starts and fails the session
+# if any changed by its end.
+USERS_WORK = ("results", ".snakemake", "mlruns", "mlartifacts", "mlflow.db")
+_USERS_WORK = pytest.StashKey[dict[str, tuple[int, int]]]()
+
+
+def users_work_fingerprint(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file of the user's work under `root`: its size and modification time, by path."""
+    found = {}
+    for name in USERS_WORK:
+        top = root / name
+        for path in [top] if top.is_file() else (top.rglob("*") if top.is_dir() else []):
+            if path.is_file() and not path.is_symlink():
+                stat = path.stat()
+                found[str(path.relative_to(root))] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_USERS_WORK] = users_work_fingerprint(REPO)
+
+
+def fail_if_users_work_changed(session: pytest.Session) -> None:
+    """Called when the session ends (pytest_sessionfinish, below)."""
+    before = session.config.stash.get(_USERS_WORK, None)
+    if before is None:
+        return
+    after = users_work_fingerprint(REPO)
+    changed = sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        sys.stderr.write(f"\nthe test session changed the checkout's own results or records: {shown}\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+COPY_IGNORES = (".git", ".venv", *USERS_WORK, "__pycache__", ".gpu-kit", "site")
+
+
+def checkout_copy(destination: Path) -> Path:
+    """A copy of this checkout's files without the user's work, the venv or git's records: what a fresh clone
+    holds, for a test that runs commands as written from the repository root."""
+    shutil.copytree(REPO, destination, ignore=shutil.ignore_patterns(*COPY_IGNORES))
+    return destination
+
+
+@pytest.fixture(scope="session")
+def fresh_checkout(tmp_path_factory) -> Path:
+    """One copy of the checkout per session (per pytest-xdist worker) for commands that write nothing a test
+    reads: validation and dry runs."""
+    return checkout_copy(tmp_path_factory.mktemp("fresh") / "tunegrid")
+
+
 def snakemake_command(workdir: Path, *args: str) -> list[str]:
     """This workflow's snakemake command line, run in `workdir` as in a user's own project folder."""
     return [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory", str(workdir), *args]
@@ -143,12 +198,7 @@ def default_study_clone(tmp_path_factory) -> Path:
     """A copy of this checkout (no results, no venv) with README's main job run in it, as a newcomer's checkout
     is after the first command: the default study, end to end. One run for the session, shared by every test
     that reads its results (README's commands, the MLflow UI, the adapter snippet); only `slow` tests use it."""
-    import shutil
-
-    root = tmp_path_factory.mktemp("newcomer") / "tunegrid"
-    shutil.copytree(
-        REPO, root, ignore=shutil.ignore_patterns(".git", ".venv", "results", ".snakemake", "__pycache__", ".gpu-kit")
-    )
+    root = checkout_copy(tmp_path_factory.mktemp("newcomer") / "tunegrid")
     done = shell(DEFAULT_STUDY_COMMAND, root, timeout=1500)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     (root / "main-output.txt").write_text(done.stdout + done.stderr)
@@ -374,6 +424,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             cpu_times.TRACKED.discard(held["proc"].pid)
             warm.stop(held["proc"], held["path"])
         _SESSION_WARM.clear()
+    fail_if_users_work_changed(session)
 
 
 def run_supervised(

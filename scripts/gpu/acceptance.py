@@ -409,7 +409,7 @@ def tiny_memory_study(folder: Path) -> Path:
     import yaml
 
     study = yaml.safe_load((REPO / "configs" / "memory-fixes-oom-cpu.yaml").read_text())
-    study["models"]["llama-mlp-wide"]["config"].update(intermediate_size=256, num_hidden_layers=2)
+    study["models"]["llama-deep-mlp"]["config"].update(intermediate_size=256, num_hidden_layers=2)
     study["train"].update(steps=2, seq_len=32, threads=1)
     study["lora"].update(r=8, alpha=16)
     study["hardware"]["memory_budget_gb"] = 0

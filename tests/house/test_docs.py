@@ -108,3 +108,23 @@ def test_the_screenshots_show_the_default_study_as_it_is_now() -> None:
     assert shown["cells"] == len(expand_cells(study)), f"the pictures show {shown['cells']} cells: {redo}"
     assert shown["runs"] >= shown["cells"], "every cell has its MLflow run"
     assert all((SCREENSHOTS / name).stat().st_size > 10_000 for name in shown["files"])
+
+
+def test_every_profile_a_help_text_names_exists():
+    """A help text's `--profile NAME` is one Snakemake finds from the repository root (./NAME/config.yaml)."""
+    import argparse
+    import re
+
+    from tunegrid.cli.main import build_parser
+
+    def helps(parser: argparse.ArgumentParser):
+        for action in parser._actions:
+            yield action.help or ""
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from helps(sub)
+
+    named = {m for text in helps(build_parser()) for m in re.findall(r"--profile (\S+?)['\s)]", text + " ")}
+    assert named, "no help text names a profile any more: drop this test"
+    missing = [name for name in named if not (REPO / name / "config.yaml").is_file()]
+    assert missing == [], f"help texts name profiles this repository does not have: {missing}"

@@ -1,12 +1,14 @@
 """The shipped out-of-memory study through Snakemake (configs/memory-fixes-oom-cpu.yaml, --cores 2): the plain
-setting runs out of its budget at the step, its memory-fix twins fit, and the report's recommendation ranks the
-fixes by throughput with each one's peak, cost and loss parity. One run feeds every test of this module.
+setting and 8-bit AdamW alone run out of their budget at the step, activation checkpointing (alone and with 8-bit
+AdamW) fits, and the report's recommendation ranks the fixes by throughput with each one's peak, cost and loss
+parity. One run feeds every test of this module.
 
-The budget sits 27 MiB from the nearest cell on either side of it (the study's comment has the address space each
-cell adds, from runs at load average 10-19). What a cell is charged does not depend on how fast it runs: under a
-budget the worker keeps one malloc arena from its start and maps every large block on its own (tunegrid.runtime.memory),
-so the charge follows the tensors alive, and each cell records it. The tests assert that record against the budget
-first (a margin gone thin fails there, naming the cell), then the outcomes."""
+The study holds on any CPU family only if the budget sits far from every cell: a failing cell needs at least
+1.2x the budget and every fix at most 0.8x. The tests assert those margins first -- from the plans' own estimates
+before anything trains, then from the charge each cell recorded -- so a margin gone thin fails there, naming the
+cell, before any outcome is read. What a cell is charged does not depend on how fast it runs: under a budget the
+worker keeps one malloc arena from its start and maps every large block on its own (tunegrid.runtime.memory), so
+the charge follows the tensors alive."""
 
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ from tunegrid.runtime.files import read_json
 pytestmark = pytest.mark.slow
 
 STUDY = "memory-fixes-oom-cpu"
-PLAIN = "llama-mlp-wide_fp32_bs2_none_s0"
-FIXES = {f"{PLAIN}_adamw-8bit", f"{PLAIN}_ac", f"{PLAIN}_adamw-8bit_ac"}
+PLAIN = "llama-deep-mlp_fp32_bs2_none_s0"
+FAILING = {PLAIN, f"{PLAIN}_adamw-8bit"}
+FIXES = {f"{PLAIN}_ac", f"{PLAIN}_adamw-8bit_ac"}
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +49,37 @@ def study_run(tmp_path_factory):
     return out, summary, advice
 
 
-BUDGET = int(0.267 * 2**30)
-MARGIN = 8 * 2**20  # the charge moved by 2.5 MiB at most between runs on a loaded host
+BUDGET = int(0.6 * 2**30)
+FAILS, FITS = 1.2, 0.8  # the margins: a failing cell needs >= 1.2x the budget, a fix <= 0.8x
 
 
-def test_each_fix_is_charged_well_under_the_budget_and_the_plain_cell_reaches_it(study_run):
+def planned_charge(out, cell: str) -> int:
+    """What the cell's plan predicts it adds above its runtime: the estimate less its runtime term (on a CPU the
+    budget is of address space above what the worker mapped at its start)."""
+    plan = read_json(out / "plans" / f"{cell}.json")["plan"]
+    estimate = plan["estimates"][plan["worker"]]
+    return estimate["estimate_bytes"] - estimate["components"]["runtime"]
+
+
+def test_the_plans_put_every_cell_far_from_the_budget(study_run):
+    """The study's premise, from the plans alone: what tunegrid predicts for each cell before it trains."""
+    out, _, _ = study_run
+    for cell in FAILING:
+        assert planned_charge(out, cell) >= FAILS * BUDGET, (cell, planned_charge(out, cell) / BUDGET)
+    for cell in FIXES:
+        assert planned_charge(out, cell) <= FITS * BUDGET, (cell, planned_charge(out, cell) / BUDGET)
+
+
+def test_each_fix_is_charged_well_under_the_budget_and_the_failing_cells_reach_it(study_run):
     """What is deterministic about the demonstration: the address space each cell added, against the budget."""
     out, _, _ = study_run
     for cell in FIXES:
         enforcement = read_json(out / "runs" / cell / "result.json")["memory"]["budget_enforcement"]
         assert enforcement["large_blocks"] == "M_MMAP_THRESHOLD=262144", enforcement
-        assert enforcement["address_space_added_peak"] <= BUDGET - MARGIN, (cell, enforcement)
-    fixes = [read_json(out / "runs" / c / "result.json")["memory"]["budget_enforcement"] for c in FIXES]
-    plain = read_json(out / "runs" / PLAIN / "result.json")["memory"]["budget_enforcement"]
-    # it reached further than any fix before the allocation the limit refused (that one is not in its peak)
-    assert plain["address_space_added_peak"] > max(f["address_space_added_peak"] for f in fixes) + MARGIN, plain
+        assert enforcement["address_space_added_peak"] <= FITS * BUDGET, (cell, enforcement)
+    for cell in FAILING:  # each reached the budget (the allocation the limit refused is not in its peak)
+        enforcement = read_json(out / "runs" / cell / "result.json")["memory"]["budget_enforcement"]
+        assert enforcement["address_space_added_peak"] > FITS * BUDGET, (cell, enforcement)
 
 
 def test_results_are_written_with_the_users_umask(study_run):
@@ -71,21 +90,22 @@ def test_results_are_written_with_the_users_umask(study_run):
 
 def test_the_plain_setting_runs_out_of_memory_at_the_step_and_each_memory_fix_fits(study_run):
     out, summary, _ = study_run
-    plain = summary.loc[PLAIN]
-    assert plain["outcome"] == "oom" and plain["oom_stage"] == "step", plain.to_dict()
-    result = read_json(out / "runs" / PLAIN / "result.json")
-    enforcement = result["memory"]["budget_enforcement"]
-    assert enforcement["mechanism"] == "RLIMIT_AS" and enforcement["malloc_arenas"] == "M_ARENA_MAX=1"
-    assert result["memory"]["budget_bytes"] == BUDGET
+    for cell in FAILING:
+        failing = summary.loc[cell]
+        assert failing["outcome"] == "oom" and failing["oom_stage"] == "step", failing.to_dict()
+        result = read_json(out / "runs" / cell / "result.json")
+        enforcement = result["memory"]["budget_enforcement"]
+        assert enforcement["mechanism"] == "RLIMIT_AS" and enforcement["malloc_arenas"] == "M_ARENA_MAX=1"
+        assert result["memory"]["budget_bytes"] == BUDGET
     for cell in FIXES:
         fix = summary.loc[cell]
         assert fix["outcome"] == "ok", (cell, fix.to_dict())
         assert fix["quality"] == "holds"  # it learned (its loss fell >= 5 %)
     # what the 8-bit state saves is what the summary says it held, against the estimate's figure
     state = {cell: int(float(summary.loc[cell, "optimizer_state_bytes"])) for cell in FIXES}
-    assert state[f"{PLAIN}_adamw-8bit"] * 3.5 < state[f"{PLAIN}_ac"]
-    assert state[f"{PLAIN}_adamw-8bit"] == int(
-        float(summary.loc[f"{PLAIN}_adamw-8bit", "optimizer_state_estimate_bytes"])
+    assert state[f"{PLAIN}_adamw-8bit_ac"] * 3.5 < state[f"{PLAIN}_ac"]
+    assert state[f"{PLAIN}_adamw-8bit_ac"] == int(
+        float(summary.loc[f"{PLAIN}_adamw-8bit_ac", "optimizer_state_estimate_bytes"])
     )
 
 
@@ -99,7 +119,6 @@ def test_the_recommendation_ranks_the_fixes_by_throughput_with_peak_cost_and_par
     assert speeds == sorted(speeds, reverse=True)  # fastest first: all of them fit
     assert "Ranked by throughput, fastest first." in rec["text"]
     changes = {fix["evidence"][0]: fix["change"] for fix in rec["fixes"]}
-    assert changes[f"{PLAIN}_adamw-8bit"] == {"optimizer": "adamw-8bit"}
     assert changes[f"{PLAIN}_ac"] == {"activation_checkpointing": True}
     assert changes[f"{PLAIN}_adamw-8bit_ac"] == {"optimizer": "adamw-8bit", "activation_checkpointing": True}
     for fix in rec["fixes"]:
@@ -110,20 +129,19 @@ def test_the_recommendation_ranks_the_fixes_by_throughput_with_peak_cost_and_par
         assert 0 < fix["cost"]["tokens_per_s_ratio"] <= 1.0 and fix["cost"]["against"] == "the fastest fix"
         assert "of the fastest fix)" in fix["why"]
     assert rec["fixes"][0]["cost"]["tokens_per_s_ratio"] == 1.0
-    # the checkpointing twin (the same arithmetic) stands for the failing setting's loss, and the 8-bit fixes are
-    # compared with it. Which step the plain cell runs out of memory in varies by a step between runs (step 1
-    # mostly: its only loss is then step 0's, before any update, and the stand-in has nothing to be compared
-    # with; where it got through step 1, the stand-in is compared with the failing cell's own steps)
+    # the checkpointing twin (the same arithmetic) stands for the failing setting's loss, and the 8-bit fix is
+    # compared with it. The plain cell runs out of memory in its first step (far over the budget), so it logged
+    # no loss and the stand-in has nothing to be compared with
     by_cell = {fix["evidence"][0]: fix for fix in rec["fixes"]}
     stand_in = by_cell[f"{PLAIN}_ac"]
-    if "logged only step 0's loss" in stand_in["why"]:
-        assert stand_in["parity"] is None and "stands for the failing setting's (the failing cell" in stand_in["why"]
-    else:
-        assert 0 <= stand_in["parity"] <= 0.05 and "in the failing setting" in stand_in["why"], stand_in
-    for cell in (f"{PLAIN}_adamw-8bit", f"{PLAIN}_adamw-8bit_ac"):
-        assert 0 <= by_cell[cell]["parity"] <= 0.05, by_cell[cell]
-        assert f"of {PLAIN}_ac over the last quarter of steps" in by_cell[cell]["why"]
-        assert f"its reference {cell}" not in by_cell[cell]["why"]  # never a cell compared with itself
+    assert stand_in["parity"] is None and "stands for the failing setting's (the failing cell" in stand_in["why"]
+    eight_bit = by_cell[f"{PLAIN}_adamw-8bit_ac"]
+    assert 0 <= eight_bit["parity"] <= 0.05, eight_bit
+    assert f"of {PLAIN}_ac over the last quarter of steps" in eight_bit["why"]
+    assert f"its reference {PLAIN}_adamw-8bit_ac" not in eight_bit["why"]  # never a cell compared with itself
+    # 8-bit AdamW alone saves too little to fit: its own recommendation is checkpointing
+    rec_8bit = advice[f"{PLAIN}_adamw-8bit"]
+    assert {fix["evidence"][0] for fix in rec_8bit["fixes"]} == FIXES
     report = (out / "report" / "index.html").read_text()
     assert f"{PLAIN}: out of memory at step" in report
     assert processes_mentioning(out) == []

@@ -360,10 +360,10 @@ def test_run_as_written(command, clone):
 
 
 @pytest.mark.parametrize("command", [c for c, (how, _) in HOW.items() if how == "each"])
-def test_each_study_as_written(command):
+def test_each_study_as_written(command, fresh_checkout):
     for study in STUDIES if "<study>" in command else [""]:
         line = command.replace("<study>", study)
-        done = shell(line, REPO, timeout=300)
+        done = shell(line, fresh_checkout, timeout=300)
         assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
 
 
@@ -373,9 +373,10 @@ DRY_LINES = list(dict.fromkeys(c.replace("<study>", s) for c in DRY for s in (ST
 
 
 @pytest.mark.parametrize("line", DRY_LINES)
-def test_dry_run_as_written(line):
-    # from the repository root, as README says (a dry run writes no results)
-    done = shell(f"{line} -n", REPO, timeout=300)
+def test_dry_run_as_written(line, fresh_checkout):
+    # from the root of a fresh copy, as README says: the checkout's own results (a newcomer who ran the main
+    # command has the default study's) would leave nothing to be done
+    done = shell(f"{line} -n", fresh_checkout, timeout=300)
     assert done.returncode == 0, f"{line}: {(done.stdout + done.stderr)[-3000:]}"
     if "study=configs/" in line:  # a shipped study (each has one such line): it plans its cells, no download
         assert "finetune" in done.stdout, f"{line}: {done.stdout[-2000:]}"
@@ -419,3 +420,17 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     assert subprocess.run(["pgrep", "-f", f"mlflow.*{clone}"], capture_output=True, check=False).stdout == b"", (
         "no server left behind"
     )
+
+
+@pytest.mark.slow
+def test_readme_commands_pass_in_a_checkout_where_the_main_job_has_run(clone):
+    """README's two commands in order: the main job has run in `clone` (its results, Snakemake's records and
+    the MLflow store are there), then this module's tests that run from the repository root run in it -- its
+    own copy of the suite, in one process -- and pass, leaving that work as it was (the copy's session fails
+    if they changed it)."""
+    module = Path(__file__).relative_to(REPO)
+    before = sorted((clone / "results").rglob("*"))
+    done = shell(f"python -m pytest {module} -m 'not slow' -n 0 -q -p no:cacheprovider", clone, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert " passed" in done.stdout.splitlines()[-1] and "failed" not in done.stdout.splitlines()[-1]
+    assert sorted((clone / "results").rglob("*")) == before

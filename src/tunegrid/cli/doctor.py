@@ -20,7 +20,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--first", action="store_true", help="stop at the first fix that holds parity")
     p.add_argument("--steps", type=int, default=0, help="steps per cell: the budget to meet the failure")
     p.add_argument("--cores", type=int, default=2, help="snakemake --cores")
-    p.add_argument("--snakemake", default="", help="more snakemake arguments, e.g. '--profile profiles/slurm'")
+    p.add_argument(
+        "--snakemake",
+        default="",
+        help="more snakemake arguments, e.g. '--profile slurm' (the profile in this repository's slurm/)",
+    )
     p.add_argument("--from", dest="tool", default="auto", choices=["auto", "axolotl", "trl", "transformers"])
     p.add_argument("--ignore", nargs="*", default=[], help="(recipe) keys tunegrid cannot honour, to drop")
     p.add_argument("--model", default="", help="(recipe) when it names none: a folder or <hub id>@<revision>")
