@@ -113,6 +113,31 @@ def feasibility(
     return None
 
 
+def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
+    """`unsupported` before submission when no partition of the cluster has a node with the cores and GPUs the
+    cell's job asks for: every rank of a cell runs on one node, inside one job (world_size x train.threads
+    cores, world_size x gpus_per_rank GPUs). Submitted, such a job would wait in the queue for ever
+    (PartitionConfig); the probe recorded the cluster's partitions when it ran as a cluster job."""
+    recorded = (capabilities.get("cluster") or {}).get("partitions")
+    if not recorded:
+        return None
+    partitions = [p for p in recorded if p.get("up")]
+    world = int(spec["axes"].get("world_size", 1))
+    cpus = world * int(spec["train"]["threads"])
+    gpus = devices.cell_gpus(spec["hardware"], world, capabilities)  # what the job asks for (`gpu`)
+    if any(p["cpus_per_node"] >= cpus and p["gpus_per_node"] >= gpus for p in partitions):
+        return None
+    offered = "; ".join(
+        f"{p['name']}: {p['nodes']} node(s) of {p['cpus_per_node']} CPUs, {p['gpus_per_node']} GPUs" for p in partitions
+    )
+    return (
+        Outcome.UNSUPPORTED,
+        f"needs {cpus} CPUs and {gpus} GPUs on one node (all {world} ranks of a cell run in one job, "
+        f"train.threads {spec['train']['threads']} each); no partition that is up has such a node "
+        f"({offered or 'none is up'})",
+    )
+
+
 def needs_cuda(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
     """`unsupported` before launch for a cell that would train on the CPU with a setting that runs on CUDA only:
     peft's LoftQ initialization (lora.loftq_bits), whose loftq_init moves each weight to "cuda"."""

@@ -53,7 +53,8 @@ ALLOWED = {
         "prepare.environment",
         "prepare.probes",
         "prepare.stacks",
-    },  # git/pip facts; rank processes and PyTorch's flight-recorder reader; pip builds stacks
+        "prepare.cluster",
+    },  # git/pip facts; rank processes and PyTorch's flight-recorder reader; pip builds stacks; sinfo and sacct
 }
 MAX_LINES = 350
 # Modules that read better whole: the cell's recipe (setup, model, data, the loop, the record in one place)

@@ -38,7 +38,7 @@ def test_study_through_the_slurm_profile(tmp_path):
         "batch_size": [2],
         "quant": ["none"],
         "seed": [0],
-        "world_size": [1, 2],
+        "world_size": [1, 2, 4],  # 4 ranks x 1 GPU: more than the node's 3, unsupported before submission
     }
     study = make_study(
         study="slurm",
@@ -67,9 +67,8 @@ def test_study_through_the_slurm_profile(tmp_path):
                 str(workdir),
                 "--configfile",
                 str(config),
-                # this test cluster has no slurmdbd: squeue status checks, early and often
-                "--slurm-status-command",
-                "squeue",
+                # this test cluster has no slurmdbd: the workflow finds that out and checks job states with
+                # squeue (the profile as shipped, no status command named); early and often
                 "--slurm-init-seconds-before-status-checks",
                 "2",
                 "--seconds-between-status-checks",
@@ -92,11 +91,18 @@ def test_study_through_the_slurm_profile(tmp_path):
     results = workdir / "results" / "slurm"
     summary = pd.read_parquet(results / "summary.parquet").set_index("cell_id")
     assert summary.loc["qwen3moe-tiny_fp32_bs2_none_s0", "outcome"] == "ok"
+    unschedulable = summary.loc["qwen3moe-tiny_fp32_bs2_none_s0_ws4"]
+    assert unschedulable["outcome"] == "unsupported", unschedulable.to_dict()
+    assert "needs 4 CPUs and 4 GPUs on one node" in unschedulable["reason"], unschedulable["reason"]
+    assert "ci: 1 node(s) of 8 CPUs, 3 GPUs" in unschedulable["reason"], unschedulable["reason"]
     stalled = summary.loc["qwen3moe-tiny_fp32_bs2_none_s0_ws2"]
     assert stalled["outcome"] == "timeout" and stalled["collective_missing_ranks"] == "1"
     for cell in summary.index:
         scheduler = read_json(results / "runs" / cell / "result.json")["env"]["scheduler"]
         assert scheduler["SLURM_JOB_ID"], "the cell ran inside a SLURM job"
+        if cell == unschedulable.name:  # its job only wrote the verdict: one core, no GPU, so it was scheduled
+            assert scheduler.get("SLURM_GPUS_ON_NODE") in (None, "", "0"), scheduler
+            continue
         world = 2 if cell.endswith("_ws2") else 1
         assert scheduler["SLURM_GPUS_ON_NODE"] == str(world), "gpu=N became --gpus=N"
 

@@ -15,7 +15,8 @@ from tunegrid.study.paths import StudyPaths
 from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, probe_world_sizes, resolve_study, spec_json
 from tunegrid.runtime.devices import cell_gpus, gpus_per_rank
 from tunegrid.runtime.telemetry import telemetry_off
-from tunegrid.prepare.cell_plan import mem_mb_for_job
+from tunegrid.prepare.cell_plan import mem_mb_for_job, trains
+from tunegrid.prepare.cluster import ACCOUNTING_DISABLED, accounting_disabled
 from tunegrid.recipes.recipe_study import expand_base
 from tunegrid.study.config import baseline_cell as doctor_baseline
 from tunegrid.review.doctor_choice import doctor_cells, memory_choice_cells
@@ -71,6 +72,19 @@ CELL_PLAN_WORKER_ENV = "TUNEGRID_CELL_PLAN_WORKER"  # read by the cell_plan rule
 os.environ[CELL_PLAN_WORKER_ENV] = (
     "--cluster" if not workflow.local_exec else "" if STUDY["execution"]["warm_worker"] else "--no-warm-worker"
 )
+# A SLURM cluster without accounting (no slurmdbd): the executor's default status command, sacct, fails on every
+# poll and the workflow waits for ever with no word. Asked once here, before any job is submitted: such a
+# cluster's job states come from squeue instead, and the run says so.
+if not workflow.local_exec and getattr(workflow.executor_settings, "status_command", None) == "sacct":
+    no_accounting = accounting_disabled()
+    if no_accounting and ACCOUNTING_DISABLED in no_accounting.lower():
+        workflow.executor_settings.status_command = "squeue"
+        print(
+            f"tunegrid: this SLURM cluster keeps no job accounting (sacct: {no_accounting}); job states come "
+            "from squeue, which sees a finished job for slurm.conf's MinJobAge seconds (keep it above the "
+            "status checks' interval)",
+            file=sys.stderr,
+        )
 
 
 wildcard_constraints:
@@ -122,6 +136,15 @@ def get_probe_gpus(wildcards):
 
 def get_cell_cpus(wildcards):
     return get_cell(wildcards).world_size * STUDY["train"]["threads"]
+
+
+def get_cell_job_cpus(wildcards, input):
+    """The cores the `finetune` job asks for: every rank's, or one where its contract says it does not train."""
+    return get_cell_cpus(wildcards) if trains(input.get("plan")) else 1
+
+
+def get_cell_job_gpus(wildcards, input):
+    return get_cell_gpus(wildcards) if trains(input.get("plan")) else 0
 
 
 def get_cell_job_args(wildcards):

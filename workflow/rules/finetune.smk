@@ -25,8 +25,8 @@ rule finetune:
     threads: get_cell_cpus
     resources:
         mem_mb=get_cell_mem_mb,
-        gpu=get_cell_gpus,
-        cpus_per_task=get_cell_cpus,
+        gpu=get_cell_job_gpus,
+        cpus_per_task=get_cell_job_cpus,
         host_cores=get_cell_host_cores,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
     shell:

@@ -50,6 +50,18 @@ def host_mem_mb(estimate: MemoryEstimate, world_size: int) -> int:
     return job_mem_mb(estimate.estimate_bytes + offloaded, world_size)
 
 
+def trains(contract_file: str | Path | None) -> bool:
+    """Whether the cell's contract says it trains: an `unsupported` or `predicted_oom` cell's job only writes
+    its result, so it asks the scheduler for one core and no GPU (asked for what no node has, it would wait
+    in the queue for ever). Before the contract exists (a dry run), it does."""
+    if contract_file is None or not Path(contract_file).is_file():
+        return True
+    try:
+        return CellContract.read(contract_file).plan.estimate().verdict == "run"
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError):
+        return True
+
+
 def mem_mb_for_job(contract_file: str | Path | None, hardware: dict[str, Any], world_size: int) -> int:
     """The `finetune` job's `mem_mb`: from its contract; before that exists (a dry run on a study not yet
     planned), or where it is of another schema (the rule makes it again), the floor, MEM_FLOOR_MB_PER_RANK per
@@ -69,12 +81,13 @@ def _estimate(
 ) -> MemoryEstimate:
     """One path's estimate with its verdict."""
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
-    from tunegrid.targets import feasibility, gpu_shortfall, needs_cuda
+    from tunegrid.targets import cluster_shortfall, feasibility, gpu_shortfall, needs_cuda
 
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
     raw = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker))
     verdict = feasibility(precision, target, hardware, raw["estimate_bytes"]) if target else None
     verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, capabilities)
+    verdict = verdict or cluster_shortfall(spec, capabilities)
     return MemoryEstimate(
         worker=worker,
         estimate_bytes=int(raw["estimate_bytes"]),

@@ -262,6 +262,7 @@ def probe(
     runtime baseline (else `runtime_baseline_bytes` is None here, for the caller to fill: calibration_cache)."""
     import torch
 
+    from tunegrid.prepare.cluster import slurm_partitions
     from tunegrid.prepare.environment import bitsandbytes_backend
     from tunegrid.runtime.devices import placed_by_cluster
 
@@ -282,6 +283,7 @@ def probe(
         "gpus": gpus,
         # in a cluster job `gpus` are the GPUs granted to the probe's own job, not a node's or another job's
         "cluster_job": placed_by_cluster(),
+        "cluster": {"scheduler": "slurm", "partitions": slurm_partitions()} if placed_by_cluster() else None,
         "precision": gpus[0]["precision"] if gpus else cpu_precision_support(cpu["isa_flags"]),
         "matmul_tflops": {name: matmul_tflops(device, name, size, per_dtype) for name in dtypes},
         "matmul_size": size,
