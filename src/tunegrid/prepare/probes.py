@@ -52,6 +52,24 @@ def cpu_precision_support(flags: list[str]) -> dict[str, str]:
     }
 
 
+def cpu_onednn_matmul() -> dict[str, bool]:
+    """Whether torch hands this CPU's bf16 and fp16 matmuls to oneDNN: what torch itself consults (fp16 where the
+    CPU has AVX512-FP16 or AMX-FP16; bf16 on AVX512, emulated where the CPU lacks AVX512-BF16). The plan turns
+    oneDNN off for the cells it would grow step by step (tunegrid.prepare.cpu_kernels)."""
+    import torch
+
+    checks = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}
+    if not torch.backends.mkldnn.is_available():
+        return dict.fromkeys(checks, False)
+    found = {}
+    for name, check in checks.items():
+        try:
+            found[name] = bool(getattr(torch.ops.mkldnn, check)())
+        except (AttributeError, RuntimeError):  # a torch without the check: its oneDNN path is not known to take it
+            found[name] = False
+    return found
+
+
 def gpu_inventory() -> list[dict[str, Any]]:
     import torch
 
@@ -279,6 +297,7 @@ def probe(
         "device": device,
         "cpu": cpu,
         "cpu_precision": cpu_precision_support(cpu["isa_flags"]),
+        "cpu_onednn_matmul": cpu_onednn_matmul(),  # the dtypes whose CPU matmuls go to oneDNN (a CUDA host's too)
         "gpus": gpus,
         # in a cluster job `gpus` are the GPUs granted to the probe's own job, not a node's or another job's
         "cluster_job": placed_by_cluster(),
