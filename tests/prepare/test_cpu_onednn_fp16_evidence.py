@@ -19,9 +19,9 @@ import pytest
 from conftest import meta_model_shapes
 
 from tunegrid.prepare.cpu_kernels import cpu_onednn_matmul, cpu_onednn_off
+from tunegrid.prepare.environment import cpu_onednn_matmul as asked_torch
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 from tunegrid.prepare.probes import cpu_inventory, cpu_precision_support
-from tunegrid.prepare.probes import cpu_onednn_matmul as asked_torch
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 XEON = json.loads((DATA / "evidence-cpu-xeon-avx512fp16.json").read_text())["runs"][0]

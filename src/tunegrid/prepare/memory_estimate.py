@@ -49,8 +49,8 @@ def device_constants(capabilities: dict[str, Any], precision: str, worker: str =
     forked by the warm worker). On CPU: what a worker of that path holds at its peak beyond its tensors
     (`worker_runtime_bytes`, a micro cell run through the real worker: tunegrid.run.calibrate); a probe
     record from before it measured that gives the process before a model plus a small MLP step's framework
-    overhead instead. On CUDA: the cuBLAS workspaces (0 where the probe did not measure them). With them, the
-    dtypes whose CPU matmuls go to oneDNN on that host (the kernels the estimate assumes: cpu_onednn_off)."""
+    overhead instead. On CUDA: the cuBLAS workspaces (0 where the probe did not measure them). And the host's
+    CPU matmul dtypes that go to oneDNN (cpu_onednn_matmul: the kernels the estimate assumes, cpu_onednn_off)."""
     arithmetic = str(precision_plan(precision).arithmetic)
     paths = capabilities.get("worker_runtime_bytes") or {}
     at_work = (paths.get(worker) if isinstance(paths.get(worker), dict) else {}).get(arithmetic)
@@ -75,9 +75,8 @@ def estimate_cell(
     cpu_onednn_matmul: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     config, shapes, facts = checkpoint_facts(model_dir)
-    return estimate_from_shapes(
-        spec, config, shapes, runtime, device, step_overhead, cpu_onednn_matmul=cpu_onednn_matmul, **facts
-    )
+    facts["cpu_onednn_matmul"] = cpu_onednn_matmul
+    return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
 
 
 # Mixtral's checkpoints (and its kin's: MiniMax, PhiMoE) keep each expert as w1 (gate), w3 (up) and w2 (down)
@@ -162,8 +161,7 @@ def estimate_from_shapes(
     """The peak of one rank. `tokenizer_bytes`: the model's tokenizer in memory (the checkpoint's manifest
     measured it), held beside everything else from the load on. `largest_on_disk`: elements and bytes per element
     of the checkpoint's largest tensor; where its disk dtype is not the storage dtype, every tensor is taken to
-    be cast as it loads (`load_peaks.cast_load_peak`). `cpu_onednn_matmul`: the dtypes whose CPU matmuls go to
-    oneDNN on the probe's host (device_constants), for the kernels the estimate names (cpu_onednn_off)."""
+    be cast as it loads (`load_peaks.cast_load_peak`). `cpu_onednn_matmul`: device_constants' (cpu_onednn_off)."""
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
     # The tokenizer and a checkpoint's read and cast copies live in host memory: they are part of a CPU cell's

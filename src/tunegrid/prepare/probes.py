@@ -52,24 +52,6 @@ def cpu_precision_support(flags: list[str]) -> dict[str, str]:
     }
 
 
-def cpu_onednn_matmul() -> dict[str, bool]:
-    """Whether torch hands this CPU's bf16 and fp16 matmuls to oneDNN: what torch itself consults (fp16 where the
-    CPU has AVX512-FP16 or AMX-FP16; bf16 on AVX512, emulated where the CPU lacks AVX512-BF16). The plan turns
-    oneDNN off for the cells it would grow step by step (tunegrid.prepare.cpu_kernels)."""
-    import torch
-
-    checks = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}
-    if not torch.backends.mkldnn.is_available():
-        return dict.fromkeys(checks, False)
-    found = {}
-    for name, check in checks.items():
-        try:
-            found[name] = bool(getattr(torch.ops.mkldnn, check)())
-        except (AttributeError, RuntimeError):  # a torch without the check: its oneDNN path is not known to take it
-            found[name] = False
-    return found
-
-
 def gpu_inventory() -> list[dict[str, Any]]:
     import torch
 
@@ -280,7 +262,7 @@ def probe(
     runtime baseline (else `runtime_baseline_bytes` is None here, for the caller to fill: calibration_cache)."""
     import torch
 
-    from tunegrid.prepare.environment import bitsandbytes_backend
+    from tunegrid.prepare.environment import bitsandbytes_backend, cpu_onednn_matmul
     from tunegrid.runtime.devices import placed_by_cluster
 
     started = time.perf_counter()
