@@ -19,11 +19,12 @@ def routed_experts(config: dict[str, Any]) -> int:
 def cpu_onednn_matmul(capabilities: dict[str, Any]) -> dict[str, bool]:
     """Whether torch hands this host's CPU matmuls in bf16 and in fp16 to oneDNN, from the probe's record.
 
-    The probe asks torch what it consults itself (`cpu_onednn_matmul`: torch.ops.mkldnn._is_mkldnn_fp16_supported,
-    true where the CPU has AVX512-FP16 or AMX-FP16, and _is_mkldnn_bf16_supported, true on AVX512 whether bf16 is
-    native or emulated there). A record from before it asked says what the CPU's ISA flags say: a dtype `native`
-    in its `cpu_precision` (the flags themselves where the record kept only them), the same flags for fp16 and,
-    for bf16, only the hosts where oneDNN runs it natively. None of this is assumed: no record, no oneDNN."""
+    The probe asks torch what it checks itself (`cpu_onednn_matmul`, tunegrid.prepare.environment:
+    torch.ops.mkldnn._is_mkldnn_fp16_supported, true where the CPU has AVX512-FP16 or AMX-FP16, and
+    _is_mkldnn_bf16_supported, true on AVX512 whether bf16 is native or emulated there). A record from before it
+    asked is read by the CPU's ISA flags: a dtype `native` in its `cpu_precision` (or, where the record kept only
+    the flags, what they give): the same answer for fp16 and, for bf16, only the hosts where oneDNN runs it
+    natively. An empty record (no probe) says neither."""
     recorded = capabilities.get("cpu_onednn_matmul")
     if isinstance(recorded, dict) and all(isinstance(recorded.get(k), bool) for k in ("bf16", "fp16")):
         return {"bf16": recorded["bf16"], "fp16": recorded["fp16"]}
@@ -70,7 +71,7 @@ def cpu_onednn_off(
         return (
             "CPU fp16 with routed experts on a CPU whose oneDNN runs fp16 (AVX512-FP16/AMX-FP16): oneDNN builds a "
             "kernel per token count an expert sees and keeps it, so the process would grow every step; torch's "
-            "own fp16 kernels for the experts' products instead (flat memory)"
+            "own fp16 kernels for the experts' products instead (no kernel kept per shape)"
         )
     return None
 
