@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """Record a finished CPU study's memory evidence and print its estimate / measured ratios.
 
-For every cell of the study (results/<study>/runs/*/result.json) it keeps the spec, the measured peaks, the
-worker path the cell took and the estimate it recorded, beside the plan's estimate for the same cell
-(results/<study>/plans/<cell_id>.json, and plan.csv where the study made one) and the probe's constants. The
-test `tests/prepare/test_cpu_memory_evidence.py` replays the estimate against these recordings. A run on a
-simulated host says so in `--host` (e.g. ONEDNN_MAX_CPU_ISA=AVX2: oneDNN's kernels of a host without
-AVX512-BF16; the environment variables in effect are recorded).
+For every cell of the study (results/<study>/runs/*/result.json) it keeps the spec, the measured peaks (each
+step's too, from the cell's metrics.jsonl), the worker path the cell took and the estimate it recorded, beside
+the plan's estimate for the same cell (results/<study>/plans/<cell_id>.json, and plan.csv where the study made
+one) and the probe's constants; per run the commit and the day the study ran (its env/environment.json and
+results). The tests `tests/prepare/test_cpu_memory_evidence.py` and `test_cpu_onednn_fp16_evidence.py` replay
+the estimate against these recordings. A run on a simulated host says so in `--host` (e.g. ONEDNN_MAX_CPU_ISA=AVX2:
+oneDNN's kernels of a host without AVX512-BF16; the environment variables in effect are recorded). `--study` may
+be a study's results folder copied from another host (the same layout).
 
     python benchmarks/cpu_memory_evidence.py --study results/default --host "this host" \
         [--out tests/data/evidence-cpu-default-study.json]
@@ -20,12 +22,21 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 SIMULATION_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-PROBE_KEYS = ("device", "cpu", "runtime_baseline_bytes", "step_overhead_bytes", "worker_runtime_bytes")
+PROBE_KEYS = (
+    "device",
+    "cpu",
+    "cpu_precision",
+    "cpu_onednn_matmul",  # absent from a probe record made before it was recorded
+    "runtime_baseline_bytes",
+    "step_overhead_bytes",
+    "worker_runtime_bytes",
+)
 SPEC_KEYS = ("cell_id", "axes", "lora")
 PEAK_KEYS = ("peak_bytes", "load_peak_bytes", "first_step_peak_bytes", "steady_peak_bytes")
 TRAIN_KEYS = ("seq_len", "gradient_checkpointing", "steps")  # what the estimate reads, and the run's length
@@ -41,6 +52,15 @@ def planned_estimate(path: Path) -> int | None:
         return raw["estimate_bytes"]
     plan = raw["plan"]
     return plan["estimates"][plan["worker"]]["estimate_bytes"]
+
+
+def step_peaks(run_dir: Path) -> list[int] | None:
+    """The peak of each step the cell recorded (metrics.jsonl's mem_peak_bytes), None without the file."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [int(row["mem_peak_bytes"]) for row in rows if row.get("mem_peak_bytes") is not None]
 
 
 def record(study: Path, host: str) -> dict:
@@ -73,18 +93,29 @@ def record(study: Path, host: str) -> dict:
                 "estimate_bytes": memory.get("estimate_bytes"),
                 "estimate_worker": memory.get("estimate_worker"),
                 "cpu_onednn_off": memory.get("cpu_onednn_off"),
+                "step_peak_bytes": step_peaks(path.parent),
                 "cell_plan_estimate_bytes": planned_estimate(plan_file),
                 "plan_csv_estimate_bytes": planned.get(result["cell_id"]),
                 "wall_s": result.get("wall_s"),
             }
         )
-    import torch
+    environment = study / "env" / "environment.json"
+    env = read_json(environment) if environment.exists() else {}
+    if env.get("torch", {}).get("version"):
+        torch_version = env["torch"]["version"]
+    else:  # a study without its environment record: recorded where it ran
+        import torch
 
+        torch_version = torch.__version__
+    started = [read_json(p).get("started_at") for p in sorted(study.glob("runs/*/result.json"))]
+    started = [t for t in started if t]
     return {
         "host": host,
-        "recorded_on": f"{probe['cpu']['model']} CPU, {probe['cpu']['cores']} cores, torch {torch.__version__}",
+        "recorded_on": f"{probe['cpu']['model']} CPU, {probe['cpu']['cores']} cores, torch {torch_version}",
+        "commit": env.get("git_sha"),
+        "recorded_at": time.strftime("%Y-%m-%d", time.gmtime(min(started))) if started else None,
         "environment": {name: os.environ[name] for name in SIMULATION_ENV if name in os.environ},
-        "probe": {key: probe.get(key) for key in PROBE_KEYS},
+        "probe": {key: probe[key] for key in PROBE_KEYS if key in probe},  # a key the probe did not record: absent
         "models": models,  # the cells' models (by the name in their axes): architecture and config
         "cells": cells,
     }

@@ -50,3 +50,24 @@ def test_the_plan_decides_the_kernels_for_the_device_the_cell_trains_on(tmp_path
     assert "fp32" in _contract(tmp_path, checkpoints, fp16, CPU).plan.record()["estimate"]["cpu_fp16_matmul"]
     assert _contract(tmp_path, checkpoints, fp16, CUDA).plan.kernels.cpu_fp16_matmul is None
     assert _contract(tmp_path, checkpoints, one_cell(), CPU).plan.kernels.cpu_fp16_matmul is None
+
+
+def test_cpu_fp16_moe_trains_without_onednn_where_the_probe_says_onednn_runs_fp16(tmp_path, checkpoints):
+    """On a CPU whose oneDNN runs fp16 (AVX512-FP16/AMX-FP16) the experts' per-expert products would keep a kernel
+    per token count, as bf16's do (tests/prepare/test_cpu_onednn_fp16_evidence.py); elsewhere fp16 keeps oneDNN."""
+    moe_fp16, dense_fp16 = one_cell(model="qwen3moe-tiny", precision="fp16"), one_cell(precision="fp16")
+    xeon = {**CPU, "cpu_onednn_matmul": {"bf16": True, "fp16": True}}
+    plan = _contract(tmp_path, checkpoints, moe_fp16, xeon).plan
+    assert "fp16" in plan.kernels.cpu_onednn_off and plan.kernels.cpu_fp16_matmul  # the rest keeps tunegrid's sums
+    assert plan.record()["estimate"]["cpu_onednn_off"] == plan.kernels.cpu_onednn_off
+    assert _contract(tmp_path, checkpoints, dense_fp16, xeon).plan.kernels.cpu_onednn_off is None
+    assert _contract(tmp_path, checkpoints, moe_fp16, CPU).plan.kernels.cpu_onednn_off is None  # fp16 emulated
+    # a probe record from before the field: its fp16 flag decides
+    flagged = {**CPU, "precision": {**CPU["precision"], "fp16": "native"}}
+    assert _contract(tmp_path, checkpoints, moe_fp16, flagged).plan.kernels.cpu_onednn_off
+    # on a GPU host with gpus_per_rank 0 the CPU's own record decides (its `precision` is the GPU's)
+    beside = {**moe_fp16, "hardware": {**moe_fp16["hardware"], "gpus_per_rank": 0}}
+    on_xeon = {**CUDA, "cpu_onednn_matmul": xeon["cpu_onednn_matmul"]}
+    assert _contract(tmp_path, checkpoints, beside, on_xeon).plan.kernels.cpu_onednn_off
+    gpu_fp16 = {**CUDA, "precision": flagged["precision"]}
+    assert _contract(tmp_path, checkpoints, beside, gpu_fp16).plan.kernels.cpu_onednn_off is None

@@ -64,6 +64,8 @@ def test_probe_has_every_field_with_sane_values(capabilities):
     assert set(at_work["forked"]) == set(at_work["spawned"]) == {"fp32", "bf16", "fp16"}
     assert all(100 * 2**20 < at_work["forked"][a] < at_work["spawned"][a] < 4 * 2**30 for a in at_work["forked"])
     assert record["bitsandbytes"]["nf4_runs"] is True
+    # which CPU matmuls torch hands to oneDNN (the plan's kernels read it: prepare/cpu_kernels.py)
+    assert {k: type(v) for k, v in record["cpu_onednn_matmul"].items()} == {"bf16": bool, "fp16": bool}
     assert record["probe_seconds"] > 0  # recorded; how long it takes depends on the host and its load
 
 

@@ -30,11 +30,13 @@ CAPABILITIES = {
 
 
 def test_each_path_and_arithmetic_takes_its_own_measured_constant():
-    assert device_constants(CAPABILITIES, "bf16", FORKED) == {"runtime": 408 * MIB, "step_overhead": 0, "device": "cpu"}
+    # and the dtypes whose matmuls go to oneDNN there: from `precision` (a CPU probe's; no AVX512-FP16)
+    cpu = {"device": "cpu", "cpu_onednn_matmul": {"bf16": True, "fp16": False}}
+    assert device_constants(CAPABILITIES, "bf16", FORKED) == {"runtime": 408 * MIB, "step_overhead": 0, **cpu}
     assert device_constants(CAPABILITIES, "fp16-islands", SPAWNED)["runtime"] == 460 * MIB  # fp16 arithmetic
     # a probe record from before the calibration: the process before a model plus the small step's overhead
     old = {k: v for k, v in CAPABILITIES.items() if k != "worker_runtime_bytes"}
-    assert device_constants(old, "fp32", FORKED) == {"runtime": 430 * MIB, "step_overhead": 8 * MIB, "device": "cpu"}
+    assert device_constants(old, "fp32", FORKED) == {"runtime": 430 * MIB, "step_overhead": 8 * MIB, **cpu}
     # and so does a probe whose calibration failed (it records why instead of failing the study)
     failed = {**old, "worker_runtime_bytes": {"error": "OSError: no space left on device"}}
     assert device_constants(failed, "fp32", FORKED) == device_constants(old, "fp32", FORKED)

@@ -95,7 +95,7 @@ def base_record(
         load["cpu_inference_packing"] = False  # Linear4bit.support_avx512bf16_for_cpu = False on every layer
     import torch
 
-    if not torch.backends.mkldnn.enabled:  # a CPU bf16 cell with routed experts trained without oneDNN's kernels
+    if not torch.backends.mkldnn.enabled:  # a CPU MoE cell (bf16; fp16 where oneDNN runs it) trained without oneDNN
         load["cpu_onednn"] = False  # (cell.model.use_cpu_kernels): they round differently, so a reload matches
     from tunegrid.cell.fp16_matmul import installed
 

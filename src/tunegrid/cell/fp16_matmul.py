@@ -15,7 +15,10 @@ step's (0.51 % apart) as torch's own fp16 kernels' (0.53 %).
 one cell). fp16 operands are multiplied in fp32 in blocks of at most BLOCK_ELEMENTS fp32 values per operand
 block, each block's result rounded to fp16 where it lands, so the fp32 copies stay small beside the model (the
 transposed head of Gemma 3 would otherwise be a 671 MB copy); every other dtype goes to torch's own kernel
-through the operator's out= form, which the replacement leaves in place.
+through the operator's out= form, which the replacement leaves in place (replaced, it would leave them no kernel
+of torch's to call). torch's CPU grouped matmul (the routed experts' in transformers) runs one mm.out per expert,
+so those products are torch's fp16 kernels, oneDNN's on a CPU whose oneDNN runs fp16, where the plan turns
+oneDNN off for cells with routed experts (tunegrid.prepare.cpu_kernels.cpu_onednn_off).
 """
 
 from __future__ import annotations

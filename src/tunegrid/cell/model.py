@@ -173,8 +173,8 @@ def keep_residual_fp32(model: Any) -> None:
 def use_cpu_kernels(kernels: CellKernels, device: Any) -> None:
     """torch's oneDNN kernels on or off for this cell, and fp16 matmuls with fp32 sums in tunegrid's blocks, as
     its plan says (the `cell_plan` rule decided it: tunegrid.prepare.cpu_kernels; oneDNN off for CPU bf16 with
-    routed experts, the fp16 matmuls for every CPU fp16 cell). Set on a CPU for the process: a worker trains one
-    cell."""
+    routed experts, and fp16 with them where oneDNN runs fp16; the fp16 matmuls for every CPU fp16 cell). Set on
+    a CPU for the process: a worker trains one cell."""
     import torch
 
     if device.type == "cpu":

@@ -104,14 +104,15 @@ def _estimate(
 def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> CellKernels:
     """The kernels the cell's ranks train with, on the device they train on: CUDA where the probe found it and
     each rank gets a GPU, else the CPU (`hardware.gpus_per_rank: 0` trains on the CPU beside a GPU)."""
-    from tunegrid.prepare.cpu_kernels import cpu_fp16_matmul, cpu_onednn_off
+    from tunegrid.prepare.cpu_kernels import cpu_fp16_matmul, cpu_onednn_matmul, cpu_onednn_off
     from tunegrid.runtime.devices import gpus_per_rank
 
     on_cuda = capabilities.get("device") == "cuda" and gpus_per_rank(spec["hardware"], capabilities) > 0
     config = json.loads((model_dir / "config.json").read_text())
     device = "cuda" if on_cuda else "cpu"
     return CellKernels(
-        cpu_onednn_off=cpu_onednn_off(spec, config, device), cpu_fp16_matmul=cpu_fp16_matmul(spec, device)
+        cpu_onednn_off=cpu_onednn_off(spec, config, device, cpu_onednn_matmul(capabilities)),
+        cpu_fp16_matmul=cpu_fp16_matmul(spec, device),
     )
 
 

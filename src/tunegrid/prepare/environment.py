@@ -114,3 +114,18 @@ def bitsandbytes_backend() -> dict[str, Any]:
         return {"importable": True, "device": device, "nf4_roundtrip_mean_abs_error": error, "nf4_runs": True}
     except Exception as exc:
         return {"importable": True, "device": device, "nf4_runs": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def cpu_onednn_matmul() -> dict[str, bool]:
+    """Whether torch hands this CPU's bf16 and fp16 matmuls to oneDNN: what torch itself checks (fp16 where the
+    CPU has AVX512-FP16 or AMX-FP16; bf16 on AVX512, emulated where the CPU lacks AVX512-BF16). The probe records
+    it, and the plan turns oneDNN off for the cells it would grow step by step (tunegrid.prepare.cpu_kernels)."""
+    import torch
+
+    checks = {"bf16": "_is_mkldnn_bf16_supported", "fp16": "_is_mkldnn_fp16_supported"}
+    available = torch.backends.mkldnn.is_available()
+    # a torch without a check: its oneDNN path is not known to take that dtype
+    return {
+        name: bool(available and hasattr(torch.ops.mkldnn, check) and getattr(torch.ops.mkldnn, check)())
+        for name, check in checks.items()
+    }

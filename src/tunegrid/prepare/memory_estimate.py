@@ -17,7 +17,7 @@ from typing import Any
 from tunegrid.plans import QUANT_PLANS, precision_plan, quant_plan
 from tunegrid.prepare.activation_peaks import saved_activations
 from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
-from tunegrid.prepare.cpu_kernels import cpu_onednn_off
+from tunegrid.prepare.cpu_kernels import cpu_onednn_matmul, cpu_onednn_off
 from tunegrid.prepare.load_peaks import (
     cast_load_peak,
     expert_group,
@@ -49,24 +49,33 @@ def device_constants(capabilities: dict[str, Any], precision: str, worker: str =
     forked by the warm worker). On CPU: what a worker of that path holds at its peak beyond its tensors
     (`worker_runtime_bytes`, a micro cell run through the real worker: tunegrid.run.calibrate); a probe
     record from before it measured that gives the process before a model plus a small MLP step's framework
-    overhead instead. On CUDA: the cuBLAS workspaces (0 where the probe did not measure them)."""
+    overhead instead. On CUDA: the cuBLAS workspaces (0 where the probe did not measure them). And the host's
+    CPU matmul dtypes that go to oneDNN (cpu_onednn_matmul: the kernels the estimate assumes, cpu_onednn_off)."""
     arithmetic = str(precision_plan(precision).arithmetic)
     paths = capabilities.get("worker_runtime_bytes") or {}
     at_work = (paths.get(worker) if isinstance(paths.get(worker), dict) else {}).get(arithmetic)
+    onednn = {"cpu_onednn_matmul": cpu_onednn_matmul(capabilities)}
     if capabilities.get("device", "cpu") == "cpu" and at_work:
-        return {"runtime": int(at_work), "step_overhead": 0, "device": "cpu"}
+        return {"runtime": int(at_work), "step_overhead": 0, "device": "cpu", **onednn}
     overhead = (capabilities.get("step_overhead_bytes") or {}).get(arithmetic) or 0
     return {
         "runtime": int(capabilities.get("runtime_baseline_bytes") or 0),
         "step_overhead": int(overhead),
         "device": capabilities.get("device", "cpu"),
+        **onednn,
     }
 
 
 def estimate_cell(
-    spec: dict[str, Any], model_dir: str | Path, runtime: int = 0, device: str = "cpu", step_overhead: int = 0
+    spec: dict[str, Any],
+    model_dir: str | Path,
+    runtime: int = 0,
+    device: str = "cpu",
+    step_overhead: int = 0,
+    cpu_onednn_matmul: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     config, shapes, facts = checkpoint_facts(model_dir)
+    facts["cpu_onednn_matmul"] = cpu_onednn_matmul
     return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
 
 
@@ -147,11 +156,12 @@ def estimate_from_shapes(
     experts_quantized_at: str = EXPERTS_QUANTIZED_AT,
     tokenizer_bytes: int = 0,
     largest_on_disk: tuple[int, int] = (0, 0),
+    cpu_onednn_matmul: dict[str, bool] | None = None,
 ) -> dict[str, Any]:
     """The peak of one rank. `tokenizer_bytes`: the model's tokenizer in memory (the checkpoint's manifest
     measured it), held beside everything else from the load on. `largest_on_disk`: elements and bytes per element
     of the checkpoint's largest tensor; where its disk dtype is not the storage dtype, every tensor is taken to
-    be cast as it loads (`load_peaks.cast_load_peak`)."""
+    be cast as it loads (`load_peaks.cast_load_peak`). `cpu_onednn_matmul`: device_constants' (cpu_onednn_off)."""
     config = _text_config(config)
     axes, lora, train = spec["axes"], spec["lora"], spec["train"]
     # The tokenizer and a checkpoint's read and cast copies live in host memory: they are part of a CPU cell's
@@ -306,8 +316,8 @@ def estimate_from_shapes(
     held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
     train_peak = sum(held) + transient
     total = max(load, train_peak)
-    # What this model leaves out, said where it applies rather than fitted (the one case that grew step by step,
-    # CPU bf16 with routed experts, trains without oneDNN: cpu_onednn_off)
+    # What this model leaves out, said where it applies rather than fitted (the cases that grew step by step, CPU
+    # bf16 with routed experts and CPU fp16 with them where oneDNN runs fp16, train without oneDNN: cpu_onednn_off)
     not_modelled = None
     if row.fp32_islands and device != "cpu":
         # which modules become islands is measured when the cell starts (train.fp32_islands: auto); an island's
@@ -319,7 +329,7 @@ def estimate_from_shapes(
         not_modelled = f"{not_modelled}; {loftq}" if not_modelled else loftq
     return {
         "not_modelled": not_modelled,
-        "cpu_onednn_off": cpu_onednn_off(spec, config, device),
+        "cpu_onednn_off": cpu_onednn_off(spec, config, device, cpu_onednn_matmul),
         "estimate_bytes": int(total),
         "stage": "load" if load > train_peak else "step",
         "load_bytes": int(load),

@@ -263,7 +263,7 @@ def probe(
     import torch
 
     from tunegrid.prepare.cluster import slurm_partitions
-    from tunegrid.prepare.environment import bitsandbytes_backend
+    from tunegrid.prepare.environment import bitsandbytes_backend, cpu_onednn_matmul
     from tunegrid.runtime.devices import placed_by_cluster
 
     started = time.perf_counter()
@@ -280,6 +280,7 @@ def probe(
         "device": device,
         "cpu": cpu,
         "cpu_precision": cpu_precision_support(cpu["isa_flags"]),
+        "cpu_onednn_matmul": cpu_onednn_matmul(),  # the dtypes whose CPU matmuls go to oneDNN (a CUDA host's too)
         "gpus": gpus,
         # in a cluster job `gpus` are the GPUs granted to the probe's own job, not a node's or another job's
         "cluster_job": placed_by_cluster(),

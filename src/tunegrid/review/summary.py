@@ -53,7 +53,7 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "estimate_bytes": memory.get("estimate_bytes"),
         "estimate_over_measured": memory.get("estimate_over_measured"),
         "estimate_worker": memory.get("estimate_worker"),  # spawned / forked: the path the cell's worker took
-        "cpu_onednn_off": bool(memory.get("cpu_onednn_off")),  # CPU bf16 MoE: oneDNN off (it grew every step)
+        "cpu_onednn_off": bool(memory.get("cpu_onednn_off")),  # CPU MoE, bf16 (fp16 where oneDNN runs it): oneDNN off
         "peak_bytes": memory.get("peak_bytes"),
         "load_peak_bytes": memory.get("load_peak_bytes"),
         "first_step_peak_bytes": memory.get("first_step_peak_bytes"),
