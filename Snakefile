@@ -28,6 +28,7 @@ rule all:
 
 
 onstart:
+    where_jobs_run()
     hooks.on_start(STUDY, LOGS, local=workflow.local_exec, cells_to_run=cells_to_run())
 
 

@@ -67,15 +67,27 @@ telemetry_off()
 # How this invocation starts its cells, for their plans (an estimate takes the worker path's constant): cluster
 # jobs spawn every worker, a local run forks one-rank CPU cells where the study keeps a warm worker. In the
 # environment of the cell_plan jobs (local rules), not a param: a plan follows the run that made it and is
-# never re-made, nor its cell re-run, for this alone.
+# never re-made, nor its cell re-run, for this alone. Set again when the workflow starts executing
+# (where_jobs_run): while this file is read, Snakemake does not yet know the executor.
 CELL_PLAN_WORKER_ENV = "TUNEGRID_CELL_PLAN_WORKER"  # read by the cell_plan rule's shell command
-os.environ[CELL_PLAN_WORKER_ENV] = (
-    "--cluster" if not workflow.local_exec else "" if STUDY["execution"]["warm_worker"] else "--no-warm-worker"
-)
-# A SLURM cluster without accounting (no slurmdbd): the executor's default status command, sacct, fails on every
-# poll and the workflow waits for ever with no word. Asked once here, before any job is submitted: such a
-# cluster's job states come from squeue instead, and the run says so.
-if not workflow.local_exec and getattr(workflow.executor_settings, "status_command", None) == "sacct":
+
+
+def cell_plan_worker():
+    return "--cluster" if not workflow.local_exec else "" if STUDY["execution"]["warm_worker"] else "--no-warm-worker"
+
+
+os.environ[CELL_PLAN_WORKER_ENV] = cell_plan_worker()
+
+
+def where_jobs_run():
+    """onstart: what depends on the executor, known once the workflow executes and before any job runs.
+
+    A SLURM cluster without accounting (no slurmdbd): the executor's default status command, sacct, fails on
+    every poll and the workflow would wait for ever with no word. Such a cluster's job states come from squeue
+    instead (the executor reads its status command at every poll), and the run says so."""
+    os.environ[CELL_PLAN_WORKER_ENV] = cell_plan_worker()
+    if workflow.local_exec or getattr(workflow.executor_settings, "status_command", None) != "sacct":
+        return
     no_accounting = accounting_disabled()
     if no_accounting and ACCOUNTING_DISABLED in no_accounting.lower():
         workflow.executor_settings.status_command = "squeue"
