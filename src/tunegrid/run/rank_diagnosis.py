@@ -5,8 +5,8 @@ cause, whatever its peers reported afterwards (`error`); then a collective timeo
 ranks that reported it waited, the others never arrived); otherwise rank 0's outcome, checked against
 the other ranks (their LoRA weights must be bit-identical after DDP).
 
-The supervisor's reading, after the ranks ended, of the files they leave (no torch; PyTorch's fr_trace runs
-in a process of its own).
+The supervisor's reading, after the ranks ended, of the files they leave (no torch; PyTorch's flight-recorder
+reader runs in a process of its own: tunegrid.run.recorder_read).
 """
 
 from __future__ import annotations
