@@ -21,7 +21,7 @@ from typing import Any
 
 from tunegrid.diagnosis import RecorderReading
 from tunegrid.run.collective import classify_timeout, describe, find_straggler
-from tunegrid.run.recorder_read import STATUSES
+from tunegrid.run.recorder_read import STATUSES, dump_files
 from tunegrid.run.throughput import cell_throughput, metric_records, step_records
 from tunegrid.runtime.files import read_json
 from tunegrid.runtime.rundir import rank_dir
@@ -116,6 +116,8 @@ def analyze_flight_recorder(run_dir: Path, spec: dict[str, Any], world: int) -> 
     folder = run_dir / "flight_recorder"
     if not folder.is_dir():
         return None
+    if not dump_files(folder)[0]:  # a gloo cell's (CPU), or a timeout no rank dumped for: nothing to start a reader on
+        return RecorderReading.from_json({"status": "no_dumps", "note": f"no dump file in {folder}"})
     command = [stack_python(spec) or sys.executable, "-m", "tunegrid.run.recorder_read", str(folder)]
     try:
         proc = subprocess.run(
@@ -129,6 +131,11 @@ def analyze_flight_recorder(run_dir: Path, spec: dict[str, Any], world: int) -> 
     except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
         raw = {"status": "failed", "note": f"the reader did not run: {type(exc).__name__}: {exc}"[:400]}
     return RecorderReading.from_json(raw)
+
+
+def _worth_a_line(recorder: RecorderReading | None, kind: dict[str, Any]) -> bool:
+    """The reading's own sentence in the reason: not for a folder without dumps, nor when it decided (describe)."""
+    return recorder is not None and recorder.status != "no_dumps" and kind.get("evidence") != "flight_recorder"
 
 
 def _on_the_main_path(
@@ -160,7 +167,7 @@ def diagnose_ranks(
     if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
         update["throughput"] = {**(result.get("throughput") or {}), **throughput}
     recorder = analyze_flight_recorder(run_dir, spec, world)
-    if recorder is not None:
+    if recorder is not None and recorder.status != "no_dumps":
         update["distributed"]["flight_recorder"] = recorder.record
 
     # a rank that left on its own after noticing its peer was gone (gloo/NCCL "connection closed by peer")
@@ -262,7 +269,7 @@ def diagnose_ranks(
                 + (f" at step {collective['step']}" if collective["step"] is not None else "")
                 + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
                 + f"; {describe(kind)}"
-                + (f"; {recorder.line()}" if recorder is not None and kind.get("evidence") != "flight_recorder" else "")
+                + (f"; {recorder.line()}" if _worth_a_line(recorder, kind) else "")
             ),
             diagnosis={"collective": collective},
         )
