@@ -62,6 +62,95 @@ class OomDiagnosis:
         )
 
 
+# the mismatch types of PyTorch's flight recorder that put the ranks in different collectives (MatchState)
+RECORDER_MISMATCHES = frozenset(
+    {"COLLECTIVE_TYPE_MISMATCH", "SIZE_OR_SYNTAX_MISMATCH", "COLLECTIVE_STATE_MISMATCH", "COLLECTIVE_DTYPE_MISMATCH"}
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecorderCollective:
+    """One collective the flight recorder's dumps show failing: its process group, name, sequence number, the
+    ranks that did not join it and the mismatch type (None: only ranks missing)."""
+
+    group: str
+    group_desc: str = ""
+    collective: str = ""
+    seq: int | None = None
+    missing_ranks: list[int] = field(default_factory=list)
+    expected_ranks: list[int] = field(default_factory=list)
+    state: str = ""
+    mismatch: str | None = None
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RecorderCollective:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+    def line(self) -> str:
+        who = ", ".join(map(str, self.missing_ranks)) or "none"
+        kind = f", {self.mismatch}" if self.mismatch else ""
+        return f"{self.collective} #{self.seq} in group {self.group_desc or self.group}, missing rank(s) {who}{kind}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecorderReading:
+    """The flight recorder's dumps as tunegrid.run.recorder_read read them (its docstring defines each status):
+    `found` alone may decide a mismatch; `incomplete`, `too_many_mismatches`, `no_dumps` and `failed` are evidence
+    marked as what they are. A reading from before the statuses (a `verdict` line of fr_trace's) reads as failed."""
+
+    status: str
+    first: RecorderCollective | None = None
+    failing_groups: list[RecorderCollective] = field(default_factory=list)
+    failing_collectives: int = 0
+    ranks_without_dumps: list[int] = field(default_factory=list)
+    empty_dumps: list[int] = field(default_factory=list)  # ranks whose dump holds no entry (never reached one)
+    note: str = ""
+    record: dict[str, Any] = field(default_factory=_empty, repr=False)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RecorderReading:
+        first = raw.get("first")
+        return cls(
+            status=str(raw.get("status") or "failed"),
+            first=RecorderCollective.from_json(first) if first else None,
+            failing_groups=[RecorderCollective.from_json(g) for g in raw.get("failing_groups") or []],
+            failing_collectives=int(raw.get("failing_collectives") or 0),
+            ranks_without_dumps=list(raw.get("ranks_without_dumps") or []),
+            empty_dumps=list(raw.get("empty_dumps") or []),
+            note=str(raw.get("note") or raw.get("verdict") or ""),
+            record=raw,
+        )
+
+    @property
+    def mismatch(self) -> bool:
+        """The ranks were in different collectives, on a complete reading: the one status that may decide."""
+        return self.status == "found" and self.first is not None and self.first.mismatch in RECORDER_MISMATCHES
+
+    @property
+    def suspect_ranks(self) -> list[int]:
+        """The ranks the reading points at: the first failing collective's missing ranks (on a complete or aborted
+        reading), the ranks without a dump (on an incomplete one), and ranks whose dump holds no entry."""
+        ranks = set(self.empty_dumps) | set(self.ranks_without_dumps)
+        if self.status in ("found", "too_many_mismatches") and self.first is not None:
+            ranks |= set(self.first.missing_ranks)
+        return sorted(ranks) if self.status in ("found", "too_many_mismatches", "incomplete") else []
+
+    def line(self) -> str:
+        """One sentence for the reason: the status, then what it found."""
+        if self.status == "found" and self.first is not None:
+            return f"flight recorder: {self.first.line()}"
+        if self.status == "incomplete":
+            without = ", ".join(map(str, self.ranks_without_dumps))
+            return f"flight recorder incomplete: no readable dump from rank(s) {without}, no verdict"
+        if self.status == "too_many_mismatches":
+            found = f"; first {self.first.line()}" if self.first is not None else ""
+            return f"flight recorder aborted (too many mismatches), no verdict{found}"
+        if self.status == "none_failed":
+            return "flight recorder: every recorded collective paired up"
+        return f"flight recorder {self.status.replace('_', ' ')}: {self.note[:160]}".rstrip(": ")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CollectiveDiagnosis:
     """A distributed cell's collective timeout, as the supervisor diagnosed it from every rank (cell/collective.py)."""
@@ -76,6 +165,7 @@ class CollectiveDiagnosis:
     straggler: dict[str, Any] | None = None  # the rank slower than the rest before the stall (evidence)
     parted_ranks: list[int] = field(default_factory=list)  # ranks that left the others (evidence)
     parted_at_step: int | None = None
+    recorder: RecorderReading | None = None  # the flight recorder's reading (GPU), with its status
     record: dict[str, Any] = field(default_factory=_empty, repr=False)
 
     @classmethod
@@ -92,6 +182,7 @@ class CollectiveDiagnosis:
             straggler=evidence.get("before_the_stall"),
             parted_ranks=list(evidence.get("parted_ranks") or []),
             parted_at_step=evidence.get("parted_at_step"),
+            recorder=RecorderReading.from_json(raw["flight_recorder"]) if raw.get("flight_recorder") else None,
             record=raw,
         )
 

@@ -47,7 +47,9 @@ ALLOWED = {
         "recipes.recipe",
         "runtime.memory",
         "run.warm",
-    },  # synthetic checkpoints, the tokenizer, the probe, all-linear on the meta device, the meter, the warm preload
+        "run.recorder_read",
+    },  # synthetic checkpoints, the tokenizer, the probe, all-linear on the meta device, the meter, the warm preload,
+    # PyTorch's flight-recorder reader (run as a process of its own by the supervisor, never imported by it)
     "subprocess": {
         "run",
         "prepare.environment",

@@ -7,6 +7,8 @@ early warning)."""
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,17 +116,36 @@ def test_a_straggler_overrides_nothing_when_the_ranks_are_in_different_collectiv
     assert _diagnose(tmp_path, codes=(0, 0), stopped=())["diagnosis"]["collective"]["kind"] == "mismatch"
 
 
-def test_flight_recorder_mismatch_verdict_decides_on_gpu():
+def _reading(status: str, mismatch: str | None = None, missing=(1,), **more):
+    from tunegrid.diagnosis import RecorderReading
+
+    first = {"group": "0", "group_desc": "0:default_pg", "collective": "nccl:all_reduce", "seq": 12}
+    return RecorderReading.from_json(
+        {"status": status, "first": {**first, "missing_ranks": list(missing), "mismatch": mismatch}, **more}
+    )
+
+
+def test_flight_recorder_mismatch_decides_on_gpu_only_from_a_complete_reading():
     from tunegrid.run.collective import classify_timeout
 
     ranks = [
         {"rank": 0, "local_times": {1: 0.1, 2: 0.1}, "last_heartbeat": ALL_REDUCE.format(3), "diagnosis": {}},
         {"rank": 1, "local_times": {1: 0.1, 2: 0.1}, "last_heartbeat": "step 3", "diagnosis": {}},
     ]
-    verdict = "Collective sequence number 12 has a mismatch: op all_reduce vs broadcast"
-    kind = classify_timeout(ranks, [1], 3, 600, 1.5, verdict)
+    kind = classify_timeout(ranks, [1], 3, 600, 1.5, _reading("found", "COLLECTIVE_TYPE_MISMATCH"))
     assert kind["kind"] == "mismatch" and kind["evidence"] == "flight_recorder"
-    assert classify_timeout(ranks, [1], 3, 600, 1.5, "rank 1 did not join")["kind"] == "long_pause"
+    assert (kind["group"], kind["collective"], kind["seq"], kind["culprit_ranks"]) == (
+        "0:default_pg",
+        "nccl:all_reduce",
+        12,
+        [1],
+    )
+    assert kind["mismatch_type"] == "COLLECTIVE_TYPE_MISMATCH"
+    assert classify_timeout(ranks, [1], 3, 600, 1.5, _reading("found"))["kind"] == "long_pause"  # ranks missing only
+    for status in ("incomplete", "too_many_mismatches", "failed", "no_dumps"):
+        assert classify_timeout(ranks, [1], 3, 600, 1.5, _reading(status, "COLLECTIVE_TYPE_MISMATCH"))["kind"] == (
+            "long_pause"
+        ), status
 
 
 def test_straggler_not_slow_enough_to_time_out_is_still_reported(tmp_path):
@@ -324,3 +345,101 @@ def test_a_rank_killed_without_the_watchdog_line_is_still_a_crash(tmp_path):
     base = {"outcome": "error", "reason": "worker killed by SIGABRT", "worker_exit_code": -6}
     update = diagnose_ranks(spec, run_dir, base, [-6, -15], [1])
     assert update["outcome"] == "error" and update["diagnosis"]["rank_crash"]["ranks"] == [0]
+
+
+RECORDER_DATA = Path(__file__).resolve().parents[1] / "data" / "flight_recorder"
+
+
+def _dumps(run_dir: Path, source: Path, name: str = "{}", drop=()) -> Path:
+    """A cell's flight_recorder folder holding the dumps of `source`, renamed (`rank_{}`: as a cell's ranks name
+    them), without the ranks in `drop`."""
+    folder = run_dir / "flight_recorder"
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in source.iterdir():
+        rank = path.name.rsplit("_", 1)[-1]
+        if path.name.startswith(("_dump_", "rank_")) and int(rank) not in drop:
+            shutil.copy(path, folder / name.format(path.name if name == "{}" else rank))
+    return folder
+
+
+def test_every_rank_in_the_watchdog_the_recorder_names_who_did_not_arrive(tmp_path):
+    """NVRx's gpu_error_1st: 16 ranks, every one logging the watchdog's line (each waited in some collective); the
+    logs name nobody, the recorder names rank 12 in group 74's all_to_all #20537 (main: 'rank(s) none identified',
+    'long_pause: rank None', only fr_trace's header line kept)."""
+    run_dir = tmp_path / "run"
+    beats = [ALL_REDUCE.format(7)] * 16
+    _fake_ranks(run_dir, beats, [NCCL_WATCHDOG_LOG.replace("[Rank 0]", f"[Rank {r}]") for r in range(16)])
+    _dumps(run_dir, RECORDER_DATA / "nvrx" / "gpu_error_1st")  # its own names: _dump_<rank>
+    base = {"outcome": "error", "reason": "worker killed by SIGABRT", "worker_exit_code": -6}
+    update = diagnose_ranks(_spec(collective_timeout_s=4), run_dir, base, [-6] * 16, [])
+    collective = update["diagnosis"]["collective"]
+    assert collective["missing_ranks"] == [12] and collective["missing_from"] == "flight_recorder"
+    assert 12 not in collective["waiting_ranks"] and len(collective["waiting_ranks"]) == 15
+    first = collective["flight_recorder"]["first"]
+    assert (first["group_desc"], first["collective"], first["seq"]) == (
+        "74:EXPERT_MODEL_PARALLEL_GROUP",
+        "nccl:all_to_all",
+        20537,
+    )
+    assert "rank(s) 12 did not arrive" in update["reason"] and "long_pause: rank 12 stopped" in update["reason"]
+    assert (
+        "flight recorder: nccl:all_to_all #20537 in group 74:EXPERT_MODEL_PARALLEL_GROUP, missing rank(s) 12"
+        in (update["reason"])
+    )
+    assert update["distributed"]["flight_recorder"]["status"] == "found"
+
+
+def test_a_straggler_without_a_dump_stays_a_straggler_never_a_mismatch(tmp_path):
+    """NVRx's lock_gil_2nd without the dumps of ranks 10 and 15 (the ranks that stopped answering), rank 15 13.5x
+    the others' local time before the stall: PyTorch's reader aborts ('Too many mismatches') on what it cannot
+    pair; main read that as a mismatch ('no setting fixes it')."""
+    for rank in range(16):
+        slow = rank == 15
+        times = [0.3, 1.35, 1.35, 1.35] if slow else [0.3, 0.10, 0.10, 0.10]
+        if rank in (10, 15):
+            _rank(tmp_path, rank, times, "step 4 forward", outcome=None)
+        else:
+            _rank(tmp_path, rank, times, ALL_REDUCE.format(4), waiting_in=ALL_REDUCE.format(4))
+    _dumps(tmp_path, RECORDER_DATA / "nvrx" / "lock_gil_2nd", "rank_{}", drop=(10, 15))
+    codes = [-15 if r in (10, 15) else 0 for r in range(16)]
+    update = diagnose_ranks(_spec(), tmp_path, {"outcome": "timeout"}, codes, [10, 15])
+    collective = update["diagnosis"]["collective"]
+    assert collective["kind"] == "straggler" and collective["evidence"]["rank"] == 15, update["reason"]
+    assert collective["evidence"]["before_the_stall"]["median_ratio"] == 13.5
+    assert collective["flight_recorder"]["status"] == "incomplete"
+    assert collective["flight_recorder"]["ranks_without_dumps"] == [10, 15]
+    assert "flight recorder incomplete: no readable dump from rank(s) 10, 15, no verdict" in update["reason"]
+
+
+@pytest.mark.parametrize(
+    ("make", "status", "said"),
+    [
+        ("mixed_versions", "failed", "flight recorder failed: AssertionError: Rank 1 has different version"),
+        ("empty_folder", "no_dumps", ""),
+        ("reader_prints_nothing", "failed", "flight recorder failed: the reader gave no output (exit 0)"),
+        ("gloo", "found", "flight recorder: gloo:all_reduce #4 in group 0:default_pg, missing rank(s) 1"),
+    ],
+)
+def test_a_reading_that_failed_is_marked_never_stored_as_a_verdict(tmp_path, make, status, said):
+    """main stored fr_trace's own crash as the verdict (on gloo's dumps of torch 2.13: "KeyError: ('0', 0)") and
+    left an empty output unmarked; each is now a status, with what it found or why it could not."""
+    _rank(tmp_path, 0, [0.3, 0.10, 0.10, 0.10], ALL_REDUCE.format(4), waiting_in=ALL_REDUCE.format(4))
+    _rank(tmp_path, 1, [0.3, 0.10, 0.10, 0.10], "step 4 forward", outcome=None)
+    spec = _spec()
+    folder = _dumps(tmp_path, RECORDER_DATA / "gloo", "rank_{}")
+    if make == "mixed_versions":
+        dump = pickle.loads((folder / "rank_1").read_bytes())
+        (folder / "rank_1").write_bytes(pickle.dumps({**dump, "version": "2.4"}))
+    elif make == "empty_folder":
+        for path in folder.iterdir():
+            path.unlink()
+    elif make == "reader_prints_nothing":
+        spec["stack"] = {"python": shutil.which("true")}
+    update = (
+        _diagnose(tmp_path) if make == "gloo" else diagnose_ranks(spec, tmp_path, {"outcome": "timeout"}, [0, -9], [1])
+    )
+    collective = update["diagnosis"]["collective"]
+    assert collective["flight_recorder"]["status"] == status and collective["kind"] == "long_pause"
+    assert said in update["reason"] if said else "flight recorder" not in update["reason"], update["reason"]
+    assert "flight_recorder_verdict" not in collective
+    assert ("flight_recorder" in update["distributed"]) == (status != "no_dumps")  # a gloo cell's empty folder: quiet

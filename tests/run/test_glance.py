@@ -24,8 +24,9 @@ def test_glance_counts_outcomes_groups_reasons_and_names_the_report(tmp_path: Pa
     lines = glance("s", tmp_path, sorted(cells))
     assert lines[0] == "tunegrid study 's': 10 cells: 5 ok, 4 nan, 1 oom (1 without a result)"
     nan_line = next(line for line in lines if line.startswith("  nan"))
-    # the four nan cells differ only by their step: one group, one line, three cells named and one counted
-    assert nan_line.startswith("  nan x4: loss non-finite at step 0 in layers.0.mlp.down_proj [")
+    # the four nan cells differ only by their step: one group, one line, three cells named and one counted; the
+    # steps they differ in read as their range, the layer they share as it is
+    assert nan_line.startswith("  nan x4: loss non-finite at step 0..3 in layers.0.mlp.down_proj [")
     assert nan_line.endswith("and 1 more]")
     assert any(line.startswith("  oom x1: out of memory at stage load") for line in lines)
     assert lines[-1] == f"report: {tmp_path / 'report' / 'index.html'}"
@@ -33,3 +34,18 @@ def test_glance_counts_outcomes_groups_reasons_and_names_the_report(tmp_path: Pa
 
 def test_glance_is_silent_before_any_cell_ran(tmp_path: Path):
     assert glance("s", tmp_path, ["a", "b"]) == []
+
+
+def test_a_grouped_line_shows_each_cells_own_numbers(tmp_path: Path):
+    """Two cells timing out the same way at different limits and steps: each one's figure, in the order the cells
+    are named, never the first cell's numbers for both (collective-timeout-cpu's ct5 and ct7 slow-rank twins)."""
+    reason = (
+        "collective timeout after {} s in ALLREDUCE at step {}: rank(s) 1 did not arrive; straggler: rank 1 was {}x"
+    )
+    _result(tmp_path, "q_ct5_fault-slow-rank", "timeout", reason.format(5, 3, 13.5))
+    _result(tmp_path, "q_ct7_fault-slow-rank", "timeout", reason.format(7, 4, 13.5))
+    lines = glance("s", tmp_path, ["q_ct5_fault-slow-rank", "q_ct7_fault-slow-rank"])
+    assert lines[1] == (
+        "  timeout x2: collective timeout after 5/7 s in ALLREDUCE at step 3/4: rank(s) 1 did not arrive; "
+        "straggler: rank 1 was 13.5x [q_ct5_fault-slow-rank, q_ct7_fault-slow-rank]"
+    )

@@ -1,6 +1,8 @@
 """Why a collective timed out, from evidence the ranks leave anyway: each rank's local time per step (metrics.jsonl,
 `local_time_s`: from the step's start to its last forward, before the backward joins the gradient all-reduce),
-its heartbeat, the collective each waiting rank gave up in, and on GPU the flight recorder's verdict.
+its heartbeat, the collective each waiting rank gave up in, and on GPU the flight recorder's reading
+(diagnosis.RecorderReading: only a complete reading that shows ranks in different collectives decides a mismatch;
+an incomplete, aborted or failed one is evidence marked as such, beside the others, never a verdict).
 
 - `mismatch`: the ranks are in different collectives (a rank took another code path: it never calls the one its
   peers wait in). No timeout helps; the rank and step where the paths parted point at the code.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import re
 import statistics
 from typing import Any
+
+from tunegrid.diagnosis import RecorderReading
 
 STEP_RE = re.compile(r"step (\d+)")
 MIN_STEPS_COMPARED = 2  # fewer steps say nothing about "most steps"
@@ -73,15 +77,25 @@ def _position(record: dict[str, Any]) -> tuple[int | None, str] | None:
     return (int(step.group(1)) if step else None, kind)
 
 
-def _mismatch(ranks: list[dict[str, Any]], recorder_verdict: str) -> dict[str, Any] | None:
+def _mismatch(ranks: list[dict[str, Any]], recorder: RecorderReading | None) -> dict[str, Any] | None:
     """Ranks blocked in different collectives (CPU: what each waits in), or the flight recorder's mismatch (GPU)."""
     positions = {r["rank"]: p for r in ranks if (p := _position(r)) is not None}
     groups: dict[tuple[int | None, str], list[int]] = {}
     for rank, position in positions.items():
         groups.setdefault(position, []).append(rank)
     if len(groups) < 2:
-        if re.search(r"mismatch", recorder_verdict, re.I):
-            return {"evidence": "flight_recorder", "flight_recorder_verdict": recorder_verdict}
+        if recorder is not None and recorder.mismatch and recorder.first is not None:
+            first = recorder.first
+            return {
+                "evidence": "flight_recorder",
+                "flight_recorder_status": recorder.status,
+                "flight_recorder_verdict": first.line(),
+                "group": first.group_desc or first.group,
+                "collective": first.collective,
+                "seq": first.seq,
+                "mismatch_type": first.mismatch,
+                "culprit_ranks": first.missing_ranks,
+            }
         return None
     # the main path: most ranks, and on a tie the one still in a training step's all-reduce
     main = max(groups, key=lambda p: (len(groups[p]), p[1] == "all-reduce"))
@@ -101,12 +115,13 @@ def classify_timeout(
     step: int | None,
     timeout_s: float,
     factor: float,
-    verdict: str,
+    recorder: RecorderReading | None,
     min_lag_s: float = 0.0,
 ) -> dict[str, Any]:
     """The kind of a collective timeout and the evidence it rests on; `ranks` as rank_record gives them (with
-    `local_times` and `last_heartbeat_at`), `missing` the ranks that did not arrive, `step` the timed-out one."""
-    mismatch = _mismatch(ranks, verdict)
+    `local_times` and `last_heartbeat_at`), `missing` the ranks that did not arrive, `step` the timed-out one,
+    `recorder` the flight recorder's reading (None where the cell keeps none)."""
+    mismatch = _mismatch(ranks, recorder)
     if mismatch is not None:
         return {"kind": "mismatch", **mismatch}
     local = {r["rank"]: r["local_times"] for r in ranks}

@@ -12,11 +12,34 @@ from pathlib import Path
 from tunegrid.vocabulary import Outcome
 
 SHOWN_CELLS = 3  # cell ids named per group of failures; the rest are counted
+NUMBER_RE = re.compile(r"\d+(?:\.\d+)?")
 
 
 def _signature(reason: str) -> str:
     """A reason with its numbers blanked: cells failing the same way at different steps group together."""
-    return re.sub(r"\d+(\.\d+)?", "#", reason)
+    return NUMBER_RE.sub("#", reason)
+
+
+def _grouped_reason(reasons: list[str]) -> str:
+    """One line for reasons that differ only in their numbers: a number every cell shares as it is; one that
+    differs, each cell's own in the order the cells are named (`5/7`) while all are named, else its range
+    (`3..9`), so no cell's figure reads as another's."""
+    if len(reasons) == 1:
+        return reasons[0]
+    numbers = [NUMBER_RE.findall(reason) for reason in reasons]
+    pieces = NUMBER_RE.split(reasons[0])
+    line = pieces[0]
+    for position, piece in enumerate(pieces[1:]):
+        values = [found[position] for found in numbers]
+        if len(set(values)) == 1:
+            shown = values[0]
+        elif len(values) <= SHOWN_CELLS:
+            shown = "/".join(values)
+        else:
+            low, high = min(values, key=float), max(values, key=float)
+            shown = f"{low}..{high}"
+        line += shown + piece
+    return line
 
 
 def glance(study: str, study_dir: Path, cell_ids: list[str]) -> list[str]:
@@ -45,7 +68,8 @@ def glance(study: str, study_dir: Path, cell_ids: list[str]) -> list[str]:
     for (outcome, _), cells in sorted(groups.items(), key=lambda item: (item[0][0], -len(item[1]))):
         named = ", ".join(cell for cell, _ in cells[:SHOWN_CELLS])
         more = f" and {len(cells) - SHOWN_CELLS} more" if len(cells) > SHOWN_CELLS else ""
-        lines.append(f"  {outcome} x{len(cells)}: {cells[0][1][:160]} [{named}{more}]")
+        reason = _grouped_reason([reason for _, reason in cells])
+        lines.append(f"  {outcome} x{len(cells)}: {reason[:200]} [{named}{more}]")
     report = study_dir / "report" / "index.html"
     if report.is_file():
         lines.append(f"report: {report}")

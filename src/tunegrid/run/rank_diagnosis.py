@@ -5,12 +5,13 @@ cause, whatever its peers reported afterwards (`error`); then a collective timeo
 ranks that reported it waited, the others never arrived); otherwise rank 0's outcome, checked against
 the other ranks (their LoRA weights must be bit-identical after DDP).
 
-The supervisor's reading, after the ranks ended, of the files they leave (no torch; PyTorch's fr_trace runs
-in a process of its own).
+The supervisor's reading, after the ranks ended, of the files they leave (no torch; PyTorch's flight-recorder
+reader runs in a process of its own: tunegrid.run.recorder_read).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -18,7 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tunegrid.diagnosis import RecorderReading
 from tunegrid.run.collective import classify_timeout, describe, find_straggler
+from tunegrid.run.recorder_read import STATUSES, dump_files
 from tunegrid.run.throughput import cell_throughput, metric_records, step_records
 from tunegrid.runtime.files import read_json
 from tunegrid.runtime.rundir import rank_dir
@@ -103,36 +106,36 @@ def _collective_op(waiting: dict[str, Any]) -> str:
     return "unknown"
 
 
-def analyze_flight_recorder(run_dir: Path) -> dict[str, Any] | None:
-    """On NCCL timeouts, PyTorch dumps each rank's ring buffer; fr_trace names the mismatch."""
+def analyze_flight_recorder(run_dir: Path, spec: dict[str, Any], world: int) -> RecorderReading | None:
+    """On NCCL timeouts PyTorch dumps each rank's ring buffer; tunegrid.run.recorder_read reads them with the cell's
+    Python, in a process of its own (PyTorch's reader imports torch), into one typed reading. None when the cell
+    keeps no flight_recorder folder; a reader that crashes, hangs or prints nothing is a `failed` reading."""
+    from tunegrid.run.launch import child_env
+    from tunegrid.runtime.workers import stack_python
+
     folder = run_dir / "flight_recorder"
-    dumps = sorted(folder.glob("rank_*")) if folder.is_dir() else []
-    if not dumps:
+    if not folder.is_dir():
         return None
+    if not dump_files(folder)[0]:  # a gloo cell's (CPU), or a timeout no rank dumped for: nothing to start a reader on
+        return RecorderReading.from_json({"status": "no_dumps", "note": f"no dump file in {folder}"})
+    command = [stack_python(spec) or sys.executable, "-m", "tunegrid.run.recorder_read", str(folder)]
     try:
         proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.flight_recorder.fr_trace",
-                str(folder),
-                "--prefix",
-                "rank_",
-                "--allow-incomplete-ranks",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
+            [*command, "--world", str(world)], capture_output=True, text=True, timeout=180, env=child_env()
         )
-        text = proc.stdout + proc.stderr
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        text = f"fr_trace failed: {exc}"
-    lines = [line for line in text.splitlines() if line.strip()]
-    verdict = next(
-        (line for line in lines if re.search(r"mismatch|not.*(join|arriv)|missing|timeout", line, re.I)),
-        lines[-1] if lines else "",
-    )
-    return {"dumps": [d.name for d in dumps], "verdict": verdict[:400], "report_tail": lines[-20:]}
+        raw = json.loads(proc.stdout) if proc.stdout.strip() else None
+        if not isinstance(raw, dict) or raw.get("status") not in STATUSES:
+            tail = " | ".join(line for line in (proc.stderr or "").splitlines()[-3:] if line.strip())
+            why = "no output" if raw is None else "an answer without a known status"
+            raw = {"status": "failed", "note": f"the reader gave {why} (exit {proc.returncode}): {tail}"[:400]}
+    except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
+        raw = {"status": "failed", "note": f"the reader did not run: {type(exc).__name__}: {exc}"[:400]}
+    return RecorderReading.from_json(raw)
+
+
+def _worth_a_line(recorder: RecorderReading | None, kind: dict[str, Any]) -> bool:
+    """The reading's own sentence in the reason: not for a folder without dumps, nor when it decided (describe)."""
+    return recorder is not None and recorder.status != "no_dumps" and kind.get("evidence") != "flight_recorder"
 
 
 def _on_the_main_path(
@@ -163,9 +166,9 @@ def diagnose_ranks(
     throughput = cell_throughput({r: step_records(rank_dir(run_dir, r) / "metrics.jsonl") for r in range(world)})
     if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
         update["throughput"] = {**(result.get("throughput") or {}), **throughput}
-    recorder = analyze_flight_recorder(run_dir)
-    if recorder:
-        update["distributed"]["flight_recorder"] = recorder
+    recorder = analyze_flight_recorder(run_dir, spec, world)
+    if recorder is not None and recorder.status != "no_dumps":
+        update["distributed"]["flight_recorder"] = recorder.record
 
     # a rank that left on its own after noticing its peer was gone (gloo/NCCL "connection closed by peer")
     # is a consequence, not a crash: whether it exits before the supervisor stops it is only timing
@@ -225,14 +228,19 @@ def diagnose_ranks(
 
     waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
     if waiting:
-        missing = [r["rank"] for r in ranks if r not in waiting]
         waited = waiting[0]["diagnosis"]["collective_timeout"]
+        missing = [r["rank"] for r in ranks if r not in waiting]
+        # every rank logged the watchdog's line (each waited, on NCCL): the recorder names who did not arrive
+        missing_from = "logs" if missing or recorder is None or not recorder.suspect_ranks else "flight_recorder"
+        missing = missing or (recorder.suspect_ranks if recorder is not None else [])
+        waiting = [r for r in waiting if r["rank"] not in missing] or waiting
         op = _collective_op(waited)
         step = STEP_RE.search(waited["waiting_in"])
         collective = {
             "op": op,
             "waiting_ranks": [r["rank"] for r in waiting],
             "missing_ranks": missing,
+            "missing_from": missing_from,
             "timeout_s": timeout_s,
             "step": int(step.group(1)) if step else None,
             "seq": waited.get("seq"),  # NCCL's watchdog names it; gloo does not report one
@@ -240,15 +248,15 @@ def diagnose_ranks(
             "last_heartbeat_per_rank": {r["rank"]: r["last_heartbeat"] for r in ranks},
             "message": waited["message"],
         }
-        if recorder:
-            collective["flight_recorder_verdict"] = recorder["verdict"]
+        if recorder is not None:
+            collective["flight_recorder"] = recorder.record
         kind = classify_timeout(
             ranks,
             missing,
             collective["step"],
             timeout_s,
             spec["distributed"]["straggler_factor"],
-            recorder["verdict"] if recorder else "",
+            recorder,
             spec["distributed"]["straggler_min_lag_s"],
         )
         collective.update(kind=kind["kind"], evidence=kind)
@@ -261,6 +269,7 @@ def diagnose_ranks(
                 + (f" at step {collective['step']}" if collective["step"] is not None else "")
                 + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
                 + f"; {describe(kind)}"
+                + (f"; {recorder.line()}" if _worth_a_line(recorder, kind) else "")
             ),
             diagnosis={"collective": collective},
         )

@@ -22,6 +22,7 @@ from tunegrid.contract import CellContract, LivenessLimits
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
+from tunegrid.run.recorder_read import dump_files
 from tunegrid.runtime.devices import cell_devices
 from tunegrid.runtime.files import read_json, read_jsonl, write_json
 from tunegrid.runtime.rundir import MetricsTail, clear_run_files, last_activity
@@ -269,7 +270,9 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
     if data_path.is_file():
         tracker.log_dataset(dataset_input(result, data_path))
     artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
-    artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + sorted((run_dir / "flight_recorder").glob("rank_*"))
+    artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + [
+        path for _, path in sorted(dump_files(run_dir / "flight_recorder")[0].items())
+    ]
     if log_path is not None:
         artifacts.append(log_path)
     tracker.finish(
