@@ -25,6 +25,7 @@ from tunegrid.recipes.recipe import (
     warmup,
 )
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.recipes.recipe_known import axolotl_keys
 from tunegrid.recipes.recipe_lora import loftq
 from tunegrid.recipes.recipe_memory import (
     checkpointing_and_offloading,
@@ -252,8 +253,8 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
     for sub in entry:
         if sub in DATASET_NOT_CARRIED:
             recipe.not_carried[f"{key}.{sub}"] = DATASET_NOT_CARRIED[sub]
-        elif sub not in DATASET_KEYS:
-            recipe.unknown[f"{key}.{sub}"] = f"not an axolotl {recipe.version} dataset key"
+        elif sub not in DATASET_KEYS and sub not in axolotl_keys(dataset=True):
+            recipe.unknown[f"{key}.{sub}"] = "not a dataset key of any axolotl release tunegrid knows"
     files = entry.get("data_files")
     files = files[0] if isinstance(files, list) and len(files) == 1 else files
     found = local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
