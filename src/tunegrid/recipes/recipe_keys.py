@@ -66,9 +66,10 @@ FAMILIES = (
     ),
     _family(
         "saving",
-        "checkpoint saving: each cell trains from the base weights and saves its adapter once",
+        "checkpoint saving and resuming: each cell trains from the base weights (the failure shows in its first "
+        "steps) and saves its adapter once",
         "saves_per_epoch save_steps save_strategy save_total_limit save_only_model save_safetensors "
-        "auto_resume_from_checkpoints save_first_step hub_model_revision",
+        "auto_resume_from_checkpoints save_first_step hub_model_revision resume_from_checkpoint",
     ),
     _family(
         "data preparation",
@@ -191,7 +192,6 @@ REFUSED = {
     "nvfp4_merge_aware": "an nvfp4 base; tunegrid loads bitsandbytes quantizations",
     "dsv4_fp4_grouped_mode": "an fp4 base; tunegrid loads bitsandbytes quantizations",
     "lora_model_dir": "starts from an existing adapter; tunegrid's cells start fresh adapters on the base",
-    "resume_from_checkpoint": "resumes a run; tunegrid's cells start from the base weights",
     "overrides_of_model_config": "overrides the checkpoint's config.json; tunegrid loads the checkpoint's own",
     "model_init_kwargs": "extra loading arguments; tunegrid loads the checkpoint with its own settings",
     "s2_attention": "shifted sparse attention; tunegrid's cells run the model's attention implementation",
@@ -283,9 +283,7 @@ def account_rest(recipe: Recipe, reader_keys: set[str]) -> None:
             continue
         near = misspelt(key, known | tool_keys(recipe.tool))
         if near and near in reader_keys and near not in recipe.raw:
-            recipe.refuse(
-                key, f"unknown key; did you mean {near!r}? (tunegrid would otherwise use its default for it)"
-            )
+            recipe.refuse(key, f"unknown key; did you mean {near!r}? (tunegrid would otherwise use its default for it)")
         else:
             hint = f"; a misspelling of {near!r}?" if near else ""
             recipe.unknown[key] = f"not a key of any {recipe.tool} release tunegrid knows{hint}"

@@ -17,10 +17,7 @@ from tunegrid.recipes.recipe import (
     HEX40,
     Recipe,
     axis_keys,
-    first_record,
-    local_dataset,
     lora_targets,
-    model_entry,
     precision_flags,
     quantization,
     scheduler,
@@ -29,6 +26,7 @@ from tunegrid.recipes.recipe import (
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_options, number
 from tunegrid.recipes.recipe_memory import checkpointing_and_offloading, fsdp_memory
 from tunegrid.recipes.recipe_optimizers import optimizer
+from tunegrid.recipes.recipe_sources import first_record, local_dataset, model_entry
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
 MODEL_CONFIG_KEYS = {
