@@ -80,6 +80,7 @@ class Recipe:
     accounted: set[str] = field(default_factory=set)  # read by a reader that put their meaning elsewhere
     changed: list[str] = field(default_factory=list)  # what --as-sft changed to make it an SFT study
     unpinned: dict[str, str] = field(default_factory=dict)  # hub ids without a 40-hex revision -> the ref fetched
+    aliased: dict[str, str] = field(default_factory=dict)  # a TRL key -> a training script's name for it in the file
 
     @property
     def version(self) -> str:

@@ -94,3 +94,34 @@ def misspelt(key: str, known: set[str] | frozenset[str]) -> str | None:
     if len(changed) != 1 or changed[0][0] in vocabulary:
         return None
     return near[0]
+
+
+# A training script's names for TRL's own keys (Hugging Face's example scripts and the recipes written for them):
+# read as the TRL key, each said in the header
+SCRIPT_ALIASES = {"dataset_id_or_path": "dataset_name", "model_name": "model_name_or_path",
+                  "model_id": "model_name_or_path", "max_seq_len": "max_length", "use_lora": "use_peft"}  # fmt: skip
+LLAMA_FACTORY = ("finetuning_type", "cutoff_len", "lora_rank", "lora_target", "dataset_dir")
+AXOLOTL_SHARE = 0.8  # the least share of axolotl keys in an axolotl config of the public corpus is 0.9
+TRL_SHARE = 0.75
+
+
+def detect_format(raw: dict) -> tuple[str | None, str]:
+    """(tool, "") for a file whose keys are axolotl's or TRL's / Transformers' (most of them, in some release),
+    else (None, what was looked for and what the file holds instead)."""
+    keys = set(raw)
+    trl_known = trl_fields(*TRL_SFT_CLASSES) | set(SCRIPT_ALIASES)
+    if "base_model" in keys and len(keys & axolotl_keys()) >= AXOLOTL_SHARE * len(keys):
+        return "axolotl", ""
+    factory = [k for k in LLAMA_FACTORY if k in keys]
+    others = sorted(keys - trl_known - axolotl_keys())
+    if len(factory) < 2 and len(keys & trl_known) >= TRL_SHARE * len(keys):
+        only = trl_fields("SFTConfig", "ModelConfig", "ScriptArguments", "DatasetMixtureConfig") - trl_fields(
+            "TrainingArguments"
+        )
+        return ("trl" if keys & (only | set(SCRIPT_ALIASES)) else "transformers"), ""
+    what = f"a LLaMA-Factory config ({', '.join(factory)})" if len(factory) >= 2 else "neither"
+    return None, (
+        f"format not recognised: {what}; tunegrid reads axolotl configs (base_model and axolotl's keys) and "
+        "TRL / Transformers training arguments (`trl sft --config`: model_name_or_path, dataset_name, use_peft, "
+        f"SFTConfig and TrainingArguments fields); keys of neither: {', '.join(others[:8]) or 'none'}"
+    )

@@ -18,7 +18,9 @@ from tunegrid.dataset import PROMPT_TEMPLATE
 
 ALPACA_SYSTEM = ("Below is an instruction that describes a task, paired with an input that provides further context. "
                  "Write a response that appropriately completes the request.")  # fmt: skip
-ALPACA_SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."  # noqa: E501
+ALPACA_SYSTEM_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."  # noqa: E501
+)
 # axolotl's AlpacaPrompter prompt styles: (turn_format, turn_no_input_format, system_format)
 STYLES = {
     "instruct": ("### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",

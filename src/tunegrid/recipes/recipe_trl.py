@@ -89,6 +89,8 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     recipe.carry("model.trust_remote_code", bool(raw.get("trust_remote_code")), "trust_remote_code")
     check_tables(recipe)
     attention = raw.get("attn_implementation")
+    if isinstance(attention, str) and attention.replace("-", "_") in ATTENTION_NAMES:  # flash-attention-3
+        attention = attention.replace("-", "_")
     if attention:
         if attention in ATTENTION_NAMES:
             recipe.carry("model.attn_implementation", attention, "attn_implementation")
@@ -169,8 +171,12 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     checkpointing = raw.get(new_key, raw.get(old_key, _get(recipe, old_key)))
     checkpointing_and_offloading(recipe, old_key, bool(checkpointing), new_key, offloading=tool == "trl")
     fsdp_memory(recipe)
-    timeout = number(recipe, "ddp_timeout", _get(recipe, "ddp_timeout"), integer=False, low=1, high=7 * 86400,
-                     default=1800.0)  # fmt: skip
+    given = _get(recipe, "ddp_timeout")
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 7 * 86400:
+        recipe.differs["ddp_timeout"] = (f"{given:g} s: tunegrid's collectives wait at most 604800 s (7 days), so "
+                                         "a hang is still a timeout within the study")  # fmt: skip
+        given = 7 * 86400
+    timeout = number(recipe, "ddp_timeout", given, integer=False, low=1, high=7 * 86400, default=1800.0)
     recipe.carry("distributed.collective_timeout_s", float(timeout), "ddp_timeout")
 
     if tool == "trl":
