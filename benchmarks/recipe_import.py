@@ -162,8 +162,10 @@ def corpus(args: argparse.Namespace) -> int:
     print(f"tracebacks: {sum(v for (k, o), v in counts.items() if o == 'traceback' and ':' not in k)}")
     faithful = [p for p, problems in fidelity if not problems]
     text_checked = sum(1 for _, problems in fidelity if not any("record" in p for p in problems))
-    print(f"fidelity: {len(faithful)}/{len(fidelity)} imported studies train on the recipe's values and text, "
-          "every difference a row of the header")
+    print(
+        f"fidelity: {len(faithful)}/{len(fidelity)} imported studies train on the recipe's values and text, "
+        "every difference a row of the header"
+    )
     for path, problems in fidelity:
         for problem in problems:
             lines.append(f"fidelity {path}: {problem}")

@@ -143,6 +143,11 @@ def warmup(recipe: Recipe, value: Any, steps: int, key: str) -> None:
     number = float(value or 0)
     count = round(number * steps) if 0 < number < 1 else int(number)
     recipe.carry("train.warmup_steps", min(count, steps), key)
+    if count > steps:
+        recipe.differs[key] = (
+            f"{count} warmup steps, more than the study's {steps} steps per cell: cut to {steps} (the learning "
+            "rate still rises at the last step, as in the recipe's first steps)"
+        )
 
 
 def lora_targets(recipe: Recipe, key: str, value: Any) -> None:

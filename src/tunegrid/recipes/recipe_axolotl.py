@@ -162,7 +162,18 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     recipe.carry("lora.dropout", dropout, "lora_dropout")
     lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
     if raw.get("lora_target_linear"):
+        named = raw.get("lora_target_modules")
+        named = [named] if isinstance(named, str) else list(named or [])
         lora_targets(recipe, "lora_target_linear", "all-linear")
+        targets = recipe.settings["lora.target_modules"]
+        extra = [m for m in named if m not in targets and m != "all-linear"]
+        if extra and targets != ["all-linear"]:  # axolotl adds the named modules to the linear ones (lm_head)
+            recipe.carry("lora.target_modules", sorted({*targets, *extra}), "lora_target_linear", "lora_target_modules")
+        elif extra:
+            recipe.differs["lora_target_modules"] = (
+                f"{extra} beside lora_target_linear: axolotl adapts them too; peft's all-linear (resolved when the "
+                "checkpoint is fetched) leaves the output head out; add them to lora.target_modules once resolved"
+            )
     if raw.get("lora_target_parameters"):
         recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
     if "lora.target_modules" not in recipe.settings:
