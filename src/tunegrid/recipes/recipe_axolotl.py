@@ -11,7 +11,6 @@ from typing import Any
 from tunegrid.recipes.recipe import (
     ATTENTION_NAMES,
     AXIS_KEYS,
-    HEX40,
     Recipe,
     axis_keys,
     lora_targets,
@@ -32,7 +31,14 @@ from tunegrid.recipes.recipe_memory import (
 )
 from tunegrid.recipes.recipe_optimizers import optimizer
 from tunegrid.recipes.recipe_prompts import CUSTOM_KEYS, SHAREGPT, instruction_of
-from tunegrid.recipes.recipe_sources import first_record, local_dataset, model_entry
+from tunegrid.recipes.recipe_sources import (
+    first_record,
+    hub_dataset,
+    local_dataset,
+    looks_like_hub_id,
+    model_entry,
+    resolve_local,
+)
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
 LORA_EXTRAS = ("loraplus_lr_ratio", "relora")
@@ -265,11 +271,14 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
             recipe.unknown[f"{key}.{sub}"] = "not a dataset key of any axolotl release tunegrid knows"
     files = entry.get("data_files")
     files = files[0] if isinstance(files, list) and len(files) == 1 else files
-    found = local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
+    hub_files = files and looks_like_hub_id(str(entry["path"])) and not resolve_local(recipe, str(files))
+    found = (
+        None if hub_files else local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
+    )
     if found is None and "data.source" not in recipe.settings:
         if entry.get("name"):
             recipe.refuse(f"{key}.name", "tunegrid reads a hub dataset's default configuration")
-        _hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
+        hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
         if files:
             names = [files] if isinstance(files, str) else list(files)
             recipe.carry("data.data_files", [str(n) for n in names], f"{key}.data_files")
@@ -333,23 +342,3 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
             f"{kind!r}: tunegrid reads chat_template, sharegpt, alpaca, oasst, completion or a custom "
             "{field_instruction, field_output, ...} mapping",
         )
-
-
-def _hub_dataset(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> None:
-    """A hub dataset, pinned or not: an unpinned one is fetched at `ref` when the dataset rule runs."""
-    revision = str(revision or "")
-    recipe.carry("data.source", "hub", f"{key}.path")
-    recipe.carry("data.repo_id", repo_id, f"{key}.path")
-    recipe.carry("data.split", split, f"{key}.split")
-    if HEX40.match(revision):
-        recipe.carry("data.revision", revision, f"{key}.revision")
-        return
-    ref = revision or "main"
-    said = f"{key}.revision" if revision else f"{key}.path"
-    recipe.carry("data.revision", "", said)
-    recipe.carry("data.ref", ref, said)
-    recipe.unpinned[f"{key}.path"] = ref
-    recipe.notes.append(
-        f"{key}.path: {repo_id!r} is not pinned; the dataset rule fetches {ref!r} and records its commit "
-        "(`tunegrid pin <study>` writes it back)"
-    )

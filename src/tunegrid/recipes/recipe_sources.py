@@ -113,3 +113,23 @@ def first_record(path: Path) -> dict[str, Any]:
                     return {}
                 return record if isinstance(record, dict) else {}
     return {}
+
+
+def hub_dataset(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> None:
+    """A hub dataset, pinned or not: an unpinned one is fetched at `ref` when the dataset rule runs."""
+    revision = str(revision or "")
+    recipe.carry("data.source", "hub", f"{key}.path")
+    recipe.carry("data.repo_id", repo_id, f"{key}.path")
+    recipe.carry("data.split", split, f"{key}.split")
+    if HEX40.match(revision):
+        recipe.carry("data.revision", revision, f"{key}.revision")
+        return
+    ref = revision or "main"
+    said = f"{key}.revision" if revision else f"{key}.path"
+    recipe.carry("data.revision", "", said)
+    recipe.carry("data.ref", ref, said)
+    recipe.unpinned[f"{key}.path"] = ref
+    recipe.notes.append(
+        f"{key}.path: {repo_id!r} is not pinned; the dataset rule fetches {ref!r} and records its commit "
+        "(`tunegrid pin <study>` writes it back)"
+    )
