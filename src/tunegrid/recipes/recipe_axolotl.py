@@ -325,7 +325,8 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
             recipe.refuse(f"{key}.type", f"{kind!r}: a custom type needs field_instruction (the prompt's field)")
             return
         recipe.carry("data.fields", {"prompt": prompter.instruction, "response": prompter.output}, f"{key}.type")
-        shaping = [k for k in CUSTOM_KEYS if isinstance(kind, dict) and k in kind][2:] or ["input", "system prompt"]
+        shaping = [k for k in CUSTOM_KEYS[1:] if isinstance(kind, dict) and k in kind and k != "field_output"]
+        shaping = shaping or ["input", "system prompt"]
         recipe.differs[f"{key}.type"] = (
             f"{kind if isinstance(kind, str) else 'custom'}: the recipe's prompt is "
             f"{prompter.turn_no_input!r} (with its {', '.join(shaping)}); tunegrid trains on the "
