@@ -1,6 +1,18 @@
 """Import every training config under a folder as it is (no flag) and count what happens.
 
     python benchmarks/recipe_import.py <folder> [<folder> ...] [--show]
+    python benchmarks/recipe_import.py --corpus benchmarks/recipe_corpus.tsv <folder> [--held-out no|yes]
+
+With `--corpus`, the folder is the public corpus as benchmarks/fetch_recipe_corpus.py lays it out
+(<owner>__<name>/<path>), and each file's class is the list's: its tool (`kind`: axolotl, trl, transformers, or
+other: LLaMA-Factory and custom-script configs) and whether it is LoRA/QLoRA text SFT (`sft_lora`). An SFT recipe
+is then counted imported, refused naming a local file that its repository does not hold (the key, the path and
+the flag that supplies it: no importer can run it as it is), or refused otherwise; a non-SFT one, or one of
+another format, counts as refused by name when the error says what makes it so ("is not LoRA/QLoRA SFT",
+"format not recognised"). Every imported study is checked for fidelity (recipe_fidelity): each recipe value is
+what the study trains on or a row of its header, and the first training record's text, where the record is on
+this machine, is the text the recipe's tool builds from it. TUNEGRID_DATA_ROOTS is set to the folder, so that the
+validation reads the recipes' own data files there.
 
 Each file is classified from its own keys, independently of the importer: an axolotl file is SFT LoRA/QLoRA
 when it has `adapter: lora|qlora` and no `rl`, `reward_model`, `process_reward_model`, `pretraining_dataset`,
@@ -19,6 +31,8 @@ when the error names the key that makes it so. Any other exception is a tracebac
 from __future__ import annotations
 
 import argparse
+import csv
+import os
 import re
 import sys
 import tempfile
@@ -56,17 +70,21 @@ def classify(path: Path, raw: dict) -> str | None:
     return None
 
 
-def run(path: Path, kind: str, out: Path) -> tuple[str, str]:
+def run(path: Path, kind: str, out: Path, fidelity: list | None = None) -> tuple[str, str]:
     from tunegrid.recipes.recipe_study import import_recipe
     from tunegrid.study.config import expand_cells, resolve_study
     from tunegrid.study.errors import ConfigError
 
     try:
-        study, recipe, _ = import_recipe({"recipe": str(path), "failure": "all"})
+        study, recipe, header = import_recipe({"recipe": str(path), "failure": "all"})
         cells = expand_cells(resolve_study(study))
         name = re.sub(r"[^A-Za-z0-9.-]+", "-", str(path.relative_to(path.parents[2])).removesuffix(path.suffix))
         study["study"] = name.strip("-.")[:64]
         (out / f"{study['study']}.yaml").write_text(yaml.safe_dump(study, sort_keys=False))
+        if fidelity is not None:
+            from tunegrid.recipes.recipe_fidelity import check_fidelity
+
+            fidelity.append((str(path), check_fidelity(recipe, resolve_study(study), header)))
         return "imported", f"{len(cells)} cells"
     except ConfigError as exc:
         return "refused", str(exc)
@@ -74,12 +92,98 @@ def run(path: Path, kind: str, out: Path) -> tuple[str, str]:
         return "traceback", traceback.format_exc(limit=3)
 
 
+MISSING_LOCAL = re.compile(r"is not (a file|a folder|there)[^\n]*(--model|--dataset)")
+NAMED = ("is not LoRA/QLoRA SFT", "format not recognised")
+CORPUS_ROWS = {
+    "tool": "LoRA/QLoRA text SFT, axolotl / TRL / Transformers",
+    "other": "LoRA/QLoRA text SFT, another format (LLaMA-Factory, scripts)",
+    "non-sft": "not LoRA/QLoRA text SFT (any format)",
+}
+
+
+def corpus(args: argparse.Namespace) -> int:
+    """The public corpus (its list's classes): the figures the recipes issue asks for."""
+    with open(args.corpus, newline="") as handle:
+        table = [r for r in csv.DictReader(handle, delimiter="\t") if r["kind"] != "data"]
+    table = [r for r in table if args.held_out == "all" or r["held_out"] == args.held_out]
+    root = args.folders[0].resolve()
+    os.environ["TUNEGRID_DATA_ROOTS"] = str(root)
+    counts: Counter[tuple[str, str]] = Counter()
+    fidelity: list[tuple[str, list[str]]] = []
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = args.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
+        here = Path.cwd()
+        os.chdir(tmp)  # a recipe's relative paths resolve beside it, never in this checkout
+        try:
+            for row in table:
+                path = root / row["repo"].replace("/", "__") / row["path"]
+                if not path.is_file():
+                    counts[("missing", "")] += 1
+                    continue
+                cls = "non-sft" if row["sft_lora"] != "yes" else "other" if row["kind"] == "other" else "tool"
+                outcome, detail = run(path, cls, out, fidelity if cls == "tool" else None)
+                if outcome == "refused" and cls != "non-sft" and MISSING_LOCAL.search(detail):
+                    outcome = "refused: local file not here"
+                if outcome == "refused" and (cls == "non-sft" or row["kind"] == "other"):
+                    outcome = "refused by name" if any(n in detail for n in NAMED) else "refused, not by name"
+                counts[(cls, outcome)] += 1
+                counts[(f"{cls}:{row['kind']}", outcome)] += 1
+                if args.show or outcome in ("traceback", "refused", "refused, not by name"):
+                    first = detail.strip().splitlines()
+                    lines.append(f"{outcome:28} {row['kind']:12} {row['repo']}/{row['path']}: " + " | ".join(first[:4]))
+                if outcome == "imported" and row["kind"] == "other":
+                    lines.append(f"imported, another format: {row['repo']}/{row['path']}")
+        finally:
+            os.chdir(here)
+    outcomes = ("imported", "refused: local file not here", "refused by name", "refused", "refused, not by name",
+                "traceback")  # fmt: skip
+    print(f"corpus {args.corpus} (held_out={args.held_out}): {len(table)} recipes, {counts[('missing', '')]} absent")
+    print(f"{'class':62} {'files':>5} " + " ".join(f"{o[:18]:>18}" for o in outcomes))
+    for cls, label in CORPUS_ROWS.items():
+        kinds = sorted({k.split(":")[1] for k, _ in counts if k.startswith(f"{cls}:")})
+        for name, shown in [(cls, label), *((f"{cls}:{k}", f"  {k}") for k in kinds)]:
+            row = [counts[(name, o)] for o in outcomes]
+            print(f"{shown:62} {sum(row):5} " + " ".join(f"{n:18}" for n in row))
+    tool = sum(counts[("tool", o)] for o in outcomes)
+    ok, local = counts[("tool", "imported")], counts[("tool", "refused: local file not here")]
+    print(f"axolotl/TRL/Transformers LoRA/QLoRA text SFT imported with no flag and validated: {ok}/{tool} "
+          f"({100 * ok / max(1, tool):.1f} %); of those whose files are on this machine (their repository holds "
+          f"them, or hub ids): {ok}/{tool - local} ({100 * ok / max(1, tool - local):.1f} %); refused naming a "
+          f"local file that is not here, its key and flag: {local}")  # fmt: skip
+    every = tool + sum(counts[("other", o)] for o in outcomes)
+    print(f"every LoRA/QLoRA text SFT recipe (other formats included): {ok}/{every} ({100 * ok / max(1, every):.1f} %)")
+    non = sum(counts[("non-sft", o)] for o in outcomes)
+    named = counts[("non-sft", "refused by name")]
+    print(f"non-SFT refused by name: {named}/{non} ({100 * named / max(1, non):.1f} %)")
+    other = sum(counts[("other", o)] for o in outcomes)
+    print(f"other formats refused as not recognised: {counts[('other', 'refused by name')]}/{other}")
+    print(f"tracebacks: {sum(v for (k, o), v in counts.items() if o == 'traceback' and ':' not in k)}")
+    faithful = [p for p, problems in fidelity if not problems]
+    text_checked = sum(1 for _, problems in fidelity if not any("record" in p for p in problems))
+    print(
+        f"fidelity: {len(faithful)}/{len(fidelity)} imported studies train on the recipe's values and text, "
+        "every difference a row of the header"
+    )
+    for path, problems in fidelity:
+        for problem in problems:
+            lines.append(f"fidelity {path}: {problem}")
+    del text_checked
+    print("\n".join(lines))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--show", action="store_true", help="print each file's outcome")
     parser.add_argument("--keep", type=Path, help="write the imported studies into this folder (to dry-run them)")
+    parser.add_argument("--corpus", type=Path, help="the public corpus's list (benchmarks/recipe_corpus.tsv)")
+    parser.add_argument("--held-out", default="no", choices=["no", "yes", "all"], help="with --corpus: which recipes")
     args = parser.parse_args()
+    if args.corpus:
+        return corpus(args)
     counts: Counter[tuple[str, str]] = Counter()
     refused_sft: list[tuple[str, str]] = []
     unnamed: list[str] = []

@@ -80,6 +80,7 @@ class Recipe:
     accounted: set[str] = field(default_factory=set)  # read by a reader that put their meaning elsewhere
     changed: list[str] = field(default_factory=list)  # what --as-sft changed to make it an SFT study
     unpinned: dict[str, str] = field(default_factory=dict)  # hub ids without a 40-hex revision -> the ref fetched
+    aliased: dict[str, str] = field(default_factory=dict)  # a TRL key -> a training script's name for it in the file
 
     @property
     def version(self) -> str:
@@ -125,70 +126,6 @@ def read_file(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def model_entry(recipe: Recipe, name_key: str, name: Any, revision_key: str, revision: Any) -> None:
-    """`models.<name>`: a local folder (config.json inside), else a hub repo at a pinned 40-hex revision."""
-    if not isinstance(name, str) or not name:
-        recipe.need(name_key, "no model: give the base model (a local folder or a hub id), or pass --model")
-        return
-    folder = resolve_local(recipe, name)
-    if folder is not None:
-        if not (folder / "config.json").is_file():
-            recipe.need(name_key, f"{name!r} is a folder without config.json; give a transformers checkpoint folder")
-            return
-        recipe.carry("model", {"source": "local", "path": str(folder)}, name_key)
-        recipe.drop(revision_key, "a local folder has no revision")
-        return
-    rev = str(revision or "")
-    if not HEX40.match(rev):  # resolved by the checkpoint rule when it fetches, recorded, `tunegrid pin` writes it
-        ref = rev or "main"
-        recipe.unpinned[name_key] = ref
-        recipe.notes.append(
-            f"{name_key}: {name!r} is not pinned; the checkpoint rule fetches {ref!r} and records its commit "
-            "(manifest, study, MLflow, report); `tunegrid pin <study>` writes it back"
-        )
-        recipe.carry("model", {"source": "hub", "repo_id": name, "revision": "", "ref": ref}, name_key, revision_key)
-        return
-    recipe.carry("model", {"source": "hub", "repo_id": name, "revision": rev}, name_key, revision_key)
-
-
-def resolve_local(recipe: Recipe, name: str) -> Path | None:
-    """A path as written if it exists from here, else beside the recipe file (where its author meant it)."""
-    for candidate in (Path(name), Path(recipe.path).parent / name):
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def local_dataset(recipe: Recipe, key: str, path: str, fmt: str | None = None) -> Path | None:
-    """A local jsonl/parquet file: `data.source` and `data.path`; None if `path` is no local file."""
-    found = resolve_local(recipe, path)
-    if found is None or not found.is_file():
-        return None
-    suffix = (fmt or found.suffix.lstrip(".")).lower()
-    source = {"json": "jsonl", "jsonl": "jsonl", "parquet": "parquet"}.get(suffix)
-    if source is None:
-        recipe.refuse(key, f"{path!r}: tunegrid reads JSON lines (.jsonl/.json) or parquet files")
-        return None
-    recipe.carry("data.source", source, key)
-    recipe.carry("data.path", str(found), key)
-    return found
-
-
-def first_record(path: Path) -> dict[str, Any]:
-    """The first record of a local dataset file (to tell pairs from chats)."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).slice(0, 1).to_pylist()
-        return rows[0] if rows else {}
-    with open(path) as handle:
-        for line in handle:
-            if line.strip():
-                record = json.loads(line)
-                return record if isinstance(record, dict) else {}
-    return {}
-
-
 def scheduler(recipe: Recipe, key: str, name: Any, min_lr_rate: float | None = None, *keys: str) -> None:
     name = str(getattr(name, "value", name))
     if name not in SCHEDULERS:
@@ -206,6 +143,11 @@ def warmup(recipe: Recipe, value: Any, steps: int, key: str) -> None:
     number = float(value or 0)
     count = round(number * steps) if 0 < number < 1 else int(number)
     recipe.carry("train.warmup_steps", min(count, steps), key)
+    if count > steps:
+        recipe.differs[key] = (
+            f"{count} warmup steps, more than the study's {steps} steps per cell: cut to {steps} (the learning "
+            "rate still rises at the last step, as in the recipe's first steps)"
+        )
 
 
 def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
@@ -287,13 +229,18 @@ def quant_of(bnb: dict[str, Any] | None, experts: bool = False) -> str | None:
 
 
 def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, str], tf32_key: str = "tf32") -> None:
+    if bf16 == "auto":  # axolotl's resolve_dtype: fp16 wins where it is set, else bf16 where the GPU has it
+        bf16 = not fp16
+        recipe.notes.append(
+            f"{keys[0]}: auto, resolved as the tool does: "
+            + ("fp16 is on, so bf16 is off" if fp16 else "bf16 on a GPU that has it (an fp16 run elsewhere: the "
+               "grid's fp16 cells)")
+        )  # fmt: skip
     if fp16 and bf16:
         recipe.refuse(keys[0], "both bf16 and fp16 are on; a run trains in one of them")
         return
     precision = precision_of("float16" if fp16 else "bfloat16" if bf16 else "float32")
     recipe.carry("grid.precision", precision, *keys)
-    if bf16 == "auto":
-        recipe.notes.append(f"{keys[0]}: auto read as bf16 (the grid tries the others where the failure asks)")
 
 
 def quantization(recipe: Recipe, four: bool, eight: bool, quant_type: Any, keys: list[str]) -> None:

@@ -11,13 +11,9 @@ from typing import Any
 from tunegrid.recipes.recipe import (
     ATTENTION_NAMES,
     AXIS_KEYS,
-    HEX40,
     Recipe,
     axis_keys,
-    first_record,
-    local_dataset,
     lora_targets,
-    model_entry,
     precision_flags,
     quant_of,
     quantization,
@@ -25,6 +21,7 @@ from tunegrid.recipes.recipe import (
     warmup,
 )
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.recipes.recipe_known import axolotl_keys
 from tunegrid.recipes.recipe_lora import loftq
 from tunegrid.recipes.recipe_memory import (
     checkpointing_and_offloading,
@@ -33,6 +30,15 @@ from tunegrid.recipes.recipe_memory import (
     unfrozen_parameters,
 )
 from tunegrid.recipes.recipe_optimizers import optimizer
+from tunegrid.recipes.recipe_prompts import CUSTOM_KEYS, SHAREGPT, instruction_of
+from tunegrid.recipes.recipe_sources import (
+    first_record,
+    hub_dataset,
+    local_dataset,
+    looks_like_hub_id,
+    model_entry,
+    resolve_local,
+)
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
 LORA_EXTRAS = ("loraplus_lr_ratio", "relora")
@@ -162,7 +168,18 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     recipe.carry("lora.dropout", dropout, "lora_dropout")
     lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
     if raw.get("lora_target_linear"):
+        named = raw.get("lora_target_modules")
+        named = [named] if isinstance(named, str) else list(named or [])
         lora_targets(recipe, "lora_target_linear", "all-linear")
+        targets = recipe.settings["lora.target_modules"]
+        extra = [m for m in named if m not in targets and m != "all-linear"]
+        if extra and targets != ["all-linear"]:  # axolotl adds the named modules to the linear ones (lm_head)
+            recipe.carry("lora.target_modules", sorted({*targets, *extra}), "lora_target_linear", "lora_target_modules")
+        elif extra:
+            recipe.differs["lora_target_modules"] = (
+                f"{extra} beside lora_target_linear: axolotl adapts them too; peft's all-linear (resolved when the "
+                "checkpoint is fetched) leaves the output head out; add them to lora.target_modules once resolved"
+            )
     if raw.get("lora_target_parameters"):
         recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
     if "lora.target_modules" not in recipe.settings:
@@ -182,12 +199,10 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     config_overrides(recipe, "model_config")
     packing = bool(raw.get("sample_packing"))
     recipe.carry("data.packing", packing, "sample_packing", "sample_packing_seq_len_multiplier")
-    if raw.get("pad_to_sequence_len") and not packing:
-        recipe.refuse("pad_to_sequence_len", "pads every batch to sequence_len (its peak); tunegrid pads to the "
-                      "batch's longest example: turn on sample_packing or remove it")  # fmt: skip
-    elif raw.get("pad_to_sequence_len"):
-        recipe.carry("data.packing", packing, "pad_to_sequence_len")
-        recipe.notes.append("pad_to_sequence_len with sample_packing: tunegrid's packs fill train.seq_len as well")
+    if raw.get("pad_to_sequence_len"):  # tunegrid's rows are train.seq_len wide, packed or not: carried as it is
+        recipe.carry("train.seq_len", recipe.settings["train.seq_len"], "pad_to_sequence_len")
+        recipe.notes.append("pad_to_sequence_len: every batch padded to train.seq_len, as tunegrid's cells pad "
+                            "every row (it decides the peak)")  # fmt: skip
     recipe.carry("data.loss_on", "all" if raw.get("train_on_inputs") else "response", "train_on_inputs")
     _datasets(recipe, raw.get("datasets"))
     account_rest(recipe, READER_KEYS)
@@ -252,15 +267,18 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
     for sub in entry:
         if sub in DATASET_NOT_CARRIED:
             recipe.not_carried[f"{key}.{sub}"] = DATASET_NOT_CARRIED[sub]
-        elif sub not in DATASET_KEYS:
-            recipe.unknown[f"{key}.{sub}"] = f"not an axolotl {recipe.version} dataset key"
+        elif sub not in DATASET_KEYS and sub not in axolotl_keys(dataset=True):
+            recipe.unknown[f"{key}.{sub}"] = "not a dataset key of any axolotl release tunegrid knows"
     files = entry.get("data_files")
     files = files[0] if isinstance(files, list) and len(files) == 1 else files
-    found = local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
+    hub_files = files and looks_like_hub_id(str(entry["path"])) and not resolve_local(recipe, str(files))
+    found = (
+        None if hub_files else local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
+    )
     if found is None and "data.source" not in recipe.settings:
         if entry.get("name"):
             recipe.refuse(f"{key}.name", "tunegrid reads a hub dataset's default configuration")
-        _hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
+        hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
         if files:
             names = [files] if isinstance(files, str) else list(files)
             recipe.carry("data.data_files", [str(n) for n in names], f"{key}.data_files")
@@ -270,6 +288,7 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
         kind = "alpaca"
     elif kind is None and "prompt" in record and ({"response", "completion"} & set(record)):
         kind = {"field_instruction": "prompt", "field_output": "response" if "response" in record else "completion"}
+    base = kind.split(":")[0].split(".")[0] if isinstance(kind, str) else None
     if kind == "chat_template" or (kind is None and "messages" in record):
         mapping = dict(entry.get("message_property_mappings") or {})
         for old, field in (("message_field_role", "role"), ("message_field_content", "content")):
@@ -286,46 +305,41 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
         if entry.get("roles_to_train") not in (None, ["assistant"]) and not recipe.raw.get("train_on_inputs"):
             recipe.notes.append(f"{key}.roles_to_train: tunegrid trains on assistant tokens (data.loss_on: response)")
         recipe.accounted.update({f"{key}.roles_to_train"} if "roles_to_train" in entry else set())
-    elif isinstance(kind, str) and kind.startswith("alpaca:"):  # alpaca records in another prompt layout
-        recipe.carry("data.fields", {"prompt": "instruction", "response": "output"}, f"{key}.type")
-        recipe.not_carried[f"{key}.type"] = (
-            f"{kind}: the same alpaca fields; tunegrid lays the prompt out with the checkpoint's chat template, "
-            "not the recipe's prompter"
+    elif base in SHAREGPT:  # axolotl's later releases read it as chat_template over from/value turns
+        mapping = dict(entry.get("message_property_mappings") or {})
+        recipe.carry(
+            "data.fields",
+            {"messages": entry.get("field_messages") or "conversations", "role": str(mapping.get("role", "from")),
+             "content": str(mapping.get("content", "value"))},
+            f"{key}.type", *[f"{key}.{k}" for k in ("field_messages", "message_property_mappings") if k in entry],
+        )  # fmt: skip
+        recipe.differs[f"{key}.type"] = (
+            f"{kind}: axolotl lays these ShareGPT turns out with FastChat's conversation template "
+            f"({entry.get('conversation') or 'its default'}; its later releases read them as chat_template); "
+            "tunegrid renders the same turns with the checkpoint's chat template"
         )
-    elif kind == "alpaca":
-        recipe.carry("data.fields", {"prompt": "instruction", "response": "output"}, f"{key}.type")
-        recipe.notes.append(
-            f"{key}.type alpaca: prompt = instruction, response = output (an `input` field is not read)"
+        recipe.accounted.update({f"{key}.conversation"} if "conversation" in entry else set())
+    elif instruction_of(kind) is not None:
+        prompter = instruction_of(kind)
+        if isinstance(kind, dict) and not kind.get("field_instruction"):
+            recipe.refuse(f"{key}.type", f"{kind!r}: a custom type needs field_instruction (the prompt's field)")
+            return
+        recipe.carry("data.fields", {"prompt": prompter.instruction, "response": prompter.output}, f"{key}.type")
+        shaping = [k for k in CUSTOM_KEYS[1:] if isinstance(kind, dict) and k in kind and k != "field_output"]
+        shaping = shaping or ["input", "system prompt"]
+        recipe.differs[f"{key}.type"] = (
+            f"{kind if isinstance(kind, str) else 'custom'}: the recipe's prompt is "
+            f"{prompter.turn_no_input!r} (with its {', '.join(shaping)}); tunegrid trains on the "
+            f"{prompter.instruction!r} and {prompter.output!r} fields laid out with the checkpoint's chat template "
+            "(or its own prompt template), so each sequence's text and length differ from the recipe's (a memory "
+            "study measures tunegrid's)"
         )
-    elif kind == "completion":  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
+    elif base in ("completion", "text"):  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
         recipe.carry("data.fields", {"text": entry.get("field") or "text"}, f"{key}.type", f"{key}.field")
         recipe.carry("data.loss_on", "all", f"{key}.type")
-    elif isinstance(kind, dict) and kind.get("field_instruction") and kind.get("field_output"):
-        recipe.carry(
-            "data.fields", {"prompt": kind["field_instruction"], "response": kind["field_output"]}, f"{key}.type"
-        )
     else:
         recipe.refuse(
             f"{key}.type",
-            f"{kind!r}: tunegrid reads chat_template, alpaca, completion or {{field_instruction, field_output}}",
+            f"{kind!r}: tunegrid reads chat_template, sharegpt, alpaca, oasst, completion or a custom "
+            "{field_instruction, field_output, ...} mapping",
         )
-
-
-def _hub_dataset(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> None:
-    """A hub dataset, pinned or not: an unpinned one is fetched at `ref` when the dataset rule runs."""
-    revision = str(revision or "")
-    recipe.carry("data.source", "hub", f"{key}.path")
-    recipe.carry("data.repo_id", repo_id, f"{key}.path")
-    recipe.carry("data.split", split, f"{key}.split")
-    if HEX40.match(revision):
-        recipe.carry("data.revision", revision, f"{key}.revision")
-        return
-    ref = revision or "main"
-    said = f"{key}.revision" if revision else f"{key}.path"
-    recipe.carry("data.revision", "", said)
-    recipe.carry("data.ref", ref, said)
-    recipe.unpinned[f"{key}.path"] = ref
-    recipe.notes.append(
-        f"{key}.path: {repo_id!r} is not pinned; the dataset rule fetches {ref!r} and records its commit "
-        "(`tunegrid pin <study>` writes it back)"
-    )

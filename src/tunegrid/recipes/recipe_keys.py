@@ -10,12 +10,12 @@ the keys that, when set, make the recipe another run than any tunegrid cell. Nam
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.recipes.recipe import Recipe
+from tunegrid.recipes.recipe_known import misspelt, releases_text, tool_keys
 from tunegrid.recipes.recipe_loss import CCE_PLUGIN, LOSS_KEYS, fused_loss
 
 
@@ -66,9 +66,10 @@ FAMILIES = (
     ),
     _family(
         "saving",
-        "checkpoint saving: each cell trains from the base weights and saves its adapter once",
+        "checkpoint saving and resuming: each cell trains from the base weights (the failure shows in its first "
+        "steps) and saves its adapter once",
         "saves_per_epoch save_steps save_strategy save_total_limit save_only_model save_safetensors "
-        "auto_resume_from_checkpoints save_first_step hub_model_revision",
+        "auto_resume_from_checkpoints save_first_step hub_model_revision resume_from_checkpoint",
     ),
     _family(
         "data preparation",
@@ -191,7 +192,6 @@ REFUSED = {
     "nvfp4_merge_aware": "an nvfp4 base; tunegrid loads bitsandbytes quantizations",
     "dsv4_fp4_grouped_mode": "an fp4 base; tunegrid loads bitsandbytes quantizations",
     "lora_model_dir": "starts from an existing adapter; tunegrid's cells start fresh adapters on the base",
-    "resume_from_checkpoint": "resumes a run; tunegrid's cells start from the base weights",
     "overrides_of_model_config": "overrides the checkpoint's config.json; tunegrid loads the checkpoint's own",
     "model_init_kwargs": "extra loading arguments; tunegrid loads the checkpoint with its own settings",
     "s2_attention": "shifted sparse attention; tunegrid's cells run the model's attention implementation",
@@ -277,14 +277,16 @@ def account_rest(recipe: Recipe, reader_keys: set[str]) -> None:
         if key in known:  # a key a reader knows and left at a value that changes nothing (off, empty)
             recipe.not_carried[key] = "set to its default (off or empty): nothing to carry"
             continue
-        near = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.8)
-        if near and near[0] in reader_keys and near[0] not in recipe.raw:
-            recipe.refuse(
-                key, f"unknown key; did you mean {near[0]!r}? (tunegrid would otherwise use its default for it)"
-            )
+        releases = releases_text(recipe.tool, key)
+        if releases:  # a key of the tool, in this release or another, that tunegrid does not read
+            recipe.not_carried[key] = f"a key of {releases} that does not change the run tunegrid measures"
+            continue
+        near = misspelt(key, known | tool_keys(recipe.tool))
+        if near and near in reader_keys and near not in recipe.raw:
+            recipe.refuse(key, f"unknown key; did you mean {near!r}? (tunegrid would otherwise use its default for it)")
         else:
-            nearest = f"; the nearest known key is {near[0]!r}" if near else ""
-            recipe.unknown[key] = f"not a {recipe.tool} {recipe.version} key{nearest}"
+            hint = f"; a misspelling of {near!r}?" if near else ""
+            recipe.unknown[key] = f"not a key of any {recipe.tool} release tunegrid knows{hint}"
 
 
 def number(recipe: Recipe, key: str, value: Any, *, integer: bool, low: float, high: float, default: Any = None) -> Any:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.recipes.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
+from tunegrid.recipes.recipe_known import SCRIPT_ALIASES, detect_format
 from tunegrid.recipes.recipe_scope import check_scope
-from tunegrid.recipes.recipe_trl import detect_tool
 from tunegrid.vocabulary import LOSSES, SCALED_LOGIT_KEYS
 
 MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
@@ -36,11 +36,14 @@ def read_recipe(base: dict[str, Any]) -> Recipe:
     raw = read_file(path)
     tool = base.get("from") or "auto"
     if tool == "auto":
-        tool = detect_tool(raw)
+        tool, why = detect_format(raw)
+        if tool is None:
+            raise RecipeError(f"recipe {path!r}: {why}; pass --from axolotl|trl|transformers to read it as one")
+    raw, aliased = with_script_aliases(raw, tool)
     if tool not in TOOLS:
         raise RecipeError(f"config key 'base.from': {tool!r} is not one of {['auto', *TOOLS]}")
     raw = _with_overrides(raw, tool, base.get("model"), base.get("dataset"))
-    recipe = Recipe(tool=tool, path=path, raw=raw, ignore=set(base.get("ignore") or []))
+    recipe = Recipe(tool=tool, path=path, raw=raw, ignore=set(base.get("ignore") or []), aliased=aliased)
     check_scope(recipe, bool(base.get("as_sft")))
     if recipe.refused:  # another kind of run: say what makes it so before anything else
         raise RecipeError(
@@ -74,6 +77,22 @@ def _with_overrides(raw: dict[str, Any], tool: str, model: str | None, dataset: 
         else:
             raw["dataset_name"] = name
     return raw
+
+
+def with_script_aliases(raw: dict[str, Any], tool: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """A training script's names for TRL keys (SCRIPT_ALIASES) as the TRL key, where the file lacks it, and
+    {TRL key: the file's name} for the header."""
+    if tool == "axolotl":
+        return raw, {}
+    out, aliased = dict(raw), {}
+    for alias, key in SCRIPT_ALIASES.items():
+        if alias in out and key not in out:
+            out[key] = out.pop(alias)
+            aliased[key] = alias
+    if aliased and "lora_r" in out and "use_peft" not in out:  # a script's LoRA rank: its script trains LoRA
+        out["use_peft"] = True
+        aliased["use_peft"] = "lora_r"
+    return out, aliased
 
 
 def model_name(recipe: Recipe) -> str:
@@ -223,6 +242,9 @@ def header(recipe: Recipe, failure: str, study: dict[str, Any]) -> list[str]:
             value = recipe.settings[path]
             given = [k for k in keys if k.split(".")[0] in recipe.raw] or [f"({recipe.tool}'s default)"]
             lines.append(f"  {', '.join(given)} -> {path} = {json.dumps(value, default=str)}")
+    if recipe.aliased:
+        lines.append("Read as TRL's own keys (a training script's names for them):")
+        lines += [f"  {alias} -> {key}" for key, alias in sorted(recipe.aliased.items())]
     if recipe.unpinned:
         lines.append("Not pinned (fetched when the study runs; `tunegrid pin <study>` writes the commit back):")
         lines += [f"  {key}: {ref}" for key, ref in sorted(recipe.unpinned.items())]

@@ -17,10 +17,7 @@ from tunegrid.recipes.recipe import (
     HEX40,
     Recipe,
     axis_keys,
-    first_record,
-    local_dataset,
     lora_targets,
-    model_entry,
     precision_flags,
     quantization,
     scheduler,
@@ -29,6 +26,7 @@ from tunegrid.recipes.recipe import (
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_options, number
 from tunegrid.recipes.recipe_memory import checkpointing_and_offloading, fsdp_memory
 from tunegrid.recipes.recipe_optimizers import optimizer
+from tunegrid.recipes.recipe_sources import first_record, local_dataset, model_entry
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
 MODEL_CONFIG_KEYS = {
@@ -91,6 +89,8 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     recipe.carry("model.trust_remote_code", bool(raw.get("trust_remote_code")), "trust_remote_code")
     check_tables(recipe)
     attention = raw.get("attn_implementation")
+    if isinstance(attention, str) and attention.replace("-", "_") in ATTENTION_NAMES:  # flash-attention-3
+        attention = attention.replace("-", "_")
     if attention:
         if attention in ATTENTION_NAMES:
             recipe.carry("model.attn_implementation", attention, "attn_implementation")
@@ -171,8 +171,12 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     checkpointing = raw.get(new_key, raw.get(old_key, _get(recipe, old_key)))
     checkpointing_and_offloading(recipe, old_key, bool(checkpointing), new_key, offloading=tool == "trl")
     fsdp_memory(recipe)
-    timeout = number(recipe, "ddp_timeout", _get(recipe, "ddp_timeout"), integer=False, low=1, high=7 * 86400,
-                     default=1800.0)  # fmt: skip
+    given = _get(recipe, "ddp_timeout")
+    if isinstance(given, (int, float)) and not isinstance(given, bool) and given > 7 * 86400:
+        recipe.differs["ddp_timeout"] = (f"{given:g} s: tunegrid's collectives wait at most 604800 s (7 days), so "
+                                         "a hang is still a timeout within the study")  # fmt: skip
+        given = 7 * 86400
+    timeout = number(recipe, "ddp_timeout", given, integer=False, low=1, high=7 * 86400, default=1800.0)
     recipe.carry("distributed.collective_timeout_s", float(timeout), "ddp_timeout")
 
     if tool == "trl":
