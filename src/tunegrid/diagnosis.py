@@ -166,6 +166,7 @@ class CollectiveDiagnosis:
     parted_ranks: list[int] = field(default_factory=list)  # ranks that left the others (evidence)
     parted_at_step: int | None = None
     recorder: RecorderReading | None = None  # the flight recorder's reading (GPU), with its status
+    early: dict[str, Any] | None = None  # the hang as named before the timeout (tunegrid.run.hang_watch)
     record: dict[str, Any] = field(default_factory=_empty, repr=False)
 
     @classmethod
@@ -183,6 +184,7 @@ class CollectiveDiagnosis:
             parted_ranks=list(evidence.get("parted_ranks") or []),
             parted_at_step=evidence.get("parted_at_step"),
             recorder=RecorderReading.from_json(raw["flight_recorder"]) if raw.get("flight_recorder") else None,
+            early=raw.get("early"),
             record=raw,
         )
 

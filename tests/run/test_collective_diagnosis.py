@@ -202,6 +202,10 @@ def test_rank_leaving_the_loop_early_is_a_mismatch_naming_rank_and_step(checkpoi
     assert evidence["positions"][1]["collective"] == "barrier"
     collective = result["diagnosis"]["collective"]
     assert collective["op"] == "ALLREDUCE" and collective["step"] == 2 and collective["missing_ranks"] == [1]
+    # named while the ranks waited (a 1 s window at a 4 s timeout), and the timeout's verdict agreed
+    early = collective["early"]
+    assert early["kind"] == "mismatch" and early["same_kind"] and early["same_missing_ranks"], early
+    assert early["quiet_for_s"] < 4
     assert processes_mentioning(run_dir) == []
 
 

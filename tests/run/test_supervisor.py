@@ -88,11 +88,11 @@ def test_cell_run_is_in_mlflow_with_every_metric_point(checkpoints, dataset_path
 
 def test_wall_clock_limit_ends_as_timeout_without_orphans(checkpoints, dataset_path, tmp_path):
     spec = _spec(train={"time_limit_s": 2, "steps": 1000})
-    started = time.time()
     result, run_dir = _run(spec, checkpoints, dataset_path, tmp_path)
     assert result["outcome"] == "timeout"
     assert "wall-clock limit" in result["reason"]
-    assert time.time() - started < 2 + 20
+    # cut by the limit, not by the work: far from its 1000 steps (no figure of this host's speed asserted)
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) < 1000
     assert processes_mentioning(run_dir) == []
 
 

@@ -85,6 +85,8 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "collective_step": collective.step if collective else None,
         "collective_seq": collective.seq if collective else None,
         "collective_last_steps": json.dumps(collective.last_step_per_rank) if collective else None,
+        # seconds from the last progress to the hang named while the ranks still ran (none: not named early)
+        "collective_named_after_s": (collective.early or {}).get("quiet_for_s") if collective else None,
         **_straggler_columns(result),
         "crashed_ranks": ",".join(map(str, crash.ranks)) or None if crash else None,
         "attempts": len(result.attempts or [None]),
@@ -121,6 +123,7 @@ NUMERIC_COLUMNS = (
     "loss_fall",
     "loss_deviation",
     "collective_timeout_s",
+    "collective_named_after_s",
     "straggler_ratio",
     "wall_s",
 )

@@ -65,7 +65,7 @@ def find_straggler(
     return max(found, key=lambda f: f["median_ratio"]) if found else None
 
 
-def _position(record: dict[str, Any]) -> tuple[int | None, str] | None:
+def collective_position(record: dict[str, Any]) -> tuple[int | None, str] | None:
     """Where a rank is blocked in a collective: (step, collective) from the collective it gave up in, or from its
     last heartbeat where that names a collective; None when it is not in one (computing, pausing, gone)."""
     timed_out = (record.get("diagnosis") or {}).get("collective_timeout")
@@ -79,7 +79,7 @@ def _position(record: dict[str, Any]) -> tuple[int | None, str] | None:
 
 def _mismatch(ranks: list[dict[str, Any]], recorder: RecorderReading | None) -> dict[str, Any] | None:
     """Ranks blocked in different collectives (CPU: what each waits in), or the flight recorder's mismatch (GPU)."""
-    positions = {r["rank"]: p for r in ranks if (p := _position(r)) is not None}
+    positions = {r["rank"]: p for r in ranks if (p := collective_position(r)) is not None}
     groups: dict[tuple[int | None, str], list[int]] = {}
     for rank, position in positions.items():
         groups.setdefault(position, []).append(rank)

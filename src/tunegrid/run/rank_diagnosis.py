@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,78 +20,14 @@ from typing import Any
 
 from tunegrid.diagnosis import RecorderReading
 from tunegrid.run.collective import classify_timeout, describe, find_straggler
+from tunegrid.run.hang_watch import EarlyVerdict, compared, ended_on_hang
+from tunegrid.run.rank_files import rank_record
 from tunegrid.run.recorder_read import STATUSES, dump_files
-from tunegrid.run.throughput import cell_throughput, metric_records, step_records
-from tunegrid.runtime.files import read_json
+from tunegrid.run.throughput import cell_throughput, step_records
 from tunegrid.runtime.rundir import rank_dir
 from tunegrid.vocabulary import Outcome
 
 STEP_RE = re.compile(r"step (\d+)")
-# What ProcessGroupNCCL's watchdog logs (to the rank's stderr, its log here) before it takes the process down
-# with SIGABRT: on NCCL a collective timeout never reaches Python as an exception, so no worker.json says so.
-NCCL_WATCHDOG_RE = re.compile(
-    r"Watchdog caught collective operation timeout: WorkNCCL\(SeqNum=(?P<seq>\d+), OpType=(?P<op>\w+)"
-)
-
-
-def _tail(path: Path, lines: int = 15) -> list[str]:
-    if not path.exists():
-        return []
-    return path.read_text(errors="replace").splitlines()[-lines:]
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
-
-
-def nccl_watchdog_timeout(log_path: Path) -> dict[str, Any] | None:
-    """The NCCL watchdog's timeout line in a rank's log: the collective it waited in and its sequence number."""
-    if not log_path.exists():
-        return None
-    for line in log_path.read_text(errors="replace").splitlines():
-        found = NCCL_WATCHDOG_RE.search(line)
-        if found:
-            return {"op": found["op"], "seq": int(found["seq"]), "message": line.strip()[:400]}
-    return None
-
-
-def rank_record(run_dir: Path, rank: int, code: int | None, stopped: bool) -> dict[str, Any]:
-    folder = rank_dir(run_dir, rank)
-    facts_path = folder / "worker.json"
-    facts = read_json(facts_path) if facts_path.exists() else {}
-    beat_path = folder / "heartbeat"
-    heartbeat = beat_path.read_text().strip() if beat_path.exists() else ""
-    step = STEP_RE.search(heartbeat)
-    diagnosis = facts.get("diagnosis") or {}
-    watchdog = nccl_watchdog_timeout(run_dir / "ranks" / f"rank{rank}.log") if not stopped else None
-    if watchdog is not None and "collective_timeout" not in diagnosis:
-        # the rank died (SIGABRT) in the NCCL watchdog before it could write its facts: a waiting rank
-        diagnosis = {"collective_timeout": {"rank": rank, "waiting_in": heartbeat, **watchdog}}
-    return {
-        "rank": rank,
-        "exit_code": code,
-        "exit": _exit_text(code),
-        "stopped_by_supervisor": stopped,
-        "outcome": facts.get("outcome"),
-        "reason": facts.get("reason"),
-        "last_heartbeat": heartbeat,
-        "last_step": int(step.group(1)) if step else None,
-        "lora_sha256": facts.get("lora_sha256"),
-        "diagnosis": diagnosis,
-        "traceback": facts.get("traceback"),
-        "log_tail": _tail(run_dir / "ranks" / f"rank{rank}.log"),
-        "last_heartbeat_at": beat_path.stat().st_mtime if beat_path.exists() else None,
-        "local_times": local_times(folder / "metrics.jsonl"),
-    }
-
-
-def local_times(metrics_path: Path) -> dict[int, float]:
-    """step -> the rank's local time (metrics.jsonl's local_time_s; absent in runs from before it was written)."""
-    return {int(r["step"]): float(r["local_time_s"]) for r in metric_records(metrics_path) if "local_time_s" in r}
 
 
 def _collective_op(waiting: dict[str, Any]) -> str:
@@ -155,9 +90,16 @@ def _on_the_main_path(
 
 
 def diagnose_ranks(
-    spec: dict[str, Any], run_dir: Path, result: dict[str, Any], codes: list[int | None], stopped: list[int]
+    spec: dict[str, Any],
+    run_dir: Path,
+    result: dict[str, Any],
+    codes: list[int | None],
+    stopped: list[int],
+    early: EarlyVerdict | None = None,
 ) -> dict[str, Any]:
-    """Fields of result.json for a distributed cell: outcome, reason, diagnosis, ranks."""
+    """Fields of result.json for a distributed cell: outcome, reason, diagnosis, ranks. `early`: the hang the
+    supervisor named while the ranks ran (tunegrid.run.hang_watch), compared with the timeout's verdict, or the
+    verdict itself where the study ends a cell on a named hang."""
     world = len(codes)
     timeout_s = spec["distributed"]["collective_timeout_s"]
     ranks = [rank_record(run_dir, r, codes[r], r in stopped) for r in range(world)]
@@ -227,6 +169,13 @@ def diagnose_ranks(
         return update
 
     waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
+    if early is not None and not waiting and spec["distributed"]["end_on_hang"]:
+        update.update(
+            outcome=Outcome.TIMEOUT,
+            reason=early.reason(timeout_s),
+            diagnosis={"collective": ended_on_hang(early, ranks, timeout_s)},
+        )
+        return update
     if waiting:
         waited = waiting[0]["diagnosis"]["collective_timeout"]
         missing = [r["rank"] for r in ranks if r not in waiting]
@@ -261,6 +210,8 @@ def diagnose_ranks(
         )
         collective.update(kind=kind["kind"], evidence=kind)
         op, missing, waiting = _on_the_main_path(collective, kind, ranks, waiting)
+        if early is not None:
+            collective["early"] = compared(early, collective)
         who = ", ".join(map(str, missing)) or "none identified"
         update.update(
             outcome=Outcome.TIMEOUT,

@@ -21,6 +21,7 @@ from typing import Any
 from tunegrid.contract import CellContract, LivenessLimits
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
+from tunegrid.run.hang_watch import EarlyVerdict, HangWatch
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.run.recorder_read import dump_files
 from tunegrid.runtime.devices import cell_devices
@@ -83,10 +84,10 @@ def _supervise(
     tail: MetricsTail,
     procs: list[subprocess.Popen[bytes]] | None = None,
     visible_devices: str | None = None,
-) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int]]:
+) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int], EarlyVerdict | None]:
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
-    Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped)."""
+    Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped, a hang named early)."""
     spec, run_dir = contract.spec, contract.job.run
     grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
@@ -110,6 +111,9 @@ def _supervise(
     verdict: tuple[str, str] | None = None
     first_exit: float | None = None
     liveness = Liveness(contract.plan.liveness, spec["train"]["steps"])
+    settings = spec["distributed"]
+    predicted = contract.plan.liveness.predicted_step_s
+    watch = HangWatch(run_dir, len(procs), settings, predicted) if len(procs) > 1 else None
     try:
         while any(proc.poll() is None for proc in procs):
             wait_any(procs, POLL_S)
@@ -129,12 +133,19 @@ def _supervise(
                 verdict = (Outcome.TIMEOUT, f"no progress for {liveness.heartbeat_s:.0f} s (heartbeat)")
             elif first_exit is not None and now - first_exit > grace:
                 break  # one rank ended (crashed or gave up); the rest are stopped below
+            named = watch.check([proc.poll() for proc in procs], now) if watch is not None else None
+            if named is not None:  # a hang, named before the collective timeout: said, tagged, and maybe ended
+                said = named.reason(settings["collective_timeout_s"])
+                print(said, flush=True)
+                tracker.tag({"collective.early": said[:4000], "collective.early_kind": named.kind})
+                if settings["end_on_hang"]:
+                    verdict = (Outcome.TIMEOUT, said)
             if verdict:
                 break
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
         stop_all()
-    return [proc.returncode for proc in procs], verdict, pending, stopped
+    return [proc.returncode for proc in procs], verdict, pending, stopped, watch.verdict if watch else None
 
 
 def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
@@ -192,8 +203,9 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
             returncodes: list[int | None] = [None]
             pending: list[dict[str, Any]] = []
             stopped: list[int] = []
+            named: EarlyVerdict | None = None
             if feasible:
-                returncodes, verdict, pending, stopped = _supervise(
+                returncodes, verdict, pending, stopped, named = _supervise(
                     contract, contract_path, tracker, tail, early, visible
                 )
                 early = None
@@ -202,7 +214,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
                 from tunegrid.run.rank_diagnosis import diagnose_ranks
 
-                ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped)
+                ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped, named)
                 # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
                 ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
                 result.update(ranks)

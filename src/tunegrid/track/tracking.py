@@ -80,6 +80,9 @@ class NullRun:
     def log_dataset(self, dataset: dict[str, Any]) -> None:
         return None
 
+    def tag(self, tags: dict[str, str]) -> bool:
+        return True
+
     def finish(self, *args: Any, **kwargs: Any) -> None:
         return None
 
@@ -181,6 +184,9 @@ class CellRun:
             self._try(lambda o=old: self.client.delete_run(o.info.run_id), "delete superseded run")
         self._log("param", params, "log params")
         self._log("tag", {"tunegrid.status": "running"}, "tag")
+
+    def tag(self, tags: dict[str, str]) -> bool:  # while the cell runs (a hang named before its timeout)
+        return self.run_id is not None and self._log("tag", tags, "tag")
 
     def log_records(self, records: list[dict[str, Any]]) -> bool:
         if self.run_id is None or not records:
