@@ -9,8 +9,10 @@ from pathlib import Path
 
 from tunegrid.runtime.files import read_json, write_json
 from tunegrid.study.paths import StudyPaths
+from tunegrid.targets import TARGETS
 
 MODES = ("all", "first")
+TARGET_NAMES = ("native", *TARGETS)  # the schema's hardware.target
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +22,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--first", action="store_true", help="stop at the first fix that holds parity")
     p.add_argument("--steps", type=int, default=0, help="steps per cell: the budget to meet the failure")
     p.add_argument("--cores", type=int, default=2, help="snakemake --cores")
-    p.add_argument("--snakemake", default="", help="more snakemake arguments, e.g. '--profile profiles/slurm'")
+    p.add_argument("--snakemake", default="", help="more snakemake arguments, e.g. '--profile slurm'")
+    p.add_argument(
+        "--target",
+        default="",
+        choices=["", *TARGET_NAMES],
+        help="the card the fix is for (hardware.target; a recipe names none): its memory, its precisions, and the "
+        "fixes ranked by the cost modelled from its data sheet",
+    )
     p.add_argument("--from", dest="tool", default="auto", choices=["auto", "axolotl", "trl", "transformers"])
     p.add_argument("--ignore", nargs="*", default=[], help="(recipe) keys tunegrid cannot honour, to drop")
     p.add_argument("--model", default="", help="(recipe) when it names none: a folder or <hub id>@<revision>")
