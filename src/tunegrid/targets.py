@@ -166,6 +166,18 @@ def modelled_step(target: Target, work: StepWork) -> ModelledStep | None:
     return ModelledStep(target=target.name, seconds=compute + memory, compute_s=compute, memory_s=memory)
 
 
+def modelled_step_s(
+    target: str | None, precision: str, step_flops: float | None, components: dict[str, int] | None, widened: int = 0
+) -> float | None:
+    """A cell's step time on its named target, from its plan (None on the machine itself, or without the plan's
+    FLOPs and estimate): what the summary records and the doctor orders its candidates by."""
+    card = TARGETS.get(str(target))
+    if card is None or not step_flops or not components:
+        return None
+    modelled = modelled_step(card, StepWork.of(precision, float(step_flops), components, widened))
+    return modelled.seconds if modelled else None
+
+
 def _dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "float32" else 2
 

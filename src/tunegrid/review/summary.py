@@ -11,7 +11,7 @@ from tunegrid.outcome import CellResult, module_name, origin_label
 from tunegrid.review.quality import default_review, loss_curve, quality_columns
 from tunegrid.runtime.files import read_json, read_jsonl
 from tunegrid.study.grid_axes import SETTING_AXES
-from tunegrid.targets import TARGETS, StepWork, modelled_step
+from tunegrid.targets import modelled_step_s as target_step_s
 from tunegrid.vocabulary import axis_names, with_neutrals
 
 
@@ -161,17 +161,13 @@ def typed(frame: Any) -> Any:
 
 def modelled_step_s(result: CellResult, precision: str) -> float | None:
     """The cell's step time on its named target as the data sheet models it (tunegrid.targets.modelled_step), from
-    the FLOPs and the memory estimate its plan recorded; None on the machine itself (its cells are measured), or
-    where the plan holds neither."""
+    the FLOPs and the memory estimate its plan recorded and the bytes its fp32 islands grew by; None on the machine
+    itself (its cells are measured), or where the plan holds neither."""
     plan = result.cell.get("plan") or {}
-    target = TARGETS.get(str(plan.get("target")))
     flops = (plan.get("liveness") or {}).get("step_flops")
     components = (plan.get("estimate") or {}).get("components")
-    if target is None or not flops or not components:
-        return None
     widened = int((result.fp32_islands or {}).get("weights_widened_bytes") or 0)
-    modelled = modelled_step(target, StepWork.of(precision, float(flops), components, widened))
-    return modelled.seconds if modelled else None
+    return target_step_s(plan.get("target"), precision, flops, components, widened)
 
 
 def stack_packages(env: dict[str, Any]) -> str | None:
