@@ -120,14 +120,14 @@ class StepWork:
         """A cell's work from its plan: `components` are its memory estimate's (weights in the dtype they are
         stored in), `widened_bytes` what its fp32 islands' weights grew by (result.json's fp32_islands).
 
-        Bytes moved: the weights read in the forward and the backward pass (stored wider than they compute, as
-        fp16-mixed's fp32 master weights, each use also writes and reads the cast copy); the activations and the
-        logits written in the forward and read in the backward; the adapters' parameters and gradients and the
-        optimizer state read and written once."""
+        Bytes moved: the weights read in the forward and the backward pass; stored wider than they compute (as
+        fp16-mixed's fp32 master weights), the forward reads them once, writes the cast copy and reads it, and the
+        backward reads the copy autograd kept; the activations and the logits written in the forward and read in
+        the backward; the adapters' parameters and gradients and the optimizer state read and written once."""
         row = precision_plan(precision)
         weights = float(components.get("weights", 0)) + widened_bytes
         cast = weights * _dtype_bytes(row.dtype) / _dtype_bytes(row.storage_dtype) if row.storage else 0.0
-        moved = 2 * (weights + 2 * cast)
+        moved = weights + 3 * cast if row.storage else 2 * weights
         moved += 2 * sum(float(components.get(k, 0)) for k in ("activations", "logits", "lora_params_grads"))
         moved += 2 * float(components.get("optimizer_state", 0))
         # an island's weights grew from 2 to 4 bytes a value: its parameters' share of the weights stored

@@ -64,8 +64,8 @@ class Candidate:
         if self.modelled_ratio is None or self.modelled_step_s is None:
             return f"not modelled on {target}"
         return (
-            f"on {target} modelled {self.modelled_ratio:.2f}x the tokens/s of {failing} (the failing setting) "
-            f"({self.modelled_step_s * 1e3:.3g} ms/step: its FLOPs at the data sheet's peak rates, its bytes at its "
+            f"on {target} modelled {self.modelled_ratio:.2f}x the tokens/s of {failing}, the failing setting, at "
+            f"{self.modelled_step_s * 1e3:.3g} ms/step (its FLOPs at the data sheet's peak rates, its bytes at its "
             "memory bandwidth)"
         )
 
