@@ -1,13 +1,15 @@
 """Named hardware targets: run a grid 'as if on a T4' on whatever machine is at hand.
 
-A target sets the memory budget and the native-precision facts (from the vendors' data sheets:
-bf16 and tf32 tensor cores arrive with compute capability 8.0). `native` means the machine itself,
-as the probe recorded it. Light module: no torch (the `cell_plan` rule decides feasibility before training).
+A target sets the memory budget, the native-precision facts (from the vendors' data sheets: bf16 and tf32
+tensor cores arrive with compute capability 8.0) and the data sheet's peak rates and memory bandwidth, from
+which `modelled_step` ranks settings on the target: a step's matmul FLOPs at the peak rate of the arithmetic
+each runs in, plus the bytes it moves at the memory bandwidth. `native` means the machine itself, as the probe
+recorded it. Light module: no torch (the `cell_plan` rule decides feasibility before training).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tunegrid.plans import precision_plan
@@ -23,6 +25,10 @@ class Target:
     memory_bytes: int | None
     compute_capability: str | None
     precision: dict[str, str]  # fp32/bf16/fp16/tf32 -> native | emulated | absent
+    # the data sheet's dense peak TFLOP/s per arithmetic (no sparsity), and its memory bandwidth; empty / None for
+    # the machine itself (its own cells are measured)
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    bandwidth_gbs: float | None = None
 
 
 # What one process can allocate, not the size on the box: the device's total capacity as CUDA reports it
@@ -47,21 +53,35 @@ def cuda_precision_support(capability: tuple[int, int]) -> dict[str, str]:
     }
 
 
-def _cuda(name: str, capacity_bytes: int, cc: str) -> Target:
+def _cuda(name: str, capacity_bytes: int, cc: str, peak_tflops: dict[str, float], bandwidth_gbs: float) -> Target:
     major, minor = (int(part) for part in cc.split("."))
     return Target(
         name=name,
         memory_bytes=capacity_bytes - CUDA_CONTEXT_BYTES,
         compute_capability=cc,
         precision=cuda_precision_support((major, minor)),
+        peak_tflops=peak_tflops,
+        bandwidth_gbs=bandwidth_gbs,
     )
 
 
+# Peak rates and bandwidths from NVIDIA's data sheets, dense (the sheets' tensor-core figures "with sparsity"
+# halved): the T4 Tensor Core GPU data sheet (fp32 8.1, mixed-precision fp16 65 TFLOP/s, GDDR6 320 GB/s; no bf16
+# unit: bf16 is emulated), the L4 data sheet (fp32 30.3, tf32 120 and fp16/bf16 242 with sparsity, 300 GB/s),
+# the A100 40GB data sheet (fp32 19.5, tf32 156, fp16/bf16 312, HBM2 1,555 GB/s) and the H100 SXM data sheet
+# (fp32 67, tf32 989 and fp16/bf16 1,979 with sparsity, HBM3 3.35 TB/s). fp32 cells run at the fp32 rate:
+# PyTorch keeps tf32 off for matmuls unless asked, and tunegrid does not ask.
 TARGETS: dict[str, Target] = {
-    "t4": _cuda("t4", int(14.74 * GIB), "7.5"),  # sold as 16 GB
-    "l4": _cuda("l4", int(22.16 * GIB), "8.9"),  # sold as 24 GB
-    "a100-40g": _cuda("a100-40g", int(39.39 * GIB), "8.0"),
-    "h100-80g": _cuda("h100-80g", 85_017_493_504, "9.0"),  # 79.18 GiB, measured by the probe
+    "t4": _cuda("t4", int(14.74 * GIB), "7.5", {"fp32": 8.1, "fp16": 65.0}, 320.0),  # sold as 16 GB
+    "l4": _cuda(
+        "l4", int(22.16 * GIB), "8.9", {"fp32": 30.3, "tf32": 60.0, "fp16": 121.0, "bf16": 121.0}, 300.0
+    ),  # sold as 24 GB
+    "a100-40g": _cuda(
+        "a100-40g", int(39.39 * GIB), "8.0", {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, 1555.0
+    ),
+    "h100-80g": _cuda(  # 79.18 GiB, measured by the probe
+        "h100-80g", 85_017_493_504, "9.0", {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}, 3350.0
+    ),
 }
 
 
@@ -79,13 +99,87 @@ def resolve_target(hardware: dict[str, Any], capabilities: dict[str, Any]) -> Ta
     else:
         target = TARGETS[hardware["target"]]
     if hardware["memory_budget_gb"]:
-        target = Target(
-            name=target.name,
-            memory_bytes=int(hardware["memory_budget_gb"] * GIB),
-            compute_capability=target.compute_capability,
-            precision=target.precision,
-        )
+        target = replace(target, memory_bytes=int(hardware["memory_budget_gb"] * GIB))
     return target
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepWork:
+    """What one optimizer step of a cell asks of the hardware, from its plan: its matmul FLOPs (the liveness
+    limits' step_flops), the share of them run in fp32 islands, the arithmetic the rest runs in, and the bytes it
+    moves through memory."""
+
+    precision: str
+    arithmetic: str
+    flops: float
+    fp32_share: float  # of the FLOPs, in fp32 islands (approximated by the islands' share of the weights)
+    bytes_moved: float
+
+    @classmethod
+    def of(cls, precision: str, step_flops: float, components: dict[str, int], widened_bytes: int = 0) -> StepWork:
+        """A cell's work from its plan: `components` are its memory estimate's (weights in the dtype they are
+        stored in), `widened_bytes` what its fp32 islands' weights grew by (result.json's fp32_islands).
+
+        Bytes moved: the weights read in the forward and the backward pass; stored wider than they compute (as
+        fp16-mixed's fp32 master weights), the forward reads them once, writes the cast copy and reads it, and the
+        backward reads the copy autograd kept; the activations and the logits written in the forward and read in
+        the backward; the adapters' parameters and gradients and the optimizer state read and written once."""
+        row = precision_plan(precision)
+        weights = float(components.get("weights", 0)) + widened_bytes
+        cast = weights * _dtype_bytes(row.dtype) / _dtype_bytes(row.storage_dtype) if row.storage else 0.0
+        moved = weights + 3 * cast if row.storage else 2 * weights
+        moved += 2 * sum(float(components.get(k, 0)) for k in ("activations", "logits", "lora_params_grads"))
+        moved += 2 * float(components.get("optimizer_state", 0))
+        # an island's weights grew from 2 to 4 bytes a value: its parameters' share of the weights stored
+        share = min(1.0, widened_bytes / weights) if widened_bytes and weights else 0.0
+        return cls(
+            precision=precision, arithmetic=str(row.arithmetic), flops=step_flops, fp32_share=share, bytes_moved=moved
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelledStep:
+    target: str
+    seconds: float
+    compute_s: float
+    memory_s: float
+
+    def text(self) -> str:
+        return (
+            f"{self.seconds * 1e3:.3g} ms/step modelled on {self.target} (compute {self.compute_s * 1e3:.3g} ms "
+            f"+ memory {self.memory_s * 1e3:.3g} ms)"
+        )
+
+
+def modelled_step(target: Target, work: StepWork) -> ModelledStep | None:
+    """A step's time on `target` from its data sheet: each FLOP at the peak rate of its arithmetic (the fp32 islands'
+    share at the fp32 rate) plus the bytes moved at the memory bandwidth, added (no overlap: conservative). None
+    where the target has no data sheet (the machine itself) or does not run the arithmetic natively (an emulated
+    one has no data-sheet rate). It ranks settings on the target by compute and memory traffic; on a small model a
+    real step is dominated by kernel launches and Python, so it is no wall-clock prediction there."""
+    fast = target.peak_tflops.get(work.arithmetic)
+    fp32 = target.peak_tflops.get("fp32")
+    if not fast or not fp32 or not target.bandwidth_gbs or target.precision.get(work.arithmetic) != "native":
+        return None
+    compute = work.flops * (1 - work.fp32_share) / (fast * 1e12) + work.flops * work.fp32_share / (fp32 * 1e12)
+    memory = work.bytes_moved / (target.bandwidth_gbs * 1e9)
+    return ModelledStep(target=target.name, seconds=compute + memory, compute_s=compute, memory_s=memory)
+
+
+def modelled_step_s(
+    target: str | None, precision: str, step_flops: float | None, components: dict[str, int] | None, widened: int = 0
+) -> float | None:
+    """A cell's step time on its named target, from its plan (None on the machine itself, or without the plan's
+    FLOPs and estimate): what the summary records and the doctor orders its candidates by."""
+    card = TARGETS.get(str(target))
+    if card is None or not step_flops or not components:
+        return None
+    modelled = modelled_step(card, StepWork.of(precision, float(step_flops), components, widened))
+    return modelled.seconds if modelled else None
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
 
 
 def feasibility(

@@ -100,6 +100,24 @@ def test_a_nonfinite_failure_gets_the_precisions_of_the_table_the_target_runs():
     assert any(s.startswith("precision bf16") for s in choice.skipped)
 
 
+def test_on_a_named_target_the_precisions_are_tried_cheapest_first_on_it():
+    """On a T4 the twins' plans order the candidates by their modelled step time; on the machine itself none are
+    read, and the plans' order stands."""
+    from tunegrid.review.doctor_choice import precision_choice_cells
+
+    assert precision_choice_cells(_precision_study(), baseline_cell(_precision_study())) == []
+    l4 = _precision_study("l4")
+    baseline = baseline_cell(l4)
+    twins = precision_choice_cells(l4, baseline)
+    assert sorted(twins) == sorted(f"gemma3-hot_{p}_bs2_none_s0" for p in ("fp16-islands", "bf16", "fp32"))
+    steps = {"fp16-islands": 0.004, "bf16": 0.003, "fp32": 0.002}  # fp32 the cheapest here, for the test's sake
+    plans = {f"gemma3-hot_{p}_bs2_none_s0": {"modelled_step_s": s} for p, s in steps.items()}
+    native = {"precision": {"fp32": "native", "bf16": "native", "fp16": "native", "tf32": "native"}}
+    choice = choose(l4, baseline, {**_nan(), "target": "l4"}, native, plans)
+    assert [c.change["precision"] for c in choice.candidates] == ["fp32", "bf16", "fp16-islands"]
+    assert choice.candidates[0].why.endswith("; 2 ms/step modelled on l4")
+
+
 def _memory_study():
     grid = {
         "model": ["gemma3-hot"],

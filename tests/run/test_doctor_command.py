@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO, workflow_env
 
 from tunegrid.plans import PRECISION_PLANS
@@ -36,7 +37,7 @@ def workdir(tmp_path: Path, monkeypatch) -> Path:
 
 def _args(source: str, **options) -> argparse.Namespace:
     defaults = {"tool": "auto", "ignore": [], "model": "", "dataset": "", "study_out": "", "cell": ""}
-    defaults.update(first=False, steps=0, cores=2, snakemake="")
+    defaults.update(first=False, steps=0, cores=2, snakemake="", target="")
     return argparse.Namespace(source=source, **{**defaults, **options})
 
 
@@ -68,3 +69,25 @@ def test_a_recipe_becomes_a_study_around_its_own_cell_with_every_precision(workd
 def test_a_cell_the_study_lacks_is_refused_naming_it(workdir):
     with pytest.raises(ConfigError, match="--cell: 'local-gemma_fp64_bs8_none_s3' is not a cell"):
         run_doctor(_args(RECIPE.name, cell="local-gemma_fp64_bs8_none_s3"))
+
+
+def test_the_users_card_is_the_target_of_a_recipe_which_names_none(workdir):
+    """`--target t4`: the doctor's study of a recipe targets the card, and a study's own target is overridden."""
+    study, written = study_of(_args(RECIPE.name, target="t4"))
+    assert study["hardware"]["target"] == "t4"
+    assert yaml.safe_load(written.read_text())["hardware"]["target"] == "t4"
+    assert study_of(_args(RECIPE.name))[0]["hardware"]["target"] == "native"  # without it, the machine itself
+
+    args = _args(str(written), target="l4")
+    over, same = study_of(args)
+    assert same == written and over["hardware"]["target"] == "l4"
+    line = command(args, written, target(over, "local-gemma_fp16_bs8_none_s3", first=False))
+    assert line[-3:] == ["--config", f"study={written}", "hardware={target: l4}"]
+
+
+def test_import_writes_the_users_card_as_the_studys_target(workdir, capsys):
+    from tunegrid.cli.main import main
+
+    main(["import", RECIPE.name, "--target", "t4", "--out", "configs/imported.yaml"])
+    assert yaml.safe_load(Path("configs/imported.yaml").read_text())["hardware"]["target"] == "t4"
+    assert "written to configs/imported.yaml" in capsys.readouterr().out

@@ -229,6 +229,11 @@ HOW.update(
         ),  # noqa: E501
         "tunegrid doctor my-recipe.yaml --first": ("elsewhere", DOCTOR_TESTS),
         "tunegrid doctor my-recipe.yaml --steps 200": ("elsewhere", DOCTOR_TESTS),
+        "tunegrid doctor my-recipe.yaml --target t4": (
+            "elsewhere",
+            "tests/run/test_doctor_command.py: the recipe's study targets the card",
+        ),
+        "tunegrid import --target": ("name", "the option named in prose; tests/run/test_doctor_command.py runs it"),
         'tunegrid doctor my-study.yaml --snakemake "--profile slurm"': (
             "cannot",
             "needs a SLURM cluster (the profile runs in tests/workflow/test_slurm.py)",

@@ -19,7 +19,7 @@ from tunegrid.prepare.cell_plan import mem_mb_for_job, trains
 from tunegrid.prepare.cluster import ACCOUNTING_DISABLED, accounting_disabled
 from tunegrid.recipes.recipe_study import expand_base
 from tunegrid.study.config import baseline_cell as doctor_baseline
-from tunegrid.review.doctor_choice import doctor_cells, memory_choice_cells
+from tunegrid.review.doctor_choice import doctor_cells, memory_choice_cells, precision_choice_cells
 from tunegrid.review.doctor_choice import tries as doctor_tries
 from tunegrid.study.input import STUDY_FILE_ENV, study_config, study_file_named
 from tunegrid.track.execution import COMMAND_ENV, EXECUTION_ENV, new_execution_id
@@ -240,12 +240,15 @@ def get_doctor_repeat(wildcards):
 
 
 def get_doctor_contracts(wildcards):
-    """The contracts whose plans the out-of-memory choice reads (estimate, verdict), for an out-of-memory baseline
-    only."""
-    if _doctor_reproduced(wildcards)["outcome"] not in ("oom", "predicted_oom"):
-        return []
+    """The contracts whose plans the choice reads: an out-of-memory baseline's memory settings (estimate,
+    verdict), a non-finite one's precision twins on a named target (the step time modelled on it)."""
+    outcome = _doctor_reproduced(wildcards)["outcome"]
     baseline = doctor_baseline(STUDY, wildcards.cell_id)
-    return [str(PATHS.cell_plan(cell)) for cell in memory_choice_cells(STUDY, baseline)]
+    if outcome in ("oom", "predicted_oom"):
+        return [str(PATHS.cell_plan(cell)) for cell in memory_choice_cells(STUDY, baseline)]
+    if outcome == "nan":
+        return [str(PATHS.cell_plan(cell)) for cell in precision_choice_cells(STUDY, baseline)]
+    return []
 
 
 def _doctor_tries(wildcards):

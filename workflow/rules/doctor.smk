@@ -35,7 +35,7 @@ checkpoint doctor_diagnose:
         baseline=str(PATHS.result("{cell_id}")),
         reproduce=rules.doctor_reproduce.output.reproduce,
         repeat=get_doctor_repeat,
-        contracts=get_doctor_contracts,  # the contracts of the cells an out-of-memory choice compares
+        contracts=get_doctor_contracts,  # the contracts of the cells the choice compares
         study=rules.study_config.output.study,
         capabilities=rules.probe.output.capabilities,
     output:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from tunegrid.runtime.files import read_json, write_json
 from tunegrid.study.paths import StudyPaths
+from tunegrid.targets import TARGETS
 
 MODES = ("all", "first")
+TARGET_NAMES = ("native", *TARGETS)  # the schema's hardware.target
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -24,6 +27,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--snakemake",
         default="",
         help="more snakemake arguments, e.g. '--profile slurm' (the profile in this repository's slurm/)",
+    )
+    p.add_argument(
+        "--target",
+        default="",
+        choices=["", *TARGET_NAMES],
+        help="the card the fix is for (hardware.target; a recipe names none): its memory, its precisions, and the "
+        "fixes ranked by the cost modelled from its data sheet",
     )
     p.add_argument("--from", dest="tool", default="auto", choices=["auto", "axolotl", "trl", "transformers"])
     p.add_argument("--ignore", nargs="*", default=[], help="(recipe) keys tunegrid cannot honour, to drop")
@@ -43,7 +53,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", default="", help="its same-seed re-run's result.json")
     p.add_argument("--capabilities", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("plans", nargs="*", help="the cells' contracts (their plans) an out-of-memory choice reads")
+    p.add_argument(
+        "plans",
+        nargs="*",
+        help="the cells' contracts (their plans) an out-of-memory choice, or one on a named target, reads",
+    )
     p.set_defaults(func=doctor_diagnose)
 
     p = sub.add_parser("doctor-try", help="(doctor rule) does a fix of the baseline hold among the cells so far")
@@ -103,7 +117,7 @@ def doctor_diagnose(args: argparse.Namespace) -> None:
     reproduced["repeat_cell"] = result_row(args.repeat)["cell_id"] if args.repeat else ""
     if reproduced["verdict"] == DETERMINISTIC:
         contracts = [CellContract.read(p) for p in args.plans]
-        plans = {contract.cell_id: contract.plan.row() for contract in contracts}
+        plans = {contract.cell_id: _plan_row(contract) for contract in contracts}
         baseline = Cell(**parse_cell_id(base["cell_id"]))
         choice = choose(study, baseline, base, read_json(args.capabilities), plans)
     else:
@@ -112,6 +126,16 @@ def doctor_diagnose(args: argparse.Namespace) -> None:
     print(f"{base['cell_id']}: {reproduced['verdict']}; candidates {[c.cell_id for c in choice.candidates]}")
     for skipped in choice.skipped:
         print(f"  skipped {skipped}")
+
+
+def _plan_row(contract: Any) -> dict[str, Any]:
+    """A contract's plan.csv row with its step time modelled on its named target (None on the machine itself)."""
+    from tunegrid.targets import modelled_step_s
+
+    plan = contract.plan
+    precision = str(contract.spec["axes"]["precision"])
+    step = modelled_step_s(plan.target, precision, plan.liveness.step_flops, plan.estimate().components)
+    return {**plan.row(), "modelled_step_s": step}
 
 
 def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:

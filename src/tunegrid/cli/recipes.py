@@ -8,6 +8,7 @@ from pathlib import Path
 
 import yaml
 
+from tunegrid.cli.doctor import TARGET_NAMES
 from tunegrid.runtime.files import read_json
 from tunegrid.study.errors import ConfigError
 
@@ -27,6 +28,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, default=0, help="sequence length when the recipe holds none")
     p.add_argument("--study", default="", help="the study's name (default: the recipe file's)")
     p.add_argument("--out", default="", help="the study file to write (default configs/<study>.yaml)")
+    p.add_argument(
+        "--target",
+        default="",
+        choices=["", *TARGET_NAMES],
+        help="the card the recipe is for (hardware.target; a recipe names none)",
+    )
     p.set_defaults(func=import_recipe)
 
     p = sub.add_parser("export", help="a cell of an imported study as a config of the recipe's own tool")
@@ -48,6 +55,8 @@ def import_recipe(args: argparse.Namespace) -> None:
     base.update({k: v for k, v in (("steps", args.steps), ("seq_len", args.seq_len)) if v})
     study, recipe, header = build(base, args.study or None)
     study["base"]["from"] = recipe.tool  # the tool it was read as, so a re-read never guesses differently
+    if args.target:  # the user's card: a recipe names none
+        study["hardware"] = {**(study.get("hardware") or {}), "target": args.target}
     cells = expand_cells(resolve_study(study))  # the schema and every cross-check, before anything is written
     out = Path(args.out or f"configs/{study['study']}.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)

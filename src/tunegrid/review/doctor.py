@@ -105,7 +105,21 @@ def _export(study: dict[str, Any], fix_cell: str, out_dir: Path) -> str:
 def _cost(row: dict[str, Any], spent: float, cells: int) -> str:
     peak = human_bytes(row["peak_bytes"]) if row.get("peak_bytes") else "not measured"
     speed = f"{row['tokens_per_s']:.0f} tokens/s" if row.get("tokens_per_s") else "tokens/s not measured"
-    return f"peak {peak}, {speed}; the doctor spent {spent:.2f} cell-minutes on {cells} cells"
+    modelled = (
+        f"; {row['modelled_step_s'] * 1e3:.3g} ms/step modelled on {row.get('target')}"
+        if row.get("modelled_step_s")
+        else ""
+    )
+    here = " on this machine" if modelled else ""
+    return f"peak {peak}, {speed}{here}{modelled}; the doctor spent {spent:.2f} cell-minutes on {cells} cells"
+
+
+def _ranking(text: str) -> str | None:
+    """A recommendation's sentence on how its fixes were ranked (by the target's modelled cost, or measured)."""
+    if " Ranked by " not in text:
+        return None
+    sentence = "Ranked by " + text.split(" Ranked by ", 1)[1]
+    return sentence.split(").", 1)[0] + ")."
 
 
 def conclude(
@@ -178,8 +192,10 @@ def conclude(
             record["answer"] = "fixed"
             fix_row = result_row(paths.result(fix["cell_id"]))
             change = ", ".join(f"{k}={v}" for k, v in fix["change"].items())
+            ranked = _ranking(fix["recommendation"])
             lines += [
                 f"fix:      {change} — {fix['why']}",
+                *([f"ranked:   {ranked}"] if ranked else []),
                 f"cost:     {_cost(fix_row, spent, len(ran))}",
                 f"evidence: {', '.join(fix['evidence'])}",
                 f"recipe:   {_export(study, fix['cell_id'], out_dir)}",

@@ -1,11 +1,13 @@
 """The doctor's decisions between its waves, each from files: was the failure reproduced, and is it
 deterministic (the same step and origin in a same-seed re-run) or transient; then which cells the second wave
 holds, chosen from the diagnosis through the tables (never by name): a non-finite failure gets the precisions
-of tunegrid.plans.PRECISION_PLANS in their `nan_fix_rank` order that the target can run natively (or that keep
-the failing arithmetic, as fp16's own fixes do); an out-of-memory one the memory settings the grid lists,
-ordered by the estimate's predicted saving, less those the estimate says will still not fit; a collective
-timeout its class's fixes (tunegrid.review.timeout_advice). Each candidate comes with the reference twin its
-loss parity is judged against (review.reference), where that is another cell.
+of tunegrid.plans.PRECISION_PLANS that the target can run natively (or that keep the failing arithmetic, as
+fp16's own fixes do), in their `nan_fix_rank` order, or on a named target that is not the machine cheapest
+first by the step time modelled on it from each twin's plan (tunegrid.targets.modelled_step); an out-of-memory
+one the memory settings the grid lists, ordered by the estimate's predicted saving, less those the estimate
+says will still not fit; a collective timeout its class's fixes (tunegrid.review.timeout_advice). Each
+candidate comes with the reference twin its loss parity is judged against (review.reference), where that is
+another cell.
 
 Light module: no torch (the doctor's rules run it between cells).
 """
@@ -126,11 +128,17 @@ def _reference(study: dict[str, Any], cells: dict[str, Any], cell: Any, baseline
 
 
 def _precision_candidates(
-    study: dict[str, Any], cells: dict[str, Any], baseline: Any, row: dict[str, Any], capabilities: dict[str, Any]
+    study: dict[str, Any],
+    cells: dict[str, Any],
+    baseline: Any,
+    row: dict[str, Any],
+    capabilities: dict[str, Any],
+    plans: dict[str, dict[str, Any]],
 ) -> Choice:
     failing = precision_plan(baseline.precision)
     target = row.get("target") or study["hardware"]["target"]
     choice = Choice("nan")
+    modelled = {cell: plan.get("modelled_step_s") for cell, plan in plans.items() if plan.get("modelled_step_s")}
     for precision in sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank):
         plan = PRECISION_PLANS[precision]
         if precision == baseline.precision or (plan.fp32_islands and plan.arithmetic != failing.arithmetic):
@@ -143,11 +151,14 @@ def _precision_candidates(
         if twin is None:
             choice.skipped.append(f"precision {precision}: not in the study's grid.precision")
             continue
+        step = modelled.get(twin.cell_id)
+        why = f"{plan.reason}; {step * 1e3:.3g} ms/step modelled on {target}" if step else plan.reason
         choice.candidates.append(
-            Candidate(
-                {"precision": str(precision)}, twin.cell_id, _reference(study, cells, twin, baseline), plan.reason
-            )
+            Candidate({"precision": str(precision)}, twin.cell_id, _reference(study, cells, twin, baseline), why)
         )
+    # stable: the plans' order among equals, and after those modelled (fp32 islands count as fp16 here: which
+    # modules become islands is measured when the cell starts)
+    choice.candidates.sort(key=lambda c: modelled.get(c.cell_id) or float("inf"))
     return choice
 
 
@@ -226,6 +237,14 @@ def _only_differs(cell: Any, baseline: Any, axis: str) -> bool:
     return a[axis] != b[axis] and all(a[k] == b[k] for k in a if k != axis)
 
 
+def precision_choice_cells(study: dict[str, Any], baseline: Any) -> list[str]:
+    """The baseline's precision twins, whose contracts' plans (FLOPs, estimate) order a non-finite choice on a named
+    target; none on the machine itself, whose choice keeps the plans' order."""
+    if study["hardware"]["target"] == "native":
+        return []
+    return [c.cell_id for c in cells_by_id(study).values() if _only_differs(c, baseline, "precision")]
+
+
 def memory_choice_cells(study: dict[str, Any], baseline: Any) -> list[str]:
     """The cells whose contracts' plans (estimate, verdict) the out-of-memory choice reads."""
     base = baseline.axes()
@@ -247,7 +266,7 @@ def choose(
     cells = cells_by_id(study)
     outcome = row["outcome"]
     if outcome == Outcome.NAN:
-        return _precision_candidates(study, cells, baseline, row, capabilities)
+        return _precision_candidates(study, cells, baseline, row, capabilities, plans or {})
     if outcome in (Outcome.OOM, Outcome.PREDICTED_OOM):
         return _memory_candidates(study, cells, baseline, plans or {})
     if outcome == Outcome.TIMEOUT:

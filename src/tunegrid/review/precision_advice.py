@@ -7,8 +7,12 @@ arithmetic is native on both the study's target and the probed device (so a T4 t
 except one that keeps the arithmetic the failing setting already runs (fp16-islands for fp16). Each fix
 carries its cost measured in the same grid: the median over failing/fixed pairs of the tokens/s and
 peak-memory ratios (against the failing cell where it ran a timed step; one that failed in its first step has
-no throughput, so then against its fp32 twin, and the text says so). Fixes are ranked by throughput: the
-fastest that holds first, the plans' nan_fix_rank among equals.
+no throughput, so then against its fp32 twin, and the text says so). Where the study's target is a named card
+and not the machine, each fix also carries its cost on that card as modelled from its data sheet (the summary's
+modelled_step_s, tunegrid.targets.modelled_step: the median over pairs of the failing cell's modelled step time
+over the fix's), and the fixes are ranked by it, the host's measured cost shown beside: the machine's own speeds
+say nothing of a card whose fp16 tensor cores run at eight times its fp32 rate. On the machine itself they are
+ranked by throughput: the fastest that holds first, the plans' nan_fix_rank among equals.
 """
 
 from __future__ import annotations
@@ -51,6 +55,19 @@ class Candidate:
     islands: list[str]
     against: str  # the precision its cost is measured against (the failing one where it ran a timed step)
     is_baseline: bool = False  # it is what the others' cost is measured against: no cost of its own to state
+    # on the study's named target: the failing cell's modelled step time over the fix's (its modelled tokens/s
+    # ratio against the failing setting), and the fix's own modelled step time
+    modelled_ratio: float | None = None
+    modelled_step_s: float | None = None
+
+    def modelled_text(self, target: str, failing: str) -> str:
+        if self.modelled_ratio is None or self.modelled_step_s is None:
+            return f"not modelled on {target}"
+        return (
+            f"on {target} modelled {self.modelled_ratio:.2f}x the tokens/s of {failing}, the failing setting, at "
+            f"{self.modelled_step_s * 1e3:.3g} ms/step (its FLOPs at the data sheet's peak rates, its bytes at its "
+            "memory bandwidth)"
+        )
 
     def cost_text(self) -> str:
         if self.is_baseline:
@@ -98,6 +115,7 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
         if precision == failing or variant_elsewhere:
             continue
         evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
+        modelled, steps = [], []  # the modelled tokens/s ratios against the failing cell, the fix's modelled steps
         baseline_pairs = 0  # failing cells whose cost baseline is this very precision (fp32 against fp32)
         for row in rows:
             twins = ok_cells(siblings(frame, row, "precision"))
@@ -107,6 +125,11 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
                     unproven.append(f"{twin['cell_id']} ({twin.get('quality')})")
                     continue
                 evidence.append(twin["cell_id"])
+                mine, theirs = _measured(twin, "modelled_step_s"), _measured(row, "modelled_step_s")
+                if mine is not None:
+                    steps.append(mine)
+                    if theirs is not None:
+                        modelled.append(theirs / mine)
                 if base is not None and base[1] == precision:
                     baseline_pairs += 1  # a fix is never costed against itself ("1.00x of fp32")
                 elif base is not None:
@@ -132,6 +155,8 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
                     sorted(islands),
                     " and ".join(sorted(against)) or failing,
                     is_baseline=bool(baseline_pairs) and not against,
+                    modelled_ratio=_ratio(modelled),
+                    modelled_step_s=_ratio(steps),
                 )
             )
     return out
@@ -178,25 +203,50 @@ def precision_fixes(
             )
             continue
         offered.append(candidate)
+    # on a named target that is not the machine, its modelled cost ranks them where it is known
+    on_target = bool(target and target in TARGETS and target != "native")
+    by_model = on_target and any(c.modelled_ratio is not None for c in offered)
     # the baseline ranks as what it is, 1.00x of itself
     offered.sort(key=lambda c: -(1.0 if c.is_baseline else c.tokens_ratio if c.tokens_ratio is not None else -1.0))
+    if by_model:  # stable: measured throughput, then the plans' order, among equals on the target
+        offered.sort(key=lambda c: -(c.modelled_ratio if c.modelled_ratio is not None else -1.0))
     for candidate in offered:
         kept = f" (islands: {', '.join(short(i) for i in candidate.islands)})" if candidate.islands else ""
+        measured = candidate.cost_text()
+        if on_target:
+            measured = f"{candidate.modelled_text(str(target), failing)}; measured on this machine: {measured}"
         why = (
             f"switch to {candidate.precision}{kept}: ok in {len(candidate.evidence)} cell(s), "
-            f"{candidate.parity_text()}, {candidate.cost_text()}"
+            f"{candidate.parity_text()}, {measured}"
         )
         cost = {
             "tokens_per_s_ratio": candidate.tokens_ratio,
             "peak_bytes_ratio": candidate.peak_ratio,
             "against": "itself: the baseline of the others" if candidate.is_baseline else candidate.against,
         }
+        if on_target:
+            cost.update(target=target, modelled_tokens_per_s_ratio=candidate.modelled_ratio, modelled_against=failing)
         fixes.append(Fix({"precision": candidate.precision}, why, candidate.evidence, candidate.parity, cost))
     if len(offered) > 1:
-        speeds = ", ".join(f"{c.precision} {c.tokens_ratio:.2f}x" for c in offered if c.tokens_ratio is not None)
-        measured = "" if where == "this machine" else " on this machine"
-        notes.append(
-            f"Ranked by throughput among the fixes that hold: {offered[0].precision} first ({speeds} the tokens/s "
-            f"of {offered[0].against}, measured in this grid{measured})."
-        )
+        notes.append(_ranking_note(offered, str(target), failing, by_model, on_target))
     return fixes, notes
+
+
+def _ranking_note(offered: list[Candidate], target: str, failing: str, by_model: bool, on_target: bool) -> str:
+    speeds = ", ".join(f"{c.precision} {c.tokens_ratio:.2f}x" for c in offered if c.tokens_ratio is not None)
+    measured = f"{speeds} the tokens/s of {offered[0].against}, measured in this grid" if speeds else ""
+    if not by_model:
+        where = " on this machine" if on_target else ""
+        unmodelled = f"; none modelled on target {target}" if on_target else ""
+        return (
+            f"Ranked by throughput among the fixes that hold: {offered[0].precision} first ({measured}{where}"
+            f"{unmodelled})."
+        )
+    model = ", ".join(f"{c.precision} {c.modelled_ratio:.2f}x" for c in offered if c.modelled_ratio is not None)
+    return (
+        f"Ranked by the cost modelled on target {target} among the fixes that hold: {offered[0].precision} first "
+        f"({model} the tokens/s of {failing} on {target}: each step's FLOPs at the data sheet's peak rate for its "
+        f"arithmetic, fp32 islands at the fp32 rate, and its bytes moved at the memory bandwidth; "
+        f"{measured + ' on this machine' if measured else 'the tokens/s not measured on this machine'}, which is "
+        "not the target)."
+    )

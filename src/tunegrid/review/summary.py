@@ -11,6 +11,7 @@ from tunegrid.outcome import CellResult, module_name, origin_label
 from tunegrid.review.quality import default_review, loss_curve, quality_columns
 from tunegrid.runtime.files import read_json, read_jsonl
 from tunegrid.study.grid_axes import SETTING_AXES
+from tunegrid.targets import modelled_step_s as target_step_s
 from tunegrid.vocabulary import axis_names, with_neutrals
 
 
@@ -64,6 +65,7 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "oom_peak_bytes": oom.peak_bytes if oom else None,
         "tokens_per_s": throughput.get("tokens_per_s_median"),
         "step_time_s": throughput.get("step_time_s_median"),
+        "modelled_step_s": modelled_step_s(result, str(axes["precision"])),
         "weight_bytes_loaded": loaded.get("total_bytes"),
         "weight_bytes": final.get("total_bytes"),
         "expert_bytes": (final.get("by_role") or {}).get("experts"),
@@ -113,6 +115,7 @@ NUMERIC_COLUMNS = (
     "optimizer_state_estimate_bytes",
     "tokens_per_s",
     "step_time_s",
+    "modelled_step_s",
     "weight_bytes_loaded",
     "weight_bytes",
     "expert_bytes",
@@ -157,6 +160,17 @@ def typed(frame: Any) -> Any:
                 values = values.map(lambda v: None if v is None else str(v))
             frame[column] = values
     return frame
+
+
+def modelled_step_s(result: CellResult, precision: str) -> float | None:
+    """The cell's step time on its named target as the data sheet models it (tunegrid.targets.modelled_step), from
+    the FLOPs and the memory estimate its plan recorded and the bytes its fp32 islands grew by; None on the machine
+    itself (its cells are measured), or where the plan holds neither."""
+    plan = result.cell.get("plan") or {}
+    flops = (plan.get("liveness") or {}).get("step_flops")
+    components = (plan.get("estimate") or {}).get("components")
+    widened = int((result.fp32_islands or {}).get("weights_widened_bytes") or 0)
+    return target_step_s(plan.get("target"), precision, flops, components, widened)
 
 
 def stack_packages(env: dict[str, Any]) -> str | None:

@@ -35,6 +35,8 @@ def recipe_study(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     base.update({k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v})
     study, recipe, _ = import_recipe(base)
     study["base"]["from"] = recipe.tool
+    if args.target:  # the user's card: a recipe names none
+        study["hardware"] = {**(study.get("hardware") or {}), "target": args.target}
     own = study["grid"]["precision"][0]
     study["grid"]["precision"] = [own, *(str(p) for p in PRECISION_PLANS if p != own)]
     out = Path(args.study_out or f"results/doctor/{study['study']}.yaml")
@@ -54,6 +56,8 @@ def study_of(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     except ConfigError:
         raw = {}  # a JSON recipe, or YAML that is no mapping: the recipe reader says what is wrong
     if _is_study(raw):
+        if args.target:  # as `command` passes it: the card the fix is for, over the study's
+            raw = {**raw, "hardware": {**(raw.get("hardware") or {}), "target": args.target}}
         return resolve_study(expand_base(raw)), path
     study, written = recipe_study(args)
     return resolve_study(study), written
@@ -65,10 +69,12 @@ def target(study: dict[str, Any], cell_id: str, first: bool) -> Path:
 
 def command(args: argparse.Namespace, study_file: Path, goal: Path) -> list[str]:
     """The Snakemake line: the target first (--config takes every word after it), the study file through
-    tunegrid's bounded loader (`--config study=<file>`), the steps budget as an override beside it."""
+    tunegrid's bounded loader (`--config study=<file>`), the steps budget and the card (`--target`, over a study's
+    own hardware.target; a recipe's study file already holds it) as overrides beside it."""
     line = [sys.executable, "-m", "snakemake", str(goal), "-s", str(REPO_ROOT / "Snakefile"), "--cores"]
     line += [str(args.cores), *shlex.split(args.snakemake), "--config", f"study={study_file}"]
-    return line + ([f"train={{steps: {args.steps}}}"] if args.steps else [])
+    line += [f"train={{steps: {args.steps}}}"] if args.steps else []
+    return line + ([f"hardware={{target: {args.target}}}"] if args.target else [])
 
 
 def run_doctor(args: argparse.Namespace) -> int:
