@@ -321,6 +321,12 @@ def real_figures(ctx: Context) -> list[Figure]:
             detail.append(f"quality {row['quality']}")
         if row["outcome"] not in ("ok", "nan") and row.get("reason"):
             detail.append(row["reason"])
+        if row.get("modelled_step_s") and row.get("step_time_s"):  # the target's step-time model beside this card
+            modelled, measured = float(row["modelled_step_s"]), float(row["step_time_s"])
+            detail.append(
+                f"step {measured * 1e3:.1f} ms here, modelled {modelled * 1e3:.1f} ms on {row.get('target')} "
+                f"(modelled / measured {modelled / measured:.2f})"
+            )
         goal = " & ".join(part for part in (outcome, quality) if part)
         met = None if outcome is None else row["outcome"] == outcome and quality in (None, row.get("quality"))
         label = f"{row['cell_id']} (target {row.get('target')})"
