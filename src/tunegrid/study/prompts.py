@@ -113,12 +113,14 @@ def oasst() -> Instruction:  # axolotl's OpenAssistantPromptTokenizingStrategy: 
 
 
 def custom(mapping: dict[str, Any]) -> Instruction:
-    """axolotl's user-defined type (UserDefinedDatasetConfig's defaults)."""
-    system = str(mapping.get("system_prompt") or "")
+    """axolotl's user-defined type (UserDefinedDatasetConfig's defaults; prompt_strategies/user_defined.py: a
+    record's field_system where it holds one, and system_prompt only where no field_system is named)."""
+    system_field = str(mapping.get("field_system") or "")
+    system = "" if system_field else str(mapping.get("system_prompt") or "")
     return Instruction(
         instruction=str(mapping.get("field_instruction") or "instruction"),
         input=str(mapping.get("field_input") or "input"), output=str(mapping.get("field_output") or "output"),
-        system_field=str(mapping.get("field_system") or "system"), system=system, system_no_input=system,
+        system_field=system_field, system=system, system_no_input=system,
         turn=str(mapping.get("format") or "{instruction} {input} "),
         turn_no_input=str(mapping.get("no_input_format") or "{instruction} "),
         system_format=str(mapping.get("system_format") or "{system}"), given=dict(mapping),
