@@ -178,3 +178,25 @@ def test_a_warmup_longer_than_the_study_is_a_row(here):
     study, recipe, _ = _import(here, {**AXOLOTL, "warmup_steps": 100})
     assert study["train"]["warmup_steps"] == 20 and "warmup_steps" in recipe.differs
     assert check_fidelity(recipe, study) == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [({**AXOLOTL, "datasets": [{"path": "org/corpus", "type": "pretrain"}]}, "datasets.0.type"),
+     ({"output_dir": "./outputs/grpo_checkpoints", "learning_rate": 2e-5, "per_device_train_batch_size": 4,
+       "remove_unused_columns": False}, "output_dir"),
+     ({"model_name_or_path": "Qwen/Qwen2-VL-2B-Instruct", "use_peft": True, "dataset_name": "chat.jsonl"},
+      "model_name_or_path")],
+)  # fmt: skip
+def test_a_run_of_another_kind_is_refused_by_name(here, raw, key):
+    with pytest.raises(RecipeError, match="is not LoRA/QLoRA SFT") as caught:
+        _import(here, raw)
+    assert f"recipe key {key!r}" in str(caught.value)
+
+
+def test_the_users_dataset_keeps_the_recipes_type_and_mappings(here):
+    mapping = {"field_instruction": "question", "field_input": "context", "field_output": "answer"}
+    raw = {**AXOLOTL, "datasets": [{"path": "data/absent.jsonl", "type": mapping, "ds_type": "json"}]}
+    (here / "r.yaml").write_text(yaml.safe_dump(raw))
+    study, recipe, _ = import_recipe({"recipe": "r.yaml", "failure": "all", "dataset": "sql.jsonl"})
+    assert study["data"]["layout"] == mapping and check_fidelity(recipe, resolve_study(study)) == []
