@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import re
 import sys
@@ -70,13 +71,13 @@ def classify(path: Path, raw: dict) -> str | None:
     return None
 
 
-def run(path: Path, kind: str, out: Path, fidelity: list | None = None) -> tuple[str, str]:
+def run(path: Path, kind: str, out: Path, fidelity: list | None = None, files: dict | None = None) -> tuple[str, str]:
     from tunegrid.recipes.recipe_study import import_recipe
     from tunegrid.study.config import expand_cells, resolve_study
     from tunegrid.study.errors import ConfigError
 
     try:
-        study, recipe, header = import_recipe({"recipe": str(path), "failure": "all"})
+        study, recipe, header = import_recipe({"recipe": str(path), "failure": "all", **(files or {})})
         cells = expand_cells(resolve_study(study))
         name = re.sub(r"[^A-Za-z0-9.-]+", "-", str(path.relative_to(path.parents[2])).removesuffix(path.suffix))
         study["study"] = name.strip("-.")[:64]
@@ -93,6 +94,62 @@ def run(path: Path, kind: str, out: Path, fidelity: list | None = None) -> tuple
 
 
 MISSING_LOCAL = re.compile(r"is not (a file|a folder|there)[^\n]*(--model|--dataset)")
+TINY_LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "max_position_embeddings": 4096, "torch_dtype": "float32"}  # fmt: skip
+
+
+def user_files(detail: str, path: Path, work: Path) -> dict[str, str]:
+    """For a recipe refused only because a local data file or model folder is not in its repository: what a user
+    with those files passes (--dataset: two records with the recipe's own field names; --model: a tiny local
+    checkpoint folder). Empty where anything else is refused too."""
+    problems = [line for line in detail.splitlines() if line.strip().startswith("- ")]
+    if not problems or not all(MISSING_LOCAL.search(line) for line in problems):
+        return {}
+    from tunegrid.recipes.recipe import read_file
+
+    files = {}
+    if any("--model" in line for line in problems):
+        (work / "tiny-model").mkdir(exist_ok=True)
+        (work / "tiny-model" / "config.json").write_text(json.dumps(TINY_LLAMA))
+        files["model"] = str(work / "tiny-model")
+    if any("--dataset" in line for line in problems):
+        record = sample_record(read_file(path))
+        data = work / f"{re.sub(r'[^A-Za-z0-9]+', '-', path.stem)}.jsonl"
+        data.write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+        files["dataset"] = str(data)
+    return files
+
+
+def sample_record(raw: dict) -> dict:
+    """A record in the recipe's own dataset type and field names."""
+    from tunegrid.study.prompts import SHAREGPT, layout_fields
+
+    chat = [("user", "What is 2+2?"), ("assistant", "4")]
+    entries = raw.get("datasets")
+    if not (isinstance(entries, list) and entries and isinstance(entries[0], dict)):  # TRL: text or messages
+        field = raw.get("dataset_text_field")
+        if isinstance(field, str) and field not in ("messages", "conversations"):
+            return {field: "Once upon a time there was a tiny model."}
+        return {"messages": [{"role": r, "content": c} for r, c in chat]}
+    entry = entries[0]
+    kind = entry.get("type")
+    if kind in ("completion", "text"):
+        return {entry.get("field") or "text": "Once upon a time there was a tiny model."}
+    if kind == "input_output":
+        return {"segments": [{"label": False, "text": "2+2? "}, {"label": True, "text": "4"}]}
+    if isinstance(kind, str) and kind.split(":")[0].split(".")[0] in SHAREGPT:
+        field = entry.get("field_messages") or "conversations"
+        return {field: [{"from": {"user": "human", "assistant": "gpt"}[r], "value": c} for r, c in chat]}
+    fields = layout_fields(kind) if kind not in (None, "chat_template") else ()
+    if fields:
+        return {name: "2+2?" if i == 0 else "4" for i, name in enumerate(fields)}
+    mapping = dict(entry.get("message_property_mappings") or {})
+    role = mapping.get("role") or entry.get("message_field_role") or "role"
+    content = mapping.get("content") or entry.get("message_field_content") or "content"
+    return {entry.get("field_messages") or "messages": [{role: r, content: c} for r, c in chat]}
+
+
 NAMED = ("is not LoRA/QLoRA SFT", "format not recognised")
 CORPUS_ROWS = {
     "tool": "LoRA/QLoRA text SFT, axolotl / TRL / Transformers",
@@ -126,6 +183,13 @@ def corpus(args: argparse.Namespace) -> int:
                 outcome, detail = run(path, cls, out, fidelity if cls == "tool" else None)
                 if outcome == "refused" and cls != "non-sft" and MISSING_LOCAL.search(detail):
                     outcome = "refused: local file not here"
+                    files = user_files(detail, path, Path(tmp)) if cls == "tool" else {}
+                    supplied, said = run(path, cls, out, fidelity, files) if files else ("refused", detail)
+                    counts[(cls, f"with files: {supplied}")] += 1
+                    if supplied != "imported":
+                        first = said.strip().splitlines()
+                        lines.append(f"with the user's files, {supplied}: {row['repo']}/{row['path']}: "
+                                     + " | ".join(first[:4]))  # fmt: skip
                 if outcome == "refused" and (cls == "non-sft" or row["kind"] == "other"):
                     outcome = "refused by name" if any(n in detail for n in NAMED) else "refused, not by name"
                 counts[(cls, outcome)] += 1
@@ -152,6 +216,11 @@ def corpus(args: argparse.Namespace) -> int:
           f"({100 * ok / max(1, tool):.1f} %); of those whose files are on this machine (their repository holds "
           f"them, or hub ids): {ok}/{tool - local} ({100 * ok / max(1, tool - local):.1f} %); refused naming a "
           f"local file that is not here, its key and flag: {local}")  # fmt: skip
+    supplied = counts[("tool", "with files: imported")]
+    print(f"  with the user's files supplied (--dataset: records with the recipe's own field names, --model: a local "
+          f"tiny checkpoint folder, where those were all that was missing): {ok + supplied}/{tool} "
+          f"({100 * (ok + supplied) / max(1, tool):.1f} %); {supplied} of the {local} refused for a local "
+          "file")  # fmt: skip
     every = tool + sum(counts[("other", o)] for o in outcomes)
     print(f"every LoRA/QLoRA text SFT recipe (other formats included): {ok}/{every} ({100 * ok / max(1, every):.1f} %)")
     non = sum(counts[("non-sft", o)] for o in outcomes)

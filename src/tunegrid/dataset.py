@@ -1,6 +1,7 @@
-"""The training set as a cell reads it: the JSONL records (a pair: instruction and response; a chat: its turns)
-and the project's prompt template they are written in where a tokenizer has no chat template of its own. The
-prepare stage writes the file (tunegrid.prepare.data, datasets_io); the worker reads it here.
+"""The training set as a cell reads it: the JSONL records (a pair: instruction and response; a chat: its turns;
+raw text; a tool's layout: its text and its pieces, each trained or not) and the project's prompt template they
+are written in where a tokenizer has no chat template of its own. The prepare stage writes the file
+(tunegrid.prepare.data, datasets_io); the worker reads it here.
 
 Light module: standard library only.
 """
@@ -23,7 +24,9 @@ def read_dataset(path: str | Path) -> list[dict[str, str]]:
 def template_turns(record: dict[str, Any]) -> list[tuple[str, bool]]:
     """A record in the project's prompt template as (text, is_response) pieces, for tokenizers without
     a chat template. A pair is one instruction and its response; a chat is its turns in order; raw text is
-    itself, trained whole."""
+    itself, trained whole; a tool's layout (data.layout) is its pieces, each trained or not."""
+    if "pieces" in record:
+        return [(str(text), bool(trained)) for text, trained in record["pieces"]]
     if "text" in record:
         return [(record["text"], True)]
     if "messages" not in record:

@@ -1,5 +1,6 @@
 import copy
 import json
+import os
 import shutil
 
 import pytest
@@ -57,6 +58,19 @@ def test_local_pickle_only_checkpoint_is_refused(tmp_path):
 def test_local_checkpoint_is_linked_with_manifest(checkpoints, tmp_path):
     manifest = link_local({"path": str(checkpoints["gemma3-hot"])}, tmp_path / "linked")
     assert manifest["source"]["kind"] == "local"
+    verify_checkpoint(tmp_path / "linked", hashes=True)
+
+
+def test_a_folder_another_snakemake_run_made_is_linked_without_its_hidden_files(checkpoints, tmp_path):
+    src = tmp_path / "made-elsewhere"
+    shutil.copytree(checkpoints["gemma3-hot"], src)
+    (src / ".snakemake_timestamp").write_text("")  # Snakemake's marker of a directory() output
+    os.utime(src / ".snakemake_timestamp", (1, 1))  # older than anything this run writes: "clock skew"
+    (src / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    manifest = link_local({"path": str(src)}, tmp_path / "linked")
+    assert not [p.name for p in (tmp_path / "linked").iterdir() if p.name.startswith(".")]
+    assert not [name for name in manifest["files"] if name.startswith(".")]
+    assert any(name.endswith(".safetensors") for name in manifest["files"])
     verify_checkpoint(tmp_path / "linked", hashes=True)
 
 

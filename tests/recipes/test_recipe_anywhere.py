@@ -13,9 +13,9 @@ import yaml
 from tunegrid.recipes.recipe import RecipeError
 from tunegrid.recipes.recipe_fidelity import check_fidelity
 from tunegrid.recipes.recipe_known import axolotl_releases, misspelt, tool_keys
-from tunegrid.recipes.recipe_prompts import alpaca, custom, oasst, tool_text
 from tunegrid.recipes.recipe_study import import_recipe
 from tunegrid.study.config import resolve_study
+from tunegrid.study.prompts import alpaca, custom, oasst, tool_text
 
 AXOLOTL = {"base_model": "org/some-model", "adapter": "lora", "lora_r": 8, "lora_alpha": 16, "sequence_len": 256,
            "micro_batch_size": 2, "learning_rate": 2e-4, "max_steps": 20, "lora_target_modules": ["q_proj"],
@@ -89,22 +89,54 @@ def test_the_tools_text_per_dataset_type():
     assert tool_text("chat_template", {"messages": []}) is None
 
 
-def test_a_custom_type_drops_no_field_without_a_row(here):
+def test_a_custom_type_trains_on_the_recipes_own_prompt(here):
     mapping = {"field_instruction": "question", "field_input": "context", "field_output": "answer",
                "format": "{instruction}\n{input}\n"}  # fmt: skip
     raw = {**AXOLOTL, "datasets": [{"path": "sql.jsonl", "type": mapping}]}
     study, recipe, header = _import(here, raw)
-    assert "field_input" in recipe.differs["datasets.0.type"] and check_fidelity(recipe, study) == []
-    del recipe.differs["datasets.0.type"]
+    assert study["data"]["layout"] == mapping and "datasets.0.type" not in recipe.differs
+    assert "differ" not in header and check_fidelity(recipe, study) == []
+    study["data"]["layout"] = {**mapping, "format": "{instruction} {input}"}  # a study that lays it out otherwise
     assert any("first record" in p for p in check_fidelity(recipe, study)), "a difference without a row is named"
+
+
+@pytest.mark.parametrize("kind", ["alpaca", "alpaca:chatml", "alpaca:chat", "alpaca_chat"])
+def test_an_alpaca_recipe_has_no_text_row_and_the_same_text(here, kind):
+    study, recipe, header = _import(here, {**AXOLOTL, "datasets": [{"path": "pairs.jsonl", "type": kind}]})
+    assert study["data"]["layout"] == kind and study["data"]["loss_on"] == "response"
+    assert "datasets.0.type" not in recipe.differs and check_fidelity(recipe, study) == []
 
 
 def test_sharegpt_oasst_and_text_types_are_read(here):
     study, recipe, _ = _import(here, {**AXOLOTL, "datasets": [{"path": "sharegpt.jsonl", "type": "sharegpt:chat"}]})
     assert study["data"]["fields"] == {"messages": "conversations", "role": "from", "content": "value"}
     study, _, _ = _import(here, {**AXOLOTL, "datasets": [{"path": "org/oasst", "type": "oasst"}]})
-    assert study["data"]["fields"] == {"prompt": "INSTRUCTION", "response": "RESPONSE"}
+    assert study["data"]["layout"] == "oasst"
     study, _, _ = _import(here, {**AXOLOTL, "datasets": [{"path": "org/text", "type": "text"}]})
+    assert study["data"]["fields"] == {"text": "text"} and study["data"]["loss_on"] == "all"
+    study, _, _ = _import(here, {**AXOLOTL, "datasets": [{"path": "org/qa", "type": "context_qa.load_v2"}]})
+    assert study["data"]["layout"] == "context_qa.load_v2"
+    study, recipe, _ = _import(here, {**AXOLOTL, "datasets": [{"path": "org/io", "type": "input_output"}]})
+    assert study["data"]["layout"] == "input_output" and "BOS" in recipe.differs["datasets.0.type"]
+
+
+def test_a_json_array_dataset_imports(here):
+    (here / "pairs.json").write_text(json.dumps([PAIR, PAIR], indent=2))
+    study, recipe, _ = _import(here, {**AXOLOTL, "datasets": [{"path": "pairs.json", "type": "alpaca"}]})
+    assert study["data"]["source"] == "jsonl" and study["data"]["path"].endswith("pairs.json")
+    assert check_fidelity(recipe, study) == []
+
+
+def test_trl_text_records_and_prompt_completion_train_on_the_tools_text(here):
+    (here / "text.jsonl").write_text(json.dumps({"content": "Once upon a time."}) + "\n")
+    (here / "pc.jsonl").write_text(json.dumps({"prompt": "The sky is", "completion": " blue."}) + "\n")
+    trl = {"model_name_or_path": "org/some-model", "use_peft": True, "lora_r": 8, "max_length": 256}
+    study, recipe, _ = _import(here, {**trl, "dataset_name": "text.jsonl", "dataset_text_field": "content"})
+    assert study["data"]["fields"] == {"text": "content"} and study["data"]["loss_on"] == "all"
+    assert check_fidelity(recipe, study) == []
+    study, recipe, _ = _import(here, {**trl, "dataset_name": "pc.jsonl"})
+    assert study["data"]["layout"] == "prompt_completion" and check_fidelity(recipe, study) == []
+    study, _, _ = _import(here, {**trl, "dataset_name": "org/stories", "dataset_text_field": "text"})
     assert study["data"]["fields"] == {"text": "text"} and study["data"]["loss_on"] == "all"
 
 
@@ -146,3 +178,25 @@ def test_a_warmup_longer_than_the_study_is_a_row(here):
     study, recipe, _ = _import(here, {**AXOLOTL, "warmup_steps": 100})
     assert study["train"]["warmup_steps"] == 20 and "warmup_steps" in recipe.differs
     assert check_fidelity(recipe, study) == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "key"),
+    [({**AXOLOTL, "datasets": [{"path": "org/corpus", "type": "pretrain"}]}, "datasets.0.type"),
+     ({"output_dir": "./outputs/grpo_checkpoints", "learning_rate": 2e-5, "per_device_train_batch_size": 4,
+       "remove_unused_columns": False}, "output_dir"),
+     ({"model_name_or_path": "Qwen/Qwen2-VL-2B-Instruct", "use_peft": True, "dataset_name": "chat.jsonl"},
+      "model_name_or_path")],
+)  # fmt: skip
+def test_a_run_of_another_kind_is_refused_by_name(here, raw, key):
+    with pytest.raises(RecipeError, match="is not LoRA/QLoRA SFT") as caught:
+        _import(here, raw)
+    assert f"recipe key {key!r}" in str(caught.value)
+
+
+def test_the_users_dataset_keeps_the_recipes_type_and_mappings(here):
+    mapping = {"field_instruction": "question", "field_input": "context", "field_output": "answer"}
+    raw = {**AXOLOTL, "datasets": [{"path": "data/absent.jsonl", "type": mapping, "ds_type": "json"}]}
+    (here / "r.yaml").write_text(yaml.safe_dump(raw))
+    study, recipe, _ = import_recipe({"recipe": "r.yaml", "failure": "all", "dataset": "sql.jsonl"})
+    assert study["data"]["layout"] == mapping and check_fidelity(recipe, resolve_study(study)) == []

@@ -53,7 +53,7 @@ IMPORTS = {  # recipe -> (import options, the baseline cell, settings the study 
         {"failure": "nan"},
         "gemma-3-1b-it_bf16_bs2_nf4_s42_ga4",
         {"train.seq_len": 2048, "train.lr": 0.0002, "train.lr_scheduler": "cosine_with_min_lr", "lora.r": 32,
-         "data.source": "hub", "data.fields": {"prompt": "instruction", "response": "output"}, "data.packing": True,
+         "data.source": "hub", "data.layout": "alpaca", "data.packing": True,
          "train.gradient_checkpointing": True, "train.warmup_steps": 5, "train.steps": 50},
     ),
     "axolotl-fsdp-8bit-optim.yaml": (
@@ -61,14 +61,14 @@ IMPORTS = {  # recipe -> (import options, the baseline cell, settings the study 
         "local-qwen3-moe_fp16_bs4_none_s42",
         {"lora.target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "data.loss_on": "all",
          "train.weight_offloading": True,
-         "data.fields": {"prompt": "question", "response": "answer"}, "data.source": "parquet",
+         "data.layout": {"field_instruction": "question", "field_output": "answer"}, "data.source": "parquet",
          "distributed.collective_timeout_s": 600.0, "train.lr_scheduler": "linear"},
     ),
     "trl-sft-qlora.json": (
         {"failure": "all"},
         "local-gemma_bf16_bs4_nf4_s42_ga2",
         {"train.gradient_checkpointing": True, "train.lr_scheduler": "cosine_with_min_lr", "train.min_lr_rate": 0.1,
-         "data.fields": {"prompt": "prompt", "response": "completion"}, "data.loss_on": "response",
+         "data.layout": "prompt_completion", "data.loss_on": "response",
          "lora.r": 16, "train.warmup_steps": 2},
     ),
     "trl-sft-chat.yaml": (

@@ -23,7 +23,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--as-sft", action="store_true", help="a DPO/GRPO/reward/full fine-tune recipe as the LoRA SFT study"
     )
     p.add_argument("--model", default="", help="when the recipe names none: a folder or <hub id>@<40-hex revision>")
-    p.add_argument("--dataset", default="", help="when the recipe names none: a jsonl/parquet file")
+    p.add_argument(
+        "--dataset",
+        default="",
+        help="the recipe's data as a jsonl/json/parquet file (its type and field mappings kept)",
+    )
     p.add_argument("--steps", type=int, default=0, help="steps per cell when the recipe counts epochs (default 50)")
     p.add_argument("--seq-len", type=int, default=0, help="sequence length when the recipe holds none")
     p.add_argument("--study", default="", help="the study's name (default: the recipe file's)")

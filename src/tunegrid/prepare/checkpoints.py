@@ -255,7 +255,9 @@ def convert_pickles(paths: list[Path], out_dir: Path) -> None:
 
 
 def link_local(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """Link a local checkpoint's files into the study (no copy) and record their hashes."""
+    """Link a local checkpoint's files into the study (no copy) and record their hashes. Hidden files are other
+    tools' (a folder another Snakemake run made holds its .snakemake_timestamp, whose older time linked into this
+    rule's output would read to Snakemake as clock skew on every run; .git* files): never part of a checkpoint."""
     src = Path(spec["path"]).resolve()
     if not (src / "config.json").is_file():
         raise CheckpointError(f"local checkpoint {src}: no config.json")
@@ -272,7 +274,9 @@ def link_local(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
             raise CheckpointError(f"local checkpoint {src}: no *.safetensors weights{hint}")
         convert_pickles(pickles, out_dir)
     for path in src.iterdir():
-        if path.is_file() and path.suffix not in {".bin", ".pt", ".pth", ".pkl"} and path.name != "manifest.json":
+        if path.name.startswith(".") or path.name == "manifest.json":
+            continue
+        if path.is_file() and path.suffix not in {".bin", ".pt", ".pth", ".pkl"}:
             target = out_dir / path.name
             if not target.exists():
                 os.symlink(path, target)

@@ -1,8 +1,9 @@
 """A study's own training records: a local jsonl/parquet file or a pinned hub dataset, read with `datasets`.
 
-Whatever the source, the records are written once (the `dataset` rule) in one of the two shapes the rest of
-tunegrid reads: pairs `{"instruction", "response"}` (the generated set's shape), chats `{"messages": [...]}`
-or raw text `{"text"}`.
+Whatever the source, the records are written once (the `dataset` rule) in one of the shapes the rest of
+tunegrid reads: pairs `{"instruction", "response"}` (the generated set's shape), chats `{"messages": [...]}`,
+raw text `{"text"}`, or, where data.layout names a tool's layout, the text that tool builds `{"text", "pieces"}`
+(tunegrid.study.prompts).
 Cells then read that file and never touch the network.
 
 Config-time checks stay light (no `datasets` import): they run at every Snakefile parse.
@@ -16,18 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tunegrid.study.data_checks import DataError, check_records, config_problems, field_map, message_view, read_jsonl
-
-
-def normalize(record: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
-    """One record in tunegrid's shape: chats keep role/content only, pairs become instruction/response."""
-    fields = field_map(data)
-    if "text" in fields:
-        return {"text": str(record[fields["text"]])}
-    if "messages" in fields:
-        messages = [message_view(m, fields) for m in record[fields["messages"]]]
-        return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-    return {"instruction": str(record[fields["prompt"]]), "response": str(record[fields["response"]])}
+from tunegrid.study.data_checks import DataError, check_records, config_problems, json_array, read_jsonl
+from tunegrid.study.prompts import normalize
 
 
 def load_records(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -35,7 +26,11 @@ def load_records(data: dict[str, Any]) -> list[dict[str, Any]]:
     problems = config_problems(data)
     if problems:
         raise DataError("; ".join(problems))
-    if data["source"] == "jsonl":  # read here, line by line: a bad line is named by its 1-based line number
+    array = json_array(Path(data["path"])) if data["source"] == "jsonl" else None
+    if array is not None:  # one JSON array (a .json file): a bad record is named by its 1-based index
+        table = array
+        check_records(table, data)
+    elif data["source"] == "jsonl":  # read here, line by line: a bad line is named by its 1-based line number
         numbered = read_jsonl(Path(data["path"]))
         table = [record for _, record in numbered]
         check_records(table, data, [line for line, _ in numbered], Path(data["path"]))

@@ -30,7 +30,6 @@ from tunegrid.recipes.recipe_memory import (
     unfrozen_parameters,
 )
 from tunegrid.recipes.recipe_optimizers import optimizer
-from tunegrid.recipes.recipe_prompts import CUSTOM_KEYS, SHAREGPT, instruction_of
 from tunegrid.recipes.recipe_sources import (
     first_record,
     hub_dataset,
@@ -39,6 +38,7 @@ from tunegrid.recipes.recipe_sources import (
     model_entry,
     resolve_local,
 )
+from tunegrid.study.prompts import CUSTOM_KEYS, SEGMENTS, SHAREGPT, instruction_of
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
 LORA_EXTRAS = ("loraplus_lr_ratio", "relora")
@@ -319,20 +319,20 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
             "tunegrid renders the same turns with the checkpoint's chat template"
         )
         recipe.accounted.update({f"{key}.conversation"} if "conversation" in entry else set())
-    elif instruction_of(kind) is not None:
-        prompter = instruction_of(kind)
+    elif instruction_of(kind) is not None:  # the dataset rule builds the tool's text (tunegrid.study.prompts)
         if isinstance(kind, dict) and not kind.get("field_instruction"):
             recipe.refuse(f"{key}.type", f"{kind!r}: a custom type needs field_instruction (the prompt's field)")
             return
-        recipe.carry("data.fields", {"prompt": prompter.instruction, "response": prompter.output}, f"{key}.type")
-        shaping = [k for k in CUSTOM_KEYS[1:] if isinstance(kind, dict) and k in kind and k != "field_output"]
-        shaping = shaping or ["input", "system prompt"]
+        if isinstance(kind, dict):
+            for sub in set(kind) - set(CUSTOM_KEYS):
+                recipe.unknown[f"{key}.type.{sub}"] = "not a key of axolotl's custom type (field_instruction, ...)"
+            kind = {k: str(kind[k]) for k in CUSTOM_KEYS if kind.get(k) is not None}
+        recipe.carry("data.layout", kind, f"{key}.type")
+    elif kind == SEGMENTS:  # template-free: the records' segments as they are, trained where labelled
+        recipe.carry("data.layout", kind, f"{key}.type")
         recipe.differs[f"{key}.type"] = (
-            f"{kind if isinstance(kind, str) else 'custom'}: the recipe's prompt is "
-            f"{prompter.turn_no_input!r} (with its {', '.join(shaping)}); tunegrid trains on the "
-            f"{prompter.instruction!r} and {prompter.output!r} fields laid out with the checkpoint's chat template "
-            "(or its own prompt template), so each sequence's text and length differ from the recipe's (a memory "
-            "study measures tunegrid's)"
+            "input_output: axolotl adds no BOS or EOS token (the segments' text holds what the model needs); "
+            "tunegrid starts each record with the tokenizer's BOS and ends each trained segment with its EOS"
         )
     elif base in ("completion", "text"):  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
         recipe.carry("data.fields", {"text": entry.get("field") or "text"}, f"{key}.type", f"{key}.field")
@@ -340,6 +340,7 @@ def _datasets(recipe: Recipe, datasets: Any) -> None:
     else:
         recipe.refuse(
             f"{key}.type",
-            f"{kind!r}: tunegrid reads chat_template, sharegpt, alpaca, oasst, completion or a custom "
+            f"{kind!r}: tunegrid reads chat_template, sharegpt, alpaca (instruct, chat, chatml, phi), alpaca_chat, "
+            "alpaca_chat.load_qa, oasst, context_qa.load_v2, completion, input_output or a custom "
             "{field_instruction, field_output, ...} mapping",
         )

@@ -1,8 +1,8 @@
 """Nothing changes silently: every difference between a recipe and the study imported from it is a row of the
 study's header, by key. `check_fidelity` reads the recipe file again and the study, and names each difference
 that has no row: a key the header does not name, a value the study trains with that is not the recipe's, and
-the first training record's text (where the record is on this machine) that is not what the recipe's tool
-builds from it (recipe_prompts).
+the first training record's text (where the record is on this machine): what a cell trains on, through the
+dataset rule's own code, that is not what the recipe's tool builds from it (tunegrid.study.prompts).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.recipes.recipe import Recipe, read_file
-from tunegrid.recipes.recipe_prompts import study_text, tool_text
 from tunegrid.recipes.recipe_sources import first_record
+from tunegrid.study.prompts import PROMPT_COMPLETION, study_text, tool_text
 
 # recipe keys whose value the study keeps as it is, and where (each tool's names)
 SAME_VALUE = {
@@ -80,16 +80,16 @@ def _first_record(recipe: Recipe, study: dict[str, Any]) -> list[str]:
         kind, field = entry.get("type"), entry.get("field") or "text"
         row = "datasets.0.type"
     else:
-        kind = "prompt_completion" if {"prompt", "completion"} <= set(record) else "completion"
+        kind = PROMPT_COMPLETION if {"prompt", "completion"} <= set(record) else "completion"
         kind = None if "messages" in record else kind
         field, row = recipe.raw.get("dataset_text_field") or "text", "dataset_text_field"
     try:
         built = tool_text(kind, record, field)
-        trained = study_text(data.get("fields") or {}, record)
-    except (KeyError, TypeError) as exc:
+        trained = study_text(data, record)
+    except (KeyError, TypeError, ValueError) as exc:
         return [f"first record: the recipe's fields are not in it ({exc})"]
-    if built is None or trained is None or "".join(built) == "".join(trained):
+    if built is None or trained is None or "".join(built) == trained:
         return []
     if row in recipe.differs:
         return []
-    return [f"first record: the recipe trains on {''.join(built)[:80]!r}…, the study on {''.join(trained)[:80]!r}…"]
+    return [f"first record: the recipe trains on {''.join(built)[:80]!r}…, the study on {trained[:80]!r}…"]

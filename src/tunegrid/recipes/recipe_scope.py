@@ -8,6 +8,7 @@ added) and the header says so.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tunegrid.recipes.recipe import Recipe
@@ -47,6 +48,28 @@ TRL_CLASS_KEYS = {
 }  # fmt: skip
 
 
+# what a run's own name says it is, where no key does (a TrainingArguments file run by a GRPO script)
+RUN_NAMES = ("run_name", "output_dir", "hub_model_id")
+OTHER_RUN_WORDS = re.compile(r"(?:^|[-_/.\s])(grpo|dpo|orpo|kto|ppo|rloo|simpo|reward[-_]?model)(?:$|[-_/.\s])", re.I)
+# vision-language checkpoints (their names), and axolotl's multimodal keys
+VISION_WORDS = re.compile(r"(?:^|[-_/.])(vl|llava\w*|idefics\d*|paligemma\d*|smolvlm\w*|internvl\w*|pixtral\w*|vision)"
+                          r"(?:$|[-_/.])", re.I)  # fmt: skip
+MULTIMODAL_KEYS = ("processor_type", "image_size", "freeze_mm_modules")
+
+
+def multimodal(recipe: Recipe) -> tuple[str, str] | None:
+    """(key, why) where the recipe trains a vision-language model: no --as-sft makes it a text SFT study."""
+    raw = recipe.raw
+    for key in MULTIMODAL_KEYS:
+        if is_set(raw.get(key)):
+            return key, "a multimodal (vision-language) run"
+    key = "base_model" if recipe.tool == "axolotl" else "model_name_or_path"
+    name = raw.get(key)
+    if isinstance(name, str) and VISION_WORDS.search(name):
+        return key, f"{name!r} is a vision-language model (images and text)"
+    return None
+
+
 def other_kinds(recipe: Recipe) -> list[tuple[str, str]]:
     """(key, what it makes the recipe) for each thing that makes it other than LoRA/QLoRA SFT."""
     raw = recipe.raw
@@ -57,6 +80,10 @@ def other_kinds(recipe: Recipe) -> list[tuple[str, str]]:
                 found.append((key, what.format(value=raw[key])))
         if raw.get("adapter") in (None, "", "full") or raw.get("full_finetune"):
             found.append(("adapter", "a full fine-tune of every weight (no adapter: lora or qlora)"))
+        entries = raw.get("datasets") if isinstance(raw.get("datasets"), list) else []
+        for index, entry in enumerate(entries):
+            if isinstance(entry, dict) and entry.get("type") == "pretrain":
+                found.append((f"datasets.{index}.type", "a continued-pretraining run (type pretrain: raw text)"))
         return found
     for class_name, keys in TRL_CLASS_KEYS.items():
         named = [k for k in keys if k in raw]
@@ -64,11 +91,23 @@ def other_kinds(recipe: Recipe) -> list[tuple[str, str]]:
             found.append((named[0], f"a {class_name} field ({', '.join(named)}): not an SFTConfig run"))
     if recipe.tool == "trl" and not raw.get("use_peft"):
         found.append(("use_peft", "a full fine-tune of every weight (use_peft is not on)"))
+    if not found:
+        for key in RUN_NAMES:
+            word = OTHER_RUN_WORDS.search(str(raw.get(key) or ""))
+            if word:
+                found.append(
+                    (key, f"{raw[key]!r} names a {word.group(1).upper()} run (no SFTConfig key says otherwise)")
+                )
+                break
     return found
 
 
 def check_scope(recipe: Recipe, as_sft: bool) -> None:
     """Refuse a recipe of another kind naming what makes it so; with `as_sft`, turn it into the SFT study."""
+    vision = multimodal(recipe)
+    if vision is not None:  # no SFT study of a text decoder stands for it, --as-sft or not
+        recipe.need(vision[0], f"{vision[1]}; {WHAT_TUNEGRID_TRAINS} of text decoders")
+        return
     found = other_kinds(recipe)
     if not found:
         return
@@ -86,6 +125,11 @@ def check_scope(recipe: Recipe, as_sft: bool) -> None:
             recipe.changed.append(
                 f"{key}: {what} -> LoRA adapters (tunegrid's lora.r/alpha unless the recipe sets them)"
             )
+        elif key.startswith("datasets."):  # axolotl's pretrain type: the same text, trained as completion
+            raw["datasets"][int(key.split(".")[1])]["type"] = "completion"
+            recipe.changed.append(f"{key}: {what} -> completion (every token of the text trained)")
+        elif key in RUN_NAMES:
+            recipe.changed.append(f"{key}: {what} -> trained as SFT on the recipe's data")
         else:
             recipe.changed.append(f"{key}: {what} -> dropped; trained as SFT on the recipe's data")
             raw.pop(key, None)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.recipes.recipe import HEX40, Recipe
+from tunegrid.study.data_checks import DataError, json_array
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".tsv", ".txt", ".arrow", ".yaml", ".yml", ".gz", ".zip")
@@ -80,21 +81,11 @@ def local_dataset(recipe: Recipe, key: str, path: str, fmt: str | None = None) -
     suffix = (fmt or found.suffix.lstrip(".")).lower()
     source = {"json": "jsonl", "jsonl": "jsonl", "parquet": "parquet"}.get(suffix)
     if source is None:
-        recipe.refuse(key, f"{path!r}: tunegrid reads JSON lines (.jsonl/.json) or parquet files")
-        return None
-    if source == "jsonl" and _json_array(found):
-        recipe.need(key, f"{path!r} holds one JSON array; tunegrid reads JSON lines (one record a line): write it "
-                    "so (jq -c '.[]') and pass --dataset <file.jsonl>")  # fmt: skip
+        recipe.refuse(key, f"{path!r}: tunegrid reads JSON lines (.jsonl), JSON arrays (.json) or parquet files")
         return None
     recipe.carry("data.source", source, key)
     recipe.carry("data.path", str(found), key)
     return found
-
-
-def _json_array(path: Path) -> bool:
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        head = handle.read(4096).lstrip()
-    return head.startswith("[")
 
 
 def first_record(path: Path) -> dict[str, Any]:
@@ -104,6 +95,12 @@ def first_record(path: Path) -> dict[str, Any]:
 
         rows = pq.read_table(path).slice(0, 1).to_pylist()
         return rows[0] if rows else {}
+    try:
+        array = json_array(path)
+    except (DataError, UnicodeDecodeError):
+        return {}
+    if array is not None:
+        return array[0] if array and isinstance(array[0], dict) else {}
     with open(path) as handle:
         for line in handle:
             if line.strip():

@@ -21,6 +21,7 @@ from tunegrid.vocabulary import LOSSES, SCALED_LOGIT_KEYS
 
 MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
 RECORD_ONLY = {"model", "adapter", "data.dataset", *(f"model.{key}" for key in MODEL_KEYS)}
+WHERE_KEYS = ("path", "data_files", "ds_type", "revision", "name", "split")  # where a dataset entry's file is
 BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset", "as_sft"}
 
 
@@ -71,8 +72,10 @@ def _with_overrides(raw: dict[str, Any], tool: str, model: str | None, dataset: 
             raw[keys[1]] = revision
     if dataset:
         name, _, revision = dataset.partition("@")
-        if tool == "axolotl":
-            entry: dict[str, Any] = {"path": name, **({"revision": revision} if revision else {})}
+        if tool == "axolotl":  # the recipe's first entry with the user's file: its type and mappings kept
+            first = (raw.get("datasets") or [{}])[0] if isinstance(raw.get("datasets"), list) else {}
+            kept = {k: v for k, v in (first if isinstance(first, dict) else {}).items() if k not in WHERE_KEYS}
+            entry: dict[str, Any] = {**kept, "path": name, **({"revision": revision} if revision else {})}
             raw["datasets"] = [entry]
         else:
             raw["dataset_name"] = name

@@ -27,6 +27,7 @@ from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_option
 from tunegrid.recipes.recipe_memory import checkpointing_and_offloading, fsdp_memory
 from tunegrid.recipes.recipe_optimizers import optimizer
 from tunegrid.recipes.recipe_sources import first_record, local_dataset, model_entry
+from tunegrid.study.prompts import PROMPT_COMPLETION
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
 MODEL_CONFIG_KEYS = {
@@ -261,15 +262,23 @@ def _dataset(recipe: Recipe) -> None:
     if "messages" in record:
         recipe.carry("data.fields", {"messages": "messages"}, "dataset_name")
         recipe.carry("data.loss_on", "response" if raw.get("assistant_only_loss") else "all", "assistant_only_loss")
-    elif {"prompt", "completion"} <= set(record):
-        recipe.carry("data.fields", {"prompt": "prompt", "response": "completion"}, "dataset_name")
+    elif {"prompt", "completion"} <= set(record):  # TRL trains on the prompt, then the completion, as they are
+        recipe.carry("data.layout", PROMPT_COMPLETION, "dataset_name")
         only = raw.get("completion_only_loss")
         recipe.carry("data.loss_on", "all" if only is False else "response", "completion_only_loss")
+    elif isinstance(record.get(text_field), str):  # language modelling: every token of the text
+        recipe.carry("data.fields", {"text": str(text_field)}, "dataset_name", *_given(raw, "dataset_text_field"))
+        recipe.carry("data.loss_on", "all", "dataset_name")
     else:
         recipe.need(
             "dataset_text_field",
-            f"records with only a {text_field!r} text: tunegrid trains on prompt/completion pairs or messages",
+            f"records without messages, prompt/completion or a {text_field!r} text (they have {sorted(record)}): "
+            "name the text's field in dataset_text_field",
         )
+
+
+def _given(raw: dict[str, Any], *keys: str) -> list[str]:
+    return [k for k in keys if k in raw]
 
 
 def _extra_datasets(recipe: Recipe, key: str, count: int) -> None:
@@ -299,6 +308,11 @@ def _hub(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> N
 def _hub_fields(recipe: Recipe, columns: list[Any], key: str) -> None:
     """A hub dataset's records are not read at import: TRL's conversational column is assumed."""
     column = str(columns[0]) if columns else "messages"
+    text_field = recipe.raw.get("dataset_text_field")
+    if isinstance(text_field, str) and text_field == column and column not in ("messages", "conversations"):
+        recipe.carry("data.fields", {"text": column}, key, "dataset_text_field")  # language modelling: every token
+        recipe.carry("data.loss_on", "all", "dataset_text_field")
+        return
     if column not in ("messages", "conversations"):
         recipe.need(key, f"{column!r}: tunegrid trains on chats (a messages column) or prompt/completion pairs; "
                     "give data.fields in the study")  # fmt: skip

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.study.errors import ConfigError
+from tunegrid.study.prompts import field_map, known_layout, layout_fields, message_view
 
 LOCAL_SOURCES = ("jsonl", "parquet")
 
@@ -22,17 +23,6 @@ PINNED_REVISION = re.compile(r"^[0-9a-f]{40}$")
 
 
 ROLES = ("system", "user", "assistant")
-# ShareGPT's role names (what axolotl's chat_template reader maps by default) as the chat roles
-ROLE_NAMES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
-
-
-def message_view(message: Any, fields: dict[str, str]) -> Any:
-    """One message as {role, content} when data.fields names other keys (role: from, content: value)."""
-    role_key, content_key = fields.get("role", "role"), fields.get("content", "content")
-    if (role_key, content_key) == ("role", "content") or not isinstance(message, dict):
-        return message
-    role = message.get(role_key)
-    return {"role": ROLE_NAMES.get(role, role), "content": message.get(content_key)}
 
 
 SAMPLE_RECORDS = 100  # records checked at config time; every record is checked when the set is written
@@ -66,15 +56,17 @@ class DataError(ConfigError):
     """Records that do not fit the study's `data` section; the message names the key and the fix."""
 
 
-def field_map(data: dict[str, Any]) -> dict[str, str]:
-    return dict(data.get("fields") or {})
-
-
 def is_chat(data: dict[str, Any]) -> bool:
     return "messages" in field_map(data)
 
 
 def fields_problems(data: dict[str, Any]) -> list[str]:
+    if data.get("layout"):  # the tool's layout names its own fields; data.fields is not read
+        if known_layout(data["layout"]):
+            return []
+        return [f"config key 'data.layout': {data['layout']!r} is no layout tunegrid builds (alpaca[:style], "
+                "alpaca_chat, alpaca_chat.load_qa, oasst, context_qa.load_v2, input_output, prompt_completion, or an "
+                "object of axolotl's custom type keys with field_instruction)"]  # fmt: skip
     fields = field_map(data)
     if "text" in fields and set(fields) != {"text"}:
         return ["config key 'data.fields': raw text is {text: <column>} alone"]
@@ -130,8 +122,15 @@ def _sample_errors(data: dict[str, Any], path: Path) -> list[DataError]:
             if pq.read_metadata(path).num_rows == 0:
                 return [DataError(f"config key 'data.path': {str(path)!r} holds no records (0 rows)")]
             columns = set(pq.read_schema(path).names)
-            missing = [k for k, col in field_map(data).items() if col not in columns and k not in ("role", "content")]
-            return [_missing(k, field_map(data)[k], sorted(columns)) for k in missing]
+            wanted = required_fields(data)
+            missing = [k for k, col in wanted.items() if col not in columns and k not in ("role", "content")]
+            return [_missing(k, wanted[k], sorted(columns), layout=data.get("layout")) for k in missing]
+        array = json_array(path)
+        if array is not None:
+            if not array:
+                return [DataError(f"config key 'data.path': {str(path)!r} holds no records (an empty array)")]
+            check_records(array[:SAMPLE_RECORDS], data)
+            return []
         sample = read_jsonl(path, limit=SAMPLE_RECORDS)
         if not sample:
             return [DataError(f"config key 'data.path': {str(path)!r} holds no records (an empty file)")]
@@ -141,6 +140,31 @@ def _sample_errors(data: dict[str, Any], path: Path) -> list[DataError]:
     except (OSError, ValueError) as exc:
         return [DataError(f"config key 'data.path': {str(path)!r} cannot be read as {data['source']}: {exc}")]
     return []
+
+
+def json_array(path: Path) -> list[Any] | None:
+    """The records of a file that holds one JSON array (a `.json` file as axolotl and `datasets` read it), else None
+    (JSON lines)."""
+    with open(path, encoding="utf-8", errors="strict") as fh:
+        head = fh.read(4096).lstrip()
+        if not head.startswith("["):
+            return None
+        fh.seek(0)
+        try:
+            records = json.load(fh)
+        except json.JSONDecodeError as exc:
+            raise DataError(
+                f"config key 'data.path': {str(path)!r} line {exc.lineno}, column {exc.colno}: not one JSON array "
+                f"({exc.msg})"
+            ) from None
+    return records if isinstance(records, list) else None
+
+
+def required_fields(data: dict[str, Any]) -> dict[str, str]:
+    """{key: field} each record must hold: the layout's fields (by their own names), else data.fields."""
+    if data.get("layout"):
+        return {name: name for name in layout_fields(data["layout"])}
+    return field_map(data)
 
 
 def read_jsonl(path: Path, limit: int | None = None) -> list[tuple[int, Any]]:
@@ -163,9 +187,15 @@ def read_jsonl(path: Path, limit: int | None = None) -> list[tuple[int, Any]]:
     return records
 
 
-def _missing(key: str, column: str, present: Iterable[str], where: str = "") -> DataError:
+def _missing(key: str, column: str, present: Iterable[str], where: str = "", layout: Any = None) -> DataError:
+    has = where + " has" if where else "the records have"
+    if layout:
+        return DataError(
+            f"config key 'data.layout': {has} no field {column!r} (it has {sorted(present)}), which the layout "
+            f"{layout!r} reads; give records with the recipe's own field names"
+        )
     return DataError(
-        f"config key 'data.fields.{key}': {where + ' has' if where else 'the records have'} no field {column!r} "
+        f"config key 'data.fields.{key}': {has} no field {column!r} "
         f"(it has {sorted(present)}); set data.fields to the records' own field names"
     )
 
@@ -174,8 +204,8 @@ def check_records(
     records: Iterable[dict[str, Any]], data: dict[str, Any], lines: list[int] | None = None, path: Path | None = None
 ) -> None:
     """Every record has the study's fields; a problem names the record by its file's 1-based line (JSON lines)
-    or its 1-based row (parquet, hub)."""
-    fields = field_map(data)
+    or its 1-based row (parquet, hub, a JSON array)."""
+    fields = required_fields(data)
     for i, record in enumerate(records):
         where = f"{str(path)!r} line {lines[i]}" if lines is not None and path else f"record {i + 1}"
         if not isinstance(record, dict):
@@ -184,7 +214,7 @@ def check_records(
             if key in ("role", "content"):  # keys inside each message, not the record's
                 continue
             if record.get(column) is None:  # datasets fills a field absent from some records with None
-                raise _missing(key, column, [k for k, v in record.items() if v is not None], where)
+                raise _missing(key, column, [k for k, v in record.items() if v is not None], where, data.get("layout"))
         if "messages" in fields:
             messages = record[fields["messages"]]
             if isinstance(messages, list):
