@@ -179,6 +179,10 @@ def get_sync_file():
     return [str(PATHS.tracking_sync)] if TRACKING else []
 
 
+def get_review_file():
+    return [str(PATHS.tracking_review)] if TRACKING else []
+
+
 def get_final_outputs():
     return [
         str(PATHS.environment),
@@ -186,6 +190,7 @@ def get_final_outputs():
         str(PATHS.summary),
         str(PATHS.report_file("index.html")),
         *get_sync_file(),
+        *get_review_file(),
     ]
 
 
