@@ -194,8 +194,8 @@ def serve_until_stopped(
     state_path = log_path.parent / UI_STATE_FILE if log_path else None
     with mlflow_server(store_uri, host, port, timeout_s=120, allowed_hosts=allowed_hosts, log_path=log_path) as url:
         page = runs_view(url, experiment_id) if experiment_id else url
+        _write_ui_state(state_path, "serving")  # before the address: a signal on seeing it finds the UI to stop
         print(f"MLflow UI: {page} (the study's runs; Ctrl-C stops it)", flush=True)
-        _write_ui_state(state_path, "serving")
         while not stop.wait(1.0):
             if not server_running(url):
                 _write_ui_state(state_path, "failed")
