@@ -414,7 +414,9 @@ def test_mlflow_ui_as_written_serves_and_stops_on_ctrl_c(clone):
     # Ctrl-C is how it is meant to end: the server stops cleanly (no traceback). Snakemake, which gets the
     # Ctrl-C too, may count its interrupted job as failed (exit 1) when the signal finds it waiting.
     assert "MLflow UI stopped" in out and "Traceback" not in out, out[-3000:]
-    assert re.search(r"MLflow UI: http://127\.0\.0\.1:5000/#/experiments/\d+/runs ", out), "the study's runs page"
+    assert re.search(
+        r"MLflow UI: http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=machine_learning\S* ", out
+    ), "the study's runs page"
     assert proc.returncode in (0, 1), out[-3000:]
     assert subprocess.run(["pgrep", "-f", f"mlflow.*{clone}"], capture_output=True, check=False).stdout == b"", (
         "no server left behind"
