@@ -19,7 +19,8 @@ from tunegrid.track.diagnosis import (
     result_metrics,
 )
 from tunegrid.track.params import split_params
-from tunegrid.track.tracking import CELL_TAG, NONFINITE_KEY, metrics_from_records
+from tunegrid.track.records import NONFINITE_KEY, metrics_from_records
+from tunegrid.track.tracking import CELL_TAG
 
 
 def _axes(precision, batch, quant):

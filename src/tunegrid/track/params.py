@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tunegrid.track.tracking import flatten
+from tunegrid.track.records import flatten
 
 
 @lru_cache(maxsize=4)

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tunegrid.outcome import METRIC_KEYS
 from tunegrid.study.paths import StudyPaths
 from tunegrid.track.diagnosis import DIAGNOSIS_TAG, RUNNING
+from tunegrid.track.records import NONFINITE_KEY, SENT_KEYS, metrics_from_records
 from tunegrid.track.refusals import REFUSED_TAG, checked, checked_metrics, refused_note, shown
 from tunegrid.track.store import client, is_refusal, with_retries
 from tunegrid.vocabulary import Outcome
@@ -31,46 +29,6 @@ FAILED: Any = object()  # what CellRun._try returns when the store call failed (
 REFUSED: Any = object()  # ... and when the store refused what the call holds (it is up: later calls go on)
 MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 T = TypeVar("T")
-
-
-# What MLflow accepts in a param name: a dict keyed otherwise (a model's init_scale globs, "*.mlp.*") is one
-# param of its JSON, or the whole run's params would be refused
-PARAM_NAME = re.compile(r"^[A-Za-z0-9_\-. :/]+$")
-
-
-def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
-    if isinstance(value, dict) and all(PARAM_NAME.match(str(key)) for key in value):
-        for key, item in value.items():
-            flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
-    elif isinstance(value, dict):  # values over MLflow's length limit are cut or refused by its own check
-        out[prefix] = json.dumps(value, sort_keys=True)
-    else:
-        out[prefix] = str(value)
-    return out
-
-
-NONFINITE_KEY = "nonfinite"  # per step: how many of the step's metrics were not finite (0 at a clean step)
-SENT_KEYS = (*METRIC_KEYS, NONFINITE_KEY)
-
-
-def metrics_from_records(records: Iterable[dict[str, Any]]) -> list[Any]:
-    """metrics.jsonl lines -> mlflow Metric entities. A NaN is kept (a NaN loss is a fact; MLflow keeps it, though
-    its charts draw no point for it); an infinity is not sent, as MLflow would store it as the largest float. Each
-    step also gets `nonfinite`, the count of its metrics that were not finite, so a chart shows where they began."""
-    from mlflow.entities import Metric
-
-    metrics = []
-    for rec in records:
-        step, ts = int(rec["step"]), int(rec["time"] * 1000)
-        nonfinite = 0
-        for key in METRIC_KEYS:
-            if key in rec and rec[key] is not None:
-                value = float(rec[key])
-                nonfinite += not math.isfinite(value)
-                if not math.isinf(value):
-                    metrics.append(Metric(key=key, value=value, timestamp=ts, step=step))
-        metrics.append(Metric(key=NONFINITE_KEY, value=float(nonfinite), timestamp=ts, step=step))
-    return metrics
 
 
 class NullRun:
@@ -223,7 +181,6 @@ class CellRun:
 
     def log_dataset(self, dataset: dict[str, Any]) -> None:
         """The training set as the run's dataset input (the UI's Dataset column), context `training`."""
-        import json
 
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
