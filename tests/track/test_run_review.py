@@ -114,7 +114,7 @@ def test_the_description_says_why_and_links_the_fix():
     text = description(CELLS["m_fp16_bs2_nf4_s0"], "7", [("precision fp32", "abc", "ok · fp32_bs2")])
     assert text.startswith("**nan**: loss_nonfinite at step 0")
     assert "`model.layers.0.mlp.down_proj`" in text and "step 0, loss_nonfinite" in text
-    assert "[ok · fp32_bs2](#/experiments/7/runs/abc)" in text
+    assert "[ok · fp32_bs2](#/experiments/7/runs/abc?workflowType=machine_learning)" in text
 
 
 def test_the_store_holds_the_diagnosis_first_the_links_and_the_view(tmp_path, sqlite_store):
@@ -144,7 +144,7 @@ def test_the_store_holds_the_diagnosis_first_the_links_and_the_view(tmp_path, sq
     assert next(iter(failing.data.tags)) == DIAGNOSIS_TAG  # the first tag MLflow lists
     assert failing.data.tags[DIAGNOSIS_TAG].startswith("nan: loss_nonfinite at step 0")
     assert failing.data.tags[FAILED_TAG] == "yes" and failing.data.tags[FIXED_BY_TAG] == runs["m_fp32_bs2_nf4_s0"]
-    assert f"(#/experiments/{experiment}/runs/{runs['m_fp32_bs2_nf4_s0']})" in failing.data.tags[NOTE_TAG]
+    assert f"(#/experiments/{experiment}/runs/{runs['m_fp32_bs2_nf4_s0']}?" in failing.data.tags[NOTE_TAG]
     fix = c.get_run(runs["m_fp32_bs2_nf4_s0"]).data.tags
     assert fix[PROVES_TAG] == runs["m_fp16_bs2_nf4_s0"] and "Proves the fix of" in fix[NOTE_TAG]
 

@@ -111,7 +111,7 @@ def test_the_printed_address_opens_a_comparison_of_the_studys_runs(default_study
         # links: the failing run to its twins that prove the fix, and back
         by_id = {r["info"]["run_id"]: r for r in runs}
         fixes = tags["fixed_by"].split(",")
-        assert len(fixes) >= 2
+        assert len(fixes) >= 2 and "[Compare it with them](#/compare-runs?runs=" in note
         for run_id in fixes:
             twin = _tags(by_id[run_id])
             assert twin["outcome"] == "ok" and twin["precision"] != tags["precision"]
@@ -120,7 +120,7 @@ def test_the_printed_address_opens_a_comparison_of_the_studys_runs(default_study
                 tags["batch_size"],
                 tags["quant"],
             )
-            assert f"(#/experiments/{experiment_id}/runs/{run_id})" in note
+            assert f"(#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning)" in note
             assert failing["info"]["run_id"] in twin["proves_fix_of"].split(",")
 
         # params: the axes and the settings that vary; the rest once, on the study run

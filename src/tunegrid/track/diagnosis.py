@@ -53,8 +53,11 @@ def result_metrics(result: dict[str, Any]) -> dict[str, float]:
     return {key: number for key, value in figures.items() if (number := _finite(value)) is not None}
 
 
+ML_VIEW = "workflowType=machine_learning"  # MLflow's pages of training runs, not of GenAI evaluations
+
+
 def run_page(experiment_id: str, run_id: str) -> str:
-    return f"#/experiments/{experiment_id}/runs/{run_id}"
+    return f"#/experiments/{experiment_id}/runs/{run_id}?{ML_VIEW}"
 
 
 def compare_link(experiment_id: str, run_ids: list[str]) -> str:
@@ -83,19 +86,24 @@ def description(
     fixes: Iterable[tuple[str, str, str]] = (),
     proves: Iterable[tuple[str, str, str]] = (),
     axes: list[str] | None = None,
+    run_id: str = "",
 ) -> str:
     """The run's description (markdown): the diagnosis, the cell's facts (its values of the study's varying
     `axes`), then the links. `fixes` are (what changes, run id, run name) of the runs that prove a failing cell's
-    fix; `proves` the same for the failing runs a cell proves the fix of."""
+    fix; `proves` the same for the failing runs a cell proves the fix of. With the run's own `run_id`, a failing
+    run's description links to MLflow's comparison of it with those runs."""
     lines = [f"**{result['outcome']}**: {result.get('reason') or 'no reason recorded'}", ""]
     lines += ["| | |", "|---|---|"] + [f"| {key} | {value} |" for key, value in _facts(result, axes or [])]
     fixes, proves = list(fixes), list(proves)
     if fixes:
         lines += ["", "**Fixed in this grid by** (the runs that prove it):", ""]
-        lines += [f"- {change}: [{name}]({run_page(experiment_id, run_id)})" for change, run_id, name in fixes]
+        lines += [f"- {change}: [{name}]({run_page(experiment_id, fix_run)})" for change, fix_run, name in fixes]
+        if run_id:
+            runs = [run_id, *dict.fromkeys(fix_run for _, fix_run, _ in fixes)]
+            lines += ["", f"[Compare it with them]({compare_link(experiment_id, runs)})"]
     if proves:
         lines += ["", "**Proves the fix of**:", ""]
-        lines += [f"- {change}: [{name}]({run_page(experiment_id, run_id)})" for change, run_id, name in proves]
+        lines += [f"- {change}: [{name}]({run_page(experiment_id, failing)})" for change, failing, name in proves]
     return "\n".join(lines)
 
 

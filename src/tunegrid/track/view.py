@@ -129,7 +129,7 @@ def publish_review(
             continue
         fixes, proven = named(links.get(cell, [])), named(proves.get(cell, []))
         tags = {
-            NOTE_TAG: description(result, experiment_id, fixes, proven, axes),
+            NOTE_TAG: description(result, experiment_id, fixes, proven, axes, run.info.run_id),
             DIAGNOSIS_TAG: diagnosis_line(result),
         }
         if fixes:
