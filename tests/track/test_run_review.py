@@ -94,14 +94,14 @@ def test_the_cell_figures_are_finite_run_metrics():
     assert figures == {"peak_bytes": 4e8, "estimate_over_measured": 1.0, "nan_step": 0.0}
 
 
-def test_params_are_the_axes_and_the_settings_that_vary():
+def test_params_are_the_axes_and_settings_that_vary_the_rest_is_the_study_runs():
     specs = [
         {"study": "s", "cell_id": f"m{i}", "axes": {"model": f"m{i}", "seed": 0}, "model": {"init": i}, "lr": 1e-4}
         for i in range(3)
     ]
     cell, common = split_params(specs[1], specs)
-    assert cell == {"cell_id": "m1", "axes.model": "m1", "axes.seed": "0", "model.init": "1"}
-    assert common == {"study": "s", "lr": "0.0001"}
+    assert cell == {"cell_id": "m1", "axes.model": "m1", "model.init": "1"}
+    assert common == {"study": "s", "axes.seed": "0", "lr": "0.0001"}
     assert split_params(specs[1], []) == ({**cell, **common}, {})  # a cell run by hand: everything is its own
 
 

@@ -125,12 +125,12 @@ def test_the_printed_address_opens_a_comparison_of_the_studys_runs(default_study
 
         # params: the axes and the settings that vary; the rest once, on the study run
         params_of = [{p["key"]: p["value"] for p in r["data"].get("params", [])} for r in runs]
-        settings = {k for p in params_of for k in p if not k.startswith(("axes.", "audit."))}
+        settings = {k for p in params_of for k in p if not k.startswith("audit.")}  # the audit: measured, at the end
         assert all(len({p.get(k) for p in params_of}) > 1 for k in settings), "a setting every cell shares"
         (study,) = _post(base, "runs/search", {"experiment_ids": [experiment_id], "filter": "tags.kind = 'study'"})[
             "runs"
         ]
-        assert {p["key"] for p in study["data"]["params"]} >= {"train.lr", "lora.r"}
+        assert {p["key"] for p in study["data"]["params"]} >= {"train.lr", "lora.r", "axes.seed"}
     finally:
         ui.send_signal(signal.SIGTERM)
         out, _ = ui.communicate(timeout=60)

@@ -1,8 +1,9 @@
 """Which of a cell's settings are params of its MLflow run, and which are logged once, on the study's run.
 
-A cell run's params are what tells it from the study's other cells: its axes and every setting whose value is not
-the same in all of the study's cells (a model's config where the grid has two models). The settings every cell
-shares are params of the invocation's study run (`kind=study`), so comparing two cell runs shows only what differs.
+A cell run's params are what tells it from the study's other cells: the axes and settings whose value is not the
+same in all of the study's cells (a model's config where the grid has two models); every axis is a tag of the run
+too. What every cell shares is a param of the invocation's study run (`kind=study`), so comparing two cell runs
+shows only what differs.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def study_specs(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def split_params(spec: dict[str, Any], specs: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str]]:
-    """(the cell run's params, the study run's): the cell's axes and the settings that vary among `specs` (the
-    study's cells), then those all of them share. Without the study's specs, everything is the cell's. The plan a
+    """(the cell run's params, the study run's): the axes and settings that vary among `specs` (the study's
+    cells), then those all of them share. Without the study's specs, everything is the cell's. The plan a
     cell was given (its spec's `plan`: target, estimate, time limits) is no setting: the run's tags and metrics
     carry its figures (`target`, `memory.estimate_bytes`) and result.json the whole of it."""
     mine = flatten("", spec, {})
@@ -49,6 +50,6 @@ def split_params(spec: dict[str, Any], specs: list[dict[str, Any]]) -> tuple[dic
     for key, value in mine.items():
         if key.startswith("plan.") and not any(key in other for other in others):
             continue
-        varies = key.startswith("axes.") or any(other.get(key) != value for other in others)
+        varies = any(other.get(key) != value for other in others)
         (cell if varies else common)[key] = value
     return cell, common
