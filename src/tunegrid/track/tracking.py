@@ -181,7 +181,6 @@ class CellRun:
 
     def log_dataset(self, dataset: dict[str, Any]) -> None:
         """The training set as the run's dataset input (the UI's Dataset column), context `training`."""
-
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         if self.run_id is None:
