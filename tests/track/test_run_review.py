@@ -19,7 +19,7 @@ from tunegrid.track.diagnosis import (
     result_metrics,
 )
 from tunegrid.track.params import split_params
-from tunegrid.track.records import NONFINITE_KEY, metrics_from_records
+from tunegrid.track.records import NONFINITE_KEY, step_metrics
 from tunegrid.track.tracking import CELL_TAG
 
 
@@ -82,7 +82,7 @@ def test_an_infinity_is_never_sent_and_a_chart_shows_where_non_finite_values_beg
         {"step": 0, "time": 1.0, "loss": 2.0, "fp16_headroom_max_ratio": 0.5},
         {"step": 1, "time": 2.0, "loss": "nan", "grad_norm": "nan", "fp16_headroom_max_ratio": "inf"},
     ]
-    metrics = metrics_from_records(records)
+    metrics = step_metrics(records)
     assert all(not math.isinf(m.value) for m in metrics)  # MLflow would keep inf as the largest float
     by_step = {(m.key, m.step): m.value for m in metrics}
     assert (("fp16_headroom_max_ratio", 1)) not in by_step and math.isnan(by_step[("loss", 1)])

@@ -33,19 +33,36 @@ SENT_KEYS = (*METRIC_KEYS, NONFINITE_KEY)
 
 def metrics_from_records(records: Iterable[dict[str, Any]]) -> list[Any]:
     """metrics.jsonl lines -> mlflow Metric entities. A NaN is kept (a NaN loss is a fact; MLflow keeps it, though
-    its charts draw no point for it); an infinity is not sent, as MLflow would store it as the largest float. Each
-    step also gets `nonfinite`, the count of its metrics that were not finite, so a chart shows where they began."""
+    its charts draw no point for it); an infinity is not sent, as MLflow would store it as the largest float."""
     from mlflow.entities import Metric
 
-    metrics = []
-    for rec in records:
-        step, ts = int(rec["step"]), int(rec["time"] * 1000)
-        nonfinite = 0
-        for key in METRIC_KEYS:
-            if key in rec and rec[key] is not None:
-                value = float(rec[key])
-                nonfinite += not math.isfinite(value)
-                if not math.isinf(value):
-                    metrics.append(Metric(key=key, value=value, timestamp=ts, step=step))
-        metrics.append(Metric(key=NONFINITE_KEY, value=float(nonfinite), timestamp=ts, step=step))
-    return metrics
+    return [
+        Metric(key=key, value=value, timestamp=int(rec["time"] * 1000), step=int(rec["step"]))
+        for rec in records
+        for key, value in _values(rec)
+        if not math.isinf(value)
+    ]
+
+
+def nonfinite_counts(records: Iterable[dict[str, Any]]) -> list[Any]:
+    """Per step, `nonfinite`: how many of its metrics were not finite, so a chart shows where they began."""
+    from mlflow.entities import Metric
+
+    return [
+        Metric(
+            key=NONFINITE_KEY,
+            value=float(sum(not math.isfinite(value) for _, value in _values(rec))),
+            timestamp=int(rec["time"] * 1000),
+            step=int(rec["step"]),
+        )
+        for rec in records
+    ]
+
+
+def step_metrics(records: list[dict[str, Any]]) -> list[Any]:
+    """What a cell run gets of metrics.jsonl: its points, and the per-step count of non-finite ones."""
+    return metrics_from_records(records) + nonfinite_counts(records)
+
+
+def _values(rec: dict[str, Any]) -> list[tuple[str, float]]:
+    return [(key, float(rec[key])) for key in METRIC_KEYS if rec.get(key) is not None]

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from tunegrid.study.paths import StudyPaths
 from tunegrid.track.diagnosis import DIAGNOSIS_TAG, RUNNING
-from tunegrid.track.records import NONFINITE_KEY, SENT_KEYS, metrics_from_records
+from tunegrid.track.records import NONFINITE_KEY, SENT_KEYS, step_metrics
 from tunegrid.track.refusals import REFUSED_TAG, checked, checked_metrics, refused_note, shown
 from tunegrid.track.store import client, is_refusal, with_retries
 from tunegrid.vocabulary import Outcome
@@ -159,7 +159,7 @@ class CellRun:
     def log_records(self, records: list[dict[str, Any]]) -> bool:
         if self.run_id is None or not records:
             return self.run_id is not None
-        metrics, refused = checked_metrics(metrics_from_records(records))
+        metrics, refused = checked_metrics(step_metrics(records))
         self._refuse("metric", sorted(set(refused)))
         if not self._send("metric", metrics, "log metrics", MAX_BATCH):
             return False
@@ -176,7 +176,7 @@ class CellRun:
             if history is FAILED:
                 return 0
             have.update((m.key, m.step) for m in history)
-        missing, _ = checked_metrics([m for m in metrics_from_records(records) if (m.key, m.step) not in have])
+        missing, _ = checked_metrics([m for m in step_metrics(records) if (m.key, m.step) not in have])
         return _file_points(missing) if self._send("metric", missing, "reconcile metrics", MAX_BATCH) else 0
 
     def log_dataset(self, dataset: dict[str, Any]) -> None:
