@@ -1,8 +1,9 @@
 """What the Snakefile's onstart / onsuccess / onerror do: one package call each.
 
 onstart starts this invocation's warm worker and warm supervisor (local runs; the resolved study and the cells'
-specs are rules' files, workflow/rules/plan.smk);
-onsuccess / onerror stop it and close the invocation's MLflow run when there is more to record. A
+specs are rules' files, workflow/rules/plan.smk) and passes a SIGTERM on to a running `mlflow_ui` job;
+onsuccess / onerror stop it and close the invocation's MLflow run when there is more to record, and an
+invocation whose `mlflow_ui` was stopped on request ends cleanly. A
 cluster job's own snakemake runs no hooks. Nothing here may fail the workflow's own outcome.
 """
 
