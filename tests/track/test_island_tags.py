@@ -29,7 +29,7 @@ def test_islands_and_their_measured_maxima_are_run_tags():
 
 def test_a_model_spec_keyed_by_globs_is_one_param_mlflow_accepts():
     """init_scale's keys ("*.mlp.*") are no MLflow param names: refused, they failed every param of the run."""
-    from tunegrid.track.tracking import PARAM_NAME, flatten
+    from tunegrid.track.records import PARAM_NAME, flatten
 
     params = flatten("", {"model": {"init_scale": {"*.mlp.*": 10}, "config": {"hidden_size": 64}}}, {})
     assert params == {"model.init_scale": '{"*.mlp.*": 10}', "model.config.hidden_size": "64"}

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from tunegrid.outcome import Outcome
+from tunegrid.track.records import flatten
 from tunegrid.track.refusals import REFUSED_TAG
 from tunegrid.track.store import client, init_experiment
 from tunegrid.track.tags import result_params, run_name, run_tags
-from tunegrid.track.tracking import CellRun, flatten, sync_cell
+from tunegrid.track.tracking import CellRun, sync_cell
 
 RESULT = Path(__file__).resolve().parents[1] / "data" / "result-a7de793-gemma3-tiny_fp16_bs8_nf4_s0.json"
 BAD_ROLE = "lm_head{tied}"  # braces: a character MLflow forbids in a param name

@@ -1,7 +1,7 @@
 import re
 
+from tunegrid.track.records import flatten, metrics_from_records
 from tunegrid.track.store import redact_uri, resolve_tracking_uri
-from tunegrid.track.tracking import flatten, metrics_from_records
 
 
 def test_credentials_never_leave_the_uri():

@@ -214,6 +214,10 @@ def get_sync_file():
     return [str(PATHS.tracking_sync)] if TRACKING else []
 
 
+def get_review_file():
+    return [str(PATHS.tracking_review)] if TRACKING else []
+
+
 def get_final_outputs():
     return [
         str(PATHS.environment),
@@ -221,6 +225,7 @@ def get_final_outputs():
         str(PATHS.summary),
         str(PATHS.report_file("index.html")),
         *get_sync_file(),
+        *get_review_file(),
     ]
 
 

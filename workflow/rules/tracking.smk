@@ -64,3 +64,24 @@ rule probe_tracking:
     shell:
         f"python {SCRIPT} probe-tracking"
         " --tracking {input.tracking} --capabilities {input.capabilities} --out {output.run} > {log} 2>&1"
+
+
+# After the report: each current cell run's description, the links between a failing run and the runs that prove
+# its fix, and the study's runs page as a comparison table (the view `snakemake mlflow_ui` prints).
+rule mlflow_review:
+    input:
+        tracking=rules.tracking_init.output.tracking,
+        sync=rules.mlflow_sync.output.sync,
+        recommendations=str(PATHS.report_file("recommendations.json")),
+        results=get_result_files(),
+    output:
+        review=str(PATHS.tracking_review),
+    log:
+        str(PATHS.log("mlflow_review")),
+    localrule: True
+    conda:
+        "../../envs/tunegrid.yaml"
+    shell:
+        f"python {SCRIPT} mlflow-review"
+        " --tracking {input.tracking} --recommendations {input.recommendations} --out {output.review}"
+        " {input.results} > {log} 2>&1"

@@ -129,6 +129,24 @@ def sync(args: argparse.Namespace) -> None:
     )
 
 
+def mlflow_review(args: argparse.Namespace) -> None:
+    from tunegrid.track.store import tracking_uri_for_cells
+    from tunegrid.track.view import publish_review
+
+    tracking = read_json(args.tracking)
+    results = [read_json(path) for path in args.results]
+    try:
+        review = publish_review(
+            tracking_uri_for_cells(tracking), str(tracking["experiment_id"]), results, read_json(args.recommendations)
+        )
+    except Exception as exc:  # noqa: BLE001 — a store that stays down costs the view and links, never the study
+        review = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        print(f"WARNING: MLflow review not written ({review['error']}); the report and the files hold it all")
+    write_json(args.out, review)
+    if "error" not in review:
+        print(f"MLflow review: {review['runs']} current runs described, {review['failing_linked']} failing runs linked")
+
+
 def plan(args: argparse.Namespace) -> None:
     """plan.csv: the union of the cells' contracts (the `cell_plan` rule's files), one line per cell of the study
     in grid order; nothing is planned here."""
@@ -253,10 +271,15 @@ def probe_tracking(args: argparse.Namespace) -> None:
 def mlflow_ui(args: argparse.Namespace) -> None:
     from tunegrid.run.ui import serve_until_stopped
     from tunegrid.track.store import tracking_uri_for_cells
+    from tunegrid.track.view import write_view
 
     tracking = read_json(args.tracking)
     store = tracking_uri_for_cells(tracking)  # the store the cells wrote: one resolver for all
     log = Path(args.log) if args.log else None
+    try:  # the view the printed address opens, from the store as it is now (a store older than the view too)
+        write_view(store, str(tracking["experiment_id"]))
+    except Exception as exc:  # noqa: BLE001 — the runs are still served, in MLflow's own default view
+        print(f"WARNING: could not write the study's view: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
     raise SystemExit(
         serve_until_stopped(store, args.host, args.port, args.allowed_hosts, log, str(tracking["experiment_id"]))
     )

@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", nargs="+")
     p.set_defaults(func=commands.sync)
 
+    p = sub.add_parser("mlflow-review", help="the study's runs page as a comparison table, failures linked to fixes")
+    p.add_argument("--tracking", required=True)
+    p.add_argument("--recommendations", required=True, help="the report's recommendations.json")
+    p.add_argument("--out", required=True)
+    p.add_argument("results", nargs="+")
+    p.set_defaults(func=commands.mlflow_review)
+
     p = sub.add_parser("plan", help="plan.csv: per cell, the target, the memory estimate and the verdict")
     p.add_argument("--study-file", required=True, help="the resolved study (results/<study>/study.json)")
     p.add_argument("--plans", required=True, help="the folder of the cells' contracts (results/<study>/plans)")

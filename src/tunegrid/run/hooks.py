@@ -1,8 +1,9 @@
 """What the Snakefile's onstart / onsuccess / onerror do: one package call each.
 
 onstart starts this invocation's warm worker and warm supervisor (local runs; the resolved study and the cells'
-specs are rules' files, workflow/rules/plan.smk);
-onsuccess / onerror stop it and close the invocation's MLflow run when there is more to record. A
+specs are rules' files, workflow/rules/plan.smk) and passes a SIGTERM on to a running `mlflow_ui` job;
+onsuccess / onerror stop it and close the invocation's MLflow run when there is more to record, and an
+invocation whose `mlflow_ui` was stopped on request ends cleanly. A
 cluster job's own snakemake runs no hooks. Nothing here may fail the workflow's own outcome.
 """
 
@@ -21,6 +22,9 @@ def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | 
     """`cells_to_run`: the cell jobs this invocation will run (None: not known). The warm processes (torch and
     peft imported, ~1 s and hundreds of MiB; MLflow) serve runs with cells only, so `snakemake mlflow_ui`,
     `report` or a run with every cell done starts neither."""
+    from tunegrid.run.ui import forward_sigterm_to_ui
+
+    forward_sigterm_to_ui(logs)
     if cells_to_run != 0:
         _start_warm_worker(study, logs, local)
 
@@ -28,6 +32,13 @@ def on_start(study: dict[str, Any], logs: str, local: bool, cells_to_run: int | 
 def on_end(
     status: str, study: dict[str, Any], results: str, logs: str, script: str, cell_ids: list[str] | None = None
 ) -> None:
+    from tunegrid.run.ui import ui_stopped_on_request
+
+    if status == "FAILED" and not _WARM and ui_stopped_on_request(logs):
+        # `snakemake mlflow_ui` stopped by Ctrl-C or SIGTERM: Snakemake, signalled too, counts that as a failed
+        # run and would end in a WorkflowError; the UI stopped as asked, so the invocation ends cleanly (its
+        # directory lock is released on the way out)
+        raise SystemExit(0)
     if study["tracking"]["enabled"]:  # first: the warm supervisor forks its job (no import of MLflow here)
         _close_execution(status, results, logs, script)
     while _WARM:

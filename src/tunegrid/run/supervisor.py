@@ -31,6 +31,7 @@ from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_pyt
 from tunegrid.study.paths import StudyPaths
 from tunegrid.study.sources import fetched_env
 from tunegrid.targets import gpu_shortfall
+from tunegrid.track.diagnosis import diagnosis_line, result_metrics
 from tunegrid.track.tags import (
     ARTIFACT_FILES,
     axis_tags,
@@ -244,6 +245,8 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
                 "points_filled": filled,
                 "errors": tracker.errors,
             }
+        # the cell's log ends with how the cell ended (a failing cell's log would otherwise end mid-progress-bar)
+        print(f"tunegrid: {spec['cell_id']} ended {diagnosis_line(result)}", flush=True)
         # result.json is the job's declared output: it appears last, once everything the job owes (the
         # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
         # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
@@ -293,6 +296,7 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
         failed=result["outcome"] != Outcome.OK,
         params=result_params(result),
         end_time=result["ended_at"],
+        metrics=result_metrics(result),
         name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
     )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
@@ -320,8 +324,9 @@ def _open_run(
 ) -> Any:
     """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
     from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
+    from tunegrid.track.params import split_params, study_specs
     from tunegrid.track.store import tracking_uri_for_cells
-    from tunegrid.track.tracking import CellRun, flatten
+    from tunegrid.track.tracking import CellRun
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
     tags = axis_tags(spec["axes"], spec.get("debug"))
@@ -331,6 +336,7 @@ def _open_run(
     probe_run = capabilities.get("mlflow_run_id") or ""
     if probe_run:
         tags["probe.run_id"] = probe_run
+    params, common = split_params(spec, study_specs(result_path.parent))
     parent = parent_run_id(
         tracker.uri,
         tracking["experiment_id"],
@@ -338,9 +344,10 @@ def _open_run(
         StudyPaths.of_result(result_path).study_dir,
         probe_run,
         spec["cell_id"],
+        params=common,
     )
     if parent:
         tags[INVOCATION_TAG] = parent
-    tracker.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=started)
+    tracker.start(spec["cell_id"], tags, params, start_time=started)
     tracker.monitor_system(float(tracking.get("system_metrics_interval_s", 0)))
     return tracker

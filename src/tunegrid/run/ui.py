@@ -6,6 +6,7 @@ the screenshot is MLflow's blank loading page.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -128,6 +129,51 @@ def server_running(url: str) -> bool:
     return proc is not None and proc.poll() is None
 
 
+UI_STATE_FILE = "mlflow_ui.json"  # beside the UI's log: whose UI it is (the invocation), its pid, and its state
+
+
+def _write_ui_state(path: Path | None, state: str) -> None:
+    from tunegrid.runtime.files import write_json
+    from tunegrid.track.execution import current_execution_id
+
+    if path is not None:
+        write_json(path, {"execution_id": current_execution_id(), "pid": os.getpid(), "state": state})
+
+
+def _read_ui_state(logs: str | Path) -> dict:
+    """This invocation's UI state ({} when the file names another invocation's UI, or there is none)."""
+    from tunegrid.track.execution import current_execution_id
+
+    try:
+        state = json.loads((Path(logs) / UI_STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if state.get("execution_id") and state["execution_id"] == current_execution_id() else {}
+
+
+def forward_sigterm_to_ui(logs: str) -> None:
+    """For Snakemake's own process (its onstart hook): a SIGTERM to Snakemake alone makes it wait for its running
+    jobs, and the UI job would serve on; so the signal is passed on to this invocation's UI first, which stops."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def forward(signum: int, frame: object) -> None:
+        state = _read_ui_state(logs)
+        if state.get("state") == "serving":
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(state["pid"]), signal.SIGTERM)
+        if callable(previous):
+            previous(signum, frame)
+
+    with contextlib.suppress(ValueError):  # not the main thread: nothing to forward from
+        signal.signal(signal.SIGTERM, forward)
+
+
+def ui_stopped_on_request(logs: str | Path) -> bool:
+    """Whether this invocation served the UI and a Ctrl-C or SIGTERM ended it (Snakemake, signalled too, then
+    counts its run as failed: the hook ends it cleanly instead). A server that exited on its own is not."""
+    return _read_ui_state(logs).get("state") in ("serving", "stopped")
+
+
 def serve_until_stopped(
     store_uri: str,
     host: str,
@@ -137,20 +183,25 @@ def serve_until_stopped(
     experiment_id: str = "",
 ) -> int:
     """`snakemake mlflow_ui`: serve until Ctrl-C or SIGTERM, then stop the server and return 0. It prints
-    the study's runs page (the experiment's training runs), not MLflow's home page."""
-    import signal
+    the study's runs page (its view of the current cell runs: tunegrid.track.view), not MLflow's home page."""
     import threading
+
+    from tunegrid.track.view import runs_view
 
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    state_path = log_path.parent / UI_STATE_FILE if log_path else None
     with mlflow_server(store_uri, host, port, timeout_s=120, allowed_hosts=allowed_hosts, log_path=log_path) as url:
-        page = runs_page(url, experiment_id) if experiment_id else url
+        page = runs_view(url, experiment_id) if experiment_id else url
+        _write_ui_state(state_path, "serving")  # before the address: a signal on seeing it finds the UI to stop
         print(f"MLflow UI: {page} (the study's runs; Ctrl-C stops it)", flush=True)
         while not stop.wait(1.0):
             if not server_running(url):
+                _write_ui_state(state_path, "failed")
                 print(f"mlflow server exited on its own; see {log_path or 'its output'}", flush=True)
                 return 1
+    _write_ui_state(state_path, "stopped")
     print("MLflow UI stopped", flush=True)
     return 0
 

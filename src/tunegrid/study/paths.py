@@ -10,7 +10,7 @@ the tracker and the report find a study's files here instead of spelling them or
         specs/<cell_id>.json                 a cell's resolved spec, the file its jobs read
         plan.csv, plans/<cell_id>.json, runs/<cell_id>/result.json (and the run's other files)
         summary.csv, summary.parquet, report/ (index.html, its figures, recommendations.json)
-        tracking.json, tracking-sync.json
+        tracking.json, tracking-sync.json, tracking-review.json
         benchmarks/<rule>/<name>.tsv         Snakemake's timing of a cell's or a stack's job
         doctor/<cell_id>/                    tunegrid doctor's waves for one baseline cell: reproduce.json,
                                              diagnosis.json, <mode>/try-<n>.json, <mode>/doctor.json, ...
@@ -148,6 +148,11 @@ class StudyPaths:
     @property
     def tracking_sync(self) -> Path:
         return self.study_dir / "tracking-sync.json"
+
+    @property
+    def tracking_review(self) -> Path:
+        """What the mlflow_review rule wrote onto the study's runs: the view's key, the runs it linked."""
+        return self.study_dir / "tracking-review.json"
 
     def doctor_reproduce(self, cell_id: str) -> Path:
         return self._doctor_dir(cell_id) / "reproduce.json"

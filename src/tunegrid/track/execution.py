@@ -60,9 +60,16 @@ def _record_path(study_dir: Path, execution_id: str) -> Path:
 
 
 def parent_run_id(
-    uri: str, experiment_id: str, study: str, study_dir: Path, probe_run_id: str = "", cell_id: str = ""
+    uri: str,
+    experiment_id: str,
+    study: str,
+    study_dir: Path,
+    probe_run_id: str = "",
+    cell_id: str = "",
+    params: dict[str, str] | None = None,
 ) -> str | None:
-    """The parent run of the current execution, created by whichever cell asks first. With `cell_id`, that
+    """The parent run of the current execution, created by whichever cell asks first, with `params` (the settings
+    every cell of the study shares, logged once here rather than on each cell's run). With `cell_id`, that
     cell is recorded as in flight (and a parent some earlier cell had marked finished runs again)."""
     from tunegrid.track.store import client, with_retries
 
@@ -93,6 +100,8 @@ def parent_run_id(
                     ),
                     "parent run",
                 )
+                if params:
+                    _log_params(c, run.info.run_id, params)
                 _end_killed_parents(c, experiment_id, execution_id)
                 record = {
                     "run_id": run.info.run_id,
@@ -112,6 +121,16 @@ def parent_run_id(
             record["running"].append(cell_id)
         write_json(record_path, record)
         return str(record["run_id"])
+
+
+def _log_params(c: Any, run_id: str, params: dict[str, str]) -> None:
+    """The study's shared settings on its run; what MLflow refuses of them costs only itself."""
+    from tunegrid.track.refusals import checked
+    from tunegrid.track.store import with_retries
+
+    accepted, _ = checked("param", params)
+    for i in range(0, len(accepted), 100):
+        with_retries(lambda chunk=accepted[i : i + 100]: c.log_batch(run_id, params=chunk), "study params")
 
 
 def _end_killed_parents(c: Any, experiment_id: str, execution_id: str) -> None:

@@ -6,8 +6,8 @@ import logging
 import time
 from typing import Any
 
+from tunegrid.track.records import flatten
 from tunegrid.track.store import client, with_retries
-from tunegrid.track.tracking import flatten
 
 log = logging.getLogger(__name__)
 

@@ -44,15 +44,9 @@ def distinct_part(cell_id: str, study_cell_ids: Iterable[str]) -> str:
 
 def study_cell_ids(run_dir: Path) -> list[str]:
     """The ids of the cells of the study a run folder belongs to (its study.json), or none when it has none."""
-    from tunegrid.runtime.files import read_json
-    from tunegrid.study.config import cells_by_id, resolve_study
-    from tunegrid.study.paths import StudyPaths
+    from tunegrid.track.params import study_specs
 
-    study_file = StudyPaths.of_run_dir(run_dir).study_file
-    try:
-        return list(cells_by_id(resolve_study(read_json(study_file))))
-    except (OSError, ValueError):  # none there (a cell run by hand), or not one this version reads: the whole id
-        return []
+    return [spec["cell_id"] for spec in study_specs(run_dir)]  # none: a cell run by hand (its whole id is its name)
 
 
 def spec_id(result: dict[str, Any]) -> str:
@@ -79,9 +73,13 @@ def axis_tags(axes: dict[str, Any], debug: dict[str, Any] | None = None) -> dict
 
 def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     """A cell run's tags, from its result (a CellResult, or result.json as written by any version)."""
+    from tunegrid.track.diagnosis import outcome_tags
+
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
     diagnosis = result.diagnosis
-    tags = {"outcome": str(result.outcome), "outcome.reason": result.reason, "device": result.env.get("device", "")}
+    tags = outcome_tags(result.to_json())
+    tags.update(outcome=str(result.outcome), device=result.env.get("device", ""))
+    tags["outcome.reason"] = result.reason
     for package, version in ((result.env.get("stack") or {}).get("versions") or {}).items():
         if package in ((result.env.get("stack") or {}).get("pins") or {}):
             tags[f"stack.{package}"] = str(version)  # what the cell's library stack pinned, as resolved

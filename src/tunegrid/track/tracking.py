@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tunegrid.outcome import METRIC_KEYS
 from tunegrid.study.paths import StudyPaths
+from tunegrid.track.diagnosis import DIAGNOSIS_TAG, RUNNING
+from tunegrid.track.records import (
+    NONFINITE_KEY,
+    SENT_KEYS,
+    metrics_from_records,  # noqa: F401 — where the supervisor's tests read it
+    step_metrics,
+)
 from tunegrid.track.refusals import REFUSED_TAG, checked, checked_metrics, refused_note, shown
 from tunegrid.track.store import client, is_refusal, with_retries
 from tunegrid.vocabulary import Outcome
@@ -28,35 +34,6 @@ FAILED: Any = object()  # what CellRun._try returns when the store call failed (
 REFUSED: Any = object()  # ... and when the store refused what the call holds (it is up: later calls go on)
 MAX_BATCH = 1000  # MLflow's log_batch limit on metrics per call
 T = TypeVar("T")
-
-
-# What MLflow accepts in a param name: a dict keyed otherwise (a model's init_scale globs, "*.mlp.*") is one
-# param of its JSON, or the whole run's params would be refused
-PARAM_NAME = re.compile(r"^[A-Za-z0-9_\-. :/]+$")
-
-
-def flatten(prefix: str, value: Any, out: dict[str, str]) -> dict[str, str]:
-    if isinstance(value, dict) and all(PARAM_NAME.match(str(key)) for key in value):
-        for key, item in value.items():
-            flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
-    elif isinstance(value, dict):  # values over MLflow's length limit are cut or refused by its own check
-        out[prefix] = json.dumps(value, sort_keys=True)
-    else:
-        out[prefix] = str(value)
-    return out
-
-
-def metrics_from_records(records: Iterable[dict[str, Any]]) -> list[Any]:
-    """metrics.jsonl lines -> mlflow Metric entities (non-finite values kept: a NaN loss is a fact)."""
-    from mlflow.entities import Metric
-
-    metrics = []
-    for rec in records:
-        step, ts = int(rec["step"]), int(rec["time"] * 1000)
-        for key in METRIC_KEYS:
-            if key in rec and rec[key] is not None:
-                metrics.append(Metric(key=key, value=float(rec[key]), timestamp=ts, step=step))
-    return metrics
 
 
 class NullRun:
@@ -155,7 +132,9 @@ class CellRun:
             lambda: self.client.search_runs([self.experiment_id], filter_string=f"tags.`{CELL_TAG}` = '{cell_id}'"),
             "search previous runs",
         )
-        accepted, refused = checked("tag", {CELL_TAG: cell_id, **tags})  # one bad tag would refuse the run
+        # the diagnosis first: MLflow lists a run's tags in the order they were first set
+        first = {DIAGNOSIS_TAG: RUNNING, CELL_TAG: cell_id}
+        accepted, refused = checked("tag", {**first, **tags})  # one bad tag would refuse the run
         self._refuse("tag", refused)
         run = self._try(
             lambda: self.client.create_run(
@@ -191,11 +170,11 @@ class CellRun:
     def log_records(self, records: list[dict[str, Any]]) -> bool:
         if self.run_id is None or not records:
             return self.run_id is not None
-        metrics, refused = checked_metrics(metrics_from_records(records))
+        metrics, refused = checked_metrics(step_metrics(records))
         self._refuse("metric", sorted(set(refused)))
         if not self._send("metric", metrics, "log metrics", MAX_BATCH):
             return False
-        self.sent_points += len(metrics)
+        self.sent_points += _file_points(metrics)
         return True
 
     def reconcile(self, records: list[dict[str, Any]]) -> int:
@@ -203,18 +182,16 @@ class CellRun:
         if self.run_id is None:
             return 0
         have: set[tuple[str, int]] = set()
-        for key in METRIC_KEYS:
+        for key in SENT_KEYS:
             history = self._try(lambda k=key: self.client.get_metric_history(self.run_id, k), "read history")
             if history is FAILED:
                 return 0
             have.update((m.key, m.step) for m in history)
-        missing, _ = checked_metrics([m for m in metrics_from_records(records) if (m.key, m.step) not in have])
-        return len(missing) if self._send("metric", missing, "reconcile metrics", MAX_BATCH) else 0
+        missing, _ = checked_metrics([m for m in step_metrics(records) if (m.key, m.step) not in have])
+        return _file_points(missing) if self._send("metric", missing, "reconcile metrics", MAX_BATCH) else 0
 
     def log_dataset(self, dataset: dict[str, Any]) -> None:
         """The training set as the run's dataset input (the UI's Dataset column), context `training`."""
-        import json
-
         from mlflow.entities import Dataset, DatasetInput, InputTag
 
         if self.run_id is None:
@@ -244,6 +221,7 @@ class CellRun:
         params: dict[str, str] | None = None,
         end_time: float | None = None,
         name: str | None = None,
+        metrics: dict[str, float] | None = None,
     ) -> None:
         """Outcome tags, facts known only after training as params (e.g. the quantization audit), artifacts;
         the run renamed to carry its outcome and ended FAILED when the cell did not end ok. What MLflow refuses
@@ -257,6 +235,14 @@ class CellRun:
             self._try(lambda: self.client.update_run(self.run_id, name=name), "rename run")
         if params:
             self._log("param", params, "final params")
+        if metrics:  # the cell's figures, one point each, at its end
+            from mlflow.entities import Metric
+
+            at = _ms(end_time) or int(time.time() * 1000)
+            entities = [Metric(key=k, value=float(v), timestamp=at, step=0) for k, v in metrics.items()]
+            accepted, refused = checked_metrics(entities)
+            self._refuse("metric", refused)
+            self._send("metric", accepted, "final metrics")
         final_tags = {**tags, "tunegrid.status": "done"}
         if self.refused:
             final_tags[REFUSED_TAG] = refused_note(self.refused)
@@ -273,6 +259,11 @@ class CellRun:
         self._try(
             lambda: self.client.set_terminated(self.run_id, status=status, end_time=_ms(end_time)), "set_terminated"
         )
+
+
+def _file_points(metrics: list[Any]) -> int:
+    """How many of these points are metrics.jsonl's own (the `nonfinite` count is derived from them)."""
+    return sum(m.key != NONFINITE_KEY for m in metrics)
 
 
 def _ms(epoch_s: float | None) -> int | None:
@@ -299,6 +290,7 @@ def sync_cell(
     from the files, which are the source of truth.
     """
     from tunegrid.runtime.files import read_jsonl
+    from tunegrid.track.diagnosis import result_metrics
     from tunegrid.track.tags import (
         ARTIFACT_FILES,
         axis_tags,
@@ -323,10 +315,14 @@ def sync_cell(
         spec = result["cell"]
         tags = axis_tags(spec["axes"], spec.get("debug"))
         tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
-        parent = parent_run_id(uri, experiment_id, spec["study"], StudyPaths.of_run_dir(run_dir).study_dir)
+        from tunegrid.track.params import split_params, study_specs
+
+        params, common = split_params(spec, study_specs(run_dir))
+        study_dir = StudyPaths.of_run_dir(run_dir).study_dir
+        parent = parent_run_id(uri, experiment_id, spec["study"], study_dir, params=common)
         if parent:
             tags[INVOCATION_TAG] = parent
-        run.start(spec["cell_id"], tags, flatten("", spec, {}), start_time=result.get("started_at"))
+        run.start(spec["cell_id"], tags, params, start_time=result.get("started_at"))
         created = run.run_id is not None
     filled = run.reconcile(records)
     if created or unfinished:
@@ -337,6 +333,7 @@ def sync_cell(
             failed=result["outcome"] != Outcome.OK,
             params=result_params(result),
             end_time=result.get("ended_at"),
+            metrics=result_metrics(result),
             name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
         )
     return {
