@@ -70,6 +70,15 @@ class HangWatch:
         self.started = time.time()
         self.verdict: EarlyVerdict | None = None
 
+    def announce(self, tracker: Any) -> bool:
+        """The named hang said in the cell's log and tagged on its MLflow run at once (True: there is one)."""
+        if self.verdict is None:
+            return False
+        said = self.verdict.reason(float(self.settings["collective_timeout_s"]))
+        print(said, flush=True)
+        tracker.tag({"collective.early": said[:4000], "collective.early_kind": self.verdict.kind})
+        return True
+
     def check(self, exit_codes: list[int | None], now: float | None = None) -> EarlyVerdict | None:
         """The verdict the moment it is named (None before, and after: it is named once). No rank may have
         ended: a rank that ended is the supervisor's to read (a crash, or the end of training)."""

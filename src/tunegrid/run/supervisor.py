@@ -135,12 +135,8 @@ def _supervise(
             elif first_exit is not None and now - first_exit > grace:
                 break  # one rank ended (crashed or gave up); the rest are stopped below
             named = watch.check([proc.poll() for proc in procs], now) if watch is not None else None
-            if named is not None:  # a hang, named before the collective timeout: said, tagged, and maybe ended
-                said = named.reason(settings["collective_timeout_s"])
-                print(said, flush=True)
-                tracker.tag({"collective.early": said[:4000], "collective.early_kind": named.kind})
-                if settings["end_on_hang"]:
-                    verdict = (Outcome.TIMEOUT, said)
+            if named is not None and watch.announce(tracker) and settings["end_on_hang"]:  # ends on a named hang
+                verdict = (Outcome.TIMEOUT, named.reason(settings["collective_timeout_s"]))
             if verdict:
                 break
     finally:
