@@ -54,6 +54,18 @@ class StepResult:
     elapsed: float = 0.0  # the step's time (s)
     peak: int = 0  # its memory high-water mark (bytes)
 
+    @property
+    def scaler_skipped(self) -> bool:
+        """The GradScaler found inf/nan gradients of a finite loss, skipped the update and lowered its scale:
+        the loss scale's doing, not the model's, so the step does not count toward train.steps."""
+        return (
+            self.skipped
+            and self.scale is not None
+            and not self.forward_nonfinite
+            and not self.params_without_grad
+            and math.isfinite(self.loss)
+        )
+
 
 @dataclass
 class OptimizerStep:

@@ -170,7 +170,9 @@ class CellTrainer:
     # ---------------------------------------------------------------- the loop
     def loop(self) -> None:
         """For each optimizer step (grad_accum micro-batches): save the resume state when due, train the step,
-        record it, and stop where a non-finite event (or, distributed, any rank's) says so."""
+        record it, and stop where a non-finite event (or, distributed, any rank's) says so. A step the GradScaler
+        skipped changed no weight and does not count: the loop runs until `steps` steps counted, at most
+        `max_skipped_steps` more (every rank skips alike: its scaler reads the all-reduced gradients)."""
         from tqdm.auto import tqdm
 
         from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
@@ -184,12 +186,15 @@ class CellTrainer:
         files = StepFiles.open(self.run_dir)
         replay = FailingStepReplay(optimizer_step)
         scaled = optimizer_step.scaler is not None
+        last = steps + (train.get("max_skipped_steps", 0) if scaled else 0)  # the most steps the loop runs
         self.facts["stage"] = "step"
         progress = tqdm(
             total=steps, initial=log.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr
         )
         try:
-            for step in range(log.start, steps):
+            for step in range(log.start, last):
+                if log.counted(step) >= steps:  # every step counted: the GradScaler's skips were made up for
+                    break
                 if self.ranks.leaves_loop(step):
                     break
                 log.last_step = step
@@ -216,6 +221,8 @@ class CellTrainer:
                 tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
                 record_step(log, files, step, result, tokens, measure_headroom, scaled)
                 progress.set_postfix(loss=f"{result.loss:.4g}", refresh=False)
+                if result.scaler_skipped and progress.total < last:
+                    progress.total += 1  # a step that does not count
                 progress.update()
                 stop = bool(log.unsupported) or on_nonfinite(
                     log, files, step, micro_batches, result, replay, train, scaled
@@ -234,6 +241,8 @@ class CellTrainer:
         finally:
             progress.close()
             files.close()
+            if scaled:
+                log.loss_scale_end = optimizer_step.scaler.get_scale()
         # ------------------------------------------------------------ the record
         summarise(log, self.spec, self.facts, self.memory)
         if self.ranks.distributed:
