@@ -138,9 +138,8 @@ def test_scaler_skips_the_scaler_recovers_from_are_counted_not_failed(checkpoint
     assert facts["diagnosis"]["recovered_scaler_skips"]["step"] == 1
     # a skipped step does not count: the cell ran one more for each, and the reason says both
     assert facts["training"]["updates_applied"] == 4 and facts["training"]["steps_run"] == 4 + skipped
-    assert f"trained all 4 steps with finite loss ({4 + skipped} run: {skipped} skipped by the GradScaler" in (
-        facts["reason"]
-    )
+    reason = facts["reason"]
+    assert f"trained all 4 steps with finite loss ({4 + skipped} run: {skipped} skipped by the GradScaler" in reason
     assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")] == ["scaler_skip"]
 
 
@@ -353,21 +352,22 @@ def test_steps_the_grad_scaler_skipped_do_not_count_so_an_fp16_fix_trains_its_st
     """The scaler skips its first steps (scaled gradients overflow at 65536; no update, the scale halved, the
     schedule waits). They are not `steps`: the cell runs until it applied 4 updates and learns what its fp32 twin
     learned over 4. (It stopped after 4 steps run, 2 of them skipped, its last quarter before any real update.)"""
-    from tunegrid.review.quality import default_review, loss_deviation, loss_fall, trained_curve
-
     data = _few_token_data(dataset_path, tmp_path)
     facts, lines = _scaled_run(checkpoints, data, tmp_path / "mixed", "fp16-mixed")
     reference, reference_lines = _scaled_run(checkpoints, data, tmp_path / "fp32", "fp32")
     assert facts["outcome"] == "ok", facts["reason"]
-    training = facts["training"]
-    skipped = training["scaler_skipped_steps"]
+    skipped = lines[-1]["skipped_steps"]
     assert skipped >= 1 and lines[0]["skipped_steps"] == 1  # the scaler's warm-up: its first step skipped
-    assert training["updates_applied"] == 4 and training["steps_run"] == len(lines) == 4 + skipped
+    assert len(lines) == 4 + skipped  # one more step for each skipped
+    training = facts["training"]
+    assert training["scaler_skipped_steps"] == skipped
+    assert training["updates_applied"] == 4 and training["steps_run"] == 4 + skipped
     assert training["loss_scale_end"] == 65536 / 2**skipped
-    assert f"trained all 4 steps with finite loss ({4 + skipped} run: {skipped} skipped by the GradScaler" in (
-        facts["reason"]
-    )
+    reason = facts["reason"]
+    assert f"trained all 4 steps with finite loss ({4 + skipped} run: {skipped} skipped by the GradScaler" in reason
     assert lines[-1]["lr"] == reference_lines[-1]["lr"]  # the schedule advanced 4 times, as fp32's did
+    from tunegrid.review.quality import default_review, loss_deviation, loss_fall, trained_curve
+
     curve, left_out = trained_curve(lines)
     fp32_curve, _ = trained_curve(reference_lines)
     assert left_out == skipped and len(curve) == len(fp32_curve) == 4
