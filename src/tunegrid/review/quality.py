@@ -107,10 +107,10 @@ def quality_note(curve: Sequence[float], skipped: int) -> str | None:
     if not skipped:
         return None
     updates = max(0, len(curve) - 1)
-    return (
-        f"{skipped} step{'s' * (skipped != 1)} the GradScaler skipped left out: judged on the loss before and "
-        f"after {updates} update{'s' * (updates != 1)}"
-    )
+    left_out = f"{skipped} step{'s' * (skipped != 1)} the GradScaler skipped left out"
+    if not updates:
+        return f"{left_out}: no loss was measured after an update"
+    return f"{left_out}: judged on the loss before and after {updates} update{'s' * (updates != 1)}"
 
 
 def quality_columns(
