@@ -32,7 +32,7 @@ class StepLog:
     start: int = 0  # the first step this run trains (after a resume, the resume state's)
     last_step: int = -1
     skipped_total: int = 0
-    scaler_skips: int = 0  # of those, the GradScaler's (a finite loss): steps that do not count toward train.steps
+    scaler_skips: int = 0  # of those, the GradScaler's: steps that do not count toward train.steps
     consecutive_skips: int = 0
     loss_scale_end: float | None = None  # the GradScaler's scale after the last step (None without one)
     step_times: list[float] = field(default_factory=list)

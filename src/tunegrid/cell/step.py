@@ -56,15 +56,11 @@ class StepResult:
 
     @property
     def scaler_skipped(self) -> bool:
-        """The GradScaler found inf/nan gradients of a finite loss, skipped the update and lowered its scale:
-        the loss scale's doing, not the model's, so the step does not count toward train.steps."""
-        return (
-            self.skipped
-            and self.scale is not None
-            and not self.forward_nonfinite
-            and not self.params_without_grad
-            and math.isfinite(self.loss)
-        )
+        """The GradScaler found inf/nan gradients, skipped the update and lowered its scale (usually the loss
+        scale's doing, not the model's): the step does not count toward train.steps. Decided from the scaler's
+        own verdict alone, never from this rank's loss, so that every rank of a cell (whose scalers read the
+        same all-reduced gradients) counts the same steps and leaves the loop at the same one."""
+        return self.skipped and self.scale is not None and not self.forward_nonfinite and not self.params_without_grad
 
 
 @dataclass

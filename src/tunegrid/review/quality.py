@@ -5,7 +5,7 @@ evidence of a fix, or not.
 anything. A fix is a claim, so the recommender cites only cells whose `quality` is `holds`:
 
 - the curve judged (`trained_curve`): step 0's loss, the model before any update, then the loss of every step
-  that follows an update. A step the GradScaler skipped (inf/nan gradients of a finite loss under fp16) changed
+  that follows an update. A step the GradScaler skipped (inf/nan gradients under fp16) changed
   no weight, so the loss after it is left out: the k-th loss is the model after k updates in every cell, and an
   fp16 cell is judged on the steps that trained, not on its scaler's warm-up. `quality_note` says how many were
   left out.
