@@ -387,3 +387,22 @@ def test_the_skips_made_up_for_are_bounded_by_max_skipped_steps(checkpoints, dat
     assert "train.max_skipped_steps 1 used up" in facts["reason"]
     facts, lines = _scaled_run(checkpoints, data, tmp_path / "none", "fp16-mixed", max_skipped_steps=0)
     assert len(lines) == 4 and facts["training"]["updates_applied"] < 4
+
+
+def test_the_step_after_a_skip_trains_on_the_skipped_steps_batch(checkpoints, dataset_path, tmp_path):
+    """On the study's varied data: a skipped step's batch is drawn again by the next step, so the k-th update
+    trains on the batch the fp32 twin's k-th did, and the curves compare update by update."""
+    train = {"lr": 0.02, "warmup_steps": 2, "steps": 8}
+    facts, lines = _scaled_run(checkpoints, dataset_path, tmp_path / "fp16", "fp16", **train)
+    _, reference_lines = _scaled_run(checkpoints, dataset_path, tmp_path / "fp32", "fp32", **train)
+    assert facts["outcome"] == "ok", facts["reason"]
+    counts = [0] + [line["skipped_steps"] for line in lines]
+    skipped = [i for i in range(len(lines)) if counts[i + 1] > counts[i]]
+    assert skipped and skipped[-1] < len(lines) - 1, counts  # a skip, and a step after it
+    for i in skipped:  # the same batch and the same weights: the same loss
+        assert lines[i + 1]["loss"] == lines[i]["loss"], (i, lines[i]["loss"], lines[i + 1]["loss"])
+    from tunegrid.review.quality import default_review, loss_deviation, trained_curve
+
+    curve, _ = trained_curve(lines)
+    fp32_curve, _ = trained_curve(reference_lines)
+    assert loss_deviation(curve, fp32_curve) <= default_review()["loss_tolerance"], (curve, fp32_curve)
