@@ -9,7 +9,7 @@ import copy
 import pytest
 from conftest import GEMMA_HOT, make_study, one_cell, ready_trainer, run_in_process, run_supervised
 
-from tunegrid.review.quality import default_review, loss_curve, loss_deviation, loss_fall
+from tunegrid.review.quality import default_review, loss_deviation, loss_fall, trained_curve
 from tunegrid.runtime.files import read_jsonl
 
 DEFAULT_REVIEW = default_review()
@@ -64,7 +64,7 @@ def _spec(model: str, precision: str, *, quant: str = "none", train: dict | None
 def _run(spec, checkpoints, dataset_path, tmp_path):
     run_dir = tmp_path / spec["cell_id"]
     facts = run_in_process(spec, checkpoints, dataset_path, run_dir)
-    return facts, loss_curve(read_jsonl(run_dir / "metrics.jsonl"))
+    return facts, trained_curve(read_jsonl(run_dir / "metrics.jsonl"))[0]  # the curve quality judges
 
 
 def _fp32_maxima(checkpoints, dataset_path, tmp_path, model: str) -> dict[str, float]:

@@ -136,8 +136,10 @@ def test_scaler_skips_the_scaler_recovers_from_are_counted_not_failed(checkpoint
     skipped = facts["training"]["skipped_steps"]
     assert skipped >= 1
     assert facts["diagnosis"]["recovered_scaler_skips"]["step"] == 1
-    # the reason says both: steps run, updates applied
-    assert f"trained all 4 steps with finite loss, {4 - skipped} updates applied ({skipped} skipped" in facts["reason"]
+    # a skipped step does not count: the cell ran one more for each, and the reason says both
+    assert facts["training"]["updates_applied"] == 4 and facts["training"]["steps_run"] == 4 + skipped
+    reason = facts["reason"]
+    assert f"trained all 4 steps with finite loss ({4 + skipped} run: {skipped} skipped by the GradScaler" in reason
     assert [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")] == ["scaler_skip"]
 
 
@@ -191,7 +193,9 @@ def test_recovered_skip_then_later_overflow_ends_nan_with_the_later_origin(check
     assert nan["step"] == 3 and nan["kind"] == "loss_nonfinite"
     assert nan["origin"]["forward"]["module"].endswith("layers.0.self_attn.o_proj")
     assert facts["diagnosis"]["recovered_scaler_skips"]["step"] == 1
-    assert facts["training"]["steps_run"] == 4 and "stopped after 4 of 8 steps" in facts["reason"]
+    # 4 steps ran; the skipped step 1 does not count toward the 8
+    assert facts["training"]["steps_run"] == 4
+    assert "stopped after 3 of 8 steps (1 more skipped by the GradScaler)" in facts["reason"]
     events = read_jsonl(run_dir / "events.jsonl")
     assert [(e["step"], e["kind"]) for e in events] == [(1, "scaler_skip"), (3, "loss_nonfinite")]
     assert all(e.get("origin") for e in events)  # each event that degraded or ended the cell has its origin
@@ -325,3 +329,80 @@ def test_a_step_where_no_adapter_gets_a_gradient_ends_unsupported_not_error(
     assert all(".lora_" in name for name in facts["diagnosis"]["params_without_grad"])
     (line,) = read_jsonl(run_dir / "metrics.jsonl")
     assert line["step"] == 0 and line["grad_norm"] == 0.0
+
+
+def _few_token_data(dataset_path, tmp_path):
+    """One short example ("Add 8 and 48." -> "56") 64 times: a step of one row has few loss tokens, so at the
+    GradScaler's default first scale the scaled gradients overflow fp16, and every step sees the same batch."""
+    record = next(line for line in dataset_path.read_text().splitlines() if '"Add 8 and 48."' in line)
+    data = tmp_path / "one-example.jsonl"
+    data.write_text((record + "\n") * 64)
+    return data
+
+
+def _scaled_run(checkpoints, data, run_dir, precision, **train):
+    base = {"steps": 4, "seq_len": 32, "lr": 0.01, "warmup_steps": 0, "headroom_every": 0, "loss_scale_init": 65536}
+    spec = one_cell(model="qwen3moe-tiny", precision=precision, batch=1, train={**base, **train})
+    return run_in_process(spec, checkpoints, data, run_dir), read_jsonl(run_dir / "metrics.jsonl")
+
+
+def test_steps_the_grad_scaler_skipped_do_not_count_so_an_fp16_fix_trains_its_steps_and_learns(
+    checkpoints, dataset_path, tmp_path
+):
+    """The scaler skips its first steps (scaled gradients overflow at 65536; no update, the scale halved, the
+    schedule waits). They are not `steps`: the cell runs until it applied 4 updates and learns what its fp32 twin
+    learned over 4. (It stopped after 4 steps run, 2 of them skipped, its last quarter before any real update.)"""
+    data = _few_token_data(dataset_path, tmp_path)
+    facts, lines = _scaled_run(checkpoints, data, tmp_path / "mixed", "fp16-mixed")
+    reference, reference_lines = _scaled_run(checkpoints, data, tmp_path / "fp32", "fp32")
+    assert facts["outcome"] == "ok", facts["reason"]
+    skipped = lines[-1]["skipped_steps"]
+    assert skipped >= 1 and lines[0]["skipped_steps"] == 1  # the scaler's warm-up: its first step skipped
+    assert len(lines) == 4 + skipped  # one more step for each skipped
+    training = facts["training"]
+    assert training["scaler_skipped_steps"] == skipped
+    assert training["updates_applied"] == 4 and training["steps_run"] == 4 + skipped
+    assert training["loss_scale_end"] == 65536 / 2**skipped
+    reason = facts["reason"]
+    assert f"trained all 4 steps with finite loss ({4 + skipped} run: {skipped} skipped by the GradScaler" in reason
+    assert lines[-1]["lr"] == reference_lines[-1]["lr"]  # the schedule advanced 4 times, as fp32's did
+    from tunegrid.review.quality import default_review, loss_deviation, loss_fall, trained_curve
+
+    curve, left_out = trained_curve(lines)
+    fp32_curve, _ = trained_curve(reference_lines)
+    assert left_out == skipped and len(curve) == len(fp32_curve) == 4
+    review = default_review()
+    assert loss_fall(curve) >= review["min_loss_fall"], curve
+    assert loss_deviation(curve, fp32_curve) <= review["loss_tolerance"], (curve, fp32_curve)
+
+
+def test_the_skips_made_up_for_are_bounded_by_max_skipped_steps(checkpoints, dataset_path, tmp_path):
+    """Past train.max_skipped_steps the cell ends with fewer updates than `steps`, and its reason says so; at 0
+    every step counts, skipped or not."""
+    data = _few_token_data(dataset_path, tmp_path)
+    facts, lines = _scaled_run(checkpoints, data, tmp_path / "one", "fp16-mixed", max_skipped_steps=1)
+    training = facts["training"]
+    assert facts["outcome"] == "ok" and training["scaler_skipped_steps"] >= 2, facts["reason"]
+    assert len(lines) == 5 and training["updates_applied"] == 5 - training["scaler_skipped_steps"]
+    assert "train.max_skipped_steps 1 used up" in facts["reason"]
+    facts, lines = _scaled_run(checkpoints, data, tmp_path / "none", "fp16-mixed", max_skipped_steps=0)
+    assert len(lines) == 4 and facts["training"]["updates_applied"] < 4
+
+
+def test_the_step_after_a_skip_trains_on_the_skipped_steps_batch(checkpoints, dataset_path, tmp_path):
+    """On the study's varied data: a skipped step's batch is drawn again by the next step, so the k-th update
+    trains on the batch the fp32 twin's k-th did, and the curves compare update by update."""
+    train = {"lr": 0.02, "warmup_steps": 2, "steps": 8}
+    facts, lines = _scaled_run(checkpoints, dataset_path, tmp_path / "fp16", "fp16", **train)
+    _, reference_lines = _scaled_run(checkpoints, dataset_path, tmp_path / "fp32", "fp32", **train)
+    assert facts["outcome"] == "ok", facts["reason"]
+    counts = [0] + [line["skipped_steps"] for line in lines]
+    skipped = [i for i in range(len(lines)) if counts[i + 1] > counts[i]]
+    assert skipped and skipped[-1] < len(lines) - 1, counts  # a skip, and a step after it
+    for i in skipped:  # the same batch and the same weights: the same loss
+        assert lines[i + 1]["loss"] == lines[i]["loss"], (i, lines[i]["loss"], lines[i + 1]["loss"])
+    from tunegrid.review.quality import default_review, loss_deviation, trained_curve
+
+    curve, _ = trained_curve(lines)
+    fp32_curve, _ = trained_curve(reference_lines)
+    assert loss_deviation(curve, fp32_curve) <= default_review()["loss_tolerance"], (curve, fp32_curve)

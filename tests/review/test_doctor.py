@@ -224,3 +224,45 @@ def test_the_fix_of_the_baseline_is_the_first_whose_own_twin_is_evidence():
     ]
     found = baseline_fixes(baseline, recs)
     assert [f["cell_id"] for f in found] == ["gemma3-hot_fp32_bs2_none_s0"]
+
+
+def _cell_files(root, cell_id, outcome, losses, skipped=None, diagnosis=None):
+    """A cell's result.json and metrics.jsonl as a run leaves them (`skipped`: the running skipped_steps)."""
+    import json
+
+    run = root / cell_id
+    run.mkdir(parents=True)
+    result = {"cell_id": cell_id, "cell": {"axes": parse_cell_id(cell_id)}, "outcome": outcome, "reason": outcome}
+    result["diagnosis"] = diagnosis or {}
+    (run / "result.json").write_text(json.dumps(result))
+    skipped = skipped or [0] * len(losses)
+    lines = [{"step": i, "loss": loss, "skipped_steps": s} for i, (loss, s) in enumerate(zip(losses, skipped))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return run / "result.json"
+
+
+def test_the_doctors_fp16_candidate_is_judged_on_the_steps_that_trained(tmp_path):
+    """The measured recipe: fp16 nan deterministic; its fp16-mixed candidate's GradScaler skipped its first 3
+    steps (65536 -> 8192), and the cell made them up (4 updates in 7 steps run). Judged on its updates it holds
+    beside fp32; judged step by step it 'deviated' (its step 3, before any update, against fp32's after three),
+    and the only fix written back was fp32."""
+    from tunegrid.review.doctor import verdict_of
+
+    grid = {"model": ["gemma3-hot"], "precision": ["fp16", "fp16-mixed", "fp32"], "quant": ["none"]}
+    study = resolve_study(make_study(grid=grid))
+    nan = {"nan": {"step": 0, "kind": "loss_nonfinite", "origin": {"forward": {"module": "model.layers.7"}}}}
+    results = [
+        _cell_files(tmp_path, "gemma3-hot_fp16_bs2_none_s0", "nan", [float("nan")], [1], nan),
+        _cell_files(
+            tmp_path,
+            "gemma3-hot_fp16-mixed_bs2_none_s0",
+            "ok",
+            [2.14, 2.20, 2.21, 2.21, 1.86, 1.56, 1.35],
+            [1, 2, 3, 3, 3, 3, 3],
+        ),
+        _cell_files(tmp_path, "gemma3-hot_fp32_bs2_none_s0", "ok", [2.14, 1.85, 1.55, 1.34]),
+    ]
+    native = {"precision": {"fp32": "native", "bf16": "native", "fp16": "native"}}
+    verdict = verdict_of(study, "gemma3-hot_fp16_bs2_none_s0", results, native)
+    fixes = {fix["cell_id"] for fix in verdict.fixes}
+    assert "gemma3-hot_fp16-mixed_bs2_none_s0" in fixes, verdict.recommendations

@@ -173,3 +173,67 @@ def test_a_smaller_micro_batch_or_expert_quantization_that_did_not_learn_is_no_f
     gap["quality"], gap["loss_deviation"] = "holds", 0.03
     (rec,) = recommend(gap)
     assert rec.fixes[0].parity == 0.03 and "loss within 3.0% of its reference moe_fp32_bs8_none_s0" in rec.fixes[0].why
+
+
+def _write_cell(tmp_path, cell_id, precision, lines, outcome="ok", quant="none", diagnosis=None):
+    """A cell's result.json and metrics.jsonl; `lines` are (loss, skipped_steps so far) per step."""
+    run = tmp_path / cell_id
+    run.mkdir()
+    axes = {"model": "g", "precision": precision, "batch_size": 2, "quant": quant, "seed": 0}
+    result = {"cell_id": cell_id, "cell": {"axes": axes}, "outcome": outcome, "reason": outcome}
+    if diagnosis:
+        result["diagnosis"] = diagnosis
+    (run / "result.json").write_text(json.dumps(result))
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": i, "loss": loss, "skipped_steps": skipped}) + "\n"
+            for i, (loss, skipped) in enumerate(lines)
+        )
+    )
+    return run / "result.json"
+
+
+# The measured recipe (axolotl QLoRA, fp16, 4 steps, Gemma 3 270M): fp16-mixed's GradScaler skipped steps 0-2
+# (65536 -> 8192), so only step 3 updated; fp32 learned 2.14 -> 1.34.
+FP32_CURVE = [(2.14, 0), (1.85, 0), (1.55, 0), (1.34, 0)]
+WARM_UP_ONLY = [(2.14, 1), (2.20, 2), (2.21, 3), (2.21, 3)]  # 3 of 4 steps skipped, the old loop's end
+SETTLED = [*WARM_UP_ONLY, (1.86, 3), (1.56, 3), (1.35, 3)]  # the loop now makes up the 3 skips: 4 updates
+
+
+def test_a_cell_whose_scaler_skipped_3_of_its_4_steps_is_not_judged_on_its_warm_up(tmp_path):
+    """The loss after a skipped step is the loss before an update: 3 skips of 4 leave no loss measured after
+    any update, which says nothing about learning (it was 'did not learn')."""
+    paths = [
+        _write_cell(tmp_path, "g_fp32_bs2_none_s0", "fp32", FP32_CURVE),
+        _write_cell(tmp_path, "g_fp16-mixed_bs2_none_s0", "fp16-mixed", WARM_UP_ONLY),
+    ]
+    row = build_summary(paths).set_index("cell_id").loc["g_fp16-mixed_bs2_none_s0"]
+    assert row["quality"] == "too few updates", row["quality"]
+    assert row["quality"] != "did not learn" and not row["learned"]
+    assert row["quality_note"] == "3 steps the GradScaler skipped left out: no loss was measured after an update"
+
+
+def test_a_fix_is_judged_on_its_updates_so_fp16_mixed_holds_once_its_scaler_settled(tmp_path):
+    """Skipped steps are left out of the curve: the k-th loss is after k updates in both cells, so the fp16
+    cell's last quarter is compared with the reference's after as many updates (it was 'deviates': its step 3,
+    before any update, against fp32's after three)."""
+    paths = [
+        _write_cell(tmp_path, "g_fp32_bs2_none_s0", "fp32", FP32_CURVE),
+        _write_cell(tmp_path, "g_fp16-mixed_bs2_none_s0", "fp16-mixed", SETTLED),
+    ]
+    frame = build_summary(paths).set_index("cell_id")
+    row = frame.loc["g_fp16-mixed_bs2_none_s0"]
+    assert row["quality"] == "holds", (row["quality"], row["loss_deviation"])
+    assert row["loss_fall"] == pytest.approx(1 - 1.35 / 2.14)
+    assert row["loss_deviation"] == pytest.approx(abs(1.35 - 1.34) / 1.34)
+    assert "judged on the loss before and after 3 updates" in row["quality_note"]
+    assert pd.isna(frame.loc["g_fp32_bs2_none_s0", "quality_note"])  # nothing skipped, nothing left out
+
+
+def test_the_curve_judged_keeps_step_0_and_each_loss_after_an_update():
+    from tunegrid.review.quality import trained_curve
+
+    lines = [{"step": i, "loss": float(i), "skipped_steps": s} for i, s in enumerate([0, 1, 1, 2, 2])]
+    # step 1 skipped: step 2's loss is after the same one update as step 1's (left out); likewise step 4's
+    assert trained_curve(lines) == ([0.0, 1.0, 3.0], 2)
+    assert trained_curve([{"step": 0, "loss": 5.0}, {"step": 1, "loss": 4.0}]) == ([5.0, 4.0], 0)  # older lines

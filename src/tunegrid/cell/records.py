@@ -32,7 +32,9 @@ class StepLog:
     start: int = 0  # the first step this run trains (after a resume, the resume state's)
     last_step: int = -1
     skipped_total: int = 0
+    scaler_skips: int = 0  # of those, the GradScaler's: steps that do not count toward train.steps
     consecutive_skips: int = 0
+    loss_scale_end: float | None = None  # the GradScaler's scale after the last step (None without one)
     step_times: list[float] = field(default_factory=list)
     tokens_per_s: list[float] = field(default_factory=list)
     steady_peaks: list[int] = field(default_factory=list)
@@ -60,6 +62,7 @@ class StepLog:
         return {
             **self.tallies(),
             "skipped_total": self.skipped_total,
+            "scaler_skips": self.scaler_skips,
             "consecutive_skips": self.consecutive_skips,
             "census": self.census.as_dict(),
             "headroom_worst": dict(self.headroom.worst_seen),
@@ -80,6 +83,12 @@ class StepLog:
             saved["skipped_total"],
             saved["consecutive_skips"],
         )
+        # a resume state saved before scaler skips were told apart: under fp16 every skip of an ok run was one
+        self.scaler_skips = saved.get("scaler_skips", saved["skipped_total"])
+
+    def counted(self, steps_run: int) -> int:
+        """The steps of the first `steps_run` that count toward train.steps: all but the GradScaler's skips."""
+        return steps_run - self.scaler_skips
 
 
 @dataclass
@@ -106,6 +115,7 @@ def record_step(
     """One line of metrics.jsonl (`tokens`: the step's real tokens, padding excluded), and the running tallies
     (step 0 is the first-step peak, not steady). `scaled`: the loss was scaled by a GradScaler."""
     log.skipped_total += int(result.skipped)
+    log.scaler_skips += int(result.scaler_skipped)
     log.consecutive_skips = log.consecutive_skips + 1 if result.skipped else 0
     if step == 0:
         log.unsupported = result.params_without_grad or []
@@ -204,9 +214,20 @@ def summarise(log: StepLog, spec: dict[str, Any], facts: dict[str, Any], memory:
         "initial_loss": log.losses[0] if log.losses else None,
         "final_loss": log.losses[-1] if log.losses else None,
         "skipped_steps": log.skipped_total,
+        "updates_applied": steps_run - log.skipped_total,
+        "scaler_skipped_steps": log.scaler_skips,  # run beyond train.steps, up to train.max_skipped_steps
+        "loss_scale_end": log.loss_scale_end,
     }
     facts.update(
-        conclude(spec, log.nonfinite_events, log.stop_event, log.consecutive_skips, steps_run, log.skipped_total)
+        conclude(
+            spec,
+            log.nonfinite_events,
+            log.stop_event,
+            log.consecutive_skips,
+            steps_run,
+            log.skipped_total,
+            log.scaler_skips,
+        )
     )
     if log.stopped_by_peer is not None and log.stop_event is None and facts["outcome"] == Outcome.ERROR:
         # no event of this rank's own ended it: a peer's did (its rank folder holds that event's origin)
@@ -231,14 +252,20 @@ def conclude(
     consecutive_skips: int,
     steps_run: int,
     skipped: int = 0,
+    scaler_skips: int = 0,
 ) -> dict[str, Any]:
     """ok only if every step ran and none ended non-finite; else nan with the event that decided it.
 
     The deciding event is the one that stopped the loop, else the first non-finite loss/gradient
     (under `continue`), else scaler skips the scaler did not recover from. Scaler skips it recovered
-    from are listed, not failures.
+    from are listed, not failures. A step the GradScaler skipped does not count toward train.steps: the
+    loop ran one more for each, up to train.max_skipped_steps more.
     """
     train = spec["train"]
+    steps = train["steps"]
+    counted = steps_run - scaler_skips  # the steps that count: all but the GradScaler's skips
+    allowance = train.get("max_skipped_steps", 0) if scaler_skips else 0
+    more = f" ({scaler_skips} more skipped by the GradScaler)" if scaler_skips else ""
     hard = [e for e in events if e["kind"] != "scaler_skip"]
     unrecovered_skips = bool(events) and (
         train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"]
@@ -250,7 +277,7 @@ def conclude(
         origin = deciding.get("origin") or {}
         traced = origin.get("forward") or origin.get("backward")
         where = origin_text(traced) if traced or not origin.get("unlocated") else f"? ({origin['unlocated']})"
-        stopped = f"; stopped after {steps_run} of {train['steps']} steps" if steps_run < train["steps"] else ""
+        stopped = f"; stopped after {counted} of {steps} steps{more}" if counted < steps else ""
         accum = spec["axes"].get("grad_accum", 1)
         micro = (
             f" (micro-batch {deciding['micro_batch']} of {accum})"
@@ -262,18 +289,25 @@ def conclude(
             reason=f"{deciding['kind']} at step {deciding['step']}{micro}, first non-finite at {where}{stopped}",
             diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
         )
-    elif steps_run < train["steps"]:  # never ok when the loop ended early, whatever the reason
+    elif counted < steps and steps_run < steps + allowance:  # never ok when the loop ended early, whatever the reason
         return dict(
             outcome=Outcome.ERROR,
-            reason=f"stopped after {steps_run} of {train['steps']} steps without a diagnosis",
+            reason=f"stopped after {counted} of {steps} steps{more} without a diagnosis",
+            diagnosis=diagnosis,
+        )
+    elif counted < steps:  # the skips used up their allowance: fewer updates than asked, and the reason says so
+        return dict(
+            outcome=Outcome.OK,
+            reason=f"ran {steps_run} steps with finite loss: {steps_run - skipped} of {steps} updates applied, "
+            f"{scaler_skips} steps skipped by the GradScaler (train.max_skipped_steps {allowance} used up)",
             diagnosis=diagnosis,
         )
     else:
-        # a step the GradScaler skipped ran but changed no weight: say how many updates were applied
-        applied = f", {steps_run - skipped} updates applied ({skipped} skipped by the GradScaler)"
+        # a step the GradScaler skipped ran but changed no weight: say how many ran beside the updates
+        run = f" ({steps_run} run: {skipped} skipped by the GradScaler, not counted)" if skipped else ""
         return dict(
             outcome=Outcome.OK,
-            reason=f"trained all {steps_run} steps with finite loss" + (applied if skipped else ""),
+            reason=f"trained all {steps_run - skipped} steps with finite loss{run}",
             diagnosis=diagnosis,
         )
 

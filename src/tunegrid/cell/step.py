@@ -54,6 +54,14 @@ class StepResult:
     elapsed: float = 0.0  # the step's time (s)
     peak: int = 0  # its memory high-water mark (bytes)
 
+    @property
+    def scaler_skipped(self) -> bool:
+        """The GradScaler found inf/nan gradients, skipped the update and lowered its scale (usually the loss
+        scale's doing, not the model's): the step does not count toward train.steps. Decided from the scaler's
+        own verdict alone, never from this rank's loss, so that every rank of a cell (whose scalers read the
+        same all-reduced gradients) counts the same steps and leaves the loop at the same one."""
+        return self.skipped and self.scale is not None and not self.forward_nonfinite and not self.params_without_grad
+
 
 @dataclass
 class OptimizerStep:

@@ -170,7 +170,11 @@ class CellTrainer:
     # ---------------------------------------------------------------- the loop
     def loop(self) -> None:
         """For each optimizer step (grad_accum micro-batches): save the resume state when due, train the step,
-        record it, and stop where a non-finite event (or, distributed, any rank's) says so."""
+        record it, and stop where a non-finite event (or, distributed, any rank's) says so. A step the GradScaler
+        skipped changed no weight and does not count: the loop runs until `steps` steps counted, at most
+        `max_skipped_steps` more (every rank skips alike: its scaler reads the all-reduced gradients), and the
+        step after a skip trains on the skipped step's batch, so the k-th update of every cell of a study trains
+        on the same batch and the loss after it is measured on the same next one (review/quality.py)."""
         from tqdm.auto import tqdm
 
         from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
@@ -184,19 +188,23 @@ class CellTrainer:
         files = StepFiles.open(self.run_dir)
         replay = FailingStepReplay(optimizer_step)
         scaled = optimizer_step.scaler is not None
+        last = steps + (train.get("max_skipped_steps", 0) if scaled else 0)  # the most steps the loop runs
         self.facts["stage"] = "step"
         progress = tqdm(
             total=steps, initial=log.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr
         )
         try:
-            for step in range(log.start, steps):
+            for step in range(log.start, last):
+                batch = log.counted(step)  # a skipped step's batch is drawn again: the k-th update trains on batch k
+                if batch >= steps:  # every step counted: the GradScaler's skips were made up for
+                    break
                 if self.ranks.leaves_loop(step):
                     break
                 log.last_step = step
                 if self.resume_store is not None and self.resume_store.due(step, log.start):
                     self.save_resume_state(step, optimizer_step, log)
                 micro_batches = [
-                    {k: v.to(self.device) for k, v in micro.items()} for micro in self.stream.micro_batches(step)
+                    {k: v.to(self.device) for k, v in micro.items()} for micro in self.stream.micro_batches(batch)
                 ]
                 self.last_batch = micro_batches[-1]  # an ok cell's reference batch
                 measure_headroom = every > 0 and step % every == 0
@@ -205,7 +213,7 @@ class CellTrainer:
                     micro_batches,
                     log.census if step == 0 else None,
                     log.headroom if measure_headroom else None,
-                    [mask.to(self.device) for mask in self.stream.real_positions(step)],
+                    [mask.to(self.device) for mask in self.stream.real_positions(batch)],
                 )
                 if step == 0:  # the first step's peak, apart from the steady steps'
                     self.memory["first_step_peak_bytes"] = result.peak
@@ -213,9 +221,11 @@ class CellTrainer:
                         self.memory["activations_offloaded_bytes"] = optimizer_step.offload.moved_bytes
                     if self.weight_offload is not None:  # the most offloaded weight bytes on the device at once
                         self.memory["weights_resident_peak_bytes"] = self.weight_offload.peak_resident_bytes
-                tokens = self.stream.real_tokens(step)  # padding excluded, packed or not
+                tokens = self.stream.real_tokens(batch)  # padding excluded, packed or not
                 record_step(log, files, step, result, tokens, measure_headroom, scaled)
                 progress.set_postfix(loss=f"{result.loss:.4g}", refresh=False)
+                if result.scaler_skipped and progress.total < last:
+                    progress.total += 1  # a step that does not count
                 progress.update()
                 stop = bool(log.unsupported) or on_nonfinite(
                     log, files, step, micro_batches, result, replay, train, scaled
@@ -234,6 +244,8 @@ class CellTrainer:
         finally:
             progress.close()
             files.close()
+            if scaled:
+                log.loss_scale_end = optimizer_step.scaler.get_scale()
         # ------------------------------------------------------------ the record
         summarise(log, self.spec, self.facts, self.memory)
         if self.ranks.distributed:

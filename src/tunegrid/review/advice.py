@@ -85,7 +85,9 @@ def parity_text(row: Any) -> str:
     deviation = parity_of(row)
     if deviation is None:
         return ""
-    return f"loss within {deviation:.1%} of its reference {row.get('reference_cell')}"
+    note = row.get("quality_note")
+    judged = f"; {note}" if isinstance(note, str) and note else ""
+    return f"loss within {deviation:.1%} of its reference {row.get('reference_cell')}{judged}"
 
 
 def unproven_name(row: Any) -> str:

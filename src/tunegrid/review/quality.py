@@ -4,19 +4,24 @@ evidence of a fix, or not.
 `ok` says a cell ran correctly (every step finite, correct gradients); it does not say the cell trained
 anything. A fix is a claim, so the recommender cites only cells whose `quality` is `holds`:
 
-- `loss_fall`: 1 - (mean loss over the last quarter of steps) / (loss of step 0). Step 0's loss is the model
-  before any update; the last quarter's mean smooths the batch-to-batch noise of a per-step loss.
-  `learned` is `loss_fall >= review.min_loss_fall`.
+- the curve judged (`trained_curve`): step 0's loss, the model before any update, then the loss of every step
+  that follows an update. A step the GradScaler skipped (inf/nan gradients under fp16) changed
+  no weight, so the loss after it is left out: the k-th loss is the model after k updates in every cell, and an
+  fp16 cell is judged on the steps that trained, not on its scaler's warm-up. `quality_note` says how many were
+  left out.
+- `loss_fall`: 1 - (mean loss over the last quarter of that curve) / (loss of step 0). The last quarter's mean
+  smooths the batch-to-batch noise of a per-step loss. `learned` is `loss_fall >= review.min_loss_fall`.
 - `reference_cell`: the cell's reference twin, the same model, batch, grad_accum, seed and world size at the
   study's reference settings (`review.reference`, default fp32 without quantization); every cell of a study
   trains on the same data, and the same seed draws the same batches at every step, so the two curves are
   comparable step by step.
-- `loss_deviation`: the mean over the last quarter of the steps both ran of |loss - reference loss| /
+- `loss_deviation`: the mean over the last quarter of the updates both made of |loss - reference loss| /
   |reference loss|. The last quarter, because that is what the run delivers (early steps differ by the
-  GradScaler's first skipped steps and the warm-up); relative, so one tolerance fits any loss scale.
+  warm-up); relative, so one tolerance fits any loss scale.
   `within_tolerance` is `loss_deviation <= review.loss_tolerance`.
-- `quality`: `holds` (learned and within tolerance), `did not learn`, `deviates`, or `no reference` (no ok
-  twin at the reference settings); empty for a cell that did not end ok.
+- `quality`: `holds` (learned and within tolerance), `did not learn`, `deviates`, `no reference` (no ok
+  twin at the reference settings), or `too few updates` (no loss was measured after an update: nothing to
+  judge); empty for a cell that did not end ok.
 
 These are columns of summary.csv / summary.parquet (the summary is where cells meet), so every consumer of
 the summary (the recommender, the report) reads the same verdict.
@@ -29,9 +34,18 @@ from typing import Any
 
 from tunegrid.vocabulary import Outcome, axis_names
 
-QUALITY_COLUMNS = ("loss_fall", "learned", "reference_cell", "loss_deviation", "within_tolerance", "quality")
+QUALITY_COLUMNS = (
+    "loss_fall",
+    "learned",
+    "reference_cell",
+    "loss_deviation",
+    "within_tolerance",
+    "quality",
+    "quality_note",
+)
 HOLDS = "holds"
 NO_REFERENCE = "no reference"
+TOO_FEW_UPDATES = "too few updates"
 
 
 def default_review() -> dict[str, Any]:
@@ -48,6 +62,21 @@ def loss_curve(metric_lines: Sequence[Mapping[str, Any]]) -> list[float]:
     """The step losses of metrics.jsonl in step order (a resumed cell's lines are its whole curve)."""
     by_step = {int(line["step"]): float(line["loss"]) for line in metric_lines if "loss" in line and "step" in line}
     return [by_step[step] for step in sorted(by_step)]
+
+
+def trained_curve(metric_lines: Sequence[Mapping[str, Any]]) -> tuple[list[float], int]:
+    """The curve quality judges, and the skipped steps it leaves out: step 0's loss (before any update), then
+    the loss of each step whose previous step applied its update. A step's `skipped_steps` is the running count
+    of steps that applied none (in an ok cell, the GradScaler's skips); lines without it skipped nothing."""
+    by_step = {
+        int(line["step"]): (float(line["loss"]), int(line.get("skipped_steps") or 0))
+        for line in metric_lines
+        if "loss" in line and "step" in line
+    }
+    ordered = [by_step[step] for step in sorted(by_step)]
+    counts = [0] + [count for _, count in ordered]  # the running count before each step, then after the last
+    curve = [loss for index, (loss, _) in enumerate(ordered) if index == 0 or counts[index] == counts[index - 1]]
+    return curve, counts[-1]
 
 
 def _tail(values: Sequence[float]) -> Sequence[float]:
@@ -73,10 +102,26 @@ def _finite(value: float | None) -> bool:
     return value is not None and value == value and abs(value) != float("inf")
 
 
+def quality_note(curve: Sequence[float], skipped: int) -> str | None:
+    """What the verdict was judged on, where skipped steps were left out of it."""
+    if not skipped:
+        return None
+    updates = max(0, len(curve) - 1)
+    left_out = f"{skipped} step{'s' * (skipped != 1)} the GradScaler skipped left out"
+    if not updates:
+        return f"{left_out}: no loss was measured after an update"
+    return f"{left_out}: judged on the loss before and after {updates} update{'s' * (updates != 1)}"
+
+
 def quality_columns(
-    rows: Sequence[Mapping[str, Any]], curves: Mapping[str, Sequence[float]], review: Mapping[str, Any]
+    rows: Sequence[Mapping[str, Any]],
+    curves: Mapping[str, Sequence[float]],
+    review: Mapping[str, Any],
+    skipped: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per row (in order) its quality columns; `rows` are summary rows (axes, outcome, cell_id)."""
+    """Per row (in order) its quality columns; `rows` are summary rows (axes, outcome, cell_id); `curves` the
+    curves judged (trained_curve), `skipped` the skipped steps each left out."""
+    skipped = skipped or {}
     reference = review["reference"]
     shared = [axis for axis in axis_names() if axis not in reference]  # a twin differs only where the reference says
     twins = {
@@ -95,7 +140,9 @@ def quality_columns(
         twin = twins.get(tuple(row.get(axis) for axis in shared))
         deviation = loss_deviation(curve, curves.get(twin) or []) if twin else None
         within = _finite(deviation) and deviation <= review["loss_tolerance"] if twin else None
-        if not learned:
+        if len(curve) < 2:  # no loss after an update: neither learned nor not
+            verdict = TOO_FEW_UPDATES
+        elif not learned:
             verdict = "did not learn"
         elif twin is None:
             verdict = NO_REFERENCE
@@ -109,6 +156,7 @@ def quality_columns(
                 "loss_deviation": deviation,
                 "within_tolerance": within,
                 "quality": verdict,
+                "quality_note": quality_note(curve, skipped.get(row["cell_id"], 0)),
             }
         )
     return out

@@ -44,6 +44,7 @@ LABELS = {
     "resumed_from_step": "resumed from step",
     "final_loss": "final loss",
     "skipped_steps": "skipped",
+    "quality_note": "quality judged on",
     "peak_bytes": "peak memory",
     "estimate_over_measured": "estimate / peak",
     "tokens_per_s": "tokens/s",
@@ -73,8 +74,8 @@ MEMORY_SETTING_COLUMNS = [
 ]
 # the quality columns (loss_fall, quality, loss_deviation) and fp32_islands: review/quality.py, cell/islands.py
 ALL_CELLS_COLUMNS = """cell_id outcome reason effective_batch steps_run resumed_from_step final_loss loss_fall quality
-loss_deviation fp32_islands skipped_steps peak_bytes estimate_over_measured tokens_per_s optimizer_state_bytes
-collective_diagnosis straggler_rank collective_parted mlflow_run_id""".split()
+quality_note loss_deviation fp32_islands skipped_steps peak_bytes estimate_over_measured tokens_per_s
+optimizer_state_bytes collective_diagnosis straggler_rank collective_parted mlflow_run_id""".split()
 
 
 def _any_value(frame: Any, column: str) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.outcome import CellResult, module_name, origin_label
-from tunegrid.review.quality import default_review, loss_curve, quality_columns
+from tunegrid.review.quality import default_review, quality_columns, trained_curve
 from tunegrid.runtime.files import read_json, read_jsonl
 from tunegrid.study.grid_axes import SETTING_AXES
 from tunegrid.targets import modelled_step_s as target_step_s
@@ -45,6 +45,8 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "initial_loss": training.get("initial_loss"),
         "final_loss": training.get("final_loss"),
         "skipped_steps": training.get("skipped_steps"),
+        "updates_applied": training.get("updates_applied"),
+        "loss_scale_end": training.get("loss_scale_end"),  # fp16: the GradScaler's scale after the last step
         "nan_step": nan.step if nan else None,
         "nan_kind": nan.kind if nan else None,
         "nan_forward_module": origin_label(nan.forward_origin) if nan else None,
@@ -123,6 +125,7 @@ NUMERIC_COLUMNS = (
     "flagged_share",
     "fp16_headroom_worst_ratio",
     "fp32_islands_max_ratio",
+    "loss_scale_end",
     "loss_fall",
     "loss_deviation",
     "collective_timeout_s",
@@ -135,6 +138,7 @@ INTEGER_COLUMNS = (
     "steps_run",
     "resumed_from_step",
     "skipped_steps",
+    "updates_applied",
     "nan_step",
     "flagged_tensors",
     "collective_step",
@@ -208,14 +212,16 @@ def build_summary(
     import pandas as pd
 
     synced = read_json(sync_path) if sync_path else {}
-    rows, curves = [], {}
+    rows, curves, skipped = [], {}, {}
     for path in result_paths:
         row = summary_row(read_json(path))
         row["mlflow_run_id"] = (synced.get(row["cell_id"]) or {}).get("run_id") or row["mlflow_run_id"]
         metrics = Path(path).parent / "metrics.jsonl"
-        curves[row["cell_id"]] = loss_curve(read_jsonl(metrics)) if metrics.exists() else []
+        # the losses after each update: steps the GradScaler skipped are left out (review/quality.py)
+        curves[row["cell_id"]], skipped[row["cell_id"]] = trained_curve(read_jsonl(metrics) if metrics.exists() else [])
         rows.append(row)
-    for row, quality in zip(rows, quality_columns(rows, curves, review or default_review()), strict=True):
+    judged = quality_columns(rows, curves, review or default_review(), skipped)
+    for row, quality in zip(rows, judged, strict=True):
         row.update(quality)
     return typed(pd.DataFrame(rows))
 
