@@ -128,3 +128,97 @@ def test_every_profile_a_help_text_names_exists():
     assert named, "no help text names a profile any more: drop this test"
     missing = [name for name in named if not (REPO / name / "config.yaml").is_file()]
     assert missing == [], f"help texts name profiles this repository does not have: {missing}"
+
+
+GUIDE = REPO / "docs" / "guide"
+GUIDE_WORDS = 1_500
+PARAGRAPH_WORDS = 150
+# A measured figure written into prose: a number with a unit of time, memory or share, a multiple ("3.2x",
+# "145×"), a range of ratios ("0.90–0.92"), a before → after pair, or a small number in e-notation (an
+# agreement "to 3e-5"). Inline code is not searched: it holds what a user types or reads in a file (a key, a
+# setting's value, a library's default), not what a run measured.
+MEASUREMENT = re.compile(
+    r"\d[\d,]*(?:\.\d+)?\s?(?:ms|s|min|h|KiB|MiB|GiB|TiB|KB|MB|GB|TB|CPU-s|%)(?![\w/])"
+    r"|\d(?:\.\d+)?\s?[×x](?![\w\d]|\s?\d)"
+    r"|\d\.\d+\s?[–-]\s?\d\.\d+"
+    r"|\d\s?→\s?\d"
+    r"|\b\d(?:\.\d+)?e-\d+\b"
+)
+
+
+def guide_paragraphs(page: Path) -> list[str]:
+    """A guide page's prose, paragraph by paragraph: what lies outside fenced code blocks and tables, split at
+    blank lines, headings, admonitions and list items (each item is a paragraph of its own)."""
+    paragraphs: list[list[str]] = []
+    fence = False
+    current: list[str] = []
+
+    def close() -> None:
+        if current:
+            paragraphs.append(current.copy())
+            current.clear()
+
+    for line in page.read_text().splitlines():
+        stripped = line.strip()
+        if stripped.startswith(("```", "~~~")):
+            fence = not fence
+            close()
+            continue
+        if fence or stripped.startswith("|"):
+            close()
+            continue
+        if not stripped:
+            close()
+            continue
+        if re.match(r"(#{1,6}\s|!!!|\?\?\?|[-*+]\s|\d+\.\s)", stripped):
+            close()
+        current.append(stripped)
+        if stripped.startswith("#"):
+            close()
+    close()
+    return [" ".join(lines) for lines in paragraphs]
+
+
+def _words(text: str) -> int:
+    return len(re.sub(r"\]\([^)]*\)", "]", text).split())
+
+
+def _without_code(text: str) -> str:
+    return re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", "`…`", text))
+
+
+GUIDES = sorted(GUIDE.glob("*.md"))
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=[p.name for p in GUIDES])
+def test_a_guide_page_reads_as_a_guide(page: Path) -> None:
+    """Each page under docs/guide/ answers "how do I …" for a user: at most 1,500 words of prose (fenced code
+    blocks and tables not counted) and no paragraph (a list item is one) over 150 words. What was measured, and
+    where, lives in docs/measurements.md (each figure naming its host and commit) and benchmarks/; what was
+    found and how the code came to be, in docs/findings.md; a guide links there. So its prose holds no measured
+    figure: a number with a unit of time, memory or share (`s`, `MiB`, `%`, …), a multiple (`3.2x`), a range of
+    ratios (`0.90–0.92`), a before → after pair, or an agreement in e-notation (`3e-5`). A setting's value, a
+    library's default or an example's shape is written as code, as the user types it (`collective_timeout_s:
+    600`), or in words; tables and code blocks (commands and what they print) are not searched."""
+    paragraphs = guide_paragraphs(page)
+    words = sum(_words(p) for p in paragraphs)
+    assert words <= GUIDE_WORDS, f"{page.name}: {words} words of prose (at most {GUIDE_WORDS}): move detail out"
+    long = [(_words(p), p[:80]) for p in paragraphs if _words(p) > PARAGRAPH_WORDS]
+    assert not long, f"{page.name}: paragraphs over {PARAGRAPH_WORDS} words: {long}"
+    figures = [(m.group(0), p[max(0, m.start() - 40) : m.end() + 20]) for p in paragraphs for m in MEASUREMENT.finditer(_without_code(p))]
+    assert not figures, f"{page.name}: measurements in a guide's prose (link docs/measurements.md instead): {figures}"
+
+
+def test_the_guide_rule_counts_what_it_says() -> None:
+    """The counter above on a page of known shape: code and tables do not count, list items are paragraphs."""
+    import tempfile
+
+    text = "# Title\n\none two three\nfour\n\n- item one\n- item two words\n\n| a | b |\n|---|---|\n\n```bash\nx y z\n```\n"
+    with tempfile.TemporaryDirectory() as folder:
+        page = Path(folder) / "p.md"
+        page.write_text(text)
+        assert guide_paragraphs(page) == ["# Title", "one two three four", "- item one", "- item two words"]
+    assert MEASUREMENT.search("took 3.9 s") and MEASUREMENT.search("1.00–1.08") and MEASUREMENT.search("cut ~3.2x")
+    assert MEASUREMENT.search("51.7 → 9.9") and MEASUREMENT.search("to 3e-5") and MEASUREMENT.search("20 %")
+    assert not MEASUREMENT.search("batch 2 × 384 tokens, 30 steps, 8 cells, peft 0.21.2")
+    assert not MEASUREMENT.search(_without_code("`collective_timeout_s: 600` and `lr: 1e-3`"))
