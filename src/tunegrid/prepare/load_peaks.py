@@ -1,4 +1,5 @@
-"""What loading a checkpoint holds at once, beside the weights it has loaded so far: the parts and the whole of a
+"""The shapes of a checkpoint's MoE experts as transformers builds them (fused 3-D parameters, the largest layer's),
+and what loading a checkpoint holds at once, beside the weights it has loaded so far: the parts and the whole of a
 fused expert tensor, the largest full-precision tensor a quantizing load reads, and a checkpoint cast to another
 dtype as it loads; and what weight offloading moves to host memory once the model is loaded. Read by the memory
 estimate (prepare.memory_estimate).
@@ -23,6 +24,59 @@ def expert_group(name: str, shape: list[int]) -> str:
         return ".".join(parts[:-1])
     digits = [i for i, part in enumerate(parts) if part.isdigit()]
     return ".".join(parts[: digits[-1]])
+
+
+# Mixtral's checkpoints (and its kin's: MiniMax, PhiMoE) keep each expert as w1 (gate), w3 (up) and w2 (down)
+# under `block_sparse_moe`; transformers' weight conversion loads them as mlp.experts.gate_up_proj and
+# mlp.experts.down_proj, the names `lora.target_parameters` is written in
+MIXTRAL_MOE = "block_sparse_moe"
+MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]) -> dict[str, list[int]]:
+    """The 3-D expert parameters transformers builds at load, by name (what `lora.target_parameters` names):
+    a fused checkpoint tensor as it is (GPT-OSS's [experts, in, out], transposed, beside its 2-D biases, which
+    get no adapter), or one layer's per-expert tensors of one shape stacked, projections that share the shape
+    concatenated (gate_proj + up_proj -> gate_up_proj [experts, 2 x out, in]; Mixtral's w1 + w3 the same)."""
+    fused: dict[str, list[int]] = {}
+    groups: dict[tuple[str, tuple[int, ...]], dict[str, int]] = {}
+    for name in expert_names:
+        shape = shapes[name]
+        if len(shape) >= 3:
+            fused[name.removesuffix(".weight")] = shape
+            continue
+        parts = name.split(".")
+        index = max(i for i, part in enumerate(parts) if part.isdigit())
+        group, stem = ".".join(parts[:index]), parts[index + 1]
+        if f".{MIXTRAL_MOE}." in f".{group}.":  # Mixtral's checkpoint names, as transformers loads them
+            group = group.replace(MIXTRAL_MOE, "mlp")
+            stem = MIXTRAL_EXPERTS.get(stem, stem)
+        stems = groups.setdefault((group, tuple(shape)), {})
+        stems[stem] = stems.get(stem, 0) + 1
+    for (group, shape), stems in groups.items():
+        experts = max(stems.values())
+        joined = "_".join(sorted(stem.removesuffix("_proj") for stem in stems)) + "_proj"
+        fused[f"{group}.{joined}"] = [experts, len(stems) * shape[0], *shape[1:]]
+    return fused
+
+
+def largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
+    """Elements of `names` in the layer (the name up to its first index) that holds the most of them."""
+    layers: dict[str, int] = {}
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
+        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + numel_of(shapes[name])
+    return max(layers.values(), default=0)
+
+
+def largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str]) -> int:
+    """Elements of the largest experts module: what dequantizing one MoE layer's experts materializes."""
+    layers: dict[str, int] = {}
+    for name in expert_names:
+        group = expert_group(name, shapes[name])
+        layers[group] = layers.get(group, 0) + numel_of(shapes[name])
+    return max(layers.values(), default=0)
 
 
 def fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], storage: int) -> int:

@@ -20,9 +20,10 @@ from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tens
 from tunegrid.prepare.cpu_kernels import cpu_onednn_matmul, cpu_onednn_off
 from tunegrid.prepare.load_peaks import (
     cast_load_peak,
-    expert_group,
     fused_expert_bytes,
+    fused_expert_parameters,
     int8_quantize_bytes,
+    largest_layer_experts,
     largest_read_at_once,
     offloaded_weight_bytes,
 )
@@ -79,59 +80,6 @@ def estimate_cell(
     return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, **facts)
 
 
-# Mixtral's checkpoints (and its kin's: MiniMax, PhiMoE) keep each expert as w1 (gate), w3 (up) and w2 (down)
-# under `block_sparse_moe`; transformers' weight conversion loads them as mlp.experts.gate_up_proj and
-# mlp.experts.down_proj, the names `lora.target_parameters` is written in
-MIXTRAL_MOE = "block_sparse_moe"
-MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
-
-def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]) -> dict[str, list[int]]:
-    """The 3-D expert parameters transformers builds at load, by name (what `lora.target_parameters` names):
-    a fused checkpoint tensor as it is (GPT-OSS's [experts, in, out], transposed, beside its 2-D biases, which
-    get no adapter), or one layer's per-expert tensors of one shape stacked, projections that share the shape
-    concatenated (gate_proj + up_proj -> gate_up_proj [experts, 2 x out, in]; Mixtral's w1 + w3 the same)."""
-    fused: dict[str, list[int]] = {}
-    groups: dict[tuple[str, tuple[int, ...]], dict[str, int]] = {}
-    for name in expert_names:
-        shape = shapes[name]
-        if len(shape) >= 3:
-            fused[name.removesuffix(".weight")] = shape
-            continue
-        parts = name.split(".")
-        index = max(i for i, part in enumerate(parts) if part.isdigit())
-        group, stem = ".".join(parts[:index]), parts[index + 1]
-        if f".{MIXTRAL_MOE}." in f".{group}.":  # Mixtral's checkpoint names, as transformers loads them
-            group = group.replace(MIXTRAL_MOE, "mlp")
-            stem = MIXTRAL_EXPERTS.get(stem, stem)
-        stems = groups.setdefault((group, tuple(shape)), {})
-        stems[stem] = stems.get(stem, 0) + 1
-    for (group, shape), stems in groups.items():
-        experts = max(stems.values())
-        joined = "_".join(sorted(stem.removesuffix("_proj") for stem in stems)) + "_proj"
-        fused[f"{group}.{joined}"] = [experts, len(stems) * shape[0], *shape[1:]]
-    return fused
-
-
-def _largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
-    """Elements of `names` in the layer (the name up to its first index) that holds the most of them."""
-    layers: dict[str, int] = {}
-    for name in names:
-        parts = name.split(".")
-        index = next((i for i, part in enumerate(parts) if part.isdigit()), len(parts))
-        layers[".".join(parts[: index + 1])] = layers.get(".".join(parts[: index + 1]), 0) + numel_of(shapes[name])
-    return max(layers.values(), default=0)
-
-
-def _largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str]) -> int:
-    """Elements of the largest experts module: what dequantizing one MoE layer's experts materializes."""
-    layers: dict[str, int] = {}
-    for name in expert_names:
-        group = expert_group(name, shapes[name])
-        layers[group] = layers.get(group, 0) + numel_of(shapes[name])
-    return max(layers.values(), default=0)
-
-
 # bitsandbytes' 8-bit optimizers keep fp32 states for tensors under min_8bit_size elements (its default)
 MIN_8BIT_SIZE = 4096
 BLOCKWISE = 256  # elements per absmax of the blockwise 8-bit states
@@ -177,7 +125,6 @@ def estimate_from_shapes(
     hidden = int(config["hidden_size"])
 
     weights = 0.0
-    quantized_numel = 0
     lora_params = 0
     lora_tensors: list[int] = []
     all_linear = list(lora["target_modules"]) == ["all-linear"]  # peft resolves it: every linear but the head
@@ -209,7 +156,6 @@ def estimate_from_shapes(
             quantized = quant.quantizes and not embedding and len(shape) == 2 and name.endswith(".weight")
         if quantized:
             weights += quant.quantized_bytes(shape)
-            quantized_numel += numel
             quantized_names.add(name)
             largest_dequant = max(largest_dequant, numel)
             offloadable[name] = numel * quant.bytes_per_param  # the packed bytes; the statistics stay
@@ -260,30 +206,26 @@ def estimate_from_shapes(
     if row.autocast and (compute := 2 if row.dtype in ("float16", "bfloat16") else 4) < storage:
         activations += (cast_numel + vocab * hidden * (not chunked)) * compute
         logits += vocab * hidden * compute * chunked
-    # bitsandbytes dequantizes a 4-bit weight for each matmul. Its CPU path keeps those copies for backward;
-    # on CUDA one layer's copies live at a time (a Linear's weight, or all of an MoE layer's experts), and
-    # they are gone by the time the logits are built, so the step peaks at the larger of the two.
+    # bitsandbytes dequantizes a 4-bit Linear's weight for each matmul and keeps none of it: its MatMul4Bit
+    # saves the packed weight and dequantizes it again for the input's gradient, on CPU (0.50: gemm_4bit's default
+    # kernel, a dequantized copy then a matmul) as on CUDA. One weight's copy lives at a time (measured, Gemma 3 270M
+    # nf4 fp32 on the 2-core EPYC: the step peaks 1,984 MiB, where every layer's copies kept would add 383 MiB).
     # The experts' forward builds a full-width weight where they are NF4 (dequantized) or carry LoRA (base +
     # delta): the grouped matmul keeps it for the input's gradient, so without checkpointing every MoE layer's
-    # copy lives until backward; with it, one layer's at a time (rebuilt in backward). On CPU the dequantized
-    # experts are already in the dequant term below.
+    # copy lives until backward; with it, one layer's at a time (rebuilt in backward).
     checkpointed = bool(train["gradient_checkpointing"])
     materialized_experts = quant.experts_quantized or adapted_experts > 0
     kept_experts = 0
     if materialized_experts and not checkpointed:
-        counted = device == "cpu" and quant.experts_quantized
-        kept_experts = 0 if counted else sum(numel_of(shapes[name]) for name in expert_names) * act
+        kept_experts = sum(numel_of(shapes[name]) for name in expert_names) * act
     # int8-experts dequantize a layer's experts to fp32 once per forward (its cache), beside the casts kept above
     width = quant.experts_dequantized_bytes or 0
-    experts_fp32 = _largest_layer_experts(shapes, expert_names) * width if width != act else 0
-    if device == "cpu" and train["gradient_checkpointing"]:
-        # a checkpointed layer's saved tensors are dropped after its forward and rebuilt for its backward
-        dequant = _largest_layer_numel(shapes, quantized_names) * act + experts_fp32
-    elif device == "cpu":
-        dequant = quantized_numel * act + experts_fp32
+    experts_fp32 = largest_layer_experts(shapes, expert_names) * width if width != act else 0
+    experts_numel = largest_layer_experts(shapes, expert_names) if materialized_experts and checkpointed else 0
+    if device == "cpu":  # beside the logits (a CPU step holds both at its peak)
+        dequant = (largest_dequant + experts_numel) * act + experts_fp32
     else:
-        experts_numel = _largest_layer_experts(shapes, expert_names) if materialized_experts else 0
-        dequant = max(largest_dequant * act, experts_numel * act if checkpointed else 0, experts_fp32)
+        dequant = max(largest_dequant * act, experts_numel * act, experts_fp32)
     # Loading. Experts quantized after the load exist at full width until then.
     streamed = quant.experts_quantized and not quant.experts_after_load and experts_quantized_at == "load"
     at_load = weights + (0 if streamed else experts_full - experts_final)
