@@ -89,7 +89,8 @@ def test_the_six_fp16_moe_cells_now_train_without_onednn_and_their_first_step_wa
             assert bool(decision) == bool(cell["cpu_onednn_off"]), spec["cell_id"]  # the bf16 MoE cells, unchanged
     for cell in grew:
         estimate = _estimate(XEON, cell)["estimate_bytes"]
-        assert estimate == cell["estimate_bytes"]  # the estimate has not moved since the run
+        # the estimate has barely moved since the run (its 4-bit weights: one dequantized copy, not every one)
+        assert estimate == pytest.approx(cell["estimate_bytes"], rel=1e-3)
         assert 0.9 <= estimate / cell["first_step_peak_bytes"] <= 1.1, cell["spec"]["cell_id"]
         assert estimate / cell["peak_bytes"] < 0.6, cell["spec"]["cell_id"]
         steps = cell["step_peak_bytes"]

@@ -247,7 +247,7 @@ def estimate_from_shapes(
             weights_at_load = max(weights_at_load, at_load + int8_quantize_bytes(fused, device))
         numel, on_disk = largest_on_disk
         if on_disk and on_disk != storage:
-            weights_at_load = max(weights_at_load, cast_load_peak(kept_at_storage, on_disk, storage))
+            weights_at_load = max(weights_at_load, cast_load_peak(kept_at_storage, on_disk, storage, quant.quantizes))
         load = runtime + tokenizer_bytes + weights_at_load
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     # weight offloading (cell/weight_offload.py): the load put every weight on the device; from the first step each
