@@ -307,6 +307,21 @@ def test_mlflow_ui_shows_the_cells_and_filters_the_nan_ones_in_headless_chromium
         assert {c for c in summary["cell_id"] if re.search(rf"ok · {re.escape(short[c])}(?![\w-])", dom)} == ok_cells
         assert "nan · " not in dom, "no nan run answers the ok filter"
 
+        # a failed run's own page says why it failed: its outcome and the reason, as a reviewer opens it
+        found = rest(
+            url,
+            "runs/search",
+            {"experiment_ids": [experiment["experiment_id"]], "filter": "tags.outcome = 'nan'", "max_results": 1},
+        )["runs"][0]
+        tags = {t["key"]: t["value"] for t in found["data"]["tags"]}
+        cell = tags[CELL_TAG]
+        reason = str(summary.set_index("cell_id").loc[cell, "reason"])
+        run_page = f"{url}/#/experiments/{experiment['experiment_id']}/runs/{found['info']['run_id']}"
+        dom = dump_dom(run_page)
+        text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
+        assert "nan" in text and reason[:40] in text, (reason, text[:3000])
+        assert screenshot(run_page, tmp_path / "failed-run.png").stat().st_size > 20_000
+
 
 def test_rerun_of_one_cell_supersedes_its_run(finished_study):
     workdir, config = finished_study
