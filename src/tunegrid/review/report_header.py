@@ -86,8 +86,7 @@ def estimate_misses(frame: Any) -> list[dict[str, Any]]:
         peaks = [1 / float(r["estimate_over_measured"]) for r in rows]
         out.append(
             {
-                "model": model,
-                "precision": precision,
+                "group": f"{model} {precision}",  # a model in an arithmetic: what the estimate models alike
                 "side": side,
                 "cells": [r["cell_id"] for r in rows],
                 "peak_over_estimate": (min(peaks), max(peaks)),
@@ -109,7 +108,7 @@ def estimate_misses_html(groups: list[dict[str, Any]], links: CellLinks) -> str:
     if not groups:
         return f"<p class='none'>None: every cell's estimate is within {low}-{high}x its measured peak.</p>"
     items = "".join(
-        f"<li class='miss'><b>{html.escape(g['model'])} {html.escape(g['precision'])}</b>: {len(g['cells'])} "
+        f"<li class='miss'><b>{html.escape(g['group'])}</b>: {len(g['cells'])} "
         f"cell(s) {miss_words(g)} ({'under' if g['side'] == 'under' else 'over'}-estimated): "
         f"{links.cells(g['cells'])}</li>"
         for g in groups
