@@ -39,7 +39,9 @@ def host_text(capabilities: dict[str, Any], environment: dict[str, Any]) -> str:
 
 def commit_text(environment: dict[str, Any]) -> str:
     sha = environment.get("git_sha")
-    return str(sha)[:12] if sha else "unknown (not a git checkout)"
+    if not sha:
+        return "unknown (not a git checkout)"
+    return str(sha)[:12] + (" with uncommitted changes" if str(sha).endswith("-dirty") else "")
 
 
 def target_text(frame: Any) -> str:
