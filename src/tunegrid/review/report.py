@@ -191,8 +191,9 @@ def _all_cells_rows(frame: Any, curves: dict[str, list[dict[str, Any]]]) -> list
             steps = [r.get("tokens_per_s") for r in curves.get(row["cell_id"], []) if r.get("tokens_per_s")]
             if steps:
                 row["_tokens_per_s_html"] = (
-                    f"<span class='untimed'>{fmt(float(steps[-1]))} at step {len(steps) - 1}, untimed "
-                    "(the median leaves out step 0)</span>"
+                    "<span class='untimed' title='the median of the timed steps leaves out step 0; MLflow&#39;s "
+                    f"tokens_per_s chart has this figure'>{fmt(float(steps[-1]))} (step {len(steps) - 1}, "
+                    "untimed)</span>"
                 )
     return rows
 
@@ -213,6 +214,7 @@ td.num{text-align:right;white-space:nowrap}
 table.fixes{background:#fff}
 table.fixes tr.first td{background:#e8f5e9}
 .cells{font-size:11px}
+a.cell{white-space:nowrap}
 .who,.cite,.notes{font-size:11px;color:#555}
 .none{color:#777}
 .miss{color:#c62828}
