@@ -17,6 +17,7 @@ from test_fix_quality import NATIVE, _fix_frame
 
 from tunegrid.review.fix_table import fix_rows, lead_and_notes, recommendations_html
 from tunegrid.review.recommend import recommend
+from tunegrid.review.report_format import fmt
 from tunegrid.review.report_header import estimate_misses, estimate_misses_html
 from tunegrid.review.run_links import CellLinks
 from tunegrid.review.study_figures import block_of, guide_block, replace_block, study_figures
@@ -138,7 +139,7 @@ def test_the_default_studys_report_tables_are_its_summary(default_study_clone):
         assert row[head.index("outcome")][0] == cell["outcome"]
         assert row[peak][1] == f"{int(float(cell['peak_bytes'])):,} bytes", "the exact bytes MLflow holds"
         if cell["tokens_per_s"]:
-            assert row[head.index("tokens/s")][0] == f"{float(cell['tokens_per_s']):,.0f}"
+            assert row[head.index("tokens/s")][0] == fmt(float(cell["tokens_per_s"]), "tokens_per_s")
         else:  # stopped in its first step: the untimed figure MLflow's tokens_per_s chart has
             assert "untimed" in row[head.index("tokens/s")][0]
 
