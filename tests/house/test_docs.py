@@ -93,8 +93,9 @@ SCREENSHOTS_COMMAND = "python scripts/tunegrid.py screenshots --study-dir result
 
 
 def test_the_screenshots_show_the_default_study_as_it_is_now() -> None:
-    """docs/screenshots/screenshots.json records what the pictures show (written by the screenshots command);
-    when the default study's grid changes, its cell count no longer matches and the pictures are out of date."""
+    """docs/screenshots/screenshots.json records what the pictures show (written by the screenshots command): the
+    host and commit that made them and the figures the review guide quotes; when the default study's grid changes,
+    its cell count no longer matches and the pictures are out of date."""
     import json
 
     from tunegrid.study.config import DEFAULT_STUDY_PATH, expand_cells, load_study
@@ -108,6 +109,9 @@ def test_the_screenshots_show_the_default_study_as_it_is_now() -> None:
     assert shown["cells"] == len(expand_cells(study)), f"the pictures show {shown['cells']} cells: {redo}"
     assert shown["runs"] >= shown["cells"], "every cell has its MLflow run"
     assert all((SCREENSHOTS / name).stat().st_size > 10_000 for name in shown["files"])
+    # which host and commit made them (the guide's block of figures names both, tests/review/test_report_tables.py)
+    assert shown["host"] and shown["commit"] and shown["date"], f"the pictures name no host: {redo}"
+    assert sum(shown["outcomes"].values()) == shown["cells"] and shown["recommendations"], redo
 
 
 def test_every_profile_a_help_text_names_exists():

@@ -138,6 +138,10 @@ def test_a_failure_in_its_first_step_is_costed_against_its_fp32_twin():
     fp32 = next(fix for fix in rec.fixes if fix.change["precision"] == "fp32")
     assert "of fp32 in this grid" not in fp32.why and "the baseline the other fixes' cost is measured" in fp32.why
     assert fp32.cost["tokens_per_s_ratio"] is None and fp32.cost["against"] == "itself: the baseline of the others"
+    # the ranking names the baseline the ratios were measured against, never the failing setting it stands for
+    ranking = next(s for s in rec.text.split(". ") if s.startswith("Ranked by"))
+    assert "the tokens/s of fp32, measured in this grid" in ranking and "of fp16" not in ranking, ranking
+    assert "fp32 1.00x" in ranking, ranking
 
 
 def test_a_t4_target_is_never_offered_bf16_even_from_a_probe_that_has_it():

@@ -78,9 +78,11 @@ def test_a_module_is_spelled_one_way_on_every_line_of_the_report():
     assert origin_text(fact) == f"{plain} (after a non-finite value at padding positions of {plain})"  # the reason
 
 
-def test_the_reports_run_ids_link_to_the_run_in_the_mlflow_ui(tmp_path):
-    from tunegrid.review.report import _cell
-    from tunegrid.review.run_links import mlflow_run_base
+def test_the_reports_cell_names_and_run_ids_link_to_the_run_in_mlflows_view_of_training_runs(tmp_path):
+    import pandas as pd
+
+    from tunegrid.review.report_format import cell_html
+    from tunegrid.review.run_links import CellLinks, mlflow_run_base
     from tunegrid.runtime.files import write_json
 
     study, tracking = tmp_path / "study.json", tmp_path / "tracking.json"
@@ -88,8 +90,14 @@ def test_the_reports_run_ids_link_to_the_run_in_the_mlflow_ui(tmp_path):
     write_json(tracking, {"experiment_id": "7"})
     base = mlflow_run_base(study, tracking)
     assert base == "http://127.0.0.1:5001/#/experiments/7/runs/"
+    frame = pd.DataFrame([{"cell_id": "c", "mlflow_run_id": "abc123"}, {"cell_id": "d", "mlflow_run_id": None}])
+    links = CellLinks(frame, base)
+    href = f"{base}abc123?workflowType=machine_learning"
     row = {"mlflow_run_id": "abc123", "cell_id": "c"}
-    assert _cell(row, "mlflow_run_id", base) == f"<a href='{base}abc123'>abc123</a>"
-    assert _cell(row, "cell_id", base) == "c"
+    assert cell_html(row, "mlflow_run_id", links) == f"<td><a href='{href}'>abc123</a></td>"
+    assert cell_html(row, "cell_id", links) == f"<td><a class='cell' href='{href}'>c</a></td>"
+    assert links.cell("d") == "d", "a cell without a run stays plain text"
     write_json(study, {"tracking": {"enabled": False}})
-    assert mlflow_run_base(study, tracking) is None and _cell(row, "mlflow_run_id", None) == "abc123"
+    assert mlflow_run_base(study, tracking) is None
+    assert cell_html(row, "mlflow_run_id", CellLinks(frame, None)) == "<td>abc123</td>"
+    assert CellLinks(frame, None).cell("c") == "c"

@@ -9,7 +9,9 @@ from pathlib import Path
 import pandas as pd
 
 from tunegrid.review.recommend import recommend
-from tunegrid.review.report import ALL_CELLS_COLUMNS, _fmt, _table, failure_groups
+from tunegrid.review.report import ALL_CELLS_COLUMNS, failure_groups
+from tunegrid.review.report_format import fmt as _fmt
+from tunegrid.review.report_format import table as _table
 from tunegrid.units import human_bytes
 
 MIB = 2**20
@@ -163,8 +165,16 @@ def test_failures_are_grouped_by_cause_with_the_log_tail_and_path(tmp_path: Path
 def test_the_table_of_all_cells_says_where_a_cell_resumed_and_its_effective_batch():
     rows = [_cell(batch=2, accum=4, resumed_from_step=3.0), _cell(batch=8, resumed_from_step=float("nan"))]
     page = _table(rows, [c for c in ALL_CELLS_COLUMNS if c in rows[0]])
-    assert "<th>resumed from step</th>" in page and "<td>3</td>" in page
-    assert "effective batch (micro-batch x accumulation x ranks)" in page and page.count("<td>8</td>") == 2
+    assert "<th>resumed from step</th>" in page and "<td class='num'>3</td>" in page
+    assert "effective batch (micro-batch x accumulation x ranks)" in page and page.count("<td class='num'>8</td>") == 2
+
+
+def test_a_column_of_bytes_has_one_unit_named_in_its_header_and_the_exact_bytes_on_hover():
+    rows = [{"cell_id": c, "peak_bytes": b} for c, b in (("a", 900 * 2**10), ("b", 300 * 2**20), ("c", 2 * 2**30))]
+    page = _table(rows, ["cell_id", "peak_bytes"])
+    assert "peak memory (MiB)" in page and "title='MLflow metric: peak_bytes'" in page
+    assert "<td class='num' title='921,600 bytes'>0.9</td>" in page  # the column's unit: no KiB and GiB beside it
+    assert "<td class='num' title='2,147,483,648 bytes'>2,048.0</td>" in page
 
 
 def test_out_of_memory_advice_keeps_the_effective_batch_too():

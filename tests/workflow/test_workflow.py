@@ -116,9 +116,9 @@ def test_tiny_study_end_to_end(finished_study):
     for run in by_cell.values():  # nothing injected in this study: no fault tag; every run is its cell's current one
         assert "fault" not in run.data.tags and run.data.tags["tunegrid.current"] == "yes", run.data.tags
     report_page = (results / "report" / "index.html").read_text()
-    for run in by_cell.values():  # the report's run ids are links to the run's page in `snakemake mlflow_ui`
+    for cell_id, run in by_cell.items():  # the report's cell names link to the run's page in `snakemake mlflow_ui`
         href = f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs/{run.info.run_id}"
-        assert f"<a href='{href}'>{run.info.run_id}</a>" in report_page
+        assert f"<a class='cell' href='{href}?workflowType=machine_learning'>{cell_id}</a>" in report_page
     umask = current_umask()
     if not umask & 0o044:  # results are as readable as the user's umask makes any file: none is private by accident
         private = [p for p in results.rglob("*") if p.is_file() and not stat.S_IMODE(p.stat().st_mode) & 0o044]

@@ -5,10 +5,8 @@ the stage (prepare, run, track, review). The argument parser that dispatches to 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 from tunegrid.runtime.files import read_json, write_json
@@ -227,7 +225,9 @@ def execution_end(args: argparse.Namespace) -> None:
 
 def screenshots(args: argparse.Namespace) -> None:
     """The report and MLflow's runs and compare pages as PNGs (docs/), through MLflow's own server."""
+    from tunegrid.review.study_figures import guide_block, replace_block, study_figures
     from tunegrid.run.ui import compare_page, mlflow_server, rest, runs_page, screenshot
+    from tunegrid.runtime.files import write_text_if_changed
     from tunegrid.track.store import tracking_uri_for_cells
     from tunegrid.track.tracking import CELL_TAG
 
@@ -249,13 +249,16 @@ def screenshots(args: argparse.Namespace) -> None:
         ids = [by_cell[c] for c in cells if c in by_cell] or [r["info"]["run_id"] for r in runs[:4]]
         screenshot(runs_page(url, experiment_id), out / "mlflow_runs.png", **wait)
         screenshot(compare_page(url, experiment_id, ids), out / "mlflow_compare.png", size=(1600, 1400), **wait)
-    # what they show, so a test can tell when the study has moved on from them
-    with open(study_dir / "summary.csv", newline="") as fh:
-        outcomes = Counter(row["outcome"] for row in csv.DictReader(fh))
+    # what they show (the host and commit that made them, the figures the guide quotes), so a test can tell when
+    # the study has moved on from them; the guide's block of figures is written from the same record
+    figures = study_figures(study_dir)
     files = ["report.png", "mlflow_runs.png", "mlflow_compare.png"]
-    shown = {"study": study_dir.resolve().name, "cells": sum(outcomes.values()), "runs": len(runs)}
-    write_json(out / "screenshots.json", {**shown, "outcomes": dict(sorted(outcomes.items())), "files": files})
-    print(f"screenshots in {out}: {', '.join(files)} ({shown['cells']} cells, {shown['runs']} MLflow runs)")
+    write_json(out / "screenshots.json", {**figures, "runs": len(runs), "files": files})
+    guide = Path(args.guide) if args.guide else out.parent / "guide" / "review.md"
+    if guide.is_file():
+        write_text_if_changed(guide, replace_block(guide.read_text(), guide_block(figures)))
+    made = f"{figures['cells']} cells, {len(runs)} MLflow runs, on a {figures['host']}"
+    print(f"screenshots in {out}: {', '.join(files)} ({made})")
 
 
 def probe_tracking(args: argparse.Namespace) -> None:

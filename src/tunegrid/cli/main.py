@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("screenshots", help="PNGs of the report and of the MLflow UI (runs, compare) for docs/")
     p.add_argument("--study-dir", required=True, help="results/<study> of a finished study")
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--guide", help="the review guide whose block of figures to rewrite (default: <out>/../guide/review.md)"
+    )
     p.set_defaults(func=commands.screenshots)
 
     p = sub.add_parser("probe-tracking", help="log the probe's record as an MLflow run")

@@ -233,8 +233,15 @@ def precision_fixes(
 
 
 def _ranking_note(offered: list[Candidate], target: str, failing: str, by_model: bool, on_target: bool) -> str:
-    speeds = ", ".join(f"{c.precision} {c.tokens_ratio:.2f}x" for c in offered if c.tokens_ratio is not None)
-    measured = f"{speeds} the tokens/s of {offered[0].against}, measured in this grid" if speeds else ""
+    # the baseline the ratios are measured against: a fix's own (never the baseline's, which names the failing
+    # setting it stands for), and the baseline itself at 1.00x of itself
+    against = next((c.against for c in offered if not c.is_baseline and c.tokens_ratio is not None), None)
+    speeds = ", ".join(
+        f"{c.precision} {1.0 if c.is_baseline else c.tokens_ratio:.2f}x"
+        for c in offered
+        if c.is_baseline or c.tokens_ratio is not None
+    )
+    measured = f"{speeds} the tokens/s of {against}, measured in this grid" if against else ""
     if not by_model:
         where = " on this machine" if on_target else ""
         unmodelled = f"; none modelled on target {target}" if on_target else ""

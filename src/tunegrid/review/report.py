@@ -7,17 +7,18 @@ from __future__ import annotations
 import base64
 import html
 import json
-import numbers
 from pathlib import Path
 from typing import Any
 
 from tunegrid.outcome import CellResult
 from tunegrid.recipes.recipe_export import fixes_html
-from tunegrid.review.advice import Recommendation
+from tunegrid.review.fix_table import recommendations_html
 from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes
 from tunegrid.review.recommend import recommend
-from tunegrid.review.run_links import mlflow_note, mlflow_run_base, run_link
+from tunegrid.review.report_format import fmt, missing, table
+from tunegrid.review.report_header import ESTIMATE_GOAL, estimate_misses, estimate_misses_html, header_html
+from tunegrid.review.run_links import CellLinks, mlflow_note, mlflow_run_base
 from tunegrid.review.stack_advice import stack_facts
 from tunegrid.runtime.files import atomic_write_text, read_json, read_jsonl
 from tunegrid.study.paths import StudyPaths
@@ -29,28 +30,6 @@ def _png(path: Path) -> str:
     return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
 
 
-# Column labels a person reads; values are written for people too (bytes in MiB/GiB, no 4.027e+08).
-LABELS = {
-    "cell_id": "cell",
-    "nan_step": "first non-finite step",
-    "nan_kind": "kind",
-    "nan_forward_module": "forward origin",
-    "nan_backward_module": "backward origin",
-    "fp16_headroom_worst_module": "worst fp16 headroom: module",
-    "fp16_headroom_worst_where": "worst fp16 headroom: where (a layer's output is the residual stream after it)",
-    "fp16_headroom_worst_ratio": "worst |activation| at real tokens / 65504 (sampled steps + the failing step)",
-    "steps_run": "steps",
-    "effective_batch": "effective batch (micro-batch x accumulation x ranks)",
-    "resumed_from_step": "resumed from step",
-    "final_loss": "final loss",
-    "skipped_steps": "skipped",
-    "quality_note": "quality judged on",
-    "peak_bytes": "peak memory",
-    "estimate_over_measured": "estimate / peak",
-    "tokens_per_s": "tokens/s",
-    "mlflow_run_id": "MLflow run",
-}
-COUNT_COLUMNS = ("steps_run", "skipped_steps", "nan_step", "effective_batch", "resumed_from_step")
 NAN_COLUMNS = [
     "cell_id",
     "nan_step",
@@ -73,47 +52,16 @@ MEMORY_SETTING_COLUMNS = [
     "final loss - plain",
 ]
 # the quality columns (loss_fall, quality, loss_deviation) and fp32_islands: review/quality.py, cell/islands.py
-ALL_CELLS_COLUMNS = """cell_id outcome reason effective_batch steps_run resumed_from_step final_loss loss_fall quality
-quality_note loss_deviation fp32_islands skipped_steps peak_bytes estimate_over_measured tokens_per_s
-optimizer_state_bytes collective_diagnosis straggler_rank collective_parted mlflow_run_id""".split()
+# the quality columns (loss_fall, quality, loss_deviation) and fp32_islands: review/quality.py, cell/islands.py;
+# the cell name links to its MLflow run, the figures to compare come first and the long reason last
+ALL_CELLS_COLUMNS = """cell_id outcome final_loss quality loss_deviation peak_bytes estimate_over_measured tokens_per_s
+loss_fall effective_batch steps_run resumed_from_step skipped_steps quality_note fp32_islands optimizer_state_bytes
+collective_diagnosis straggler_rank collective_parted reason""".split()
 
 
 def _any_value(frame: Any, column: str) -> bool:
     """A column to show: present and set for some cell (a grid without ranks has no collective columns)."""
     return column in frame.columns and bool(frame[column].notna().any())
-
-
-def _label(column: str) -> str:
-    return LABELS.get(column, column.replace("_", " "))
-
-
-def _cell(row: dict[str, Any], column: str, run_base: str | None) -> str:
-    text = html.escape(_fmt(row.get(column), column))
-    return run_link(text, run_base) if column == "mlflow_run_id" else text
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str], run_base: str | None = None) -> str:
-    if not rows:
-        return "<p class='none'>none</p>"
-    head = "".join(f"<th>{html.escape(_label(c))}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{_cell(r, c, run_base)}</td>" for c in columns) + "</tr>" for r in rows)
-    return f"<div class='scroll'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
-
-
-def _fmt(value: Any, column: str = "") -> str:
-    if value is None or (isinstance(value, float) and value != value):
-        return ""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return str(value)
-    if "bytes" in column:
-        return human_bytes(value)
-    if isinstance(value, float) and value in (float("inf"), float("-inf")):
-        return str(value)
-    if column in COUNT_COLUMNS or isinstance(value, numbers.Integral):
-        return f"{int(value):,}"
-    if abs(value) >= 1000:
-        return f"{value:,.0f}"
-    return f"{value:.3g}" if abs(value) < 1 else f"{value:.4g}"
 
 
 def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any], results: Any = None) -> list[Any]:
@@ -185,31 +133,6 @@ def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _recommendation_html(recs: list[Recommendation]) -> str:
-    if not recs:
-        return "<p class='none'>No failure in this grid has a fix that the grid itself shows working.</p>"
-    items = []
-    for rec in recs:
-        fixes = "".join(
-            f"<li><b>{html.escape(', '.join(f'{k}={v}' for k, v in fix.change.items()))}</b>: {html.escape(fix.why)}"
-            f" <span class='cite'>(shown by {html.escape(', '.join(fix.evidence))})</span></li>"
-            for fix in rec.fixes
-        )
-        cites = []
-        if rec.failing:
-            cites.append(f"failing: {html.escape(', '.join(rec.failing))}")
-        elif rec.concerns:
-            cites.append(f"concerns: {html.escape(', '.join(rec.concerns))}")
-        if rec.evidence:
-            cites.append(f"evidence: {html.escape(', '.join(rec.evidence))}")
-        items.append(
-            f"<div class='rec'><h3>{html.escape(rec.title)}</h3><p>{html.escape(rec.text)}</p>"
-            + (f"<p>Each of these is a fix on its own:</p><ul>{fixes}</ul>" if fixes else "")
-            + f"<p class='cite'>{'<br>'.join(cites)}</p></div>"
-        )
-    return "".join(items)
-
-
 def _log_tail(path: Path, lines: int = 12) -> str:
     """The last lines of a cell's log, progress-bar redraws collapsed to their final state."""
     if not path.is_file():
@@ -239,7 +162,7 @@ def failure_groups(frame: Any, results: dict[str, dict[str, Any]], logs_dir: Pat
     return sorted(groups.values(), key=lambda g: (-len(g["cells"]), g["outcome"], g["reason"]))  # widest cause first
 
 
-def _failures_html(groups: list[dict[str, Any]]) -> str:
+def _failures_html(groups: list[dict[str, Any]], links: CellLinks) -> str:
     if not groups:
         return "<p class='none'>none</p>"
     items = []
@@ -247,25 +170,61 @@ def _failures_html(groups: list[dict[str, Any]]) -> str:
         tail = group["traceback_tail"] or group["log_tail"]
         items.append(
             f"<div class='fail'><h3>{html.escape(group['outcome'])}: {html.escape(group['reason'])}</h3>"
-            f"<p>{len(group['cells'])} cell(s): {html.escape(', '.join(group['cells']))}</p>"
+            f"<p>{len(group['cells'])} cell(s): {links.cells(group['cells'])}</p>"
             + (f"<pre>{html.escape(tail)}</pre>" if tail else "")
             + f"<p class='cite'>log: {html.escape(group['log_path'])}</p></div>"
         )
     return "".join(items)
 
 
+def _all_cells_rows(frame: Any, curves: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The summary's rows, with what a value needs said beside it: a cell without a median tokens/s (it stopped
+    before a timed step) shows the step-0 figure MLflow's tokens_per_s chart has for it, and an estimate outside
+    its goal is marked where it happens."""
+    low, high = ESTIMATE_GOAL
+    rows = frame.to_dict("records")
+    for row in rows:
+        ratio = row.get("estimate_over_measured")
+        if isinstance(ratio, float) and ratio == ratio and ratio > 0 and not low <= ratio <= high:
+            row["_estimate_over_measured_html"] = f" <span class='miss'>peak {1 / ratio:.2f}x the estimate</span>"
+        if missing(row.get("tokens_per_s")):
+            steps = [r.get("tokens_per_s") for r in curves.get(row["cell_id"], []) if r.get("tokens_per_s")]
+            if steps:
+                row["_tokens_per_s_html"] = (
+                    "<span class='untimed' title='the median of the timed steps leaves out step 0; MLflow&#39;s "
+                    f"tokens_per_s chart has this figure'>{fmt(float(steps[-1]))} (step {len(steps) - 1}, "
+                    "untimed)</span>"
+                )
+    return rows
+
+
 STYLE = """
-body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}
-table{border-collapse:collapse;font-size:12px;margin:.5em 0 1.5em}
+body{font-family:system-ui,sans-serif;margin:1.2em 2em;max-width:1280px;color:#222}
+header{border-bottom:1px solid #ddd;margin-bottom:.6em}
+h1{margin:.2em 0}
+.facts span{margin-right:1.4em;font-size:13px}
+nav{font-size:13px;margin:.4em 0 .8em}
+table{border-collapse:collapse;font-size:12px;margin:.5em 0 1em}
 td,th{border:1px solid #ddd;padding:3px 6px;text-align:left;vertical-align:top}
 th{background:#f3f3f3}
-.rec{border-left:4px solid #1e88e5;padding:.2em 1em;margin:.8em 0;background:#f7fbff}
-.cite{font-size:11px;color:#555}
+td.num{text-align:right;white-space:nowrap}
+.rec{border-left:4px solid #1e88e5;padding:.1em 1em;margin:.6em 0;background:#f7fbff}
+.rec h3{margin:.4em 0}
+.rec p{margin:.3em 0}
+table.fixes{background:#fff}
+table.fixes tr.first td{background:#e8f5e9}
+.cells{font-size:11px}
+a.cell{white-space:nowrap}
+.who,.cite,.notes{font-size:11px;color:#555}
 .none{color:#777}
+.miss{color:#c62828}
+.untimed{color:#777;font-size:11px}
 img{max-width:100%}
 .scroll{overflow:auto;max-height:32em;max-width:100%;margin:.5em 0 1.5em}
 .scroll table{margin:0}
-.scroll thead th{position:sticky;top:0}
+.scroll thead th{position:sticky;top:0;z-index:1}
+.sticky td:first-child,.sticky th:first-child{position:sticky;left:0;background:#fff;z-index:2}
+.sticky th:first-child{background:#f3f3f3;z-index:3}
 .fail{border-left:4px solid #424242;padding:.2em 1em;margin:.8em 0;background:#fafafa}
 pre{font-size:11px;background:#f3f3f3;padding:.5em;overflow:auto;max-height:16em}
 .counts span{display:inline-block;padding:2px 8px;margin-right:6px;border-radius:3px;color:#fff}
@@ -315,28 +274,35 @@ def build_report(
         .sort_values([a for a in axis_names() if a in frame.columns])
         .to_dict("records")
     )
-    logs_dir = StudyPaths.of_result(result_paths[0]).cell_logs_dir if result_paths else out_dir
-    study_file = StudyPaths.of_result(result_paths[0]).study_file if result_paths else out_dir / "none"
+    paths = StudyPaths.of_result(result_paths[0]) if result_paths else None
+    logs_dir = paths.cell_logs_dir if paths else out_dir
+    study_file = paths.study_file if paths else out_dir / "none"
     failures = failure_groups(frame, results, logs_dir)
-    tracking_file = StudyPaths.of_result(result_paths[0]).tracking if result_paths else out_dir / "none"
-    run_base = mlflow_run_base(study_file, tracking_file)
+    links = CellLinks(frame, mlflow_run_base(study_file, paths.tracking if paths else out_dir / "none"))
+    quality = dict(zip(frame["cell_id"], frame["quality"], strict=True)) if "quality" in frame.columns else {}
+    rec_dicts = [r.as_dict() for r in recs]
+    all_columns = [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)]
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tunegrid report: {html.escape(study)}</title>
 <style>{STYLE}</style></head><body>
-<h1>tunegrid report: {html.escape(study)}</h1>
-<p class="counts">{len(frame)} cells: {count_html}</p>
+{header_html(study, frame, capabilities, environment, count_html)}
 {_sources_html(study_file.parent)}
-<h2>Probe: what the hardware can do</h2>{_table(_probe_facts(capabilities, environment, results), ["fact", "value"])}
-<h2>Recommendations</h2>{_recommendation_html(recs)}
-{fixes_html(study_file, [r.as_dict() for r in recs], out_dir)}
-<h2>Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">
-<h2>Non-finite events</h2>{_table(nan_rows, NAN_COLUMNS)}
-<h2>Other failures</h2>{_failures_html(failures)}
-<h2>Loss curves</h2><img alt="loss curves" src="{_png(plots["loss"])}">
-<h2>Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
-<h2>Memory settings: what each saves and costs</h2>{_table(memory_setting_rows(frame), MEMORY_SETTING_COLUMNS)}
-<h2>MoE quantization audit</h2>{_table(_audit_rows(results), AUDIT_COLUMNS)}
-<h2>All cells</h2>{_table(frame.to_dict("records"), [c for c in ALL_CELLS_COLUMNS if _any_value(frame, c)], run_base)}
-{mlflow_note(run_base)}
+<h2 id="recommendations">Recommendations</h2>{recommendations_html(rec_dicts, quality, links)}
+{fixes_html(study_file, rec_dicts, out_dir)}
+<h2 id="estimate">Memory estimate misses</h2>{estimate_misses_html(estimate_misses(frame), links)}
+<h2 id="matrix">Outcome matrix</h2><img alt="outcome matrix" src="{_png(plots["outcomes"])}">
+<h2 id="nan">Non-finite events</h2>{table(nan_rows, NAN_COLUMNS, links)}
+<h2 id="failures">Other failures</h2>{_failures_html(failures, links)}
+<h2 id="loss">Loss curves</h2><img alt="loss curves" src="{_png(plots["loss"])}">
+<h2 id="memory">Peak memory</h2><img alt="peak memory" src="{_png(plots["memory"])}">
+<h2 id="memory-settings">Memory settings: what each saves and costs</h2>
+{table(memory_setting_rows(frame), MEMORY_SETTING_COLUMNS, links)}
+<h2 id="audit">MoE quantization audit</h2>{table(_audit_rows(results), AUDIT_COLUMNS, links)}
+<h2 id="cells">All cells</h2>{table(_all_cells_rows(frame, curves), all_columns, links, css="sticky")}
+<p class='cite'>Bytes in one unit per column (the exact bytes on hover, as MLflow's metric holds them); a column
+header's hover names its MLflow metric (tokens/s is tokens_per_s_median: the median of the timed steps).</p>
+{mlflow_note(links.run_base)}
+<h2 id="probe">Probe: what the hardware can do</h2>
+{table(_probe_facts(capabilities, environment, results), ["fact", "value"])}
 </body></html>"""
     atomic_write_text(out_dir / "index.html", page)
     return {"cells": len(frame), "recommendations": len(recs), "outcomes": counts}
