@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -334,3 +335,33 @@ def test_the_probe_measures_all_reduce_at_the_grids_world_sizes_unless_the_study
     assert probe_world_sizes(resolve_study(make_study(grid=grid))) == [2, 4]
     assert probe_world_sizes(resolve_study(make_study(grid=grid, probe={"world_sizes": []}))) == []
     assert probe_world_sizes(resolve_study(make_study(probe={"world_sizes": [8]}))) == [8]
+
+
+@pytest.mark.slow
+def test_a_prompt_format_with_braces_plans_and_writes_its_records(tmp_path):
+    """A recipe's custom prompt format holds braces ("{instruction}"), which are no Snakemake wildcards: the
+    dataset rule writes the records the format builds."""
+    records = tmp_path / "data.jsonl"
+    records.write_text('{"q": "What is 2+2?", "ctx": "arithmetic", "a": "4"}\n' * 8)
+    raw = make_study()
+    raw["data"] = {
+        "source": "jsonl",
+        "path": str(records),
+        "layout": {
+            "field_instruction": "q",
+            "field_input": "ctx",
+            "field_output": "a",
+            "format": "Q: {instruction} [{input}]\n",
+        },
+    }
+    config = tmp_path / "braces.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    done = subprocess.run(
+        snakemake_command(tmp_path, "results/t/data/train.jsonl", "--cores", "1", "--configfile", str(config)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    first = json.loads((tmp_path / "results" / "t" / "data" / "train.jsonl").read_text().splitlines()[0])
+    assert "Q: What is 2+2? [arithmetic]" in json.dumps(first), first

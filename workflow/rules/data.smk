@@ -11,6 +11,8 @@ rule dataset:
     conda:
         "../../envs/tunegrid.yaml"
     params:
-        spec=json.dumps(STUDY["data"], sort_keys=True),
+        # a function: Snakemake expands wildcards in a plain string param, and a recipe's prompt format holds
+        # braces ("{instruction}") that are no wildcards
+        spec=lambda wildcards: json.dumps(STUDY["data"], sort_keys=True),
     shell:
         f"python {SCRIPT} dataset" " --data-spec {params.spec:q}" " --out {output.data} > {log} 2>&1"
