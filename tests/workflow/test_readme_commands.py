@@ -188,6 +188,10 @@ HOW: dict[str, tuple[str, str]] = {
     "tunegrid finetune --contract": ("name", "the finetune rule's shell line: every study run in this file runs it"),
     "tunegrid export <cell_id> --to axolotl|trl": ("name", "the form of export; the recipe page's commands run it"),
     "python scripts/tunegrid.py": ("name", "the entry point; every full command of it is an entry"),
+    "python scripts/tunegrid.py screenshots": (
+        "name",
+        "named by the review guide's generated block as what writes it; its full form is an entry above",
+    ),
     "python -m tunegrid.cli": ("name", "the same entry point as a module"),
     "snakemake --configfile": ("name", "the option the upstream report is about"),
     "snakemake -n": ("name", "a dry run, as findings.md measured it; every dry entry runs one"),
