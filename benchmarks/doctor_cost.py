@@ -9,9 +9,12 @@ recommendation in at most 40 % of the grid's cell-minutes.
     python benchmarks/doctor_cost.py                          # the three CPU studies below, ~20 min on 2 cores
     python benchmarks/doctor_cost.py configs/memory-fixes-oom-cpu.yaml
     python benchmarks/doctor_cost.py 'configs/collective-timeout-cpu.yaml:<cell_id>'
+    python benchmarks/doctor_cost.py examples/axolotl-gemma3-tiny.yaml   # its model: scripts/make_example_model.py
 
-A study is `path[:cell_id]`; without a cell, the doctor's baseline is the first value of every axis. Writes
-results/benchmarks/doctor_cost.json with the machine facts (machine.py).
+A study is `path[:cell_id]`; without a cell, the doctor's baseline is the first value of every axis. A training
+recipe (examples/axolotl-gemma3-tiny.yaml) is imported as `tunegrid doctor` imports it, its study written in the
+work folder: its grid is every setting around the recipe's own. Writes results/benchmarks/doctor_cost.json with
+the machine facts (machine.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,34 @@ def _snakemake(workdir: Path, study: Path, cores: int, *targets: str) -> float:
     return time.monotonic() - started
 
 
+def _study_file(path: str, workdir: Path) -> str:
+    """A study file as it is; a recipe as the doctor's study, written in the work folder."""
+    from tunegrid.run.doctor import _is_study, recipe_study
+    from tunegrid.study.config import read_study_file
+    from tunegrid.study.errors import ConfigError
+
+    try:
+        if _is_study(read_study_file(path)):
+            return path
+    except ConfigError:
+        pass
+    # the recipe's own paths (its model, its data) are relative to the repository: its top folder is linked into
+    # the work folder, where the study runs and its recipe is read again
+    relative = Path(path).relative_to(REPO)
+    link = workdir / relative.parts[0]
+    if not link.exists():
+        link.symlink_to(REPO / relative.parts[0])
+    args = argparse.Namespace(source=str(relative), tool="auto", ignore=[], model="", dataset="", target="")
+    args.study_out = str(workdir / "recipes" / f"{Path(path).stem}.yaml")
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        _, written = recipe_study(args)
+    finally:
+        os.chdir(cwd)
+    return str(Path(written).resolve())
+
+
 def _fix_words(fix: dict | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in fix["change"].items()) if fix else "none"
 
@@ -61,6 +92,7 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
 
     path, _, cell = entry.partition(":")
     path = str(Path(path).resolve())  # the studies run in their own folder: a relative path would not reach it
+    path = _study_file(path, workdir)
     study = load_study(path)
     baseline = baseline_cell(study, cell).cell_id
     paths = StudyPaths.of(study["study"], workdir / "results")
