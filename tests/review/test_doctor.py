@@ -318,7 +318,7 @@ PROVEN = [_fix({"precision": "bf16"}, BF16), _fix({"precision": "fp32"}, FP32)]
     ],
 )
 def test_on_the_machine_the_doctor_stops_when_no_candidate_left_can_reach_the_fastest_proven_fix(ceiling, stops):
-    from tunegrid.review.doctor_choice import stop
+    from tunegrid.review.doctor_stop import stop
 
     done, why = stop(_native_choice(ceiling), PROVEN, ROWS, [BF16, FP32], first=False)
     assert done is stops
@@ -330,7 +330,7 @@ def test_on_the_machine_the_doctor_stops_when_no_candidate_left_can_reach_the_fa
 
 
 def test_the_doctor_never_stops_before_a_fix_holds_and_first_stops_at_the_first_that_does():
-    from tunegrid.review.doctor_choice import stop
+    from tunegrid.review.doctor_stop import stop
 
     choice = _native_choice(5000.0)
     assert stop(choice, [], ROWS, [BF16, FP32], first=False) == (False, [])
@@ -341,7 +341,8 @@ def test_the_doctor_never_stops_before_a_fix_holds_and_first_stops_at_the_first_
 
 
 def test_a_memory_fix_is_bounded_by_the_fastest_proven_fix_without_a_noise_margin():
-    from tunegrid.review.doctor_choice import BY_THROUGHPUT, stop
+    from tunegrid.review.doctor_choice import BY_THROUGHPUT
+    from tunegrid.review.doctor_stop import stop
 
     ac, both = "m_fp32_bs2_none_s0_ac", "m_fp32_bs2_none_s0_adamw-8bit_ac"
     choice = {
@@ -360,7 +361,8 @@ def test_a_memory_fix_is_bounded_by_the_fastest_proven_fix_without_a_noise_margi
 
 
 def test_on_a_named_target_the_doctor_stops_when_every_candidate_left_is_modelled_slower():
-    from tunegrid.review.doctor_choice import BY_MODEL, stop
+    from tunegrid.review.doctor_choice import BY_MODEL
+    from tunegrid.review.doctor_stop import stop
 
     rows = {FP32: {"modelled_step_s": 0.002, "tokens_per_s": 10.0}}
     fixes = [_fix({"precision": "fp32"}, FP32)]
@@ -379,7 +381,8 @@ def test_on_a_named_target_the_doctor_stops_when_every_candidate_left_is_modelle
 
 
 def test_a_collective_timeout_stops_at_the_smallest_larger_timeout_that_holds():
-    from tunegrid.review.doctor_choice import BY_ORDER, stop
+    from tunegrid.review.doctor_choice import BY_ORDER
+    from tunegrid.review.doctor_stop import stop
 
     seven, nine = "m_fp32_bs2_none_s0_ws2_ct7", "m_fp32_bs2_none_s0_ws2_ct9"
     choice = {

@@ -109,19 +109,21 @@ def step_floor_s(
 ) -> tuple[float, str] | None:
     """The least time one step of a cell can take on this machine, and how it was found: the matmul FLOPs it cannot
     skip (FLOOR_FLOPS_PER_WEIGHT_TOKEN per weight and token, and the recomputed forward where it checkpoints; its
-    adapters' and every other operation's work left out) at the fastest rate the probe measured for the arithmetic
-    its products run in. Where the probed device only emulates that arithmetic its products may be computed in a
-    wider one (tunegrid's CPU fp16 products run in fp32 blocks: tunegrid.cell.fp16_matmul), so the fastest rate
-    the probe measured in any dtype is taken. A lower bound, never a prediction: the doctor stops trying fixes
-    whose floor is slower than a fix it has measured (review/doctor_choice.py). None without a measured rate."""
+    adapters' and every other operation's work left out) at the rate the probe measured for the arithmetic its
+    products run in. Where the probed device only emulates that arithmetic, its products run either in the
+    device's own kernel for the dtype (the probe's rate for it) or in fp32 (tunegrid's CPU fp16 products, in fp32
+    blocks: tunegrid.cell.fp16_matmul; a GPU without bf16 units), so the faster of the two rates is taken. A lower
+    bound, never a prediction: the doctor stops trying fixes whose floor is slower than a fix it has measured
+    (review/doctor_stop.py). None without a measured rate."""
     rates = {k: v for k, v in (capabilities.get("matmul_tflops") or {}).items() if v}
     plan = precision_plan(precision)
     dtype = str(plan.dtype)
     support = (capabilities.get("precision") or {}).get(str(plan.arithmetic))
-    rate = rates.get(dtype) if support == "native" else max(rates.values(), default=None)
+    emulated = support != "native"
+    rate = max(rates.get(dtype, 0.0), rates.get("float32", 0.0)) if emulated else rates.get(dtype)
     if not rate or not step_flops:
         return None
     share = (FLOOR_FLOPS_PER_WEIGHT_TOKEN + (2 if checkpointing else 0)) / FLOPS_PER_WEIGHT_TOKEN
     floor = step_flops * share / (rate * 1e12)
-    how = "fastest probed" if support != "native" else dtype
+    how = f"{dtype} emulated: the faster of its rate and float32's" if emulated else dtype
     return floor, f"{step_flops * share / 1e9:.3g} GFLOP at the probe's {rate:.3g} TFLOP/s ({how})"

@@ -239,7 +239,7 @@ def try_verdict(
     """One try's file: its own cells (`new`), whether a fix of the baseline holds among all run so far, and
     whether the second wave stops here (`stop`: `first` at a fix that holds, else once no candidate left can rank
     above it), with why each candidate left is not needed."""
-    from tunegrid.review.doctor_choice import stop
+    from tunegrid.review.doctor_stop import stop
 
     verdict = verdict_of(study, baseline_id, [paths.result(c) for c in cells], capabilities)
     done, not_run = stop(choice or {"candidates": []}, verdict.fixes, verdict.rows, cells, first)
