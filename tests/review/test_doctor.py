@@ -414,3 +414,16 @@ def test_fixes_within_the_fastest_ones_noise_are_equally_fast_and_the_plans_orde
     assert verdict.fixes[0]["change"] == {"precision": first}, verdict.recommendations
     if first == "bf16":
         assert "fp32, bf16 within 10% of the fastest" in verdict.fixes[0]["recommendation"]
+
+
+def test_a_cell_that_beat_its_own_ceiling_raises_every_ceiling_left():
+    """The probe measured fp32 on a loaded host: bf16's own cell ran at twice its ceiling, so the floor of the
+    candidates left is not trusted as it stands."""
+    from tunegrid.review.doctor_stop import stop
+
+    choice = _native_choice(900.0)
+    choice["candidates"][0]["ceiling_tokens_per_s"] = 500.0  # bf16 measured 1000
+    assert not stop(choice, PROVEN, ROWS, [BF16, FP32], first=False)[0]  # 900 x 2 > 950
+    choice["candidates"][1]["ceiling_tokens_per_s"] = 400.0
+    done, why = stop(choice, PROVEN, ROWS, [BF16, FP32], first=False)
+    assert done and "at most 800 tokens/s here (its floor, x2.00: a cell here beat its own ceiling)" in why[0]

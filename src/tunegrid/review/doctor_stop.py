@@ -35,8 +35,8 @@ def stop(
     smallest larger collective timeout), at once; on a named target, when each one left is modelled slower there
     than the fix (an unmodelled fix ranks after every modelled one); on the machine itself, when the most tokens/s
     each one left could reach is below the fastest proven fix's measured tokens/s, less that fix's noise where the
-    report counts fixes within it as equally fast (precision fixes: review.precision_advice.equally_fast). A
-    candidate with no such bound is run."""
+    report counts fixes within it as equally fast (precision fixes: review.precision_advice.equally_fast), every
+    ceiling raised where a cell run here beat its own (`_probe_shortfall`). A candidate with no such bound is run."""
     left = [c for c in choice["candidates"] if c["cell_id"] not in ran]
     if not fixes:
         return False, []
@@ -63,13 +63,28 @@ def stop(
     row, fastest = max(measured, key=lambda item: float(item[0]["tokens_per_s"]))
     noise = (_number(row.get("step_time_noise")) or 0.0) if choice.get("failure") == "nan" else 0.0
     bar = float(row["tokens_per_s"]) * (1 - noise)
+    scale = _probe_shortfall(choice, rows, ran)
+    raised = f", x{scale:.2f}: a cell here beat its own ceiling" if scale > 1 else ""
     for c in left:
         ceiling = _number(c.get("ceiling_tokens_per_s"))
-        if ceiling is None or ceiling >= bar:
+        if ceiling is None or ceiling * scale >= bar:
             return False, []
         margin = f" less its {noise:.0%} noise" if noise else ""
         why.append(
-            f"{_words(c['change'])}: at most {ceiling:.0f} tokens/s here ({c.get('ceiling_basis')}), below the "
-            f"{float(row['tokens_per_s']):.0f} measured for {_words(fastest['change'])}{margin}"
+            f"{_words(c['change'])}: at most {ceiling * scale:.0f} tokens/s here ({c.get('ceiling_basis')}{raised}), "
+            f"below the {float(row['tokens_per_s']):.0f} measured for {_words(fastest['change'])}{margin}"
         )
     return True, why
+
+
+def _probe_shortfall(choice: dict[str, Any], rows: dict[str, dict[str, Any]], ran: list[str]) -> float:
+    """How far the probe's rates fell short of what the cells run here reached: the largest ratio of a cell's
+    measured tokens/s to its own ceiling, at least 1. A floor's weakest part is the probe's rate, measured in
+    seconds on a host others may share; where a cell beat its own ceiling, every ceiling left is raised as much."""
+    ratios = [1.0]
+    for c in choice["candidates"]:
+        measured = _number((rows.get(c["cell_id"]) or {}).get("tokens_per_s")) if c["cell_id"] in ran else None
+        ceiling = _number(c.get("ceiling_tokens_per_s"))
+        if measured is not None and ceiling is not None:
+            ratios.append(measured / ceiling)
+    return max(ratios)
