@@ -10,6 +10,7 @@ recommendation in at most 40 % of the grid's cell-minutes.
     python benchmarks/doctor_cost.py configs/memory-fixes-oom-cpu.yaml
     python benchmarks/doctor_cost.py 'configs/collective-timeout-cpu.yaml:<cell_id>'
     python benchmarks/doctor_cost.py examples/axolotl-gemma3-tiny.yaml   # its model: scripts/make_example_model.py
+    python benchmarks/doctor_cost.py --workdir <a former run's> --redecide     # its cells, decided again
 
 A study is `path[:cell_id]`; without a cell, the doctor's baseline is the first value of every axis. A training
 recipe (examples/axolotl-gemma3-tiny.yaml) is imported as `tunegrid doctor` imports it, its study written in the
@@ -84,7 +85,18 @@ def _fix_words(fix: dict | None) -> str:
     return ", ".join(f"{k}={v}" for k, v in fix["change"].items()) if fix else "none"
 
 
-def measure(entry: str, workdir: Path, cores: int) -> dict:
+def _forget_decisions(paths) -> None:
+    """The doctor's folders, the summary and the report removed, so that they are made again over the cells already
+    measured (Snakemake runs no cell again: the doctor of another version, or a changed recommender, decides)."""
+    import shutil
+
+    for folder in (paths.study_dir / "doctor", paths.report_file("index.html").parent):
+        shutil.rmtree(folder, ignore_errors=True)
+    for path in (paths.summary, paths.summary_parquet):
+        path.unlink(missing_ok=True)
+
+
+def measure(entry: str, workdir: Path, cores: int, redecide: bool = False) -> dict:
     from tunegrid.review.doctor import baseline_fixes, cell_minutes
     from tunegrid.runtime.files import read_json
     from tunegrid.study.config import baseline_cell, cells_by_id, load_study
@@ -96,6 +108,8 @@ def measure(entry: str, workdir: Path, cores: int) -> dict:
     study = load_study(path)
     baseline = baseline_cell(study, cell).cell_id
     paths = StudyPaths.of(study["study"], workdir / "results")
+    if redecide:
+        _forget_decisions(paths)
     doctor = {}
     for mode in ("all", "first"):
         goal = paths.doctor_file(baseline, mode, "doctor.json")
@@ -128,10 +142,16 @@ def main() -> None:
     parser.add_argument("studies", nargs="*", default=DEFAULT_STUDIES, help="study files, each path[:cell_id]")
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--workdir", default="", help="where the studies run (default: a fresh temporary folder)")
+    parser.add_argument(
+        "--redecide",
+        action="store_true",
+        help="in a former run's --workdir: make the doctor's decisions, the summary and the report again over the "
+        "cells it measured (cell-minutes are those cells' own)",
+    )
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="doctor-cost-")).resolve()
-    rows = [measure(entry, workdir, args.cores) for entry in args.studies]
+    rows = [measure(entry, workdir, args.cores, args.redecide) for entry in args.studies]
     print(f"\n{'study':<26} {'mode':<6} {'recommendation':<34} {'cells':>5} {'cell-min':>9} {'share':>6} same")
     for row in rows:
         grid = row["grid"]
