@@ -64,12 +64,13 @@ def _study_file(path: str, workdir: Path) -> str:
             return path
     except ConfigError:
         pass
-    # the recipe's own paths (its model, its data) are relative to the repository: its top folder is linked into
-    # the work folder, where the study runs and its recipe is read again
+    # the recipe's own paths (its model, its data) are relative to the repository: its top folder is copied into the
+    # work folder, where the study runs and its recipe is read again (a study reads no data through a link out of it)
+    import shutil
+
     relative = Path(path).relative_to(REPO)
-    link = workdir / relative.parts[0]
-    if not link.exists():
-        link.symlink_to(REPO / relative.parts[0])
+    if not (workdir / relative.parts[0]).exists():
+        shutil.copytree(REPO / relative.parts[0], workdir / relative.parts[0])
     args = argparse.Namespace(source=str(relative), tool="auto", ignore=[], model="", dataset="", target="")
     args.study_out = str(workdir / "recipes" / f"{Path(path).stem}.yaml")
     cwd = os.getcwd()
