@@ -13,9 +13,9 @@ modelled_step_s, tunegrid.targets.modelled_step: the median over pairs of the fa
 over the fix's), and the fixes are ranked by it, the host's measured cost shown beside: the machine's own speeds
 say nothing of a card whose fp16 tensor cores run at eight times its fp32 rate. On the machine itself they are
 ranked by throughput: the fastest that holds first. Fixes whose throughput is within the fastest's measurement
-noise of it (half the range of its step times, relative to their median: summary.step_time_noise) are equally
-fast as measured, and the plans' nan_fix_rank picks the first among them, so a host's jitter does not decide
-between two fixes it cannot tell apart, and the doctor, which runs fewer cells, names the same one.
+noise of it (the median absolute deviation of its step times, relative to their median: summary.step_time_noise)
+are equally fast as measured, and the plans' nan_fix_rank picks the first among them, so a host's jitter does not
+decide between two fixes it cannot tell apart, and the doctor, which runs fewer cells, names the same one.
 """
 
 from __future__ import annotations

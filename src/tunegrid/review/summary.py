@@ -208,14 +208,16 @@ def _worst_headroom(result: CellResult) -> dict[str, Any]:
 
 
 def step_time_noise(metric_lines: list[dict[str, Any]]) -> float | None:
-    """How far a cell's measured speed may be from its median by chance: half the range of its step times after
-    the first (whose time includes the warm-up), relative to their median. Two fixes whose throughput differs by
-    less than this are equally fast as measured (review/precision_advice.py). None with fewer than two such steps."""
+    """How far a cell's measured speed may be from its median by chance: the median absolute deviation of its step
+    times after the first (whose time includes the warm-up), relative to their median. Robust as the median
+    throughput it qualifies is: one step slowed by another job on the host moves neither. Two fixes whose
+    throughput differs by less than this are equally fast as measured (review/precision_advice.py). None with
+    fewer than two such steps."""
     times = [float(line["step_time_s"]) for line in metric_lines[1:] if line.get("step_time_s")]
     if len(times) < 2:
         return None
     middle = statistics.median(times)
-    return (max(times) - min(times)) / (2 * middle) if middle > 0 else None
+    return statistics.median(abs(t - middle) for t in times) / middle if middle > 0 else None
 
 
 def build_summary(
