@@ -427,3 +427,14 @@ def test_a_cell_that_beat_its_own_ceiling_raises_every_ceiling_left():
     choice["candidates"][1]["ceiling_tokens_per_s"] = 400.0
     done, why = stop(choice, PROVEN, ROWS, [BF16, FP32], first=False)
     assert done and "at most 800 tokens/s here (its floor, x2.00: a cell here beat its own ceiling)" in why[0]
+
+
+def test_candidates_of_one_bound_are_said_once():
+    from tunegrid.review.doctor_stop import stop
+
+    choice = _native_choice(900.0)
+    choice["candidates"].insert(
+        2, _left({"precision": "fp16-mixed"}, "m_fp16-mixed_bs2_none_s0", ceiling_tokens_per_s=900.0)
+    )
+    done, why = stop(choice, PROVEN, ROWS, [BF16, FP32], first=False)
+    assert done and len(why) == 1 and why[0].startswith("precision=fp16-islands; precision=fp16-mixed: at most 900")

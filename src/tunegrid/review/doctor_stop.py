@@ -65,14 +65,17 @@ def stop(
     bar = float(row["tokens_per_s"]) * (1 - noise)
     scale = _probe_shortfall(choice, rows, ran)
     raised = f", x{scale:.2f}: a cell here beat its own ceiling" if scale > 1 else ""
+    alike: dict[tuple[float, str], list[str]] = {}  # candidates of one bound, said once
     for c in left:
         ceiling = _number(c.get("ceiling_tokens_per_s"))
         if ceiling is None or ceiling * scale >= bar:
             return False, []
-        margin = f" less its {noise:.0%} noise" if noise else ""
+        alike.setdefault((ceiling * scale, str(c.get("ceiling_basis"))), []).append(_words(c["change"]))
+    margin = f" less its {noise:.0%} noise" if noise else ""
+    for (ceiling, basis), names in alike.items():
         why.append(
-            f"{_words(c['change'])}: at most {ceiling * scale:.0f} tokens/s here ({c.get('ceiling_basis')}{raised}), "
-            f"below the {float(row['tokens_per_s']):.0f} measured for {_words(fastest['change'])}{margin}"
+            f"{'; '.join(names)}: at most {ceiling:.0f} tokens/s here ({basis}{raised}), below the "
+            f"{float(row['tokens_per_s']):.0f} measured for {_words(fastest['change'])}{margin}"
         )
     return True, why
 
