@@ -6,7 +6,8 @@ wall-clock (result.json's `wall_s`), and each side's recommendation is the first
 doctor's screen; the grid's report, read the way `tunegrid export recommended` reads it). Goal: the same
 recommendation in at most 40 % of the grid's cell-minutes.
 
-    python benchmarks/doctor_cost.py                          # the three CPU studies below, ~20 min on 2 cores
+    python benchmarks/doctor_cost.py                          # the four CPU studies below, ~40 min on 2 shared cores
+    python benchmarks/doctor_cost.py 'configs/gemma3-270m-cpu.yaml:gemma3-270m_fp16_bs1_none_s0'   # real weights
     python benchmarks/doctor_cost.py configs/memory-fixes-oom-cpu.yaml
     python benchmarks/doctor_cost.py 'configs/collective-timeout-cpu.yaml:<cell_id>'
     python benchmarks/doctor_cost.py examples/axolotl-gemma3-tiny.yaml   # its model: scripts/make_example_model.py
@@ -39,6 +40,7 @@ DEFAULT_STUDIES = [
     str(REPO / "configs" / "memory-fixes-oom-cpu.yaml"),
     # its first cell trains without a fault; the one that fails is rank 1's single long pause at 5 s
     str(REPO / "configs" / "collective-timeout-cpu.yaml") + ":qwen3moe-tiny_fp32_bs2_none_s0_ws2_ct5_fault-stall-rank",
+    str(REPO / "configs" / "config.yaml") + ":gemma3-tiny_fp16_bs2_none_s0",  # the default study's fp16 overflow
 ]
 GOAL = 0.40
 
