@@ -12,8 +12,8 @@ another cell.
 Every candidate also carries what its plan says of its rank before it runs, in the terms the recommender ranks
 fixes by: on a named target its modelled step time; on the machine itself the most tokens/s it could reach, its
 tokens per step over its step's floor (tunegrid.prepare.liveness.step_floor_s: the matmul FLOPs it cannot skip
-at the fastest rate the probe measured). The doctor runs them one try at a time, and review.doctor_stop ends the
-second wave once a fix holds and no candidate left could rank above it in the report.
+at the probe's rate for the arithmetic its products run in). The doctor runs them one try at a time, and
+review.doctor_stop ends the second wave once a fix holds and no candidate left could rank above it in the report.
 
 Light module: no torch (the doctor's rules run it between cells).
 """
