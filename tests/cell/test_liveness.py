@@ -115,3 +115,21 @@ def test_a_single_process_worker_beats_at_every_decoder_block(checkpoints, datas
     before = len(beat.pulses)  # the hooks are gone: another forward pulses nothing
     model(input_ids=ids)
     assert len(beat.pulses) == before
+
+
+def test_a_steps_floor_is_its_unskippable_flops_at_the_fastest_rate_its_products_can_run():
+    """The doctor's bound: 4 FLOPs per weight and token (6 with the recomputed forward) at the probe's rate for the
+    arithmetic; an emulated one (CPU fp16, computed in fp32 blocks) at the faster of its own rate and fp32's."""
+    from tunegrid.prepare.liveness import step_floor_s
+
+    probed = {
+        "matmul_tflops": {"float32": 0.02, "bfloat16": 0.06, "float16": 0.002},
+        "precision": {"fp32": "native", "bf16": "native", "fp16": "emulated"},
+    }
+    flops = 6e12  # what plan_liveness counts: 6 per weight and token
+    assert step_floor_s(flops, "fp32", False, probed)[0] == pytest.approx(4e12 / 0.02e12)
+    assert step_floor_s(flops, "fp32", True, probed)[0] == pytest.approx(6e12 / 0.02e12)
+    assert step_floor_s(flops, "bf16", False, probed)[0] == pytest.approx(4e12 / 0.06e12)
+    floor, how = step_floor_s(flops, "fp16-islands", False, probed)
+    assert floor == pytest.approx(4e12 / 0.02e12) and "emulated" in how  # fp32's rate, not bf16's
+    assert step_floor_s(flops, "fp32", False, {"precision": {"fp32": "native"}}) is None

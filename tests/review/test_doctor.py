@@ -101,11 +101,12 @@ def test_a_nonfinite_failure_gets_the_precisions_of_the_table_the_target_runs():
 
 
 def test_on_a_named_target_the_precisions_are_tried_cheapest_first_on_it():
-    """On a T4 the twins' plans order the candidates by their modelled step time; on the machine itself none are
-    read, and the plans' order stands."""
+    """On a T4 the twins' plans order the candidates by their modelled step time; on the machine itself the plans'
+    order stands."""
     from tunegrid.review.doctor_choice import precision_choice_cells
 
-    assert precision_choice_cells(_precision_study(), baseline_cell(_precision_study())) == []
+    native = _precision_study()  # read there too, for the bound on each candidate's throughput
+    assert len(precision_choice_cells(native, baseline_cell(native))) == 3
     l4 = _precision_study("l4")
     baseline = baseline_cell(l4)
     twins = precision_choice_cells(l4, baseline)
@@ -194,7 +195,7 @@ def test_a_collective_timeout_gets_its_class_fixes():
     assert not mismatch.candidates and mismatch.skipped
 
 
-def test_tries_run_every_candidate_at_once_or_one_at_a_time():
+def test_tries_run_one_candidate_at_a_time_with_its_reference():
     choice = {
         "candidates": [
             {"cell_id": "a", "reference": "ref"},
@@ -202,9 +203,8 @@ def test_tries_run_every_candidate_at_once_or_one_at_a_time():
             {"cell_id": "ref", "reference": None},
         ]
     }
-    assert tries(choice, first=False) == [["a", "ref", "b"]]
-    assert tries(choice, first=True) == [["a", "ref"], ["b"], []]
-    assert tries({"candidates": []}, first=False) == []
+    assert tries(choice) == [["a", "ref"], ["b"], []]
+    assert tries({"candidates": []}) == []
 
 
 def test_the_fix_of_the_baseline_is_the_first_whose_own_twin_is_evidence():
@@ -226,17 +226,24 @@ def test_the_fix_of_the_baseline_is_the_first_whose_own_twin_is_evidence():
     assert [f["cell_id"] for f in found] == ["gemma3-hot_fp32_bs2_none_s0"]
 
 
-def _cell_files(root, cell_id, outcome, losses, skipped=None, diagnosis=None):
-    """A cell's result.json and metrics.jsonl as a run leaves them (`skipped`: the running skipped_steps)."""
+def _cell_files(root, cell_id, outcome, losses, skipped=None, diagnosis=None, step_times=None):
+    """A cell's result.json and metrics.jsonl as a run leaves them (`skipped`: the running skipped_steps;
+    `step_times`: each step's seconds, 64 tokens a step)."""
     import json
+    import statistics
 
     run = root / cell_id
     run.mkdir(parents=True)
     result = {"cell_id": cell_id, "cell": {"axes": parse_cell_id(cell_id)}, "outcome": outcome, "reason": outcome}
     result["diagnosis"] = diagnosis or {}
+    if step_times:
+        median = statistics.median(step_times)
+        result["throughput"] = {"tokens_per_s_median": 64 / median, "step_time_s_median": median}
     (run / "result.json").write_text(json.dumps(result))
     skipped = skipped or [0] * len(losses)
     lines = [{"step": i, "loss": loss, "skipped_steps": s} for i, (loss, s) in enumerate(zip(losses, skipped))]
+    for line, seconds in zip(lines, step_times or [], strict=False):
+        line.update(step_time_s=seconds, tokens_per_s=64 / seconds)
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run / "result.json"
 
@@ -266,3 +273,168 @@ def test_the_doctors_fp16_candidate_is_judged_on_the_steps_that_trained(tmp_path
     verdict = verdict_of(study, "gemma3-hot_fp16_bs2_none_s0", results, native)
     fixes = {fix["cell_id"] for fix in verdict.fixes}
     assert "gemma3-hot_fp16-mixed_bs2_none_s0" in fixes, verdict.recommendations
+
+
+# The default mode's stopping rule: after a try whose fix holds, the second wave ends once no candidate left can
+# rank above that fix in the report, by what each one's plan says before it runs.
+
+
+def _left(change, cell_id, **bound):
+    return {"change": change, "cell_id": cell_id, "reference": None, "ceiling_basis": "its floor", **bound}
+
+
+def _fix(change, cell_id):
+    return {"change": change, "cell_id": cell_id, "evidence": [cell_id]}
+
+
+BF16, FP32, ISLANDS = "m_bf16_bs2_none_s0", "m_fp32_bs2_none_s0", "m_fp16-islands_bs2_none_s0"
+
+
+def _native_choice(ceiling):
+    from tunegrid.review.doctor_choice import BY_THROUGHPUT
+
+    candidates = [
+        _left({"precision": "bf16"}, BF16),
+        _left({"precision": "fp16-islands"}, ISLANDS, ceiling_tokens_per_s=ceiling),
+        _left({"precision": "fp32"}, FP32),
+    ]
+    return {"failure": "nan", "ranked_by": BY_THROUGHPUT, "candidates": candidates}
+
+
+ROWS = {
+    BF16: {"tokens_per_s": 1000.0, "step_time_noise": 0.05},
+    FP32: {"tokens_per_s": 400.0, "step_time_noise": 0.01},
+}
+PROVEN = [_fix({"precision": "bf16"}, BF16), _fix({"precision": "fp32"}, FP32)]
+
+
+@pytest.mark.parametrize(
+    ("ceiling", "stops"),
+    [
+        (900.0, True),  # cannot reach the fastest fix's 1000 tokens/s less its 5 % noise: not needed
+        (960.0, False),  # could tie with it within its noise, and rank first by nan_fix_rank: run it
+        (1200.0, False),  # could be faster
+        (None, False),  # no bound: run it
+    ],
+)
+def test_on_the_machine_the_doctor_stops_when_no_candidate_left_can_reach_the_fastest_proven_fix(ceiling, stops):
+    from tunegrid.review.doctor_stop import stop
+
+    done, why = stop(_native_choice(ceiling), PROVEN, ROWS, [BF16, FP32], first=False)
+    assert done is stops
+    if stops:
+        assert why == [
+            "precision=fp16-islands: at most 900 tokens/s here (its floor), below the 1000 measured for "
+            "precision=bf16 less its 5% noise"
+        ]
+
+
+def test_the_doctor_never_stops_before_a_fix_holds_and_first_stops_at_the_first_that_does():
+    from tunegrid.review.doctor_stop import stop
+
+    choice = _native_choice(5000.0)
+    assert stop(choice, [], ROWS, [BF16, FP32], first=False) == (False, [])
+    assert stop(choice, [], ROWS, [BF16, FP32], first=True) == (False, [])
+    done, why = stop(choice, PROVEN, ROWS, [BF16, FP32], first=True)
+    assert done and why == ["precision=fp16-islands: not run (--first)"]
+    assert stop(choice, PROVEN, ROWS, [BF16, ISLANDS, FP32], first=False) == (True, [])  # none left
+
+
+def test_a_memory_fix_is_bounded_by_the_fastest_proven_fix_without_a_noise_margin():
+    from tunegrid.review.doctor_choice import BY_THROUGHPUT
+    from tunegrid.review.doctor_stop import stop
+
+    ac, both = "m_fp32_bs2_none_s0_ac", "m_fp32_bs2_none_s0_adamw-8bit_ac"
+    choice = {
+        "failure": "oom",
+        "ranked_by": BY_THROUGHPUT,
+        "candidates": [
+            _left({"activation_checkpointing": True}, ac),
+            _left({"optimizer": "adamw-8bit", "activation_checkpointing": True}, both, ceiling_tokens_per_s=980.0),
+        ],
+    }
+    rows = {ac: {"tokens_per_s": 1000.0, "step_time_noise": 0.05}}
+    fixes = [_fix({"activation_checkpointing": True}, ac)]
+    assert stop(choice, fixes, rows, [ac], first=False)[0]  # the memory fixes rank by throughput alone
+    choice["candidates"][1]["ceiling_tokens_per_s"] = 1001.0
+    assert not stop(choice, fixes, rows, [ac], first=False)[0]
+
+
+def test_on_a_named_target_the_doctor_stops_when_every_candidate_left_is_modelled_slower():
+    from tunegrid.review.doctor_choice import BY_MODEL
+    from tunegrid.review.doctor_stop import stop
+
+    rows = {FP32: {"modelled_step_s": 0.002, "tokens_per_s": 10.0}}
+    fixes = [_fix({"precision": "fp32"}, FP32)]
+    for theirs, stops in ((0.003, True), (0.002, False), (0.001, False), (None, True)):
+        choice = {
+            "failure": "nan",
+            "ranked_by": BY_MODEL,
+            "candidates": [
+                _left({"precision": "fp32"}, FP32),
+                _left({"precision": "bf16"}, BF16, modelled_step_s=theirs),
+            ],
+        }
+        done, why = stop(choice, fixes, rows, [FP32], first=False)
+        assert done is stops, theirs
+    assert why == ["precision=bf16: not modelled on the target, above precision=fp32 (m_fp32_bs2_none_s0)'s 2 ms/step"]
+
+
+def test_a_collective_timeout_stops_at_the_smallest_larger_timeout_that_holds():
+    from tunegrid.review.doctor_choice import BY_ORDER
+    from tunegrid.review.doctor_stop import stop
+
+    seven, nine = "m_fp32_bs2_none_s0_ws2_ct7", "m_fp32_bs2_none_s0_ws2_ct9"
+    choice = {
+        "failure": "timeout:long_pause",
+        "ranked_by": BY_ORDER,
+        "candidates": [_left({"collective_timeout_s": 7}, seven), _left({"collective_timeout_s": 9}, nine)],
+    }
+    done, why = stop(choice, [_fix({"collective_timeout_s": 7}, seven)], {}, [seven], first=False)
+    assert done and why[0].startswith("collective_timeout_s=9: ranked after collective_timeout_s=7")
+
+
+@pytest.mark.parametrize(("fp32_step", "first"), [(0.95, "bf16"), (0.80, "fp32")])
+def test_fixes_within_the_fastest_ones_noise_are_equally_fast_and_the_plans_order_picks(tmp_path, fp32_step, first):
+    """fp32 5 % faster than bf16 is within its step times' 10 % deviation: bf16 first (nan_fix_rank 0 before 2), on
+    any host; 20 % faster, fp32 first. The doctor and the grid read the same rule, so they name the same fix."""
+    from tunegrid.review.doctor import verdict_of
+
+    grid = {"model": ["gemma3-hot"], "precision": ["fp16", "bf16", "fp32"], "quant": ["none"]}
+    study = resolve_study(make_study(grid=grid))
+    nan = {"nan": {"step": 0, "kind": "loss_nonfinite", "origin": {"forward": {"module": "model.layers.7"}}}}
+    losses = [2.14, 1.85, 1.55, 1.34, 1.30]
+    spread = [2.0, 0.8 * fp32_step, fp32_step, 1.2 * fp32_step, fp32_step]  # step 0's warm-up is not counted
+    results = [
+        _cell_files(tmp_path, "gemma3-hot_fp16_bs2_none_s0", "nan", [float("nan")], [1], nan),
+        _cell_files(tmp_path, "gemma3-hot_bf16_bs2_none_s0", "ok", losses, step_times=[2.0, 1.0, 1.0, 1.0, 1.0]),
+        _cell_files(tmp_path, "gemma3-hot_fp32_bs2_none_s0", "ok", losses, step_times=spread),
+    ]
+    verdict = verdict_of(study, "gemma3-hot_fp16_bs2_none_s0", results, CAPABILITIES)
+    assert verdict.fixes[0]["change"] == {"precision": first}, verdict.recommendations
+    if first == "bf16":
+        assert "fp32, bf16 within 10% of the fastest" in verdict.fixes[0]["recommendation"]
+
+
+def test_a_cell_that_beat_its_own_ceiling_raises_every_ceiling_left():
+    """The probe measured fp32 on a loaded host: bf16's own cell ran at twice its ceiling, so the floor of the
+    candidates left is not trusted as it stands."""
+    from tunegrid.review.doctor_stop import stop
+
+    choice = _native_choice(900.0)
+    choice["candidates"][0]["ceiling_tokens_per_s"] = 500.0  # bf16 measured 1000
+    assert not stop(choice, PROVEN, ROWS, [BF16, FP32], first=False)[0]  # 900 x 2 > 950
+    choice["candidates"][1]["ceiling_tokens_per_s"] = 400.0
+    done, why = stop(choice, PROVEN, ROWS, [BF16, FP32], first=False)
+    assert done and "at most 800 tokens/s here (its floor, x2.00: a cell here beat its own ceiling)" in why[0]
+
+
+def test_candidates_of_one_bound_are_said_once():
+    from tunegrid.review.doctor_stop import stop
+
+    choice = _native_choice(900.0)
+    choice["candidates"].insert(
+        2, _left({"precision": "fp16-mixed"}, "m_fp16-mixed_bs2_none_s0", ceiling_tokens_per_s=900.0)
+    )
+    done, why = stop(choice, PROVEN, ROWS, [BF16, FP32], first=False)
+    assert done and len(why) == 1 and why[0].startswith("precision=fp16-islands; precision=fp16-mixed: at most 900")

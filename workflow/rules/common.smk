@@ -258,7 +258,7 @@ def get_doctor_contracts(wildcards):
 
 def _doctor_tries(wildcards):
     with open(checkpoints.doctor_diagnose.get(cell_id=wildcards.cell_id).output.diagnosis) as fh:
-        return doctor_tries(json.load(fh)["choice"], wildcards.mode == "first")
+        return doctor_tries(json.load(fh)["choice"])
 
 
 def get_doctor_try_cells(wildcards):
@@ -269,12 +269,14 @@ def get_doctor_try_cells(wildcards):
 
 
 def get_doctor_tries(wildcards):
-    """The tries run, in order, up to the first whose fix holds (`first`) or all of them."""
+    """The tries run, in order, up to the one after which the second wave stops (doctor_choice.stop: `first` at the
+    first fix that holds, the default once no candidate left can rank above the fix that holds)."""
     done = []
     for index in range(len(_doctor_tries(wildcards))):
         path = checkpoints.doctor_try.get(cell_id=wildcards.cell_id, mode=wildcards.mode, index=index).output.verdict
         done.append(path)
         with open(path) as fh:
-            if json.load(fh)["holds"]:
+            record = json.load(fh)
+            if record.get("stop", record["holds"]):
                 break
     return done

@@ -116,10 +116,11 @@ def doctor_diagnose(args: argparse.Namespace) -> None:
     reproduced["baseline_cell"] = base["cell_id"]
     reproduced["repeat_cell"] = result_row(args.repeat)["cell_id"] if args.repeat else ""
     if reproduced["verdict"] == DETERMINISTIC:
+        capabilities = read_json(args.capabilities)
         contracts = [CellContract.read(p) for p in args.plans]
-        plans = {contract.cell_id: _plan_row(contract) for contract in contracts}
+        plans = {contract.cell_id: _plan_row(contract, capabilities) for contract in contracts}
         baseline = Cell(**parse_cell_id(base["cell_id"]))
-        choice = choose(study, baseline, base, read_json(args.capabilities), plans)
+        choice = choose(study, baseline, base, capabilities, plans)
     else:
         choice = Choice(base["outcome"], skipped=[f"{reproduced['verdict']}: no second wave"])
     write_json(args.out, {"reproduction": reproduced, "choice": choice.as_dict()})
@@ -128,14 +129,20 @@ def doctor_diagnose(args: argparse.Namespace) -> None:
         print(f"  skipped {skipped}")
 
 
-def _plan_row(contract: Any) -> dict[str, Any]:
-    """A contract's plan.csv row with its step time modelled on its named target (None on the machine itself)."""
+def _plan_row(contract: Any, capabilities: dict[str, Any]) -> dict[str, Any]:
+    """A contract's plan.csv row with its step time modelled on its named target (None on the machine itself), and
+    the most tokens/s it could reach on this machine: its tokens per step over its step's floor
+    (tunegrid.prepare.liveness.step_floor_s), the bound the doctor stops by where fixes rank by throughput."""
+    from tunegrid.prepare.liveness import step_floor_s
     from tunegrid.targets import modelled_step_s
 
-    plan = contract.plan
-    precision = str(contract.spec["axes"]["precision"])
+    plan, axes = contract.plan, contract.spec["axes"]
+    precision = str(axes["precision"])
     step = modelled_step_s(plan.target, precision, plan.liveness.step_flops, plan.estimate().components)
-    return {**plan.row(), "modelled_step_s": step}
+    floor = step_floor_s(plan.liveness.step_flops, precision, bool(axes.get("activation_checkpointing")), capabilities)
+    tokens = axes["batch_size"] * axes.get("grad_accum", 1) * contract.spec["train"]["seq_len"]
+    ceiling = {"ceiling_tokens_per_s": tokens / floor[0], "ceiling_basis": floor[1]} if floor and floor[0] > 0 else {}
+    return {**plan.row(), "modelled_step_s": step, **ceiling}
 
 
 def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
@@ -144,7 +151,7 @@ def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
 
     reproduced = diagnosis["reproduction"]
     cells = [c for c in (reproduced["baseline_cell"], reproduced["repeat_cell"]) if c]
-    for group in tries(diagnosis["choice"], mode == "first")[: index + 1]:
+    for group in tries(diagnosis["choice"])[: index + 1]:
         cells += [c for c in group if c not in cells]
     return cells
 
@@ -157,7 +164,7 @@ def doctor_try(args: argparse.Namespace) -> None:
     study = resolve_study(read_json(args.study_file))
     diagnosis = read_json(args.diagnosis)
     cells = _cells_before(diagnosis, args.mode, args.index)
-    new = tries(diagnosis["choice"], args.mode == "first")[args.index]
+    new = tries(diagnosis["choice"])[args.index]
     record = try_verdict(
         _paths(args.study_file),
         study,
@@ -166,8 +173,13 @@ def doctor_try(args: argparse.Namespace) -> None:
         new,
         read_json(args.capabilities),
         Path(args.out),
+        diagnosis["choice"],
+        args.mode == "first",
     )
-    print(f"try {args.index} ({', '.join(new)}): " + ("a fix holds" if record["holds"] else "no fix holds yet"))
+    held = "a fix holds" if record["holds"] else "no fix holds yet"
+    print(f"try {args.index} ({', '.join(new)}): {held}" + ("; the second wave stops here" if record["stop"] else ""))
+    for line in record["not_run"]:
+        print(f"  not run: {line}")
 
 
 def doctor_verdict(args: argparse.Namespace) -> None:
@@ -176,7 +188,8 @@ def doctor_verdict(args: argparse.Namespace) -> None:
 
     study = resolve_study(read_json(args.study_file))
     diagnosis = read_json(args.diagnosis)
-    tried = [read_json(p)["new"] for p in args.tries]
+    records = [read_json(p) for p in args.tries]
+    tried = [r["new"] for r in records]
     record = conclude(
         _paths(args.study_file),
         study,
@@ -188,6 +201,7 @@ def doctor_verdict(args: argparse.Namespace) -> None:
         read_json(args.capabilities),
         read_json(args.environment),
         Path(args.out_dir),
+        records[-1].get("not_run") if records else None,
     )
     print("\n".join(record["screen"]))
     print(json.dumps({"answer": record["answer"], "cell_minutes": record["cell_minutes"]}))

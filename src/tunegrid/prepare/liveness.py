@@ -97,3 +97,33 @@ def cell_liveness(spec: dict[str, Any], model_dir: Path, capabilities: dict[str,
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return plan_liveness(spec, config, tensor_shapes(model_dir), capabilities)
+
+
+# Forward + backward of a frozen base with LoRA without recomputation: the forward's 2 FLOPs per weight and token and
+# the backward's input gradients as many again (activation checkpointing adds the forward once more).
+FLOOR_FLOPS_PER_WEIGHT_TOKEN = 4
+
+
+def step_floor_s(
+    step_flops: float, precision: str, checkpointing: bool, capabilities: dict[str, Any]
+) -> tuple[float, str] | None:
+    """The least time one step of a cell can take on this machine, and how it was found: the matmul FLOPs it cannot
+    skip (FLOOR_FLOPS_PER_WEIGHT_TOKEN per weight and token, and the recomputed forward where it checkpoints; its
+    adapters' and every other operation's work left out) at the rate the probe measured for the arithmetic its
+    products run in. Where the probed device only emulates that arithmetic, its products run either in the
+    device's own kernel for the dtype (the probe's rate for it) or in fp32 (tunegrid's CPU fp16 products, in fp32
+    blocks: tunegrid.cell.fp16_matmul; a GPU without bf16 units), so the faster of the two rates is taken. A lower
+    bound, never a prediction: the doctor stops trying fixes whose floor is slower than a fix it has measured
+    (review/doctor_stop.py). None without a measured rate."""
+    rates = {k: v for k, v in (capabilities.get("matmul_tflops") or {}).items() if v}
+    plan = precision_plan(precision)
+    dtype = str(plan.dtype)
+    support = (capabilities.get("precision") or {}).get(str(plan.arithmetic))
+    emulated = support != "native"
+    rate = max(rates.get(dtype, 0.0), rates.get("float32", 0.0)) if emulated else rates.get(dtype)
+    if not rate or not step_flops:
+        return None
+    share = (FLOOR_FLOPS_PER_WEIGHT_TOKEN + (2 if checkpointing else 0)) / FLOPS_PER_WEIGHT_TOKEN
+    floor = step_flops * share / (rate * 1e12)
+    how = f"{dtype} emulated: the faster of its rate and float32's" if emulated else dtype
+    return floor, f"{step_flops * share / 1e9:.3g} GFLOP at the probe's {rate:.3g} TFLOP/s ({how})"

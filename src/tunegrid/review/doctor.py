@@ -24,6 +24,7 @@ from tunegrid.vocabulary import parse_cell_id
 class Verdict:
     recommendations: list[dict[str, Any]]
     fixes: list[dict[str, Any]]  # the fixes of the baseline, each with the cell that is the baseline with it
+    rows: dict[str, dict[str, Any]]  # the summary row of each cell judged, by id
 
     @property
     def holds(self) -> bool:
@@ -55,7 +56,8 @@ def verdict_of(study: dict[str, Any], baseline_id: str, results: list[Path], cap
     frame = build_summary(results, review=study["review"])
     curves = {read_json(p)["cell_id"]: read_jsonl(p.parent / "metrics.jsonl") for p in results}
     recs = [r.as_dict() for r in recommend(frame, capabilities, curves)]
-    return Verdict(recs, baseline_fixes(baseline_id, recs))
+    rows = {str(r["cell_id"]): {k: (None if v != v else v) for k, v in r.items()} for r in frame.to_dict("records")}
+    return Verdict(recs, baseline_fixes(baseline_id, recs), rows)
 
 
 def cell_minutes(results: list[Path]) -> float:
@@ -133,8 +135,10 @@ def conclude(
     capabilities: dict[str, Any],
     environment: dict[str, Any],
     out_dir: Path,
+    not_run: list[str] | None = None,
 ) -> dict[str, Any]:
-    """doctor.json, screen.txt, the doctor's summary and report in `out_dir`; returns doctor.json's content."""
+    """doctor.json, screen.txt, the doctor's summary and report in `out_dir`; returns doctor.json's content.
+    `not_run`: the candidates the second wave ended before, each with why it was not needed."""
     from tunegrid.review.report import build_report
     from tunegrid.review.summary import write_summary
 
@@ -156,6 +160,7 @@ def conclude(
         "cell_minutes": spent,
         "report": str(out_dir / "report" / "index.html"),
         "fix": None,
+        "not_run": list(not_run or []),
     }
     base_row = result_row(paths.result(baseline_id))
     lines = [f"tunegrid doctor: {study['study']} / {baseline_id}"]
@@ -197,6 +202,7 @@ def conclude(
                 f"fix:      {change} — {fix['why']}",
                 *([f"ranked:   {ranked}"] if ranked else []),
                 f"cost:     {_cost(fix_row, spent, len(ran))}",
+                *([f"not run:  {'; '.join(not_run)}"] if not_run else []),
                 f"evidence: {', '.join(fix['evidence'])}",
                 f"recipe:   {_export(study, fix['cell_id'], out_dir)}",
             ]
@@ -227,9 +233,23 @@ def try_verdict(
     new: list[str],
     capabilities: dict[str, Any],
     out: Path,
+    choice: dict[str, Any] | None = None,
+    first: bool = False,
 ) -> dict[str, Any]:
-    """One try's file: its own cells (`new`), and whether a fix of the baseline holds among all run so far."""
+    """One try's file: its own cells (`new`), whether a fix of the baseline holds among all run so far, and
+    whether the second wave stops here (`stop`: `first` at a fix that holds, else once no candidate left can rank
+    above it), with why each candidate left is not needed."""
+    from tunegrid.review.doctor_stop import stop
+
     verdict = verdict_of(study, baseline_id, [paths.result(c) for c in cells], capabilities)
-    record = {"cells": cells, "new": new, "holds": verdict.holds, "fixes": verdict.fixes}
+    done, not_run = stop(choice or {"candidates": []}, verdict.fixes, verdict.rows, cells, first)
+    record = {
+        "cells": cells,
+        "new": new,
+        "holds": verdict.holds,
+        "fixes": verdict.fixes,
+        "stop": done,
+        "not_run": not_run,
+    }
     atomic_write_text(out, json.dumps(record, indent=1, default=str) + "\n")
     return record

@@ -9,6 +9,12 @@ says will still not fit; a collective timeout its class's fixes (tunegrid.review
 candidate comes with the reference twin its loss parity is judged against (review.reference), where that is
 another cell.
 
+Every candidate also carries what its plan says of its rank before it runs, in the terms the recommender ranks
+fixes by: on a named target its modelled step time; on the machine itself the most tokens/s it could reach, its
+tokens per step over its step's floor (tunegrid.prepare.liveness.step_floor_s: the matmul FLOPs it cannot skip
+at the probe's rate for the arithmetic its products run in). The doctor runs them one try at a time, and
+review.doctor_stop ends the second wave once a fix holds and no candidate left could rank above it in the report.
+
 Light module: no torch (the doctor's rules run it between cells).
 """
 
@@ -101,6 +107,15 @@ class Candidate:
     cell_id: str
     reference: str | None  # the reference twin its parity needs, where another cell
     why: str
+    # from its plan, before it runs: its step time modelled on a named target, and the most tokens/s it could reach
+    # here (its tokens per step over its step's floor), with how that floor was found
+    modelled_step_s: float | None = None
+    ceiling_tokens_per_s: float | None = None
+    ceiling_basis: str = ""
+
+
+# how the recommender ranks a failure's fixes, which says when the candidates left cannot come first
+BY_MODEL, BY_THROUGHPUT, BY_ORDER = "modelled step on the target", "measured throughput", "the candidates' order"
 
 
 @dataclass
@@ -110,6 +125,7 @@ class Choice:
     failure: str
     candidates: list[Candidate] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    ranked_by: str = BY_ORDER
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -137,7 +153,7 @@ def _precision_candidates(
 ) -> Choice:
     failing = precision_plan(baseline.precision)
     target = row.get("target") or study["hardware"]["target"]
-    choice = Choice("nan")
+    choice = Choice("nan", ranked_by=BY_THROUGHPUT if target in (None, "native") else BY_MODEL)
     modelled = {cell: plan.get("modelled_step_s") for cell, plan in plans.items() if plan.get("modelled_step_s")}
     for precision in sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank):
         plan = PRECISION_PLANS[precision]
@@ -153,8 +169,9 @@ def _precision_candidates(
             continue
         step = modelled.get(twin.cell_id)
         why = f"{plan.reason}; {step * 1e3:.3g} ms/step modelled on {target}" if step else plan.reason
+        reference = _reference(study, cells, twin, baseline)
         choice.candidates.append(
-            Candidate({"precision": str(precision)}, twin.cell_id, _reference(study, cells, twin, baseline), why)
+            _bounded(Candidate({"precision": str(precision)}, twin.cell_id, reference, why), plans)
         )
     # stable: the plans' order among equals, and after those modelled (fp32 islands count as fp16 here: which
     # modules become islands is measured when the cell starts)
@@ -172,7 +189,7 @@ def _memory_candidates(
     failure is the measurement, and on a CPU the budget is of address space above what the process mapped at
     its start. Ordered one setting at a time first (the least change to the recipe), and among as many changes by
     the predicted saving, largest first (the likeliest to fit, the estimate's absolute peak being unreliable)."""
-    choice = Choice("oom")
+    choice = Choice("oom", ranked_by=BY_THROUGHPUT)
     base_axes = baseline.axes()
     effective = baseline.batch_size * baseline.grad_accum
     base_estimate = (plans.get(baseline.cell_id) or {}).get("estimate_bytes")
@@ -198,16 +215,26 @@ def _memory_candidates(
             continue
         why = f"predicted to save {saving / 2**20:.0f} MiB" if saving else "no estimate of its saving"
         saving = saving or 0
-        ranked.append((len(change), -saving, Candidate(change, cell.cell_id, None, why)))
+        ranked.append((len(change), -saving, _bounded(Candidate(change, cell.cell_id, None, why), plans)))
     for _, _, candidate in sorted(ranked, key=lambda item: item[:2]):
         candidate.reference = _reference(study, cells, cells[candidate.cell_id], baseline)
         choice.candidates.append(candidate)
     return choice
 
 
+def _bounded(candidate: Candidate, plans: dict[str, dict[str, Any]]) -> Candidate:
+    """The candidate with what its plan says of its rank before it runs."""
+    plan = plans.get(candidate.cell_id) or {}
+    candidate.modelled_step_s = plan.get("modelled_step_s")
+    candidate.ceiling_tokens_per_s = plan.get("ceiling_tokens_per_s")
+    candidate.ceiling_basis = plan.get("ceiling_basis") or ""
+    return candidate
+
+
 def _timeout_candidates(cells: dict[str, Any], baseline: Any, row: dict[str, Any]) -> Choice:
-    """long_pause: the larger collective timeouts the grid lists, smallest first; straggler: the twin without
-    the slow rank; mismatch: none (no setting fixes ranks that took different paths)."""
+    """long_pause: the larger collective timeouts the grid lists, smallest first (the report names the smallest
+    that ran ok, so the first that holds is its fix); straggler: the twin without the slow rank; mismatch: none
+    (no setting fixes ranks that took different paths)."""
     from tunegrid.vocabulary import NO_FAULT
 
     kind = row.get("collective_diagnosis")
@@ -239,9 +266,8 @@ def _only_differs(cell: Any, baseline: Any, axis: str) -> bool:
 
 def precision_choice_cells(study: dict[str, Any], baseline: Any) -> list[str]:
     """The baseline's precision twins, whose contracts' plans (FLOPs, estimate) order a non-finite choice on a named
-    target; none on the machine itself, whose choice keeps the plans' order."""
-    if study["hardware"]["target"] == "native":
-        return []
+    target and bound each candidate's rank before it runs (on the machine itself the choice keeps the plans'
+    order)."""
     return [c.cell_id for c in cells_by_id(study).values() if _only_differs(c, baseline, "precision")]
 
 
@@ -274,13 +300,10 @@ def choose(
     return Choice(str(outcome), skipped=[f"{outcome}: no table of fixes for it; read the cell's log"])
 
 
-def tries(choice: dict[str, Any], first: bool) -> list[list[str]]:
-    """The cells of each try: one try of every candidate with the reference twins, or (`first`) one candidate
-    and its reference per try, in order, until one holds."""
+def tries(choice: dict[str, Any]) -> list[list[str]]:
+    """The cells of each try: one candidate and its reference twin (where not run already) per try, in order.
+    Both modes run them so; they differ in where they stop (`stop`)."""
     groups = [[c["cell_id"], *([c["reference"]] if c["reference"] else [])] for c in choice["candidates"]]
-    if not first:
-        flat = [cell for group in groups for cell in group]
-        return [list(dict.fromkeys(flat))] if flat else []
     seen: set[str] = set()
     out = []
     for group in groups:

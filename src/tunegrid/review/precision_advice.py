@@ -12,7 +12,10 @@ and not the machine, each fix also carries its cost on that card as modelled fro
 modelled_step_s, tunegrid.targets.modelled_step: the median over pairs of the failing cell's modelled step time
 over the fix's), and the fixes are ranked by it, the host's measured cost shown beside: the machine's own speeds
 say nothing of a card whose fp16 tensor cores run at eight times its fp32 rate. On the machine itself they are
-ranked by throughput: the fastest that holds first, the plans' nan_fix_rank among equals.
+ranked by throughput: the fastest that holds first. Fixes whose throughput is within the fastest's measurement
+noise of it (the median absolute deviation of its step times, relative to their median: summary.step_time_noise)
+are equally fast as measured, and the plans' nan_fix_rank picks the first among them, so a host's jitter does not
+decide between two fixes it cannot tell apart, and the doctor, which runs fewer cells, names the same one.
 """
 
 from __future__ import annotations
@@ -59,6 +62,12 @@ class Candidate:
     # ratio against the failing setting), and the fix's own modelled step time
     modelled_ratio: float | None = None
     modelled_step_s: float | None = None
+    noise: float | None = None  # the largest step-time noise among its evidence cells (summary.step_time_noise)
+
+    @property
+    def speed(self) -> float | None:
+        """Its measured tokens/s against the cost baseline; the baseline itself 1.0."""
+        return 1.0 if self.is_baseline else self.tokens_ratio
 
     def modelled_text(self, target: str, failing: str) -> str:
         if self.modelled_ratio is None or self.modelled_step_s is None:
@@ -116,6 +125,7 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
             continue
         evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
         modelled, steps = [], []  # the modelled tokens/s ratios against the failing cell, the fix's modelled steps
+        noise = []
         baseline_pairs = 0  # failing cells whose cost baseline is this very precision (fp32 against fp32)
         for row in rows:
             twins = ok_cells(siblings(frame, row, "precision"))
@@ -125,6 +135,7 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
                     unproven.append(f"{twin['cell_id']} ({twin.get('quality')})")
                     continue
                 evidence.append(twin["cell_id"])
+                noise.append(_measured(twin, "step_time_noise") or 0.0)
                 mine, theirs = _measured(twin, "modelled_step_s"), _measured(row, "modelled_step_s")
                 if mine is not None:
                     steps.append(mine)
@@ -157,6 +168,7 @@ def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
                     is_baseline=bool(baseline_pairs) and not against,
                     modelled_ratio=_ratio(modelled),
                     modelled_step_s=_ratio(steps),
+                    noise=max(noise) if noise else None,
                 )
             )
     return out
@@ -207,7 +219,12 @@ def precision_fixes(
     on_target = bool(target and target in TARGETS and target != "native")
     by_model = on_target and any(c.modelled_ratio is not None for c in offered)
     # the baseline ranks as what it is, 1.00x of itself
-    offered.sort(key=lambda c: -(1.0 if c.is_baseline else c.tokens_ratio if c.tokens_ratio is not None else -1.0))
+    offered.sort(key=lambda c: -(c.speed if c.speed is not None else -1.0))
+    tied = equally_fast(offered)
+    if tied:  # the plans' order among those the measurement cannot tell apart (min: the fastest among equal ranks)
+        first = min(tied, key=lambda c: PRECISION_PLANS[c.precision].nan_fix_rank)
+        offered.remove(first)
+        offered.insert(0, first)
     if by_model:  # stable: measured throughput, then the plans' order, among equals on the target
         offered.sort(key=lambda c: -(c.modelled_ratio if c.modelled_ratio is not None else -1.0))
     for candidate in offered:
@@ -228,11 +245,22 @@ def precision_fixes(
             cost.update(target=target, modelled_tokens_per_s_ratio=candidate.modelled_ratio, modelled_against=failing)
         fixes.append(Fix({"precision": candidate.precision}, why, candidate.evidence, candidate.parity, cost))
     if len(offered) > 1:
-        notes.append(_ranking_note(offered, str(target), failing, by_model, on_target))
+        notes.append(_ranking_note(offered, str(target), failing, by_model, on_target, tied))
     return fixes, notes
 
 
-def _ranking_note(offered: list[Candidate], target: str, failing: str, by_model: bool, on_target: bool) -> str:
+def equally_fast(ranked: list[Candidate]) -> list[Candidate]:
+    """The fixes, ranked fastest first, whose measured throughput is within the fastest's noise of it (itself
+    included); none where the fastest has no measured throughput."""
+    if not ranked or ranked[0].speed is None:
+        return []
+    floor = ranked[0].speed * (1 - (ranked[0].noise or 0.0))
+    return [c for c in ranked if c.speed is not None and c.speed >= floor]
+
+
+def _ranking_note(
+    offered: list[Candidate], target: str, failing: str, by_model: bool, on_target: bool, tied: list[Candidate]
+) -> str:
     # the baseline the ratios are measured against: a fix's own (never the baseline's, which names the failing
     # setting it stands for), and the baseline itself at 1.00x of itself
     against = next((c.against for c in offered if not c.is_baseline and c.tokens_ratio is not None), None)
@@ -245,9 +273,17 @@ def _ranking_note(offered: list[Candidate], target: str, failing: str, by_model:
     if not by_model:
         where = " on this machine" if on_target else ""
         unmodelled = f"; none modelled on target {target}" if on_target else ""
+        ties = ""
+        if len(tied) > 1:
+            fastest = max(tied, key=lambda c: c.speed or 0.0)
+            names = ", ".join(c.precision for c in tied)
+            ties = (
+                f"; {names} within {fastest.noise or 0.0:.0%} of the fastest, its step times' noise: equally fast "
+                "as measured, the plans' nan_fix_rank first"
+            )
         return (
             f"Ranked by throughput among the fixes that hold: {offered[0].precision} first ({measured}{where}"
-            f"{unmodelled})."
+            f"{ties}{unmodelled})."
         )
     model = ", ".join(f"{c.precision} {c.modelled_ratio:.2f}x" for c in offered if c.modelled_ratio is not None)
     return (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ NUMERIC_COLUMNS = (
     "optimizer_state_estimate_bytes",
     "tokens_per_s",
     "step_time_s",
+    "step_time_noise",
     "modelled_step_s",
     "weight_bytes_loaded",
     "weight_bytes",
@@ -205,6 +207,19 @@ def _worst_headroom(result: CellResult) -> dict[str, Any]:
     return worst[0]
 
 
+def step_time_noise(metric_lines: list[dict[str, Any]]) -> float | None:
+    """How far a cell's measured speed may be from its median by chance: the median absolute deviation of its step
+    times after the first (whose time includes the warm-up), relative to their median. Robust as the median
+    throughput it qualifies is: one step slowed by another job on the host moves neither. Two fixes whose
+    throughput differs by less than this are equally fast as measured (review/precision_advice.py). None with
+    fewer than two such steps."""
+    times = [float(line["step_time_s"]) for line in metric_lines[1:] if line.get("step_time_s")]
+    if len(times) < 2:
+        return None
+    middle = statistics.median(times)
+    return statistics.median(abs(t - middle) for t in times) / middle if middle > 0 else None
+
+
 def build_summary(
     result_paths: Iterable[str | Path], sync_path: str | Path | None = None, review: dict[str, Any] | None = None
 ) -> Any:
@@ -218,7 +233,9 @@ def build_summary(
         row["mlflow_run_id"] = (synced.get(row["cell_id"]) or {}).get("run_id") or row["mlflow_run_id"]
         metrics = Path(path).parent / "metrics.jsonl"
         # the losses after each update: steps the GradScaler skipped are left out (review/quality.py)
-        curves[row["cell_id"]], skipped[row["cell_id"]] = trained_curve(read_jsonl(metrics) if metrics.exists() else [])
+        lines = read_jsonl(metrics) if metrics.exists() else []
+        curves[row["cell_id"]], skipped[row["cell_id"]] = trained_curve(lines)
+        row["step_time_noise"] = step_time_noise(lines)
         rows.append(row)
     judged = quality_columns(rows, curves, review or default_review(), skipped)
     for row, quality in zip(rows, judged, strict=True):
