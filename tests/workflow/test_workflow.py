@@ -307,6 +307,16 @@ def test_mlflow_ui_shows_the_cells_and_filters_the_nan_ones_in_headless_chromium
         assert {c for c in summary["cell_id"] if re.search(rf"ok · {re.escape(short[c])}(?![\w-])", dom)} == ok_cells
         assert "nan · " not in dom, "no nan run answers the ok filter"
 
+        # the page the study prints (its shared view): failures first, each with its outcome and reason in view
+        from tunegrid.track.view import runs_view
+
+        view = runs_view(url, experiment["experiment_id"])
+        dom = dump_dom(view)
+        text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
+        nan_reason = str(summary.set_index("cell_id").loc[sorted(nan_cells)[0], "reason"])
+        assert "nan" in text and nan_reason[:40] in text, (nan_reason, text[:3000])
+        assert screenshot(view, tmp_path / "view.png").stat().st_size > 20_000
+
         # a failed run's own page says why it failed: its outcome and the reason, as a reviewer opens it
         found = rest(
             url,
