@@ -168,7 +168,7 @@ APPROXIMATED = {
     "parallelism_config": "accelerate's parallelism layout; tunegrid's ranks run DDP (the world_size axis)",
     "label_smoothing_factor": "a smoothed loss; tunegrid computes the plain cross entropy",
     "padding_free": "padding-free batches; tunegrid pads each batch (or packs with data.packing)",
-    "pad_to_multiple_of": "padding to a multiple; tunegrid pads to the longest example of the batch",
+    "pad_to_multiple_of": "padding to a multiple; tunegrid pads every sequence to train.seq_len",
     "truncation_mode": "where long examples are cut; tunegrid keeps the first train.seq_len tokens",
     "neftune_noise_alpha": "noise on the embeddings; tunegrid's cells add none",
 }
