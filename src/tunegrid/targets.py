@@ -2,9 +2,10 @@
 
 A target sets the memory budget, the native-precision facts (from the vendors' data sheets: bf16 and tf32
 tensor cores arrive with compute capability 8.0) and the data sheet's peak rates and memory bandwidth, from
-which `modelled_step` ranks settings on the target: a step's matmul FLOPs at the peak rate of the arithmetic
-each runs in, plus the bytes it moves at the memory bandwidth. `native` means the machine itself, as the probe
-recorded it. Light module: no torch (the `cell_plan` rule decides feasibility before training).
+which `modelled_step` models a step's work on the target: its matmul FLOPs at the peak rate of the arithmetic
+each runs in, plus the bytes it moves at the memory bandwidth (the band it is validated to: `modelled_step`).
+`native` means the machine itself, as the probe recorded it. Light module: no torch (the `cell_plan` rule decides
+feasibility before training).
 """
 
 from __future__ import annotations
@@ -155,8 +156,13 @@ def modelled_step(target: Target, work: StepWork) -> ModelledStep | None:
     """A step's time on `target` from its data sheet: each FLOP at the peak rate of its arithmetic (the fp32 islands'
     share at the fp32 rate) plus the bytes moved at the memory bandwidth, added (no overlap: conservative). None
     where the target has no data sheet (the machine itself) or does not run the arithmetic natively (an emulated
-    one has no data-sheet rate). It ranks settings on the target by compute and memory traffic; on a small model a
-    real step is dominated by kernel launches and Python, so it is no wall-clock prediction there."""
+    one has no data-sheet rate).
+
+    It is the step's work, without kernel launches and Python. Validated band, replayed against an H100's recorded
+    steps (tests/prepare/test_step_model_evidence.py; the table in docs/measurements.md): modelled / measured is at
+    most 1 on every cell (a floor), and at least e / (1 + e), e being the probe's measured matmul rate over the data
+    sheet's, where the modelled step outlasts the steps that machine took on launches and Python alone. Shorter
+    steps are launch-bound: there it is a floor only, and neither their times nor their settings' order follow it."""
     fast = target.peak_tflops.get(work.arithmetic)
     fp32 = target.peak_tflops.get("fp32")
     if not fast or not fp32 or not target.bandwidth_gbs or target.precision.get(work.arithmetic) != "native":
@@ -170,7 +176,8 @@ def modelled_step_s(
     target: str | None, precision: str, step_flops: float | None, components: dict[str, int] | None, widened: int = 0
 ) -> float | None:
     """A cell's step time on its named target, from its plan (None on the machine itself, or without the plan's
-    FLOPs and estimate): what the summary records and the doctor orders its candidates by."""
+    FLOPs and estimate): what the summary records and the doctor orders its candidates by; a floor, and a
+    wall-clock estimate only where the work outlasts the launches (`modelled_step`)."""
     card = TARGETS.get(str(target))
     if card is None or not step_flops or not components:
         return None
