@@ -4,19 +4,7 @@ setting (checkpointing, activation offloading, the attention kernel). Part of th
 
 from __future__ import annotations
 
-import re
 from typing import Any
-
-MLP_OUTPUT = ("down_proj", "w2")  # the gated MLP's output projection (Llama, Gemma, Qwen; Mixtral's experts)
-
-
-def _output_adapted(lora: dict[str, Any]) -> int:
-    """1 where LoRA adapts the MLP's output projection (all-linear, by name, or by regex), else 0."""
-    targets = list(lora.get("target_modules") or [])
-    regex = re.compile(lora.get("target_regex") or "(?!)")
-    named = any(t in MLP_OUTPUT or t.endswith(tuple("." + m for m in MLP_OUTPUT)) for t in targets)
-    matched = any(regex.fullmatch(f"model.layers.0.mlp.{m}") for m in MLP_OUTPUT)
-    return int(targets == ["all-linear"] or named or matched)
 
 
 def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str, act: int) -> tuple[float, float]:
@@ -30,18 +18,11 @@ def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str,
     heads = int(config.get("num_attention_heads", 1))
     experts_per_token = int(config.get("num_experts_per_tok") or 1)
     intermediate = int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 4 * hidden)
-    # Saved for backward per token and layer, in units of hidden and intermediate width. The hidden widths (norms
-    # in and out, q/k/v/o) were fitted on this project's CPU runs (benchmarks/). The gated MLP's, counted from
-    # autograd's saved tensors (saved_tensors_hooks, a Llama layer with LoRA, dropout 0): the gate's output (the
-    # activation's input), the activation's and the up projection's outputs (the product's factors), and the
-    # product where the down projection carries an adapter (its lora_A keeps its input; a frozen matmul keeps
-    # none). On CPU one layer's MLP working set beside them (the forward's unsaved base and adapter outputs
-    # before their sums, the backward's gradients: 3 widths at once), once: the heap holds its blocks. CUDA:
-    # fitted on the H100 cells of tests/data (the tiny models, the MoE widths, real Gemma 3 270M and SmolLM2),
-    # estimate/measured 0.99-1.04.
-    mlp_width = tokens * intermediate * experts_per_token * act
-    working = 3 * mlp_width if device == "cpu" else 0
-    per_hidden, per_intermediate = (24, 3 + _output_adapted(spec["lora"])) if device == "cpu" else (12, 4)
+    # Saved for backward per token and layer, in units of hidden and intermediate width (norms in and
+    # out, q/k/v/o, gated-MLP gate/up/act/product), fitted on this project's CPU runs (benchmarks/). CUDA keeps
+    # less (no oneDNN reorders; a frozen matmul keeps no input for a weight gradient): fitted on the H100 cells of
+    # tests/data (the tiny models, the MoE widths, real Gemma 3 270M and SmolLM2), estimate/measured 0.99-1.04.
+    per_hidden, per_intermediate = (24, 7) if device == "cpu" else (12, 4)
     # Attention: the CPU kernels keep the seq x seq probabilities (and their dropout mask); CUDA's SDPA kernels
     # (flash, memory-efficient) keep only an fp32 log-sum-exp per query (torch's meta registrations of
     # _scaled_dot_product_{flash,efficient}_attention); eager attention keeps the probabilities on any device
@@ -49,7 +30,7 @@ def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str,
     kernel = kernel if kernel != "sdpa" else (spec.get("model") or {}).get("attn_implementation") or "sdpa"
     probabilities = device == "cpu" or kernel == "eager"
     attention = batch * heads * seq * seq * act * 2 if probabilities else batch * heads * seq * 4
-    per_layer = tokens * per_hidden * hidden * act + per_intermediate * mlp_width + attention
+    per_layer = tokens * (per_hidden * hidden + per_intermediate * intermediate * experts_per_token) * act + attention
     if train["gradient_checkpointing"]:
         # Each checkpointed layer keeps its input (torch's non-reentrant checkpoint, as the cell enables it); at
         # backward one layer's activations are rebuilt. On CPU the forward's working set of a layer (the same
@@ -57,9 +38,9 @@ def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str,
         # measured 2-core EPYC, Llama width 1024 r 128 fp32, 2 x 256 tokens: 2 layers +226 MiB (this: 226), 4
         # layers, configs/memory-fixes-cpu.yaml, peaks 0.94 of this (1 layer's worth: 0.84). The CUDA allocator
         # reuses those blocks for the rebuilt layer.
-        activations = layers * tokens * hidden * act + per_layer * (2 if device == "cpu" else 1) + working
+        activations = layers * tokens * hidden * act + per_layer * (2 if device == "cpu" else 1)
     else:
-        activations = layers * per_layer + working
+        activations = layers * per_layer
     # offloaded (cell/offload.py): saved tensors live in host memory, the device holds one layer's; on CPU the same
     kept = per_layer + tokens * hidden * act * bool(train["gradient_checkpointing"])
     offloaded = max(0, activations - kept) if train.get("activation_offloading") and device != "cpu" else 0
