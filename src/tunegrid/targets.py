@@ -117,9 +117,19 @@ class StepWork:
     bytes_moved: float
 
     @classmethod
-    def of(cls, precision: str, step_flops: float, components: dict[str, int], widened_bytes: int = 0) -> StepWork:
-        """A cell's work from its plan: `components` are its memory estimate's (weights in the dtype they are
-        stored in), `widened_bytes` what its fp32 islands' weights grew by (result.json's fp32_islands).
+    def of(
+        cls,
+        precision: str,
+        step_flops: float,
+        components: dict[str, int],
+        widened_bytes: int = 0,
+        *,
+        checkpointing: bool,
+    ) -> StepWork:
+        """A cell's work from its plan: `step_flops` the liveness limits' (an upper bound: every step counted as if
+        it recomputed its forward), of which the step does `matmul_share(checkpointing)`; `components` its memory
+        estimate's (weights in the dtype they are stored in), `widened_bytes` what its fp32 islands' weights grew by
+        (result.json's fp32_islands).
 
         Bytes moved: the weights read in the forward and the backward pass; stored wider than they compute (as
         fp16-mixed's fp32 master weights), the forward reads them once, writes the cast copy and reads it, and the
@@ -133,9 +143,9 @@ class StepWork:
         moved += 2 * float(components.get("optimizer_state", 0))
         # an island's weights grew from 2 to 4 bytes a value: its parameters' share of the weights stored
         share = min(1.0, widened_bytes / weights) if widened_bytes and weights else 0.0
-        return cls(
-            precision=precision, arithmetic=str(row.arithmetic), flops=step_flops, fp32_share=share, bytes_moved=moved
-        )
+        flops = step_flops * matmul_share(checkpointing)
+        arithmetic = str(row.arithmetic)
+        return cls(precision=precision, arithmetic=arithmetic, flops=flops, fp32_share=share, bytes_moved=moved)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +183,13 @@ def modelled_step(target: Target, work: StepWork) -> ModelledStep | None:
 
 
 def modelled_step_s(
-    target: str | None, precision: str, step_flops: float | None, components: dict[str, int] | None, widened: int = 0
+    target: str | None,
+    precision: str,
+    step_flops: float | None,
+    components: dict[str, int] | None,
+    widened: int = 0,
+    *,
+    checkpointing: bool,
 ) -> float | None:
     """A cell's step time on its named target, from its plan (None on the machine itself, or without the plan's
     FLOPs and estimate): what the summary records and the doctor orders its candidates by; a floor, and a
@@ -181,8 +197,20 @@ def modelled_step_s(
     card = TARGETS.get(str(target))
     if card is None or not step_flops or not components:
         return None
-    modelled = modelled_step(card, StepWork.of(precision, float(step_flops), components, widened))
+    work = StepWork.of(precision, float(step_flops), components, widened, checkpointing=checkpointing)
+    modelled = modelled_step(card, work)
     return modelled.seconds if modelled else None
+
+
+# A LoRA step's matmul FLOPs per frozen weight and token: the forward's 2 and the input gradients' 2 (a frozen weight
+# gets no gradient of its own), and where it checkpoints the forward once more. The liveness limits count the last
+# case for every cell (their bound), so a step's own work is this share of theirs.
+FLOPS_PER_WEIGHT_TOKEN_BOUND = 6
+
+
+def matmul_share(checkpointing: bool) -> float:
+    """The share of the liveness limits' step FLOPs a step computes, with or without activation checkpointing."""
+    return (4 + (2 if checkpointing else 0)) / FLOPS_PER_WEIGHT_TOKEN_BOUND
 
 
 def _dtype_bytes(dtype: str) -> int:

@@ -59,7 +59,8 @@ def _replayed(index: int) -> tuple[StepWork, ModelledStep]:
     precision = spec["axes"]["precision"]
     estimate = estimate_from_shapes(spec, config, shapes, **device_constants(PROBE, precision))
     flops = plan_liveness(spec, config, shapes, PROBE).step_flops
-    work = StepWork.of(precision, flops, estimate["components"])
+    checkpointing = bool(spec["axes"].get("activation_checkpointing") or spec["train"].get("gradient_checkpointing"))
+    work = StepWork.of(precision, flops, estimate["components"], checkpointing=checkpointing)
     modelled = modelled_step(H100, work)
     assert modelled is not None, f"{IDS[index]}: {precision} has no data-sheet rate on {H100.name}"
     return work, modelled

@@ -95,16 +95,18 @@ def test_on_the_machine_itself_the_fixes_are_ranked_by_measurement_and_nothing_i
 def test_the_step_model_counts_fp32_rates_islands_and_the_master_weights_casts():
     StepWork, modelled_step = targets.StepWork, targets.modelled_step  # noqa: N806
     components = {"weights": 1000, "activations": 100, "logits": 10, "lora_params_grads": 1, "optimizer_state": 2}
-    half = StepWork.of("fp16", 1e9, components)
+    half = StepWork.of("fp16", 1.5e9, components, checkpointing=False)  # the limits' bound: a third recomputes
     assert half.bytes_moved == 2 * 1000 + 2 * 111 + 2 * 2 and half.fp32_share == 0
-    mixed = StepWork.of("fp16-mixed", 1e9, components)  # fp32 weights read, the fp16 copy written, read twice
+    # fp32 weights read, the fp16 copy written, read twice
+    mixed = StepWork.of("fp16-mixed", 1e9, components, checkpointing=True)
     assert mixed.bytes_moved == 1000 + 3 * 500 + 2 * 111 + 2 * 2
-    islands = StepWork.of("fp16-islands", 1e9, components, widened_bytes=250)
+    islands = StepWork.of("fp16-islands", 1e9, components, widened_bytes=250, checkpointing=True)
     assert islands.fp32_share == pytest.approx(250 / 1250) and islands.bytes_moved == half.bytes_moved + 500
     t4 = targets.TARGETS["t4"]
     step = modelled_step(t4, half)
     assert step is not None and step.compute_s == pytest.approx(1e9 / 65e12)
     assert step.memory_s == pytest.approx(half.bytes_moved / 320e9)
-    full = modelled_step(t4, StepWork.of("fp32", 1e9, components))
+    full = modelled_step(t4, StepWork.of("fp32", 1e9, components, checkpointing=True))
     assert full is not None and full.compute_s == pytest.approx(1e9 / 8.1e12)
-    assert modelled_step(t4, StepWork.of("bf16", 1e9, components)) is None  # emulated: no data-sheet rate
+    emulated = StepWork.of("bf16", 1e9, components, checkpointing=True)
+    assert modelled_step(t4, emulated) is None  # emulated: no data-sheet rate

@@ -138,8 +138,11 @@ def _plan_row(contract: Any, capabilities: dict[str, Any]) -> dict[str, Any]:
 
     plan, axes = contract.plan, contract.spec["axes"]
     precision = str(axes["precision"])
-    step = modelled_step_s(plan.target, precision, plan.liveness.step_flops, plan.estimate().components)
-    floor = step_floor_s(plan.liveness.step_flops, precision, bool(axes.get("activation_checkpointing")), capabilities)
+    checkpointing = bool(axes.get("activation_checkpointing"))
+    step = modelled_step_s(
+        plan.target, precision, plan.liveness.step_flops, plan.estimate().components, checkpointing=checkpointing
+    )
+    floor = step_floor_s(plan.liveness.step_flops, precision, checkpointing, capabilities)
     tokens = axes["batch_size"] * axes.get("grad_accum", 1) * contract.spec["train"]["seq_len"]
     ceiling = {"ceiling_tokens_per_s": tokens / floor[0], "ceiling_basis": floor[1]} if floor and floor[0] > 0 else {}
     return {**plan.row(), "modelled_step_s": step, **ceiling}

@@ -21,6 +21,7 @@ from typing import Any
 
 from tunegrid.contract import LivenessLimits
 from tunegrid.plans import precision_plan
+from tunegrid.targets import FLOPS_PER_WEIGHT_TOKEN_BOUND, matmul_share
 
 # How many times the predicted (or measured) work a limit allows: room for a host shared with other jobs and for
 # the probe's rate, taken from square matmuls, being above what a model's mixed shapes reach.
@@ -28,9 +29,8 @@ LIVENESS_MARGIN = 4.0
 # Steps' worth of work beyond the training steps: a failing step's traced replay, the fp32 islands' calibration
 # forward and the adapter's reference forward.
 EXTRA_STEPS = 3
-# Forward + backward of a frozen base with LoRA: the forward's 2 FLOPs per weight and token, the backward's input
-# gradients as many again, and the recomputation of activation checkpointing at most once more.
-FLOPS_PER_WEIGHT_TOKEN = 6
+# The limits count every step as if it recomputed its forward (tunegrid.targets.matmul_share: the share a step does)
+FLOPS_PER_WEIGHT_TOKEN = FLOPS_PER_WEIGHT_TOKEN_BOUND
 
 
 def matmul_weights(config: dict[str, Any], shapes: dict[str, list[int]]) -> float:
@@ -99,16 +99,11 @@ def cell_liveness(spec: dict[str, Any], model_dir: Path, capabilities: dict[str,
     return plan_liveness(spec, config, tensor_shapes(model_dir), capabilities)
 
 
-# Forward + backward of a frozen base with LoRA without recomputation: the forward's 2 FLOPs per weight and token and
-# the backward's input gradients as many again (activation checkpointing adds the forward once more).
-FLOOR_FLOPS_PER_WEIGHT_TOKEN = 4
-
-
 def step_floor_s(
     step_flops: float, precision: str, checkpointing: bool, capabilities: dict[str, Any]
 ) -> tuple[float, str] | None:
     """The least time one step of a cell can take on this machine, and how it was found: the matmul FLOPs it cannot
-    skip (FLOOR_FLOPS_PER_WEIGHT_TOKEN per weight and token, and the recomputed forward where it checkpoints; its
+    skip (tunegrid.targets.matmul_share of the limits' FLOPs: without the recomputed forward unless it checkpoints; its
     adapters' and every other operation's work left out) at the rate the probe measured for the arithmetic its
     products run in. Where the probed device only emulates that arithmetic, its products run either in the
     device's own kernel for the dtype (the probe's rate for it) or in fp32 (tunegrid's CPU fp16 products, in fp32
@@ -123,7 +118,7 @@ def step_floor_s(
     rate = max(rates.get(dtype, 0.0), rates.get("float32", 0.0)) if emulated else rates.get(dtype)
     if not rate or not step_flops:
         return None
-    share = (FLOOR_FLOPS_PER_WEIGHT_TOKEN + (2 if checkpointing else 0)) / FLOPS_PER_WEIGHT_TOKEN
+    share = matmul_share(checkpointing)
     floor = step_flops * share / (rate * 1e12)
     how = f"{dtype} emulated: the faster of its rate and float32's" if emulated else dtype
     return floor, f"{step_flops * share / 1e9:.3g} GFLOP at the probe's {rate:.3g} TFLOP/s ({how})"

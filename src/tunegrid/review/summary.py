@@ -68,7 +68,7 @@ def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
         "oom_peak_bytes": oom.peak_bytes if oom else None,
         "tokens_per_s": throughput.get("tokens_per_s_median"),
         "step_time_s": throughput.get("step_time_s_median"),
-        "modelled_step_s": modelled_step_s(result, str(axes["precision"])),
+        "modelled_step_s": modelled_step_s(result, str(axes["precision"]), bool(axes["activation_checkpointing"])),
         "weight_bytes_loaded": loaded.get("total_bytes"),
         "weight_bytes": final.get("total_bytes"),
         "expert_bytes": (final.get("by_role") or {}).get("experts"),
@@ -168,7 +168,7 @@ def typed(frame: Any) -> Any:
     return frame
 
 
-def modelled_step_s(result: CellResult, precision: str) -> float | None:
+def modelled_step_s(result: CellResult, precision: str, checkpointing: bool) -> float | None:
     """The cell's step time on its named target as the data sheet models it (tunegrid.targets.modelled_step), from
     the FLOPs and the memory estimate its plan recorded and the bytes its fp32 islands grew by; None on the machine
     itself (its cells are measured), or where the plan holds neither."""
@@ -176,7 +176,7 @@ def modelled_step_s(result: CellResult, precision: str) -> float | None:
     flops = (plan.get("liveness") or {}).get("step_flops")
     components = (plan.get("estimate") or {}).get("components")
     widened = int((result.fp32_islands or {}).get("weights_widened_bytes") or 0)
-    return target_step_s(plan.get("target"), precision, flops, components, widened)
+    return target_step_s(plan.get("target"), precision, flops, components, widened, checkpointing=checkpointing)
 
 
 def stack_packages(env: dict[str, Any]) -> str | None:
