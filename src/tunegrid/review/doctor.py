@@ -216,7 +216,7 @@ def conclude(
             tried_cells = [c for group in tried for c in group]
             lines += [
                 f"fix:      none held among {len(tried_cells)} cells tried ({', '.join(tried_cells) or 'none'})",
-                "skipped:  " + ("; ".join(choice["skipped"]) or "nothing"),
+                "ruled out: " + ("; ".join(choice["skipped"]) or "nothing"),
                 f"cost:     the doctor spent {spent:.2f} cell-minutes on {len(ran)} cells",
                 "next:     run the study's full grid (snakemake all) for fixes outside these tables",
             ]

@@ -237,8 +237,8 @@ def _clear_miss(plan: dict[str, Any]) -> str:
     if not charge or not budget or charge < CLEAR_MISS * budget:
         return ""
     return (
-        f"ruled out by its plan: {charge / 2**20:.0f} MiB charged against the {budget / 2**20:.0f} MiB budget "
-        f"({charge / budget:.2f}x, over {CLEAR_MISS}x: out of memory too)"
+        f"its plan charges {charge / 2**20:.0f} MiB against the {budget / 2**20:.0f} MiB budget "
+        f"({charge / budget:.2f}x, {CLEAR_MISS}x or more: out of memory too)"
     )
 
 

@@ -67,8 +67,8 @@ def passed_over(choice: dict[str, Any], fixes: list[dict[str, Any]], ran: list[s
             continue
         more = _words({k: v for k, v in c["change"].items() if k not in under["change"]})
         out[c["cell_id"]] = (
-            f"{_words(c['change'])}: not run, it adds {more} to {_words(under['change'])} ({under['cell_id']}), "
-            "which already holds: ranked after it"
+            f"{_words(c['change'])}: adds {more} to {_words(under['change'])} ({under['cell_id']}), which already "
+            "holds: ranked after it"
         )
     return out
 
