@@ -5,9 +5,9 @@ of tunegrid.plans.PRECISION_PLANS that the target can run natively (or that keep
 fp16's own fixes do), in their `nan_fix_rank` order, or on a named target that is not the machine cheapest
 first by the step time modelled on it from each twin's plan (tunegrid.targets.modelled_step); an out-of-memory
 one the memory settings the grid lists, ordered by the estimate's predicted saving, less those the estimate
-says will still not fit; a collective timeout its class's fixes (tunegrid.review.timeout_advice). Each
-candidate comes with the reference twin its loss parity is judged against (review.reference), where that is
-another cell.
+says will still not fit (their plan's verdict, a charge of `CLEAR_MISS` times the budget or more, no saving); a
+collective timeout its class's fixes (tunegrid.review.timeout_advice). Each candidate comes with the reference
+twin its loss parity is judged against (review.reference), where that is another cell.
 
 Every candidate also carries what its plan says of its rank before it runs, in the terms the recommender ranks
 fixes by: on a named target its modelled step time; on the machine itself the most tokens/s it could reach, its
