@@ -45,8 +45,10 @@ DEFAULT_STUDIES = [
 GOAL = 0.40
 
 
-def _snakemake(workdir: Path, study: Path, cores: int, *targets: str) -> float:
+def _snakemake(workdir: Path, study: Path, cores: int, *targets: str, redecide: bool = False) -> float:
     line = [sys.executable, "-m", "snakemake", *targets, "-s", str(REPO / "Snakefile"), "--directory", str(workdir)]
+    # a rule's code names this tree's path: over a former run's cells only files' times say what is out of date
+    line += ["--rerun-triggers", "mtime"] if redecide else []
     line += ["--cores", str(cores), "--config", f"study={study}"]  # targets first: --config takes every word after it
     started = time.monotonic()
     proc = subprocess.run(line, capture_output=True, text=True, check=False)
@@ -116,7 +118,7 @@ def measure(entry: str, workdir: Path, cores: int, redecide: bool = False) -> di
     doctor = {}
     for mode in ("all", "first"):
         goal = paths.doctor_file(baseline, mode, "doctor.json")
-        wall = _snakemake(workdir, Path(path), cores, str(goal.relative_to(workdir)))
+        wall = _snakemake(workdir, Path(path), cores, str(goal.relative_to(workdir)), redecide=redecide)
         record = read_json(goal)
         doctor[mode] = {
             "fix": _fix_words(record["fix"]),
@@ -125,7 +127,7 @@ def measure(entry: str, workdir: Path, cores: int, redecide: bool = False) -> di
             "cell_minutes": record["cell_minutes"],
             "wall_s": wall,
         }
-    wall = _snakemake(workdir, Path(path), cores, "all")
+    wall = _snakemake(workdir, Path(path), cores, "all", redecide=redecide)
     grid_cells = list(cells_by_id(study))
     fixes = baseline_fixes(baseline, read_json(paths.report_file("recommendations.json")))
     grid = {
@@ -149,7 +151,8 @@ def main() -> None:
         "--redecide",
         action="store_true",
         help="in a former run's --workdir: make the doctor's decisions, the summary and the report again over the "
-        "cells it measured (cell-minutes are those cells' own)",
+        "cells it measured (cell-minutes are those cells' own); Snakemake goes by files' times alone, so this tree's "
+        "files must be older than the cells (a fresh checkout is newer: set its times back)",
     )
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])

@@ -100,6 +100,14 @@ class CellPlan:
         """The estimate for the path `worker` (the planned path's where None or not planned)."""
         return self.estimates.get(worker or self.worker) or self.estimates[self.worker]
 
+    def charge_bytes(self, worker: str | None = None) -> int:
+        """What the estimate says the cell charges its budget. On a CPU the budget caps the address space the cell
+        adds above its worker's start (tunegrid.runtime.memory), which the runtime is already mapped in: the
+        estimate less its runtime term. On CUDA the allocator's cap covers every tensor: the whole estimate."""
+        planned = self.estimate(worker)
+        runtime = planned.components.get("runtime", 0) if self.device == "cpu" else 0
+        return planned.estimate_bytes - runtime
+
     def row(self) -> dict[str, Any]:
         """The cell's line of plan.csv (and what the doctor's out-of-memory choice reads)."""
         planned = self.estimate()
@@ -107,6 +115,7 @@ class CellPlan:
             "target": self.target,
             "budget_bytes": self.budget_bytes,
             "estimate_bytes": planned.estimate_bytes,
+            "charge_bytes": self.charge_bytes(),
             "estimate_stage": planned.stage,
             "estimate_worker": planned.worker,
             "verdict": planned.verdict,

@@ -176,6 +176,47 @@ def test_an_oom_gets_the_memory_settings_the_estimate_allows_one_change_at_a_tim
     }
 
 
+def test_a_memory_setting_its_plan_charges_clearly_over_the_budget_is_ruled_out():
+    """What a plan's estimate charges the budget (on a CPU, the estimate less the runtime mapped before the budget
+    is set) at 1.2x the budget or more rules a candidate out; nearer the budget the estimate does not decide and it
+    runs (the baseline's own failure is the measurement)."""
+    from tunegrid.review.doctor_choice import CLEAR_MISS
+
+    study = _memory_study()
+    baseline = baseline_cell(study)
+    mib, budget = 2**20, 600 * 2**20
+    plans = _runnable(baseline, {"": 1900, "_adamw-8bit": 1830, "_ac": 725, "_adamw-8bit_ac": 660})
+    charges = {"": 1500, "_adamw-8bit": 1430, "_ac": 330, "_adamw-8bit_ac": 270}
+    for suffix, charge in charges.items():
+        plans[f"{baseline.cell_id}{suffix}"].update(charge_bytes=charge * mib, budget_bytes=budget)
+    choice = choose(study, baseline, {"outcome": "oom", "oom_stage": "step"}, CAPABILITIES, plans)
+    assert [c.change for c in choice.candidates] == [
+        {"activation_checkpointing": True},
+        {"optimizer": "adamw-8bit", "activation_checkpointing": True},
+    ]
+    assert choice.skipped == [
+        "optimizer=adamw-8bit: its plan charges 1430 MiB against the 600 MiB budget (2.38x, 1.2x or more: out of "
+        "memory too)"
+    ]
+    plans[f"{baseline.cell_id}_adamw-8bit"]["charge_bytes"] = int(CLEAR_MISS * budget) - 1  # just under: it runs
+    choice = choose(study, baseline, {"outcome": "oom", "oom_stage": "step"}, CAPABILITIES, plans)
+    assert {"optimizer": "adamw-8bit"} in [c.change for c in choice.candidates] and not choice.skipped
+
+
+def test_a_plans_charge_is_its_estimate_less_the_runtime_on_a_cpu_and_all_of_it_on_cuda():
+    from tunegrid.contract import CellPlan
+
+    estimate = {"worker": "spawned", "estimate_bytes": 1000, "stage": "step", "load_bytes": 500, "step_bytes": 1000}
+    estimate["components"] = {"runtime": 400, "activations": 600}
+    liveness = {"heartbeat_timeout_s": 1.0, "time_limit_s": 1.0, "predicted_step_s": None, "step_flops": 0.0}
+    liveness |= {"rate_tflops": None, "margin": 4.0, "extra_steps": 0}
+    raw = {"cell_id": "c", "world_size": 1, "target": "native", "budget_bytes": 600, "device": "cpu"}
+    raw |= {"worker": "spawned", "estimates": {"spawned": estimate}, "kernels": {}, "liveness": liveness}
+    plan = CellPlan.from_json({**raw, "mem_mb": 1})
+    assert plan.charge_bytes() == 600 and plan.row()["charge_bytes"] == 600
+    assert CellPlan.from_json({**raw, "mem_mb": 1, "device": "cuda"}).charge_bytes() == 1000
+
+
 def test_a_collective_timeout_gets_its_class_fixes():
     grid = {
         "model": ["gemma3-hot"],
@@ -344,13 +385,13 @@ def test_a_memory_fix_is_bounded_by_the_fastest_proven_fix_without_a_noise_margi
     from tunegrid.review.doctor_choice import BY_THROUGHPUT
     from tunegrid.review.doctor_stop import stop
 
-    ac, both = "m_fp32_bs2_none_s0_ac", "m_fp32_bs2_none_s0_adamw-8bit_ac"
+    ac, other = "m_fp32_bs2_none_s0_ac", "m_fp32_bs2_none_s0_adamw-8bit_loss-chunked"
     choice = {
         "failure": "oom",
         "ranked_by": BY_THROUGHPUT,
         "candidates": [
             _left({"activation_checkpointing": True}, ac),
-            _left({"optimizer": "adamw-8bit", "activation_checkpointing": True}, both, ceiling_tokens_per_s=980.0),
+            _left({"optimizer": "adamw-8bit", "loss": "chunked"}, other, ceiling_tokens_per_s=980.0),
         ],
     }
     rows = {ac: {"tokens_per_s": 1000.0, "step_time_noise": 0.05}}
@@ -358,6 +399,55 @@ def test_a_memory_fix_is_bounded_by_the_fastest_proven_fix_without_a_noise_margi
     assert stop(choice, fixes, rows, [ac], first=False)[0]  # the memory fixes rank by throughput alone
     choice["candidates"][1]["ceiling_tokens_per_s"] = 1001.0
     assert not stop(choice, fixes, rows, [ac], first=False)[0]
+
+
+AC, AC_8BIT, CHUNKED_8BIT = "m_fp32_bs2_none_s0_ac", "m_fp32_bs2_none_s0_adamw-8bit_ac", "m_fp32_bs2_none_s0_8c"
+
+
+def _memory_choice(*candidates):
+    from tunegrid.review.doctor_choice import BY_THROUGHPUT
+
+    return {"failure": "oom", "ranked_by": BY_THROUGHPUT, "candidates": list(candidates)}
+
+
+def test_a_memory_candidate_that_adds_settings_to_a_proven_fix_is_not_run_whatever_its_bound():
+    """Checkpointing alone holds: checkpointing with 8-bit AdamW changes one more setting for a failure already
+    ended, and the report ranks it after checkpointing however fast it runs, so its unknown bound does not matter."""
+    from tunegrid.review.doctor_stop import stop
+
+    choice = _memory_choice(
+        _left({"activation_checkpointing": True}, AC),
+        _left({"activation_checkpointing": True, "optimizer": "adamw-8bit"}, AC_8BIT),  # no bound
+    )
+    rows = {AC: {"tokens_per_s": 6.0}}
+    done, why = stop(choice, [_fix({"activation_checkpointing": True}, AC)], rows, [AC], first=False)
+    assert done and why == [
+        "activation_checkpointing=True, optimizer=adamw-8bit: adds optimizer=adamw-8bit to "
+        f"activation_checkpointing=True ({AC}), which already holds: ranked after it"
+    ]
+    # nothing holds yet: every candidate runs in turn
+    assert stop(choice, [], rows, [AC], first=False) == (False, [])
+
+
+def test_a_try_passes_over_a_candidate_that_adds_to_a_proven_fix_while_others_still_run():
+    """Another candidate left has no bound, so the wave goes on, but its tries skip the one that adds to the fix
+    that holds; the verdict names it with the rest once the wave ends."""
+    from tunegrid.review.doctor_stop import passed_over, stop
+
+    choice = _memory_choice(
+        _left({"activation_checkpointing": True}, AC),
+        _left({"activation_checkpointing": True, "optimizer": "adamw-8bit"}, AC_8BIT),
+        _left({"loss": "chunked", "optimizer": "adamw-8bit"}, CHUNKED_8BIT),  # no bound
+    )
+    fixes, rows = [_fix({"activation_checkpointing": True}, AC)], {AC: {"tokens_per_s": 6.0}}
+    assert stop(choice, fixes, rows, [AC], first=False) == (False, [])
+    passed = passed_over(choice, fixes, [AC])
+    assert list(passed) == [AC_8BIT]
+    assert tries(choice, passed) == [[AC], [], [CHUNKED_8BIT]]
+    done, why = stop(choice, fixes, rows, [AC, CHUNKED_8BIT], first=False)
+    assert done and why == [passed[AC_8BIT]]
+    # a non-finite failure's candidates are never passed over (each changes the precision alone)
+    assert passed_over({**choice, "failure": "nan"}, fixes, [AC]) == {}
 
 
 def test_on_a_named_target_the_doctor_stops_when_every_candidate_left_is_modelled_slower():

@@ -234,3 +234,26 @@ def test_the_chunked_loss_is_a_memory_fix_named_as_such():
     (rec,) = recommend(frame, {}, {})
     assert [f.change for f in rec.fixes] == [{"loss": "chunked"}, {"activation_checkpointing": True}]
     assert "the chunked loss fits (peak 420" in rec.text
+
+
+def test_a_fix_that_adds_settings_to_another_ranks_after_it_however_fast():
+    """Checkpointing with 8-bit AdamW measured faster than checkpointing alone, which fits too: the one that changes
+    less of the recipe is the recommendation (the doctor leaves the other unrun once checkpointing holds, and names
+    the same fix); among fixes that add to none, throughput still decides."""
+    frame = pd.DataFrame(
+        [
+            _cell(outcome="oom"),
+            _cell(optimizer="adamw-8bit", outcome="oom"),  # alone it does not fit
+            _cell(ac=True, peak=300, tps=700.0),
+            _cell(optimizer="adamw-8bit", ac=True, peak=250, tps=750.0),
+            _cell(batch=2, accum=2, peak=350, tps=720.0),
+        ]
+    )
+    (rec,) = [r for r in recommend(frame, {}, {}) if r.failing == ["w_fp32_bs4_none_s0"]]
+    assert [f.change for f in rec.fixes] == [
+        {"batch_size": 2, "grad_accum": 2},
+        {"activation_checkpointing": True},
+        {"optimizer": "adamw-8bit", "activation_checkpointing": True},
+    ]
+    assert "750 tokens/s (1.00 of the fastest fix)" in rec.fixes[2].why
+    assert "Ranked by throughput, fastest first; a fix that adds settings to another, after it." in rec.text

@@ -1,7 +1,7 @@
 """The shipped out-of-memory study through Snakemake (configs/memory-fixes-oom-cpu.yaml, --cores 2): the plain
 setting and 8-bit AdamW alone run out of their budget at the step, activation checkpointing (alone and with 8-bit
-AdamW) fits, and the report's recommendation ranks the fixes by throughput with each one's peak, cost and loss
-parity. One run feeds every test of this module.
+AdamW) fits, and the report's recommendation is checkpointing alone (the other fix adds 8-bit AdamW to it), each fix
+with its peak, cost and loss parity. One run feeds every test of this module.
 
 The study holds on any CPU family only if the budget sits far from every cell: a failing cell needs at least
 1.2x the budget and every fix at most 0.8x. The tests assert those margins first -- from the plans' own estimates
@@ -20,6 +20,8 @@ import pandas as pd
 import pytest
 from conftest import REPO, processes_mentioning, snakemake_command, with_session_warm_processes, workflow_env
 
+from tunegrid.contract import CellContract
+from tunegrid.review.doctor_choice import CLEAR_MISS
 from tunegrid.runtime.files import read_json
 
 pytestmark = pytest.mark.slow
@@ -50,15 +52,15 @@ def study_run(tmp_path_factory):
 
 
 BUDGET = int(0.6 * 2**30)
-FAILS, FITS = 1.2, 0.8  # the margins: a failing cell needs >= 1.2x the budget, a fix <= 0.8x
+# the margins: a failing cell needs >= 1.2x the budget (where the doctor rules a candidate out by its plan), a fix
+# <= 0.8x
+FAILS, FITS = CLEAR_MISS, 0.8
 
 
 def planned_charge(out, cell: str) -> int:
     """What the cell's plan predicts it adds above its runtime: the estimate less its runtime term (on a CPU the
     budget is of address space above what the worker mapped at its start)."""
-    plan = read_json(out / "plans" / f"{cell}.json")["plan"]
-    estimate = plan["estimates"][plan["worker"]]
-    return estimate["estimate_bytes"] - estimate["components"]["runtime"]
+    return CellContract.read(out / "plans" / f"{cell}.json").plan.charge_bytes()
 
 
 def test_the_plans_put_every_cell_far_from_the_budget(study_run):
@@ -109,15 +111,14 @@ def test_the_plain_setting_runs_out_of_memory_at_the_step_and_each_memory_fix_fi
     )
 
 
-def test_the_recommendation_ranks_the_fixes_by_throughput_with_peak_cost_and_parity(study_run):
+def test_the_recommendation_is_checkpointing_alone_with_each_fixs_peak_cost_and_parity(study_run):
     out, summary, advice = study_run
     rec = advice[PLAIN]
     assert rec["failing"] == [PLAIN] and "out of memory at step" in rec["title"]
     evidence = [fix["evidence"][0] for fix in rec["fixes"]]
-    assert set(evidence) == FIXES
-    speeds = [float(summary.loc[cell, "tokens_per_s"]) for cell in evidence]
-    assert speeds == sorted(speeds, reverse=True)  # fastest first: all of them fit
-    assert "Ranked by throughput, fastest first." in rec["text"]
+    # whichever runs faster on this host: the pair adds 8-bit AdamW to checkpointing, which fits alone
+    assert evidence == [f"{PLAIN}_ac", f"{PLAIN}_adamw-8bit_ac"]
+    assert "Ranked by throughput, fastest first; a fix that adds settings to another, after it." in rec["text"]
     changes = {fix["evidence"][0]: fix["change"] for fix in rec["fixes"]}
     assert changes[f"{PLAIN}_ac"] == {"activation_checkpointing": True}
     assert changes[f"{PLAIN}_adamw-8bit_ac"] == {"optimizer": "adamw-8bit", "activation_checkpointing": True}
@@ -128,7 +129,7 @@ def test_the_recommendation_ranks_the_fixes_by_throughput_with_peak_cost_and_par
         assert fix["cost"]["peak_bytes"] == float(summary.loc[cell, "peak_bytes"])
         assert 0 < fix["cost"]["tokens_per_s_ratio"] <= 1.0 and fix["cost"]["against"] == "the fastest fix"
         assert "of the fastest fix)" in fix["why"]
-    assert rec["fixes"][0]["cost"]["tokens_per_s_ratio"] == 1.0
+    assert max(fix["cost"]["tokens_per_s_ratio"] for fix in rec["fixes"]) == 1.0
     # the checkpointing twin (the same arithmetic) stands for the failing setting's loss, and the 8-bit fix is
     # compared with it. The plain cell runs out of memory in its first step (far over the budget), so it logged
     # no loss and the stand-in has nothing to be compared with

@@ -262,9 +262,16 @@ def _doctor_tries(wildcards):
 
 
 def get_doctor_try_cells(wildcards):
-    cells = _doctor_tries(wildcards)[int(wildcards.index)]
-    previous = int(wildcards.index) - 1
-    earlier = [str(PATHS.doctor_try(wildcards.cell_id, wildcards.mode, previous))] if previous >= 0 else []
+    """A try's cells, less those of a candidate the try before passed over (review.doctor_stop.passed_over), and
+    that try's verdict: the tries run one after another."""
+    index, passed, earlier = int(wildcards.index), [], []
+    if index:
+        before = checkpoints.doctor_try.get(cell_id=wildcards.cell_id, mode=wildcards.mode, index=index - 1)
+        earlier = [before.output.verdict]
+        with open(earlier[0]) as fh:
+            passed = json.load(fh).get("passed", [])
+    with open(checkpoints.doctor_diagnose.get(cell_id=wildcards.cell_id).output.diagnosis) as fh:
+        cells = doctor_tries(json.load(fh)["choice"], passed)[index]
     return [str(PATHS.result(cell)) for cell in cells] + earlier
 
 

@@ -148,13 +148,13 @@ def _plan_row(contract: Any, capabilities: dict[str, Any]) -> dict[str, Any]:
     return {**plan.row(), "modelled_step_s": step, **ceiling}
 
 
-def _cells_before(diagnosis: dict, mode: str, index: int) -> list[str]:
+def _cells_before(diagnosis: dict, index: int, passed: list[str]) -> list[str]:
     """The baseline, its repeat and every try's cells up to `index`, in order."""
     from tunegrid.review.doctor_choice import tries
 
     reproduced = diagnosis["reproduction"]
     cells = [c for c in (reproduced["baseline_cell"], reproduced["repeat_cell"]) if c]
-    for group in tries(diagnosis["choice"])[: index + 1]:
+    for group in tries(diagnosis["choice"], passed)[: index + 1]:
         cells += [c for c in group if c not in cells]
     return cells
 
@@ -166,12 +166,17 @@ def doctor_try(args: argparse.Namespace) -> None:
 
     study = resolve_study(read_json(args.study_file))
     diagnosis = read_json(args.diagnosis)
-    cells = _cells_before(diagnosis, args.mode, args.index)
-    new = tries(diagnosis["choice"])[args.index]
+    paths = _paths(args.study_file)
+    baseline = diagnosis["reproduction"]["baseline_cell"]
+    # the candidates the try before this one passed over (an input of this rule: common.smk's get_doctor_try_cells)
+    before = paths.doctor_try(baseline, args.mode, args.index - 1) if args.index else None
+    passed = read_json(before).get("passed", []) if before else []
+    cells = _cells_before(diagnosis, args.index, passed)
+    new = tries(diagnosis["choice"], passed)[args.index]
     record = try_verdict(
-        _paths(args.study_file),
+        paths,
         study,
-        diagnosis["reproduction"]["baseline_cell"],
+        baseline,
         cells,
         new,
         read_json(args.capabilities),

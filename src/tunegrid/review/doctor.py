@@ -8,6 +8,7 @@ MLflow run, its row in the doctor's summary and report.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,7 @@ def _ranking(text: str) -> str | None:
     if " Ranked by " not in text:
         return None
     sentence = "Ranked by " + text.split(" Ranked by ", 1)[1]
-    return sentence.split(").", 1)[0] + ")."
+    return re.split(r"(?<=[.])\s+(?=[A-Z])", sentence, maxsplit=1)[0]  # up to the notes after it
 
 
 def conclude(
@@ -203,6 +204,7 @@ def conclude(
                 *([f"ranked:   {ranked}"] if ranked else []),
                 f"cost:     {_cost(fix_row, spent, len(ran))}",
                 *([f"not run:  {'; '.join(not_run)}"] if not_run else []),
+                *([f"ruled out: {'; '.join(choice['skipped'])}"] if choice.get("skipped") else []),
                 f"evidence: {', '.join(fix['evidence'])}",
                 f"recipe:   {_export(study, fix['cell_id'], out_dir)}",
             ]
@@ -214,7 +216,7 @@ def conclude(
             tried_cells = [c for group in tried for c in group]
             lines += [
                 f"fix:      none held among {len(tried_cells)} cells tried ({', '.join(tried_cells) or 'none'})",
-                "skipped:  " + ("; ".join(choice["skipped"]) or "nothing"),
+                "ruled out: " + ("; ".join(choice["skipped"]) or "nothing"),
                 f"cost:     the doctor spent {spent:.2f} cell-minutes on {len(ran)} cells",
                 "next:     run the study's full grid (snakemake all) for fixes outside these tables",
             ]
@@ -238,11 +240,12 @@ def try_verdict(
 ) -> dict[str, Any]:
     """One try's file: its own cells (`new`), whether a fix of the baseline holds among all run so far, and
     whether the second wave stops here (`stop`: `first` at a fix that holds, else once no candidate left can rank
-    above it), with why each candidate left is not needed."""
-    from tunegrid.review.doctor_stop import stop
+    above it), with why each candidate left is not needed, and the candidates the tries after it pass over."""
+    from tunegrid.review.doctor_stop import passed_over, stop
 
     verdict = verdict_of(study, baseline_id, [paths.result(c) for c in cells], capabilities)
-    done, not_run = stop(choice or {"candidates": []}, verdict.fixes, verdict.rows, cells, first)
+    choice = choice or {"candidates": []}
+    done, not_run = stop(choice, verdict.fixes, verdict.rows, cells, first)
     record = {
         "cells": cells,
         "new": new,
@@ -250,6 +253,7 @@ def try_verdict(
         "fixes": verdict.fixes,
         "stop": done,
         "not_run": not_run,
+        "passed": sorted(passed_over(choice, verdict.fixes, cells)),  # the next tries skip these
     }
     atomic_write_text(out, json.dumps(record, indent=1, default=str) + "\n")
     return record

@@ -5,9 +5,9 @@ of tunegrid.plans.PRECISION_PLANS that the target can run natively (or that keep
 fp16's own fixes do), in their `nan_fix_rank` order, or on a named target that is not the machine cheapest
 first by the step time modelled on it from each twin's plan (tunegrid.targets.modelled_step); an out-of-memory
 one the memory settings the grid lists, ordered by the estimate's predicted saving, less those the estimate
-says will still not fit; a collective timeout its class's fixes (tunegrid.review.timeout_advice). Each
-candidate comes with the reference twin its loss parity is judged against (review.reference), where that is
-another cell.
+says will still not fit (their plan's verdict, a charge of `CLEAR_MISS` times the budget or more, no saving); a
+collective timeout its class's fixes (tunegrid.review.timeout_advice). Each candidate comes with the reference
+twin its loss parity is judged against (review.reference), where that is another cell.
 
 Every candidate also carries what its plan says of its rank before it runs, in the terms the recommender ranks
 fixes by: on a named target its modelled step time; on the machine itself the most tokens/s it could reach, its
@@ -35,6 +35,10 @@ from tunegrid.vocabulary import Outcome, axis_names
 REPEAT = 1  # the same-seed re-run of a failing baseline is its repeat 1
 MEMORY_AXES = ("quant", "optimizer", "activation_checkpointing", "loss", "batch_size", "grad_accum")
 DETERMINISTIC, TRANSIENT, NOT_REPRODUCED = "deterministic", "transient", "not reproduced"
+# a memory candidate whose plan charges its budget this many times over is not run: the margin the shipped
+# out-of-memory study keeps its failing cells beyond (tests/workflow/test_memory_fixes_oom.py), wider than the
+# estimate's error measured there, so a candidate that far over fails as surely as the baseline did
+CLEAR_MISS = 1.2
 
 
 def repeat_of(cell: Any) -> Any:
@@ -184,11 +188,11 @@ def _memory_candidates(
 ) -> Choice:
     """Every grid cell equal to the baseline but in memory settings (the same effective batch), less those the
     estimate predicts still will not fit: the plan's own verdict where the study skips predicted failures
-    (`hardware.predicted_oom: skip`), and always a setting the estimate says saves nothing against the baseline,
-    which did not fit. The estimate's absolute peak is not held against the budget here: the baseline's own
-    failure is the measurement, and on a CPU the budget is of address space above what the process mapped at
-    its start. Ordered one setting at a time first (the least change to the recipe), and among as many changes by
-    the predicted saving, largest first (the likeliest to fit, the estimate's absolute peak being unreliable)."""
+    (`hardware.predicted_oom: skip`), a setting whose plan charges its budget `CLEAR_MISS` times over or more
+    (`_clear_miss`), and a setting the estimate says saves nothing against the baseline, which did not fit. Nearer
+    the budget the estimate does not decide: the baseline's own failure is the measurement. Ordered one setting at
+    a time first (the least change to the recipe), and among as many changes by the predicted saving, largest
+    first (the likeliest to fit)."""
     choice = Choice("oom", ranked_by=BY_THROUGHPUT)
     base_axes = baseline.axes()
     effective = baseline.batch_size * baseline.grad_accum
@@ -209,6 +213,10 @@ def _memory_candidates(
         if plan.get("verdict") not in (None, "run"):
             choice.skipped.append(f"{words}: {plan['verdict']} ({plan.get('reason')})")
             continue
+        miss = _clear_miss(plan)
+        if miss:
+            choice.skipped.append(f"{words}: {miss}")
+            continue
         saving = (base_estimate - estimate) if base_estimate is not None and estimate is not None else None
         if saving is not None and saving <= 0:
             choice.skipped.append(f"{words}: the estimate predicts no saving ({-saving / 2**20:.0f} MiB more)")
@@ -220,6 +228,18 @@ def _memory_candidates(
         candidate.reference = _reference(study, cells, cells[candidate.cell_id], baseline)
         choice.candidates.append(candidate)
     return choice
+
+
+def _clear_miss(plan: dict[str, Any]) -> str:
+    """Why a memory candidate's own plan rules it out, or "": what its estimate charges the budget
+    (contract.CellPlan.charge_bytes) is `CLEAR_MISS` times the budget or more."""
+    charge, budget = plan.get("charge_bytes"), plan.get("budget_bytes")
+    if not charge or not budget or charge < CLEAR_MISS * budget:
+        return ""
+    return (
+        f"its plan charges {charge / 2**20:.0f} MiB against the {budget / 2**20:.0f} MiB budget "
+        f"({charge / budget:.2f}x, {CLEAR_MISS}x or more: out of memory too)"
+    )
 
 
 def _bounded(candidate: Candidate, plans: dict[str, dict[str, Any]]) -> Candidate:
@@ -300,14 +320,17 @@ def choose(
     return Choice(str(outcome), skipped=[f"{outcome}: no table of fixes for it; read the cell's log"])
 
 
-def tries(choice: dict[str, Any]) -> list[list[str]]:
-    """The cells of each try: one candidate and its reference twin (where not run already) per try, in order.
-    Both modes run them so; they differ in where they stop (`stop`)."""
-    groups = [[c["cell_id"], *([c["reference"]] if c["reference"] else [])] for c in choice["candidates"]]
+def tries(choice: dict[str, Any], passed: Any = ()) -> list[list[str]]:
+    """The cells of each try: one candidate and its reference twin (where not run already) per try, in order, and
+    none for a candidate `passed` over (review.doctor_stop.passed_over: it adds settings to a fix that already
+    holds). Both modes run them so; they differ in where they stop (`stop`)."""
     seen: set[str] = set()
     out = []
-    for group in groups:
-        fresh = [cell for cell in group if cell not in seen]
+    for c in choice["candidates"]:
+        if c["cell_id"] in passed:
+            out.append([])
+            continue
+        group = [c["cell_id"], *([c["reference"]] if c["reference"] else [])]
+        out.append([cell for cell in group if cell not in seen])
         seen.update(group)
-        out.append(fresh)
     return out

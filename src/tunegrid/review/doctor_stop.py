@@ -4,8 +4,10 @@ one's plan says before it runs (review.doctor_choice puts it in the choice): whe
 candidates' own order (a collective timeout's smallest larger timeout), at once; on a named target by the step time
 modelled there; on the machine itself by the most tokens/s each could reach (its tokens per step over its step's
 floor, tunegrid.prepare.liveness.step_floor_s) against the fastest proven fix's measured tokens/s, less that fix's
-noise where the report counts fixes within it as equally fast (review.precision_advice.equally_fast). So the fix
-the doctor names is the one the grid ranks first, and a candidate with no bound is always run.
+noise where the report counts fixes within it as equally fast (review.precision_advice.equally_fast). A memory
+candidate that adds settings to a fix that already holds is passed over, whatever its bound: the report ranks it
+after that fix (review.memory_advice.least_change_first), so it cannot come first. So the fix the doctor names is
+the one the grid ranks first, and a candidate with no bound is always run.
 
 Light module: no torch (the doctor's rules run it between cells).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from tunegrid.review.doctor_choice import BY_MODEL, BY_ORDER
+from tunegrid.review.memory_advice import adds_to
 
 
 def _words(change: dict[str, Any]) -> str:
@@ -36,13 +39,49 @@ def stop(
     than the fix (an unmodelled fix ranks after every modelled one); on the machine itself, when the most tokens/s
     each one left could reach is below the fastest proven fix's measured tokens/s, less that fix's noise where the
     report counts fixes within it as equally fast (precision fixes: review.precision_advice.equally_fast), every
-    ceiling raised where a cell run here beat its own (`_probe_shortfall`). A candidate with no such bound is run."""
+    ceiling raised where a cell run here beat its own (`_probe_shortfall`). A candidate with no such bound is run;
+    one `passed_over` is not, and is said first."""
     left = [c for c in choice["candidates"] if c["cell_id"] not in ran]
     if not fixes:
         return False, []
     top = fixes[0]
     if first or not left:
         return True, [f"{_words(c['change'])}: not run (--first)" for c in left]
+    passed = passed_over(choice, fixes, ran)
+    left = [c for c in left if c["cell_id"] not in passed]
+    done, why = _bounded_below(choice, top, fixes, rows, ran, left) if left else (True, [])
+    return done, [*passed.values(), *why] if done else []
+
+
+def passed_over(choice: dict[str, Any], fixes: list[dict[str, Any]], ran: list[str]) -> dict[str, str]:
+    """The memory candidates not run that add settings to a fix that holds, by cell, each with why it is not run:
+    the report ranks a fix after every fix it adds settings to (review.memory_advice.least_change_first), so none
+    of them can come first, and each changes more of the recipe for a failure already ended. A try skips them
+    (doctor_choice.tries)."""
+    if choice.get("failure") != "oom":
+        return {}
+    out = {}
+    for c in choice["candidates"]:
+        under = next((f for f in fixes if adds_to(c["change"], f["change"])), None)
+        if c["cell_id"] in ran or under is None:
+            continue
+        more = _words({k: v for k, v in c["change"].items() if k not in under["change"]})
+        out[c["cell_id"]] = (
+            f"{_words(c['change'])}: adds {more} to {_words(under['change'])} ({under['cell_id']}), which already "
+            "holds: ranked after it"
+        )
+    return out
+
+
+def _bounded_below(
+    choice: dict[str, Any],
+    top: dict[str, Any],
+    fixes: list[dict[str, Any]],
+    rows: dict[str, dict[str, Any]],
+    ran: list[str],
+    left: list[dict[str, Any]],
+) -> tuple[bool, list[str]]:
+    """Whether every candidate in `left` is bounded below the fix that ranks first, and each one's bound."""
     named = f"{_words(top['change'])} ({top['cell_id']})"
     why = []
     if choice.get("ranked_by") == BY_ORDER:
@@ -56,7 +95,9 @@ def stop(
             where = f"modelled {theirs * 1e3:.3g} ms/step" if theirs else "not modelled"
             why.append(f"{_words(c['change'])}: {where} on the target, above {named}'s {mine * 1e3:.3g} ms/step")
         return True, why
-    measured = [(rows.get(f["cell_id"]) or {}, f) for f in fixes]
+    # a fix that adds settings to another ranks after it however fast: the bar is the fastest of those that add to none
+    least = [f for f in fixes if not any(adds_to(f["change"], g["change"]) for g in fixes)]
+    measured = [(rows.get(f["cell_id"]) or {}, f) for f in least]
     measured = [(row, f) for row, f in measured if _number(row.get("tokens_per_s"))]
     if not measured:
         return False, []

@@ -5,7 +5,10 @@ For a cell that ran out of memory, every ok twin that differs in memory settings
 micro-batch with the accumulation that keeps the effective batch. A twin is cited only where its quality holds
 (review/quality.py: it learned, and its loss matched its reference twin's within tolerance); an ok twin that did
 not learn or deviates is named as no evidence of a fix. Each fix is cited with its peak, its throughput against
-the fastest fix, and its loss parity. They are ranked by throughput: all of them fit, so the fastest costs least.
+the fastest fix, and its loss parity. They are ranked by throughput: all of them fit, so the fastest costs least;
+but a fix that adds settings to another fix (activation checkpointing with 8-bit AdamW, where checkpointing alone
+fits) ranks after it, however fast: it changes more of the recipe for a failure the other already ends
+(`adds_to`, `least_change_first`; the doctor reads the same rule to leave such a candidate unrun).
 
 Loss parity, for a memory fix, is its loss against the setting that ran out of memory. Where the twin's reference
 twin (review/quality.py) is another cell, that comparison is the parity shown. Where the twin sits at the
@@ -191,6 +194,22 @@ def _candidates(frame: Any, row: Any) -> tuple[list[tuple[dict[str, Any], str, A
     return found, unproven
 
 
+def adds_to(change: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether `change` sets every setting `other` does, to the same value, and more besides."""
+    return len(change) > len(other) and all(k in change and change[k] == v for k, v in other.items())
+
+
+def least_change_first(ranked: list[Any], change_of: Any) -> list[Any]:
+    """`ranked` (fastest first) with each fix moved after every fix it adds settings to: at each place the fastest
+    fix left that adds to none of those left. The first is the fastest fix that adds to no other."""
+    left, out = list(ranked), []
+    while left:
+        pick = next(f for f in left if not any(adds_to(change_of(f), change_of(g)) for g in left if g is not f))
+        left.remove(pick)
+        out.append(pick)
+    return out
+
+
 def memory_fixes(frame: Any, curves: dict[str, list[dict[str, Any]]] | None = None) -> list[Recommendation]:
     curves = curves or {}
     out = []
@@ -202,6 +221,7 @@ def memory_fixes(frame: Any, curves: dict[str, list[dict[str, Any]]] | None = No
         speeds = [float(t.get("tokens_per_s", float("nan"))) for _, _, t in found]
         fastest = max((s for s in speeds if s == s), default=float("nan"))
         ranked = sorted(zip(found, speeds, strict=True), key=lambda item: -item[1] if item[1] == item[1] else 0)
+        ranked = least_change_first(ranked, lambda item: item[0][0])
         options, fixes = [], []
         for (change, why, twin), speed in ranked:
             cost = f", {speed:.0f} tokens/s ({speed / fastest:.2f} of the fastest fix)" if speed == speed else ""
@@ -216,6 +236,8 @@ def memory_fixes(frame: Any, curves: dict[str, list[dict[str, Any]]] | None = No
             fixes.append(Fix(change, options[-1], [twin["cell_id"]], parity, measured))
         stage = f" at {row['oom_stage']}" if isinstance(row.get("oom_stage"), str) and row["oom_stage"] else ""
         ranking = " Ranked by throughput, fastest first." if len(fixes) > 1 else ""
+        if any(adds_to(f.change, g.change) for f in fixes for g in fixes):
+            ranking = " Ranked by throughput, fastest first; a fix that adds settings to another, after it."
         notes = [no_evidence("A memory setting", unproven)] if unproven else []
         notes += [batch_note] if batch_note else []
         out.append(
