@@ -10,6 +10,7 @@ from typing import Any
 
 from tunegrid.recipes.recipe import Recipe
 from tunegrid.recipes.recipe_known import axolotl_keys
+from tunegrid.recipes.recipe_rows import default_config, entry_rows, local_split
 from tunegrid.recipes.recipe_sources import first_record, hub_dataset, local_dataset, looks_like_hub_id, resolve_local
 from tunegrid.study.prompts import CUSTOM_KEYS, SEGMENTS, SHAREGPT, instruction_of
 
@@ -32,6 +33,15 @@ DATASET_NOT_CARRIED = {
 
 
 def read_datasets(recipe: Recipe, datasets: Any) -> None:
+    """The first dataset entry as data.*, a row for each other entry, and one for each key of the first that
+    carries nothing."""
+    _read_first(recipe, datasets)
+    first = (datasets[0] if datasets else None) if isinstance(datasets, list) else datasets
+    if isinstance(first, dict) and not recipe.refused:
+        entry_rows(recipe, "datasets.0", first, "axolotl")
+
+
+def _read_first(recipe: Recipe, datasets: Any) -> None:
     if not datasets:
         recipe.need("datasets", "no dataset: give one local file or a hub dataset, or pass --dataset")
         return
@@ -55,9 +65,15 @@ def read_datasets(recipe: Recipe, datasets: Any) -> None:
     found = (
         None if hub_files else local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
     )
-    if found is None and "data.source" not in recipe.settings:
-        if entry.get("name"):
+    if found is not None:  # the keys that say where the file is and how to read it
+        for path, sub in (("data.path", "data_files"), ("data.source", "ds_type")):
+            recipe.carry(path, recipe.settings[path], *([f"{key}.{sub}"] if entry.get(sub) else []))
+        local_split(recipe, f"{key}.split", entry.get("split"), "axolotl")
+    elif "data.source" not in recipe.settings:
+        if not default_config(recipe, f"{key}.name", entry.get("name")):
             recipe.refuse(f"{key}.name", "tunegrid reads a hub dataset's default configuration")
+        if entry.get("ds_type"):
+            recipe.not_carried[f"{key}.ds_type"] = "a hub dataset's files are read in their own format"
         hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
         if files:
             names = [files] if isinstance(files, str) else list(files)
@@ -117,10 +133,17 @@ def read_datasets(recipe: Recipe, datasets: Any) -> None:
     elif base in ("completion", "text"):  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
         recipe.carry("data.fields", {"text": entry.get("field") or "text"}, f"{key}.type", f"{key}.field")
         recipe.carry("data.loss_on", "all", f"{key}.type")
+        if base == "completion":  # prompt_strategies/completion.py: tokenize_prompt
+            recipe.differs[f"{key}.type"] = (
+                f"{kind}: axolotl splits a text longer than sequence_len into chunks of sequence_len tokens (up to "
+                "64 of them, each an example trained in full); a cell keeps each text's first train.seq_len tokens "
+                "and drops the rest (fewer tokens trained per long text; rows as long, so the same peak)"
+            )
     else:
         recipe.refuse(
             f"{key}.type",
             f"{kind!r}: tunegrid reads chat_template, sharegpt, alpaca (instruct, chat, chatml, phi), alpaca_chat, "
-            "alpaca_chat.load_qa, oasst, context_qa.load_v2, completion, input_output or a custom "
+            "alpaca_chat.load_qa, alpaca_instruct (and .load_no_prompt), oasst, context_qa.load_v2, completion, "
+            "input_output or a custom "
             "{field_instruction, field_output, ...} mapping",
         )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.recipes.recipe import Recipe, read_file
+from tunegrid.recipes.recipe_rows import rows
 from tunegrid.recipes.recipe_sources import first_record
 from tunegrid.study.prompts import PROMPT_COMPLETION, study_text, tool_text
 
@@ -28,14 +29,6 @@ SAME_VALUE = {
 
 # the recipe's lists of dataset entries, each entry's keys checked one by one
 DATASET_LISTS = ("datasets", "dataset_mixture.datasets")
-
-
-def rows(recipe: Recipe) -> set[str]:
-    """The recipe keys the header names (carried, not carried, run differently, unknown, ignored, accounted). The
-    header prints no line for data.dataset (the entry as a whole), so a key carried only there is no row."""
-    named = {k for path, keys in recipe.origin.items() if path != "data.dataset" for k in keys}
-    named |= set(recipe.not_carried) | set(recipe.differs) | set(recipe.unknown) | set(recipe.ignored)
-    return named | recipe.accounted | set(recipe.aliased.values())
 
 
 def _entry_keys(raw: dict[str, Any]) -> list[str]:

@@ -10,11 +10,24 @@ from __future__ import annotations
 from typing import Any
 
 from tunegrid.recipes.recipe import HEX40, Recipe
+from tunegrid.recipes.recipe_rows import default_config, entry_rows, local_split
 from tunegrid.recipes.recipe_sources import first_record, local_dataset
 from tunegrid.study.prompts import PROMPT_COMPLETION
 
 
 def read_dataset(recipe: Recipe) -> None:
+    """The recipe's dataset as data.*, and a row for each key of the entry read that carries nothing."""
+    _read(recipe)
+    raw = recipe.raw
+    mixture = raw.get("dataset_mixture") if isinstance(raw.get("dataset_mixture"), dict) else {}
+    key, entries = ("datasets", raw["datasets"]) if raw.get("datasets") else ("dataset_mixture.datasets", None)
+    entries = entries if entries is not None else mixture.get("datasets")
+    first = (entries[0] if entries else None) if isinstance(entries, list) else entries
+    if isinstance(first, dict):
+        entry_rows(recipe, f"{key}.0", first, "TRL")
+
+
+def _read(recipe: Recipe) -> None:
     raw = recipe.raw
     found = None
     if raw.get("datasets"):
@@ -25,8 +38,13 @@ def read_dataset(recipe: Recipe) -> None:
         files = files[0] if isinstance(files, list) and len(files) == 1 else files
         if isinstance(files, str):
             found = local_dataset(recipe, "datasets.0.data_files", files, entry.get("path"))
+        if found is not None:
+            local_split(recipe, "datasets.0.split", entry.get("split"), "TRL")
         if found is None and entry.get("path") and not files:
-            _hub(recipe, "datasets.0.path", entry["path"], entry.get("revision"), entry.get("split") or "train")
+            if not default_config(recipe, "datasets.0.name", entry.get("name")):
+                recipe.refuse("datasets.0.name", "tunegrid reads a hub dataset's default configuration")
+            _hub(recipe, "datasets.0.path", entry["path"], entry.get("revision"), entry.get("split") or "train",
+                 "datasets.0.split" if entry.get("split") else None)  # fmt: skip
             recipe.carry("data.dataset", dict(entry), "datasets")
             return
         if found is None:
@@ -40,7 +58,7 @@ def read_dataset(recipe: Recipe) -> None:
             recipe.need("dataset_mixture.datasets", "no dataset: each entry needs an id (a hub dataset)")
             return
         _extra_datasets(recipe, "dataset_mixture.datasets", len(entries))
-        if entry.get("config") not in (None, "default"):
+        if not default_config(recipe, "dataset_mixture.datasets.0.config", entry.get("config")):
             recipe.refuse("dataset_mixture.datasets.0.config", "tunegrid reads a hub dataset's default configuration")
         found = local_dataset(recipe, "dataset_mixture.datasets.0.id", str(entry["id"]))
         if found is None:
@@ -50,6 +68,7 @@ def read_dataset(recipe: Recipe) -> None:
                 entry["id"],
                 entry.get("revision"),
                 entry.get("split") or "train",
+                "dataset_mixture.datasets.0.split" if entry.get("split") else None,
             )
             columns = entry.get("columns") or ["messages"]
             _hub_fields(recipe, columns, "dataset_mixture.datasets.0.columns")
@@ -58,15 +77,19 @@ def read_dataset(recipe: Recipe) -> None:
         recipe.carry("data.dataset", dict(entry), "dataset_mixture")
     elif raw.get("dataset_name"):
         found = local_dataset(recipe, "dataset_name", str(raw["dataset_name"]))
+        config = raw.get("dataset_config")
         if found is None:
             split = raw.get("dataset_train_split") or "train"
-            if raw.get("dataset_config"):
+            if not default_config(recipe, "dataset_config", config):
                 recipe.refuse("dataset_config", "tunegrid reads a hub dataset's default configuration")
-            _hub(recipe, "dataset_name", raw["dataset_name"], None, split)
+            _hub(recipe, "dataset_name", raw["dataset_name"], None, split, *_given(raw, "dataset_train_split"))
             _hub_fields(recipe, [raw.get("dataset_text_field") or "messages"], "dataset_name")
-            recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name", "dataset_train_split")
+            recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
             return
         recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
+        local_split(recipe, "dataset_train_split", raw.get("dataset_train_split"), "TRL")
+        if not default_config(recipe, "dataset_config", config):
+            recipe.not_carried["dataset_config"] = f"{config!r}: a local file has no configurations; tunegrid reads it"
     else:
         recipe.need("dataset_name", "no dataset: give dataset_name (a local file or a hub id) or pass --dataset")
         return
@@ -101,11 +124,11 @@ def _extra_datasets(recipe: Recipe, key: str, count: int) -> None:
         recipe.accounted.add(key.split(".")[0])
 
 
-def _hub(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> None:
+def _hub(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str, split_key: str | None = None) -> None:
     revision = str(revision or "")
     recipe.carry("data.source", "hub", key)
     recipe.carry("data.repo_id", str(repo_id), key)
-    recipe.carry("data.split", str(split), key)
+    recipe.carry("data.split", str(split), split_key or key)
     if HEX40.match(revision):
         recipe.carry("data.revision", revision, key)
         return
