@@ -6,6 +6,8 @@ peft.py, training.py, datasets.py; the 4-bit defaults of src/axolotl/loaders/mod
 
 from __future__ import annotations
 
+import math
+
 from tunegrid.recipes.recipe import (
     ATTENTION_NAMES,
     AXIS_KEYS,
@@ -28,6 +30,7 @@ from tunegrid.recipes.recipe_memory import (
     unfrozen_parameters,
 )
 from tunegrid.recipes.recipe_optimizers import optimizer
+from tunegrid.recipes.recipe_rows import PADDED
 from tunegrid.recipes.recipe_sources import model_entry
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
@@ -91,8 +94,7 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
             "false: the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them (about 0.37 bit "
             "per weight less)"
         )
-    bf16_key, fp16_key = axis_keys("axolotl", "precision")
-    precision_flags(recipe, raw.get(bf16_key), raw.get(fp16_key), (bf16_key, fp16_key))
+    _precision(recipe)
 
     (micro_key,), (accum_key,) = axis_keys("axolotl", "batch_size"), axis_keys("axolotl", "grad_accum")
     (seed_key,) = axis_keys("axolotl", "seed")
@@ -132,13 +134,18 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     scheduler(recipe, "lr_scheduler", raw.get("lr_scheduler") or "cosine", min_ratio, "cosine_min_lr_ratio")
     ratio = number(recipe, "warmup_ratio", raw.get("warmup_ratio"), integer=False, low=0, high=1)
     warm = number(recipe, "warmup_steps", raw.get("warmup_steps"), integer=False, low=0, high=MAX_STEPS)
-    if warm is not None:
-        warmup(recipe, warm, total, "warmup_steps")
-    elif ratio is not None:
-        warmup(recipe, ratio, total, "warmup_ratio")
-    else:  # axolotl's own default (core/builders/base.py): 3 % of the steps, at most 100
-        recipe.carry("train.warmup_steps", min(int(0.03 * total), 100), "warmup_steps")
+    # axolotl's trainer builder (core/builders/base.py) counts the warmup itself: a share rounded down, else 3 %
+    # of the steps (at most 100), and one warmup step raised to two
+    key = "warmup_steps" if warm is not None or ratio is None else "warmup_ratio"
+    if warm is not None or ratio is not None:
+        count = warmup(recipe, warm if warm is not None else ratio, total, key, math.floor)
+    else:
+        count = min(int(0.03 * total), 100)
+        recipe.carry("train.warmup_steps", count, key)
         recipe.notes.append("warmup_steps unset: axolotl's default, 3 % of the steps (at most 100)")
+    if count == 1:
+        recipe.carry("train.warmup_steps", min(2, total), key)
+        recipe.notes.append(f"{key}: one warmup step, which axolotl's trainer builder raises to two")
     (optimizer_key,) = axis_keys("axolotl", "optimizer")
     optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
     (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
@@ -193,9 +200,32 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         recipe.carry("train.seq_len", recipe.settings["train.seq_len"], "pad_to_sequence_len")
         recipe.notes.append("pad_to_sequence_len: every batch padded to train.seq_len, as tunegrid's cells pad "
                             "every row (it decides the peak)")  # fmt: skip
+    elif not packing:  # axolotl's DataCollatorForSeq2Seq pads to the batch's longest (core/builders/causal.py)
+        unset = raw.get("pad_to_sequence_len") is None
+        recipe.differs["pad_to_sequence_len"] = (
+            f"{'unset' if unset else 'false'}, without sample_packing: axolotl pads each batch to its longest "
+            f"sequence{' (rounded up to a multiple of 64)' if unset else ''}; {PADDED}"
+        )
     recipe.carry("data.loss_on", "all" if raw.get("train_on_inputs") else "response", "train_on_inputs")
     read_datasets(recipe, raw.get("datasets"))
     account_rest(recipe, READER_KEYS)
+
+
+def _precision(recipe: Recipe) -> None:
+    """bf16 / fp16 as the precision axis; `bfloat16` turns bf16 on as well (axolotl's trainer builder trains with
+    `bf16 or bfloat16`), and `float16` alone stores the weights in fp16 with no mixed precision."""
+    raw = recipe.raw
+    bf16_key, fp16_key = axis_keys("axolotl", "precision")
+    bf16, keys = raw.get(bf16_key), (bf16_key, fp16_key)
+    if raw.get("bfloat16") and bf16 is not True:
+        bf16, keys = True, ("bfloat16", bf16_key, fp16_key)
+    elif raw.get("float16") and not (bf16 or raw.get(fp16_key)):
+        recipe.differs["float16"] = (
+            "true, with fp16 and bf16 off: axolotl loads the base weights in float16 and trains without mixed "
+            "precision (peft's default keeps the adapters in fp32); the study's fp32 cell holds the base in fp32 "
+            "(twice its weight memory, fp32 arithmetic); the grid's fp16 cells are the nearest"
+        )
+    precision_flags(recipe, bf16, raw.get(fp16_key), keys)
 
 
 def _attention(recipe: Recipe) -> None:

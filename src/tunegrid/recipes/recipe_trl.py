@@ -23,8 +23,10 @@ from tunegrid.recipes.recipe import (
     warmup,
 )
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_options, number
+from tunegrid.recipes.recipe_lora import peft_default
 from tunegrid.recipes.recipe_memory import checkpointing_and_offloading, fsdp_memory
 from tunegrid.recipes.recipe_optimizers import optimizer
+from tunegrid.recipes.recipe_rows import PADDED
 from tunegrid.recipes.recipe_sources import model_entry
 from tunegrid.recipes.recipe_trl_data import read_dataset
 
@@ -187,13 +189,21 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
         recipe.carry("lora.dropout", number(recipe, "lora_dropout", _get(recipe, "lora_dropout"), integer=False,
                                             low=0, high=1, default=0.05), "lora_dropout")  # fmt: skip
         lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
-        if "lora.target_modules" not in recipe.settings:  # peft's default for the architecture; tunegrid resolves
-            lora_targets(recipe, "lora_target_modules", "all-linear")
+        if "lora.target_modules" not in recipe.settings:
+            peft_default(recipe, "lora_target_modules")
         if raw.get("lora_target_parameters"):
             recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
         lora_options(recipe, {"lora_modules_to_save": "lora.modules_to_save", "use_rslora": "lora.use_rslora",
                               "use_dora": "lora.use_dora"})  # fmt: skip
-        recipe.carry("data.packing", bool(_get(recipe, "packing")), "packing", "packing_strategy")
+        if _get(recipe, "packing"):
+            recipe.carry("data.packing", True, "packing", "packing_strategy")
+        else:  # the row below says it, not a carried line
+            recipe.carry("data.packing", False)
+            if not raw.get("padding_free"):  # SFTTrainer's DataCollatorForLanguageModeling pads to the longest
+                recipe.differs["packing"] = (
+                    f"{'false' if 'packing' in raw else 'unset (false)'}: TRL pads each batch to its longest "
+                    f"example; {PADDED}"
+                )
         if raw.get("packing") and raw.get("packing_strategy") == "wrapped":
             recipe.notes.append("packing_strategy wrapped: tunegrid packs whole examples (as bfd does)")
     read_dataset(recipe)
