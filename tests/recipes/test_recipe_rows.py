@@ -129,6 +129,10 @@ def test_every_key_of_a_dataset_entry_is_a_row(here):
     study, recipe, header = _import(here, hub)  # `default` is the configuration tunegrid reads
     assert study["data"]["split"] == "train_sft" and 'dataset_train_split -> data.split = "train_sft"' in header
     assert "default configuration" in recipe.not_carried["dataset_config"]
+    local = {**{k: v for k, v in TRL.items() if k != "dataset_name"},
+             "datasets": [{"path": "json", "data_files": "chat.jsonl", "split": "train"}]}  # fmt: skip
+    _, recipe, _ = _import(here, local)  # `path` names the builder that reads the file
+    assert "datasets.0.path" in recipe.origin["data.source"] and "datasets.0.split" in recipe.not_carried
 
 
 def test_added_tokens_differ_and_adams_defaults_do_not(here):

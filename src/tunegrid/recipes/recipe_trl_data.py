@@ -38,7 +38,10 @@ def _read(recipe: Recipe) -> None:
         files = files[0] if isinstance(files, list) and len(files) == 1 else files
         if isinstance(files, str):
             found = local_dataset(recipe, "datasets.0.data_files", files, entry.get("path"))
-        if found is not None:
+        if found is not None:  # `path` names the builder (json, parquet) that reads the files
+            recipe.carry(
+                "data.source", recipe.settings["data.source"], *(["datasets.0.path"] if entry.get("path") else [])
+            )
             local_split(recipe, "datasets.0.split", entry.get("split"), "TRL")
         if found is None and entry.get("path") and not files:
             if not default_config(recipe, "datasets.0.name", entry.get("name")):
