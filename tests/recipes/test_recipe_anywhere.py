@@ -95,7 +95,8 @@ def test_a_custom_type_trains_on_the_recipes_own_prompt(here):
     raw = {**AXOLOTL, "datasets": [{"path": "sql.jsonl", "type": mapping}]}
     study, recipe, header = _import(here, raw)
     assert study["data"]["layout"] == mapping and "datasets.0.type" not in recipe.differs
-    assert "differ" not in header and check_fidelity(recipe, study) == []
+    # the one row run differently is the padding (no sample_packing: axolotl pads each batch to its longest)
+    assert set(recipe.differs) == {"pad_to_sequence_len"} and check_fidelity(recipe, study) == []
     study["data"]["layout"] = {**mapping, "format": "{instruction} {input}"}  # a study that lays it out otherwise
     assert any("first record" in p for p in check_fidelity(recipe, study)), "a difference without a row is named"
 

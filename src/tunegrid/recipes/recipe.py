@@ -14,6 +14,7 @@ The field names are read from the tools' own schemas at the versions in `MAPPED_
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,16 +139,19 @@ def scheduler(recipe: Recipe, key: str, name: Any, min_lr_rate: float | None = N
         recipe.carry("train.min_lr_rate", float(min_lr_rate or 0.0), key, *keys)
 
 
-def warmup(recipe: Recipe, value: Any, steps: int, key: str) -> None:
-    """An int is steps; a float in [0, 1) a share of the steps (transformers 5's `warmup_steps`)."""
+def warmup(recipe: Recipe, value: Any, steps: int, key: str, share: Any = math.ceil) -> int:
+    """An int is steps; a float in (0, 1) a share of the steps, rounded as the tool rounds it: up in transformers'
+    `get_warmup_steps` (TRL's too), down where axolotl computes it (`int(warmup_ratio * total)`). Returns the
+    count before any cut to the study's steps."""
     number = float(value or 0)
-    count = round(number * steps) if 0 < number < 1 else int(number)
+    count = int(share(steps * number)) if 0 < number < 1 else int(number)
     recipe.carry("train.warmup_steps", min(count, steps), key)
     if count > steps:
         recipe.differs[key] = (
             f"{count} warmup steps, more than the study's {steps} steps per cell: cut to {steps} (the learning "
             "rate still rises at the last step, as in the recipe's first steps)"
         )
+    return count
 
 
 def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
@@ -182,6 +186,32 @@ def lora_targets(recipe: Recipe, key: str, value: Any) -> None:
 def linear_modules(recipe: Recipe) -> list[str] | None:
     """The suffixes of the checkpoint's linear layers but the output head (what peft's all-linear picks), read
     from its config.json on the meta device; None when the checkpoint is not on this machine."""
+    folder = checkpoint_folder(recipe)
+    return built_linear_modules(folder) if folder is not None else None
+
+
+def peft_default_targets(recipe: Recipe) -> tuple[str | None, list[str] | None]:
+    """(model_type, the modules peft adapts for it when a LoraConfig names none: its
+    TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING); (None, None) when the checkpoint is not on this machine,
+    (model_type, None) when peft has no default for it."""
+    folder = checkpoint_folder(recipe)
+    if folder is None:
+        return None, None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError:
+        return None, None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str):
+        return None, None
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+    targets = DEFAULTS.get(model_type)
+    return model_type, (sorted(targets) if isinstance(targets, (list, tuple, set)) else None)
+
+
+def checkpoint_folder(recipe: Recipe) -> Path | None:
+    """The recipe's checkpoint folder on this machine (a local one, or a hub one in the cache), holding config.json."""
     model = recipe.settings.get("model") or {}
     folder = Path(model["path"]) if model.get("source") == "local" else None
     if model.get("source") == "hub" and model.get("repo_id"):
@@ -192,9 +222,7 @@ def linear_modules(recipe: Recipe) -> list[str] | None:
         except Exception:  # no cache, no hub library: resolved when fetched
             cached = None
         folder = Path(cached).parent if isinstance(cached, str) else None
-    if folder is None or not (folder / "config.json").is_file():
-        return None
-    return built_linear_modules(folder)
+    return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
 def built_linear_modules(folder: Path) -> list[str] | None:
@@ -228,7 +256,7 @@ def quant_of(bnb: dict[str, Any] | None, experts: bool = False) -> str | None:
     return None
 
 
-def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, str], tf32_key: str = "tf32") -> None:
+def precision_flags(recipe: Recipe, bf16: Any, fp16: Any, keys: tuple[str, ...], tf32_key: str = "tf32") -> None:
     if bf16 == "auto":  # axolotl's resolve_dtype: fp16 wins where it is set, else bf16 where the GPU has it
         bf16 = not fp16
         recipe.notes.append(

@@ -6,7 +6,7 @@ peft.py, training.py, datasets.py; the 4-bit defaults of src/axolotl/loaders/mod
 
 from __future__ import annotations
 
-from typing import Any
+import math
 
 from tunegrid.recipes.recipe import (
     ATTENTION_NAMES,
@@ -20,8 +20,8 @@ from tunegrid.recipes.recipe import (
     scheduler,
     warmup,
 )
+from tunegrid.recipes.recipe_axolotl_data import read_datasets
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
-from tunegrid.recipes.recipe_known import axolotl_keys
 from tunegrid.recipes.recipe_lora import loftq
 from tunegrid.recipes.recipe_memory import (
     checkpointing_and_offloading,
@@ -30,15 +30,8 @@ from tunegrid.recipes.recipe_memory import (
     unfrozen_parameters,
 )
 from tunegrid.recipes.recipe_optimizers import optimizer
-from tunegrid.recipes.recipe_sources import (
-    first_record,
-    hub_dataset,
-    local_dataset,
-    looks_like_hub_id,
-    model_entry,
-    resolve_local,
-)
-from tunegrid.study.prompts import CUSTOM_KEYS, SEGMENTS, SHAREGPT, instruction_of
+from tunegrid.recipes.recipe_rows import PADDED
+from tunegrid.recipes.recipe_sources import model_entry
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
 LORA_EXTRAS = ("loraplus_lr_ratio", "relora")
@@ -101,8 +94,7 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
             "false: the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them (about 0.37 bit "
             "per weight less)"
         )
-    bf16_key, fp16_key = axis_keys("axolotl", "precision")
-    precision_flags(recipe, raw.get(bf16_key), raw.get(fp16_key), (bf16_key, fp16_key))
+    _precision(recipe)
 
     (micro_key,), (accum_key,) = axis_keys("axolotl", "batch_size"), axis_keys("axolotl", "grad_accum")
     (seed_key,) = axis_keys("axolotl", "seed")
@@ -142,13 +134,18 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     scheduler(recipe, "lr_scheduler", raw.get("lr_scheduler") or "cosine", min_ratio, "cosine_min_lr_ratio")
     ratio = number(recipe, "warmup_ratio", raw.get("warmup_ratio"), integer=False, low=0, high=1)
     warm = number(recipe, "warmup_steps", raw.get("warmup_steps"), integer=False, low=0, high=MAX_STEPS)
-    if warm is not None:
-        warmup(recipe, warm, total, "warmup_steps")
-    elif ratio is not None:
-        warmup(recipe, ratio, total, "warmup_ratio")
-    else:  # axolotl's own default (core/builders/base.py): 3 % of the steps, at most 100
-        recipe.carry("train.warmup_steps", min(int(0.03 * total), 100), "warmup_steps")
+    # axolotl's trainer builder (core/builders/base.py) counts the warmup itself: a share rounded down, else 3 %
+    # of the steps (at most 100), and one warmup step raised to two
+    key = "warmup_steps" if warm is not None or ratio is None else "warmup_ratio"
+    if warm is not None or ratio is not None:
+        count = warmup(recipe, warm if warm is not None else ratio, total, key, math.floor)
+    else:
+        count = min(int(0.03 * total), 100)
+        recipe.carry("train.warmup_steps", count, key)
         recipe.notes.append("warmup_steps unset: axolotl's default, 3 % of the steps (at most 100)")
+    if count == 1:
+        recipe.carry("train.warmup_steps", min(2, total), key)
+        recipe.notes.append(f"{key}: one warmup step, which axolotl's trainer builder raises to two")
     (optimizer_key,) = axis_keys("axolotl", "optimizer")
     optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
     (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
@@ -203,9 +200,32 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         recipe.carry("train.seq_len", recipe.settings["train.seq_len"], "pad_to_sequence_len")
         recipe.notes.append("pad_to_sequence_len: every batch padded to train.seq_len, as tunegrid's cells pad "
                             "every row (it decides the peak)")  # fmt: skip
+    elif not packing:  # axolotl's DataCollatorForSeq2Seq pads to the batch's longest (core/builders/causal.py)
+        unset = raw.get("pad_to_sequence_len") is None
+        recipe.differs["pad_to_sequence_len"] = (
+            f"{'unset' if unset else 'false'}, without sample_packing: axolotl pads each batch to its longest "
+            f"sequence{' (rounded up to a multiple of 64)' if unset else ''}; {PADDED}"
+        )
     recipe.carry("data.loss_on", "all" if raw.get("train_on_inputs") else "response", "train_on_inputs")
-    _datasets(recipe, raw.get("datasets"))
+    read_datasets(recipe, raw.get("datasets"))
     account_rest(recipe, READER_KEYS)
+
+
+def _precision(recipe: Recipe) -> None:
+    """bf16 / fp16 as the precision axis; `bfloat16` turns bf16 on as well (axolotl's trainer builder trains with
+    `bf16 or bfloat16`), and `float16` alone stores the weights in fp16 with no mixed precision."""
+    raw = recipe.raw
+    bf16_key, fp16_key = axis_keys("axolotl", "precision")
+    bf16, keys = raw.get(bf16_key), (bf16_key, fp16_key)
+    if raw.get("bfloat16") and bf16 is not True:
+        bf16, keys = True, ("bfloat16", bf16_key, fp16_key)
+    elif raw.get("float16") and not (bf16 or raw.get(fp16_key)):
+        recipe.differs["float16"] = (
+            "true, with fp16 and bf16 off: axolotl loads the base weights in float16 and trains without mixed "
+            "precision (peft's default keeps the adapters in fp32); the study's fp32 cell holds the base in fp32 "
+            "(twice its weight memory, fp32 arithmetic); the grid's fp16 cells are the nearest"
+        )
+    precision_flags(recipe, bf16, raw.get(fp16_key), keys)
 
 
 def _attention(recipe: Recipe) -> None:
@@ -231,116 +251,3 @@ def _attention(recipe: Recipe) -> None:
         )
         return
     recipe.carry("model.attn_implementation", name, *keys)
-
-
-DATASET_KEYS = {  # axolotl 0.18.0 SFTDataset fields this reader reads, and what the rest becomes
-    "path", "type", "split", "name", "data_files", "ds_type", "revision", "field_messages",
-    "message_property_mappings", "message_field_role", "message_field_content", "roles_to_train", "train_on_eos",
-    "drop_system_message", "field_system", "field_thinking", "template_thinking_key", "chat_template",
-    "shards", "preprocess_shards", "trust_remote_code", "conversation", "field",
-}  # fmt: skip
-DATASET_NOT_CARRIED = {
-    "drop_system_message": "tunegrid trains on the messages as the records hold them (system messages included)",
-    "field_system": "tunegrid reads role/content messages or prompt/response pairs (no separate system field)",
-    "field_thinking": "reasoning traces are rendered by the checkpoint's chat template from the messages",
-    "template_thinking_key": "reasoning traces are rendered by the checkpoint's chat template from the messages",
-    "chat_template": "tunegrid renders chats with the checkpoint's own chat template",
-    "train_on_eos": "tunegrid's loss covers the response tokens and the end-of-turn token the template writes",
-    "shards": "tunegrid reads the whole split", "preprocess_shards": "tunegrid reads the whole split",
-    "trust_remote_code": "tunegrid reads data files, never a dataset's loading script",
-}  # fmt: skip
-
-
-def _datasets(recipe: Recipe, datasets: Any) -> None:
-    if not datasets:
-        recipe.need("datasets", "no dataset: give one local file or a hub dataset, or pass --dataset")
-        return
-    if not isinstance(datasets, list):
-        datasets = [datasets]
-    for index in range(1, len(datasets)):
-        recipe.differs[f"datasets.{index}"] = "tunegrid trains each cell on the first dataset; this one is not mixed in"
-    entry, key = datasets[0], "datasets.0"
-    if not isinstance(entry, dict) or not entry.get("path"):
-        recipe.need(key, "a dataset entry needs a path (a local file or a hub id)")
-        return
-    recipe.carry("data.dataset", dict(entry), "datasets")
-    for sub in entry:
-        if sub in DATASET_NOT_CARRIED:
-            recipe.not_carried[f"{key}.{sub}"] = DATASET_NOT_CARRIED[sub]
-        elif sub not in DATASET_KEYS and sub not in axolotl_keys(dataset=True):
-            recipe.unknown[f"{key}.{sub}"] = "not a dataset key of any axolotl release tunegrid knows"
-    files = entry.get("data_files")
-    files = files[0] if isinstance(files, list) and len(files) == 1 else files
-    hub_files = files and looks_like_hub_id(str(entry["path"])) and not resolve_local(recipe, str(files))
-    found = (
-        None if hub_files else local_dataset(recipe, f"{key}.path", str(files or entry["path"]), entry.get("ds_type"))
-    )
-    if found is None and "data.source" not in recipe.settings:
-        if entry.get("name"):
-            recipe.refuse(f"{key}.name", "tunegrid reads a hub dataset's default configuration")
-        hub_dataset(recipe, key, entry["path"], entry.get("revision"), entry.get("split") or "train")
-        if files:
-            names = [files] if isinstance(files, str) else list(files)
-            recipe.carry("data.data_files", [str(n) for n in names], f"{key}.data_files")
-    kind = entry.get("type")
-    record = first_record(found) if found is not None and kind is None else {}
-    if kind is None and {"instruction", "output"} <= set(record):
-        kind = "alpaca"
-    elif kind is None and "prompt" in record and ({"response", "completion"} & set(record)):
-        kind = {"field_instruction": "prompt", "field_output": "response" if "response" in record else "completion"}
-    base = kind.split(":")[0].split(".")[0] if isinstance(kind, str) else None
-    if kind == "chat_template" or (kind is None and "messages" in record):
-        mapping = dict(entry.get("message_property_mappings") or {})
-        for old, field in (("message_field_role", "role"), ("message_field_content", "content")):
-            if entry.get(old):  # axolotl's older spelling of message_property_mappings
-                mapping[field] = entry[old]
-        recipe.carry(
-            "data.fields",
-            {"messages": entry.get("field_messages") or "messages",
-             **{k: str(mapping[k]) for k in ("role", "content") if mapping.get(k, k) != k}},
-            f"{key}.type",
-            *[f"{key}.{k}" for k in ("field_messages", "message_property_mappings", "message_field_role",
-                                     "message_field_content") if k in entry],
-        )  # fmt: skip
-        if entry.get("roles_to_train") not in (None, ["assistant"]) and not recipe.raw.get("train_on_inputs"):
-            recipe.notes.append(f"{key}.roles_to_train: tunegrid trains on assistant tokens (data.loss_on: response)")
-        recipe.accounted.update({f"{key}.roles_to_train"} if "roles_to_train" in entry else set())
-    elif base in SHAREGPT:  # axolotl's later releases read it as chat_template over from/value turns
-        mapping = dict(entry.get("message_property_mappings") or {})
-        recipe.carry(
-            "data.fields",
-            {"messages": entry.get("field_messages") or "conversations", "role": str(mapping.get("role", "from")),
-             "content": str(mapping.get("content", "value"))},
-            f"{key}.type", *[f"{key}.{k}" for k in ("field_messages", "message_property_mappings") if k in entry],
-        )  # fmt: skip
-        recipe.differs[f"{key}.type"] = (
-            f"{kind}: axolotl lays these ShareGPT turns out with FastChat's conversation template "
-            f"({entry.get('conversation') or 'its default'}; its later releases read them as chat_template); "
-            "tunegrid renders the same turns with the checkpoint's chat template"
-        )
-        recipe.accounted.update({f"{key}.conversation"} if "conversation" in entry else set())
-    elif instruction_of(kind) is not None:  # the dataset rule builds the tool's text (tunegrid.study.prompts)
-        if isinstance(kind, dict) and not kind.get("field_instruction"):
-            recipe.refuse(f"{key}.type", f"{kind!r}: a custom type needs field_instruction (the prompt's field)")
-            return
-        if isinstance(kind, dict):
-            for sub in set(kind) - set(CUSTOM_KEYS):
-                recipe.unknown[f"{key}.type.{sub}"] = "not a key of axolotl's custom type (field_instruction, ...)"
-            kind = {k: str(kind[k]) for k in CUSTOM_KEYS if kind.get(k) is not None}
-        recipe.carry("data.layout", kind, f"{key}.type")
-    elif kind == SEGMENTS:  # template-free: the records' segments as they are, trained where labelled
-        recipe.carry("data.layout", kind, f"{key}.type")
-        recipe.differs[f"{key}.type"] = (
-            "input_output: axolotl adds no BOS or EOS token (the segments' text holds what the model needs); "
-            "tunegrid starts each record with the tokenizer's BOS and ends each trained segment with its EOS"
-        )
-    elif base in ("completion", "text"):  # raw text, every token trained (axolotl's CompletionPrompter: text + eos)
-        recipe.carry("data.fields", {"text": entry.get("field") or "text"}, f"{key}.type", f"{key}.field")
-        recipe.carry("data.loss_on", "all", f"{key}.type")
-    else:
-        recipe.refuse(
-            f"{key}.type",
-            f"{kind!r}: tunegrid reads chat_template, sharegpt, alpaca (instruct, chat, chatml, phi), alpaca_chat, "
-            "alpaca_chat.load_qa, oasst, context_qa.load_v2, completion, input_output or a custom "
-            "{field_instruction, field_output, ...} mapping",
-        )

@@ -1,8 +1,9 @@
 """Nothing changes silently: every difference between a recipe and the study imported from it is a row of the
 study's header, by key. `check_fidelity` reads the recipe file again and the study, and names each difference
-that has no row: a key the header does not name, a value the study trains with that is not the recipe's, and
-the first training record's text (where the record is on this machine): what a cell trains on, through the
-dataset rule's own code, that is not what the recipe's tool builds from it (tunegrid.study.prompts).
+that has no row: a key the header does not name (a dataset entry's own keys included), a value the study trains
+with that is not the recipe's, and the first training record's text (where the record is on this machine): what
+a cell trains on, through the dataset rule's own code, that is not what the recipe's tool builds from it
+(tunegrid.study.prompts).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.recipes.recipe import Recipe, read_file
+from tunegrid.recipes.recipe_rows import rows
 from tunegrid.recipes.recipe_sources import first_record
 from tunegrid.study.prompts import PROMPT_COMPLETION, study_text, tool_text
 
@@ -25,11 +27,26 @@ SAME_VALUE = {
 }  # fmt: skip
 
 
-def rows(recipe: Recipe) -> set[str]:
-    """The recipe keys the header names (carried, not carried, run differently, unknown, ignored, accounted)."""
-    named = {k for keys in recipe.origin.values() for k in keys}
-    named |= set(recipe.not_carried) | set(recipe.differs) | set(recipe.unknown) | set(recipe.ignored)
-    return named | recipe.accounted | set(recipe.aliased.values())
+# the recipe's lists of dataset entries, each entry's keys checked one by one
+DATASET_LISTS = ("datasets", "dataset_mixture.datasets")
+
+
+def _entry_keys(raw: dict[str, Any]) -> list[str]:
+    """`datasets.0.split`: every key of every dataset entry the recipe lists."""
+    keys = []
+    for path in DATASET_LISTS:
+        entries: Any = raw
+        for part in path.split("."):
+            entries = entries.get(part) if isinstance(entries, dict) else None
+        for index, entry in enumerate(entries if isinstance(entries, list) else []):
+            keys += [f"{path}.{index}.{sub}" for sub in (entry if isinstance(entry, dict) else {})]
+    return keys
+
+
+def _covered(key: str, named: set[str]) -> bool:
+    """A row names the entry's key, the whole entry (a dataset not mixed in), or a value inside the key."""
+    entry = key.rsplit(".", 1)[0]
+    return key in named or entry in named or any(n.startswith(f"{key}.") for n in named)
 
 
 def _study_value(study: dict[str, Any], path: str) -> Any:
@@ -55,6 +72,9 @@ def check_fidelity(recipe: Recipe, study: dict[str, Any], header: list[str] | No
     original = read_file(recipe.path)
     for key in original:
         if key not in named and key not in tops:
+            problems.append(f"recipe key {key!r} has no row in the header")
+    for key in _entry_keys(original):
+        if not _covered(key, named):
             problems.append(f"recipe key {key!r} has no row in the header")
     for key, path in SAME_VALUE.items():
         given = recipe.raw.get(key)

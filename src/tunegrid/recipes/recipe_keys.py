@@ -17,6 +17,7 @@ from typing import Any
 from tunegrid.recipes.recipe import Recipe
 from tunegrid.recipes.recipe_known import misspelt, releases_text, tool_keys
 from tunegrid.recipes.recipe_loss import CCE_PLUGIN, LOSS_KEYS, fused_loss
+from tunegrid.recipes.recipe_rows import TOKENIZER_ROWS, adam_default
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ FAMILIES = (
         "tokenizer",
         "tokenizer and chat template: tunegrid uses the checkpoint's own tokenizer and its chat template",
         "tokenizer_type tokenizer_config tokenizer_use_fast tokenizer_legacy tokenizer_use_mistral_common "
-        "tokenizer_name_or_path special_tokens tokens eot_tokens chat_template chat_template_path chat_template_jinja "
+        "tokenizer_name_or_path eot_tokens chat_template chat_template_path chat_template_jinja "
         "model_type eos_token added_tokens_overrides resize_token_embeddings_to_32x chat_template_kwargs "
         "tokenizer_save_jinja_files tokenizer_padding_side",
     ),
@@ -215,6 +216,7 @@ PLUGIN_FAMILY = {"SwanLabPlugin": "logging/output"}
 def known_keys(extra: set[str]) -> set[str]:
     """Every key this table or a reader knows (the reader's own keys passed in)."""
     names = {k for family in FAMILIES for k in family.keys} | set(APPROXIMATED) | set(REFUSED) | LOSS_KEYS | extra
+    names |= set(TOKENIZER_ROWS)
     return {k.split(":")[0] for k in names}
 
 
@@ -229,8 +231,12 @@ def check_tables(recipe: Recipe) -> None:
     for key, why in REFUSED.items():
         if _is_set(raw.get(key)):
             recipe.refuse(key, why)
-    for key, why in APPROXIMATED.items():
-        if ":" not in key and _is_set(raw.get(key)):
+    for key, why in {**APPROXIMATED, **TOKENIZER_ROWS}.items():
+        if ":" in key or not _is_set(raw.get(key)):
+            continue
+        if adam_default(key, raw[key]):  # the recipe spells out the value tunegrid trains with anyway
+            recipe.not_carried[key] = f"{raw[key]:g}: torch AdamW's own value, the one tunegrid's optimizers keep"
+        else:
             recipe.differs[key] = why
     plugins = raw.get("plugins") or []
     if plugins and not isinstance(plugins, list):

@@ -1,11 +1,12 @@
-"""An axolotl recipe's LoftQ initialization (`peft.loftq_config`), carried as lora.loftq_bits: peft's own
-LoftQ, which replaces each adapted weight of an unquantized base by its quantization round trip and starts the
-adapters from the SVD of what it lost. Refused over a bitsandbytes-quantized base, which peft cannot read.
+"""A recipe's LoRA settings beyond r/alpha/dropout: axolotl's LoftQ initialization (`peft.loftq_config`),
+carried as lora.loftq_bits: peft's own LoftQ, which replaces each adapted weight of an unquantized base by its
+quantization round trip and starts the adapters from the SVD of what it lost (refused over a
+bitsandbytes-quantized base, which peft cannot read); and the modules peft adapts when a TRL recipe names none.
 """
 
 from __future__ import annotations
 
-from tunegrid.recipes.recipe import Recipe
+from tunegrid.recipes.recipe import Recipe, lora_targets, peft_default_targets
 
 
 def loftq(recipe: Recipe, quantized: bool) -> None:
@@ -30,3 +31,25 @@ def loftq(recipe: Recipe, quantized: bool) -> None:
         )
         for key in set(config) - {"loftq_bits"}:
             recipe.unknown[f"peft.loftq_config.{key}"] = "axolotl's LoftQConfig takes loftq_bits only"
+
+
+def peft_default(recipe: Recipe, key: str) -> None:
+    """`lora_target_modules` unset: TRL's LoraConfig names no modules, so peft adapts its default ones for the
+    checkpoint's model type (TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING), carried where the checkpoint's
+    config is on this machine; elsewhere the study adapts every linear layer, and a row says so."""
+    model_type, targets = peft_default_targets(recipe)
+    if targets:
+        recipe.carry("lora.target_modules", targets, key)
+        recipe.notes.append(f"{key} unset: peft's default modules for model type {model_type!r}: {targets}")
+        return
+    lora_targets(recipe, key, "all-linear")
+    why = (
+        "the checkpoint is not on this machine to read its model type"
+        if model_type is None
+        else f"peft has none for model type {model_type!r} (the recipe's run stops asking for target_modules)"
+    )
+    recipe.differs[key] = (
+        f"unset: peft adapts its default modules for the model type (q_proj and v_proj for Llama-like models); "
+        f"{why}, so the study adapts every linear layer but the output head (more adapters, more memory): set "
+        "lora.target_modules in the study to the recipe's modules"
+    )

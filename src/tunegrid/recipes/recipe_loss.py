@@ -6,7 +6,8 @@ arithmetic per token and the same trade of one chunk's logits for one more pass 
   plugin is listed), its blockwise kernels never holding more than a block of logits;
 - Liger's fused linear cross entropy: axolotl's `liger_fused_linear_cross_entropy` (with the LigerPlugin), and
   transformers' / TRL's `use_liger_kernel`, which turns it on with Liger's other kernels (RoPE, RMSNorm, SwiGLU:
-  those the cell runs as the model's own modules, a note says so) unless `liger_kernel_config` turns it off.
+  those the cell runs as the model's own modules, a note says so) unless `liger_kernel_config` turns it off; TRL
+  0.12's `use_liger` (SFTConfig) loaded the model through Liger's AutoLigerKernelForCausalLM, the same kernels.
 
 axolotl's `chunked_cross_entropy` is another thing (it chunks the loss over logits the model has already
 built) and is not carried here.
@@ -17,7 +18,8 @@ from __future__ import annotations
 from tunegrid.recipes.recipe import Recipe
 
 CCE_PLUGIN = "CutCrossEntropyPlugin"
-LOSS_KEYS = {"cut_cross_entropy", "liger_fused_linear_cross_entropy", "use_liger_kernel", "liger_kernel_config"}
+LOSS_KEYS = {"cut_cross_entropy", "liger_fused_linear_cross_entropy", "use_liger_kernel", "use_liger",
+             "liger_kernel_config"}  # fmt: skip
 WHAT = "the loss over one chunk of tokens' logits at a time, rebuilt in backward (never the full logits)"
 
 
@@ -37,10 +39,11 @@ def fused_loss(recipe: Recipe) -> None:
         recipe.notes.append(f"liger_fused_linear_cross_entropy: carried as train.loss: chunked, {WHAT}")
     config = raw.get("liger_kernel_config")
     off = isinstance(config, dict) and config.get("fused_linear_cross_entropy") is False
-    if raw.get("use_liger_kernel") and not off:
-        recipe.carry("train.loss", "chunked", "use_liger_kernel", *(["liger_kernel_config"] if config else []))
+    key = "use_liger_kernel" if raw.get("use_liger_kernel") else "use_liger"
+    if raw.get(key) and not off:
+        recipe.carry("train.loss", "chunked", key, *(["liger_kernel_config"] if config else []))
         recipe.notes.append(
-            f"use_liger_kernel: its fused linear cross entropy is carried as train.loss: chunked, {WHAT}; Liger's "
+            f"{key}: its fused linear cross entropy is carried as train.loss: chunked, {WHAT}; Liger's "
             "other kernels (RoPE, RMSNorm, SwiGLU) keep fewer activations than the model's own modules the cell "
             "runs (a higher peak there)"
         )

@@ -16,12 +16,12 @@ from typing import Any
 
 from tunegrid.recipes.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
 from tunegrid.recipes.recipe_known import SCRIPT_ALIASES, detect_format
+from tunegrid.recipes.recipe_rows import with_users_dataset
 from tunegrid.recipes.recipe_scope import check_scope
 from tunegrid.vocabulary import LOSSES, SCALED_LOGIT_KEYS
 
 MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
 RECORD_ONLY = {"model", "adapter", "data.dataset", *(f"model.{key}" for key in MODEL_KEYS)}
-WHERE_KEYS = ("path", "data_files", "ds_type", "revision", "name", "split")  # where a dataset entry's file is
 BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model", "dataset", "as_sft"}
 
 
@@ -43,8 +43,10 @@ def read_recipe(base: dict[str, Any]) -> Recipe:
     raw, aliased = with_script_aliases(raw, tool)
     if tool not in TOOLS:
         raise RecipeError(f"config key 'base.from': {tool!r} is not one of {['auto', *TOOLS]}")
-    raw = _with_overrides(raw, tool, base.get("model"), base.get("dataset"))
+    raw, replaced = _with_overrides(raw, tool, base.get("model"), base.get("dataset"))
     recipe = Recipe(tool=tool, path=path, raw=raw, ignore=set(base.get("ignore") or []), aliased=aliased)
+    for key, (place, why) in replaced.items():
+        getattr(recipe, place)[key] = why
     check_scope(recipe, bool(base.get("as_sft")))
     if recipe.refused:  # another kind of run: say what makes it so before anything else
         raise RecipeError(
@@ -61,8 +63,11 @@ def read_recipe(base: dict[str, Any]) -> Recipe:
     return recipe
 
 
-def _with_overrides(raw: dict[str, Any], tool: str, model: str | None, dataset: str | None) -> dict[str, Any]:
-    """`--model path|repo@rev` and `--dataset file` as the tool's own keys (a TrainingArguments file names neither)."""
+def _with_overrides(
+    raw: dict[str, Any], tool: str, model: str | None, dataset: str | None
+) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
+    """`--model path|repo@rev` and `--dataset file` as the tool's own keys (a TrainingArguments file names neither),
+    and the rows of what `--dataset` replaced (recipe_rows.with_users_dataset)."""
     raw = copy.deepcopy(raw)
     if model:
         name, _, revision = model.partition("@")
@@ -70,16 +75,10 @@ def _with_overrides(raw: dict[str, Any], tool: str, model: str | None, dataset: 
         raw[keys[0]] = name
         if revision:
             raw[keys[1]] = revision
-    if dataset:
-        name, _, revision = dataset.partition("@")
-        if tool == "axolotl":  # the recipe's first entry with the user's file: its type and mappings kept
-            first = (raw.get("datasets") or [{}])[0] if isinstance(raw.get("datasets"), list) else {}
-            kept = {k: v for k, v in (first if isinstance(first, dict) else {}).items() if k not in WHERE_KEYS}
-            entry: dict[str, Any] = {**kept, "path": name, **({"revision": revision} if revision else {})}
-            raw["datasets"] = [entry]
-        else:
-            raw["dataset_name"] = name
-    return raw
+    if not dataset:
+        return raw, {}
+    name, _, revision = dataset.partition("@")
+    return raw, with_users_dataset(raw, tool, name, revision)
 
 
 def with_script_aliases(raw: dict[str, Any], tool: str) -> tuple[dict[str, Any], dict[str, str]]:

@@ -14,7 +14,6 @@ from typing import Any
 from tunegrid.recipes.recipe import (
     ATTENTION_NAMES,
     AXIS_KEYS,
-    HEX40,
     Recipe,
     axis_keys,
     lora_targets,
@@ -24,10 +23,12 @@ from tunegrid.recipes.recipe import (
     warmup,
 )
 from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_options, number
+from tunegrid.recipes.recipe_lora import peft_default
 from tunegrid.recipes.recipe_memory import checkpointing_and_offloading, fsdp_memory
 from tunegrid.recipes.recipe_optimizers import optimizer
-from tunegrid.recipes.recipe_sources import first_record, local_dataset, model_entry
-from tunegrid.study.prompts import PROMPT_COMPLETION
+from tunegrid.recipes.recipe_rows import PADDED
+from tunegrid.recipes.recipe_sources import model_entry
+from tunegrid.recipes.recipe_trl_data import read_dataset
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
 MODEL_CONFIG_KEYS = {
@@ -188,135 +189,22 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
         recipe.carry("lora.dropout", number(recipe, "lora_dropout", _get(recipe, "lora_dropout"), integer=False,
                                             low=0, high=1, default=0.05), "lora_dropout")  # fmt: skip
         lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
-        if "lora.target_modules" not in recipe.settings:  # peft's default for the architecture; tunegrid resolves
-            lora_targets(recipe, "lora_target_modules", "all-linear")
+        if "lora.target_modules" not in recipe.settings:
+            peft_default(recipe, "lora_target_modules")
         if raw.get("lora_target_parameters"):
             recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
         lora_options(recipe, {"lora_modules_to_save": "lora.modules_to_save", "use_rslora": "lora.use_rslora",
                               "use_dora": "lora.use_dora"})  # fmt: skip
-        recipe.carry("data.packing", bool(_get(recipe, "packing")), "packing", "packing_strategy")
+        if _get(recipe, "packing"):
+            recipe.carry("data.packing", True, "packing", "packing_strategy")
+        else:  # the row below says it, not a carried line
+            recipe.carry("data.packing", False)
+            if not raw.get("padding_free"):  # SFTTrainer's DataCollatorForLanguageModeling pads to the longest
+                recipe.differs["packing"] = (
+                    f"{'false' if 'packing' in raw else 'unset (false)'}: TRL pads each batch to its longest "
+                    f"example; {PADDED}"
+                )
         if raw.get("packing") and raw.get("packing_strategy") == "wrapped":
             recipe.notes.append("packing_strategy wrapped: tunegrid packs whole examples (as bfd does)")
-    _dataset(recipe)
+    read_dataset(recipe)
     account_rest(recipe, READER_KEYS)
-
-
-def _dataset(recipe: Recipe) -> None:
-    raw = recipe.raw
-    found = None
-    if raw.get("datasets"):
-        entries = raw["datasets"] if isinstance(raw["datasets"], list) else [raw["datasets"]]
-        _extra_datasets(recipe, "datasets", len(entries))
-        entry = entries[0] if isinstance(entries[0], dict) else {}
-        files = entry.get("data_files")
-        files = files[0] if isinstance(files, list) and len(files) == 1 else files
-        if isinstance(files, str):
-            found = local_dataset(recipe, "datasets.0.data_files", files, entry.get("path"))
-        if found is None and entry.get("path") and not files:
-            _hub(recipe, "datasets.0.path", entry["path"], entry.get("revision"), entry.get("split") or "train")
-            recipe.carry("data.dataset", dict(entry), "datasets")
-            return
-        if found is None:
-            recipe.need("datasets.0", "give a local JSON-lines or parquet file (data_files) or pass --dataset")
-            return
-        recipe.carry("data.dataset", dict(entry), "datasets")
-    elif isinstance(raw.get("dataset_mixture"), dict):  # alignment-handbook's ScriptArguments
-        entries = raw["dataset_mixture"].get("datasets") or []
-        entry = entries[0] if entries and isinstance(entries[0], dict) else {}
-        if not entry.get("id"):
-            recipe.need("dataset_mixture.datasets", "no dataset: each entry needs an id (a hub dataset)")
-            return
-        _extra_datasets(recipe, "dataset_mixture.datasets", len(entries))
-        if entry.get("config") not in (None, "default"):
-            recipe.refuse("dataset_mixture.datasets.0.config", "tunegrid reads a hub dataset's default configuration")
-        found = local_dataset(recipe, "dataset_mixture.datasets.0.id", str(entry["id"]))
-        if found is None:
-            _hub(
-                recipe,
-                "dataset_mixture.datasets.0.id",
-                entry["id"],
-                entry.get("revision"),
-                entry.get("split") or "train",
-            )
-            columns = entry.get("columns") or ["messages"]
-            _hub_fields(recipe, columns, "dataset_mixture.datasets.0.columns")
-            recipe.carry("data.dataset", dict(entry), "dataset_mixture")
-            return
-        recipe.carry("data.dataset", dict(entry), "dataset_mixture")
-    elif raw.get("dataset_name"):
-        found = local_dataset(recipe, "dataset_name", str(raw["dataset_name"]))
-        if found is None:
-            split = raw.get("dataset_train_split") or "train"
-            if raw.get("dataset_config"):
-                recipe.refuse("dataset_config", "tunegrid reads a hub dataset's default configuration")
-            _hub(recipe, "dataset_name", raw["dataset_name"], None, split)
-            _hub_fields(recipe, [raw.get("dataset_text_field") or "messages"], "dataset_name")
-            recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name", "dataset_train_split")
-            return
-        recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
-    else:
-        recipe.need("dataset_name", "no dataset: give dataset_name (a local file or a hub id) or pass --dataset")
-        return
-    record = first_record(found)
-    text_field = raw.get("dataset_text_field") or "text"
-    if "messages" in record:
-        recipe.carry("data.fields", {"messages": "messages"}, "dataset_name")
-        recipe.carry("data.loss_on", "response" if raw.get("assistant_only_loss") else "all", "assistant_only_loss")
-    elif {"prompt", "completion"} <= set(record):  # TRL trains on the prompt, then the completion, as they are
-        recipe.carry("data.layout", PROMPT_COMPLETION, "dataset_name")
-        only = raw.get("completion_only_loss")
-        recipe.carry("data.loss_on", "all" if only is False else "response", "completion_only_loss")
-    elif isinstance(record.get(text_field), str):  # language modelling: every token of the text
-        recipe.carry("data.fields", {"text": str(text_field)}, "dataset_name", *_given(raw, "dataset_text_field"))
-        recipe.carry("data.loss_on", "all", "dataset_name")
-    else:
-        recipe.need(
-            "dataset_text_field",
-            f"records without messages, prompt/completion or a {text_field!r} text (they have {sorted(record)}): "
-            "name the text's field in dataset_text_field",
-        )
-
-
-def _given(raw: dict[str, Any], *keys: str) -> list[str]:
-    return [k for k in keys if k in raw]
-
-
-def _extra_datasets(recipe: Recipe, key: str, count: int) -> None:
-    for index in range(1, count):
-        recipe.differs[f"{key}.{index}"] = "tunegrid trains each cell on the first dataset; this one is not mixed in"
-    if count > 1:
-        recipe.accounted.add(key.split(".")[0])
-
-
-def _hub(recipe: Recipe, key: str, repo_id: str, revision: Any, split: str) -> None:
-    revision = str(revision or "")
-    recipe.carry("data.source", "hub", key)
-    recipe.carry("data.repo_id", str(repo_id), key)
-    recipe.carry("data.split", str(split), key)
-    if HEX40.match(revision):
-        recipe.carry("data.revision", revision, key)
-        return
-    recipe.carry("data.revision", "", key)
-    recipe.carry("data.ref", revision or "main", key)
-    recipe.unpinned[key] = revision or "main"
-    recipe.notes.append(
-        f"{key}: {repo_id!r} is not pinned (TRL's arguments hold no dataset revision); the dataset rule fetches "
-        f"{revision or 'main'!r} and records its commit (`tunegrid pin <study>` writes it back)"
-    )
-
-
-def _hub_fields(recipe: Recipe, columns: list[Any], key: str) -> None:
-    """A hub dataset's records are not read at import: TRL's conversational column is assumed."""
-    column = str(columns[0]) if columns else "messages"
-    text_field = recipe.raw.get("dataset_text_field")
-    if isinstance(text_field, str) and text_field == column and column not in ("messages", "conversations"):
-        recipe.carry("data.fields", {"text": column}, key, "dataset_text_field")  # language modelling: every token
-        recipe.carry("data.loss_on", "all", "dataset_text_field")
-        return
-    if column not in ("messages", "conversations"):
-        recipe.need(key, f"{column!r}: tunegrid trains on chats (a messages column) or prompt/completion pairs; "
-                    "give data.fields in the study")  # fmt: skip
-        return
-    recipe.carry("data.fields", {"messages": column}, key)
-    only = recipe.raw.get("assistant_only_loss")
-    recipe.carry("data.loss_on", "response" if only else "all", "assistant_only_loss")

@@ -1,10 +1,11 @@
 """A record's training text: tunegrid's own shapes (data.fields) or the layout a fine-tuning tool builds from it
 (data.layout), one copy for the dataset rule, the recipe importer and its fidelity check.
 
-`data.layout` names what axolotl (alpaca and its prompt styles, alpaca_chat, oasst, context_qa.load_v2, the custom
-`type:` mapping with field_instruction, field_input, field_output, field_system, system_prompt, format,
-no_input_format, system_format; input_output) or TRL (prompt_completion) trains on, as axolotl's prompters
-(src/axolotl/prompters.py, prompt_strategies/user_defined.py, alpaca_chat.py, context_qa.py, input_output.py) and
+`data.layout` names what axolotl (alpaca and its prompt styles, alpaca_chat, alpaca_instruct and its
+load_no_prompt without the system line, oasst, context_qa.load_v2, the custom `type:` mapping with
+field_instruction, field_input, field_output, field_system, system_prompt, format, no_input_format, system_format;
+input_output) or TRL (prompt_completion) trains on, as axolotl's prompters (src/axolotl/prompters.py,
+prompt_strategies/user_defined.py, alpaca_chat.py, alpaca_instruct.py, context_qa.py, input_output.py) and
 TRL's SFTTrainer lay it out. `normalize` writes such a record as its text and its pieces, each marked trained or
 not (`tunegrid.dataset.template_turns` reads them), so a cell trains on exactly the tool's text, the loss on the
 response unless data.loss_on is all (axolotl's train_on_inputs). Chats (chat_template, sharegpt, messages) are
@@ -13,7 +14,7 @@ rendered by the checkpoint's chat template: `tool_text` is None for them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tunegrid.dataset import template_turns
@@ -139,6 +140,10 @@ def instruction_of(kind: Any) -> Instruction | None:
         return alpaca("chat")
     if kind == "alpaca_chat.load_qa":
         return alpaca("chat", instruction="question", output="answer")
+    if kind in ("alpaca_instruct", "alpaca_instruct.load"):
+        return alpaca("instruct")
+    if kind == "alpaca_instruct.load_no_prompt":  # axolotl's UnpromptedPrompter: alpaca without its system line
+        return replace(alpaca("instruct"), system="", system_no_input="")
     if kind == "context_qa.load_v2":
         return ContextQaV2(input="", turn="{instruction}\n{input}", turn_no_input="{instruction}", system_format="")
     base, _, style = kind.partition(":")
