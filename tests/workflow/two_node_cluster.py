@@ -87,7 +87,9 @@ def leftovers() -> list[str]:
     """What of this helper's network and processes still exists (empty once a cluster is torn down)."""
     found = [f"netns {name}" for name in _ip("netns", "list", check=False).stdout.split() if name in NODES]
     links = _ip("-o", "link", "show", check=False).stdout
-    found += [f"link {name}" for name in (BRIDGE, *map(_host_veth, NODES)) if f" {name}:" in links or f" {name}@" in links]
+    found += [
+        f"link {name}" for name in (BRIDGE, *map(_host_veth, NODES)) if f" {name}:" in links or f" {name}@" in links
+    ]
     found += [f"process {line}" for line in _ps_lines("tunegrid-2node")]
     return found
 

@@ -61,6 +61,11 @@ def launch_ranks(
         "--contract",
         str(contract_path),
     ]
+    if int(spec["axes"].get("nodes", 1)) > 1:  # each rank a SLURM step on its node (spawned, never forked)
+        from tunegrid.run.nodes import launch_on_nodes
+
+        env = {**child_env(visible_devices), **flight_recorder_env(spec, run_dir)}
+        return launch_on_nodes(spec, run_dir, command, env)
     if world == 1:
         if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
             from tunegrid.run.warm_client import fork_worker

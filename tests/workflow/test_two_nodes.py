@@ -1,0 +1,129 @@
+"""A cell's two ranks on two SLURM nodes: a real slurmctld and two slurmd, each node in a network namespace of its own
+with its own address (tests/workflow/two_node_cluster.py), gloo across the veth links between them.
+
+Each cell is a `finetune` job as the SLURM profile submits it (sbatch --nodes=2 --ntasks=2, the command under
+`srun -n1`); its supervisor starts each rank as a step on its node. The collective-timeout study's faults, injected
+into rank 1 on the second node, end as they do on one node: a slow rank `straggler`, a stall `long_pause`, a
+skipped collective `mismatch`, a killed rank `error` naming it; a `tc` rate limit on the second node's link is a
+`slow_link`, no rank to blame. After each cell no process of it is left on either node.
+
+CI installs slurm-wlm and sets TUNEGRID_REQUIRE_SYSTEM_TOOLS=1: there this test fails rather than skips where the
+cluster cannot be made.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cell_contract, one_cell, workflow_env
+from two_node_cluster import NODES, available, leftovers, node_processes, two_node_cluster
+
+from tunegrid.runtime.files import read_json, write_json
+
+WHY_NOT = available()
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        WHY_NOT is not None and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"),
+        reason=f"needs root, iproute2 network namespaces and Debian's slurm-wlm + munge ({WHY_NOT})",
+    ),
+]
+
+TIMEOUT_S = 5
+# the collective-timeout study's faults (configs/collective-timeout-cpu.yaml), each on rank 1: the second node
+DEBUG = {
+    "slow_rank": {"rank": 1, "seconds": 0, "growth_s": 2},
+    "stall_rank": {"rank": 1, "step": 3, "seconds": 6},
+    "skip_collective": {"rank": 1, "step": 3},
+    "kill_rank": {"rank": 1, "step": 2},
+    "slow_link": {"rank": 1, "rate": "1mbit"},
+}
+FAULTS = tuple(os.environ.get("TG_FAULTS", "none slow-rank stall-rank skip-collective kill-rank slow-link").split())
+
+
+def _spec(fault: str) -> dict:
+    return one_cell(
+        model="qwen3moe-tiny",
+        world=2,
+        axes={"nodes": 2, "fault": fault, "collective_timeout_s": TIMEOUT_S},
+        train={"steps": 5, "threads": 1},
+        debug=DEBUG,
+        distributed={"backend": "gloo", "exit_grace_s": 2, "straggler_factor": 1.5},
+        hardware={"gpus_per_rank": 0},
+    )
+
+
+def _submit(contract: Path, log: Path, env: dict[str, str]) -> str:
+    """The cell's job as the SLURM profile submits a `finetune` job of a two-node cell (the plugin's sbatch
+    --nodes --ntasks, and its job step's `srun -n1` around the command)."""
+    command = [sys.executable, "-m", "tunegrid.cli", "finetune", "--contract", str(contract)]
+    step = f"srun -n1 --cpu-bind=q --cpus-per-task=1 --nodes=2 {shlex.join(command)}"
+    sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks=2", "--cpus-per-task=1", "--mem=3000"]
+    sbatch += [f"--output={log}", f"--wrap={step}"]
+    return subprocess.run(sbatch, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _wait(jobs: list[str], env: dict[str, str], timeout_s: float) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        queued = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
+        if not set(jobs) & set(queued):
+            return
+        time.sleep(1)
+    raise AssertionError(f"jobs {jobs} still queued after {timeout_s} s")
+
+
+def test_faults_on_the_second_node_get_their_one_node_verdicts(tmp_path, checkpoints, dataset_path):
+    capabilities = tmp_path / "capabilities.json"
+    # what the probe wrote on this project's 2-core host (its all-reduce bus bandwidth at 2 ranks among it), as a
+    # probe run as a SLURM job records it
+    write_json(capabilities, {**read_json(REPO / "tests" / "data" / "capabilities-cpu.json"), "cluster_job": True})
+    env = {**workflow_env(), "PYTHONPATH": str(REPO / "src")}
+    results = {}
+    with two_node_cluster(tmp_path / "slurm") as slurm_env:
+        started = time.time()
+        jobs = []
+        for fault in FAULTS:
+            run_dir = tmp_path / fault
+            contract = cell_contract(
+                _spec(fault), checkpoints, dataset_path, run_dir, capabilities=capabilities, warm_worker=False
+            )
+            jobs.append(_submit(contract, tmp_path / f"{fault}.log", {**env, **slurm_env}))
+        _wait(jobs, slurm_env, 170)
+        wall = time.time() - started
+        left = {node: node_processes(node, "tunegrid") for node in NODES}
+    print(f"two nodes: daemons up in {slurm_env['TUNEGRID_SLURM_STARTUP_S']} s, {len(FAULTS)} cells in {wall:.0f} s")
+    assert leftovers() == [], "the namespaces, links and daemons are gone"
+    assert left == {node: [] for node in NODES}, "no rank left on either node"
+    for fault in FAULTS:
+        result_path = tmp_path / fault / "result.json"
+        assert result_path.exists(), (tmp_path / f"{fault}.log").read_text()[-3000:]
+        results[fault] = read_json(result_path)
+
+    for fault, result in results.items():
+        assert result["env"]["scheduler"]["SLURM_JOB_ID"], fault
+        assert [rank["rank"] for rank in result["ranks"]] == [0, 1], fault
+    slow = results["slow-rank"]
+    assert slow["outcome"] == "timeout", slow["reason"]
+    assert slow["diagnosis"]["collective"]["kind"] == "straggler"
+    assert slow["diagnosis"]["collective"]["missing_ranks"] == [1]
+    stall = results["stall-rank"]
+    assert stall["outcome"] == "timeout" and stall["diagnosis"]["collective"]["kind"] == "long_pause", stall["reason"]
+    skip = results["skip-collective"]
+    assert skip["outcome"] == "timeout" and skip["diagnosis"]["collective"]["kind"] == "mismatch", skip["reason"]
+    killed = results["kill-rank"]
+    assert killed["outcome"] == "error" and "rank 1" in killed["reason"] and "SIGKILL" in killed["reason"], killed[
+        "reason"
+    ]
+    assert results["none"]["outcome"] == "ok", results["none"]["reason"]
+    assert "slow_link" not in results["none"]["distributed"], "an unlimited link between the nodes is at pace"
+    link = results["slow-link"]
+    assert link["outcome"] == "ok", link["reason"]
+    assert link["distributed"]["slow_link"]["kind"] == "slow_link", link["distributed"]
+    assert "straggler" not in link["distributed"]
