@@ -29,6 +29,7 @@ from tunegrid.runtime.files import read_json, write_json
 WHY_NOT = available()
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("slurm_cluster"),  # one cluster at a time: both own /etc/slurm/slurm.conf
     pytest.mark.skipif(
         WHY_NOT is not None and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"),
         reason=f"needs root, iproute2 network namespaces and Debian's slurm-wlm + munge ({WHY_NOT})",
@@ -44,7 +45,7 @@ DEBUG = {
     "kill_rank": {"rank": 1, "step": 2},
     "slow_link": {"rank": 1, "rate": "1mbit"},
 }
-FAULTS = tuple(os.environ.get("TG_FAULTS", "none slow-rank stall-rank skip-collective kill-rank slow-link").split())
+FAULTS = ("none", "slow-rank", "stall-rank", "skip-collective", "kill-rank", "slow-link")
 
 
 def _spec(fault: str) -> dict:

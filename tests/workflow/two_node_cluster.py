@@ -5,8 +5,8 @@ The namespaces `tgnode1`/`tgnode2` each hold one end of a veth pair (10.77.0.2, 
 bridge (`tgbr0`, 10.77.0.1, where slurmctld listens), so the nodes reach each other and the controller as two
 machines on one switch would. Each slurmd runs inside its namespace (`ip netns exec`) under its own node name
 (`slurmd -N`), so every job step it starts — a cell's supervisor, a rank — has that node's network and no other:
-gloo between ranks on the two nodes crosses the veth links. The file system is shared, as a cluster's is.
-`slow_link` puts a `tbf` rate limit on node 2's link (both directions) for the time of a `with`.
+gloo between ranks on the two nodes crosses the veth links (and a `tc` limit on a node's end of its link slows
+them: the slow-link fault). The file system is shared, as a cluster's is.
 
 Everything created here is removed on the way out, whatever happened: the daemons stopped, the namespaces,
 veths and bridge deleted, the config this helper wrote removed (`leftovers()` says what would remain).
@@ -219,19 +219,3 @@ def two_node_cluster(root: Path, timeout_s: float = 40.0) -> Iterator[dict[str, 
 
 def _quiet() -> dict[str, int]:
     return {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
-
-
-@contextmanager
-def slow_link(node: str, rate: str = "2mbit") -> Iterator[None]:
-    """A `tbf` rate limit on the node's link, both ways (its namespace's end: what it sends; the host's end: what
-    it receives), for the time of the `with`; removed after."""
-    commands = [["ip", "netns", "exec", node, "tc"], ["tc"]]
-    devices = [_node_veth(node), _host_veth(node)]
-    try:
-        for tc, dev in zip(commands, devices):
-            subprocess.run([*tc, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "16kb",
-                            "latency", "500ms"], check=True, capture_output=True)  # fmt: skip
-        yield
-    finally:
-        for tc, dev in zip(commands, devices):
-            subprocess.run([*tc, "qdisc", "del", "dev", dev, "root"], capture_output=True)

@@ -148,8 +148,9 @@ def slow_link(rate: str, command: list[str]) -> int:
     finally:
         if device is not None:
             _tc("del", "dev", device, "root")
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+    if code < 0:  # ended by a signal: end the same way, so that srun reports it as the rank's
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 
