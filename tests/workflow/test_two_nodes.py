@@ -45,17 +45,23 @@ DEBUG = {
     "kill_rank": {"rank": 1, "step": 2},
     "slow_link": {"rank": 1, "rate": "1mbit"},
 }
-FAULTS = ("none", "slow-rank", "stall-rank", "skip-collective", "kill-rank", "slow-link")
+# run folder -> the cell's fault; `stopped` ends on the named hang of a rank that stalls far longer than the timeout,
+# so the supervisor itself must stop that rank on the second node
+CELLS = {
+    **{fault: fault for fault in ("none", "slow-rank", "stall-rank", "skip-collective", "kill-rank", "slow-link")},
+    "stopped": "stall-rank",
+}
 
 
-def _spec(fault: str) -> dict:
+def _spec(name: str) -> dict:
+    stopped = name == "stopped"
     return one_cell(
         model="qwen3moe-tiny",
         world=2,
-        axes={"nodes": 2, "fault": fault, "collective_timeout_s": TIMEOUT_S},
+        axes={"nodes": 2, "fault": CELLS[name], "collective_timeout_s": TIMEOUT_S},
         train={"steps": 5, "threads": 1},
-        debug=DEBUG,
-        distributed={"backend": "gloo", "exit_grace_s": 2, "straggler_factor": 1.5},
+        debug={**DEBUG, "stall_rank": {**DEBUG["stall_rank"], "seconds": 300}} if stopped else DEBUG,
+        distributed={"backend": "gloo", "exit_grace_s": 2, "straggler_factor": 1.5, "end_on_hang": stopped},
         hardware={"gpus_per_rank": 0},
     )
 
@@ -86,45 +92,46 @@ def test_faults_on_the_second_node_get_their_one_node_verdicts(tmp_path, checkpo
     # probe run as a SLURM job records it
     write_json(capabilities, {**read_json(REPO / "tests" / "data" / "capabilities-cpu.json"), "cluster_job": True})
     env = {**workflow_env(), "PYTHONPATH": str(REPO / "src")}
-    results = {}
     with two_node_cluster(tmp_path / "slurm") as slurm_env:
         started = time.time()
         jobs = []
-        for fault in FAULTS:
-            run_dir = tmp_path / fault
+        for name in CELLS:
             contract = cell_contract(
-                _spec(fault), checkpoints, dataset_path, run_dir, capabilities=capabilities, warm_worker=False
+                _spec(name), checkpoints, dataset_path, tmp_path / name, capabilities=capabilities, warm_worker=False
             )
-            jobs.append(_submit(contract, tmp_path / f"{fault}.log", {**env, **slurm_env}))
+            jobs.append(_submit(contract, tmp_path / f"{name}.log", {**env, **slurm_env}))
         _wait(jobs, slurm_env, 170)
         wall = time.time() - started
         left = {node: node_processes(node, "tunegrid") for node in NODES}
-    print(f"two nodes: daemons up in {slurm_env['TUNEGRID_SLURM_STARTUP_S']} s, {len(FAULTS)} cells in {wall:.0f} s")
+    print(f"two nodes: daemons up in {slurm_env['TUNEGRID_SLURM_STARTUP_S']} s, {len(CELLS)} cells in {wall:.0f} s")
     assert leftovers() == [], "the namespaces, links and daemons are gone"
     assert left == {node: [] for node in NODES}, "no rank left on either node"
-    for fault in FAULTS:
-        result_path = tmp_path / fault / "result.json"
-        assert result_path.exists(), (tmp_path / f"{fault}.log").read_text()[-3000:]
-        results[fault] = read_json(result_path)
+    results = {}
+    for name in CELLS:
+        assert (tmp_path / name / "result.json").exists(), (tmp_path / f"{name}.log").read_text()[-3000:]
+        results[name] = read_json(tmp_path / name / "result.json")
+        assert results[name]["env"]["scheduler"]["SLURM_JOB_ID"], name
+        assert [rank["rank"] for rank in results[name]["ranks"]] == [0, 1], name
 
-    for fault, result in results.items():
-        assert result["env"]["scheduler"]["SLURM_JOB_ID"], fault
-        assert [rank["rank"] for rank in result["ranks"]] == [0, 1], fault
-    slow = results["slow-rank"]
-    assert slow["outcome"] == "timeout", slow["reason"]
-    assert slow["diagnosis"]["collective"]["kind"] == "straggler"
-    assert slow["diagnosis"]["collective"]["missing_ranks"] == [1]
-    stall = results["stall-rank"]
-    assert stall["outcome"] == "timeout" and stall["diagnosis"]["collective"]["kind"] == "long_pause", stall["reason"]
-    skip = results["skip-collective"]
-    assert skip["outcome"] == "timeout" and skip["diagnosis"]["collective"]["kind"] == "mismatch", skip["reason"]
+    def verdict(name: str) -> tuple[str, str | None]:
+        result = results[name]
+        return result["outcome"], ((result.get("diagnosis") or {}).get("collective") or {}).get("kind")
+
+    assert verdict("slow-rank") == ("timeout", "straggler"), results["slow-rank"]["reason"]
+    assert results["slow-rank"]["diagnosis"]["collective"]["missing_ranks"] == [1]
+    assert verdict("stall-rank") == ("timeout", "long_pause"), results["stall-rank"]["reason"]
+    assert verdict("skip-collective") == ("timeout", "mismatch"), results["skip-collective"]["reason"]
     killed = results["kill-rank"]
-    assert killed["outcome"] == "error" and "rank 1" in killed["reason"] and "SIGKILL" in killed["reason"], killed[
-        "reason"
-    ]
+    assert killed["outcome"] == "error" and "rank 1 died (killed by SIGKILL)" in killed["reason"], killed["reason"]
+    # the supervisor named the hang and stopped the stalled rank on the second node itself, long before its 300 s
+    stopped = results["stopped"]
+    assert verdict("stopped") == ("timeout", "long_pause"), stopped["reason"]
+    assert stopped["diagnosis"]["collective"]["missing_from"] == "hang_watch" and stopped["wall_s"] < 120
+    assert stopped["ranks"][1]["stopped_by_supervisor"] and stopped["ranks"][1]["exit_code"] < 0, stopped["ranks"]
+    # the network: an unlimited link is at pace; a limited one slows the collectives, never a rank
     assert results["none"]["outcome"] == "ok", results["none"]["reason"]
-    assert "slow_link" not in results["none"]["distributed"], "an unlimited link between the nodes is at pace"
+    assert "slow_link" not in results["none"]["distributed"] and "straggler" not in results["none"]["distributed"]
     link = results["slow-link"]
     assert link["outcome"] == "ok", link["reason"]
     assert link["distributed"]["slow_link"]["kind"] == "slow_link", link["distributed"]
-    assert "straggler" not in link["distributed"]
+    assert link["distributed"]["slow_link"]["ratio"] > 100 and "straggler" not in link["distributed"]
