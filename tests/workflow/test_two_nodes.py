@@ -1,11 +1,14 @@
 """A cell's two ranks on two SLURM nodes: a real slurmctld and two slurmd, each node in a network namespace of its own
 with its own address (tests/workflow/two_node_cluster.py), gloo across the veth links between them.
 
-Each cell is a `finetune` job as the SLURM profile submits it (sbatch --nodes=2 --ntasks=2, the command under
-`srun -n1`); its supervisor starts each rank as a step on its node. The collective-timeout study's faults, injected
-into rank 1 on the second node, end as they do on one node: a slow rank `straggler`, a stall `long_pause`, a
-skipped collective `mismatch`, a killed rank `error` naming it; a `tc` rate limit on the second node's link is a
-`slow_link`, no rank to blame. After each cell no process of it is left on either node.
+Each cell's job holds both nodes, one task each; its supervisor starts each rank as a step on its node. The
+collective-timeout study's rank faults, injected into rank 1 on the second node, end as they do on one node: a slow
+rank `straggler`, a stall `long_pause`, a skipped collective `mismatch`, a killed rank `error` naming it, and a
+stall ended on its named hang has the supervisor stop that rank on the second node (these cells are submitted as
+the SLURM profile submits a `finetune` job: sbatch --nodes=2 --ntasks=2, the command under `srun -n1`). Through
+`snakemake --profile slurm` itself, with the study's own probe: the cell without a fault is `ok` at pace, and a
+`tc` rate limit on the second node's link is `ok` with a `slow_link` finding, no rank to blame. After the cells no
+process of theirs is left on either node.
 
 CI installs slurm-wlm and sets TUNEGRID_REQUIRE_SYSTEM_TOOLS=1: there this test fails rather than skips where the
 cluster cannot be made.
@@ -21,7 +24,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cell_contract, one_cell, workflow_env
+import yaml
+from conftest import REPO, cell_contract, make_study, one_cell, workflow_env
 from two_node_cluster import NODES, available, leftovers, node_processes, two_node_cluster
 
 from tunegrid.runtime.files import read_json, write_json
@@ -43,12 +47,11 @@ DEBUG = {
     "stall_rank": {"rank": 1, "step": 3, "seconds": 6},
     "skip_collective": {"rank": 1, "step": 3},
     "kill_rank": {"rank": 1, "step": 2},
-    "slow_link": {"rank": 1, "rate": "1mbit"},
 }
 # run folder -> the cell's fault; `stopped` ends on the named hang of a rank that stalls far longer than the timeout,
 # so the supervisor itself must stop that rank on the second node
 CELLS = {
-    **{fault: fault for fault in ("none", "slow-rank", "stall-rank", "skip-collective", "kill-rank", "slow-link")},
+    **{fault: fault for fault in ("slow-rank", "stall-rank", "skip-collective", "kill-rank")},
     "stopped": "stall-rank",
 }
 
@@ -128,10 +131,52 @@ def test_faults_on_the_second_node_get_their_one_node_verdicts(tmp_path, checkpo
     assert verdict("stopped") == ("timeout", "long_pause"), stopped["reason"]
     assert stopped["diagnosis"]["collective"]["missing_from"] == "hang_watch" and stopped["wall_s"] < 120
     assert stopped["ranks"][1]["stopped_by_supervisor"] and stopped["ranks"][1]["exit_code"] < 0, stopped["ranks"]
-    # the network: an unlimited link is at pace; a limited one slows the collectives, never a rank
-    assert results["none"]["outcome"] == "ok", results["none"]["reason"]
-    assert "slow_link" not in results["none"]["distributed"] and "straggler" not in results["none"]["distributed"]
-    link = results["slow-link"]
-    assert link["outcome"] == "ok", link["reason"]
-    assert link["distributed"]["slow_link"]["kind"] == "slow_link", link["distributed"]
-    assert link["distributed"]["slow_link"]["ratio"] > 100 and "straggler" not in link["distributed"]
+
+
+def test_a_slow_link_through_the_slurm_profile(tmp_path):
+    """`snakemake --profile slurm` as a user runs it, its probe included: each cell's job asks for two nodes, one task
+    each, its ranks run one on each node; a 1 mbit link on the second node slows the collectives 100s of times past
+    what the probe's all-reduce bus bandwidth predicts while both ranks keep pace, and the unlimited twin does not."""
+    grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
+    study = make_study(
+        study="two-nodes",
+        grid={**grid, "world_size": [2], "nodes": [2], "fault": ["none", "slow-link"]},
+        # each cell's job holds both nodes' two cores: the twins run one after the other, never beside the limit
+        train={"steps": 5, "seq_len": 32, "threads": 2},
+        hardware={"gpus_per_rank": 0},
+        distributed={"backend": "gloo"},
+        debug={"slow_link": {"rank": 1, "rate": "1mbit"}},
+        probe={"world_sizes": [2], "budget_s": 2},
+        tracking={"enabled": False},
+    )
+    config = tmp_path / "study.yaml"
+    config.write_text(yaml.safe_dump(study))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    with two_node_cluster(tmp_path / "slurm") as slurm_env:
+        proc = subprocess.run(
+            [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir)]
+            + ["--configfile", str(config), "--slurm-init-seconds-before-status-checks", "2"]
+            + ["--seconds-between-status-checks", "3", "--slurm-no-account"],
+            cwd=REPO,
+            env={**workflow_env(), **slurm_env},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        left = {node: node_processes(node, "tunegrid") for node in NODES}
+    assert left == {node: [] for node in NODES} and leftovers() == []
+    results = workdir / "results" / "two-nodes"
+    cell = "qwen3moe-tiny_fp32_bs2_none_s0_ws2_nodes2_fault-{}"
+    for fault in ("none", "slow-link"):
+        log = (results.parent / "logs" / "two-nodes" / "finetune" / f"{cell.format(fault)}.log").read_text()
+        assert "rank 0: srun step on tgnode1" in log and "rank 1: srun step on tgnode2" in log, log[-2000:]
+    at_pace, limited = (read_json(results / "runs" / cell.format(f) / "result.json") for f in ("none", "slow-link"))
+    assert at_pace["outcome"] == "ok" and limited["outcome"] == "ok", (at_pace["reason"], limited["reason"])
+    assert "slow_link" not in at_pace["distributed"] and "straggler" not in at_pace["distributed"]
+    link = limited["distributed"]["slow_link"]
+    assert link["kind"] == "slow_link" and link["ratio"] > 100, link
+    assert "straggler" not in limited["distributed"]
+    busbw = read_json(results / "probe" / "capabilities.json")["allreduce"]["2"]["sizes"]
+    assert link["busbw_gbs"] in [row["busbw_gbs"] for row in busbw], "measured against the study's own probe"

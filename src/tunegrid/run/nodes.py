@@ -55,10 +55,10 @@ def allocation_nodes(env: dict[str, str] | None = None) -> list[tuple[str, str]]
     job = env.get("SLURM_JOB_ID")
     if not job:
         return []
-    listed = env.get("SLURM_JOB_NODELIST") or ""
-    if not listed:
-        found = re.search(r"\bNodeList=(\S+)", _scontrol("show", "job", "-o", job))
-        listed = found.group(1) if found else ""
+    # the job's own record: inside a job step (the SLURM executor runs the job's command under `srun -n1`) the
+    # environment's node list can be the step's, one node
+    found = re.search(r"\bNodeList=(\S+)", _scontrol("show", "job", "-o", job))
+    listed = found.group(1) if found else env.get("SLURM_JOB_NODELIST") or ""
     names = _scontrol("show", "hostnames", listed).split() if listed else []
     nodes = []
     for name in names:
