@@ -88,6 +88,7 @@ def test_a_slow_link_is_slow_collectives_while_every_rank_keeps_pace():
     local = {0: _times(0.01), 1: _times(0.012)}
     found = find_slow_link(local, {0: _times(0.45), 1: _times(0.44)}, predicted, min_lag_s=0.1)
     assert found is not None and found["kind"] == "slow_link" and found["ratio"] > 1000
+    assert found["text"].startswith("slow link: the collectives took 0.404 s a step") and "not a rank" in found["text"]
     # the same ranks with their collectives at pace: a step is about its forward and backward
     assert find_slow_link(local, {0: _times(0.035), 1: _times(0.04)}, predicted, min_lag_s=0.1) is None
     # a slow rank makes its peer wait: the rank that waited least in a step is at pace, so no link is blamed

@@ -59,7 +59,7 @@ def find_slow_link(
     if slow * 2 <= len(steps):
         return None
     median = statistics.median(collective)
-    return {
+    found = {
         "kind": "slow_link",
         "collective_s_median": round(median, 4),
         "predicted_s": round(expected, 6),
@@ -74,9 +74,11 @@ def find_slow_link(
         "factor": factor,
         "min_lag_s": min_lag_s,
     }
+    return {**found, "text": describe_slow_link(found)}
 
 
 def describe_slow_link(found: dict[str, Any]) -> str:
+    """The finding in a sentence (result.json's `distributed.slow_link.text`)."""
     return (
         f"slow link: the collectives took {found['collective_s_median']:g} s a step, {found['ratio']:g}x what the "
         f"probe's all-reduce bus bandwidth ({found['busbw_gbs']:.3g} GB/s) predicts for the gradients, while every "
