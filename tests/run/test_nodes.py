@@ -111,3 +111,13 @@ def _pythonpath() -> dict[str, str]:
     from tunegrid.study.config import REPO_ROOT
 
     return {"PYTHONPATH": str(REPO_ROOT / "src")}
+
+
+def test_a_stopped_rank_step_undoes_its_set_up_after_the_stop(tmp_path):
+    from tunegrid.run.launch import stop_group
+
+    undone = tmp_path / "undone"
+    step = RankStep(["sleep", "60"], start_new_session=True)
+    step.cleanup = (["sh", "-c", f"touch {undone}"], {"PATH": "/usr/bin:/bin"})
+    stop_group(step)
+    assert step.returncode == -15 and undone.exists()

@@ -140,12 +140,15 @@ def test_a_slow_link_through_the_slurm_profile(tmp_path):
     grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
     study = make_study(
         study="two-nodes",
-        grid={**grid, "world_size": [2], "nodes": [2], "fault": ["none", "slow-link"]},
+        grid={**grid, "world_size": [2], "nodes": [2], "fault": ["none", "slow-link", "debug"]},
         # each cell's job holds both nodes' two cores: the twins run one after the other, never beside the limit
         train={"steps": 5, "seq_len": 32, "threads": 2},
         hardware={"gpus_per_rank": 0},
-        distributed={"backend": "gloo"},
-        debug={"slow_link": {"rank": 1, "rate": "1mbit"}},
+        # `debug` (every fault of the section): the slow link and a stall the supervisor ends on its named hang, so
+        # it stops the limited rank itself and removes the limit its killed step left
+        # (a hang is named after 3 s without progress: well above a limited link's 0.5 s collectives)
+        distributed={"backend": "gloo", "collective_timeout_s": TIMEOUT_S, "end_on_hang": True, "hang_window_s": 3},
+        debug={"slow_link": {"rank": 1, "rate": "1mbit"}, "stall_rank": {"rank": 1, "step": 3, "seconds": 300}},
         probe={"world_sizes": [2], "budget_s": 2},
         tracking={"enabled": False},
     )
@@ -166,17 +169,27 @@ def test_a_slow_link_through_the_slurm_profile(tmp_path):
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         left = {node: node_processes(node, "tunegrid") for node in NODES}
+        qdisc = subprocess.run(
+            ["ip", "netns", "exec", "tgnode2", "tc", "qdisc", "show"], capture_output=True, text=True
+        )
     assert left == {node: [] for node in NODES} and leftovers() == []
+    assert "tbf" not in qdisc.stdout, "the limit is gone from the second node's link"
     results = workdir / "results" / "two-nodes"
-    cell = "qwen3moe-tiny_fp32_bs2_none_s0_ws2_nodes2_fault-{}"
-    for fault in ("none", "slow-link"):
-        log = (results.parent / "logs" / "two-nodes" / "finetune" / f"{cell.format(fault)}.log").read_text()
+    cell = "qwen3moe-tiny_fp32_bs2_none_s0_ws2_nodes2{}"
+    suffix = {"none": "_fault-none", "slow-link": "_fault-slow-link", "debug": ""}
+    for fault in ("none", "slow-link", "debug"):
+        log = (results.parent / "logs" / "two-nodes" / "finetune" / f"{cell.format(suffix[fault])}.log").read_text()
         assert "rank 0: srun step on tgnode1" in log and "rank 1: srun step on tgnode2" in log, log[-2000:]
-    at_pace, limited = (read_json(results / "runs" / cell.format(f) / "result.json") for f in ("none", "slow-link"))
+    at_pace, limited = (
+        read_json(results / "runs" / cell.format(suffix[f]) / "result.json") for f in ("none", "slow-link")
+    )
     assert at_pace["outcome"] == "ok" and limited["outcome"] == "ok", (at_pace["reason"], limited["reason"])
     assert "slow_link" not in at_pace["distributed"] and "straggler" not in at_pace["distributed"]
     link = limited["distributed"]["slow_link"]
     assert link["kind"] == "slow_link" and link["ratio"] > 100 and "not a rank" in link["text"], link
     assert "straggler" not in limited["distributed"]
+    stopped = read_json(results / "runs" / cell.format("") / "result.json")
+    assert stopped["outcome"] == "timeout" and stopped["diagnosis"]["collective"]["kind"] == "long_pause"
+    assert stopped["ranks"][1]["stopped_by_supervisor"], stopped["ranks"]
     busbw = read_json(results / "probe" / "capabilities.json")["allreduce"]["2"]["sizes"]
     assert link["busbw_gbs"] in [row["busbw_gbs"] for row in busbw], "measured against the study's own probe"

@@ -17,17 +17,21 @@ KILL_GRACE_S = 5.0
 
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the child and everything it started (its own process group): no orphans."""
+    """Stop the child and everything it started (its own process group): no orphans. A rank's SLURM step then
+    undoes what its rank set up on its node and could not undo itself (tunegrid.run.nodes.RankStep.after_stop)."""
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    after_stop = getattr(proc, "after_stop", None)
+    if after_stop is not None:
+        after_stop()
 
 
 def launch_ranks(

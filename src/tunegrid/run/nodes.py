@@ -7,7 +7,9 @@ r // ranks_per_node). Each step is a process of the supervisor's, so it sees eve
 logs and collective positions arrive through the shared run folder as on one node.
 
 The slow-link fault (debug.slow_link) runs its rank under `python -m tunegrid.run.nodes slow-link`: a `tc` tbf
-rate limit on the interface of that rank's node for the rank's life, removed when it ends.
+rate limit on the interface of that rank's node for the rank's life, removed when it ends; where the supervisor
+stopped the rank (srun ends a step with SIGKILL), a step of `python -m tunegrid.run.nodes clear-link` on that node
+removes it. Only a supervisor killed outright leaves it (`tc qdisc del dev <interface> root` removes it by hand).
 """
 
 from __future__ import annotations
@@ -32,9 +34,22 @@ def cell_nodes(spec: dict[str, Any]) -> int:
     return int(spec["axes"].get("nodes", 1))
 
 
-class RankStep(subprocess.Popen):  # type: ignore[type-arg]
+class RankStep(subprocess.Popen[bytes]):
     """A rank's `srun` step: its exit code is the rank's, a signal that ended the rank read back from srun's
-    128 + signal as the negative number subprocess gives a signalled child."""
+    128 + signal as the negative number subprocess gives a signalled child. `cleanup`: a command (a step on the
+    rank's node) that undoes what the rank set up there, run once the supervisor has stopped it."""
+
+    cleanup: tuple[list[str], dict[str, str]] | None = None
+
+    def after_stop(self) -> None:
+        """A stopped step's processes may have been killed (srun ends a step with SIGKILL) before they undid their
+        set-up: undo it from here."""
+        if self.cleanup is not None:
+            command, env = self.cleanup
+            try:
+                subprocess.run(command, env=env, capture_output=True, timeout=60)
+            except (OSError, subprocess.SubprocessError) as exc:
+                print(f"could not undo a rank's set-up ({' '.join(command)}): {exc}", flush=True)
 
     @property
     def returncode(self) -> int | None:
@@ -113,22 +128,33 @@ def launch_on_nodes(spec: dict[str, Any], run_dir: Path, command: list[str], env
         rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank % per_node), NODE_ADDR_ENV: addr}
         srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={name}", f"--cpus-per-task={threads}"]
         srun += ["--mem=0", "--cpu-bind=none", f"--job-name=rank{rank}", "--kill-on-bad-exit=0", "--quiet"]
-        wrapped = command
+        wrapped, module = command, [sys.executable, "-m", "tunegrid.run.nodes"]
         if slow.get("rank") == rank:
-            wrapped = [sys.executable, "-m", "tunegrid.run.nodes", "slow-link", str(slow.get("rate", "2mbit")), "--"]
-            wrapped += command
+            wrapped = [*module, "slow-link", str(slow.get("rate", "2mbit")), "--", *command]
         log_path = run_dir / "ranks" / f"rank{rank}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "wb") as log:
-            steps.append(
-                RankStep([*srun, *wrapped], start_new_session=True, env=rank_env, stdout=log, stderr=subprocess.STDOUT)
+            step = RankStep(
+                [*srun, *wrapped], start_new_session=True, env=rank_env, stdout=log, stderr=subprocess.STDOUT
             )
+        if wrapped is not command:  # a limit left on the node's link by a killed wrapper is removed after a stop
+            clear = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={name}", "--quiet"]
+            step.cleanup = ([*clear, *module, "clear-link"], rank_env)
+        steps.append(step)
         print(f"rank {rank}: srun step on {name} ({addr})", flush=True)
     return steps
 
 
 def _tc(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["tc", "qdisc", *args], capture_output=True, text=True)
+
+
+def clear_link() -> int:
+    """Remove a tbf limit from the interface of this node's address (NODE_ADDR_ENV), where one is there."""
+    device = interface_of(os.environ.get(NODE_ADDR_ENV, ""))
+    if device is None or "tbf" not in _tc("show", "dev", device, "root").stdout:
+        return 0
+    return _tc("del", "dev", device, "root").returncode
 
 
 def slow_link(rate: str, command: list[str]) -> int:
@@ -158,4 +184,6 @@ def slow_link(rate: str, command: list[str]) -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[1] == "slow-link" and sys.argv[3] == "--":
         sys.exit(slow_link(sys.argv[2], sys.argv[4:]))
-    sys.exit("usage: python -m tunegrid.run.nodes slow-link <rate> -- <command ...>")
+    if sys.argv[1:] == ["clear-link"]:
+        sys.exit(clear_link())
+    sys.exit("usage: python -m tunegrid.run.nodes slow-link <rate> -- <command ...> | clear-link")
