@@ -157,17 +157,25 @@ def test_a_slow_link_through_the_slurm_profile(tmp_path):
     workdir = tmp_path / "work"
     workdir.mkdir()
     with two_node_cluster(tmp_path / "slurm") as slurm_env:
-        proc = subprocess.run(
-            [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir)]
-            + ["--configfile", str(config), "--slurm-init-seconds-before-status-checks", "2"]
-            + ["--seconds-between-status-checks", "3", "--slurm-no-account"],
-            cwd=REPO,
-            env={**workflow_env(), **slurm_env},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        output = tmp_path / "snakemake.log"
+        with open(output, "w") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir)]
+                + ["--configfile", str(config), "--slurm-init-seconds-before-status-checks", "2"]
+                + ["--seconds-between-status-checks", "3", "--slurm-no-account"],
+                cwd=REPO,
+                env={**workflow_env(), **slurm_env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                proc.wait(timeout=300)
+            except subprocess.TimeoutExpired:
+                queue = subprocess.run(["squeue", "-s"], env=slurm_env, capture_output=True, text=True).stdout
+                proc.kill()
+                proc.wait()
+                raise AssertionError(f"running after 300 s; steps:\n{queue}\n{output.read_text()[-5000:]}") from None
+        assert proc.returncode == 0, output.read_text()[-6000:]
         left = {node: node_processes(node, "tunegrid") for node in NODES}
         qdisc = subprocess.run(
             ["ip", "netns", "exec", "tgnode2", "tc", "qdisc", "show"], capture_output=True, text=True

@@ -119,6 +119,9 @@ def write_config(root: Path, cpus: int = 2, memory_mb: int = 8000, min_job_age_s
     conf = ETC / "slurm.conf"
     if conf.exists() and MARKER not in conf.read_text():
         raise RuntimeError(f"{conf} exists and is not ours: not starting a test cluster over a real one")
+    running = subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True, text=True).stdout.split()
+    if running:  # another test's cluster on this host (its config would be overwritten under it, and ours by it)
+        raise RuntimeError(f"a slurmctld already runs here (pid {', '.join(running)}): one test cluster at a time")
     ETC.mkdir(parents=True, exist_ok=True)
     host = subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
     nodes = "".join(
