@@ -251,19 +251,20 @@ def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tup
     if not recorded:
         return None
     partitions = [p for p in recorded if p.get("up")]
-    world = int(spec["axes"].get("world_size", 1))
-    cpus = world * int(spec["train"]["threads"])
-    gpus = devices.cell_gpus(spec["hardware"], world, capabilities)  # what the job asks for (`gpu`)
-    if any(p["cpus_per_node"] >= cpus and p["gpus_per_node"] >= gpus for p in partitions):
+    world, nodes = int(spec["axes"].get("world_size", 1)), int(spec["axes"].get("nodes", 1))
+    cpus = world // nodes * int(spec["train"]["threads"])  # on each node: its share of the ranks
+    gpus = devices.cell_gpus(spec["hardware"], world // nodes, capabilities)
+    if any(p["cpus_per_node"] >= cpus and p["gpus_per_node"] >= gpus and p["nodes"] >= nodes for p in partitions):
         return None
     offered = "; ".join(
         f"{p['name']}: {p['nodes']} node(s) of {p['cpus_per_node']} CPUs, {p['gpus_per_node']} GPUs" for p in partitions
     )
+    where = "on one node" if nodes == 1 else f"on each of {nodes} nodes"
     return (
         Outcome.UNSUPPORTED,
-        f"needs {cpus} CPUs and {gpus} GPUs on one node (all {world} ranks of a cell run in one job, "
-        f"train.threads {spec['train']['threads']} each); no partition that is up has such a node "
-        f"({offered or 'none is up'})",
+        f"needs {cpus} CPUs and {gpus} GPUs {where} (all {world} ranks of a cell run in one job, "
+        f"train.threads {spec['train']['threads']} each); no partition that is up has such "
+        f"{'a node' if nodes == 1 else 'nodes'} ({offered or 'none is up'})",
     )
 
 

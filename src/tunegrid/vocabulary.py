@@ -44,7 +44,8 @@ LOSS_CHUNK_TOKENS = 256  # train.loss_chunk_tokens' default (the schema's), for 
 # model config keys of a post-processing of the logits that the chunked loss does not reproduce (Cohere, Granite)
 SCALED_LOGIT_KEYS = ("logit_scale", "logits_scaling")
 ATTENTIONS = ("sdpa", "eager")  # transformers' attn_implementation: its default kernel (sdpa), or eager
-FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank")  # the rank faults a cell injects
+# the rank faults a cell injects (slow-link: a rate limit on the link of the node that holds a rank)
+FAULTS = ("debug", "none", "slow-rank", "stall-rank", "skip-collective", "kill-rank", "slow-link")
 NO_FAULT = FAULTS[1]  # the twin without an injected fault
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600  # PyTorch's NCCL default (Timeout(ms)=600000)
 BASE_STACK = "base"  # the stack axis's neutral value (ids `_stack-<name>` elsewhere): the environment tunegrid runs in
@@ -186,6 +187,20 @@ AXIS_TABLE: tuple[Axis, ...] = (
         plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
     ),
     Axis(
+        name="nodes",
+        type=int,
+        items={"type": "integer", "minimum": 1, "maximum": 64},
+        description=(
+            "nodes a cell's ranks run on (world_size / nodes ranks per node; on SLURM the cell's job asks for that "
+            "many nodes and starts each rank with srun on its node). Cells with nodes > 1 get `_nodes<N>` appended "
+            "to their id"
+        ),
+        default=(1,),
+        id_prefix="nodes",
+        neutral=1,
+        plot=PlotRole(matrix=MatrixPlace.ROW, curves=CurvePlace.PANEL),
+    ),
+    Axis(
         name="grad_accum",
         type=int,
         items={"type": "integer", "minimum": 1, "maximum": 1024},
@@ -250,8 +265,8 @@ AXIS_TABLE: tuple[Axis, ...] = (
         items=_enum(FAULTS),
         description=(
             "which rank faults of the debug section a cell injects: debug = all it sets; slow-rank, stall-rank, "
-            "skip-collective, kill-rank = that one alone; none = none (the twin without the fault). Cells other "
-            "than debug get `_fault-<value>` appended to their id"
+            "skip-collective, kill-rank, slow-link = that one alone; none = none (the twin without the fault). "
+            "Cells other than debug get `_fault-<value>` appended to their id"
         ),
         default=("debug",),
         id_prefix="fault-",

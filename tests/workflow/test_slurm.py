@@ -24,6 +24,7 @@ from tunegrid.track.tracking import CELL_TAG
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("slurm_cluster"),  # one cluster at a time: both own /etc/slurm/slurm.conf
     pytest.mark.skipif(
         not available() and not os.environ.get("TUNEGRID_REQUIRE_SYSTEM_TOOLS"),
         reason="needs root and Debian's slurm-wlm + munge (.ci/run installs them)",

@@ -147,7 +147,15 @@ def get_probe_gpus(wildcards):
 
 
 def get_cell_cpus(wildcards):
-    return get_cell(wildcards).world_size * STUDY["train"]["threads"]
+    """The cores of one node of the cell (its ranks on that node): a cell on several nodes asks each for its share."""
+    cell = get_cell(wildcards)
+    return cell.world_size // cell.nodes * STUDY["train"]["threads"]
+
+
+def get_cell_job_nodes(wildcards, input):
+    """The nodes the `finetune` job asks for, one task on each (the supervisor runs in the first; each rank is a step
+    on its node: tunegrid.run.nodes); one where its contract says it does not train."""
+    return get_cell(wildcards).nodes if trains(input.get("plan")) else 1
 
 
 def get_cell_job_cpus(wildcards, input):
@@ -175,7 +183,8 @@ def get_cell_job_args(wildcards):
 def get_cell_mem_mb(wildcards, input):
     """From the cell's contract: Snakemake evaluates this again when it schedules the job, with the plan made; in a
     dry run before it exists, the floor (tunegrid.prepare.cell_plan.MEM_FLOOR_MB_PER_RANK per rank)."""
-    return mem_mb_for_job(input.get("plan"), STUDY["hardware"], get_cell(wildcards).world_size)
+    cell = get_cell(wildcards)
+    return mem_mb_for_job(input.get("plan"), STUDY["hardware"], cell.world_size // cell.nodes)  # per node
 
 
 def get_model_spec(wildcards):

@@ -21,7 +21,7 @@ rule finetune:
     conda:
         "../../envs/tunegrid.yaml"
     # every rank of a distributed cell is a process of this one job: it asks for all their cores and
-    # GPUs. `gpu` (not `gpus`) is what the SLURM executor turns into --gpus.
+    # GPUs (a cell on several nodes: `nodes`, one task and its ranks' cores on each). `gpu` (not `gpus`) is what the SLURM executor turns into --gpus.
     threads: get_cell_cpus
     resources:
         mem_mb=get_cell_mem_mb,
@@ -29,5 +29,8 @@ rule finetune:
         cpus_per_task=get_cell_job_cpus,
         host_cores=get_cell_host_cores,
         runtime=int(STUDY["train"]["time_limit_s"] // 60) + 5,
+        nodes=get_cell_job_nodes,
+        tasks=get_cell_job_nodes,  # one task per node (sbatch --ntasks)
+        tasks_per_gpu=0,  # no --ntasks-per-gpu (the plugin reads `tasks` as that on a GPU job)
     shell:
         f"python {SCRIPT} finetune --contract {{input.plan}} > {{log}} 2>&1"

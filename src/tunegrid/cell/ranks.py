@@ -63,12 +63,15 @@ class RankContext:
         }
 
     def init_process_group(self, settings: dict[str, Any], backend: str) -> None:
-        """Join the cell's process group."""
+        """Join the cell's process group (on a node of a multi-node cell, over the interface of its node's address)."""
         import datetime
 
         import torch
         import torch.distributed as dist
 
+        from tunegrid.runtime.netif import pin_interface
+
+        pin_interface(os.environ)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.heartbeat.beat("init_process_group")

@@ -33,7 +33,7 @@ LOG_FILES = ("metrics.jsonl", "events.jsonl", "headroom.jsonl")
 NON_TRAINING: dict[str, tuple[str, ...] | None] = {
     "hardware": None,
     "train": ("time_limit_s", "retries", "heartbeat_timeout_s", "checkpoint_every"),
-    "debug": ("stall_rank", "kill_rank", "slow_rank", "skip_collective"),
+    "debug": ("stall_rank", "kill_rank", "slow_rank", "skip_collective", "slow_link"),
     "distributed": ("collective_timeout_s", "flight_recorder", "trace_buffer_size", "exit_grace_s"),
 }
 

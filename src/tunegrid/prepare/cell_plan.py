@@ -143,7 +143,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
         estimates=estimates,
         kernels=_kernels(spec, model_dir, capabilities),
         liveness=cell_liveness(spec, model_dir, capabilities),
-        mem_mb=host_mem_mb(estimates[worker], world),
+        mem_mb=host_mem_mb(estimates[worker], world // int(spec["axes"].get("nodes", 1))),  # a node's ranks
     )
 
 

@@ -17,17 +17,21 @@ KILL_GRACE_S = 5.0
 
 
 def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the child and everything it started (its own process group): no orphans."""
+    """Stop the child and everything it started (its own process group): no orphans. A rank's SLURM step then
+    undoes what its rank set up on its node and could not undo itself (tunegrid.run.nodes.RankStep.after_stop)."""
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(timeout=wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    after_stop = getattr(proc, "after_stop", None)
+    if after_stop is not None:
+        after_stop()
 
 
 def launch_ranks(
@@ -61,6 +65,11 @@ def launch_ranks(
         "--contract",
         str(contract_path),
     ]
+    if int(spec["axes"].get("nodes", 1)) > 1:  # each rank a SLURM step on its node (spawned, never forked)
+        from tunegrid.run.nodes import launch_on_nodes
+
+        env = {**child_env(visible_devices), **flight_recorder_env(spec, run_dir)}
+        return launch_on_nodes(spec, run_dir, command, env)
     if world == 1:
         if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
             from tunegrid.run.warm_client import fork_worker

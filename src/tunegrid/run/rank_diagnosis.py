@@ -89,6 +89,19 @@ def _on_the_main_path(
     return op, kind["parted_ranks"], waiting
 
 
+def _slow_link(
+    run_dir: Path, ranks: list[dict[str, Any]], result: dict[str, Any], capabilities: dict[str, Any], min_lag_s: float
+) -> dict[str, Any] | None:
+    from tunegrid.run.link_check import GRAD_BYTES_PER_PARAM, find_slow_link, predicted_allreduce
+
+    trainable = int((result.get("params") or {}).get("trainable") or 0)
+    predicted = predicted_allreduce(capabilities, len(ranks), trainable * GRAD_BYTES_PER_PARAM)
+    walls = {r["rank"]: step_records(rank_dir(run_dir, r["rank"]) / "metrics.jsonl") for r in ranks}
+    step_times = {rank: {step: seconds for step, (_, seconds) in timed.items()} for rank, timed in walls.items()}
+    found = find_slow_link({r["rank"]: r["local_times"] for r in ranks}, step_times, predicted, min_lag_s)
+    return None if found is None else {**found, "gradient_bytes": trainable * GRAD_BYTES_PER_PARAM}
+
+
 def diagnose_ranks(
     spec: dict[str, Any],
     run_dir: Path,
@@ -96,10 +109,12 @@ def diagnose_ranks(
     codes: list[int | None],
     stopped: list[int],
     early: EarlyVerdict | None = None,
+    capabilities: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fields of result.json for a distributed cell: outcome, reason, diagnosis, ranks. `early`: the hang the
     supervisor named while the ranks ran (tunegrid.run.hang_watch), compared with the timeout's verdict, or the
-    verdict itself where the study ends a cell on a named hang."""
+    verdict itself where the study ends a cell on a named hang. `capabilities`: the probe's, whose all-reduce bus
+    bandwidth tells a slow link."""
     world = len(codes)
     timeout_s = spec["distributed"]["collective_timeout_s"]
     ranks = [rank_record(run_dir, r, codes[r], r in stopped) for r in range(world)]
@@ -234,6 +249,10 @@ def diagnose_ranks(
     )
     if warning is not None:  # an early warning: slow on most steps, not (yet) slow enough to time out
         update["distributed"]["straggler"] = warning
+    else:  # every rank at pace: were the collectives? (tunegrid.run.link_check)
+        link = _slow_link(run_dir, ranks, result, capabilities or {}, settings["straggler_min_lag_s"])
+        if link is not None:
+            update["distributed"]["slow_link"] = link
     if "stopped_by_peer" in (result.get("diagnosis") or {}):  # rank 0 stopped because another rank decided to
         decider = next((r for r in ranks if r["outcome"] and "stopped_by_peer" not in r["diagnosis"]), None)
         if decider is not None:

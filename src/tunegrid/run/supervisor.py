@@ -23,6 +23,7 @@ from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
 from tunegrid.run.hang_watch import EarlyVerdict, HangWatch
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
+from tunegrid.run.nodes import nodes_shortfall
 from tunegrid.run.recorder_read import dump_files
 from tunegrid.runtime.devices import cell_devices
 from tunegrid.runtime.files import read_json, read_jsonl, write_json
@@ -175,6 +176,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     verdict = None if estimate.verdict == "run" else (estimate.verdict, estimate.reason)
     if verdict is None and capabilities.get("cluster_job"):  # the GPUs granted to this job, known only now
         verdict = gpu_shortfall(spec, capabilities)
+    verdict = verdict or nodes_shortfall(spec)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
     cell = {**spec, "plan": plan.record(worker)}  # the spec and the plan as the cell ran them: result.json's `cell`
 
     # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
@@ -211,7 +213,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
             if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
                 from tunegrid.run.rank_diagnosis import diagnose_ranks
 
-                ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped, named)
+                ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped, named, capabilities)
                 # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
                 ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
                 result.update(ranks)
@@ -302,8 +304,7 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
 
 
 def _kill_point(name: str) -> None:
-    """Fault injection for the tests of kills between the job's steps: TUNEGRID_KILL_AT=<name> makes the
-    supervisor SIGKILL itself there (what `kill -9` of the job does at the worst moment)."""
+    """TUNEGRID_KILL_AT=<name>: the supervisor SIGKILLs itself there (a test's `kill -9` of the job at its worst)."""
     if os.environ.get("TUNEGRID_KILL_AT") == name:
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)

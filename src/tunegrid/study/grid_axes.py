@@ -15,6 +15,7 @@ RANK_FAULTS = {
     "stall-rank": "stall_rank",
     "skip-collective": "skip_collective",
     "kill-rank": "kill_rank",
+    "slow-link": "slow_link",  # the link of the node that holds the rank
 }
 
 
@@ -102,6 +103,13 @@ def debug_problems(config: dict[str, Any]) -> list[str]:
                 f"config key 'grid.fault': {fault!r} injects debug.{key}, which sets no rank; set "
                 f"debug.{key}.rank (and its step/seconds)"
             )
+    problems += [
+        f"config key 'grid.nodes': {nodes} nodes do not divide grid.world_size {world} (ranks per node); "
+        "exclude the pair (grid.exclude) or choose a world size that is a multiple"
+        for nodes in grid.get("nodes", [1])
+        for world in worlds
+        if world % nodes and not _excluded(grid, world_size=world, nodes=nodes)
+    ]
     injection, accums = debug["inject_nonfinite"], grid["grad_accum"]
     if injection.get("rank", 0) >= max(worlds):
         problems.append(
@@ -138,3 +146,10 @@ def _position_problems(position: dict[str, int] | None, index: int, config: dict
             f"(tokens 0..{seq_len - 1})"
         )
     return problems
+
+
+def _excluded(grid: dict[str, Any], **values: Any) -> bool:
+    """Whether the grid's `exclude` list drops every cell with these axis values."""
+    return any(
+        set(rule) <= set(values) and all(values[k] == v for k, v in rule.items()) for rule in grid.get("exclude", [])
+    )

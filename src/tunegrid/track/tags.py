@@ -130,6 +130,11 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     straggler = (collective.straggler if collective else None) or result.distributed.get("straggler")
     if straggler:  # the straggler a timeout is blamed on, or an early warning in a cell that did not time out
         tags.update({"straggler.rank": str(straggler["rank"]), "straggler.ratio": f"{straggler['median_ratio']:g}"})
+    link = result.distributed.get("slow_link")
+    if link:  # the collectives slow while every rank kept pace (tunegrid.run.link_check)
+        tags.update(
+            {"slow_link.ratio": f"{link['ratio']:g}", "slow_link.collective_s": f"{link['collective_s_median']:g}"}
+        )
     islands = result.fp32_islands
     if islands:  # fp16-islands: which modules computed in fp32, and what the calibration measured there
         tags["fp32_islands"] = ",".join(m["module"] for m in islands["modules"]) or "none"
