@@ -7,9 +7,11 @@ sets TUNEGRID_REQUIRE_SYSTEM_TOOLS=1, so there this test fails rather than skips
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -114,3 +116,63 @@ def test_study_through_the_slurm_profile(tmp_path):
     assert {r.info.run_name for r in runs} == names
     assert all(r.data.tags.get("slurm.job_id") for r in runs)
     assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).stdout == b"", "no processes left behind"
+
+
+def test_one_interrupt_stops_the_workflow_and_cancels_its_jobs(tmp_path):
+    """Ctrl-C once, while a cell's job runs on the cluster: Snakemake ends, and the job is cancelled with it (no
+    job left in the queue, no rank left on the node). SIGTERM is Snakemake's graceful stop (running jobs finish),
+    so the interrupt is what a user at the terminal sends: SIGINT to the foreground process group."""
+    study = make_study(
+        study="slurm-interrupt",
+        grid={
+            "model": ["qwen3moe-tiny"],
+            "precision": ["fp32"],
+            "batch_size": [2],
+            "quant": ["none"],
+            "seed": [0],
+            "world_size": [2],
+        },
+        train={"steps": 3, "seq_len": 32, "threads": 1},
+        hardware={"gpus_per_rank": 0},
+        debug={"stall_rank": {"rank": 1, "step": 1, "seconds": 600}},  # the cell is still running when interrupted
+        distributed={"collective_timeout_s": 900},
+        probe={"world_sizes": [2], "budget_s": 2},
+    )
+    config = tmp_path / "study.yaml"
+    config.write_text(yaml.safe_dump(study))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    out = tmp_path / "snakemake.out"
+    with slurm_cluster(tmp_path / "slurm") as slurm_env:
+        env = {**workflow_env(), **slurm_env}
+        line = [sys.executable, "-m", "snakemake", "--profile", "slurm", "--directory", str(workdir)]
+        line += ["--configfile", str(config), "--slurm-init-seconds-before-status-checks", "2"]
+        line += ["--seconds-between-status-checks", "3", "--slurm-no-account"]
+        with out.open("w") as sink:
+            proc = subprocess.Popen(
+                line, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        try:
+            deadline = time.time() + 300
+            while not _a_cell_job_runs(out, env):
+                assert proc.poll() is None and time.time() < deadline, out.read_text()[-3000:]
+                time.sleep(2)
+            time.sleep(5)  # its ranks started
+            os.killpg(proc.pid, signal.SIGINT)
+            interrupted = time.time()
+            proc.wait(timeout=120)
+            stopped_after = time.time() - interrupted
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        queue = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout
+        print(f"SLURM: one interrupt ended the workflow in {stopped_after:.1f} s")
+        assert queue.strip() == "", f"jobs left in the queue after one interrupt: {queue}"
+        assert "Terminating processes on user request" in out.read_text()
+    assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).stdout == b"", "no processes left behind"
+
+
+def _a_cell_job_runs(out: Path, env: dict[str, str]) -> bool:
+    """The cell's finetune job was submitted and the queue shows a job running."""
+    queue = subprocess.run(["squeue", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+    return "rule finetune" in out.read_text() and "RUNNING" in queue
