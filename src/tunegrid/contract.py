@@ -118,7 +118,7 @@ class CellPlan:
     world_size: int
     target: str | None  # the hardware target the cell is judged against (None: no probe record)
     budget_bytes: int | None  # the memory budget enforced while training (None: none)
-    device: str  # cpu / cuda: the memory the estimates are of (the probe's device)
+    device: str  # cpu / cuda: the device the ranks train on (runtime.devices.training_device), the estimates' memory
     worker: str  # the path the worker is planned to take (tunegrid.runtime.workers.planned_worker)
     # the estimate of each path the worker may take: spawned, and forked where a warm worker could fork it (the
     # supervisor spawns a worker the warm worker does not fork); result.json records the path taken and its estimate

@@ -31,6 +31,8 @@ PLANNING: dict[str, set[str]] = {
     "estimate_from_shapes": {"tunegrid.prepare.memory_estimate:estimate_cell"},
     # the kernels are decided where the plan decides them; the estimate is of a cell that trains with them
     "cpu_onednn_off": {f"{PLAN}:_kernels"},
+    # the device a cell trains on: its estimate, kernels and verdicts follow it, and the worker reads it
+    "training_device": {f"{PLAN}:plan_cell"},
     # the GPUs a cluster job was granted are known only once it runs: the supervisor asks then (a plan made on
     # the submitting host could not), nothing else
     "gpu_shortfall": {f"{PLAN}:_estimate", "tunegrid.run.supervisor:run_cell"},

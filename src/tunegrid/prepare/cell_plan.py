@@ -84,20 +84,16 @@ def _estimate(
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
     estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker, device=device))
     verdict = feasibility(precision, target, hardware, estimate.estimate_bytes) if target else None
-    verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, capabilities)
+    verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, device)
     verdict = verdict or cluster_shortfall(spec, capabilities)
     return replace(estimate, verdict=str(verdict[0]), reason=str(verdict[1])) if verdict else estimate
 
 
-def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> CellKernels:
-    """The kernels the cell's ranks train with, on the device they train on: CUDA where the probe found it and
-    each rank gets a GPU, else the CPU (`hardware.gpus_per_rank: 0` trains on the CPU beside a GPU)."""
+def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], device: str) -> CellKernels:
+    """The kernels the cell's ranks train with, on the device they train on."""
     from tunegrid.prepare.cpu_kernels import cpu_fp16_matmul, cpu_onednn_matmul, cpu_onednn_off
-    from tunegrid.runtime.devices import gpus_per_rank
 
-    on_cuda = capabilities.get("device") == "cuda" and gpus_per_rank(spec["hardware"], capabilities) > 0
     config = json.loads((model_dir / "config.json").read_text())
-    device = "cuda" if on_cuda else "cpu"
     return CellKernels(
         cpu_onednn_off=cpu_onednn_off(spec, config, device, cpu_onednn_matmul(capabilities)),
         cpu_fp16_matmul=cpu_fp16_matmul(spec, device),
@@ -105,15 +101,16 @@ def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]
 
 
 def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], warm_worker: bool) -> CellPlan:
-    """The cell's plan: its target, budget, estimates (of each path its worker may take: the supervisor spawns a
-    worker the warm worker does not fork), kernels and liveness limits. `warm_worker`: the run forks its cells
-    from a warm worker (a local run of a study with execution.warm_worker); the planned path and the job's memory
-    follow it."""
+    """The cell's plan: the device it trains on, its target, budget, estimates (of each path its worker may take:
+    the supervisor spawns a worker the warm worker does not fork), kernels and liveness limits. `warm_worker`: the
+    run forks its cells from a warm worker (a local run of a study with execution.warm_worker); the planned path
+    and the job's memory follow it."""
     from tunegrid.prepare.liveness import cell_liveness
+    from tunegrid.runtime.devices import training_device
     from tunegrid.targets import resolve_target
 
     hardware = spec["hardware"]
-    device = capabilities.get("device", "cpu")
+    device = training_device(hardware, capabilities)
     target = resolve_target(hardware, capabilities) if capabilities else None
     enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
     worker = planned_worker(spec, device, warm_worker)
@@ -129,7 +126,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
         device=device,
         worker=worker,
         estimates=estimates,
-        kernels=_kernels(spec, model_dir, capabilities),
+        kernels=_kernels(spec, model_dir, capabilities, device),
         liveness=cell_liveness(spec, model_dir, capabilities),
         mem_mb=host_mem_mb(estimates[worker], world),
     )
