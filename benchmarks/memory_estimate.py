@@ -121,10 +121,11 @@ def main() -> None:
         # re-estimated with the current model, so an improved estimator is judged on the same runs (for the
         # worker path each cell took: its runtime constant differs, forked or spawned)
         worker = result["memory"].get("estimate_worker") or "spawned"
-        constants = device_constants(capabilities, result["cell"]["axes"]["precision"], worker)
+        device = result["memory"].get("device") or "cpu"  # the device the cell trained on
+        constants = device_constants(capabilities, result["cell"]["axes"]["precision"], worker, device=device)
         estimate = estimate_cell(result["cell"], study_dir / "models" / result["cell"]["model"]["name"], **constants)
-        result["memory"]["estimate_bytes"] = estimate["estimate_bytes"]
-        result["memory"]["estimate_over_measured"] = estimate["estimate_bytes"] / result["memory"]["peak_bytes"]
+        result["memory"]["estimate_bytes"] = estimate.estimate_bytes
+        result["memory"]["estimate_over_measured"] = estimate.estimate_bytes / result["memory"]["peak_bytes"]
         rows.append(row(result, study_dir.name))
     if not args.no_larger:
         with tempfile.TemporaryDirectory(prefix="tunegrid-mem-") as tmp:

@@ -342,7 +342,15 @@ def cell_contract(
 def stub_contract(cell_id: str, world_size: int, estimate_bytes: int, device: str = "cuda") -> Any:
     """A cell contract as the cell_plan rule writes one, with an estimate of the given size (for checkpoints that
     are not on disk): what the workflow's memory requests and the doctor read from it."""
-    from tunegrid.contract import CellContract, CellJob, CellKernels, CellPlan, LivenessLimits, MemoryEstimate
+    from tunegrid.contract import (
+        CellContract,
+        CellJob,
+        CellKernels,
+        CellPlan,
+        LivenessLimits,
+        MemoryComponents,
+        MemoryEstimate,
+    )
     from tunegrid.prepare.cell_plan import job_mem_mb
 
     estimate = MemoryEstimate(
@@ -351,7 +359,7 @@ def stub_contract(cell_id: str, world_size: int, estimate_bytes: int, device: st
         stage="load",
         load_bytes=estimate_bytes,
         step_bytes=0,
-        components={},
+        components=MemoryComponents(),
     )
     limits = LivenessLimits(
         heartbeat_timeout_s=300,

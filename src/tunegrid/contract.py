@@ -54,23 +54,54 @@ class LivenessLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MemoryComponents:
+    """What one rank's estimated peak is made of, in bytes (tunegrid.prepare.memory_estimate); result.json keeps
+    them as memory.estimate_components. A component a cell does not have is 0."""
+
+    runtime: int = 0  # the probe's measured constants: the worker beyond its tensors, and the step's overhead
+    tokenizer: int = 0  # held in host memory from the load on: part of a CPU cell's peak only
+    weights: int = 0  # as loaded (quantized where the quant quantizes), less those offloaded to the host
+    lora_params_grads: int = 0  # the trained parameters in fp32 and their gradients
+    optimizer_state: int = 0
+    activations: int = 0  # kept for backward on the device, the cast copies of autocast's weights among them
+    activations_offloaded_to_host: int = 0  # train.activation_offloading: in host memory, beside the device's peak
+    weights_offloaded_to_host: int = 0  # train.weight_offloading: the decoder layers' weights, in host memory
+    experts_kept_for_backward: int = 0  # full-width expert weights the grouped matmul keeps (no checkpointing)
+    logits: int = 0  # the logits and the loss's buffers (one chunk's, with a chunked loss)
+    dequant_buffer: int = 0  # a 4-bit weight's (or a layer's experts') dequantized copy while it multiplies
+
+    def in_host_memory(self) -> int:
+        """What the cell keeps in host memory beside the device's peak (nothing on a CPU: nothing is offloaded)."""
+        return self.activations_offloaded_to_host + self.weights_offloaded_to_host
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
-    """The estimated peak of one rank whose worker takes `worker`'s path (tunegrid.prepare.memory_estimate), and
-    the verdict it leads to: `run`, or the outcome decided without training (unsupported, predicted_oom)."""
+    """The estimated peak of one rank whose worker takes `worker`'s path (tunegrid.prepare.memory_estimate makes
+    it), and the verdict the plan finds it leads to: `run`, or the outcome decided without training (unsupported,
+    predicted_oom)."""
 
     worker: str  # spawned / forked (tunegrid.runtime.workers): the path whose runtime constant the estimate took
-    estimate_bytes: int
+    estimate_bytes: int  # the peak: the larger of the load's and the step's
     stage: str  # load / step: where the peak is reached
     load_bytes: int
     step_bytes: int
-    components: dict[str, int]
-    not_modelled: str | None = None
+    components: MemoryComponents
+    not_modelled: str | None = None  # what the estimate leaves out, where it applies
     verdict: str = "run"
     reason: str = ""  # why, for a verdict other than run
 
     def record(self) -> dict[str, Any]:
         """The estimate as result.json's `cell.plan.estimate` keeps it (without the verdict)."""
         return {k: v for k, v in asdict(self).items() if k not in ("verdict", "reason")}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> MemoryEstimate:
+        values = {**raw, "components": _typed(MemoryComponents, raw["components"], "the estimate's components")}
+        return _typed(cls, values, "an estimate")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +118,7 @@ class CellPlan:
     world_size: int
     target: str | None  # the hardware target the cell is judged against (None: no probe record)
     budget_bytes: int | None  # the memory budget enforced while training (None: none)
-    device: str  # cpu / cuda: the memory the estimates are of (the probe's device)
+    device: str  # cpu / cuda: the device the ranks train on (runtime.devices.training_device), the estimates' memory
     worker: str  # the path the worker is planned to take (tunegrid.runtime.workers.planned_worker)
     # the estimate of each path the worker may take: spawned, and forked where a warm worker could fork it (the
     # supervisor spawns a worker the warm worker does not fork); result.json records the path taken and its estimate
@@ -136,7 +167,7 @@ class CellPlan:
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> CellPlan:
         values = dict(raw)
-        values["estimates"] = {k: _typed(MemoryEstimate, v, "an estimate") for k, v in raw["estimates"].items()}
+        values["estimates"] = {k: MemoryEstimate.from_json(v) for k, v in raw["estimates"].items()}
         values["kernels"] = _typed(CellKernels, raw["kernels"], "the kernels")
         values["liveness"] = _typed(LivenessLimits, raw["liveness"], "the liveness limits")
         return _typed(cls, values, "a plan")

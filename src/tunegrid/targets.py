@@ -268,12 +268,10 @@ def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tup
     )
 
 
-def needs_cuda(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
-    """`unsupported` before launch for a cell that would train on the CPU with a setting that runs on CUDA only:
-    peft's LoftQ initialization (lora.loftq_bits), whose loftq_init moves each weight to "cuda"."""
-    if not spec["lora"].get("loftq_bits"):
-        return None
-    if capabilities.get("device") == "cuda" and devices.gpus_per_rank(spec["hardware"], capabilities) > 0:
+def needs_cuda(spec: dict[str, Any], device: str) -> tuple[str, str] | None:
+    """`unsupported` before launch for a cell that trains on the CPU (`device`, the plan's) with a setting that runs
+    on CUDA only: peft's LoftQ initialization (lora.loftq_bits), whose loftq_init moves each weight to "cuda"."""
+    if not spec["lora"].get("loftq_bits") or device == "cuda":
         return None
     return (
         Outcome.UNSUPPORTED,

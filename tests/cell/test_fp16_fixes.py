@@ -66,7 +66,7 @@ def test_the_estimate_holds_autocasts_copies_of_weights_stored_wider_than_it_com
     folder = checkpoints["gemma3-hot"]
     config, shapes = json.loads((folder / "config.json").read_text()), tensor_shapes(folder)
     mixed, fp32 = (
-        estimate_from_shapes(one_cell(precision=p), config, shapes, 0)["components"]["activations"]
+        estimate_from_shapes(one_cell(precision=p), config, shapes, 0).components.activations
         for p in ("fp16-mixed", "fp32")
     )
     vocab, hidden = config["vocab_size"], config["hidden_size"]

@@ -12,6 +12,7 @@ import torch
 from conftest import make_study, one_cell, ready_trainer
 
 from tunegrid.cell.int8_experts import Int8RowwiseParametrization
+from tunegrid.contract import MemoryEstimate
 from tunegrid.study.config import resolve_study
 from tunegrid.study.errors import ConfigError
 
@@ -60,16 +61,16 @@ def test_an_int8_experts_cell_trains_over_row_wise_int8_experts(checkpoints, dat
 def test_the_estimate_stores_int8_experts_at_a_byte_and_a_row_scale_and_loads_them_full_width(checkpoints):
     from tunegrid.prepare.memory_estimate import estimate_cell, tensor_shapes
 
-    def estimate(quant: str) -> dict:
+    def estimate(quant: str) -> MemoryEstimate:
         return estimate_cell(one_cell(model="olmoe-tiny", quant=quant, lora=ATTENTION_ONLY), checkpoints["olmoe-tiny"])
 
     int8, experts = estimate("int8"), estimate("int8-experts")
     shapes = tensor_shapes(checkpoints["olmoe-tiny"])
     expert_values = sum(math.prod(s) for n, s in shapes.items() if ".experts." in n)
     rows = sum(math.prod(s[:-1]) for n, s in shapes.items() if ".experts." in n)
-    saved = int8["components"]["weights"] - experts["components"]["weights"]
+    saved = int8.components.weights - experts.components.weights
     assert saved == expert_values * 4 - (expert_values + 4 * rows), "fp32 experts become 1 byte + a scale per row"
-    assert experts["load_bytes"] > int8["load_bytes"], "quantized once loaded: the load holds them at full width"
+    assert experts.load_bytes > int8.load_bytes, "quantized once loaded: the load holds them at full width"
 
 
 def test_a_study_asking_for_adapters_on_int8_experts_is_refused():

@@ -36,12 +36,17 @@ def test_peft_gets_loftqs_arguments_on_a_gpu_and_a_cpu_cell_never_starts():
 
 
 def test_the_plan_says_unsupported_where_the_cell_would_train_on_the_cpu():
+    from tunegrid.runtime.devices import training_device
+
+    def planned(spec: dict, capabilities: dict) -> tuple[str, str] | None:  # as the plan asks, for its device
+        return needs_cuda(spec, training_device(spec["hardware"], capabilities))
+
     spec = one_cell(lora={"target_modules": ["q_proj"], **LOFTQ})
-    verdict = needs_cuda(spec, {"device": "cpu", "gpus": []})
+    verdict = planned(spec, {"device": "cpu", "gpus": []})
     assert verdict is not None and verdict[0] == "unsupported" and "CUDA only" in verdict[1]
-    assert needs_cuda(spec, H100) is None
-    assert needs_cuda({**spec, "hardware": {**spec["hardware"], "gpus_per_rank": 0}}, H100) is not None
-    assert needs_cuda(one_cell(), {"device": "cpu"}) is None
+    assert planned(spec, H100) is None
+    assert planned({**spec, "hardware": {**spec["hardware"], "gpus_per_rank": 0}}, H100) is not None
+    assert planned(one_cell(), {"device": "cpu"}) is None
 
 
 def test_a_study_with_loftq_over_a_quantized_base_is_refused():

@@ -20,5 +20,5 @@ def test_the_cell_attaches_adapters_where_the_regex_matches_the_whole_name(check
     assert adapted and all(re.fullmatch(REGEX, n.removeprefix("base_model.model.")) for n in adapted), adapted
     assert {n.rsplit(".", 1)[-1] for n in adapted} == {"up_proj", "down_proj"}
     suffixes = one_cell(lora={"target_modules": ["up_proj", "down_proj"]})
-    by_regex = estimate_cell(spec, checkpoints["gemma3-hot"], 0)["components"]["lora_params_grads"]
-    assert by_regex == estimate_cell(suffixes, checkpoints["gemma3-hot"], 0)["components"]["lora_params_grads"] > 0
+    by_regex = estimate_cell(spec, checkpoints["gemma3-hot"], 0).components.lora_params_grads
+    assert by_regex == estimate_cell(suffixes, checkpoints["gemma3-hot"], 0).components.lora_params_grads > 0

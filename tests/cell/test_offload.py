@@ -8,6 +8,7 @@ import torch
 from conftest import one_cell, ready_trainer, run_in_process
 
 from tunegrid.cell.offload import ActivationOffload
+from tunegrid.contract import MemoryComponents
 
 
 def _step(checkpoints, dataset_path, tmp_path, offloading: bool, checkpointing: bool = False):
@@ -49,14 +50,14 @@ def test_the_hooks_leave_weights_and_small_tensors_and_bring_the_rest_back():
 def test_the_estimate_keeps_one_layers_activations_on_cuda_and_all_of_them_on_cpu(checkpoints, checkpointing):
     from tunegrid.prepare.memory_estimate import estimate_cell
 
-    def parts(offloading: bool, device: str) -> dict[str, int]:
+    def parts(offloading: bool, device: str) -> MemoryComponents:
         spec = one_cell(batch=8, train={"activation_offloading": offloading, "gradient_checkpointing": checkpointing})
-        return estimate_cell(spec, checkpoints["gemma3-hot"], 0, device=device)["components"]
+        return estimate_cell(spec, checkpoints["gemma3-hot"], 0, device=device).components
 
     assert parts(True, "cpu") == parts(False, "cpu")
     plain, offloaded = parts(False, "cuda"), parts(True, "cuda")
-    assert offloaded["activations"] < plain["activations"] and offloaded["activations_offloaded_to_host"] > 0
-    assert offloaded["activations"] + offloaded["activations_offloaded_to_host"] == plain["activations"]
+    assert offloaded.activations < plain.activations and offloaded.activations_offloaded_to_host > 0
+    assert offloaded.activations + offloaded.activations_offloaded_to_host == plain.activations
 
 
 @pytest.mark.gpu
@@ -95,12 +96,17 @@ def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path, chec
     from dataclasses import replace
 
     from tunegrid.contract import CellContract, CellJob, MemoryEstimate
-    from tunegrid.prepare.cell_plan import OFFLOADED, host_mem_mb, mem_mb_for_job, write_contract
+    from tunegrid.prepare.cell_plan import host_mem_mb, mem_mb_for_job, write_contract
 
     plain = MemoryEstimate(
-        worker="spawned", estimate_bytes=4 * 2**30, stage="step", load_bytes=0, step_bytes=4 * 2**30, components={}
+        worker="spawned",
+        estimate_bytes=4 * 2**30,
+        stage="step",
+        load_bytes=0,
+        step_bytes=4 * 2**30,
+        components=MemoryComponents(),
     )
-    offloaded = replace(plain, components={OFFLOADED: 2 * 2**30})
+    offloaded = replace(plain, components=MemoryComponents(activations_offloaded_to_host=2 * 2**30))
     assert host_mem_mb(offloaded, 1) == host_mem_mb(plain, 1) + 3 * 1024  # the safety factor 1.5 over 2 GiB
     spec = one_cell(train={"activation_offloading": True})
     job = CellJob(model_dir=str(checkpoints[spec["model"]["name"]]), data_path="d", run_dir="r", result_path="r/x")

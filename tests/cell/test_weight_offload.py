@@ -68,7 +68,7 @@ def test_the_estimate_keeps_one_layers_weights_on_cuda_and_all_of_them_on_cpu(ch
 
     def parts(offloading: bool, device: str, quant: str = "none") -> dict[str, int]:
         spec = one_cell(quant=quant, train={"weight_offloading": offloading, "gradient_checkpointing": checkpointing})
-        return estimate_cell(spec, checkpoints["gemma3-hot"], 0, device=device)["components"]
+        return estimate_cell(spec, checkpoints["gemma3-hot"], 0, device=device).components.as_dict()
 
     assert parts(True, "cpu") == parts(False, "cpu")
     for quant in ("none", "nf4"):
@@ -81,13 +81,20 @@ def test_the_estimate_keeps_one_layers_weights_on_cuda_and_all_of_them_on_cpu(ch
 
 
 def test_the_plan_asks_the_host_for_the_offloaded_weights_too():
-    from tunegrid.contract import MemoryEstimate
-    from tunegrid.prepare.cell_plan import WEIGHTS_OFFLOADED, host_mem_mb
+    from dataclasses import replace
+
+    from tunegrid.contract import MemoryComponents, MemoryEstimate
+    from tunegrid.prepare.cell_plan import host_mem_mb
 
     plain = MemoryEstimate(
-        worker="spawned", estimate_bytes=4 * 2**30, stage="step", load_bytes=0, step_bytes=4 * 2**30, components={}
+        worker="spawned",
+        estimate_bytes=4 * 2**30,
+        stage="step",
+        load_bytes=0,
+        step_bytes=4 * 2**30,
+        components=MemoryComponents(),
     )
-    offloaded = MemoryEstimate(**{**plain.__dict__, "components": {WEIGHTS_OFFLOADED: 2 * 2**30}})
+    offloaded = replace(plain, components=MemoryComponents(weights_offloaded_to_host=2 * 2**30))
     assert host_mem_mb(offloaded, 1) == host_mem_mb(plain, 1) + 3 * 1024  # the safety factor 1.5 over 2 GiB
 
 

@@ -29,8 +29,10 @@ PLANNING: dict[str, set[str]] = {
     "device_constants": {f"{PLAN}:_estimate"},
     "feasibility": {f"{PLAN}:_estimate"},
     "estimate_from_shapes": {"tunegrid.prepare.memory_estimate:estimate_cell"},
-    # the estimate names the decision it assumed; the plan records the one the cell trains with
-    "cpu_onednn_off": {"tunegrid.prepare.memory_estimate:estimate_from_shapes", f"{PLAN}:_kernels"},
+    # the kernels are decided where the plan decides them; the estimate is of a cell that trains with them
+    "cpu_onednn_off": {f"{PLAN}:_kernels"},
+    # the device a cell trains on: its estimate, kernels and verdicts follow it, and the worker reads it
+    "training_device": {f"{PLAN}:plan_cell"},
     # the GPUs a cluster job was granted are known only once it runs: the supervisor asks then (a plan made on
     # the submitting host could not), nothing else
     "gpu_shortfall": {f"{PLAN}:_estimate", "tunegrid.run.supervisor:run_cell"},

@@ -4,8 +4,10 @@ always kept it."""
 
 from __future__ import annotations
 
-from conftest import one_cell
+import pytest
+from conftest import REPO, one_cell
 
+from tunegrid.cell.ranks import Ranks
 from tunegrid.contract import CellContract, CellJob
 from tunegrid.prepare.cell_plan import write_contract
 from tunegrid.runtime.workers import SPAWNED
@@ -71,3 +73,37 @@ def test_cpu_fp16_moe_trains_without_onednn_where_the_probe_says_onednn_runs_fp1
     assert _contract(tmp_path, checkpoints, beside, on_xeon).plan.kernels.cpu_onednn_off
     gpu_fp16 = {**CUDA, "precision": flagged["precision"]}
     assert _contract(tmp_path, checkpoints, beside, gpu_fp16).plan.kernels.cpu_onednn_off is None
+
+
+def test_no_gpu_per_rank_on_a_cuda_host_plans_a_cpu_estimate_and_trains_on_the_cpu(tmp_path, checkpoints, monkeypatch):
+    """`hardware.gpus_per_rank: 0` beside the GPU a recorded probe found: the plan's device is the CPU, its estimates
+    are the CPU's (none of the GPU's constants), its kernels the CPU's, and the worker trains there with CUDA in
+    sight; the same cell with a GPU per rank plans and trains on CUDA."""
+    import torch
+
+    from tunegrid.cell.library_api import require_apis
+    from tunegrid.cell.train import CellTrainer
+    from tunegrid.prepare.memory_estimate import estimate_cell
+    from tunegrid.runtime.files import read_json
+
+    # the recorded probe predates step_overhead_bytes: one assumed here, so that a GPU's constant would show
+    h100 = {**read_json(REPO / "tests" / "data" / "capabilities-h100.json"), "step_overhead_bytes": {"fp16": 2**26}}
+    spec = one_cell(precision="fp16")
+    beside = {**spec, "hardware": {**spec["hardware"], "gpus_per_rank": 0}}
+    on_cpu, on_gpu = (_contract(tmp_path, checkpoints, s, h100) for s in (beside, spec))
+    assert (on_cpu.plan.device, on_gpu.plan.device) == ("cpu", "cuda")
+    model_dir = checkpoints[spec["model"]["name"]]
+    for worker, estimate in on_cpu.plan.estimates.items():
+        assert estimate == estimate_cell(beside, model_dir, 0, "cpu", 0, worker)
+    assert on_cpu.plan.estimate().components.runtime == 0 < on_gpu.plan.estimate().components.runtime
+    assert on_cpu.plan.kernels.cpu_fp16_matmul and on_gpu.plan.kernels.cpu_fp16_matmul is None
+
+    require_apis(on_cpu.spec)  # the libraries' lazy modules imported first, as the host's torch sees it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # then a GPU in sight of the worker
+    trainer = CellTrainer(on_cpu, tmp_path / "run")
+    trainer.setup()
+    assert trainer.device.type == "cpu" and trainer.memory["device"] == "cpu"
+    assert Ranks().device(on_gpu.plan.device) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="plan trains it on CUDA"):
+        Ranks().device(on_gpu.plan.device)

@@ -35,9 +35,9 @@ def _ratios(run: dict) -> dict[str, float]:
             continue
         spec = cell["spec"]
         config, shapes = meta_model_shapes(run["models"][spec["axes"]["model"]])
-        constants = device_constants(run["probe"], spec["axes"]["precision"], cell["estimate_worker"])
+        constants = device_constants(run["probe"], spec["axes"]["precision"], cell["estimate_worker"], device="cpu")
         estimate = estimate_from_shapes(spec, config, shapes, **constants)
-        ratios[spec["cell_id"]] = estimate["estimate_bytes"] / cell["peak_bytes"]
+        ratios[spec["cell_id"]] = estimate.estimate_bytes / cell["peak_bytes"]
     return ratios
 
 

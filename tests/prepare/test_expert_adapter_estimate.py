@@ -80,6 +80,6 @@ def test_the_estimate_counts_the_expert_adapters_the_loader_attaches(
     expert_adapters = [p for n, p in trainer.trainable_named if ".experts." in n]
     assert expert_adapters, "the loader attached adapters to the experts"
     measured = sum(p.numel() * p.element_size() for _, p in trainer.trainable_named)
-    estimate = estimate_cell(spec, family_checkpoints[family])["components"]
-    assert estimate["lora_params_grads"] == 2 * measured  # params and their grads, fp32
-    assert estimate["optimizer_state"] == 2 * measured  # AdamW's two fp32 moments per adapter element
+    estimate = estimate_cell(spec, family_checkpoints[family]).components
+    assert estimate.lora_params_grads == 2 * measured  # params and their grads, fp32
+    assert estimate.optimizer_state == 2 * measured  # AdamW's two fp32 moments per adapter element

@@ -115,10 +115,10 @@ def _run(spec, checkpoints, dataset_path, tmp_path, capabilities):
 def test_estimate_grows_with_batch_and_shrinks_with_nf4(checkpoints):
     small = estimate_cell(_spec(batch=2), checkpoints["qwen3moe-tiny"], 0)
     large = estimate_cell(_spec(batch=64), checkpoints["qwen3moe-tiny"], 0)
-    assert large["components"]["activations"] > 10 * small["components"]["activations"]
-    plain = estimate_cell(_spec(quant="nf4"), checkpoints["qwen3moe-tiny"], 0)["components"]["weights"]
-    experts = estimate_cell(_spec(quant="nf4-experts"), checkpoints["qwen3moe-tiny"], 0)["components"]["weights"]
-    full = estimate_cell(_spec(quant="none"), checkpoints["qwen3moe-tiny"], 0)["components"]["weights"]
+    assert large.components.activations > 10 * small.components.activations
+    plain = estimate_cell(_spec(quant="nf4"), checkpoints["qwen3moe-tiny"], 0).components.weights
+    experts = estimate_cell(_spec(quant="nf4-experts"), checkpoints["qwen3moe-tiny"], 0).components.weights
+    full = estimate_cell(_spec(quant="none"), checkpoints["qwen3moe-tiny"], 0).components.weights
     assert full > plain > experts  # the experts are what plain nf4 leaves in full precision
 
 
@@ -258,17 +258,21 @@ def test_the_job_memory_override_re_runs_no_cell():
 def test_cpu_bf16_with_routed_experts_and_only_that_trains_without_onednn(checkpoints):
     """oneDNN's bf16 kernels grew CPU bf16 MoE cells step by step (benchmarks/onednn_bf16_growth.py): the plan
     turns them off for those cells, and only for them, and leaves nothing unmodelled."""
-    estimates = {
-        (model, precision, device): estimate_cell(
-            _spec(model=model, precision=precision), checkpoints[model], 0, device
-        )
+    import json
+
+    from tunegrid.prepare.cpu_kernels import cpu_onednn_off
+
+    cells = [
+        (model, precision, device)
         for model in ("qwen3moe-tiny", "gemma3-hot")
         for precision in ("fp32", "bf16")
         for device in ("cpu", "cuda")
-    }
-    assert "oneDNN" in estimates[("qwen3moe-tiny", "bf16", "cpu")]["cpu_onednn_off"]
-    assert [k for k, v in estimates.items() if v["cpu_onednn_off"]] == [("qwen3moe-tiny", "bf16", "cpu")]
-    assert not any(v["not_modelled"] for v in estimates.values())
+    ]
+    config = {model: json.loads((checkpoints[model] / "config.json").read_text()) for model, _, _ in cells}
+    off = {(m, p, d): cpu_onednn_off(_spec(model=m, precision=p), config[m], d) for m, p, d in cells}
+    assert "oneDNN" in off[("qwen3moe-tiny", "bf16", "cpu")]
+    assert [cell for cell, why in off.items() if why] == [("qwen3moe-tiny", "bf16", "cpu")]
+    assert not any(estimate_cell(_spec(model=m, precision=p), checkpoints[m], 0, d).not_modelled for m, p, d in cells)
 
 
 def _saved_expert_weights(trainer) -> dict[int, tuple[int, tuple[int, ...]]]:
@@ -326,22 +330,20 @@ def test_cuda_estimate_counts_every_layers_expert_weights_kept_for_backward(
     layers = trainer.model.get_base_model().config.num_hidden_layers
     assert len(full_width) == 2 and measured == layers * sum(full_width.values())  # every layer's, both tensors
     estimate = estimate_cell(spec, checkpoints["qwen3moe-tiny"], device="cuda")
-    assert estimate["components"]["experts_kept_for_backward"] == measured, estimate["components"]
+    assert estimate.components.experts_kept_for_backward == measured, estimate.components
     if target_parameters:  # and the expert adapters themselves: r x experts x (in + out) per adapted tensor
         adapters = sum(p.numel() for n, p in trainer.trainable_named if ".experts." in n)
         assert adapters > 0
         plain = estimate_cell({**spec, "lora": {**lora, "target_parameters": []}}, checkpoints["qwen3moe-tiny"])
-        lora_bytes = [
-            sum(e["components"][k] for k in ("lora_params_grads", "optimizer_state")) for e in (estimate, plain)
-        ]
+        lora_bytes = [e.components.lora_params_grads + e.components.optimizer_state for e in (estimate, plain)]
         assert lora_bytes[0] - lora_bytes[1] == adapters * 4 * 4  # fp32 params, grads and AdamW's two moments
     checkpointed = estimate_cell(
         {**spec, "train": {**spec["train"], "gradient_checkpointing": True}},
         checkpoints["qwen3moe-tiny"],
         device="cuda",
     )
-    assert checkpointed["components"]["experts_kept_for_backward"] == 0
-    assert checkpointed["components"]["dequant_buffer"] >= max(full_width.values())  # one layer's, rebuilt
+    assert checkpointed.components.experts_kept_for_backward == 0
+    assert checkpointed.components.dequant_buffer >= max(full_width.values())  # one layer's, rebuilt
 
 
 def test_a_cuda_budget_caps_the_training_device_and_an_oom_records_the_reserved_peak_it_caps(monkeypatch):
@@ -393,9 +395,9 @@ def test_the_manifest_measures_the_tokenizer_in_memory_and_the_estimate_holds_it
     recorded = json.loads((copy / "manifest.json").read_text())["tokenizer_resident_bytes"]
     assert recorded > 0
     estimate = estimate_cell(_spec(), copy, 0)
-    assert estimate["components"]["tokenizer"] == recorded
+    assert estimate.components.tokenizer == recorded
     without = estimate_from_shapes(_spec(), json.loads((copy / "config.json").read_text()), tensor_shapes(copy), 0)
-    assert estimate["estimate_bytes"] - without["estimate_bytes"] == recorded
+    assert estimate.estimate_bytes - without.estimate_bytes == recorded
 
 
 @pytest.mark.slow

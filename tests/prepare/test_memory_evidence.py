@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import meta_model_shapes
 
+from tunegrid.contract import MemoryEstimate
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -48,17 +49,17 @@ def test_evidence_covers_dense_and_moe_cells_at_tiny_and_real_width():
 def test_estimate_matches_the_recorded_gpu_peak(study, cell):
     spec = cell["spec"]
     config, shapes = meta_model_shapes(spec["model"])
-    constants = device_constants(CAPABILITIES, spec["axes"]["precision"])
+    constants = device_constants(CAPABILITIES, spec["axes"]["precision"], device=CAPABILITIES["device"])
     assert constants["device"] == "cuda" and constants["step_overhead"] > 0
     # these cells quantized their experts after the load (the path before load-time quantization)
     estimate = estimate_from_shapes(spec, config, shapes, **constants, experts_quantized_at="post_load")
-    ratio = estimate["estimate_bytes"] / cell["peak_bytes"]
+    ratio = estimate.estimate_bytes / cell["peak_bytes"]
     assert 0.9 <= ratio <= 1.1, (
-        f"{spec['cell_id']}: estimate/measured {ratio:.3f} ({estimate['stage']}: {estimate['components']})"
+        f"{spec['cell_id']}: estimate/measured {ratio:.3f} ({estimate.stage}: {estimate.components})"
     )
     # where the load is the peak (bf16 experts before quantization), the estimate says so
     if cell["load_peak_bytes"] >= cell["steady_peak_bytes"] * 1.02:
-        assert estimate["stage"] == "load", spec["cell_id"]
+        assert estimate.stage == "load", spec["cell_id"]
 
 
 # The second recording, 2026-11-26 (the GPU acceptance run, its own probe record inside the file): real Gemma 3 270M
@@ -68,7 +69,7 @@ RECORDED = json.loads((DATA / "evidence-h100-2026-11-26.json").read_text())
 RECORDED_CELLS = [cell for cell in RECORDED["cells"] if cell["outcome"] == "ok"]
 
 
-def _recorded_estimate(cell: dict) -> dict:
+def _recorded_estimate(cell: dict) -> MemoryEstimate:
     spec = cell["spec"]
     checkpoint = RECORDED["checkpoints"].get(spec["model"]["name"])
     if checkpoint is None:
@@ -80,7 +81,8 @@ def _recorded_estimate(cell: dict) -> dict:
             "tokenizer_bytes": checkpoint["tokenizer_bytes"],
             "largest_on_disk": tuple(checkpoint["largest_on_disk"]),
         }
-    constants = device_constants(RECORDED["capabilities"], spec["axes"]["precision"])
+    probe = RECORDED["capabilities"]
+    constants = device_constants(probe, spec["axes"]["precision"], device=probe["device"])
     assert constants["device"] == "cuda" and constants["step_overhead"] > 0  # measured by that run's probe
     return estimate_from_shapes(spec, config, shapes, **constants, **facts)
 
@@ -94,15 +96,13 @@ def test_the_second_recording_holds_real_weights_and_the_full_width_moe_case():
 @pytest.mark.parametrize("cell", RECORDED_CELLS, ids=[cell["spec"]["cell_id"] for cell in RECORDED_CELLS])
 def test_estimate_matches_the_peaks_recorded_with_real_weights_and_at_full_width(cell):
     estimate = _recorded_estimate(cell)
-    ratio = estimate["estimate_bytes"] / cell["peak_bytes"]
-    if estimate["not_modelled"]:
+    ratio = estimate.estimate_bytes / cell["peak_bytes"]
+    if estimate.not_modelled:
         # fp32 islands are chosen when the cell starts: the estimate says what it leaves out, and is short
-        assert "fp32 islands" in estimate["not_modelled"] and ratio < 1.0
+        assert "fp32 islands" in estimate.not_modelled and ratio < 1.0
         return
-    assert 0.9 <= ratio <= 1.1, (
-        f"{cell['spec']['cell_id']}: {ratio:.3f} ({estimate['stage']}: {estimate['components']})"
-    )
+    assert 0.9 <= ratio <= 1.1, f"{cell['spec']['cell_id']}: {ratio:.3f} ({estimate.stage}: {estimate.components})"
     # a GPU's peak holds neither the tokenizer nor a cast checkpoint's host-side read and cast copies
-    assert estimate["components"]["tokenizer"] == 0
+    assert estimate.components.tokenizer == 0
     if cell["spec"]["model"]["name"] in RECORDED["checkpoints"]:
-        assert 0.9 <= estimate["load_bytes"] / cell["load_peak_bytes"] <= 1.1
+        assert 0.9 <= estimate.load_bytes / cell["load_peak_bytes"] <= 1.1

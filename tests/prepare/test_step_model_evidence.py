@@ -57,10 +57,10 @@ def _replayed(index: int) -> tuple[StepWork, ModelledStep]:
     spec = CELLS[index][1]
     config, shapes = meta_model_shapes(spec["model"])
     precision = spec["axes"]["precision"]
-    estimate = estimate_from_shapes(spec, config, shapes, **device_constants(PROBE, precision))
+    estimate = estimate_from_shapes(spec, config, shapes, **device_constants(PROBE, precision, device=PROBE["device"]))
     flops = plan_liveness(spec, config, shapes, PROBE).step_flops
     checkpointing = bool(spec["axes"].get("activation_checkpointing") or spec["train"].get("gradient_checkpointing"))
-    work = StepWork.of(precision, flops, estimate["components"], checkpointing=checkpointing)
+    work = StepWork.of(precision, flops, estimate.components.as_dict(), checkpointing=checkpointing)
     modelled = modelled_step(H100, work)
     assert modelled is not None, f"{IDS[index]}: {precision} has no data-sheet rate on {H100.name}"
     return work, modelled

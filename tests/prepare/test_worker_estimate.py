@@ -30,19 +30,33 @@ CAPABILITIES = {
 
 
 def test_each_path_and_arithmetic_takes_its_own_measured_constant():
-    # and the dtypes whose matmuls go to oneDNN there: from `precision` (a CPU probe's; no AVX512-FP16)
-    cpu = {"device": "cpu", "cpu_onednn_matmul": {"bf16": True, "fp16": False}}
-    assert device_constants(CAPABILITIES, "bf16", FORKED) == {"runtime": 408 * MIB, "step_overhead": 0, **cpu}
-    assert device_constants(CAPABILITIES, "fp16-islands", SPAWNED)["runtime"] == 460 * MIB  # fp16 arithmetic
+    cpu = {"device": "cpu", "worker": FORKED}
+    assert device_constants(CAPABILITIES, "bf16", FORKED, device="cpu") == {
+        "runtime": 408 * MIB,
+        "step_overhead": 0,
+        **cpu,
+    }
+    assert device_constants(CAPABILITIES, "fp16-islands", SPAWNED, device="cpu")["runtime"] == 460 * MIB  # fp16's
     # a probe record from before the calibration: the process before a model plus the small step's overhead
     old = {k: v for k, v in CAPABILITIES.items() if k != "worker_runtime_bytes"}
-    assert device_constants(old, "fp32", FORKED) == {"runtime": 430 * MIB, "step_overhead": 8 * MIB, **cpu}
+    assert device_constants(old, "fp32", FORKED, device="cpu") == {
+        "runtime": 430 * MIB,
+        "step_overhead": 8 * MIB,
+        **cpu,
+    }
     # and so does a probe whose calibration failed (it records why instead of failing the study)
     failed = {**old, "worker_runtime_bytes": {"error": "OSError: no space left on device"}}
-    assert device_constants(failed, "fp32", FORKED) == device_constants(old, "fp32", FORKED)
+    assert device_constants(failed, "fp32", FORKED, device="cpu") == device_constants(old, "fp32", FORKED, device="cpu")
     # on CUDA the allocator's figures stand, whatever a CPU calibration said
     cuda = {**CAPABILITIES, "device": "cuda", "runtime_baseline_bytes": 0}
-    assert device_constants(cuda, "fp32", FORKED)["runtime"] == 0
+    assert device_constants(cuda, "fp32", FORKED, device="cuda")["runtime"] == 0
+    # a CPU cell beside the GPU that probe measured (gpus_per_rank 0): none of the GPU's constants
+    assert device_constants(cuda, "fp32", SPAWNED, device="cpu") == {
+        "runtime": 0,
+        "step_overhead": 0,
+        "device": "cpu",
+        "worker": SPAWNED,
+    }
 
 
 def test_only_a_local_cpu_cell_with_a_warm_worker_is_forked_each_of_its_ranks_too():

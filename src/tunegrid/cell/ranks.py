@@ -33,6 +33,17 @@ class Ranks:
     def distributed(self) -> bool:
         return self.world > 1
 
+    def device(self, planned: str) -> Any:
+        """The torch.device this rank trains on: its own GPU where the plan trains the cell on CUDA (the supervisor
+        made this rank's GPU its local index), else the CPU, even where a GPU is visible (gpus_per_rank 0)."""
+        import torch
+
+        if planned != "cuda":
+            return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise RuntimeError("the cell's plan trains it on CUDA, and this process sees no CUDA device")
+        return torch.device("cuda", self.local)
+
 
 @dataclass
 class RankContext:

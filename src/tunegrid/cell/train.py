@@ -83,7 +83,7 @@ class CellTrainer:
         torch.set_num_threads(train["threads"])
         torch.manual_seed(self.spec["axes"]["seed"])  # the same on every rank: identical LoRA init
         ranks = Ranks.from_env()
-        self.device = torch.device("cuda", ranks.local) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = ranks.device(self.contract.plan.device)  # the plan's (tunegrid.runtime.devices.training_device)
         self.ranks = RankContext(ranks, self.device, self.heartbeat, self.spec.get("debug") or {})
         if self.ranks.distributed:
             self.facts["distributed"] = self.ranks.group_facts(self.spec["distributed"])

@@ -140,7 +140,11 @@ def _plan_row(contract: Any, capabilities: dict[str, Any]) -> dict[str, Any]:
     precision = str(axes["precision"])
     checkpointing = bool(axes.get("activation_checkpointing"))
     step = modelled_step_s(
-        plan.target, precision, plan.liveness.step_flops, plan.estimate().components, checkpointing=checkpointing
+        plan.target,
+        precision,
+        plan.liveness.step_flops,
+        plan.estimate().components.as_dict(),
+        checkpointing=checkpointing,
     )
     floor = step_floor_s(plan.liveness.step_flops, precision, checkpointing, capabilities)
     tokens = axes["batch_size"] * axes.get("grad_accum", 1) * contract.spec["train"]["seq_len"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,6 @@ MEM_SAFETY_FACTOR = 1.5
 # No rank asks for less: a Python process with torch, transformers and peft imported holds ~0.5-0.7 GiB
 # before it loads a model (the probe's runtime baseline on the 2-core CPU host).
 MEM_FLOOR_MB_PER_RANK = 1024
-OFFLOADED = "activations_offloaded_to_host"  # the estimate's components held in host memory, not the device's
-WEIGHTS_OFFLOADED = "weights_offloaded_to_host"
 
 
 def job_mem_mb(estimate_bytes: int, world_size: int, override_mb: int = 0) -> int:
@@ -46,8 +45,7 @@ def job_mem_mb(estimate_bytes: int, world_size: int, override_mb: int = 0) -> in
 def host_mem_mb(estimate: MemoryEstimate, world_size: int) -> int:
     """The job's host memory for this estimate: the estimate's peak, and the activations and weights offloaded from
     a GPU (train.activation_offloading, train.weight_offloading), which live in the host's memory besides."""
-    offloaded = sum(int(estimate.components.get(key, 0)) for key in (OFFLOADED, WEIGHTS_OFFLOADED))
-    return job_mem_mb(estimate.estimate_bytes + offloaded, world_size)
+    return job_mem_mb(estimate.estimate_bytes + estimate.components.in_host_memory(), world_size)
 
 
 def trains(contract_file: str | Path | None) -> bool:
@@ -77,39 +75,25 @@ def mem_mb_for_job(contract_file: str | Path | None, hardware: dict[str, Any], w
 
 
 def _estimate(
-    spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], worker: str, target: Any
+    spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], device: str, worker: str, target: Any
 ) -> MemoryEstimate:
-    """One path's estimate with its verdict."""
+    """One path's estimate, for the device the cell trains on, with the verdict it leads to."""
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
     from tunegrid.targets import cluster_shortfall, feasibility, gpu_shortfall, needs_cuda
 
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
-    raw = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker))
-    verdict = feasibility(precision, target, hardware, raw["estimate_bytes"]) if target else None
-    verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, capabilities)
+    estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker, device=device))
+    verdict = feasibility(precision, target, hardware, estimate.estimate_bytes) if target else None
+    verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, device)
     verdict = verdict or cluster_shortfall(spec, capabilities)
-    return MemoryEstimate(
-        worker=worker,
-        estimate_bytes=int(raw["estimate_bytes"]),
-        stage=str(raw["stage"]),
-        load_bytes=int(raw["load_bytes"]),
-        step_bytes=int(raw["step_bytes"]),
-        components=dict(raw["components"]),
-        not_modelled=raw.get("not_modelled"),
-        verdict=str(verdict[0]) if verdict else "run",
-        reason=str(verdict[1]) if verdict else "",
-    )
+    return replace(estimate, verdict=str(verdict[0]), reason=str(verdict[1])) if verdict else estimate
 
 
-def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> CellKernels:
-    """The kernels the cell's ranks train with, on the device they train on: CUDA where the probe found it and
-    each rank gets a GPU, else the CPU (`hardware.gpus_per_rank: 0` trains on the CPU beside a GPU)."""
+def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], device: str) -> CellKernels:
+    """The kernels the cell's ranks train with, on the device they train on."""
     from tunegrid.prepare.cpu_kernels import cpu_fp16_matmul, cpu_onednn_matmul, cpu_onednn_off
-    from tunegrid.runtime.devices import gpus_per_rank
 
-    on_cuda = capabilities.get("device") == "cuda" and gpus_per_rank(spec["hardware"], capabilities) > 0
     config = json.loads((model_dir / "config.json").read_text())
-    device = "cuda" if on_cuda else "cpu"
     return CellKernels(
         cpu_onednn_off=cpu_onednn_off(spec, config, device, cpu_onednn_matmul(capabilities)),
         cpu_fp16_matmul=cpu_fp16_matmul(spec, device),
@@ -117,21 +101,22 @@ def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]
 
 
 def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], warm_worker: bool) -> CellPlan:
-    """The cell's plan: its target, budget, estimates (of each path its worker may take: the supervisor spawns a
-    worker the warm worker does not fork), kernels and liveness limits. `warm_worker`: the run forks its cells
-    from a warm worker (a local run of a study with execution.warm_worker); the planned path and the job's memory
-    follow it."""
+    """The cell's plan: the device it trains on, its target, budget, estimates (of each path its worker may take:
+    the supervisor spawns a worker the warm worker does not fork), kernels and liveness limits. `warm_worker`: the
+    run forks its cells from a warm worker (a local run of a study with execution.warm_worker); the planned path
+    and the job's memory follow it."""
     from tunegrid.prepare.liveness import cell_liveness
+    from tunegrid.runtime.devices import training_device
     from tunegrid.targets import resolve_target
 
     hardware = spec["hardware"]
-    device = capabilities.get("device", "cpu")
+    device = training_device(hardware, capabilities)
     target = resolve_target(hardware, capabilities) if capabilities else None
     enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
     worker = planned_worker(spec, device, warm_worker)
     # every path the worker may take: the planned one, spawned, and forked wherever a warm worker could fork it
     paths = dict.fromkeys([worker, SPAWNED, planned_worker(spec, device, True)])
-    estimates = {path: _estimate(spec, model_dir, capabilities, path, target) for path in paths}
+    estimates = {path: _estimate(spec, model_dir, capabilities, device, path, target) for path in paths}
     world = int(spec["axes"].get("world_size", 1))
     return CellPlan(
         cell_id=spec["cell_id"],
@@ -141,7 +126,7 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
         device=device,
         worker=worker,
         estimates=estimates,
-        kernels=_kernels(spec, model_dir, capabilities),
+        kernels=_kernels(spec, model_dir, capabilities, device),
         liveness=cell_liveness(spec, model_dir, capabilities),
         mem_mb=host_mem_mb(estimates[worker], world // int(spec["axes"].get("nodes", 1))),  # a node's ranks
     )

@@ -10,6 +10,7 @@ Light module: no torch (names and shapes from the safetensors headers).
 from __future__ import annotations
 
 import re
+from collections.abc import Set
 
 from tunegrid.prepare.checkpoint_headers import numel_of
 
@@ -33,7 +34,7 @@ MIXTRAL_MOE = "block_sparse_moe"
 MIXTRAL_EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]) -> dict[str, list[int]]:
+def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: Set[str]) -> dict[str, list[int]]:
     """The 3-D expert parameters transformers builds at load, by name (what `lora.target_parameters` names):
     a fused checkpoint tensor as it is (GPT-OSS's [experts, in, out], transposed, beside its 2-D biases, which
     get no adapter), or one layer's per-expert tensors of one shape stacked, projections that share the shape
@@ -60,7 +61,7 @@ def fused_expert_parameters(shapes: dict[str, list[int]], expert_names: set[str]
     return fused
 
 
-def largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
+def largest_layer_numel(shapes: dict[str, list[int]], names: Set[str]) -> int:
     """Elements of `names` in the layer (the name up to its first index) that holds the most of them."""
     layers: dict[str, int] = {}
     for name in names:
@@ -70,7 +71,7 @@ def largest_layer_numel(shapes: dict[str, list[int]], names: set[str]) -> int:
     return max(layers.values(), default=0)
 
 
-def largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str]) -> int:
+def largest_layer_experts(shapes: dict[str, list[int]], expert_names: Set[str]) -> int:
     """Elements of the largest experts module: what dequantizing one MoE layer's experts materializes."""
     layers: dict[str, int] = {}
     for name in expert_names:
@@ -79,7 +80,7 @@ def largest_layer_experts(shapes: dict[str, list[int]], expert_names: set[str]) 
     return max(layers.values(), default=0)
 
 
-def fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], storage: int) -> int:
+def fused_expert_bytes(shapes: dict[str, list[int]], expert_names: Set[str], storage: int) -> int:
     """The largest fused expert tensor transformers builds while loading: per-expert checkpoint tensors
     of one layer that share a shape are concatenated into one 3-D parameter (gate and up together)."""
     groups: dict[tuple[str, tuple[int, ...]], int] = {}
@@ -91,7 +92,7 @@ def fused_expert_bytes(shapes: dict[str, list[int]], expert_names: set[str], sto
 
 
 def largest_read_at_once(
-    shapes: dict[str, list[int]], expert_names: set[str], quantized: set[str], experts: int
+    shapes: dict[str, list[int]], expert_names: Set[str], quantized: Set[str], experts: int
 ) -> int:
     """Elements of the largest full-precision tensor a load that quantizes as it reads holds at once: a
     tensor that gets quantized, where a fused expert tensor assembled from per-expert checkpoint tensors

@@ -55,6 +55,17 @@ def gpus_per_rank(hardware: dict[str, Any], capabilities: dict[str, Any] | None 
     return 1 if visible_gpu_count() > 0 else 0
 
 
+def training_device(hardware: dict[str, Any], capabilities: dict[str, Any]) -> str:
+    """The device a cell's ranks train on, "cuda" or "cpu": CUDA where each rank gets a GPU (gpus_per_rank) and
+    there is CUDA to give (the probe recorded it; without a probe record, this machine shows a GPU), else the CPU
+    (`gpus_per_rank: 0` trains on the CPU beside a GPU). The plan records it (tunegrid.contract.CellPlan.device);
+    its estimate, kernels and verdicts are of that device, and the worker trains on it."""
+    if gpus_per_rank(hardware, capabilities) == 0:
+        return "cpu"
+    cuda = capabilities.get("device") == "cuda" if capabilities else visible_gpu_count() > 0
+    return "cuda" if cuda else "cpu"
+
+
 def cell_gpus(hardware: dict[str, Any], world_size: int, capabilities: dict[str, Any] | None = None) -> int:
     """The GPUs a cell's job asks for: every rank of a distributed cell is a process of the one job."""
     return world_size * gpus_per_rank(hardware, capabilities)
