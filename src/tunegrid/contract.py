@@ -94,6 +94,13 @@ class MemoryEstimate:
     verdict: str = "run"
     reason: str = ""  # why, for a verdict other than run
 
+    def charge_bytes(self, device: str) -> int:
+        """What the estimate says the cell charges its budget on `device`. On a CPU the budget caps the address
+        space the cell adds above its worker's start (tunegrid.runtime.memory), which the runtime is already mapped
+        in: the estimate less its runtime term. On CUDA the allocator's cap covers every tensor: the whole
+        estimate."""
+        return self.estimate_bytes - (self.components.runtime if device == "cpu" else 0)
+
     def record(self) -> dict[str, Any]:
         """The estimate as result.json's `cell.plan.estimate` keeps it (without the verdict)."""
         return {k: v for k, v in asdict(self).items() if k not in ("verdict", "reason")}
@@ -132,12 +139,8 @@ class CellPlan:
         return self.estimates.get(worker or self.worker) or self.estimates[self.worker]
 
     def charge_bytes(self, worker: str | None = None) -> int:
-        """What the estimate says the cell charges its budget. On a CPU the budget caps the address space the cell
-        adds above its worker's start (tunegrid.runtime.memory), which the runtime is already mapped in: the
-        estimate less its runtime term. On CUDA the allocator's cap covers every tensor: the whole estimate."""
-        planned = self.estimate(worker)
-        runtime = planned.components.get("runtime", 0) if self.device == "cpu" else 0
-        return planned.estimate_bytes - runtime
+        """What the estimate for `worker`'s path charges the budget (MemoryEstimate.charge_bytes)."""
+        return self.estimate(worker).charge_bytes(self.device)
 
     def row(self) -> dict[str, Any]:
         """The cell's line of plan.csv (and what the doctor's out-of-memory choice reads)."""

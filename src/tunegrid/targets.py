@@ -218,9 +218,11 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def feasibility(
-    precision: str, target: Target, hardware: dict[str, Any], estimate_bytes: int | None
+    precision: str, target: Target, hardware: dict[str, Any], charge_bytes: int | None
 ) -> tuple[str, str] | None:
-    """(outcome, reason) for a cell that should not train here, or None when it should."""
+    """(outcome, reason) for a cell that should not train here, or None when it should. `charge_bytes` is what its
+    estimate charges the budget (contract.MemoryEstimate.charge_bytes: on a CPU, without the runtime already mapped
+    when the budget starts)."""
     support = target.precision.get(precision_plan(precision).arithmetic, "absent")
     if support == "absent":
         return Outcome.UNSUPPORTED, f"{precision} is absent on target {target.name}"
@@ -231,12 +233,12 @@ def feasibility(
         )
     if (
         hardware["predicted_oom"] == "skip"
-        and estimate_bytes is not None
+        and charge_bytes is not None
         and target.memory_bytes is not None
-        and estimate_bytes > target.memory_bytes * hardware["oom_margin"]
+        and charge_bytes > target.memory_bytes * hardware["oom_margin"]
     ):
         return Outcome.PREDICTED_OOM, (
-            f"estimated peak {estimate_bytes / GIB:.2f} GiB exceeds the {target.memory_bytes / GIB:.2f} GiB "
+            f"estimated charge {charge_bytes / GIB:.2f} GiB exceeds the {target.memory_bytes / GIB:.2f} GiB "
             f"budget of {target.name} x margin {hardware['oom_margin']}"
         )
     return None

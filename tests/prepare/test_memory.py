@@ -91,6 +91,30 @@ def test_t4_has_no_native_bf16_whatever_the_flag_says():
     assert feasibility("fp16", resolve_target(skip, {}), skip, 17 * 2**30)[0] == "predicted_oom"
 
 
+def test_a_cpu_cells_predicted_oom_weighs_what_its_budget_charges_not_the_runtime():
+    """On a CPU the budget caps what the cell adds above its worker's start (the runtime is mapped already): an
+    estimate over the budget only by its runtime term fits, as the out-of-memory study's fixes measure; on CUDA the
+    allocator's cap covers every tensor, so the same figures do not fit."""
+    from tunegrid.contract import MemoryComponents, MemoryEstimate
+
+    hardware = {"target": "native", "memory_budget_gb": 0.5, "refuse_emulated": False, "oom_margin": 1.0}
+    skip = {**hardware, "predicted_oom": "skip"}
+    target = resolve_target(skip, {"precision": {"fp32": "native"}})
+    tensors, runtime = 400 * 2**20, 300 * 2**20  # 700 MiB in all against 512 MiB
+    components = MemoryComponents(weights=tensors, runtime=runtime)
+    planned = MemoryEstimate(
+        worker="forked",
+        estimate_bytes=tensors + runtime,
+        stage="step",
+        load_bytes=0,
+        step_bytes=0,
+        components=components,
+    )
+    assert feasibility("fp32", target, skip, planned.charge_bytes("cpu")) is None
+    verdict = feasibility("fp32", target, skip, planned.charge_bytes("cuda"))
+    assert verdict is not None and verdict[0] == "predicted_oom" and "estimated charge 0.68 GiB" in verdict[1]
+
+
 def test_nf4_storage_is_about_half_a_byte_per_param():
     assert nf4_bytes(64 * 256 * 100) / (64 * 256 * 100) == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
 

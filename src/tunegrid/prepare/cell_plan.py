@@ -83,7 +83,7 @@ def _estimate(
 
     hardware, precision = spec["hardware"], spec["axes"]["precision"]
     estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker, device=device))
-    verdict = feasibility(precision, target, hardware, estimate.estimate_bytes) if target else None
+    verdict = feasibility(precision, target, hardware, estimate.charge_bytes(device)) if target else None
     verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, device)
     verdict = verdict or cluster_shortfall(spec, capabilities)
     return replace(estimate, verdict=str(verdict[0]), reason=str(verdict[1])) if verdict else estimate
