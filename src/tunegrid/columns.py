@@ -299,13 +299,21 @@ COLUMNS: tuple[Column, ...] = (
     _C("stack_packages", lambda v: stack_packages(v.result.env)),
     _C("mlflow_run_id", lambda v: (v.result.tracking or {}).get("run_id")),
     _C(None, lambda v: (v.result.env.get("scheduler") or {}).get("SLURM_JOB_ID") or None, "slurm.job_id"),
-    # the collectives slow while every rank kept pace (tunegrid.run.link_check)
-    _C(None, lambda v: link_of(v).get("ratio"), "slow_link.ratio", _if(link_of, lambda v: _g(link_of(v)["ratio"]))),
+    # the collectives slow while every rank kept pace (tunegrid.run.link_check): how many times the probe's
+    # all-reduce prediction a step's collectives took, and their median seconds a step
     _C(
-        None,
+        "slow_link_ratio",
+        lambda v: link_of(v).get("ratio"),
+        "slow_link.ratio",
+        _if(link_of, lambda v: _g(link_of(v)["ratio"])),
+        dtype="float",
+    ),
+    _C(
+        "slow_link_collective_s",
         lambda v: link_of(v).get("collective_s_median"),
         "slow_link.collective_s",
         _if(link_of, lambda v: _g(link_of(v)["collective_s_median"])),
+        dtype="float",
     ),
 )
 

@@ -58,7 +58,7 @@ MEMORY_SETTING_COLUMNS = [
 # the cell name links to its MLflow run, the figures to compare come first and the long reason last
 ALL_CELLS_COLUMNS = """cell_id outcome final_loss quality loss_deviation peak_bytes estimate_over_measured tokens_per_s
 loss_fall effective_batch steps_run resumed_from_step skipped_steps quality_note fp32_islands optimizer_state_bytes
-collective_diagnosis straggler_rank collective_parted reason""".split()
+collective_diagnosis straggler_rank slow_link_ratio collective_parted reason""".split()
 
 
 def _any_value(frame: Any, column: str) -> bool:
