@@ -1,7 +1,8 @@
-"""Why a cell ended as it did, typed: result.json's `diagnosis` (Diagnosis), and the parts of it that the summary,
-the run tags and the report read (a non-finite event, an out-of-memory, a collective timeout, a rank crash), each
-a dataclass with the facts read from it. A part keeps the record it was read from (`record`) and writes it back as
-it was, so result.json keeps its keys and files of every earlier version read.
+"""Why a cell ended as it did, typed: result.json's `diagnosis` (Diagnosis), and the parts of it a producer builds
+and the summary, the run tags and the report read (a non-finite event, an out-of-memory, a timeout, a collective
+timeout, a rank crash), each a dataclass whose fields are the record's keys. Producers construct the parts and
+write them with `to_json`; a record of an earlier version reads with the keys it lacked left out again and the keys
+no field names kept, so result.json keeps its keys and files of every version read and write back as they were.
 
 Light module: standard library only.
 """
@@ -10,56 +11,112 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any
+from enum import StrEnum
+from typing import Any, ClassVar
 
 
 def _empty() -> dict[str, Any]:
     return {}
 
 
+class NonfiniteKind(StrEnum):
+    """What went non-finite in a step (events.jsonl's `kind`). A StrEnum: each member equals its string."""
+
+    LOSS = "loss_nonfinite"  # the loss itself
+    GRADIENT = "grad_nonfinite_finite_loss"  # a finite loss whose gradient is not (no GradScaler)
+    SCALER_SKIP = "scaler_skip"  # fp16: the GradScaler found a non-finite gradient and skipped the update
+
+
 @dataclass(frozen=True, kw_only=True)
-class NanDiagnosis:
-    """The non-finite event that decided a `nan` cell (events.jsonl's record of it)."""
+class Part:
+    """A typed part of the diagnosis: its fields, in the order they are written, are the record's keys.
+    `absent`: the fields the record read did not hold (an earlier version's), left out again when written;
+    `extra`: the keys of such a record no field names, written back as read."""
+
+    extra: dict[str, Any] = field(default_factory=_empty, repr=False)
+    absent: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset()  # fields a producer writes only when they hold a value
+    NESTED: ClassVar[dict[str, Any]] = {}  # fields that hold a typed record of their own: its from_json
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name not in ("extra", "absent")]
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Any:
+        names = cls.keys()
+        values = {k: cls.NESTED[k](raw[k]) if k in cls.NESTED and raw[k] else raw[k] for k in names if k in raw}
+        extra = {k: v for k, v in raw.items() if k not in names}
+        return cls(**values, absent=frozenset(n for n in names if n not in raw), extra=extra)
+
+    def omitted(self) -> set[str]:
+        """The fields this part does not write: those its record lacked, and the unset ones of OMIT_NONE."""
+        return set(self.absent) | {n for n in self.OMIT_NONE if getattr(self, n) is None}
+
+    def to_json(self) -> dict[str, Any]:
+        left_out = self.omitted()
+        record = {}
+        for name in self.keys():
+            if name not in left_out:
+                value = getattr(self, name)
+                record[name] = value.to_json() if hasattr(value, "to_json") else value
+        return {**record, **self.extra}
+
+
+@dataclass(frozen=True, kw_only=True)
+class NanDiagnosis(Part):
+    """A non-finite event (events.jsonl's record of it); as diagnosis.nan, the one that decided a `nan` cell.
+    An event without its origin (a repeat of a kind already traced) has no micro-batch nor headroom either."""
 
     step: int
-    kind: str  # loss_nonfinite, grad_nonfinite, scaler_skip, ...
+    kind: NonfiniteKind
+    loss: Any = None  # float, or "nan"/"inf" as JSON writes them
+    grad_norm: Any = None
+    loss_scale: float | None = None
+    origin: dict[str, Any] | None = None  # the replay's trace: forward / backward module, micro_batch, ...
     micro_batch: int | None = None  # the micro-batch it happened in (grad_accum > 1)
-    forward_origin: dict[str, Any] | None = None  # the first module whose forward output was non-finite
-    backward_origin: dict[str, Any] | None = None  # ... whose gradient was
-    record: dict[str, Any] = field(default_factory=_empty, repr=False)
+    headroom: dict[str, Any] | None = None  # fp16 headroom measured on the replay of the failing step
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> NanDiagnosis:
-        origin = raw.get("origin") or {}
-        return cls(
-            step=raw["step"],
-            kind=raw["kind"],
-            micro_batch=raw.get("micro_batch"),
-            forward_origin=origin.get("forward"),
-            backward_origin=origin.get("backward"),
-            record=raw,
-        )
+        part = super().from_json(raw)
+        return dataclasses.replace(part, kind=NonfiniteKind(part.kind))
+
+    def omitted(self) -> set[str]:
+        untraced = {"origin", "micro_batch", "headroom"} if self.origin is None else set()
+        return super().omitted() | untraced
+
+    @property
+    def forward_origin(self) -> dict[str, Any] | None:
+        """The first module whose forward output was non-finite."""
+        return (self.origin or {}).get("forward")
+
+    @property
+    def backward_origin(self) -> dict[str, Any] | None:
+        """... whose gradient was."""
+        return (self.origin or {}).get("backward")
 
 
 @dataclass(frozen=True, kw_only=True)
-class OomDiagnosis:
-    """An out-of-memory: the stage it happened in and the meter's figures as it was handled."""
+class OomDiagnosis(Part):
+    """An out-of-memory: the stage it happened in and the meter's figures as it was handled (none without one)."""
 
     stage: str | None = None
-    peak_bytes: int | None = None
     bytes_at_failure: int | None = None
+    peak_bytes: int | None = None
     reserved_peak_bytes: int | None = None  # CUDA: what a budget caps (the allocated peak can stay under it)
-    record: dict[str, Any] = field(default_factory=_empty, repr=False)
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"bytes_at_failure", "peak_bytes", "reserved_peak_bytes"})
 
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> OomDiagnosis:
-        return cls(
-            stage=raw.get("stage"),
-            peak_bytes=raw.get("peak_bytes"),
-            bytes_at_failure=raw.get("bytes_at_failure"),
-            reserved_peak_bytes=raw.get("reserved_peak_bytes"),
-            record=raw,
-        )
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutDiagnosis(Part):
+    """A cell the supervisor stopped at its time limit or on a silent heartbeat: the stage and the limits in
+    effect (the study's raised to the cell's predicted work: the plan's liveness)."""
+
+    stage: str | None = None
+    limit_s: float | None = None
+    heartbeat_timeout_s: float | None = None
+    liveness: dict[str, Any] | None = None
 
 
 # the mismatch types of PyTorch's flight recorder that put the ranks in different collectives (MatchState)
@@ -150,61 +207,72 @@ class RecorderReading:
             return "flight recorder: every recorded collective paired up"
         return f"flight recorder {self.status.replace('_', ' ')}: {self.note[:160]}".rstrip(": ")
 
+    def to_json(self) -> dict[str, Any]:
+        return self.record
+
 
 @dataclass(frozen=True, kw_only=True)
-class CollectiveDiagnosis:
-    """A distributed cell's collective timeout, as the supervisor diagnosed it from every rank (cell/collective.py)."""
+class CollectiveDiagnosis(Part):
+    """A distributed cell's collective timeout, as the supervisor diagnosed it from every rank (run/rank_diagnosis.py),
+    or the hang it ended the cell on (run/hang_watch.py)."""
 
     op: str | None = None
+    waiting_ranks: list[int] = field(default_factory=list)
     missing_ranks: list[int] = field(default_factory=list)
+    missing_from: str | None = None  # logs / flight_recorder / hang_watch: what named the missing ranks
     timeout_s: float | None = None
     step: int | None = None
-    seq: int | None = None
-    kind: str | None = None  # mismatch / straggler / long_pause (None: results from before the kinds)
+    seq: int | None = None  # NCCL's watchdog names it; gloo does not report one
     last_step_per_rank: Any = None
-    straggler: dict[str, Any] | None = None  # the rank slower than the rest before the stall (evidence)
-    parted_ranks: list[int] = field(default_factory=list)  # ranks that left the others (evidence)
-    parted_at_step: int | None = None
-    recorder: RecorderReading | None = None  # the flight recorder's reading (GPU), with its status
+    last_heartbeat_per_rank: dict[Any, Any] | None = None
+    message: str | None = None
+    flight_recorder: RecorderReading | None = None  # the flight recorder's reading (GPU), with its status
+    kind: str | None = None  # mismatch / straggler / long_pause (None: results from before the kinds)
+    evidence: dict[str, Any] | None = None  # what decided the kind (run/collective.py's classify_timeout)
     early: dict[str, Any] | None = None  # the hang as named before the timeout (tunegrid.run.hang_watch)
-    record: dict[str, Any] = field(default_factory=_empty, repr=False)
+    OMIT_NONE: ClassVar[frozenset[str]] = frozenset({"flight_recorder", "early"})
+    NESTED: ClassVar[dict[str, Any]] = {"flight_recorder": RecorderReading.from_json}
 
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> CollectiveDiagnosis:
-        evidence = raw.get("evidence") if isinstance(raw.get("evidence"), dict) else {}
-        return cls(
-            op=raw.get("op"),
-            missing_ranks=list(raw.get("missing_ranks") or []),
-            timeout_s=raw.get("timeout_s"),
-            step=raw.get("step"),
-            seq=raw.get("seq"),
-            kind=raw.get("kind"),
-            last_step_per_rank=raw.get("last_step_per_rank"),
-            straggler=evidence.get("before_the_stall"),
-            parted_ranks=list(evidence.get("parted_ranks") or []),
-            parted_at_step=evidence.get("parted_at_step"),
-            recorder=RecorderReading.from_json(raw["flight_recorder"]) if raw.get("flight_recorder") else None,
-            early=raw.get("early"),
-            record=raw,
-        )
+    def _evidence(self) -> dict[str, Any]:
+        return self.evidence if isinstance(self.evidence, dict) else {}
+
+    @property
+    def recorder(self) -> RecorderReading | None:
+        return self.flight_recorder
+
+    @property
+    def straggler(self) -> dict[str, Any] | None:
+        """The rank slower than the rest before the stall (evidence)."""
+        return self._evidence().get("before_the_stall")
+
+    @property
+    def parted_ranks(self) -> list[int]:
+        """Ranks that left the others (evidence)."""
+        return list(self._evidence().get("parted_ranks") or [])
+
+    @property
+    def parted_at_step(self) -> int | None:
+        return self._evidence().get("parted_at_step")
+
+    def replace(self, **changes: Any) -> CollectiveDiagnosis:
+        return dataclasses.replace(self, **changes)
 
 
 @dataclass(frozen=True, kw_only=True)
-class RankCrash:
+class RankCrash(Part):
     """Ranks of a distributed cell that died without writing their facts."""
 
     ranks: list[int] = field(default_factory=list)
     exit: str = ""
-    record: dict[str, Any] = field(default_factory=_empty, repr=False)
-
-    @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> RankCrash:
-        return cls(ranks=list(raw.get("ranks") or []), exit=str(raw.get("exit", "")), record=raw)
+    last_step: int | None = None  # the first crashed rank's
+    last_log_lines: str | None = None
+    last_step_per_rank: dict[Any, Any] | None = None
 
 
 TYPED_PARTS: dict[str, Any] = {
     "nan": NanDiagnosis,
     "oom": OomDiagnosis,
+    "timeout": TimeoutDiagnosis,
     "collective": CollectiveDiagnosis,
     "rank_crash": RankCrash,
 }
@@ -223,7 +291,7 @@ class Diagnosis:
     nonfinite_events: int | None = None
     recovered_scaler_skips: dict[str, Any] | None = None
     oom: OomDiagnosis | None = None
-    timeout: dict[str, Any] | None = None
+    timeout: TimeoutDiagnosis | None = None
     collective: CollectiveDiagnosis | None = None
     collective_timeout: dict[str, Any] | None = None  # a rank's own view; `collective` is the cell's
     peer_lost: dict[str, Any] | None = None
@@ -251,7 +319,7 @@ class Diagnosis:
             value = getattr(self, f.name)
             if value is None:
                 continue
-            record[f.name] = value.record if f.name in TYPED_PARTS else value
+            record[f.name] = value.to_json() if f.name in TYPED_PARTS else value
         return record
 
     def replace(self, **changes: Any) -> Diagnosis:

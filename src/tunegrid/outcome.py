@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
-from tunegrid.diagnosis import Diagnosis
+from tunegrid.diagnosis import Diagnosis, TimeoutDiagnosis
 from tunegrid.runtime.files import read_json
 from tunegrid.runtime.rundir import heartbeat_stage
 from tunegrid.vocabulary import Outcome
@@ -196,15 +196,14 @@ def compose_result(
     if verdict is not None:  # decided by the supervisor: infeasible before training, or a timeout
         outcome, reason = verdict
         if outcome == Outcome.TIMEOUT:
-            facts["diagnosis"] = {
-                "timeout": {
-                    "stage": facts.get("stage") or heartbeat_stage(run_dir),
-                    "limit_s": spec["train"]["time_limit_s"],
-                    "heartbeat_timeout_s": spec["train"]["heartbeat_timeout_s"],
-                    # the limits in effect: the study's raised to the cell's predicted work (see the reason)
-                    "liveness": (spec.get("plan") or {}).get("liveness"),
-                }
-            }
+            timeout = TimeoutDiagnosis(
+                stage=facts.get("stage") or heartbeat_stage(run_dir),
+                limit_s=spec["train"]["time_limit_s"],
+                heartbeat_timeout_s=spec["train"]["heartbeat_timeout_s"],
+                # the limits in effect: the study's raised to the cell's predicted work (see the reason)
+                liveness=(spec.get("plan") or {}).get("liveness"),
+            )
+            facts["diagnosis"] = Diagnosis(timeout=timeout).to_json()
     elif facts:
         outcome, reason = facts["outcome"], facts["reason"]
     else:

@@ -5,6 +5,7 @@ into the cell's facts and outcome (ok only if every step ran and none ended non-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -16,6 +17,7 @@ from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
 from tunegrid.cell.origin import FailingStepReplay
 from tunegrid.cell.resume import ResumeState
 from tunegrid.cell.step import StepResult
+from tunegrid.diagnosis import Diagnosis, NanDiagnosis, NonfiniteKind
 from tunegrid.outcome import StepMetrics, module_name
 from tunegrid.runtime.files import JsonlAppender
 from tunegrid.sites import BLOCK_NAME, site_words
@@ -161,32 +163,28 @@ def on_nonfinite(
         log.losses.append(result.loss)
     if loss_finite and grad_finite:
         return False
-    kind = "loss_nonfinite" if not loss_finite else ("scaler_skip" if scaled else "grad_nonfinite_finite_loss")
-    event = {
-        "step": step,
-        "kind": kind,
-        "loss": result.loss,
-        "grad_norm": result.grad_norm,
-        "loss_scale": result.scale,
-    }
+    kind = NonfiniteKind.LOSS if not loss_finite else (NonfiniteKind.SCALER_SKIP if scaled else NonfiniteKind.GRADIENT)
+    event = NanDiagnosis(step=step, kind=kind, loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.scale)
     policy = train["on_nonfinite"]
     stop = (
         policy == "stop"
-        or (policy == "stop_after_skips" and kind != "scaler_skip")
+        or (policy == "stop_after_skips" and kind != NonfiniteKind.SCALER_SKIP)
         or (policy == "stop_after_skips" and log.consecutive_skips >= train["max_consecutive_skips"])
     )
     # Every event that ends the cell or is the first of its kind gets its origin (a replay of that
     # step); repeats of a kind already traced under `continue` are recorded without one.
     if stop or kind not in {e["kind"] for e in log.nonfinite_events}:
-        event["origin"] = replay.origin(step, micro_batches, result, log.headroom)
-        event["micro_batch"] = event["origin"]["micro_batch"]
-        event["headroom"] = event["origin"].pop("headroom")
-        files.headroom.write({**event["headroom"], "failing_step": True})
+        origin = replay.origin(step, micro_batches, result, log.headroom)
+        headroom = origin.pop("headroom")
+        event = dataclasses.replace(event, origin=origin, micro_batch=origin["micro_batch"], headroom=headroom)
+        files.headroom.write({**headroom, "failing_step": True})
         log.headroom_steps.append(step)
-    log.nonfinite_events.append(event)
-    files.events.write(event)
+    # the log keeps the event as events.jsonl has it: a resume state saves the log as JSON
+    record = event.to_json()
+    log.nonfinite_events.append(record)
+    files.events.write(record)
     if stop:
-        log.stop_event = event
+        log.stop_event = record
     return stop
 
 
@@ -266,13 +264,13 @@ def conclude(
     counted = steps_run - scaler_skips  # the steps that count: all but the GradScaler's skips
     allowance = train.get("max_skipped_steps", 0) if scaler_skips else 0
     more = f" ({scaler_skips} more skipped by the GradScaler)" if scaler_skips else ""
-    hard = [e for e in events if e["kind"] != "scaler_skip"]
+    hard = [e for e in events if e["kind"] != NonfiniteKind.SCALER_SKIP]
     unrecovered_skips = bool(events) and (
         train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"]
     )
     deciding = stop_event or (hard[0] if hard else None) or (events[0] if unrecovered_skips else None)
-    recovered = [e for e in events if e["kind"] == "scaler_skip" and e is not deciding]
-    diagnosis: dict[str, Any] = {"recovered_scaler_skips": recovered[0]} if recovered else {}
+    recovered = [e for e in events if e["kind"] == NonfiniteKind.SCALER_SKIP and e is not deciding]
+    diagnosis = Diagnosis(recovered_scaler_skips=recovered[0] if recovered else None)
     if deciding is not None:
         origin = deciding.get("origin") or {}
         traced = origin.get("forward") or origin.get("backward")
@@ -287,20 +285,20 @@ def conclude(
         return dict(
             outcome=Outcome.NAN,
             reason=f"{deciding['kind']} at step {deciding['step']}{micro}, first non-finite at {where}{stopped}",
-            diagnosis={**diagnosis, "nan": deciding, "nonfinite_events": len(events)},
+            diagnosis=diagnosis.replace(nan=NanDiagnosis.from_json(deciding), nonfinite_events=len(events)).to_json(),
         )
     elif counted < steps and steps_run < steps + allowance:  # never ok when the loop ended early, whatever the reason
         return dict(
             outcome=Outcome.ERROR,
             reason=f"stopped after {counted} of {steps} steps{more} without a diagnosis",
-            diagnosis=diagnosis,
+            diagnosis=diagnosis.to_json(),
         )
     elif counted < steps:  # the skips used up their allowance: fewer updates than asked, and the reason says so
         return dict(
             outcome=Outcome.OK,
             reason=f"ran {steps_run} steps with finite loss: {steps_run - skipped} of {steps} updates applied, "
             f"{scaler_skips} steps skipped by the GradScaler (train.max_skipped_steps {allowance} used up)",
-            diagnosis=diagnosis,
+            diagnosis=diagnosis.to_json(),
         )
     else:
         # a step the GradScaler skipped ran but changed no weight: say how many ran beside the updates
@@ -308,7 +306,7 @@ def conclude(
         return dict(
             outcome=Outcome.OK,
             reason=f"trained all {steps_run - skipped} steps with finite loss{run}",
-            diagnosis=diagnosis,
+            diagnosis=diagnosis.to_json(),
         )
 
 

@@ -42,6 +42,7 @@ from tunegrid.cell.resume import ResumeStore, training_key
 from tunegrid.cell.step import OptimizerStep
 from tunegrid.cell.weight_offload import WeightOffload, weight_offload_of
 from tunegrid.contract import CellContract
+from tunegrid.diagnosis import Diagnosis, OomDiagnosis
 from tunegrid.runtime.files import write_json
 from tunegrid.runtime.memory import MemoryMeter
 from tunegrid.runtime.rundir import Heartbeat, rank_dir
@@ -357,7 +358,8 @@ class CellTrainer:
             }
         self.facts["traceback"] = traceback.format_exc()[-4000:]
         if kind == Outcome.OOM:
-            self.facts["diagnosis"] = {"oom": {"stage": stage, **meter_at_failure(getattr(self, "meter", None))}}
+            oom = OomDiagnosis(stage=stage, **meter_at_failure(getattr(self, "meter", None)))
+            self.facts["diagnosis"] = Diagnosis(oom=oom).to_json()
         traceback.print_exc()
 
 

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_view import CellView
+from tunegrid.columns import COLUMNS, audit_cells
 from tunegrid.outcome import CellResult
 from tunegrid.recipes.recipe_export import fixes_html
 from tunegrid.review.fix_table import recommendations_html
@@ -39,7 +41,7 @@ NAN_COLUMNS = [
     "fp16_headroom_worst_module",
     "fp16_headroom_worst_ratio",
 ]
-AUDIT_COLUMNS = ["cell", "outcome", "weight bytes", "by dtype", "expert bytes", "flagged share", "flagged tensors"]
+AUDIT_COLUMNS = ["cell", *(c.label for c in COLUMNS if c.label is not None)]
 MEMORY_SETTING_COLUMNS = [
     "cell_id",
     "setting",
@@ -56,7 +58,7 @@ MEMORY_SETTING_COLUMNS = [
 # the cell name links to its MLflow run, the figures to compare come first and the long reason last
 ALL_CELLS_COLUMNS = """cell_id outcome final_loss quality loss_deviation peak_bytes estimate_over_measured tokens_per_s
 loss_fall effective_batch steps_run resumed_from_step skipped_steps quality_note fp32_islands optimizer_state_bytes
-collective_diagnosis straggler_rank collective_parted reason""".split()
+collective_diagnosis straggler_rank slow_link_ratio collective_parted reason""".split()
 
 
 def _any_value(frame: Any, column: str) -> bool:
@@ -110,26 +112,12 @@ def _probe_facts(capabilities: dict[str, Any], environment: dict[str, Any], resu
 
 
 def _audit_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The MoE cells' rows of the audit table: the cell, then the column table's labelled columns."""
     rows = []
     for cell_id, result in sorted(results.items()):
-        final = (result.get("quant_audit") or {}).get("after_adapters") or {}
-        if not (final.get("by_role") or {}).get("experts"):
-            continue
-        flagged = final.get("flagged") or []
-        rows.append(
-            {
-                "cell": cell_id,
-                "outcome": result["outcome"],
-                "weight bytes": final.get("total_bytes"),
-                "by dtype": ", ".join(
-                    f"{k}: {human_bytes(v)}" for k, v in sorted((final.get("by_dtype") or {}).items())
-                ),
-                "expert bytes": final["by_role"]["experts"],
-                "flagged share": final.get("flagged_share"),
-                "flagged tensors": ", ".join(f.get("name", "") if isinstance(f, dict) else str(f) for f in flagged[:4])
-                + (f" (+{len(flagged) - 4})" if len(flagged) > 4 else ""),
-            }
-        )
+        view = CellView(CellResult.from_json(result), {})
+        if (view.final_audit.get("by_role") or {}).get("experts"):
+            rows.append({"cell": cell_id, **audit_cells(view)})
     return rows
 
 

@@ -5,7 +5,8 @@
   and twins with one that timed out later are cited as the proof;
 - mismatch: no setting fixes it; the rank and step where the ranks' paths parted.
 
-A straggler in a cell that did not time out is an early warning (a finding, no fix).
+A straggler in a cell that did not time out is an early warning (a finding, no fix), and so is a slow link: the
+collectives slow while every rank kept pace (tunegrid.run.link_check).
 """
 
 from __future__ import annotations
@@ -128,4 +129,26 @@ def timeout_fixes(frame: Any) -> list[Recommendation]:
                     concerns=[row["cell_id"]],
                 )
             )
-    return out
+    return out + _slow_links(frame)
+
+
+def _slow_links(frame: Any) -> list[Recommendation]:
+    """A finding per cell whose collectives were slow while no rank straggled: the network is the suspect."""
+    if "slow_link_ratio" not in frame.columns:
+        return []
+    return [
+        Recommendation(
+            signature="warning:slow_link",
+            title=f"{row['cell_id']}: slow link (early warning)",
+            text=(
+                f"{row['cell_id']} ended {row['outcome']}, but its collectives took "
+                f"{row['slow_link_collective_s']:.3g} s a step, {row['slow_link_ratio']:.3g}x what the probe's "
+                "all-reduce bandwidth predicts, while every rank kept pace: the link between the ranks, not a rank, "
+                "is slow. Check the network (interface, rate limits, placement of the ranks' nodes)."
+            ),
+            failing=[],
+            evidence=[row["cell_id"]],
+            concerns=[row["cell_id"]],
+        )
+        for _, row in frame[frame["slow_link_ratio"].notna()].iterrows()
+    ]

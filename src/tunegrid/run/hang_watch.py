@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunegrid.diagnosis import CollectiveDiagnosis
 from tunegrid.run.collective import classify_timeout, collective_position, describe
 from tunegrid.run.rank_files import rank_record
 from tunegrid.runtime.rundir import last_activity
@@ -124,24 +125,24 @@ class HangWatch:
         return self.verdict
 
 
-def ended_on_hang(early: EarlyVerdict, ranks: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+def ended_on_hang(early: EarlyVerdict, ranks: list[dict[str, Any]], timeout_s: float) -> CollectiveDiagnosis:
     """result.json's collective diagnosis of a cell ended on its named hang (distributed.end_on_hang): the early
     verdict is the verdict, and the ranks' last positions its evidence."""
-    return {
-        "op": early.collective,
-        "waiting_ranks": early.waiting_ranks,
-        "missing_ranks": early.missing_ranks,
-        "missing_from": "hang_watch",
-        "timeout_s": timeout_s,
-        "step": early.step,
-        "seq": None,
-        "last_step_per_rank": {r["rank"]: r["last_step"] for r in ranks},
-        "last_heartbeat_per_rank": {r["rank"]: r["last_heartbeat"] for r in ranks},
-        "message": early.reason(timeout_s),
-        "kind": early.kind,
-        "evidence": early.evidence,
-        "early": early.record(),
-    }
+    return CollectiveDiagnosis(
+        op=early.collective,
+        waiting_ranks=early.waiting_ranks,
+        missing_ranks=early.missing_ranks,
+        missing_from="hang_watch",
+        timeout_s=timeout_s,
+        step=early.step,
+        seq=None,
+        last_step_per_rank={r["rank"]: r["last_step"] for r in ranks},
+        last_heartbeat_per_rank={r["rank"]: r["last_heartbeat"] for r in ranks},
+        message=early.reason(timeout_s),
+        kind=early.kind,
+        evidence=early.evidence,
+        early=early.record(),
+    )
 
 
 def oldest(ranks: list[dict[str, Any]]) -> int:
@@ -149,10 +150,10 @@ def oldest(ranks: list[dict[str, Any]]) -> int:
     return int(min(ranks, key=lambda r: r["last_heartbeat_at"] or 0.0)["rank"])
 
 
-def compared(early: EarlyVerdict, final: dict[str, Any]) -> dict[str, Any]:
+def compared(early: EarlyVerdict, final_kind: str | None, final_missing: list[int]) -> dict[str, Any]:
     """The early verdict beside the one the timeout gave (result.json: diagnosis.collective.early)."""
     return {
         **early.record(),
-        "same_kind": early.kind == final.get("kind"),
-        "same_missing_ranks": sorted(early.missing_ranks) == sorted(final.get("missing_ranks") or []),
+        "same_kind": early.kind == final_kind,
+        "same_missing_ranks": sorted(early.missing_ranks) == sorted(final_missing or []),
     }

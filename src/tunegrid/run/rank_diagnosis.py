@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tunegrid.diagnosis import RecorderReading
+from tunegrid.diagnosis import CollectiveDiagnosis, Diagnosis, RankCrash, RecorderReading
 from tunegrid.run.collective import classify_timeout, describe, find_straggler
 from tunegrid.run.hang_watch import EarlyVerdict, compared, ended_on_hang
 from tunegrid.run.rank_files import rank_record
@@ -74,19 +74,19 @@ def _worth_a_line(recorder: RecorderReading | None, kind: dict[str, Any]) -> boo
 
 
 def _on_the_main_path(
-    collective: dict[str, Any], kind: dict[str, Any], ranks: list[dict[str, Any]], waiting: list[dict[str, Any]]
-) -> tuple[str, list[int], list[dict[str, Any]]]:
+    collective: CollectiveDiagnosis, kind: dict[str, Any], ranks: list[dict[str, Any]], waiting: list[dict[str, Any]]
+) -> tuple[CollectiveDiagnosis, list[dict[str, Any]]]:
     """For a mismatch, the collective, step and missing ranks as the main path sees them: whichever rank gave
     up first, the ranks that parted are the ones that never arrive at the collective the others wait in."""
     if kind["kind"] != "mismatch" or kind["evidence"] != "collectives":
-        return collective["op"], collective["missing_ranks"], waiting
+        return collective, waiting
     main = kind["main_path"]
     op = "BARRIER" if main["collective"] == "barrier" else "ALLREDUCE"
     waiting = [r for r in ranks if r["rank"] not in kind["parted_ranks"]]
-    collective.update(
+    on_main = collective.replace(
         op=op, step=main["step"], missing_ranks=kind["parted_ranks"], waiting_ranks=[r["rank"] for r in waiting]
     )
-    return op, kind["parted_ranks"], waiting
+    return on_main, waiting
 
 
 def _slow_link(
@@ -146,15 +146,15 @@ def diagnose_ranks(
         update.update(
             outcome=Outcome.ERROR,
             reason=f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
-            diagnosis={
-                "rank_crash": {
-                    "ranks": [r["rank"] for r in crashed],
-                    "exit": first["exit"],
-                    "last_step": first["last_step"],
-                    "last_log_lines": first["log_tail"],
-                    "last_step_per_rank": last_steps,
-                }
-            },
+            diagnosis=Diagnosis(
+                rank_crash=RankCrash(
+                    ranks=[r["rank"] for r in crashed],
+                    exit=first["exit"],
+                    last_step=first["last_step"],
+                    last_log_lines=first["log_tail"],
+                    last_step_per_rank=last_steps,
+                )
+            ).to_json(),
         )
         return update
 
@@ -188,7 +188,7 @@ def diagnose_ranks(
         update.update(
             outcome=Outcome.TIMEOUT,
             reason=early.reason(timeout_s),
-            diagnosis={"collective": ended_on_hang(early, ranks, timeout_s)},
+            diagnosis=Diagnosis(collective=ended_on_hang(early, ranks, timeout_s)).to_json(),
         )
         return update
     if waiting:
@@ -200,44 +200,46 @@ def diagnose_ranks(
         waiting = [r for r in waiting if r["rank"] not in missing] or waiting
         op = _collective_op(waited)
         step = STEP_RE.search(waited["waiting_in"])
-        collective = {
-            "op": op,
-            "waiting_ranks": [r["rank"] for r in waiting],
-            "missing_ranks": missing,
-            "missing_from": missing_from,
-            "timeout_s": timeout_s,
-            "step": int(step.group(1)) if step else None,
-            "seq": waited.get("seq"),  # NCCL's watchdog names it; gloo does not report one
-            "last_step_per_rank": last_steps,
-            "last_heartbeat_per_rank": {r["rank"]: r["last_heartbeat"] for r in ranks},
-            "message": waited["message"],
-        }
-        if recorder is not None:
-            collective["flight_recorder"] = recorder.record
+        step = int(step.group(1)) if step else None
         kind = classify_timeout(
             ranks,
             missing,
-            collective["step"],
+            step,
             timeout_s,
             spec["distributed"]["straggler_factor"],
             recorder,
             spec["distributed"]["straggler_min_lag_s"],
         )
-        collective.update(kind=kind["kind"], evidence=kind)
-        op, missing, waiting = _on_the_main_path(collective, kind, ranks, waiting)
+        collective = CollectiveDiagnosis(
+            op=op,
+            waiting_ranks=[r["rank"] for r in waiting],
+            missing_ranks=missing,
+            missing_from=missing_from,
+            timeout_s=timeout_s,
+            step=step,
+            seq=waited.get("seq"),  # NCCL's watchdog names it; gloo does not report one
+            last_step_per_rank=last_steps,
+            last_heartbeat_per_rank={r["rank"]: r["last_heartbeat"] for r in ranks},
+            message=waited["message"],
+            flight_recorder=recorder,
+            kind=kind["kind"],
+            evidence=kind,
+        )
+        collective, waiting = _on_the_main_path(collective, kind, ranks, waiting)
+        op, missing = collective.op, collective.missing_ranks
         if early is not None:
-            collective["early"] = compared(early, collective)
+            collective = collective.replace(early=compared(early, collective.kind, collective.missing_ranks))
         who = ", ".join(map(str, missing)) or "none identified"
         update.update(
             outcome=Outcome.TIMEOUT,
             reason=(
                 f"collective timeout after {timeout_s:g} s in {op}"
-                + (f" at step {collective['step']}" if collective["step"] is not None else "")
+                + (f" at step {collective.step}" if collective.step is not None else "")
                 + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
                 + f"; {describe(kind)}"
                 + (f"; {recorder.line()}" if _worth_a_line(recorder, kind) else "")
             ),
-            diagnosis={"collective": collective},
+            diagnosis=Diagnosis(collective=collective).to_json(),
         )
         return update
 

@@ -11,7 +11,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from tunegrid.outcome import CellResult, origin_label
+from tunegrid.cell_view import CellView
+from tunegrid.columns import table_tags
+from tunegrid.outcome import CellResult
 from tunegrid.study.grid_axes import injected_faults
 from tunegrid.vocabulary import FAULTS
 
@@ -72,14 +74,14 @@ def axis_tags(axes: dict[str, Any], debug: dict[str, Any] | None = None) -> dict
 
 
 def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
-    """A cell run's tags, from its result (a CellResult, or result.json as written by any version)."""
+    """A cell run's tags, from its result (a CellResult, or result.json as written by any version): the verdict
+    (track/diagnosis.py), the column table's tags (tunegrid.columns), and the families named per package or
+    source (tunegrid.columns.TAG_FAMILIES_OUTSIDE)."""
     from tunegrid.track.diagnosis import outcome_tags
 
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
-    diagnosis = result.diagnosis
     tags = outcome_tags(result.to_json())
-    tags.update(outcome=str(result.outcome), device=result.env.get("device", ""))
-    tags["outcome.reason"] = result.reason
+    tags.update(table_tags(CellView(result, {})))  # no table tag reads the axes: they are tags of their own
     for package, version in ((result.env.get("stack") or {}).get("versions") or {}).items():
         if package in ((result.env.get("stack") or {}).get("pins") or {}):
             tags[f"stack.{package}"] = str(version)  # what the cell's library stack pinned, as resolved
@@ -88,78 +90,6 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
         if source.get("revision"):
             tags[f"{what}.revision"] = str(source["revision"])
             tags[f"{what}.pinned"] = str(bool(source.get("pinned"))).lower()
-    if result.resumed_from_step is not None:
-        tags["resumed_from_step"] = str(result.resumed_from_step)
-    slurm_job = (result.env.get("scheduler") or {}).get("SLURM_JOB_ID")
-    if slurm_job:
-        tags["slurm.job_id"] = slurm_job
-    nan = diagnosis.nan
-    if nan:
-        tags.update(
-            {
-                "nan.kind": nan.kind,
-                "nan.step": str(nan.step),
-                "nan.forward_module": origin_label(nan.forward_origin) or "",
-                "nan.backward_module": origin_label(nan.backward_origin) or "",
-            }
-        )
-    audit = result.quant_audit
-    if audit.get("after_adapters"):
-        final = audit["after_adapters"]
-        tags.update(
-            {
-                "audit.weight_bytes": str(final["total_bytes"]),
-                "audit.flagged_bytes": str(final["flagged_bytes"]),
-                "audit.flagged_share": f"{final['flagged_share']:.4f}",
-                "audit.flagged_tensors": str(len(final["flagged"])),
-                "lora.unmatched": ",".join(audit["lora"]["unmatched"]),
-            }
-        )
-    collective = diagnosis.collective
-    if collective:
-        tags.update(
-            {
-                "collective.op": str(collective.op),
-                "collective.missing_ranks": ",".join(map(str, collective.missing_ranks)),
-                "collective.timeout_s": str(collective.timeout_s),
-                "collective.step": str(collective.step),
-            }
-        )
-        if collective.kind:
-            tags["collective.diagnosis"] = collective.kind
-    straggler = (collective.straggler if collective else None) or result.distributed.get("straggler")
-    if straggler:  # the straggler a timeout is blamed on, or an early warning in a cell that did not time out
-        tags.update({"straggler.rank": str(straggler["rank"]), "straggler.ratio": f"{straggler['median_ratio']:g}"})
-    link = result.distributed.get("slow_link")
-    if link:  # the collectives slow while every rank kept pace (tunegrid.run.link_check)
-        tags.update(
-            {"slow_link.ratio": f"{link['ratio']:g}", "slow_link.collective_s": f"{link['collective_s_median']:g}"}
-        )
-    islands = result.fp32_islands
-    if islands:  # fp16-islands: which modules computed in fp32, and what the calibration measured there
-        tags["fp32_islands"] = ",".join(m["module"] for m in islands["modules"]) or "none"
-        tags["fp32_islands.mode"] = islands["mode"]
-        tags["fp32_islands.max_abs"] = ",".join(
-            f"{m['max_abs']:.0f}" if m.get("max_abs") is not None else "" for m in islands["modules"]
-        )
-    crash = diagnosis.rank_crash
-    if crash:
-        tags.update({"rank_crash.ranks": ",".join(map(str, crash.ranks)), "rank_crash.exit": crash.exit})
-    if result.optimizer.get("state_bytes") is not None:
-        optimizer = result.optimizer
-        tags.update({"optimizer.state_bytes": str(optimizer["state_bytes"]), "optimizer.paging": optimizer["paging"]})
-    oom = diagnosis.oom
-    if oom:
-        tags["oom.stage"] = str(oom.stage)
-    memory = result.memory
-    if memory.get("estimate_bytes"):
-        tags["memory.estimate_bytes"] = str(memory["estimate_bytes"])
-        tags["memory.estimate_over_measured"] = (
-            f"{memory['estimate_over_measured']:.3f}" if memory.get("estimate_over_measured") else ""
-        )
-        tags["memory.estimate_worker"] = str(memory.get("estimate_worker") or "")
-    if memory.get("cpu_onednn_off"):  # why this cell trained without oneDNN (prepare/cpu_kernels.py)
-        tags["kernels.cpu_onednn_off"] = str(memory["cpu_onednn_off"])
     return tags
 
 
