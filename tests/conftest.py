@@ -305,7 +305,7 @@ def one_cell(
     study = resolve_study(
         make_study(grid=grid, train={"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}, **sections)
     )
-    return cell_spec(study, expand_cells(study)[0])
+    return cell_spec(study, expand_cells(study)[0]).to_json()
 
 
 def cell_contract(
@@ -320,6 +320,7 @@ def cell_contract(
 ) -> Path:
     """The cell's contract as the cell_plan rule makes it, written in its run folder; returns its path.
     `warm_worker`: the run forks its cells from a warm worker (None: where this process's jobs would find one)."""
+    from tunegrid.cell_spec import CellSpec
     from tunegrid.contract import CellJob
     from tunegrid.prepare.cell_plan import write_contract
     from tunegrid.runtime.workers import WARM_SOCKET_ENV
@@ -335,13 +336,14 @@ def cell_contract(
     path = run_dir / "contract.json"
     if warm_worker is None:
         warm_worker = bool(os.environ.get(WARM_SOCKET_ENV))
-    write_contract(spec, job, path, warm_worker=warm_worker)
+    write_contract(CellSpec.from_json(spec), job, path, warm_worker=warm_worker)
     return path
 
 
 def stub_contract(cell_id: str, world_size: int, estimate_bytes: int, device: str = "cuda") -> Any:
     """A cell contract as the cell_plan rule writes one, with an estimate of the given size (for checkpoints that
     are not on disk): what the workflow's memory requests and the doctor read from it."""
+    from tunegrid.cell_spec import CellSpec
     from tunegrid.contract import (
         CellContract,
         CellJob,
@@ -383,7 +385,8 @@ def stub_contract(cell_id: str, world_size: int, estimate_bytes: int, device: st
         mem_mb=job_mem_mb(estimate_bytes, world_size),
     )
     job = CellJob(model_dir="m", data_path="d", run_dir=f"runs/{cell_id}", result_path=f"runs/{cell_id}/result.json")
-    return CellContract(spec={"cell_id": cell_id}, plan=plan, job=job)
+    spec = CellSpec.from_json({**one_cell(world=world_size), "cell_id": cell_id})
+    return CellContract(spec=spec, plan=plan, job=job)
 
 
 # This process's warm worker (tunegrid.run.warm), started at the first cell that forks and kept for the session:

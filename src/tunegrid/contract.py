@@ -1,7 +1,8 @@
 """A cell's contract: everything decided about one cell before it trains, in one typed file per cell
 (results/<study>/plans/<cell_id>.json), made once by the `cell_plan` rule (tunegrid.prepare.cell_plan).
 
-- `spec`: the cell's resolved spec (axes, model, train, lora, data, debug, hardware, ...);
+- `spec` (CellSpec, tunegrid.cell_spec): the cell's resolved spec, typed section by section (axes, model, train,
+  lora, data, debug, hardware, distributed, stack);
 - `plan` (CellPlan): the target and memory budget, the memory estimate of each path the cell's worker may take
   with the verdict it leads to, the path planned, the kernels it trains with (oneDNN on or off), the liveness
   limits and the host memory its job asks for;
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.runtime.files import atomic_write_text
 
 # The version of the file's shape: a file of another version is refused (the cell_plan rule makes it again).
@@ -196,17 +198,23 @@ class CellJob:
 
 @dataclass(frozen=True, kw_only=True)
 class CellContract:
-    spec: dict[str, Any]
+    spec: CellSpec
     plan: CellPlan
     job: CellJob
     schema_version: int = field(default=CONTRACT_SCHEMA)
 
     @property
     def cell_id(self) -> str:
-        return str(self.spec["cell_id"])
+        return self.spec.cell_id
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, indent=1) + "\n"
+        raw = {
+            "spec": self.spec.to_json(),
+            "plan": asdict(self.plan),
+            "job": asdict(self.job),
+            "schema_version": self.schema_version,
+        }
+        return json.dumps(raw, sort_keys=True, indent=1) + "\n"
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> CellContract:
@@ -214,6 +222,7 @@ class CellContract:
         if version != CONTRACT_SCHEMA:
             raise ValueError(f"a cell contract of schema {version!r}; this version reads {CONTRACT_SCHEMA}")
         values = dict(raw)
+        values["spec"] = CellSpec.from_json(raw["spec"])
         values["plan"] = CellPlan.from_json(raw["plan"])
         values["job"] = _typed(CellJob, raw["job"], "the job")
         return _typed(cls, values, "a cell contract")

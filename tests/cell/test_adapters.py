@@ -29,7 +29,7 @@ def _spec(train: dict, debug: dict | None = None) -> dict:
     study = resolve_study(
         make_study(grid=grid, train={"seq_len": 32, "lr": 0.01, **train}, lora=LORA, debug=debug or {})
     )
-    return cell_spec(study, expand_cells(study)[0])
+    return cell_spec(study, expand_cells(study)[0]).to_json()
 
 
 def _run_cell(spec: dict, checkpoints: dict, dataset_path: Path, run_dir: Path) -> dict:
@@ -87,7 +87,7 @@ def test_saved_nf4_adapter_reloads_onto_its_4bit_base_with_the_cells_loss(
 
     grid = {"model": [MODEL], "precision": [precision], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
     study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, "lr": 0.01}, lora=LORA))
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = cell_spec(study, expand_cells(study)[0]).to_json()
     run_dir = tmp_path / spec["cell_id"]
     work_cell(spec, checkpoints[MODEL], dataset_path, run_dir)
     facts = read_json(run_dir / "worker.json")

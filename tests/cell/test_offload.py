@@ -8,6 +8,7 @@ import torch
 from conftest import one_cell, ready_trainer, run_in_process
 
 from tunegrid.cell.offload import ActivationOffload
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import MemoryComponents
 
 
@@ -110,7 +111,7 @@ def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path, chec
     assert host_mem_mb(offloaded, 1) == host_mem_mb(plain, 1) + 3 * 1024  # the safety factor 1.5 over 2 GiB
     spec = one_cell(train={"activation_offloading": True})
     job = CellJob(model_dir=str(checkpoints[spec["model"]["name"]]), data_path="d", run_dir="r", result_path="r/x")
-    contract = write_contract(spec, job, tmp_path / "contract.json", False, capabilities={})
+    contract = write_contract(CellSpec.from_json(spec), job, tmp_path / "contract.json", False, capabilities={})
     assert contract.plan.mem_mb == host_mem_mb(contract.plan.estimate(), 1)
     assert mem_mb_for_job(tmp_path / "contract.json", {}, 1) == contract.plan.mem_mb
     assert CellContract.read(tmp_path / "contract.json") == contract

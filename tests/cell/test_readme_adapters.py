@@ -35,7 +35,7 @@ def default_study_run(default_study_clone):
     study_dir = default_study_clone / "results" / "default"
     study = resolve_study(load_study(REPO / "configs" / "config.yaml"))
     cells = []
-    for cell_id in sorted(cell_spec(study, cell)["cell_id"] for cell in expand_cells(study)):
+    for cell_id in sorted(cell_spec(study, cell).to_json()["cell_id"] for cell in expand_cells(study)):
         run_dir = study_dir / "runs" / cell_id
         cells.append((read_json(study_dir / "specs" / f"{cell_id}.json"), run_dir, read_json(run_dir / "result.json")))
     models = {spec["model"]["name"]: study_dir / "models" / spec["model"]["name"] for spec, _, _ in cells}

@@ -72,7 +72,7 @@ def test_nf4_quantizes_linear_layers(checkpoints, dataset_path, tmp_path):
 def test_lora_target_matching_nothing_is_an_error_outcome(checkpoints, dataset_path, tmp_path):
     grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
     study = resolve_study(make_study(grid=grid, lora={"target_modules": ["no_such_module"]}))
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = cell_spec(study, expand_cells(study)[0]).to_json()
     work_cell(spec, checkpoints["qwen3moe-tiny"], dataset_path, tmp_path / "r")
     facts = read_json(tmp_path / "r" / "worker.json")
     assert facts["outcome"] == "error"

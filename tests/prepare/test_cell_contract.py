@@ -8,6 +8,7 @@ import pytest
 from conftest import REPO, one_cell
 
 from tunegrid.cell.ranks import Ranks
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract, CellJob
 from tunegrid.prepare.cell_plan import write_contract
 from tunegrid.runtime.workers import SPAWNED
@@ -22,13 +23,14 @@ CUDA = {
 
 def _contract(tmp_path, checkpoints, spec, capabilities):
     job = CellJob(model_dir=str(checkpoints[spec["model"]["name"]]), data_path="d", run_dir="r", result_path="r/x")
-    return write_contract(spec, job, tmp_path / f"{spec['cell_id']}.json", False, capabilities=capabilities)
+    path = tmp_path / f"{spec['cell_id']}.json"
+    return write_contract(CellSpec.from_json(spec), job, path, False, capabilities=capabilities)
 
 
 def test_the_contract_reads_back_as_written_and_records_the_plan_in_its_old_shape(tmp_path, checkpoints):
     contract = _contract(tmp_path, checkpoints, one_cell(), CPU)
     assert CellContract.read(tmp_path / f"{contract.cell_id}.json") == contract
-    assert contract.schema_version == 1 and contract.spec == one_cell()
+    assert contract.schema_version == 1 and contract.spec.to_json() == one_cell()
     record = contract.plan.record(SPAWNED)  # result.json's cell.plan, the MLflow run's plan.* params
     assert set(record) == {"target", "budget_bytes", "estimate", "liveness"}
     assert {"estimate_bytes", "stage", "components", "not_modelled", "worker", "cpu_onednn_off"} <= set(
@@ -98,7 +100,7 @@ def test_no_gpu_per_rank_on_a_cuda_host_plans_a_cpu_estimate_and_trains_on_the_c
     assert on_cpu.plan.estimate().components.runtime == 0 < on_gpu.plan.estimate().components.runtime
     assert on_cpu.plan.kernels.cpu_fp16_matmul and on_gpu.plan.kernels.cpu_fp16_matmul is None
 
-    require_apis(on_cpu.spec)  # the libraries' lazy modules imported first, as the host's torch sees it
+    require_apis(on_cpu.spec.to_json())  # the libraries' lazy modules imported first, as the host's torch sees it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # then a GPU in sight of the worker
     trainer = CellTrainer(on_cpu, tmp_path / "run")
     trainer.setup()

@@ -36,7 +36,7 @@ def _spec(world: int, threads: int, gpus_per_rank: int) -> dict:
     raw = make_study(train={"steps": 3, "seq_len": 32, "threads": threads}, hardware={"gpus_per_rank": gpus_per_rank})
     raw["grid"]["world_size"] = [world]
     study = resolve_study(raw)
-    return cell_spec(study, next(iter(expand_cells(study))))
+    return cell_spec(study, next(iter(expand_cells(study)))).to_json()
 
 
 def _capabilities(sinfo: str) -> dict:

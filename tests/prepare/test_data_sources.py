@@ -43,7 +43,7 @@ def test_chat_jsonl_trains_packed_through_the_cell_runner(checkpoints, tmp_path)
     data_path = tmp_path / "train.jsonl"
     assert write_study_dataset(data_path, study["data"]) == 200
     assert all("messages" in r for r in read_dataset(data_path))
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = cell_spec(study, expand_cells(study)[0]).to_json()
     run_dir = tmp_path / "runs" / spec["cell_id"]
     result = run_supervised(spec, checkpoints, data_path, run_dir)
     assert result["outcome"] == "ok", result["reason"]
@@ -77,7 +77,7 @@ def test_parquet_pairs_train_with_their_own_field_names(checkpoints, tmp_path):
     data_path = tmp_path / "train.jsonl"
     write_study_dataset(data_path, study["data"])
     assert read_dataset(data_path)[0] == {"instruction": "Spell stone backwards.", "response": "enots"}
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = cell_spec(study, expand_cells(study)[0]).to_json()
     work_cell(spec, checkpoints["gemma3-hot"], data_path, tmp_path / "run")
     facts = read_json(tmp_path / "run" / "worker.json")
     assert facts["outcome"] == "ok", facts["reason"]

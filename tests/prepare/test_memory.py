@@ -275,7 +275,7 @@ def test_the_job_memory_override_re_runs_no_cell():
 
     studies = [resolve_study(make_study(hardware={"mem_mb": mb})) for mb in (0, 64_000)]
     assert studies[1]["hardware"]["mem_mb"] == 64_000 and studies[0]["hardware"]["mem_mb"] == 0
-    specs = [[cell_spec(s, c) for c in expand_cells(s)] for s in studies]
+    specs = [[cell_spec(s, c).to_json() for c in expand_cells(s)] for s in studies]
     assert specs[0] == specs[1]  # the finetune job's params: unchanged, so no cell re-runs
 
 

@@ -39,7 +39,7 @@ def test_a_study_without_stacks_keeps_its_ids_and_specs():
     study = resolve_study(make_study())
     (cell_id,) = cells_by_id(study)
     assert cell_id == "gemma3-hot_fp32_bs2_none_s0"
-    assert "stack" not in cell_spec(study, cells_by_id(study)[cell_id])
+    assert "stack" not in cell_spec(study, cells_by_id(study)[cell_id]).to_json()
 
 
 def test_a_stack_cell_gets_its_suffix_and_its_interpreter():
@@ -47,7 +47,7 @@ def test_a_stack_cell_gets_its_suffix_and_its_interpreter():
     study = resolve_study(make_study(grid=grid, stacks={"tf-v4": {"transformers": "4.57.*"}}))
     cells = cells_by_id(study)
     assert sorted(cells) == ["gemma3-hot_fp32_bs2_none_s0", "gemma3-hot_fp32_bs2_none_s0_stack-tf-v4"]
-    stack = cell_spec(study, cells["gemma3-hot_fp32_bs2_none_s0_stack-tf-v4"])["stack"]
+    stack = cell_spec(study, cells["gemma3-hot_fp32_bs2_none_s0_stack-tf-v4"]).to_json()["stack"]
     folder = stack_dir("results", {"transformers": "4.57.*"})
     assert stack == {
         "name": "tf-v4",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import one_cell
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract
 from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb, mem_mb_for_job, write_contract
 from tunegrid.prepare.memory_estimate import device_constants
@@ -74,7 +75,7 @@ def test_the_plan_names_the_path_and_holds_the_estimate_of_each_path_the_worker_
     spec = one_cell()
     job = CellJob(model_dir=str(checkpoints["gemma3-hot"]), data_path="d", run_dir="r", result_path="r/result.json")
     contracts = {
-        warm: write_contract(spec, job, tmp_path / f"{warm}.json", warm, capabilities=CAPABILITIES)
+        warm: write_contract(CellSpec.from_json(spec), job, tmp_path / f"{warm}.json", warm, capabilities=CAPABILITIES)
         for warm in (True, False)
     }
     local, cluster = contracts[True].plan, contracts[False].plan
@@ -87,7 +88,8 @@ def test_the_plan_names_the_path_and_holds_the_estimate_of_each_path_the_worker_
     assert (local.mem_mb, cluster.mem_mb) == (job_mem_mb(local.estimate().estimate_bytes, 1), cluster.mem_mb)
     assert CellContract.read(tmp_path / "True.json") == contracts[True]
     # a distributed cell's ranks take the same paths, each rank's estimate per path; its job asks for every rank's
-    two = write_contract(one_cell(world=2), job, tmp_path / "two.json", True, capabilities=CAPABILITIES)
+    two_ranks = CellSpec.from_json(one_cell(world=2))
+    two = write_contract(two_ranks, job, tmp_path / "two.json", True, capabilities=CAPABILITIES)
     assert two.plan.worker == FORKED and set(two.plan.estimates) == {FORKED, SPAWNED}
     assert two.plan.mem_mb == job_mem_mb(two.plan.estimate().estimate_bytes, 2)
 

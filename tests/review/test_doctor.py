@@ -64,7 +64,7 @@ def _injecting(transient):
 def test_a_transient_injection_spares_the_repeat_only(transient):
     study = _injecting(transient)
     cell = next(iter(cells_by_id(study).values()))
-    first, again = cell_spec(study, cell), cell_spec(study, repeat_of(cell))
+    first, again = cell_spec(study, cell).to_json(), cell_spec(study, repeat_of(cell)).to_json()
     assert first["debug"]["inject_nonfinite"]["module"] == "model.layers.0.mlp.down_proj"
     assert bool(again["debug"]["inject_nonfinite"]["module"]) is not transient
     assert "transient" not in first["debug"]["inject_nonfinite"]  # spent when the spec is made

@@ -35,7 +35,7 @@ def _start_supervisor(
     study = resolve_study(
         make_study(grid=grid, train={"steps": 100000, "seq_len": 32, "threads": 1, "time_limit_s": 600})
     )
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = cell_spec(study, expand_cells(study)[0]).to_json()
     run_dir = tmp_path / "runs" / spec["cell_id"]
     contract = cell_contract(spec, checkpoints, dataset_path, run_dir, warm_worker=bool(env.get(warm.SOCKET_ENV)))
     code = (

@@ -178,7 +178,7 @@ def test_tracking_server_stopped_mid_run_training_goes_on_and_sync_fills(checkpo
     port = free_port()
     grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
     study = resolve_study(make_study(grid=grid, train={"steps": 400, "seq_len": 32}))
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = cell_spec(study, expand_cells(study)[0]).to_json()
     run_dir = tmp_path / "runs" / spec["cell_id"]
     tracking = tmp_path / "tracking.json"
     url = f"http://127.0.0.1:{port}"
@@ -219,7 +219,7 @@ def test_result_json_appears_only_after_the_mlflow_run_is_finished(checkpoints, 
     store = sqlite_store(tmp_path / "mlflow.db")
     grid = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
     study = resolve_study(make_study(grid=grid, train={"steps": 3, "seq_len": 32}))
-    spec = cell_spec(study, expand_cells(study)[0])
+    spec = cell_spec(study, expand_cells(study)[0]).to_json()
     run_dir = tmp_path / "runs" / spec["cell_id"]
     tracking = tmp_path / "tracking.json"
     experiment_id = init_experiment(store, "tunegrid/t", None)

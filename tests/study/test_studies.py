@@ -42,7 +42,7 @@ def test_real_width_variant_trains_a_step_on_cpu_with_one_layer(config, model, d
     texts = list(corpus_texts(read_dataset(dataset_path)))
     produce_checkpoint(study["models"][model], texts, tmp_path / model)
     cell = next(c for c in expand_cells(study) if c.model == model and c.quant == "nf4" and c.batch_size == 1)
-    spec = cell_spec(study, cell)
+    spec = cell_spec(study, cell).to_json()
     spec["axes"] = {**spec["axes"], "precision": "fp32"}
     work_cell(spec, tmp_path / model, dataset_path, tmp_path / "run")
     facts = read_json(tmp_path / "run" / "worker.json")
@@ -134,7 +134,7 @@ def test_moe_oom_at_load_at_reduced_size_ends_oom_at_load_for_nf4_and_ok_for_nf4
     results = {}
     for cell in expand_cells(study):
         run_dir = tmp_path / cell.quant
-        spec = cell_spec(study, cell)
+        spec = cell_spec(study, cell).to_json()
         results[cell.quant] = run_supervised(
             spec, {name: tmp_path / name}, dataset_path, run_dir, capabilities=capabilities
         )

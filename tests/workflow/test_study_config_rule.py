@@ -119,7 +119,7 @@ def test_a_study_change_reruns_the_cells_it_changes_and_no_other(tmp_path):
         }
     )
     assert json.loads(paths.cell_spec(GEMMA).read_text()) == json.loads(
-        spec_json(cell_spec(new, cells_by_id(new)[GEMMA]))
+        spec_json(cell_spec(new, cells_by_id(new)[GEMMA]).to_json())
     )
     assert paths.cell_spec(GEMMA).stat().st_mtime_ns > before[GEMMA]
     assert paths.cell_spec(QWEN).stat().st_mtime_ns == before[QWEN]

@@ -130,7 +130,7 @@ def get_cell(wildcards):
 
 
 def get_cell_spec(wildcards):
-    return spec_json(cell_spec(STUDY, get_cell(wildcards)))
+    return spec_json(cell_spec(STUDY, get_cell(wildcards)).to_json())
 
 
 def get_cell_model_dir(wildcards):

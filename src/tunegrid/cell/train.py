@@ -65,7 +65,7 @@ class CellTrainer:
 
     def __init__(self, contract: CellContract, run_dir: Path) -> None:
         self.contract = contract  # the spec, the plan and the job, as the cell_plan rule made them (tunegrid.contract)
-        self.spec = contract.spec
+        self.spec = contract.spec.to_json()  # the cell stage reads the spec as its JSON
         self.model_dir = Path(contract.job.model_dir)
         self.data_path = Path(contract.job.data_path)
         self.run_dir = run_dir

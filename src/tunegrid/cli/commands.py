@@ -165,12 +165,13 @@ def plan(args: argparse.Namespace) -> None:
 
 
 def cell_plan(args: argparse.Namespace) -> None:
+    from tunegrid.cell_spec import CellSpec
     from tunegrid.contract import CellJob
     from tunegrid.prepare.cell_plan import warm_worker_of, write_contract
     from tunegrid.study.config import study_cell_spec
 
     if args.spec_file:
-        spec = read_json(args.spec_file)
+        spec = CellSpec.from_json(read_json(args.spec_file))
         warm = not (args.cluster or args.no_warm_worker)
     elif args.cell:
         spec = study_cell_spec(args.study_file, args.cell)

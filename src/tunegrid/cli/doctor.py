@@ -136,9 +136,9 @@ def _plan_row(contract: Any, capabilities: dict[str, Any]) -> dict[str, Any]:
     from tunegrid.prepare.liveness import step_floor_s
     from tunegrid.targets import modelled_step_s
 
-    plan, axes = contract.plan, contract.spec["axes"]
-    precision = str(axes["precision"])
-    checkpointing = bool(axes.get("activation_checkpointing"))
+    plan, axes = contract.plan, contract.spec.axes
+    precision = str(axes.precision)
+    checkpointing = bool(axes.activation_checkpointing)
     step = modelled_step_s(
         plan.target,
         precision,
@@ -147,7 +147,7 @@ def _plan_row(contract: Any, capabilities: dict[str, Any]) -> dict[str, Any]:
         checkpointing=checkpointing,
     )
     floor = step_floor_s(plan.liveness.step_flops, precision, checkpointing, capabilities)
-    tokens = axes["batch_size"] * axes.get("grad_accum", 1) * contract.spec["train"]["seq_len"]
+    tokens = axes.batch_size * axes.grad_accum * contract.spec.train.seq_len
     ceiling = {"ceiling_tokens_per_s": tokens / floor[0], "ceiling_basis": floor[1]} if floor and floor[0] > 0 else {}
     return {**plan.row(), "modelled_step_s": step, **ceiling}
 

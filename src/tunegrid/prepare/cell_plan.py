@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract, CellJob, CellKernels, CellPlan, MemoryEstimate
 from tunegrid.runtime.files import read_json
 from tunegrid.runtime.workers import SPAWNED, planned_worker
@@ -100,7 +101,7 @@ def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]
     )
 
 
-def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], warm_worker: bool) -> CellPlan:
+def plan_cell(cell: CellSpec, model_dir: Path, capabilities: dict[str, Any], warm_worker: bool) -> CellPlan:
     """The cell's plan: the device it trains on, its target, budget, estimates (of each path its worker may take:
     the supervisor spawns a worker the warm worker does not fork), kernels and liveness limits. `warm_worker`: the
     run forks its cells from a warm worker (a local run of a study with execution.warm_worker); the planned path
@@ -109,17 +110,18 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
     from tunegrid.runtime.devices import training_device
     from tunegrid.targets import resolve_target
 
+    spec = cell.to_json()  # the estimate's, the targets' and the workers' rules read the spec as its JSON
     hardware = spec["hardware"]
     device = training_device(hardware, capabilities)
     target = resolve_target(hardware, capabilities) if capabilities else None
-    enforced = bool(target) and (target.name != "native" or bool(hardware["memory_budget_gb"]))
+    enforced = bool(target) and (target.name != "native" or bool(cell.hardware.memory_budget_gb))
     worker = planned_worker(spec, device, warm_worker)
     # every path the worker may take: the planned one, spawned, and forked wherever a warm worker could fork it
     paths = dict.fromkeys([worker, SPAWNED, planned_worker(spec, device, True)])
     estimates = {path: _estimate(spec, model_dir, capabilities, device, path, target) for path in paths}
-    world = int(spec["axes"].get("world_size", 1))
+    world = cell.axes.world_size
     return CellPlan(
-        cell_id=spec["cell_id"],
+        cell_id=cell.cell_id,
         world_size=world,
         target=target.name if target else None,
         budget_bytes=target.memory_bytes if enforced and target else None,
@@ -128,12 +130,12 @@ def plan_cell(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any
         estimates=estimates,
         kernels=_kernels(spec, model_dir, capabilities, device),
         liveness=cell_liveness(spec, model_dir, capabilities),
-        mem_mb=host_mem_mb(estimates[worker], world // int(spec["axes"].get("nodes", 1))),  # a node's ranks
+        mem_mb=host_mem_mb(estimates[worker], world // cell.axes.nodes),  # a node's ranks
     )
 
 
 def make_contract(
-    spec: dict[str, Any], job: CellJob, warm_worker: bool, capabilities: dict[str, Any] | None = None
+    spec: CellSpec, job: CellJob, warm_worker: bool, capabilities: dict[str, Any] | None = None
 ) -> CellContract:
     """The contract of one cell: its spec, its plan and its job. The capabilities are the job's probe record
     (`job.capabilities_path`) unless given; none: no target, no budget, the estimate without measured constants."""
@@ -143,7 +145,7 @@ def make_contract(
 
 
 def write_contract(
-    spec: dict[str, Any],
+    spec: CellSpec,
     job: CellJob,
     out: str | Path,
     warm_worker: bool,

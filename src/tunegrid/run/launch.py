@@ -50,8 +50,8 @@ def launch_ranks(
     (the warm worker holds the base's libraries)."""
     from tunegrid.runtime.workers import stack_python
 
-    spec, run_dir = contract.spec, contract.job.run
-    world = spec["axes"].get("world_size", 1)
+    spec, run_dir = contract.spec.to_json(), contract.job.run  # the run stage reads the spec as its JSON
+    world = spec["axes"]["world_size"]
     interpreter = stack_python(spec)
     if interpreter:
         warm_socket = None
@@ -65,7 +65,7 @@ def launch_ranks(
         "--contract",
         str(contract_path),
     ]
-    if int(spec["axes"].get("nodes", 1)) > 1:  # each rank a SLURM step on its node (spawned, never forked)
+    if int(spec["axes"]["nodes"]) > 1:  # each rank a SLURM step on its node (spawned, never forked)
         from tunegrid.run.nodes import launch_on_nodes
 
         env = {**child_env(visible_devices), **flight_recorder_env(spec, run_dir)}

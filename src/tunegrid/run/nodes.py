@@ -31,7 +31,7 @@ KEEP_SLURM = {"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CLUSTER_NAME", "SLURM_CONF",
 
 
 def cell_nodes(spec: dict[str, Any]) -> int:
-    return int(spec["axes"].get("nodes", 1))
+    return int(spec["axes"]["nodes"])
 
 
 class RankStep(subprocess.Popen[bytes]):
@@ -114,13 +114,13 @@ def launch_on_nodes(spec: dict[str, Any], run_dir: Path, command: list[str], env
     """One srun step per rank on its node; each rank's output in ranks/rank<r>.log."""
     from tunegrid.run.ui import free_port
 
-    world, wanted = int(spec["axes"].get("world_size", 1)), cell_nodes(spec)
+    world, wanted = int(spec["axes"]["world_size"]), cell_nodes(spec)
     nodes = allocation_nodes(env)[:wanted]
     per_node = world // wanted
     master = nodes[0][1]
     base = step_env(env)
     base.update(MASTER_ADDR=master, MASTER_PORT=str(free_port("0.0.0.0")), WORLD_SIZE=str(world))
-    threads = str(spec["train"].get("threads") or 1)
+    threads = str(spec["train"]["threads"])
     slow = spec.get("debug", {}).get("slow_link") or {}
     steps: list[RankStep] = []
     for rank in range(world):

@@ -90,7 +90,7 @@ def _supervise(
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
     Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped, a hang named early)."""
-    spec, run_dir = contract.spec, contract.job.run
+    spec, run_dir = contract.spec.to_json(), contract.job.run  # the run stage reads the spec as its JSON
     grace = spec["distributed"]["exit_grace_s"]
     started = time.time()
     procs = procs or launch_ranks(contract, contract_path, visible_devices=visible_devices)
@@ -151,7 +151,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     under supervision, or decided without training where its plan says so; returns result.json's content."""
     started = time.time()
     contract = CellContract.read(contract_path)
-    spec, plan, job = contract.spec, contract.plan, contract.job
+    spec, plan, job = contract.spec.to_json(), contract.plan, contract.job  # the spec as its JSON, as result.json
     run_dir, model_dir, data_path = job.run, Path(job.model_dir), Path(job.data_path)
     result_path = Path(job.result_path)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -180,7 +180,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     cell = {**spec, "plan": plan.record(worker)}  # the spec and the plan as the cell ran them: result.json's `cell`
 
     # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
-    world = spec["axes"].get("world_size", 1)
+    world = spec["axes"]["world_size"]
     with (
         cell_devices(spec["hardware"], world, capabilities) if verdict is None else contextlib.nullcontext() as visible
     ):
@@ -210,7 +210,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
                 early = None
             env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
             result = compose_result(cell, run_dir, returncodes[0], verdict, started, command, env)
-            if spec["axes"].get("world_size", 1) > 1 and returncodes != [None]:
+            if spec["axes"]["world_size"] > 1 and returncodes != [None]:
                 from tunegrid.run.rank_diagnosis import diagnose_ranks
 
                 ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped, named, capabilities)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.study.errors import ConfigError
 from tunegrid.study.grid import Cell, cell_class, excluded, exclusion_problems, exclusion_schema
 from tunegrid.study.input_limits import (
@@ -256,17 +257,14 @@ def baseline_cell(study: dict[str, Any], cell_id: str = "") -> Cell:
     return cells[cell_id]
 
 
-def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
+def cell_spec(study: dict[str, Any], cell: Cell) -> CellSpec:
     """Everything one cell needs to train, fully resolved: what result.json records as `cell`. The axes that
     stand for a study setting (activation checkpointing, the loss, the collective timeout, the rank faults) are
-    written into it, so the trainer reads one place."""
+    written into it, so the trainer reads one place. Every default is the resolved study's (the schema's)."""
     from tunegrid.study.grid_axes import cell_debug, setting_values
 
     settings = setting_values(study, cell)
-    spec = {
-        "study": study["study"],
-        "cell_id": cell.cell_id,
-        "axes": cell.axes(),
+    sections = {
         "model": {"name": cell.model, **study["models"][cell.model]},
         "train": {
             **study["train"],
@@ -280,14 +278,15 @@ def cell_spec(study: dict[str, Any], cell: Cell) -> dict[str, Any]:
         "hardware": {key: value for key, value in study["hardware"].items() if key != "mem_mb"},
         "distributed": {**study["distributed"], "collective_timeout_s": settings["collective_timeout_s"]},
     }
+    stack = None
     if cell.stack != BASE_STACK:  # only then: the spec of a cell on the base stack is what it was before stacks
         from tunegrid.study.stacks import stack_ref
 
-        spec["stack"] = stack_ref(study, cell.stack).to_json()
-    return spec
+        stack = stack_ref(study, cell.stack)
+    return CellSpec.of(study["study"], cell, sections, stack)
 
 
-def study_cell_spec(study_file: str | Path, cell_id: str) -> dict[str, Any]:
+def study_cell_spec(study_file: str | Path, cell_id: str) -> CellSpec:
     """A cell's spec from the resolved study the workflow wrote once (results/<study>/study.json): jobs
     get a file path and a cell id, never the spec itself on their command line."""
     with open(study_file) as fh:

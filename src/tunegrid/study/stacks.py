@@ -14,10 +14,10 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import StackRef
 from tunegrid.vocabulary import BASE_STACK
 
 STACKS_FOLDER = "stacks"  # under the results folder every study shares
@@ -59,26 +59,6 @@ def stack_dir(results: str | Path, pins: dict[str, str]) -> Path:
 
 def stack_python(folder: Path) -> Path:
     return Path(folder) / "venv" / "bin" / "python"
-
-
-@dataclass(frozen=True, kw_only=True)
-class StackRef:
-    """What a cell's spec records about its stack: enough for its job to find the interpreter."""
-
-    name: str
-    pins: dict[str, str]
-    key: str
-    folder: str  # results/stacks/<key>, relative to the working folder; "" for the base stack
-    python: str  # the stack's interpreter, in its folder; "" for the base stack: the job's own
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "pins": dict(self.pins),
-            "key": self.key,
-            "folder": self.folder,
-            "python": self.python,
-        }
 
 
 def stack_ref(study: dict[str, Any], name: str, results: str | Path = "results") -> StackRef:

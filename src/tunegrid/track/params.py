@@ -22,7 +22,7 @@ def _study_specs(study_file: str, mtime_ns: int) -> tuple[str, ...]:
     from tunegrid.study.config import cell_spec, cells_by_id, resolve_study
 
     study = resolve_study(read_json(Path(study_file)))
-    return tuple(json.dumps(cell_spec(study, cell)) for cell in cells_by_id(study).values())
+    return tuple(json.dumps(cell_spec(study, cell).to_json()) for cell in cells_by_id(study).values())
 
 
 def study_specs(run_dir: Path) -> list[dict[str, Any]]:
