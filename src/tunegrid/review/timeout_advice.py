@@ -113,22 +113,16 @@ def timeout_fixes(frame: Any) -> list[Recommendation]:
         )
     if "straggler_rank" in frame.columns:
         warned = frame[(frame["outcome"] != Outcome.TIMEOUT) & frame["straggler_rank"].notna()]
-        for _, row in warned.iterrows():
-            out.append(
-                Recommendation(
-                    signature="warning:straggler",
-                    title=f"{row['cell_id']}: straggler (early warning)",
-                    text=(
-                        f"{row['cell_id']} ended {row['outcome']}, but rank {int(row['straggler_rank'])} was "
-                        f"{row['straggler_ratio']:.3g}x the other ranks' local time on most steps: every step waits "
-                        "for it, and a longer delay on it will end in a collective timeout. Balance the ranks' "
-                        "data or devices."
-                    ),
-                    failing=[],
-                    evidence=[row["cell_id"]],
-                    concerns=[row["cell_id"]],
-                )
+        out += [
+            _early_warning(
+                row,
+                "straggler",
+                f"rank {int(row['straggler_rank'])} was {row['straggler_ratio']:.3g}x the other ranks' local time on "
+                "most steps: every step waits for it, and a longer delay on it will end in a collective timeout. "
+                "Balance the ranks' data or devices.",
             )
+            for _, row in warned.iterrows()
+        ]
     return out + _slow_links(frame)
 
 
@@ -137,18 +131,24 @@ def _slow_links(frame: Any) -> list[Recommendation]:
     if "slow_link_ratio" not in frame.columns:
         return []
     return [
-        Recommendation(
-            signature="warning:slow_link",
-            title=f"{row['cell_id']}: slow link (early warning)",
-            text=(
-                f"{row['cell_id']} ended {row['outcome']}, but its collectives took "
-                f"{row['slow_link_collective_s']:.3g} s a step, {row['slow_link_ratio']:.3g}x what the probe's "
-                "all-reduce bandwidth predicts, while every rank kept pace: the link between the ranks, not a rank, "
-                "is slow. Check the network (interface, rate limits, placement of the ranks' nodes)."
-            ),
-            failing=[],
-            evidence=[row["cell_id"]],
-            concerns=[row["cell_id"]],
+        _early_warning(
+            row,
+            "slow_link",
+            f"its collectives took {row['slow_link_collective_s']:.3g} s a step, {row['slow_link_ratio']:.3g}x what "
+            "the probe's all-reduce bandwidth predicts, while every rank kept pace: the link between the ranks, not "
+            "a rank, is slow. Check the network (interface, rate limits, placement of the ranks' nodes).",
         )
         for _, row in frame[frame["slow_link_ratio"].notna()].iterrows()
     ]
+
+
+def _early_warning(row: Any, kind: str, what: str) -> Recommendation:
+    """A finding on a cell that did not time out (yet): what its ranks showed, as an early warning."""
+    return Recommendation(
+        signature=f"warning:{kind}",
+        title=f"{row['cell_id']}: {kind.replace('_', ' ')} (early warning)",
+        text=f"{row['cell_id']} ended {row['outcome']}, but {what}",
+        failing=[],
+        evidence=[row["cell_id"]],
+        concerns=[row["cell_id"]],
+    )
