@@ -1,8 +1,8 @@
 """A user's training recipe (an axolotl config, or TRL / Transformers training arguments) read into the
 settings of a tunegrid study, with every key of the source accounted for.
 
-`Recipe` is what crosses from the readers (recipe_axolotl, recipe_trl) to the study builder
-(recipe_study) and back out to the exporter (recipe_export): `settings` maps tunegrid's own config
+`Recipe` is what crosses from the readers (recipes.axolotl, recipes.trl) to the study builder
+(recipes.importer) and back out to the exporter (recipes.export): `settings` maps tunegrid's own config
 paths (`grid.precision`, `train.lr`, `lora.r`, `data.fields` …) to the recipe's values; `origin` says
 which recipe keys each came from; `not_carried` lists, with the reason, every key tunegrid does not take
 over (never dropped silently); `ignored` the keys it cannot honour that the user chose to drop (`--ignore`).
