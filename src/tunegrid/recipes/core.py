@@ -248,11 +248,11 @@ def precision_of(dtype: str) -> str:
 
 def quant_of(bnb: dict[str, Any] | None, experts: bool = False) -> str | None:
     """The quantization whose row loads with these BitsAndBytesConfig settings (None: none does)."""
-    for plan in QUANT_PLANS.values():
-        if bnb is None and plan.bits is None:
-            return str(plan.quant)
-        if bnb and plan.bnb and plan.experts_quantized == experts and all(plan.bnb.get(k) == v for k, v in bnb.items()):
-            return str(plan.quant)
+    for row in QUANT_PLANS.values():
+        if bnb is None and row.bits is None:
+            return str(row.quant)
+        if bnb and row.bnb and row.experts_quantized == experts and all(row.bnb.get(k) == v for k, v in bnb.items()):
+            return str(row.quant)
     return None
 
 
@@ -304,16 +304,16 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
             said.update({"bfloat16": row.dtype == "bfloat16", "float16": row.dtype == "float16"})
         return said
     if axis == "quant":
-        plan = QUANT_PLANS[value]
-        if plan.experts_quantized and "quantize_moe_experts" not in keys:
+        row = QUANT_PLANS[value]
+        if row.experts_quantized and "quantize_moe_experts" not in keys:
             raise ValueError(f"TRL's ModelConfig has no setting that quantizes MoE experts ({value})")
-        bnb = plan.bnb or {}
+        bnb = row.bnb or {}
         four = bool(bnb.get("load_in_4bit"))
         said = {
             "load_in_4bit": four,
             "load_in_8bit": bool(bnb.get("load_in_8bit")),
             "adapter": "qlora" if four else "lora",
-            "quantize_moe_experts": plan.experts_quantized,
+            "quantize_moe_experts": row.experts_quantized,
             "use_peft": True,  # TRL trains adapters only with use_peft (an --ignore'd recipe may lack it)
             **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if four else {}),
         }
