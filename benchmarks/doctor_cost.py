@@ -59,7 +59,7 @@ def _snakemake(workdir: Path, study: Path, cores: int, *targets: str, redecide: 
 
 def _study_file(path: str, workdir: Path) -> str:
     """A study file as it is; a recipe as the doctor's study, written in the work folder."""
-    from tunegrid.run.doctor import _is_study, recipe_study
+    from tunegrid.run.doctor_workflow import _is_study, recipe_study
     from tunegrid.study.config import read_study_file
     from tunegrid.study.errors import ConfigError
 
@@ -102,7 +102,7 @@ def _forget_decisions(paths) -> None:
 
 
 def measure(entry: str, workdir: Path, cores: int, redecide: bool = False) -> dict:
-    from tunegrid.review.doctor import baseline_fixes, cell_minutes
+    from tunegrid.review.doctor_verdict import baseline_fixes, cell_minutes
     from tunegrid.runtime.files import read_json
     from tunegrid.study.config import baseline_cell, cells_by_id, load_study
     from tunegrid.study.paths import StudyPaths

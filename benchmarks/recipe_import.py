@@ -9,7 +9,7 @@ other: LLaMA-Factory and custom-script configs) and whether it is LoRA/QLoRA tex
 is then counted imported, refused naming a local file that its repository does not hold (the key, the path and
 the flag that supplies it: no importer can run it as it is), or refused otherwise; a non-SFT one, or one of
 another format, counts as refused by name when the error says what makes it so ("is not LoRA/QLoRA SFT",
-"format not recognised"). Every imported study is checked for fidelity (recipe_fidelity): each recipe value is
+"format not recognised"). Every imported study is checked for fidelity (recipes.fidelity): each recipe value is
 what the study trains on or a row of its header, and the first training record's text, where the record is on
 this machine, is the text the recipe's tool builds from it. TUNEGRID_DATA_ROOTS is set to the folder, so that the
 validation reads the recipes' own data files there.
@@ -72,7 +72,7 @@ def classify(path: Path, raw: dict) -> str | None:
 
 
 def run(path: Path, kind: str, out: Path, fidelity: list | None = None, files: dict | None = None) -> tuple[str, str]:
-    from tunegrid.recipes.recipe_study import import_recipe
+    from tunegrid.recipes.importer import import_recipe
     from tunegrid.study.config import expand_cells, resolve_study
     from tunegrid.study.errors import ConfigError
 
@@ -83,7 +83,7 @@ def run(path: Path, kind: str, out: Path, fidelity: list | None = None, files: d
         study["study"] = name.strip("-.")[:64]
         (out / f"{study['study']}.yaml").write_text(yaml.safe_dump(study, sort_keys=False))
         if fidelity is not None:
-            from tunegrid.recipes.recipe_fidelity import check_fidelity
+            from tunegrid.recipes.fidelity import check_fidelity
 
             fidelity.append((str(path), check_fidelity(recipe, resolve_study(study), header)))
         return "imported", f"{len(cells)} cells"
@@ -106,7 +106,7 @@ def user_files(detail: str, path: Path, work: Path) -> dict[str, str]:
     problems = [line for line in detail.splitlines() if line.strip().startswith("- ")]
     if not problems or not all(MISSING_LOCAL.search(line) for line in problems):
         return {}
-    from tunegrid.recipes.recipe import read_file
+    from tunegrid.recipes.core import read_file
 
     files = {}
     if any("--model" in line for line in problems):

@@ -186,8 +186,8 @@ class QuantPlan:
 _NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
 
 QUANT_PLANS: dict[Quant, QuantPlan] = {
-    plan.quant: plan
-    for plan in (
+    row.quant: row
+    for row in (
         QuantPlan(
             quant=Quant.NONE,
             bits=None,

@@ -44,7 +44,7 @@ ALLOWED = {
         "prepare.checkpoints",
         "prepare.data",
         "prepare.environment",
-        "recipes.recipe",
+        "recipes.core",
         "runtime.memory",
         "run.warm",
         "run.recorder_read",
@@ -128,7 +128,7 @@ def test_imports_follow_the_table():
 def test_the_table_refuses_the_imports_that_break_meaning():
     bad = {
         "tunegrid.run.supervisor": {"tunegrid.cell.train", "tunegrid.review.summary", "tunegrid.track.tags"},
-        "tunegrid.review.report": {"tunegrid.prepare.hub", "tunegrid.recipes.recipe_export"},
+        "tunegrid.review.report": {"tunegrid.prepare.hub", "tunegrid.recipes.export"},
         "tunegrid.track.tags": {"tunegrid.prepare.environment", "tunegrid.study.config"},
         "tunegrid.study.config": {"tunegrid.prepare.plan", "tunegrid.vocabulary"},
         "tunegrid.runtime.files": {"tunegrid.vocabulary"},
@@ -180,3 +180,28 @@ def test_modules_are_small():
     big = {str(path.relative_to(SRC / "tunegrid")): len(path.read_text().splitlines()) for path in MODULES.values()}
     over = {name: lines for name, lines in big.items() if lines > MAX_LINES and name not in OVERSIZE}
     assert not over, over
+
+
+# Module names two rooms both hold: one subject, each room's half of it (a third room, or another name, fails)
+TWINS = {
+    "stacks": "the light part every stage reads (study) and the build (prepare)",
+    "records": "what the loop records (cell) and what MLflow makes of those files (track)",
+    "liveness": "the heartbeat a step beats (cell) and how long a cell may go without one (prepare)",
+    "diagnosis": "the record of why a cell ended (words) and what its MLflow run says of it (track)",
+}
+
+
+def test_module_names_say_what_they_hold():
+    """A module's name does not repeat its room's (recipes/recipe_trl.py says `recipe` twice), and a name is in
+    one room only, unless TWINS says why: `doctor.py` in three rooms told nobody which doctor it held."""
+    repeats, rooms_of = [], {}
+    for module, path in MODULES.items():
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        name, where = path.stem, room(module)
+        if any(name == word or name.startswith(word + "_") for word in (where, where.removesuffix("s"))):
+            repeats.append(module)
+        rooms_of.setdefault(name, []).append(where)
+    assert not repeats, f"module names that repeat their room's: {repeats}"
+    twins = {name: rooms for name, rooms in rooms_of.items() if len(rooms) > 1}
+    assert set(twins) == set(TWINS) and all(len(rooms) == 2 for rooms in twins.values()), twins

@@ -64,8 +64,8 @@ AXIS_EFFECTS = {
     "study/grid_axes.py": "the axes that stand for a study setting, each beside its setting",
     "run/rank_diagnosis.py": "a distributed cell's facts: its world size and the timeout in effect",
     "cell/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",
-    "recipes/recipe_study.py": "recipe keys recorded, not study paths (its model name)",
-    "recipes/recipe.py": "each axis beside the keys that say it in a tool's file (import and export)",
+    "recipes/importer.py": "recipe keys recorded, not study paths (its model name)",
+    "recipes/core.py": "each axis beside the keys that say it in a tool's file (import and export)",
     "run/calibrate.py": "the probe's micro study: a study's grid as written in a study file",
 }
 
@@ -150,3 +150,65 @@ def test_no_module_compares_quantization_or_precision_names():
             if found:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {found}")
     assert not offenders, "names compared outside tunegrid.plans:\n" + "\n".join(offenders)
+
+
+# "Plan" means one thing: a cell's plan, the contract's (tunegrid.contract.CellPlan: one cell's target, budget,
+# estimates, kernels and limits, made by the `cell_plan` rule, plan.csv's row, plans/<cell>.json).
+CONTRACT_PLAN = {
+    "CellPlan",
+    "cell_plan",  # the rule, the command and the module that make it
+    "plan",
+    "plans",  # the cells' plans, by cell id
+    "plan_cell",
+    "plan_liveness",  # the plan's liveness limits
+    "plan_table",  # plan.csv
+    "planned",
+    "planned_worker",  # the path the plan says the worker takes
+    "_plan_row",
+}
+# Names that still say "plan" for something else, each with what it names. A name leaves this table when it is
+# renamed (a row of tunegrid.plans is a precision's or quantization's row, not a plan); none joins it.
+OTHER_PLANS = {
+    "tunegrid/plans.py": "the table of what each precision and quantization means, a row per value",
+    "PRECISION_PLANS": "the precision rows",
+    "QUANT_PLANS": "the quantization rows",
+    "QuantPlan": "a quantization's row",
+    "precision_plan": "a precision's row by name; also result.json's key (a file format, kept)",
+    "quant_plan": "a quantization's row by name",
+    "PrecisionPlan": "a precision's row as the cell applies it on its device (tunegrid.cell.precision)",
+    "plan_precision": "makes a PrecisionPlan",
+}
+
+
+def _plan_names() -> dict[str, set[str]]:
+    """Every name the package defines that says plan (modules, classes, functions, arguments, fields, variables,
+    imported names), with where."""
+    found: dict[str, set[str]] = {}
+    for path in (REPO / "src" / "tunegrid").rglob("*.py"):
+        where = path.relative_to(REPO / "src").as_posix()
+        names = [where] if "plan" in path.stem.lower() else []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.append(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.append(node.id)
+            elif isinstance(node, ast.arg):
+                names.append(node.arg)
+            elif isinstance(node, ast.alias):
+                names.append(node.asname or node.name.split(".")[-1])
+        for name in names:
+            if "plan" in name.lower():
+                found.setdefault(name, set()).add(where)
+    return found
+
+
+def test_plan_is_the_contracts_plan():
+    """One word per meaning: a new name that says plan names the contract's plan (CONTRACT_PLAN), never a
+    precision's row, a GPU kit's calls or another thing; the names left from before (OTHER_PLANS) only go."""
+    found = _plan_names()
+    modules = {name for name in found if name.endswith(".py")}
+    assert modules == {"tunegrid/prepare/cell_plan.py", *(m for m in OTHER_PLANS if m.endswith(".py"))}
+    undeclared = {name: sorted(found[name]) for name in set(found) - modules - CONTRACT_PLAN - set(OTHER_PLANS)}
+    assert not undeclared, f"names that say plan and are not the contract's plan: {undeclared}"
+    gone = set(OTHER_PLANS) - set(found)
+    assert not gone, f"renamed: take them out of OTHER_PLANS: {gone}"

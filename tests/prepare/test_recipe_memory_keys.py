@@ -9,8 +9,8 @@ import pytest
 import yaml
 from conftest import AXOLOTL_QLORA_RECIPE, TRL_PEFT_RECIPE
 
-from tunegrid.recipes.recipe import RecipeError
-from tunegrid.recipes.recipe_study import import_recipe
+from tunegrid.recipes.core import RecipeError
+from tunegrid.recipes.importer import import_recipe
 
 AXOLOTL, TRL = AXOLOTL_QLORA_RECIPE, TRL_PEFT_RECIPE
 

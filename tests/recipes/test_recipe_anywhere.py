@@ -1,6 +1,6 @@
 """Recipes as they are shared: keys of any release of the tool, the dataset types in common use with the text
 the tool builds (expected strings from axolotl's prompters and docs), missing local files named, what does not
-change the failure set aside, and every difference a row of the header (recipe_fidelity)."""
+change the failure set aside, and every difference a row of the header (recipes.fidelity)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunegrid.recipes.recipe import RecipeError
-from tunegrid.recipes.recipe_fidelity import check_fidelity
-from tunegrid.recipes.recipe_known import axolotl_releases, misspelt, tool_keys
-from tunegrid.recipes.recipe_study import import_recipe
+from tunegrid.recipes.core import RecipeError
+from tunegrid.recipes.fidelity import check_fidelity
+from tunegrid.recipes.importer import import_recipe
+from tunegrid.recipes.releases import axolotl_releases, misspelt, tool_keys
 from tunegrid.study.config import resolve_study
 from tunegrid.study.prompts import alpaca, custom, oasst, tool_text
 

@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from tunegrid.plans import PRECISION_PLANS
-from tunegrid.recipes.recipe import RecipeError, tool_value
-from tunegrid.recipes.recipe_study import import_recipe
+from tunegrid.recipes.core import RecipeError, tool_value
+from tunegrid.recipes.importer import import_recipe
 from tunegrid.study.config import expand_cells, resolve_study
 
 CHAT = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from conftest import AXOLOTL_QLORA_RECIPE, TRL_PEFT_RECIPE
 
-from tunegrid.recipes.recipe_study import import_recipe
+from tunegrid.recipes.importer import import_recipe
 
 AXOLOTL, TRL = AXOLOTL_QLORA_RECIPE, TRL_PEFT_RECIPE
 CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunegrid.recipes.recipe_fidelity import check_fidelity
-from tunegrid.recipes.recipe_study import import_recipe
+from tunegrid.recipes.fidelity import check_fidelity
+from tunegrid.recipes.importer import import_recipe
 from tunegrid.study.config import resolve_study
 
 PAIR = {"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"}

@@ -17,10 +17,10 @@ from conftest import REPO, snakemake_command, workflow_env
 
 from tunegrid.cli.main import main
 from tunegrid.plans import PRECISION_PLANS
-from tunegrid.recipes.recipe import RecipeError
-from tunegrid.recipes.recipe_export import export_cell, exported_mapping, split_trl
-from tunegrid.recipes.recipe_study import baseline_cell_id, expand_base, import_recipe
-from tunegrid.recipes.recipe_trl import DEFAULTS, MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS, SFT_ONLY_KEYS
+from tunegrid.recipes.core import RecipeError
+from tunegrid.recipes.export import export_cell, exported_mapping, split_trl
+from tunegrid.recipes.importer import baseline_cell_id, expand_base, import_recipe
+from tunegrid.recipes.trl import DEFAULTS, MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS, SFT_ONLY_KEYS
 from tunegrid.study.config import expand_cells, resolve_study
 
 RECIPES = REPO / "tests" / "data" / "recipes"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 from conftest import make_study
 
-from tunegrid.review.doctor import baseline_fixes
 from tunegrid.review.doctor_choice import (
     DETERMINISTIC,
     NOT_REPRODUCED,
@@ -19,6 +18,7 @@ from tunegrid.review.doctor_choice import (
     reproduction,
     tries,
 )
+from tunegrid.review.doctor_verdict import baseline_fixes
 from tunegrid.study.config import baseline_cell, cell_spec, cells_by_id, resolve_study
 from tunegrid.vocabulary import parse_cell_id
 
@@ -294,7 +294,7 @@ def test_the_doctors_fp16_candidate_is_judged_on_the_steps_that_trained(tmp_path
     steps (65536 -> 8192), and the cell made them up (4 updates in 7 steps run). Judged on its updates it holds
     beside fp32; judged step by step it 'deviated' (its step 3, before any update, against fp32's after three),
     and the only fix written back was fp32."""
-    from tunegrid.review.doctor import verdict_of
+    from tunegrid.review.doctor_verdict import verdict_of
 
     grid = {"model": ["gemma3-hot"], "precision": ["fp16", "fp16-mixed", "fp32"], "quant": ["none"]}
     study = resolve_study(make_study(grid=grid))
@@ -488,7 +488,7 @@ def test_a_collective_timeout_stops_at_the_smallest_larger_timeout_that_holds():
 def test_fixes_within_the_fastest_ones_noise_are_equally_fast_and_the_plans_order_picks(tmp_path, fp32_step, first):
     """fp32 5 % faster than bf16 is within its step times' 10 % deviation: bf16 first (nan_fix_rank 0 before 2), on
     any host; 20 % faster, fp32 first. The doctor and the grid read the same rule, so they name the same fix."""
-    from tunegrid.review.doctor import verdict_of
+    from tunegrid.review.doctor_verdict import verdict_of
 
     grid = {"model": ["gemma3-hot"], "precision": ["fp16", "bf16", "fp32"], "quant": ["none"]}
     study = resolve_study(make_study(grid=grid))

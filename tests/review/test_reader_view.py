@@ -55,7 +55,7 @@ def test_the_reports_export_command_names_the_study_folder():
     import shlex
 
     from tunegrid.cli.main import build_parser
-    from tunegrid.recipes.recipe_export import export_command
+    from tunegrid.recipes.export import export_command
 
     command = export_command("gemma3-tiny_fp32_bs8_nf4_s0", "axolotl", StudyPaths.of("my study").study_dir)
     args = build_parser().parse_args(shlex.split(command)[1:])

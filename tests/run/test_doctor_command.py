@@ -16,7 +16,7 @@ import yaml
 from conftest import REPO, workflow_env
 
 from tunegrid.plans import PRECISION_PLANS
-from tunegrid.run.doctor import command, run_doctor, study_of, target
+from tunegrid.run.doctor_workflow import command, run_doctor, study_of, target
 from tunegrid.study.config import ConfigError
 
 RECIPE = REPO / "tests" / "data" / "recipes" / "trl-sft-chat.yaml"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, snakemake_command, with_session_warm_processes, workflow_env
 
-from tunegrid.review.doctor import baseline_fixes
+from tunegrid.review.doctor_verdict import baseline_fixes
 from tunegrid.runtime.files import read_json
 from tunegrid.study.config import cells_by_id, load_study
 

@@ -18,8 +18,8 @@ import yaml
 from conftest import REPO, with_session_warm_processes, workflow_env
 
 from tunegrid.plans import PRECISION_PLANS
-from tunegrid.recipes.recipe import tool_value
-from tunegrid.recipes.recipe_export import split_trl
+from tunegrid.recipes.core import tool_value
+from tunegrid.recipes.export import split_trl
 
 pytestmark = pytest.mark.slow
 

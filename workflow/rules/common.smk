@@ -17,7 +17,7 @@ from tunegrid.runtime.devices import cell_gpus, gpus_per_rank
 from tunegrid.runtime.telemetry import telemetry_off
 from tunegrid.prepare.cell_plan import mem_mb_for_job, trains
 from tunegrid.prepare.cluster import ACCOUNTING_DISABLED, accounting_disabled
-from tunegrid.recipes.recipe_study import expand_base
+from tunegrid.recipes.importer import expand_base
 from tunegrid.study.config import baseline_cell as doctor_baseline
 from tunegrid.review.doctor_choice import doctor_cells, memory_choice_cells, precision_choice_cells
 from tunegrid.review.doctor_choice import tries as doctor_tries

@@ -290,7 +290,7 @@ def mlflow_ui(args: argparse.Namespace) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    from tunegrid.recipes.recipe_study import expand_base
+    from tunegrid.recipes.importer import expand_base
     from tunegrid.study.config import expand_cells, read_study_file, resolve_study
 
     study = resolve_study(expand_base(read_study_file(args.config)))

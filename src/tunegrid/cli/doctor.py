@@ -1,5 +1,5 @@
-"""`tunegrid doctor <recipe or study>`: one failing run in, the proven fix out (tunegrid.run.doctor runs the
-Snakemake target), and the commands the doctor's rules call between its waves (workflow/rules/doctor.smk)."""
+"""`tunegrid doctor <recipe or study>`: one failing run in, the proven fix out (tunegrid.run.doctor_workflow runs
+the Snakemake target), and the commands the doctor's rules call between its waves (workflow/rules/doctor.smk)."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ def _paths(study_file: str) -> StudyPaths:
 
 
 def doctor(args: argparse.Namespace) -> None:
-    from tunegrid.run.doctor import run_doctor
+    from tunegrid.run.doctor_workflow import run_doctor
 
     raise SystemExit(run_doctor(args))
 
@@ -164,8 +164,8 @@ def _cells_before(diagnosis: dict, index: int, passed: list[str]) -> list[str]:
 
 
 def doctor_try(args: argparse.Namespace) -> None:
-    from tunegrid.review.doctor import try_verdict
     from tunegrid.review.doctor_choice import tries
+    from tunegrid.review.doctor_verdict import try_verdict
     from tunegrid.study.config import resolve_study
 
     study = resolve_study(read_json(args.study_file))
@@ -195,7 +195,7 @@ def doctor_try(args: argparse.Namespace) -> None:
 
 
 def doctor_verdict(args: argparse.Namespace) -> None:
-    from tunegrid.review.doctor import conclude
+    from tunegrid.review.doctor_verdict import conclude
     from tunegrid.study.config import resolve_study
 
     study = resolve_study(read_json(args.study_file))

@@ -49,7 +49,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def import_recipe(args: argparse.Namespace) -> None:
-    from tunegrid.recipes.recipe_study import import_recipe as build
+    from tunegrid.recipes.importer import import_recipe as build
     from tunegrid.study.config import expand_cells, resolve_study
 
     base = {"recipe": args.recipe, "from": args.tool, "failure": args.failure, "ignore": list(args.ignore)}
@@ -72,7 +72,7 @@ def import_recipe(args: argparse.Namespace) -> None:
 
 
 def export_cell(args: argparse.Namespace) -> None:
-    from tunegrid.recipes.recipe_export import export_cell as export
+    from tunegrid.recipes.export import export_cell as export
 
     study_file = Path(args.study_dir) / "study.json"
     if not study_file.is_file():
@@ -80,7 +80,7 @@ def export_cell(args: argparse.Namespace) -> None:
     study = read_json(study_file)
     cell_id = args.cell_id
     if cell_id == "recommended":  # the first fix the report carries back to the recipe
-        from tunegrid.recipes.recipe_export import recommended
+        from tunegrid.recipes.export import recommended
 
         recs_file = Path(args.study_dir) / "report" / "recommendations.json"
         fixes = recommended(study, read_json(recs_file)) if recs_file.is_file() else []

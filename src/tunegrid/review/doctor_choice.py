@@ -160,19 +160,19 @@ def _precision_candidates(
     choice = Choice("nan", ranked_by=BY_THROUGHPUT if target in (None, "native") else BY_MODEL)
     modelled = {cell: plan.get("modelled_step_s") for cell, plan in plans.items() if plan.get("modelled_step_s")}
     for precision in sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank):
-        plan = PRECISION_PLANS[precision]
-        if precision == baseline.precision or (plan.fp32_islands and plan.arithmetic != failing.arithmetic):
+        meaning = PRECISION_PLANS[precision]
+        if precision == baseline.precision or (meaning.fp32_islands and meaning.arithmetic != failing.arithmetic):
             continue
         support = support_of(precision, target, capabilities)
-        if support != "native" and not (support == "emulated" and plan.arithmetic == failing.arithmetic):
-            choice.skipped.append(f"precision {precision}: {support} {plan.arithmetic} on {target}")
+        if support != "native" and not (support == "emulated" and meaning.arithmetic == failing.arithmetic):
+            choice.skipped.append(f"precision {precision}: {support} {meaning.arithmetic} on {target}")
             continue
         twin = _twin(cells, baseline, {"precision": str(precision)})
         if twin is None:
             choice.skipped.append(f"precision {precision}: not in the study's grid.precision")
             continue
         step = modelled.get(twin.cell_id)
-        why = f"{plan.reason}; {step * 1e3:.3g} ms/step modelled on {target}" if step else plan.reason
+        why = f"{meaning.reason}; {step * 1e3:.3g} ms/step modelled on {target}" if step else meaning.reason
         reference = _reference(study, cells, twin, baseline)
         choice.candidates.append(
             _bounded(Candidate({"precision": str(precision)}, twin.cell_id, reference, why), plans)

@@ -118,9 +118,9 @@ def baseline(frame: Any, row: Any) -> tuple[Any, str] | None:
 def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
     out = []
     for precision in CANDIDATES:
-        plan = PRECISION_PLANS[precision]
+        meaning = PRECISION_PLANS[precision]
         # a variant of an arithmetic (fp16-islands, fp16-mixed, fp16-residual) fixes the arithmetic it keeps
-        variant_elsewhere = plan.arithmetic != precision and plan.arithmetic != precision_plan(failing).arithmetic
+        variant_elsewhere = meaning.arithmetic != precision and meaning.arithmetic != precision_plan(failing).arithmetic
         if precision == failing or variant_elsewhere:
             continue
         evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()

@@ -13,7 +13,7 @@ from typing import Any
 from tunegrid.cell_view import CellView
 from tunegrid.columns import COLUMNS, audit_cells
 from tunegrid.outcome import CellResult
-from tunegrid.recipes.recipe_export import fixes_html
+from tunegrid.recipes.export import fixes_html
 from tunegrid.review.fix_table import recommendations_html
 from tunegrid.review.memory_advice import memory_setting_rows
 from tunegrid.review.plots import OUTCOME_COLOURS, plot_losses, plot_memory, plot_outcomes

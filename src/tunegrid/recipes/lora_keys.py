@@ -6,7 +6,7 @@ bitsandbytes-quantized base, which peft cannot read); and the modules peft adapt
 
 from __future__ import annotations
 
-from tunegrid.recipes.recipe import Recipe, lora_targets, peft_default_targets
+from tunegrid.recipes.core import Recipe, lora_targets, peft_default_targets
 
 
 def loftq(recipe: Recipe, quantized: bool) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tunegrid.recipes.recipe import Recipe
+from tunegrid.recipes.core import Recipe
 
 # activation_offloading values whose tensors go where tunegrid's offloading puts them (every saved tensor but
 # the weights, to host memory): TRL's OffloadActivations with CUDA streams (true) or without (axolotl's legacy)
@@ -88,7 +88,7 @@ def fsdp_memory(recipe: Recipe) -> None:
     """The settings of an FSDP config that change what one rank holds even at world size 1: activation
     checkpointing of each wrapped layer (carried: tunegrid checkpoints each decoder layer, non-reentrant) and
     parameter offloading to host memory (carried as train.weight_offloading, saying where tunegrid's differs).
-    Sharding itself is run differently (recipe_keys.APPROXIMATED)."""
+    Sharding itself is run differently (keys.APPROXIMATED)."""
     options = recipe.raw.get("fsdp")
     options = options.split() if isinstance(options, str) else options if isinstance(options, list) else []
     config = recipe.raw.get("fsdp_config")

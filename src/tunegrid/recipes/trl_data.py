@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.recipes.recipe import HEX40, Recipe
-from tunegrid.recipes.recipe_rows import default_config, entry_rows, local_split
-from tunegrid.recipes.recipe_sources import first_record, local_dataset
+from tunegrid.recipes.core import HEX40, Recipe
+from tunegrid.recipes.header_rows import default_config, entry_rows, local_split
+from tunegrid.recipes.locations import first_record, local_dataset
 from tunegrid.study.prompts import PROMPT_COMPLETION
 
 

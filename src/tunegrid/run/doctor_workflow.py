@@ -29,7 +29,7 @@ def recipe_study(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     """A recipe as the doctor's study: imported for every failure, every precision of the plans beside its own,
     written where the doctor keeps it (the file Snakemake reads)."""
     from tunegrid.plans import PRECISION_PLANS
-    from tunegrid.recipes.recipe_study import import_recipe
+    from tunegrid.recipes.importer import import_recipe
 
     base = {"recipe": args.source, "from": args.tool, "failure": "all", "ignore": list(args.ignore)}
     base.update({k: v for k, v in (("model", args.model), ("dataset", args.dataset)) if v})
@@ -46,7 +46,7 @@ def recipe_study(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
 
 
 def study_of(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
-    from tunegrid.recipes.recipe_study import expand_base
+    from tunegrid.recipes.importer import expand_base
 
     path = Path(args.source)
     if not path.is_file():

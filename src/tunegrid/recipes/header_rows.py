@@ -1,7 +1,7 @@
 """Rows of a study's header for what a recipe's tool does that no study setting carries, so that nothing the
 recipe says changes silently: padding to the batch's longest sequence, tokens added to the vocabulary, Adam's
 constants at the values tunegrid trains with anyway, the datasets `--dataset` replaces, and each key of a dataset
-entry that no reader carried. `rows` is the set of recipe keys the header names (recipe_fidelity checks it).
+entry that no reader carried. `rows` is the set of recipe keys the header names (recipes.fidelity checks it).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tunegrid.recipes.recipe import Recipe
+from tunegrid.recipes.core import Recipe
 
 # why a recipe that pads each batch to its longest sequence runs differently: a cell pads every row to
 # train.seq_len (cell/packing.py), packed or not

@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.recipes.recipe import Recipe
-from tunegrid.recipes.recipe_known import misspelt, releases_text, tool_keys
-from tunegrid.recipes.recipe_loss import CCE_PLUGIN, LOSS_KEYS, fused_loss
-from tunegrid.recipes.recipe_rows import TOKENIZER_ROWS, adam_default
+from tunegrid.recipes.core import Recipe
+from tunegrid.recipes.header_rows import TOKENIZER_ROWS, adam_default
+from tunegrid.recipes.loss_keys import CCE_PLUGIN, LOSS_KEYS, fused_loss
+from tunegrid.recipes.releases import misspelt, releases_text, tool_keys
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ def family_of(key: str) -> KeyFamily | None:
 
 def check_tables(recipe: Recipe) -> None:
     """Refuse the REFUSED keys that are set, note the APPROXIMATED ones (plugins one by one), and carry the loss
-    kernels that never hold the full logits (recipe_loss)."""
+    kernels that never hold the full logits (recipes.loss_keys)."""
     raw = recipe.raw
     for key, why in REFUSED.items():
         if _is_set(raw.get(key)):
@@ -244,7 +244,7 @@ def check_tables(recipe: Recipe) -> None:
         return
     for plugin in plugins if isinstance(plugins, list) else []:
         name = str(plugin).rsplit(".", 1)[-1]
-        if name == CCE_PLUGIN:  # carried as train.loss: chunked (recipe_loss)
+        if name == CCE_PLUGIN:  # carried as train.loss: chunked (recipes.loss_keys)
             continue
         if f"plugins:{name}" in APPROXIMATED:
             recipe.differs[f"plugins: {name}"] = APPROXIMATED[f"plugins:{name}"]

@@ -1,8 +1,8 @@
 """A user's training recipe (an axolotl config, or TRL / Transformers training arguments) read into the
 settings of a tunegrid study, with every key of the source accounted for.
 
-`Recipe` is what crosses from the readers (recipe_axolotl, recipe_trl) to the study builder
-(recipe_study) and back out to the exporter (recipe_export): `settings` maps tunegrid's own config
+`Recipe` is what crosses from the readers (recipes.axolotl, recipes.trl) to the study builder
+(recipes.importer) and back out to the exporter (recipes.export): `settings` maps tunegrid's own config
 paths (`grid.precision`, `train.lr`, `lora.r`, `data.fields` …) to the recipe's values; `origin` says
 which recipe keys each came from; `not_carried` lists, with the reason, every key tunegrid does not take
 over (never dropped silently); `ignored` the keys it cannot honour that the user chose to drop (`--ignore`).
@@ -248,11 +248,11 @@ def precision_of(dtype: str) -> str:
 
 def quant_of(bnb: dict[str, Any] | None, experts: bool = False) -> str | None:
     """The quantization whose row loads with these BitsAndBytesConfig settings (None: none does)."""
-    for plan in QUANT_PLANS.values():
-        if bnb is None and plan.bits is None:
-            return str(plan.quant)
-        if bnb and plan.bnb and plan.experts_quantized == experts and all(plan.bnb.get(k) == v for k, v in bnb.items()):
-            return str(plan.quant)
+    for row in QUANT_PLANS.values():
+        if bnb is None and row.bits is None:
+            return str(row.quant)
+        if bnb and row.bnb and row.experts_quantized == experts and all(row.bnb.get(k) == v for k, v in bnb.items()):
+            return str(row.quant)
     return None
 
 
@@ -304,16 +304,16 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
             said.update({"bfloat16": row.dtype == "bfloat16", "float16": row.dtype == "float16"})
         return said
     if axis == "quant":
-        plan = QUANT_PLANS[value]
-        if plan.experts_quantized and "quantize_moe_experts" not in keys:
+        row = QUANT_PLANS[value]
+        if row.experts_quantized and "quantize_moe_experts" not in keys:
             raise ValueError(f"TRL's ModelConfig has no setting that quantizes MoE experts ({value})")
-        bnb = plan.bnb or {}
+        bnb = row.bnb or {}
         four = bool(bnb.get("load_in_4bit"))
         said = {
             "load_in_4bit": four,
             "load_in_8bit": bool(bnb.get("load_in_8bit")),
             "adapter": "qlora" if four else "lora",
-            "quantize_moe_experts": plan.experts_quantized,
+            "quantize_moe_experts": row.experts_quantized,
             "use_peft": True,  # TRL trains adapters only with use_peft (an --ignore'd recipe may lack it)
             **({"bnb_4bit_quant_type": bnb["bnb_4bit_quant_type"]} if four else {}),
         }

@@ -89,7 +89,7 @@ def _cause(text: str, limit: int = 320) -> str:
 
 def _export(study: dict[str, Any], fix_cell: str, out_dir: Path) -> str:
     """The fix as the user's own recipe file (an imported study), else the study setting to change."""
-    from tunegrid.recipes.recipe_export import _family, export_cell
+    from tunegrid.recipes.export import _family, export_cell
     from tunegrid.study.errors import ConfigError
 
     base = study.get("base") or {}

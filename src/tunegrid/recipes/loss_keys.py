@@ -15,7 +15,7 @@ built) and is not carried here.
 
 from __future__ import annotations
 
-from tunegrid.recipes.recipe import Recipe
+from tunegrid.recipes.core import Recipe
 
 CCE_PLUGIN = "CutCrossEntropyPlugin"
 LOSS_KEYS = {"cut_cross_entropy", "liger_fused_linear_cross_entropy", "use_liger_kernel", "use_liger",

@@ -17,9 +17,9 @@ from typing import Any
 
 import yaml
 
-from tunegrid.recipes.recipe import read_file, tool_value
-from tunegrid.recipes.recipe_trl import DEFAULTS as TRL_DEFAULTS
-from tunegrid.recipes.recipe_trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
+from tunegrid.recipes.core import read_file, tool_value
+from tunegrid.recipes.trl import DEFAULTS as TRL_DEFAULTS
+from tunegrid.recipes.trl import MODEL_CONFIG_KEYS, SCRIPT_ARGUMENTS_KEYS
 from tunegrid.study.errors import ConfigError
 from tunegrid.vocabulary import AXES
 
@@ -31,7 +31,7 @@ AXOLOTL_DEFAULTS = {
 }  # fmt: skip
 
 
-# how a tool's config says the chunked loss (train.loss: chunked; recipes/recipe_loss.py reads each back)
+# how a tool's config says the chunked loss (train.loss: chunked; recipes/loss_keys.py reads each back)
 LOSS_EXPORT = {
     "axolotl": "add axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin to `plugins` (Cut Cross Entropy: "
     "the loss without the full logits)",
@@ -93,7 +93,7 @@ def export_cell(study: dict[str, Any], cell_id: str, to: str) -> Export:
     tool = base.get("from") or "auto"
     raw = read_file(base["recipe"])
     if tool == "auto":
-        from tunegrid.recipes.recipe_trl import detect_tool
+        from tunegrid.recipes.trl import detect_tool
 
         tool = detect_tool(raw)
     if _family(tool) != to:

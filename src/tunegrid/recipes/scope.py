@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from tunegrid.recipes.recipe import Recipe
+from tunegrid.recipes.core import Recipe
 
 WHAT_TUNEGRID_TRAINS = "tunegrid trains LoRA/QLoRA supervised fine-tuning (SFT)"
 AS_SFT = "pass --as-sft for the SFT study tunegrid would run instead"

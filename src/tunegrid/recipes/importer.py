@@ -14,10 +14,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tunegrid.recipes.recipe import FAILURES, TOOLS, Recipe, RecipeError, read_file
-from tunegrid.recipes.recipe_known import SCRIPT_ALIASES, detect_format
-from tunegrid.recipes.recipe_rows import with_users_dataset
-from tunegrid.recipes.recipe_scope import check_scope
+from tunegrid.recipes.core import FAILURES, TOOLS, Recipe, RecipeError, read_file
+from tunegrid.recipes.header_rows import with_users_dataset
+from tunegrid.recipes.releases import SCRIPT_ALIASES, detect_format
+from tunegrid.recipes.scope import check_scope
 from tunegrid.vocabulary import LOSSES, SCALED_LOGIT_KEYS
 
 MODEL_KEYS = {"trust_remote_code", "attn_implementation", "config_overrides"}  # go into models.<name>
@@ -27,8 +27,8 @@ BASE_KEYS = {"recipe", "from", "failure", "ignore", "steps", "seq_len", "model",
 
 def read_recipe(base: dict[str, Any]) -> Recipe:
     """The recipe a `base:` section names, read with its options (`from`, `ignore`, `model`, `dataset` …)."""
-    from tunegrid.recipes.recipe_axolotl import read_axolotl
-    from tunegrid.recipes.recipe_trl import read_trl
+    from tunegrid.recipes.axolotl import read_axolotl
+    from tunegrid.recipes.trl import read_trl
 
     unknown = set(base) - BASE_KEYS
     if unknown:
@@ -67,7 +67,7 @@ def _with_overrides(
     raw: dict[str, Any], tool: str, model: str | None, dataset: str | None
 ) -> tuple[dict[str, Any], dict[str, tuple[str, str]]]:
     """`--model path|repo@rev` and `--dataset file` as the tool's own keys (a TrainingArguments file names neither),
-    and the rows of what `--dataset` replaced (recipe_rows.with_users_dataset)."""
+    and the rows of what `--dataset` replaced (header_rows.with_users_dataset)."""
     raw = copy.deepcopy(raw)
     if model:
         name, _, revision = model.partition("@")

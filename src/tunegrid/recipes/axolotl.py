@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from tunegrid.recipes.recipe import (
+from tunegrid.recipes.axolotl_data import read_datasets
+from tunegrid.recipes.core import (
     ATTENTION_NAMES,
     AXIS_KEYS,
     Recipe,
@@ -20,18 +21,17 @@ from tunegrid.recipes.recipe import (
     scheduler,
     warmup,
 )
-from tunegrid.recipes.recipe_axolotl_data import read_datasets
-from tunegrid.recipes.recipe_keys import account_rest, check_tables, config_overrides, lora_options, number
-from tunegrid.recipes.recipe_lora import loftq
-from tunegrid.recipes.recipe_memory import (
+from tunegrid.recipes.header_rows import PADDED
+from tunegrid.recipes.keys import account_rest, check_tables, config_overrides, lora_options, number
+from tunegrid.recipes.locations import model_entry
+from tunegrid.recipes.lora_keys import loftq
+from tunegrid.recipes.memory_keys import (
     checkpointing_and_offloading,
     fan_in_fan_out,
     fsdp_memory,
     unfrozen_parameters,
 )
-from tunegrid.recipes.recipe_optimizers import optimizer
-from tunegrid.recipes.recipe_rows import PADDED
-from tunegrid.recipes.recipe_sources import model_entry
+from tunegrid.recipes.optimizer_keys import optimizer
 
 # LoRA variants and extras tunegrid's plain peft LoRA does not train
 LORA_EXTRAS = ("loraplus_lr_ratio", "relora")

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tunegrid.recipes.recipe import Recipe, read_file
-from tunegrid.recipes.recipe_rows import rows
-from tunegrid.recipes.recipe_sources import first_record
+from tunegrid.recipes.core import Recipe, read_file
+from tunegrid.recipes.header_rows import rows
+from tunegrid.recipes.locations import first_record
 from tunegrid.study.prompts import PROMPT_COMPLETION, study_text, tool_text
 
 # recipe keys whose value the study keeps as it is, and where (each tool's names)

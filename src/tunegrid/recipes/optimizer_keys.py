@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.recipes.recipe import MAPPED_VERSIONS, OPTIMIZER_AXIS, Recipe
+from tunegrid.recipes.core import MAPPED_VERSIONS, OPTIMIZER_AXIS, Recipe
 
 # the other OptimizerNames, and axolotl 0.18's own (CustomSupportedOptimizers): known, but not what tunegrid trains
 OTHER_OPTIMIZERS = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.recipes.recipe import (
+from tunegrid.recipes.core import (
     ATTENTION_NAMES,
     AXIS_KEYS,
     Recipe,
@@ -22,13 +22,13 @@ from tunegrid.recipes.recipe import (
     scheduler,
     warmup,
 )
-from tunegrid.recipes.recipe_keys import account_rest, check_tables, lora_options, number
-from tunegrid.recipes.recipe_lora import peft_default
-from tunegrid.recipes.recipe_memory import checkpointing_and_offloading, fsdp_memory
-from tunegrid.recipes.recipe_optimizers import optimizer
-from tunegrid.recipes.recipe_rows import PADDED
-from tunegrid.recipes.recipe_sources import model_entry
-from tunegrid.recipes.recipe_trl_data import read_dataset
+from tunegrid.recipes.header_rows import PADDED
+from tunegrid.recipes.keys import account_rest, check_tables, lora_options, number
+from tunegrid.recipes.locations import model_entry
+from tunegrid.recipes.lora_keys import peft_default
+from tunegrid.recipes.memory_keys import checkpointing_and_offloading, fsdp_memory
+from tunegrid.recipes.optimizer_keys import optimizer
+from tunegrid.recipes.trl_data import read_dataset
 
 # trl 1.16.0 dataclass fields, by class (the exporter splits a flat file back into them)
 MODEL_CONFIG_KEYS = {
@@ -60,7 +60,7 @@ DEFAULTS = {
         "lr_scheduler_type": "linear", "optim": "adamw_torch_fused", "seed": 42, "ddp_timeout": 1800,
     },
 }  # fmt: skip
-# keys this reader reads (besides the tables of recipe_keys), for telling unknown keys from known ones
+# keys this reader reads (besides the tables of recipes.keys), for telling unknown keys from known ones
 READER_KEYS = MODEL_CONFIG_KEYS | SCRIPT_ARGUMENTS_KEYS | SFT_ONLY_KEYS | {
     "max_steps",
     "num_train_epochs", "learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "lr_scheduler_kwargs",

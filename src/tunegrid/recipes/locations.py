@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from tunegrid.recipes.recipe import HEX40, Recipe
+from tunegrid.recipes.core import HEX40, Recipe
 from tunegrid.study.data_checks import DataError, json_array
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")

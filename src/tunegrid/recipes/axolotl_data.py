@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.recipes.recipe import Recipe
-from tunegrid.recipes.recipe_known import axolotl_keys
-from tunegrid.recipes.recipe_rows import default_config, entry_rows, local_split
-from tunegrid.recipes.recipe_sources import first_record, hub_dataset, local_dataset, looks_like_hub_id, resolve_local
+from tunegrid.recipes.core import Recipe
+from tunegrid.recipes.header_rows import default_config, entry_rows, local_split
+from tunegrid.recipes.locations import first_record, hub_dataset, local_dataset, looks_like_hub_id, resolve_local
+from tunegrid.recipes.releases import axolotl_keys
 from tunegrid.study.prompts import CUSTOM_KEYS, SEGMENTS, SHAREGPT, instruction_of
 
 DATASET_KEYS = {  # axolotl 0.18.0 SFTDataset fields this reader reads, and what the rest becomes
