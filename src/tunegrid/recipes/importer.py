@@ -253,18 +253,16 @@ def header(recipe: Recipe, failure: str, study: dict[str, Any]) -> list[str]:
     if recipe.changed:
         lines.append("Changed to the SFT study tunegrid runs (--as-sft):")
         lines += [f"  {line}" for line in recipe.changed]
-    if recipe.differs:
-        lines.append(f"Run differently from the recipe (they bear on memory or numerics; {len(recipe.differs)} keys):")
-        lines += [f"  {key}: {why}" for key, why in sorted(recipe.differs.items())]
-    if recipe.not_carried:
-        lines.append(f"Not carried over ({len(recipe.not_carried)} keys):")
-        lines += [f"  {key}: {why}" for key, why in sorted(recipe.not_carried.items())]
-    if recipe.unknown:
-        lines.append(f"Unknown keys ({len(recipe.unknown)}; the tool itself may reject or ignore them):")
-        lines += [f"  {key}: {why}" for key, why in sorted(recipe.unknown.items())]
-    if recipe.ignored:
-        lines.append("Ignored (--ignore; tunegrid cannot honour them):")
-        lines += [f"  {key}: {why}" for key, why in sorted(recipe.ignored.items())]
+    keyed = (
+        (recipe.differs, "Run differently from the recipe (they bear on memory or numerics; {n} keys):"),
+        (recipe.not_carried, "Not carried over ({n} keys):"),
+        (recipe.unknown, "Unknown keys ({n}; the tool itself may reject or ignore them):"),
+        (recipe.ignored, "Ignored (--ignore; tunegrid cannot honour them):"),
+    )
+    for rows, heading in keyed:
+        if rows:
+            lines.append(heading.format(n=len(rows)))
+            lines += [f"  {key}: {why}" for key, why in sorted(rows.items())]
     if recipe.notes:
         lines.append("Notes:")
         lines += [f"  {note}" for note in recipe.notes]
