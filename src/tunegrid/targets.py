@@ -253,7 +253,7 @@ def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tup
     if not recorded:
         return None
     partitions = [p for p in recorded if p.get("up")]
-    world, nodes = int(spec["axes"].get("world_size", 1)), int(spec["axes"].get("nodes", 1))
+    world, nodes = int(spec["axes"]["world_size"]), int(spec["axes"]["nodes"])
     cpus = world // nodes * int(spec["train"]["threads"])  # on each node: its share of the ranks
     gpus = devices.cell_gpus(spec["hardware"], world // nodes, capabilities)
     if any(p["cpus_per_node"] >= cpus and p["gpus_per_node"] >= gpus and p["nodes"] >= nodes for p in partitions):
@@ -273,7 +273,7 @@ def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tup
 def needs_cuda(spec: dict[str, Any], device: str) -> tuple[str, str] | None:
     """`unsupported` before launch for a cell that trains on the CPU (`device`, the plan's) with a setting that runs
     on CUDA only: peft's LoftQ initialization (lora.loftq_bits), whose loftq_init moves each weight to "cuda"."""
-    if not spec["lora"].get("loftq_bits") or device == "cuda":
+    if not spec["lora"]["loftq_bits"] or device == "cuda":
         return None
     return (
         Outcome.UNSUPPORTED,
@@ -289,7 +289,7 @@ def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[s
     GPUs granted to its own job (one rank's): there the count is what the cell's own job was granted, known only
     once that job runs (the supervisor asks then), and outside a cluster job (the `cell_plan` rule on the
     submitting host) nothing is decided."""
-    world = spec["axes"].get("world_size", 1)
+    world = spec["axes"]["world_size"]
     per_rank = devices.gpus_per_rank(spec["hardware"], capabilities)
     needed = world * per_rank
     if capabilities.get("device") != "cuda":

@@ -40,7 +40,6 @@ PRECISIONS = tuple(p.value for p in Precision)
 QUANTS = tuple(q.value for q in Quant)
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsandbytes' 8-bit, unpaged and paged
 LOSSES = ("full", "chunked")  # train.loss: the model's own loss over all logits, or chunked (cell/chunked_loss.py)
-LOSS_CHUNK_TOKENS = 256  # train.loss_chunk_tokens' default (the schema's), for specs written before it
 # model config keys of a post-processing of the logits that the chunked loss does not reproduce (Cohere, Granite)
 SCALED_LOGIT_KEYS = ("logit_scale", "logits_scaling")
 ATTENTIONS = ("sdpa", "eager")  # transformers' attn_implementation: its default kernel (sdpa), or eager

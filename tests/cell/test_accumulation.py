@@ -65,8 +65,9 @@ def test_micro_batches_hold_different_numbers_of_loss_tokens(checkpoints, datase
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoints[MODEL])
     records = read_dataset(dataset_path)
-    split, _ = build_stream(records, tokenizer, Plain(), {"loss_on": "response"}, 32, 2, 0, accum=2)
-    whole, _ = build_stream(records, tokenizer, Plain(), {"loss_on": "response"}, 32, 4, 0)
+    data = one_cell(data={"examples": 64, "loss_on": "response"})["data"]
+    split, _ = build_stream(records, tokenizer, Plain(), data, 32, 2, 0, accum=2)
+    whole, _ = build_stream(records, tokenizer, Plain(), data, 32, 4, 0)
     for step in range(6):
         micro = split.micro_batches(step)
         assert len(micro) == 2 and all(m["input_ids"].shape[0] == 2 for m in micro)

@@ -5,7 +5,6 @@ experts. Against a measured CPU peak: test_memory.py (slow)."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from conftest import meta_model_shapes, one_cell
 
 from tunegrid.contract import MemoryEstimate
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
+from tunegrid.study.recorded import recorded_spec
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -49,7 +49,7 @@ def test_at_olmoe_width_the_transient_becomes_the_dequantized_experts():
     evidence = json.loads((DATA / "evidence-h100-memory.json").read_text())
     probe = json.loads((DATA / "capabilities-h100.json").read_text())
     cell = next(c for c in evidence["studies"]["olmoe-full"]["cells"] if c["spec"]["axes"]["quant"] == "nf4-experts")
-    spec = copy.deepcopy(cell["spec"])
+    spec = recorded_spec(cell["spec"], "olmoe-full").to_json()  # the keys it predates at the values it ran at
     spec["train"]["seq_len"] = 2048
     config, shapes = meta_model_shapes(spec["model"])
     constants = device_constants({**probe, "step_overhead_bytes": {"bf16": 2 * 32 * 2**20}}, "bf16", device="cuda")

@@ -20,11 +20,23 @@ import pytest
 from conftest import meta_model_shapes
 
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
+from tunegrid.study.recorded import recorded_spec
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-DEFAULT = {run["host"]: run for run in json.loads((DATA / "evidence-cpu-default-study.json").read_text())["runs"]}
+
+
+def _read(run: dict) -> dict:
+    """A recorded run, each cell's spec read with today's keys (its model the run's `models` entry): the keys it
+    predates at the values the cells ran at."""
+    for cell in run["cells"]:
+        model = run["models"][cell["spec"]["axes"]["model"]]
+        cell["spec"] = recorded_spec({**cell["spec"], "model": model}).to_json()
+    return run
+
+
+DEFAULT = {r["host"]: _read(r) for r in json.loads((DATA / "evidence-cpu-default-study.json").read_text())["runs"]}
 # configs/memory-fixes-cpu.yaml: torch/8-bit AdamW x activation checkpointing at a width where both matter
-FIXES = {run["host"]: run for run in json.loads((DATA / "evidence-cpu-memory-fixes.json").read_text())["runs"]}
+FIXES = {run["host"]: _read(run) for run in json.loads((DATA / "evidence-cpu-memory-fixes.json").read_text())["runs"]}
 RUNS = {f"default: {host}": run for host, run in DEFAULT.items()} | {f"memory-fixes: {h}": r for h, r in FIXES.items()}
 
 

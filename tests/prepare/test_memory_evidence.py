@@ -22,14 +22,19 @@ from conftest import meta_model_shapes
 
 from tunegrid.contract import MemoryEstimate
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
+from tunegrid.study.recorded import recorded_spec
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 EVIDENCE = json.loads((DATA / "evidence-h100-memory.json").read_text())
 RECORDED_PROBE = json.loads((DATA / "capabilities-h100.json").read_text())
 ASSUMED_SM90_STEP_OVERHEAD = {precision: 2 * 32 * 2**20 for precision in ("fp32", "bf16", "fp16")}
 CAPABILITIES = {**RECORDED_PROBE, "step_overhead_bytes": ASSUMED_SM90_STEP_OVERHEAD}
+# each recorded spec read with today's keys: those it predates at the values the cells ran at
 CELLS = [
-    (name, cell) for name, study in EVIDENCE["studies"].items() for cell in study["cells"] if cell["outcome"] == "ok"
+    (name, {**cell, "spec": recorded_spec(cell["spec"], name).to_json()})
+    for name, study in EVIDENCE["studies"].items()
+    for cell in study["cells"]
+    if cell["outcome"] == "ok"
 ]
 
 
@@ -66,7 +71,9 @@ def test_estimate_matches_the_recorded_gpu_peak(study, cell):
 # and SmolLM2-135M weights from their GGUF packages under the T4 budget, and OLMoE-1B-7B at full width at seq 2048.
 # The real checkpoints' config and tensor shapes are in the file (read from the dequantized checkpoints' headers).
 RECORDED = json.loads((DATA / "evidence-h100-2026-11-26.json").read_text())
-RECORDED_CELLS = [cell for cell in RECORDED["cells"] if cell["outcome"] == "ok"]
+RECORDED_CELLS = [
+    {**cell, "spec": recorded_spec(cell["spec"]).to_json()} for cell in RECORDED["cells"] if cell["outcome"] == "ok"
+]
 
 
 def _recorded_estimate(cell: dict) -> MemoryEstimate:

@@ -32,6 +32,7 @@ from conftest import meta_model_shapes
 from tunegrid.plans import precision_plan
 from tunegrid.prepare.liveness import plan_liveness
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
+from tunegrid.study.recorded import recorded_spec
 from tunegrid.targets import TARGETS, ModelledStep, StepWork, modelled_step
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -47,7 +48,11 @@ _SPECS = {
     for study, entry in MEMORY_EVIDENCE["studies"].items()
     for cell in entry["cells"]
 }
-CELLS = [(entry, entry.get("spec") or _SPECS[entry["study"], entry["cell_id"]]) for entry in RECORD["cells"]]
+# each recorded spec read with today's keys: those it predates at the values the cells ran at
+CELLS = [
+    (entry, recorded_spec(entry.get("spec") or _SPECS[entry["study"], entry["cell_id"]], entry["study"]).to_json())
+    for entry in RECORD["cells"]
+]
 IDS = [f"{entry['study']}/{entry['cell_id']}" for entry, _ in CELLS]
 
 
@@ -59,7 +64,7 @@ def _replayed(index: int) -> tuple[StepWork, ModelledStep]:
     precision = spec["axes"]["precision"]
     estimate = estimate_from_shapes(spec, config, shapes, **device_constants(PROBE, precision, device=PROBE["device"]))
     flops = plan_liveness(spec, config, shapes, PROBE).step_flops
-    checkpointing = bool(spec["axes"].get("activation_checkpointing") or spec["train"].get("gradient_checkpointing"))
+    checkpointing = spec["train"]["gradient_checkpointing"]  # the axis, written into the spec where it is set
     work = StepWork.of(precision, flops, estimate.components.as_dict(), checkpointing=checkpointing)
     modelled = modelled_step(H100, work)
     assert modelled is not None, f"{IDS[index]}: {precision} has no data-sheet rate on {H100.name}"

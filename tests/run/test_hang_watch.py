@@ -8,17 +8,20 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import one_cell, processes_mentioning, run_supervised
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.review.summary import summary_row
 from tunegrid.run.hang_watch import HangWatch, hang_window_s
 from tunegrid.runtime.rundir import rank_dir
 
 ALL_REDUCE = "step {} forward+backward (DDP all-reduce of gradients): model.layers.0 backward"
-SETTINGS = {"collective_timeout_s": 600, "straggler_factor": 1.5, "straggler_min_lag_s": 0.1, "hang_window_s": 0}
+# the distributed section at the schema's defaults: a 600 s collective timeout, stragglers past 1.5x and 0.1 s
+SETTINGS = CellSpec.from_json(one_cell()).distributed
 
 
 def _rank(run_dir: Path, rank: int, times: list[float], beat: str, beat_age_s: float) -> None:
@@ -41,10 +44,10 @@ def _watch(run_dir: Path) -> HangWatch:
 
 def test_the_window_is_a_tenth_of_the_timeout_within_a_minute_and_never_under_three_steps():
     assert hang_window_s(SETTINGS, None) == 60  # PyTorch's 600 s: named within a minute
-    assert hang_window_s({**SETTINGS, "collective_timeout_s": 1800}, None) == 60  # Hugging Face's 1,800 s
-    assert hang_window_s({**SETTINGS, "collective_timeout_s": 5}, None) == 1
-    assert hang_window_s({**SETTINGS, "collective_timeout_s": 120}, 30.0) == 90  # three predicted steps
-    assert hang_window_s({**SETTINGS, "hang_window_s": 4}, 30.0) == 4  # the study's own
+    assert hang_window_s(replace(SETTINGS, collective_timeout_s=1800), None) == 60  # Hugging Face's 1,800 s
+    assert hang_window_s(replace(SETTINGS, collective_timeout_s=5), None) == 1
+    assert hang_window_s(replace(SETTINGS, collective_timeout_s=120), 30.0) == 90  # three predicted steps
+    assert hang_window_s(replace(SETTINGS, hang_window_s=4), 30.0) == 4  # the study's own
 
 
 def test_a_rank_that_stopped_while_its_peer_waits_is_named_a_long_pause(tmp_path):

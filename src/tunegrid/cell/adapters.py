@@ -104,7 +104,7 @@ def base_record(
     if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/islands.make_island)
         load["fp32_islands"] = list(fp32_islands)
     if spec["lora"].get("loftq_bits"):  # the adapted weights were replaced by their LoftQ round trip
-        load["loftq"] = {"bits": spec["lora"]["loftq_bits"], "iter": spec["lora"].get("loftq_iter", 1)}
+        load["loftq"] = {"bits": spec["lora"]["loftq_bits"], "iter": spec["lora"]["loftq_iter"]}
     return {
         "base_model": base_model_identity(manifest),
         "model_name": spec["model"]["name"],

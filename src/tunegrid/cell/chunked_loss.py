@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.cell.packing import IGNORE
-from tunegrid.vocabulary import LOSS_CHUNK_TOKENS, SCALED_LOGIT_KEYS
+from tunegrid.vocabulary import SCALED_LOGIT_KEYS
 
 FULL, CHUNKED = "full", "chunked"  # train.loss
 
@@ -147,8 +147,8 @@ class ChunkedLoss:
 
 
 def chunked_loss_of(spec: dict[str, Any], model: Any) -> ChunkedLoss | None:
-    """The cell's chunked loss where `train.loss` is chunked (a spec written before the setting: full)."""
+    """The cell's chunked loss where `train.loss` is chunked."""
     train = spec["train"]
-    if train.get("loss", FULL) != CHUNKED:
+    if train["loss"] != CHUNKED:
         return None
-    return ChunkedLoss.of(model, int(train.get("loss_chunk_tokens", LOSS_CHUNK_TOKENS)))
+    return ChunkedLoss.of(model, int(train["loss_chunk_tokens"]))

@@ -37,7 +37,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     }
     kwargs.update(spec["model"].get("config_overrides") or {})  # the recipe's model_config (config.json values)
     # the attention kernel: the grid's attention axis where it leaves the default, else the recipe's own
-    attention = spec["axes"].get("attention", "sdpa")
+    attention = spec["axes"]["attention"]
     if attention != "sdpa" or spec["model"].get("attn_implementation"):
         kwargs["attn_implementation"] = attention if attention != "sdpa" else spec["model"]["attn_implementation"]
     quant = quant_plan(spec["axes"]["quant"])
@@ -223,7 +223,7 @@ def loftq_arguments(lora: dict[str, Any], model: Any) -> dict[str, Any]:
 
     if next(model.parameters()).device.type != "cuda":
         raise RuntimeError("peft's LoftQ initialization runs on CUDA only (its loftq_init moves each weight there)")
-    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(lora["loftq_bits"], lora.get("loftq_iter", 1))}
+    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(lora["loftq_bits"], lora["loftq_iter"])}
 
 
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:

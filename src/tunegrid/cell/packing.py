@@ -215,8 +215,8 @@ def build_stream(
     accum: int = 1,
 ) -> tuple[BatchStream, dict[str, Any]]:
     """The cell's batches and the facts about them (result["data"])."""
-    mode = packing_mode(model, data.get("packing", True))
-    loss_on = data.get("loss_on", "response")
+    mode = packing_mode(model, data["packing"])
+    loss_on = data["loss_on"]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = pack([encode_record(r, tokenizer, loss_on) for r in records], seq_len, pad, tokenizer.eos_token_id, mode)
     if mode == "position_ids":
@@ -225,7 +225,7 @@ def build_stream(
     stream = BatchStream(rows.tensors, batch_size, seed, rows.row_tokens, accum, flat=flat)
     n_rows = int(rows.row_tokens.numel())
     facts = {
-        "source": data.get("source", "synthetic"),
+        "source": data["source"],
         "packing": mode,
         "flattened": flat,
         "template": "chat_template" if has_chat_template(tokenizer) else "prompt_template",

@@ -276,7 +276,7 @@ def conclude(
         traced = origin.get("forward") or origin.get("backward")
         where = origin_text(traced) if traced or not origin.get("unlocated") else f"? ({origin['unlocated']})"
         stopped = f"; stopped after {counted} of {steps} steps{more}" if counted < steps else ""
-        accum = spec["axes"].get("grad_accum", 1)
+        accum = spec["axes"]["grad_accum"]
         micro = (
             f" (micro-batch {deciding['micro_batch']} of {accum})"
             if accum > 1 and deciding.get("micro_batch") is not None

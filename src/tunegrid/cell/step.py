@@ -100,7 +100,7 @@ class OptimizerStep:
         from tunegrid.cell.precision import make_grad_scaler
 
         train = spec["train"]
-        name = spec["axes"].get("optimizer", "adamw")
+        name = spec["axes"]["optimizer"]
         optimizer = make_optimizer([p for _, p in trainable_named], name, train["lr"], train["weight_decay"])
         # transformers' own schedules; the default: linear warm-up from 0, cosine decay to min_lr_rate of the peak
         schedule = train["lr_scheduler"]
@@ -113,7 +113,7 @@ class OptimizerStep:
             if schedule == "cosine_with_min_lr"
             else None,
         )
-        scaler = make_grad_scaler(precision, float(train.get("loss_scale_init", 65536)))
+        scaler = make_grad_scaler(precision, float(train["loss_scale_init"]))
         loss_by_count = accepts_loss_kwargs(model)
         injection = (spec.get("debug") or {}).get("inject_nonfinite")
         injector = (

@@ -85,7 +85,7 @@ class CellTrainer:
         torch.manual_seed(self.spec["axes"]["seed"])  # the same on every rank: identical LoRA init
         ranks = Ranks.from_env()
         self.device = ranks.device(self.contract.plan.device)  # the plan's (tunegrid.runtime.devices.training_device)
-        self.ranks = RankContext(ranks, self.device, self.heartbeat, self.spec.get("debug") or {})
+        self.ranks = RankContext(ranks, self.device, self.heartbeat, self.spec["debug"])
         if self.ranks.distributed:
             self.facts["distributed"] = self.ranks.group_facts(self.spec["distributed"])
             self.ranks.init_process_group(self.spec["distributed"], self.facts["distributed"]["backend"])
@@ -136,11 +136,11 @@ class CellTrainer:
             read_dataset(self.data_path),
             self.tokenizer,
             self.model,
-            self.spec.get("data") or {},
+            self.spec["data"],
             self.spec["train"]["seq_len"],
             self.spec["axes"]["batch_size"],
             seed,
-            self.spec["axes"].get("grad_accum", 1),
+            self.spec["axes"]["grad_accum"],
         )
 
     # ---------------------------------------------------------------- fp32 islands (fp16-islands only)
@@ -190,7 +190,7 @@ class CellTrainer:
         files = StepFiles.open(self.run_dir)
         replay = FailingStepReplay(optimizer_step)
         scaled = optimizer_step.scaler is not None
-        last = steps + (train.get("max_skipped_steps", 0) if scaled else 0)  # the most steps the loop runs
+        last = steps + (train["max_skipped_steps"] if scaled else 0)  # the most steps the loop runs
         self.facts["stage"] = "step"
         progress = tqdm(
             total=steps, initial=log.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr
@@ -260,7 +260,7 @@ class CellTrainer:
         distributed cell's ranks would each need their own, so it starts afresh."""
         from tunegrid.cell.adapters import base_model_identity
 
-        every = self.spec["train"].get("checkpoint_every", 0)
+        every = self.spec["train"]["checkpoint_every"]
         self.facts["checkpoint"] = {"every": every, "applied": not self.ranks.distributed}  # result.json's key
         if self.ranks.distributed:
             return

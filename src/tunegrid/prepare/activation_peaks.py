@@ -26,7 +26,7 @@ def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str,
     # Attention: the CPU kernels keep the seq x seq probabilities (and their dropout mask); CUDA's SDPA kernels
     # (flash, memory-efficient) keep only an fp32 log-sum-exp per query (torch's meta registrations of
     # _scaled_dot_product_{flash,efficient}_attention); eager attention keeps the probabilities on any device
-    kernel = axes.get("attention", "sdpa")
+    kernel = axes["attention"]
     kernel = kernel if kernel != "sdpa" else (spec.get("model") or {}).get("attn_implementation") or "sdpa"
     probabilities = device == "cpu" or kernel == "eager"
     attention = batch * heads * seq * seq * act * 2 if probabilities else batch * heads * seq * 4

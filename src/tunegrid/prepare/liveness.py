@@ -59,7 +59,7 @@ def plan_liveness(
 ) -> LivenessLimits:
     """The cell's limits: the study's, raised to LIVENESS_MARGIN x the predicted work where that is longer."""
     axes, train = spec["axes"], spec["train"]
-    tokens = axes["batch_size"] * axes.get("grad_accum", 1) * train["seq_len"]
+    tokens = axes["batch_size"] * axes["grad_accum"] * train["seq_len"]
     flops = FLOPS_PER_WEIGHT_TOKEN * matmul_weights(config, shapes) * tokens
     dtype = precision_plan(axes["precision"]).dtype
     rate = (capabilities.get("matmul_tflops") or {}).get(dtype)  # the probe's rate for the compute dtype

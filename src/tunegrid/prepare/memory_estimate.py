@@ -30,7 +30,7 @@ from tunegrid.prepare.load_peaks import (
 )
 from tunegrid.prepare.weight_inventory import WeightInventory, weight_inventory
 from tunegrid.runtime.workers import SPAWNED
-from tunegrid.vocabulary import LOSS_CHUNK_TOKENS, Quant
+from tunegrid.vocabulary import Quant
 
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
 # a time where the checkpoint stores experts apart, so only one full-precision tensor exists at once.
@@ -109,9 +109,9 @@ def _logits(train: dict[str, Any], tokens: int, vocab: int, hidden: int, act: in
     """The logits' buffers: fp32 logits, their log-softmax and its gradient. With train.loss chunked
     (cell/chunked_loss.py), one chunk's at a time (rebuilt in backward), beside the loss tokens' rows of the final
     hidden states that the chunks are cut from."""
-    if train.get("loss", "full") != "chunked":
+    if train["loss"] != "chunked":
         return tokens * vocab * 4 * 3
-    chunk = min(tokens, int(train.get("loss_chunk_tokens", LOSS_CHUNK_TOKENS)))
+    chunk = min(tokens, int(train["loss_chunk_tokens"]))
     return chunk * vocab * 4 * 3 + tokens * hidden * act
 
 
@@ -126,7 +126,7 @@ def _step_tensors(
     act = row.bytes_per_value
     activations, offloaded = saved_activations(spec, config, device, act)
     logits = _logits(train, tokens, vocab, hidden, act)
-    chunked = train.get("loss", "full") == "chunked"
+    chunked = train["loss"] == "chunked"
     # Weights stored wider than autocast computes (fp16-mixed): autograd keeps each matmul's cast copy, the head's
     # too, for the input's gradient until the backward (Gemma 3 270M: 268M values, 536 MB in fp16); a chunked
     # loss casts the head afresh for each chunk and keeps none of them
@@ -257,7 +257,7 @@ def estimate_from_shapes(
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     weights, weights_offloaded = _weights_on_device(tensors, train, device)
     lora_bytes = tensors.adapter_params * 4 * 2  # fp32 params and their grads
-    optimizer_bytes = optimizer_state_bytes(tensors.adapter_tensors, axes.get("optimizer", "adamw"))
+    optimizer_bytes = optimizer_state_bytes(tensors.adapter_tensors, axes["optimizer"])
     held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
     step = sum(held) + transient
     return MemoryEstimate(

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import DistributedSpec
 from tunegrid.diagnosis import CollectiveDiagnosis
 from tunegrid.run.collective import classify_timeout, collective_position, describe
 from tunegrid.run.rank_files import rank_record
@@ -26,12 +27,12 @@ MIN_WINDOW_S = 1.0
 STEPS_IN_WINDOW = 3  # never shorter than this many of the plan's predicted steps (a long step is no hang)
 
 
-def hang_window_s(distributed: dict[str, Any], predicted_step_s: float | None) -> float:
+def hang_window_s(distributed: DistributedSpec, predicted_step_s: float | None) -> float:
     """distributed.hang_window_s, or where it is 0, a tenth of the collective timeout within [1 s, 60 s], raised to
     three of the plan's predicted steps."""
-    if distributed.get("hang_window_s"):
-        return float(distributed["hang_window_s"])
-    window = min(MAX_WINDOW_S, max(MIN_WINDOW_S, float(distributed["collective_timeout_s"]) / 10))
+    if distributed.hang_window_s:
+        return float(distributed.hang_window_s)
+    window = min(MAX_WINDOW_S, max(MIN_WINDOW_S, float(distributed.collective_timeout_s) / 10))
     return max(window, STEPS_IN_WINDOW * (predicted_step_s or 0.0))
 
 
@@ -65,7 +66,7 @@ class EarlyVerdict:
 class HangWatch:
     """Names a hang once per cell; `check` between the supervisor's polls."""
 
-    def __init__(self, run_dir: Path, world: int, distributed: dict[str, Any], predicted_step_s: float | None):
+    def __init__(self, run_dir: Path, world: int, distributed: DistributedSpec, predicted_step_s: float | None):
         self.run_dir, self.world, self.settings = run_dir, world, distributed
         self.window_s = hang_window_s(distributed, predicted_step_s)
         self.started = time.time()
@@ -75,7 +76,7 @@ class HangWatch:
         """The named hang said in the cell's log and tagged on its MLflow run at once (True: there is one)."""
         if self.verdict is None:
             return False
-        said = self.verdict.reason(float(self.settings["collective_timeout_s"]))
+        said = self.verdict.reason(float(self.settings.collective_timeout_s))
         print(said, flush=True)
         tracker.tag({"collective.early": said[:4000], "collective.early_kind": self.verdict.kind})
         return True
@@ -96,8 +97,8 @@ class HangWatch:
         waiting = sorted(positions)
         missing = [r["rank"] for r in ranks if r["rank"] not in positions]
         step, collective = max(positions.values(), key=lambda p: list(positions.values()).count(p))
-        timeout_s, factor = float(self.settings["collective_timeout_s"]), float(self.settings["straggler_factor"])
-        lag = float(self.settings["straggler_min_lag_s"])
+        timeout_s, factor = float(self.settings.collective_timeout_s), float(self.settings.straggler_factor)
+        lag = float(self.settings.straggler_min_lag_s)
         kind = classify_timeout(ranks, missing, step, timeout_s, factor, None, lag)
         if not missing and kind["kind"] != "mismatch":
             # every heartbeat names the same step's collective (a rank slowed down inside its step wrote it

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import DistributedSpec
 from tunegrid.contract import CellContract
 
 KILL_GRACE_S = 5.0
@@ -48,15 +49,13 @@ def launch_ranks(
     tunegrid.runtime.devices.cell_devices; "" for none) becomes every rank's CUDA_VISIBLE_DEVICES; rank r trains on
     the r-th of them. A cell on a library stack runs its ranks in the stack's interpreter, spawned, never forked
     (the warm worker holds the base's libraries)."""
-    from tunegrid.runtime.workers import stack_python
-
-    spec, run_dir = contract.spec.to_json(), contract.job.run  # the run stage reads the spec as its JSON
-    world = spec["axes"]["world_size"]
-    interpreter = stack_python(spec)
-    if interpreter:
+    spec, run_dir = contract.spec, contract.job.run
+    world = spec.axes.world_size
+    interpreter = spec.stack.python if spec.stack is not None else ""  # "": the base stack, this interpreter
+    if spec.stack is not None and interpreter:
         warm_socket = None
         if not Path(interpreter).exists():
-            raise FileNotFoundError(f"the interpreter of stack {spec['stack']['name']!r} is missing: {interpreter}")
+            raise FileNotFoundError(f"the interpreter of stack {spec.stack.name!r} is missing: {interpreter}")
     command = [
         interpreter or sys.executable,
         "-m",
@@ -65,11 +64,11 @@ def launch_ranks(
         "--contract",
         str(contract_path),
     ]
-    if int(spec["axes"]["nodes"]) > 1:  # each rank a SLURM step on its node (spawned, never forked)
+    if spec.axes.nodes > 1:  # each rank a SLURM step on its node (spawned, never forked)
         from tunegrid.run.nodes import launch_on_nodes
 
-        env = {**child_env(visible_devices), **flight_recorder_env(spec, run_dir)}
-        return launch_on_nodes(spec, run_dir, command, env)
+        env = {**child_env(visible_devices), **flight_recorder_env(spec.distributed, run_dir)}
+        return launch_on_nodes(spec.to_json(), run_dir, command, env)  # the nodes' rules read the spec's JSON
     if world == 1:
         if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
             from tunegrid.run.warm_client import fork_worker
@@ -83,7 +82,7 @@ def launch_ranks(
 
     env = child_env(visible_devices)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
-    env.update(flight_recorder_env(spec, run_dir))
+    env.update(flight_recorder_env(spec.distributed, run_dir))
     procs: list[Any] = []
     for rank in range(world):
         log_path = run_dir / "ranks" / f"rank{rank}.log"
@@ -104,17 +103,16 @@ def launch_ranks(
     return procs
 
 
-def flight_recorder_env(spec: dict[str, Any], run_dir: Path) -> dict[str, str]:
+def flight_recorder_env(settings: DistributedSpec, run_dir: Path) -> dict[str, str]:
     """NCCL Flight Recorder on for distributed GPU cells: a ring buffer of collectives per rank, dumped
     under the cell's folder when the watchdog fires (PyTorch >= 2.3 reads these variables)."""
-    settings = spec["distributed"]
-    if not settings["flight_recorder"]:
+    if not settings.flight_recorder:
         return {}
     dump = run_dir / "flight_recorder"
     dump.mkdir(parents=True, exist_ok=True)
     prefix = str(dump / "rank_")
     return {
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(settings["trace_buffer_size"]),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(settings.trace_buffer_size),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,  # the older name of the same setting

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract, LivenessLimits
 from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
@@ -28,7 +29,7 @@ from tunegrid.run.recorder_read import dump_files
 from tunegrid.runtime.devices import cell_devices
 from tunegrid.runtime.files import read_json, read_jsonl, write_json
 from tunegrid.runtime.rundir import MetricsTail, clear_run_files, last_activity
-from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV, stack_python
+from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV
 from tunegrid.study.paths import StudyPaths
 from tunegrid.study.sources import fetched_env
 from tunegrid.targets import gpu_shortfall
@@ -90,8 +91,8 @@ def _supervise(
     """Run the rank(s) to their end, a timeout, a stall or a lost rank.
 
     Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped, a hang named early)."""
-    spec, run_dir = contract.spec.to_json(), contract.job.run  # the run stage reads the spec as its JSON
-    grace = spec["distributed"]["exit_grace_s"]
+    spec, run_dir = contract.spec, contract.job.run
+    grace = spec.distributed.exit_grace_s
     started = time.time()
     procs = procs or launch_ranks(contract, contract_path, visible_devices=visible_devices)
     stopped: list[int] = []
@@ -112,10 +113,9 @@ def _supervise(
     last_flush = time.monotonic()
     verdict: tuple[str, str] | None = None
     first_exit: float | None = None
-    liveness = Liveness(contract.plan.liveness, spec["train"]["steps"])
-    settings = spec["distributed"]
+    liveness = Liveness(contract.plan.liveness, spec.train.steps)
     predicted = contract.plan.liveness.predicted_step_s
-    watch = HangWatch(run_dir, len(procs), settings, predicted) if len(procs) > 1 else None
+    watch = HangWatch(run_dir, len(procs), spec.distributed, predicted) if len(procs) > 1 else None
     try:
         while any(proc.poll() is None for proc in procs):
             wait_any(procs, POLL_S)
@@ -136,8 +136,8 @@ def _supervise(
             elif first_exit is not None and now - first_exit > grace:
                 break  # one rank ended (crashed or gave up); the rest are stopped below
             named = watch.check([proc.poll() for proc in procs], now) if watch is not None else None
-            if named is not None and watch.announce(tracker) and settings["end_on_hang"]:  # ends on a named hang
-                verdict = (Outcome.TIMEOUT, named.reason(settings["collective_timeout_s"]))
+            if named is not None and watch.announce(tracker) and spec.distributed.end_on_hang:  # ends on a named hang
+                verdict = (Outcome.TIMEOUT, named.reason(spec.distributed.collective_timeout_s))
             if verdict:
                 break
     finally:
@@ -151,7 +151,8 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     under supervision, or decided without training where its plan says so; returns result.json's content."""
     started = time.time()
     contract = CellContract.read(contract_path)
-    spec, plan, job = contract.spec.to_json(), contract.plan, contract.job  # the spec as its JSON, as result.json
+    spec, plan, job = contract.spec, contract.plan, contract.job
+    spec_json = spec.to_json()  # what the targets', nodes', devices' and ranks' rules and result.json read
     run_dir, model_dir, data_path = job.run, Path(job.model_dir), Path(job.data_path)
     result_path = Path(job.result_path)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,14 +176,14 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     estimate = plan.estimate(worker)
     verdict = None if estimate.verdict == "run" else (estimate.verdict, estimate.reason)
     if verdict is None and capabilities.get("cluster_job"):  # the GPUs granted to this job, known only now
-        verdict = gpu_shortfall(spec, capabilities)
-    verdict = verdict or nodes_shortfall(spec)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
-    cell = {**spec, "plan": plan.record(worker)}  # the spec and the plan as the cell ran them: result.json's `cell`
+        verdict = gpu_shortfall(spec_json, capabilities)
+    verdict = verdict or nodes_shortfall(spec_json)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
+    cell = {**spec_json, "plan": plan.record(worker)}  # the spec and plan as the cell ran them: result.json's cell
 
     # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
-    world = spec["axes"]["world_size"]
+    world = spec.axes.world_size
     with (
-        cell_devices(spec["hardware"], world, capabilities) if verdict is None else contextlib.nullcontext() as visible
+        cell_devices(cell["hardware"], world, capabilities) if verdict is None else contextlib.nullcontext() as visible
     ):
         # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
         early = launch_ranks(contract, contract_path, warm_socket, visible) if verdict is None else None
@@ -210,10 +211,10 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
                 early = None
             env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
             result = compose_result(cell, run_dir, returncodes[0], verdict, started, command, env)
-            if spec["axes"]["world_size"] > 1 and returncodes != [None]:
+            if world > 1 and returncodes != [None]:
                 from tunegrid.run.rank_diagnosis import diagnose_ranks
 
-                ranks = diagnose_ranks(spec, run_dir, result, returncodes, stopped, named, capabilities)
+                ranks = diagnose_ranks(spec_json, run_dir, result, returncodes, stopped, named, capabilities)
                 # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
                 ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
                 result.update(ranks)
@@ -224,7 +225,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
                     "infrastructure": infrastructure_fault(result),
                 }
             )
-            if not attempts[-1]["infrastructure"] or len(attempts) > spec["train"]["retries"]:
+            if not attempts[-1]["infrastructure"] or len(attempts) > spec.train.retries:
                 break
             # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
             print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
@@ -244,7 +245,7 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
                 "errors": tracker.errors,
             }
         # the cell's log ends with how the cell ended (a failing cell's log would otherwise end mid-progress-bar)
-        print(f"tunegrid: {spec['cell_id']} ended {diagnosis_line(result)}", flush=True)
+        print(f"tunegrid: {spec.cell_id} ended {diagnosis_line(result)}", flush=True)
         # result.json is the job's declared output: it appears last, once everything the job owes (the
         # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
         # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
@@ -255,25 +256,24 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
             _finish_run(tracker, result, staged, data_path, Path(job.log_path) if job.log_path else None)
             from tunegrid.track.execution import cell_ended
 
-            cell_ended(tracker.uri, StudyPaths.of_result(result_path).study_dir, spec["cell_id"], result["outcome"])
+            cell_ended(tracker.uri, StudyPaths.of_result(result_path).study_dir, spec.cell_id, result["outcome"])
         _kill_point("before_result")
         write_json(result_path, result)
         shutil.rmtree(staged.parent, ignore_errors=True)
         return result
 
 
-def cell_env(spec: dict[str, Any]) -> dict[str, Any]:
+def cell_env(spec: CellSpec) -> dict[str, Any]:
     """The supervisor's light record of the environment; for a cell on a library stack, the packages are the
     versions its stack's interpreter resolved (the worker ran there, not here) and `stack` names it."""
     env = light_env()
-    python = stack_python(spec)
-    if python:
+    if spec.stack is not None and spec.stack.python:  # a stack of its own (the base stack's python is "")
         from tunegrid.study.stacks import read_stack_record
 
-        record = read_stack_record(spec["stack"]["folder"])
+        record = read_stack_record(spec.stack.folder)
         versions = record.get("versions", {})
         env["packages"] = {name: versions.get(name) or version for name, version in env["packages"].items()}
-        env["stack"] = {**spec["stack"], "versions": versions}
+        env["stack"] = {**spec.stack.to_json(), "versions": versions}
     return env
 
 

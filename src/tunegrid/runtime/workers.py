@@ -28,7 +28,7 @@ def planned_worker(spec: dict[str, Any], device: str, warm_worker: bool) -> str:
     worker does not answer; result.json records the path taken. A cell on a library stack of its own is always
     spawned, by its stack's interpreter: the warm worker has the base's libraries imported. A cell across nodes is
     spawned: each rank is a SLURM step on its node (tunegrid.run.nodes)."""
-    across_nodes = int(spec.get("axes", {}).get("nodes", 1)) > 1
+    across_nodes = int(spec["axes"]["nodes"]) > 1
     forkable = warm_worker and device == "cpu" and not stack_python(spec) and not across_nodes
     return FORKED if forkable else SPAWNED
 

@@ -78,7 +78,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"{msg} ({hint})" if hint else msg
 
 
-def _defaulting_validator() -> type[jsonschema.protocols.Validator]:
+def defaulting_validator() -> type[jsonschema.protocols.Validator]:
     """Draft 2020-12 validator that fills `default`s as it descends (as snakemake's validate does)."""
     import jsonschema
 
@@ -108,7 +108,7 @@ def resolve_study(raw: dict[str, Any]) -> dict[str, Any]:
     secrets = secret_problems(config)  # first, and alone: other messages may quote values
     if secrets:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(secrets))
-    validator = _defaulting_validator()(load_schema())
+    validator = defaulting_validator()(load_schema())
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     problems = [_describe(e) for e in errors]
     if not problems:

@@ -15,7 +15,7 @@ from tunegrid.cell_view import CellView
 from tunegrid.columns import table_tags
 from tunegrid.outcome import CellResult
 from tunegrid.study.grid_axes import injected_faults
-from tunegrid.vocabulary import FAULTS
+from tunegrid.vocabulary import FAULTS, with_neutrals
 
 FAULT_AXIS_NEUTRAL = FAULTS[0]  # `debug`: the cell injects what the debug section sets, which may be nothing
 
@@ -68,7 +68,8 @@ def axis_tags(axes: dict[str, Any], debug: dict[str, Any] | None = None) -> dict
         tags["fault.injected"] = ",".join(injected)
     elif tags.get("fault") == FAULT_AXIS_NEUTRAL:
         del tags["fault"]
-    effective = axes["batch_size"] * axes.get("grad_accum", 1) * axes.get("world_size", 1)
+    ran = with_neutrals(axes)  # a result from before the grad_accum or world_size axis ran at its neutral value
+    effective = ran["batch_size"] * ran["grad_accum"] * ran["world_size"]
     tags["effective_batch"] = str(effective)
     return tags
 
