@@ -7,6 +7,7 @@ peft.py, training.py, datasets.py; the 4-bit defaults of src/axolotl/loaders/mod
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tunegrid.recipes.axolotl_data import read_datasets
 from tunegrid.recipes.core import (
@@ -55,6 +56,16 @@ READER_KEYS = {
 } | {key for keys in AXIS_KEYS.values() for key in keys["axolotl"]} | {"batch_size"}  # fmt: skip
 MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
 MAX_STEPS = 1_000_000
+# numbers carried as they are: recipe key -> (study path, integer, low, high, default), in the order they are read
+TRAINING_NUMBERS = {
+    "weight_decay": ("train.weight_decay", False, 0, 10, 0.0),
+    "max_grad_norm": ("train.max_grad_norm", False, 0, 1e6, 1.0),
+}
+LORA_NUMBERS = {
+    "lora_r": ("lora.r", True, 1, 4096, 8),
+    "lora_alpha": ("lora.alpha", False, 0, 1e6, 16.0),
+    "lora_dropout": ("lora.dropout", False, 0, 1, 0.0),
+}
 
 
 def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
@@ -63,6 +74,29 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     recipe.carry("model.trust_remote_code", bool(raw.get("trust_remote_code")), "trust_remote_code")
     check_tables(recipe)
     _attention(recipe)
+    _quantization(recipe)
+    _precision(recipe)
+    micro = _batch(recipe)
+    total = _length_and_steps(recipe, micro, steps, seq_len)
+    _optimization(recipe, total)
+    _memory(recipe)
+    _lora(recipe)
+    config_overrides(recipe, "model_config")
+    _padding(recipe)
+    recipe.carry("data.loss_on", "all" if raw.get("train_on_inputs") else "response", "train_on_inputs")
+    read_datasets(recipe, raw.get("datasets"))
+    account_rest(recipe, READER_KEYS)
+
+
+def _carry_numbers(recipe: Recipe, table: dict[str, tuple[str, bool, float, float, Any]]) -> None:
+    for key, (path, integer, low, high, default) in table.items():
+        value = number(recipe, key, recipe.raw.get(key), integer=integer, low=low, high=high, default=default)
+        recipe.carry(path, value, key)
+
+
+def _quantization(recipe: Recipe) -> None:
+    """The adapter (LoRA or QLoRA) and the base's bitsandbytes load: 4-bit, 8-bit, the MoE experts."""
+    raw = recipe.raw
     adapter = raw.get("adapter")
     if adapter not in ("lora", "qlora"):
         recipe.refuse("adapter", f"{adapter!r}: tunegrid trains LoRA adapters (adapter: lora or qlora)")
@@ -75,10 +109,22 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         recipe, four, bool(raw.get("load_in_8bit")), quant_type,
         ["load_in_4bit", "load_in_8bit", "adapter", "bnb_config_kwargs"],
     )  # fmt: skip
+    _moe_experts(recipe, four, quant_type)
+    if bnb.get("bnb_4bit_use_double_quant") is False:
+        recipe.differs["bnb_config_kwargs.bnb_4bit_use_double_quant"] = (
+            "false: the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them (about 0.37 bit "
+            "per weight less)"
+        )
+
+
+def _moe_experts(recipe: Recipe, four: bool, quant_type: Any) -> None:
+    """`quantize_moe_experts` as the experts' quantization: nf4-experts, or int8-experts (axolotl's row-wise
+    int8)."""
+    raw = recipe.raw
     eight = bool(raw.get("load_in_8bit")) and not four
     loads = {"load_in_4bit": True, "bnb_4bit_quant_type": quant_type} if four else {"load_in_8bit": True}
     experts = quant_of(loads, experts=True) if four or eight else None
-    if raw.get("quantize_moe_experts") and experts:  # nf4-experts, or int8-experts (axolotl's row-wise int8)
+    if raw.get("quantize_moe_experts") and experts:
         recipe.carry("grid.quant", experts, "quantize_moe_experts")
         if eight:
             recipe.differs["quantize_moe_experts"] = (
@@ -89,13 +135,12 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     elif raw.get("quantize_moe_experts"):
         recipe.refuse("quantize_moe_experts", "axolotl quantizes MoE experts under load_in_4bit or load_in_8bit; "
                       "the recipe loads neither")  # fmt: skip
-    if bnb.get("bnb_4bit_use_double_quant") is False:
-        recipe.differs["bnb_config_kwargs.bnb_4bit_use_double_quant"] = (
-            "false: the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them (about 0.37 bit "
-            "per weight less)"
-        )
-    _precision(recipe)
 
+
+def _batch(recipe: Recipe) -> int:
+    """The micro batch, gradient accumulation (or a total `batch_size` divided by the micro batch) and seed; the
+    micro batch returned."""
+    raw = recipe.raw
     (micro_key,), (accum_key,) = axis_keys("axolotl", "batch_size"), axis_keys("axolotl", "grad_accum")
     (seed_key,) = axis_keys("axolotl", "seed")
     micro = number(recipe, micro_key, raw.get(micro_key), integer=True, low=1, high=4096, default=1)
@@ -107,6 +152,13 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         recipe.carry("grid.grad_accum", max(1, total_batch // micro), "batch_size")
     seed = number(recipe, seed_key, raw.get(seed_key), integer=True, low=0, high=2**32 - 1, default=42)
     recipe.carry("grid.seed", seed, seed_key)
+    return micro
+
+
+def _length_and_steps(recipe: Recipe, micro: int, steps: int | None, seq_len: int | None) -> int:
+    """The sequence length and the step count (max_steps, else --steps, else 50; epochs are not carried); the step
+    count returned."""
+    raw = recipe.raw
     length = seq_len or number(
         recipe, "sequence_len", raw.get("sequence_len"), integer=True, low=8, high=MAX_SEQ_LEN, default=512
     )  # axolotl's own default is 512 (schemas/config.py)
@@ -123,19 +175,27 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
             "the first steps; the recipe's epoch length depends on its dataset's size)"
         )
         recipe.accounted.add("num_epochs")
+    return total
+
+
+def _optimization(recipe: Recipe, total: int) -> None:
+    """Learning rate, weight decay, gradient clipping, the scheduler and its warmup."""
+    raw = recipe.raw
     lr = number(recipe, "learning_rate", raw.get("learning_rate"), integer=False, low=0, high=10)
     if lr is not None:
         recipe.carry("train.lr", lr, "learning_rate")
-    weight_decay = number(recipe, "weight_decay", raw.get("weight_decay"), integer=False, low=0, high=10, default=0.0)
-    recipe.carry("train.weight_decay", weight_decay, "weight_decay")
-    grad_norm = number(recipe, "max_grad_norm", raw.get("max_grad_norm"), integer=False, low=0, high=1e6, default=1.0)
-    recipe.carry("train.max_grad_norm", grad_norm, "max_grad_norm")
+    _carry_numbers(recipe, TRAINING_NUMBERS)
     min_ratio = number(recipe, "cosine_min_lr_ratio", raw.get("cosine_min_lr_ratio"), integer=False, low=0, high=1)
     scheduler(recipe, "lr_scheduler", raw.get("lr_scheduler") or "cosine", min_ratio, "cosine_min_lr_ratio")
+    _warmup(recipe, total)
+
+
+def _warmup(recipe: Recipe, total: int) -> None:
+    """axolotl's trainer builder (core/builders/base.py) counts the warmup itself: a share rounded down, else 3 %
+    of the steps (at most 100), and one warmup step raised to two."""
+    raw = recipe.raw
     ratio = number(recipe, "warmup_ratio", raw.get("warmup_ratio"), integer=False, low=0, high=1)
     warm = number(recipe, "warmup_steps", raw.get("warmup_steps"), integer=False, low=0, high=MAX_STEPS)
-    # axolotl's trainer builder (core/builders/base.py) counts the warmup itself: a share rounded down, else 3 %
-    # of the steps (at most 100), and one warmup step raised to two
     key = "warmup_steps" if warm is not None or ratio is None else "warmup_ratio"
     if warm is not None or ratio is not None:
         count = warmup(recipe, warm if warm is not None else ratio, total, key, math.floor)
@@ -146,6 +206,11 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
     if count == 1:
         recipe.carry("train.warmup_steps", min(2, total), key)
         recipe.notes.append(f"{key}: one warmup step, which axolotl's trainer builder raises to two")
+
+
+def _memory(recipe: Recipe) -> None:
+    """The optimizer, activation checkpointing and offloading, FSDP, and the collectives' timeout."""
+    raw = recipe.raw
     (optimizer_key,) = axis_keys("axolotl", "optimizer")
     optimizer(recipe, optimizer_key, raw.get(optimizer_key) or "adamw_torch_fused")
     (checkpointing_key,) = axis_keys("axolotl", "activation_checkpointing")
@@ -156,27 +221,28 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
         if timeout:
             recipe.carry("distributed.collective_timeout_s", timeout, "ddp_timeout")
 
-    recipe.carry(
-        "lora.r", number(recipe, "lora_r", raw.get("lora_r"), integer=True, low=1, high=4096, default=8), "lora_r"
-    )
-    alpha = number(recipe, "lora_alpha", raw.get("lora_alpha"), integer=False, low=0, high=1e6, default=16.0)
-    recipe.carry("lora.alpha", alpha, "lora_alpha")
-    dropout = number(recipe, "lora_dropout", raw.get("lora_dropout"), integer=False, low=0, high=1, default=0.0)
-    recipe.carry("lora.dropout", dropout, "lora_dropout")
+
+def _lora(recipe: Recipe) -> None:
+    """The adapter's rank, alpha, dropout, targets and peft options; LoRA variants tunegrid does not train are
+    refused."""
+    raw = recipe.raw
+    _carry_numbers(recipe, LORA_NUMBERS)
+    _lora_targets(recipe)
+    fan_in_fan_out(recipe, "lora_fan_in_fan_out")
+    unfrozen_parameters(recipe)
+    for key in LORA_EXTRAS:
+        if raw.get(key):
+            recipe.refuse(key, "tunegrid trains peft's LoRA (r/alpha/dropout/targets, modules_to_save, rsLoRA, DoRA)")
+    lora_options(recipe, LORA_OPTIONS)
+
+
+def _lora_targets(recipe: Recipe) -> None:
+    """The named modules, `lora_target_linear` (every linear layer, plus the named ones axolotl adds to them) and
+    `lora_target_parameters`."""
+    raw = recipe.raw
     lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
     if raw.get("lora_target_linear"):
-        named = raw.get("lora_target_modules")
-        named = [named] if isinstance(named, str) else list(named or [])
-        lora_targets(recipe, "lora_target_linear", "all-linear")
-        targets = recipe.settings["lora.target_modules"]
-        extra = [m for m in named if m not in targets and m != "all-linear"]
-        if extra and targets != ["all-linear"]:  # axolotl adds the named modules to the linear ones (lm_head)
-            recipe.carry("lora.target_modules", sorted({*targets, *extra}), "lora_target_linear", "lora_target_modules")
-        elif extra:
-            recipe.differs["lora_target_modules"] = (
-                f"{extra} beside lora_target_linear: axolotl adapts them too; peft's all-linear (resolved when the "
-                "checkpoint is fetched) leaves the output head out; add them to lora.target_modules once resolved"
-            )
+        _linear_targets(recipe)
     if raw.get("lora_target_parameters"):
         recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
     if "lora.target_modules" not in recipe.settings:
@@ -187,13 +253,26 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
                 "unset: peft picks its default modules for the architecture; tunegrid adapts the attention and MLP "
                 "projections (lora.target_modules in the study says which)"
             )
-    fan_in_fan_out(recipe, "lora_fan_in_fan_out")
-    unfrozen_parameters(recipe)
-    for key in LORA_EXTRAS:
-        if raw.get(key):
-            recipe.refuse(key, "tunegrid trains peft's LoRA (r/alpha/dropout/targets, modules_to_save, rsLoRA, DoRA)")
-    lora_options(recipe, LORA_OPTIONS)
-    config_overrides(recipe, "model_config")
+
+
+def _linear_targets(recipe: Recipe) -> None:
+    named = recipe.raw.get("lora_target_modules")
+    named = [named] if isinstance(named, str) else list(named or [])
+    lora_targets(recipe, "lora_target_linear", "all-linear")
+    targets = recipe.settings["lora.target_modules"]
+    extra = [m for m in named if m not in targets and m != "all-linear"]
+    if extra and targets != ["all-linear"]:  # axolotl adds the named modules to the linear ones (lm_head)
+        recipe.carry("lora.target_modules", sorted({*targets, *extra}), "lora_target_linear", "lora_target_modules")
+    elif extra:
+        recipe.differs["lora_target_modules"] = (
+            f"{extra} beside lora_target_linear: axolotl adapts them too; peft's all-linear (resolved when the "
+            "checkpoint is fetched) leaves the output head out; add them to lora.target_modules once resolved"
+        )
+
+
+def _padding(recipe: Recipe) -> None:
+    """Sample packing, and how the batches are padded without it."""
+    raw = recipe.raw
     packing = bool(raw.get("sample_packing"))
     recipe.carry("data.packing", packing, "sample_packing", "sample_packing_seq_len_multiplier")
     if raw.get("pad_to_sequence_len"):  # tunegrid's rows are train.seq_len wide, packed or not: carried as it is
@@ -206,9 +285,6 @@ def read_axolotl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None
             f"{'unset' if unset else 'false'}, without sample_packing: axolotl pads each batch to its longest "
             f"sequence{' (rounded up to a multiple of 64)' if unset else ''}; {PADDED}"
         )
-    recipe.carry("data.loss_on", "all" if raw.get("train_on_inputs") else "response", "train_on_inputs")
-    read_datasets(recipe, raw.get("datasets"))
-    account_rest(recipe, READER_KEYS)
 
 
 def _precision(recipe: Recipe) -> None:

@@ -69,6 +69,21 @@ READER_KEYS = MODEL_CONFIG_KEYS | SCRIPT_ARGUMENTS_KEYS | SFT_ONLY_KEYS | {
 } | {key for keys in AXIS_KEYS.values() for key in keys["trl"]}  # fmt: skip
 MAX_SEQ_LEN = 32768  # the study schema's train.seq_len maximum
 MAX_STEPS = 1_000_000
+# numbers carried as they are: recipe key -> (study path, integer, low, high, default), in the order they are read;
+# a key the recipe leaves out takes its tool's default (DEFAULTS), `default` only stands in for an unusable value
+TRAINING_NUMBERS = {
+    "learning_rate": ("train.lr", False, 0, 10, 2e-5),
+    "weight_decay": ("train.weight_decay", False, 0, 10, 0.0),
+    "max_grad_norm": ("train.max_grad_norm", False, 0, 1e6, 1.0),
+}
+LORA_NUMBERS = {
+    "lora_r": ("lora.r", True, 1, 4096, 16),
+    "lora_alpha": ("lora.alpha", False, 0, 1e6, 32.0),
+    "lora_dropout": ("lora.dropout", False, 0, 1, 0.05),
+}
+# peft LoraConfig options tunegrid's LoRA takes, as ModelConfig names them
+LORA_OPTIONS = {"lora_modules_to_save": "lora.modules_to_save", "use_rslora": "lora.use_rslora",
+                "use_dora": "lora.use_dora"}  # fmt: skip
 
 
 def detect_tool(raw: dict[str, Any]) -> str:
@@ -84,21 +99,50 @@ def _get(recipe: Recipe, key: str) -> Any:
 
 
 def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
-    raw, tool = recipe.raw, recipe.tool
+    raw = recipe.raw
     model_entry(
         recipe, "model_name_or_path", raw.get("model_name_or_path"), "model_revision", raw.get("model_revision")
     )
     recipe.carry("model.trust_remote_code", bool(raw.get("trust_remote_code")), "trust_remote_code")
     check_tables(recipe)
-    attention = raw.get("attn_implementation")
-    if isinstance(attention, str) and attention.replace("-", "_") in ATTENTION_NAMES:  # flash-attention-3
+    _attention(recipe)
+    recipe.carry("adapter", "lora", "use_peft")
+    _quantization(recipe)
+    _precision(recipe)
+    effective = _batch(recipe)
+    _length(recipe, seq_len)
+    total = _steps(recipe, effective, steps)
+    _optimization(recipe, total)
+    _memory(recipe)
+    if recipe.tool == "trl":  # TrainingArguments hold no LoRA and no packing
+        _carry_numbers(recipe, LORA_NUMBERS)
+        _lora_targets(recipe)
+        lora_options(recipe, LORA_OPTIONS)
+        _packing(recipe)
+    read_dataset(recipe)
+    account_rest(recipe, READER_KEYS)
+
+
+def _carry_numbers(recipe: Recipe, table: dict[str, tuple[str, bool, float, float, Any]]) -> None:
+    for key, (path, integer, low, high, default) in table.items():
+        recipe.carry(path, number(recipe, key, _get(recipe, key), integer=integer, low=low, high=high,
+                                  default=default), key)  # fmt: skip
+
+
+def _attention(recipe: Recipe) -> None:
+    """`attn_implementation` as the model's attention implementation (flash-attention-3 read as flash_attention_3)."""
+    attention = recipe.raw.get("attn_implementation")
+    if isinstance(attention, str) and attention.replace("-", "_") in ATTENTION_NAMES:
         attention = attention.replace("-", "_")
     if attention:
         if attention in ATTENTION_NAMES:
             recipe.carry("model.attn_implementation", attention, "attn_implementation")
         else:
             recipe.refuse("attn_implementation", f"{attention!r} is not one tunegrid loads ({sorted(ATTENTION_NAMES)})")
-    recipe.carry("adapter", "lora", "use_peft")
+
+
+def _quantization(recipe: Recipe) -> None:
+    raw = recipe.raw
     quantization(
         recipe, bool(raw.get("load_in_4bit")), bool(raw.get("load_in_8bit")), raw.get("bnb_4bit_quant_type"),
         ["load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type"],
@@ -108,20 +152,33 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
             "false (TRL's default): the recipe keeps each block's fp32 absmax; tunegrid's nf4 double-quantizes them "
             "(about 0.37 bit per weight less)"
         )
-    bf16_key, fp16_key = axis_keys(tool, "precision")
+
+
+def _precision(recipe: Recipe) -> None:
+    raw = recipe.raw
+    bf16_key, fp16_key = axis_keys(recipe.tool, "precision")
     bf16 = raw.get(bf16_key)
-    if tool == "trl" and bf16 is None:
+    if recipe.tool == "trl" and bf16 is None:
         bf16 = not raw.get(fp16_key)  # SFTConfig: bf16 unless fp16 is set
     precision_flags(recipe, bf16, raw.get(fp16_key), (bf16_key, fp16_key))
 
-    (batch_key,), (accum_key,) = axis_keys(tool, "batch_size"), axis_keys(tool, "grad_accum")
-    (seed_key,) = axis_keys(tool, "seed")
+
+def _batch(recipe: Recipe) -> int:
+    """The per-device batch, gradient accumulation and seed; the effective batch (their product) returned."""
+    (batch_key,), (accum_key,) = axis_keys(recipe.tool, "batch_size"), axis_keys(recipe.tool, "grad_accum")
+    (seed_key,) = axis_keys(recipe.tool, "seed")
     batch = number(recipe, batch_key, _get(recipe, batch_key), integer=True, low=1, high=4096, default=8)
     recipe.carry("grid.batch_size", batch, batch_key)
-    accum = number(recipe, accum_key, raw.get(accum_key), integer=True, low=1, high=4096, default=1)
+    accum = number(recipe, accum_key, recipe.raw.get(accum_key), integer=True, low=1, high=4096, default=1)
     recipe.carry("grid.grad_accum", accum, accum_key)
     recipe.carry("grid.seed", number(recipe, seed_key, _get(recipe, seed_key), integer=True, low=0,
                                      high=2**32 - 1, default=42), seed_key)  # fmt: skip
+    return batch * accum
+
+
+def _length(recipe: Recipe, seq_len: int | None) -> None:
+    """max_length (or TRL's older max_seq_length) as the sequence length; TrainingArguments hold none."""
+    raw = recipe.raw
     length_key = "max_seq_length" if "max_seq_length" in raw and "max_length" not in raw else "max_length"
     length = seq_len or number(
         recipe, length_key, _get(recipe, length_key) if length_key == "max_length" else raw[length_key],
@@ -134,6 +191,11 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
             recipe.need(length_key, "TrainingArguments holds no sequence length; pass --seq-len")
     else:
         recipe.carry("train.seq_len", int(length), length_key)
+
+
+def _steps(recipe: Recipe, effective: int, steps: int | None) -> int:
+    """max_steps (-1 or unset: --steps, else 50; the epochs are not carried); the step count returned."""
+    raw = recipe.raw
     max_steps = raw.get("max_steps")
     if max_steps not in (None, -1):
         max_steps = number(recipe, "max_steps", max_steps, integer=True, low=1, high=MAX_STEPS)
@@ -142,19 +204,19 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     if max_steps in (None, -1):
         epochs = number(recipe, "num_train_epochs", raw.get("num_train_epochs"), integer=False, low=0, high=1e6,
                         default=3.0)  # fmt: skip
-        effective = batch * accum
         recipe.not_carried["num_train_epochs"] = (
             f"{epochs:g} epoch(s) of the recipe's data; tunegrid trains {total} steps per cell (--steps), "
             f"{total * effective} sequences at the recipe's effective batch {effective} (the failures show in the "
             "first steps; the recipe's epoch length depends on its dataset's size)"
         )
         recipe.accounted.add("num_train_epochs")
-    recipe.carry("train.lr", number(recipe, "learning_rate", _get(recipe, "learning_rate"), integer=False, low=0,
-                                    high=10, default=2e-5), "learning_rate")  # fmt: skip
-    recipe.carry("train.weight_decay", number(recipe, "weight_decay", raw.get("weight_decay"), integer=False, low=0,
-                                              high=10, default=0.0), "weight_decay")  # fmt: skip
-    grad_norm = number(recipe, "max_grad_norm", raw.get("max_grad_norm", 1.0), integer=False, low=0, high=1e6)
-    recipe.carry("train.max_grad_norm", 1.0 if grad_norm is None else grad_norm, "max_grad_norm")
+    return total
+
+
+def _optimization(recipe: Recipe, total: int) -> None:
+    """Learning rate, weight decay, gradient clipping, the scheduler and its warmup."""
+    raw = recipe.raw
+    _carry_numbers(recipe, TRAINING_NUMBERS)
     kwargs = raw.get("lr_scheduler_kwargs") or {}
     scheduler(
         recipe, "lr_scheduler_type", _get(recipe, "lr_scheduler_type"), kwargs.get("min_lr_rate"), "lr_scheduler_kwargs"
@@ -167,10 +229,15 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
         warmup(recipe, ratio, total, "warmup_ratio")
     else:
         warmup(recipe, 0, total, "warmup_steps")
+
+
+def _memory(recipe: Recipe) -> None:
+    """The optimizer, activation checkpointing (and TRL's offloading), FSDP, and the collectives' timeout."""
+    tool = recipe.tool
     (optimizer_key,) = axis_keys(tool, "optimizer")
     optimizer(recipe, optimizer_key, _get(recipe, optimizer_key))
     new_key, old_key = axis_keys(tool, "activation_checkpointing")
-    checkpointing = raw.get(new_key, raw.get(old_key, _get(recipe, old_key)))
+    checkpointing = recipe.raw.get(new_key, recipe.raw.get(old_key, _get(recipe, old_key)))
     checkpointing_and_offloading(recipe, old_key, bool(checkpointing), new_key, offloading=tool == "trl")
     fsdp_memory(recipe)
     given = _get(recipe, "ddp_timeout")
@@ -181,30 +248,27 @@ def read_trl(recipe: Recipe, steps: int | None, seq_len: int | None) -> None:
     timeout = number(recipe, "ddp_timeout", given, integer=False, low=1, high=7 * 86400, default=1800.0)
     recipe.carry("distributed.collective_timeout_s", float(timeout), "ddp_timeout")
 
-    if tool == "trl":
-        recipe.carry("lora.r", number(recipe, "lora_r", _get(recipe, "lora_r"), integer=True, low=1, high=4096,
-                                      default=16), "lora_r")  # fmt: skip
-        recipe.carry("lora.alpha", number(recipe, "lora_alpha", _get(recipe, "lora_alpha"), integer=False, low=0,
-                                          high=1e6, default=32.0), "lora_alpha")  # fmt: skip
-        recipe.carry("lora.dropout", number(recipe, "lora_dropout", _get(recipe, "lora_dropout"), integer=False,
-                                            low=0, high=1, default=0.05), "lora_dropout")  # fmt: skip
-        lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
-        if "lora.target_modules" not in recipe.settings:
-            peft_default(recipe, "lora_target_modules")
-        if raw.get("lora_target_parameters"):
-            recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
-        lora_options(recipe, {"lora_modules_to_save": "lora.modules_to_save", "use_rslora": "lora.use_rslora",
-                              "use_dora": "lora.use_dora"})  # fmt: skip
-        if _get(recipe, "packing"):
-            recipe.carry("data.packing", True, "packing", "packing_strategy")
-        else:  # the row below says it, not a carried line
-            recipe.carry("data.packing", False)
-            if not raw.get("padding_free"):  # SFTTrainer's DataCollatorForLanguageModeling pads to the longest
-                recipe.differs["packing"] = (
-                    f"{'false' if 'packing' in raw else 'unset (false)'}: TRL pads each batch to its longest "
-                    f"example; {PADDED}"
-                )
-        if raw.get("packing") and raw.get("packing_strategy") == "wrapped":
-            recipe.notes.append("packing_strategy wrapped: tunegrid packs whole examples (as bfd does)")
-    read_dataset(recipe)
-    account_rest(recipe, READER_KEYS)
+
+def _lora_targets(recipe: Recipe) -> None:
+    raw = recipe.raw
+    lora_targets(recipe, "lora_target_modules", raw.get("lora_target_modules"))
+    if "lora.target_modules" not in recipe.settings:
+        peft_default(recipe, "lora_target_modules")
+    if raw.get("lora_target_parameters"):
+        recipe.carry("lora.target_parameters", list(raw["lora_target_parameters"]), "lora_target_parameters")
+
+
+def _packing(recipe: Recipe) -> None:
+    """SFTConfig's packing, and how the batches are padded without it."""
+    raw = recipe.raw
+    if _get(recipe, "packing"):
+        recipe.carry("data.packing", True, "packing", "packing_strategy")
+    else:  # the row below says it, not a carried line
+        recipe.carry("data.packing", False)
+        if not raw.get("padding_free"):  # SFTTrainer's DataCollatorForLanguageModeling pads to the longest
+            recipe.differs["packing"] = (
+                f"{'false' if 'packing' in raw else 'unset (false)'}: TRL pads each batch to its longest "
+                f"example; {PADDED}"
+            )
+    if raw.get("packing") and raw.get("packing_strategy") == "wrapped":
+        recipe.notes.append("packing_strategy wrapped: tunegrid packs whole examples (as bfd does)")

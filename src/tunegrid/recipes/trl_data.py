@@ -29,73 +29,95 @@ def read_dataset(recipe: Recipe) -> None:
 
 def _read(recipe: Recipe) -> None:
     raw = recipe.raw
-    found = None
     if raw.get("datasets"):
-        entries = raw["datasets"] if isinstance(raw["datasets"], list) else [raw["datasets"]]
-        _extra_datasets(recipe, "datasets", len(entries))
-        entry = entries[0] if isinstance(entries[0], dict) else {}
-        files = entry.get("data_files")
-        files = files[0] if isinstance(files, list) and len(files) == 1 else files
-        if isinstance(files, str):
-            found = local_dataset(recipe, "datasets.0.data_files", files, entry.get("path"))
-        if found is not None:  # `path` names the builder (json, parquet) that reads the files
-            recipe.carry(
-                "data.source", recipe.settings["data.source"], *(["datasets.0.path"] if entry.get("path") else [])
-            )
-            local_split(recipe, "datasets.0.split", entry.get("split"), "TRL")
-        if found is None and entry.get("path") and not files:
-            if not default_config(recipe, "datasets.0.name", entry.get("name")):
-                recipe.refuse("datasets.0.name", "tunegrid reads a hub dataset's default configuration")
-            _hub(recipe, "datasets.0.path", entry["path"], entry.get("revision"), entry.get("split") or "train",
-                 "datasets.0.split" if entry.get("split") else None)  # fmt: skip
-            recipe.carry("data.dataset", dict(entry), "datasets")
-            return
-        if found is None:
-            recipe.need("datasets.0", "give a local JSON-lines or parquet file (data_files) or pass --dataset")
-            return
-        recipe.carry("data.dataset", dict(entry), "datasets")
+        found = _from_datasets(recipe)
     elif isinstance(raw.get("dataset_mixture"), dict):  # alignment-handbook's ScriptArguments
-        entries = raw["dataset_mixture"].get("datasets") or []
-        entry = entries[0] if entries and isinstance(entries[0], dict) else {}
-        if not entry.get("id"):
-            recipe.need("dataset_mixture.datasets", "no dataset: each entry needs an id (a hub dataset)")
-            return
-        _extra_datasets(recipe, "dataset_mixture.datasets", len(entries))
-        if not default_config(recipe, "dataset_mixture.datasets.0.config", entry.get("config")):
-            recipe.refuse("dataset_mixture.datasets.0.config", "tunegrid reads a hub dataset's default configuration")
-        found = local_dataset(recipe, "dataset_mixture.datasets.0.id", str(entry["id"]))
-        if found is None:
-            _hub(
-                recipe,
-                "dataset_mixture.datasets.0.id",
-                entry["id"],
-                entry.get("revision"),
-                entry.get("split") or "train",
-                "dataset_mixture.datasets.0.split" if entry.get("split") else None,
-            )
-            columns = entry.get("columns") or ["messages"]
-            _hub_fields(recipe, columns, "dataset_mixture.datasets.0.columns")
-            recipe.carry("data.dataset", dict(entry), "dataset_mixture")
-            return
-        recipe.carry("data.dataset", dict(entry), "dataset_mixture")
+        found = _from_mixture(recipe)
     elif raw.get("dataset_name"):
-        found = local_dataset(recipe, "dataset_name", str(raw["dataset_name"]))
-        config = raw.get("dataset_config")
-        if found is None:
-            split = raw.get("dataset_train_split") or "train"
-            if not default_config(recipe, "dataset_config", config):
-                recipe.refuse("dataset_config", "tunegrid reads a hub dataset's default configuration")
-            _hub(recipe, "dataset_name", raw["dataset_name"], None, split, *_given(raw, "dataset_train_split"))
-            _hub_fields(recipe, [raw.get("dataset_text_field") or "messages"], "dataset_name")
-            recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
-            return
-        recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
-        local_split(recipe, "dataset_train_split", raw.get("dataset_train_split"), "TRL")
-        if not default_config(recipe, "dataset_config", config):
-            recipe.not_carried["dataset_config"] = f"{config!r}: a local file has no configurations; tunegrid reads it"
+        found = _from_name(recipe)
     else:
         recipe.need("dataset_name", "no dataset: give dataset_name (a local file or a hub id) or pass --dataset")
         return
+    if found is not None:  # None: a hub dataset (its records are not read at import) or no usable entry
+        _fields(recipe, found)
+
+
+def _from_datasets(recipe: Recipe) -> Any:
+    """The `datasets` list's first entry: local files (returned as locations.local_dataset finds them), else a
+    hub dataset (None returned)."""
+    raw = recipe.raw
+    entries = raw["datasets"] if isinstance(raw["datasets"], list) else [raw["datasets"]]
+    _extra_datasets(recipe, "datasets", len(entries))
+    entry = entries[0] if isinstance(entries[0], dict) else {}
+    files = entry.get("data_files")
+    files = files[0] if isinstance(files, list) and len(files) == 1 else files
+    found = local_dataset(recipe, "datasets.0.data_files", files, entry.get("path")) if isinstance(files, str) else None
+    if found is not None:  # `path` names the builder (json, parquet) that reads the files
+        recipe.carry("data.source", recipe.settings["data.source"], *(["datasets.0.path"] if entry.get("path") else []))
+        local_split(recipe, "datasets.0.split", entry.get("split"), "TRL")
+    if found is None and entry.get("path") and not files:
+        if not default_config(recipe, "datasets.0.name", entry.get("name")):
+            recipe.refuse("datasets.0.name", "tunegrid reads a hub dataset's default configuration")
+        _hub(recipe, "datasets.0.path", entry["path"], entry.get("revision"), entry.get("split") or "train",
+             "datasets.0.split" if entry.get("split") else None)  # fmt: skip
+        recipe.carry("data.dataset", dict(entry), "datasets")
+        return None
+    if found is None:
+        recipe.need("datasets.0", "give a local JSON-lines or parquet file (data_files) or pass --dataset")
+        return None
+    recipe.carry("data.dataset", dict(entry), "datasets")
+    return found
+
+
+def _from_mixture(recipe: Recipe) -> Any:
+    """alignment-handbook's `dataset_mixture`: its first entry's id, a local file (returned) or a hub dataset."""
+    entries = recipe.raw["dataset_mixture"].get("datasets") or []
+    entry = entries[0] if entries and isinstance(entries[0], dict) else {}
+    if not entry.get("id"):
+        recipe.need("dataset_mixture.datasets", "no dataset: each entry needs an id (a hub dataset)")
+        return None
+    _extra_datasets(recipe, "dataset_mixture.datasets", len(entries))
+    if not default_config(recipe, "dataset_mixture.datasets.0.config", entry.get("config")):
+        recipe.refuse("dataset_mixture.datasets.0.config", "tunegrid reads a hub dataset's default configuration")
+    found = local_dataset(recipe, "dataset_mixture.datasets.0.id", str(entry["id"]))
+    if found is None:
+        _hub(
+            recipe,
+            "dataset_mixture.datasets.0.id",
+            entry["id"],
+            entry.get("revision"),
+            entry.get("split") or "train",
+            "dataset_mixture.datasets.0.split" if entry.get("split") else None,
+        )
+        columns = entry.get("columns") or ["messages"]
+        _hub_fields(recipe, columns, "dataset_mixture.datasets.0.columns")
+    recipe.carry("data.dataset", dict(entry), "dataset_mixture")
+    return found
+
+
+def _from_name(recipe: Recipe) -> Any:
+    """ScriptArguments' `dataset_name`: a local file (returned) or a hub dataset."""
+    raw = recipe.raw
+    found = local_dataset(recipe, "dataset_name", str(raw["dataset_name"]))
+    config = raw.get("dataset_config")
+    if found is None:
+        split = raw.get("dataset_train_split") or "train"
+        if not default_config(recipe, "dataset_config", config):
+            recipe.refuse("dataset_config", "tunegrid reads a hub dataset's default configuration")
+        _hub(recipe, "dataset_name", raw["dataset_name"], None, split, *_given(raw, "dataset_train_split"))
+        _hub_fields(recipe, [raw.get("dataset_text_field") or "messages"], "dataset_name")
+        recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
+        return None
+    recipe.carry("data.dataset", {"dataset_name": raw["dataset_name"]}, "dataset_name")
+    local_split(recipe, "dataset_train_split", raw.get("dataset_train_split"), "TRL")
+    if not default_config(recipe, "dataset_config", config):
+        recipe.not_carried["dataset_config"] = f"{config!r}: a local file has no configurations; tunegrid reads it"
+    return found
+
+
+def _fields(recipe: Recipe, found: Any) -> None:
+    """What the local file's first record holds: chat messages, prompt/completion pairs or a text to model."""
+    raw = recipe.raw
     record = first_record(found)
     text_field = raw.get("dataset_text_field") or "text"
     if "messages" in record:
