@@ -39,11 +39,22 @@ def _ratio(new: Any, old: Any) -> float | None:
     return new / old if ok else None
 
 
+Pair = tuple[Any, Any, str]  # the cell of concern, its ok twin on another stack, why it is of concern
+
+
 def stack_fixes(frame: Any) -> list[Recommendation]:
     """One recommendation per (model, failing stack, fixing stack)."""
     if "stack" not in frame.columns or frame["stack"].nunique() < 2:
         return []
-    groups: dict[tuple[str, str, str], list[tuple[Any, Any, str]]] = defaultdict(list)
+    return [
+        _recommendation(model, stack, fixing, members)
+        for (model, stack, fixing), members in _stack_pairs(frame).items()
+    ]
+
+
+def _stack_pairs(frame: Any) -> dict[tuple[str, str, str], list[Pair]]:
+    """Each cell of concern with each twin on another stack that ran ok without one, by (model, stack, fixing)."""
+    groups: dict[tuple[str, str, str], list[Pair]] = defaultdict(list)
     for _, row in frame.iterrows():
         why = _concern(row)
         if not why:
@@ -55,67 +66,71 @@ def stack_fixes(frame: Any) -> list[Recommendation]:
             if row["outcome"] == Outcome.OK and not gap_closed:
                 continue  # the twin must fix what the finding is about: the weights left in full precision
             groups[(row["model"], row["stack"], twin["stack"])].append((row, twin, why))
-    out = []
-    for (model, stack, fixing), members in groups.items():
-        proven = [twin for _, twin, _ in members if holds(twin)]
-        unproven = sorted({unproven_name(twin) for _, twin, _ in members if not holds(twin)})
-        lines = []
-        for row, twin, why in members:
-            peaks = ", ".join(
-                f"{stage} peak {human_bytes(row[column])} -> {human_bytes(twin[column])}"
-                for stage, column in PEAKS
-                if number(row.get(column)) != float("inf") and number(twin.get(column)) != float("inf")
-            )
-            before, after = number(row.get("flagged_bytes")), number(twin.get("flagged_bytes"))
-            known = float("inf") not in (before, after)
-            flagged = f", full-precision weights {human_bytes(before)} -> {human_bytes(after)}" if known else ""
-            measured = f" ({peaks}{flagged})".replace("(, ", "(") if peaks or flagged else ""
-            lines.append(f"{row['cell_id']} {why}; {twin['cell_id']} ran ok{measured}")
-        pin = _packages(members[0][1])
-        text = f"On stack {stack} ({_packages(members[0][0])}) vs {fixing} ({pin}): " + "; ".join(lines) + "."
-        if unproven:
-            text += (
-                " Twins that ran ok but are no evidence of a fix (a fix must learn and match the reference): "
-                + ", ".join(unproven)
-                + "."
-            )
-        fixes = []
-        if proven:
-            row, twin = members[0][0], next(t for _, t, _ in members if holds(t))
-            cost = {
-                "peak_bytes_ratio": _ratio(twin["peak_bytes"], row["peak_bytes"]),
-                **{f"{column}_ratio": _ratio(twin.get(column), row.get(column)) for _, column in PEAKS},
-                "tokens_per_s_ratio": _ratio(twin.get("tokens_per_s"), row.get("tokens_per_s")),
-                "against": row["cell_id"],
-            }
-            measured = [(f"{stage} peak", cost[f"{column}_ratio"]) for stage, column in PEAKS]
-            measured.append(("tokens/s", cost["tokens_per_s_ratio"]))
-            shown = [f"{ratio:.2f}x the {what}" for what, ratio in measured if ratio is not None]
-            priced = f": {', '.join(shown)} of {row['cell_id']}" if shown and row["outcome"] == Outcome.OK else ""
-            parities = [p for p in (parity_of(t) for t in proven) if p is not None]
-            what = f"pin {pin}" if fixing != BASE_STACK else "use the environment tunegrid runs in"
-            fixes.append(
-                Fix(
-                    {"stack": fixing},
-                    f"{what} (stack {fixing}){priced}",
-                    sorted(t["cell_id"] for t in proven),
-                    max(parities) if parities else None,
-                    cost,
-                )
-            )
-        failed = sorted(r["cell_id"] for r, _, _ in members if r["outcome"] != Outcome.OK)
-        out.append(
-            Recommendation(
-                signature=f"stack:{fixing}",
-                title=f"{model}: library versions — stack {fixing} instead of {stack}",
-                text=text,
-                failing=failed,
-                evidence=sorted(t["cell_id"] for t in proven),
-                fixes=fixes,
-                concerns=sorted({r["cell_id"] for r, _, _ in members}),
-            )
+    return groups
+
+
+def _recommendation(model: str, stack: str, fixing: str, members: list[Pair]) -> Recommendation:
+    proven = [twin for _, twin, _ in members if holds(twin)]
+    unproven = sorted({unproven_name(twin) for _, twin, _ in members if not holds(twin)})
+    lines = [f"{row['cell_id']} {why}; {twin['cell_id']} ran ok{_measured(row, twin)}" for row, twin, why in members]
+    pin = _packages(members[0][1])
+    text = f"On stack {stack} ({_packages(members[0][0])}) vs {fixing} ({pin}): " + "; ".join(lines) + "."
+    if unproven:
+        text += (
+            " Twins that ran ok but are no evidence of a fix (a fix must learn and match the reference): "
+            + ", ".join(unproven)
+            + "."
         )
-    return out
+    fixes = [_pin_fix(members, fixing, pin, proven)] if proven else []
+    failed = sorted(r["cell_id"] for r, _, _ in members if r["outcome"] != Outcome.OK)
+    return Recommendation(
+        signature=f"stack:{fixing}",
+        title=f"{model}: library versions — stack {fixing} instead of {stack}",
+        text=text,
+        failing=failed,
+        evidence=sorted(t["cell_id"] for t in proven),
+        fixes=fixes,
+        concerns=sorted({r["cell_id"] for r, _, _ in members}),
+    )
+
+
+def _measured(row: Any, twin: Any) -> str:
+    """Both cells' peaks by stage and full-precision weights, where measured: " (...)", or nothing."""
+    peaks = ", ".join(
+        f"{stage} peak {human_bytes(row[column])} -> {human_bytes(twin[column])}"
+        for stage, column in PEAKS
+        if number(row.get(column)) != float("inf") and number(twin.get(column)) != float("inf")
+    )
+    before, after = number(row.get("flagged_bytes")), number(twin.get("flagged_bytes"))
+    known = float("inf") not in (before, after)
+    flagged = f", full-precision weights {human_bytes(before)} -> {human_bytes(after)}" if known else ""
+    return f" ({peaks}{flagged})".replace("(, ", "(") if peaks or flagged else ""
+
+
+def _pin_fix(members: list[Pair], fixing: str, pin: str, proven: list[Any]) -> Fix:
+    """The fix: pin the twins' stack, priced against the first cell of concern by its first twin whose quality
+    holds."""
+    row, twin = members[0][0], next(t for _, t, _ in members if holds(t))
+    cost = {
+        "peak_bytes_ratio": _ratio(twin["peak_bytes"], row["peak_bytes"]),
+        **{f"{column}_ratio": _ratio(twin.get(column), row.get(column)) for _, column in PEAKS},
+        "tokens_per_s_ratio": _ratio(twin.get("tokens_per_s"), row.get("tokens_per_s")),
+        "against": row["cell_id"],
+    }
+    measured = [(f"{stage} peak", cost[f"{column}_ratio"]) for stage, column in PEAKS]
+    measured.append(("tokens/s", cost["tokens_per_s_ratio"]))
+    shown = [f"{ratio:.2f}x the {what}" for what, ratio in measured if ratio is not None]
+    # a failed cell's figures are no baseline: the ratios are kept in the cost, not said
+    priced = f": {', '.join(shown)} of {row['cell_id']}" if shown and row["outcome"] == Outcome.OK else ""
+    parities = [p for p in (parity_of(t) for t in proven) if p is not None]
+    what = f"pin {pin}" if fixing != BASE_STACK else "use the environment tunegrid runs in"
+    return Fix(
+        {"stack": fixing},
+        f"{what} (stack {fixing}){priced}",
+        sorted(t["cell_id"] for t in proven),
+        max(parities) if parities else None,
+        cost,
+    )
 
 
 def stack_facts(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:

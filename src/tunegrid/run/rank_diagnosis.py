@@ -116,156 +116,21 @@ def diagnose_ranks(
     verdict itself where the study ends a cell on a named hang. `capabilities`: the probe's, whose all-reduce bus
     bandwidth tells a slow link."""
     world = len(codes)
-    timeout_s = spec["distributed"]["collective_timeout_s"]
     ranks = [rank_record(run_dir, r, codes[r], r in stopped) for r in range(world)]
-    last_steps = {r["rank"]: r["last_step"] for r in ranks}
-    update: dict[str, Any] = {"ranks": ranks, "distributed": {"world_size": world, "collective_timeout_s": timeout_s}}
-    throughput = cell_throughput({r: step_records(rank_dir(run_dir, r) / "metrics.jsonl") for r in range(world)})
-    if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
-        update["throughput"] = {**(result.get("throughput") or {}), **throughput}
+    update = _cell_facts(spec, run_dir, result, ranks)
     recorder = analyze_flight_recorder(run_dir, spec, world)
     if recorder is not None and recorder.status != "no_dumps":
         update["distributed"]["flight_recorder"] = recorder.record
-
-    # a rank that left on its own after noticing its peer was gone (gloo/NCCL "connection closed by peer")
-    # is a consequence, not a crash: whether it exits before the supervisor stops it is only timing
-    crashed = [
-        r
-        for r in ranks
-        if not r["stopped_by_supervisor"]
-        and r["exit_code"] not in (0, None)
-        and not {"peer_lost", "collective_timeout"} & set(r["diagnosis"])
-    ]
-    if crashed:
-        first = crashed[0]
-        at = (
-            f" at step {first['last_step']}"
-            if first["last_step"] is not None
-            else f" during {first['last_heartbeat'] or 'start-up'}"
-        )
-        update.update(
-            outcome=Outcome.ERROR,
-            reason=f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
-            diagnosis=Diagnosis(
-                rank_crash=RankCrash(
-                    ranks=[r["rank"] for r in crashed],
-                    exit=first["exit"],
-                    last_step=first["last_step"],
-                    last_log_lines=first["log_tail"],
-                    last_step_per_rank=last_steps,
-                )
-            ).to_json(),
-        )
+    # the precedence of the module's docstring: the first of these that names a cause decides the cell
+    decided = _rank_crash(ranks) or _rank_failure(ranks) or _collective_timeout(spec, ranks, recorder, early)
+    if decided is not None:
+        update.update(decided)
         return update
-
-    # A rank that failed on its own (its worker.json says error/oom, not a symptom of a peer) is the
-    # cause: its peers then wait or are stopped. Deterministic, so the cell is never retried for it.
-    failed = [
-        r
-        for r in ranks
-        if r["outcome"] in (Outcome.ERROR, Outcome.OOM)
-        and not {"collective_timeout", "peer_lost"} & set(r["diagnosis"])
-    ]
-    if failed:
-        first = failed[0]
-        update.update(
-            outcome=first["outcome"],
-            reason=f"rank {first['rank']} failed: {first['reason']}; the other ranks were stopped",
-            diagnosis={
-                "rank_failure": {
-                    "ranks": [r["rank"] for r in failed],
-                    "reason": first["reason"],
-                    "traceback": (first["traceback"] or "")[-2000:],
-                    "last_log_lines": first["log_tail"],
-                    "last_step_per_rank": last_steps,
-                }
-            },
-        )
-        return update
-
-    waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
-    if early is not None and not waiting and spec["distributed"]["end_on_hang"]:
-        update.update(
-            outcome=Outcome.TIMEOUT,
-            reason=early.reason(timeout_s),
-            diagnosis=Diagnosis(collective=ended_on_hang(early, ranks, timeout_s)).to_json(),
-        )
-        return update
-    if waiting:
-        waited = waiting[0]["diagnosis"]["collective_timeout"]
-        missing = [r["rank"] for r in ranks if r not in waiting]
-        # every rank logged the watchdog's line (each waited, on NCCL): the recorder names who did not arrive
-        missing_from = "logs" if missing or recorder is None or not recorder.suspect_ranks else "flight_recorder"
-        missing = missing or (recorder.suspect_ranks if recorder is not None else [])
-        waiting = [r for r in waiting if r["rank"] not in missing] or waiting
-        op = _collective_op(waited)
-        step = STEP_RE.search(waited["waiting_in"])
-        step = int(step.group(1)) if step else None
-        kind = classify_timeout(
-            ranks,
-            missing,
-            step,
-            timeout_s,
-            spec["distributed"]["straggler_factor"],
-            recorder,
-            spec["distributed"]["straggler_min_lag_s"],
-        )
-        collective = CollectiveDiagnosis(
-            op=op,
-            waiting_ranks=[r["rank"] for r in waiting],
-            missing_ranks=missing,
-            missing_from=missing_from,
-            timeout_s=timeout_s,
-            step=step,
-            seq=waited.get("seq"),  # NCCL's watchdog names it; gloo does not report one
-            last_step_per_rank=last_steps,
-            last_heartbeat_per_rank={r["rank"]: r["last_heartbeat"] for r in ranks},
-            message=waited["message"],
-            flight_recorder=recorder,
-            kind=kind["kind"],
-            evidence=kind,
-        )
-        collective, waiting = _on_the_main_path(collective, kind, ranks, waiting)
-        op, missing = collective.op, collective.missing_ranks
-        if early is not None:
-            collective = collective.replace(early=compared(early, collective.kind, collective.missing_ranks))
-        who = ", ".join(map(str, missing)) or "none identified"
-        update.update(
-            outcome=Outcome.TIMEOUT,
-            reason=(
-                f"collective timeout after {timeout_s:g} s in {op}"
-                + (f" at step {collective.step}" if collective.step is not None else "")
-                + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
-                + f"; {describe(kind)}"
-                + (f"; {recorder.line()}" if _worth_a_line(recorder, kind) else "")
-            ),
-            diagnosis=Diagnosis(collective=collective).to_json(),
-        )
-        return update
-
     settings = spec["distributed"]
-    warning = find_straggler(
-        {r["rank"]: r["local_times"] for r in ranks},
-        settings["straggler_factor"],
-        settings["straggler_min_lag_s"],
-    )
-    if warning is not None:  # an early warning: slow on most steps, not (yet) slow enough to time out
-        update["distributed"]["straggler"] = warning
-    else:  # every rank at pace: were the collectives? (tunegrid.run.link_check)
-        link = _slow_link(run_dir, ranks, result, capabilities or {}, settings["straggler_min_lag_s"])
-        if link is not None:
-            update["distributed"]["slow_link"] = link
+    update["distributed"].update(_early_warning(run_dir, ranks, result, capabilities or {}, settings))
     if "stopped_by_peer" in (result.get("diagnosis") or {}):  # rank 0 stopped because another rank decided to
-        decider = next((r for r in ranks if r["outcome"] and "stopped_by_peer" not in r["diagnosis"]), None)
-        if decider is not None:
-            update.update(
-                outcome=decider["outcome"],
-                reason=f"rank {decider['rank']}: {decider['reason']}; the other ranks stopped with it",
-                diagnosis={**decider["diagnosis"], "decided_by_rank": decider["rank"]},
-            )
-        return update
-
-    if result["outcome"] == Outcome.OK:
+        update.update(_decided_by_peer(ranks))
+    elif result["outcome"] == Outcome.OK:
         digests = {r["lora_sha256"] for r in ranks}
         update["distributed"]["lora_identical"] = len(digests) == 1 and None not in digests
         if not update["distributed"]["lora_identical"]:
@@ -273,3 +138,174 @@ def diagnose_ranks(
                 outcome=Outcome.ERROR, reason="ranks ended with different LoRA weights (DDP did not keep them in sync)"
             )
     return update
+
+
+def _cell_facts(
+    spec: dict[str, Any], run_dir: Path, result: dict[str, Any], ranks: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """What result.json says of every distributed cell, whatever its outcome: the ranks, the world, throughput."""
+    settings = {"world_size": len(ranks), "collective_timeout_s": spec["distributed"]["collective_timeout_s"]}
+    update: dict[str, Any] = {"ranks": ranks, "distributed": settings}
+    throughput = cell_throughput({r: step_records(rank_dir(run_dir, r) / "metrics.jsonl") for r in range(len(ranks))})
+    if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
+        update["throughput"] = {**(result.get("throughput") or {}), **throughput}
+    return update
+
+
+def _on_its_own(rank: dict[str, Any]) -> bool:
+    """Whether what the rank reported is its own, not a symptom of a peer: a rank that left after noticing its peer
+    was gone (gloo/NCCL "connection closed by peer"), or that waited for one, is a consequence."""
+    return not {"peer_lost", "collective_timeout"} & set(rank["diagnosis"])
+
+
+def _last_steps(ranks: list[dict[str, Any]]) -> dict[int, int | None]:
+    return {r["rank"]: r["last_step"] for r in ranks}
+
+
+def _rank_crash(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A rank that died by itself (signal or non-zero exit the supervisor did not cause). A consequence is no crash,
+    whether it exits before the supervisor stops it being only timing."""
+    crashed = [
+        r for r in ranks if not r["stopped_by_supervisor"] and r["exit_code"] not in (0, None) and _on_its_own(r)
+    ]
+    if not crashed:
+        return None
+    first = crashed[0]
+    at = (
+        f" at step {first['last_step']}"
+        if first["last_step"] is not None
+        else f" during {first['last_heartbeat'] or 'start-up'}"
+    )
+    crash = RankCrash(
+        ranks=[r["rank"] for r in crashed],
+        exit=first["exit"],
+        last_step=first["last_step"],
+        last_log_lines=first["log_tail"],
+        last_step_per_rank=_last_steps(ranks),
+    )
+    return {
+        "outcome": Outcome.ERROR,
+        "reason": f"rank {first['rank']} died ({first['exit']}){at}; the other ranks were stopped",
+        "diagnosis": Diagnosis(rank_crash=crash).to_json(),
+    }
+
+
+def _rank_failure(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A rank whose worker.json says error/oom of its own: its peers then wait or are stopped. Deterministic, so
+    the cell is never retried for it."""
+    failed = [r for r in ranks if r["outcome"] in (Outcome.ERROR, Outcome.OOM) and _on_its_own(r)]
+    if not failed:
+        return None
+    first = failed[0]
+    failure = {
+        "ranks": [r["rank"] for r in failed],
+        "reason": first["reason"],
+        "traceback": (first["traceback"] or "")[-2000:],
+        "last_log_lines": first["log_tail"],
+        "last_step_per_rank": _last_steps(ranks),
+    }
+    return {
+        "outcome": first["outcome"],
+        "reason": f"rank {first['rank']} failed: {first['reason']}; the other ranks were stopped",
+        "diagnosis": {"rank_failure": failure},
+    }
+
+
+def _collective_timeout(
+    spec: dict[str, Any], ranks: list[dict[str, Any]], recorder: RecorderReading | None, early: EarlyVerdict | None
+) -> dict[str, Any] | None:
+    """The ranks that reported a collective timeout waited, the others never arrived; or, where the study ends a
+    cell on a named hang and no rank has timed out yet, the hang named while the ranks ran."""
+    timeout_s = spec["distributed"]["collective_timeout_s"]
+    waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
+    if early is not None and not waiting and spec["distributed"]["end_on_hang"]:
+        return {
+            "outcome": Outcome.TIMEOUT,
+            "reason": early.reason(timeout_s),
+            "diagnosis": Diagnosis(collective=ended_on_hang(early, ranks, timeout_s)).to_json(),
+        }
+    if not waiting:
+        return None
+    collective, waiting, kind = _timed_out_collective(spec["distributed"], ranks, waiting, recorder)
+    if early is not None:
+        collective = collective.replace(early=compared(early, collective.kind, collective.missing_ranks))
+    who = ", ".join(map(str, collective.missing_ranks)) or "none identified"
+    reason = (
+        f"collective timeout after {timeout_s:g} s in {collective.op}"
+        + (f" at step {collective.step}" if collective.step is not None else "")
+        + f": rank(s) {who} did not arrive; rank(s) {', '.join(str(r['rank']) for r in waiting)} waited"
+        + f"; {describe(kind)}"
+        + (f"; {recorder.line()}" if _worth_a_line(recorder, kind) else "")
+    )
+    return {"outcome": Outcome.TIMEOUT, "reason": reason, "diagnosis": Diagnosis(collective=collective).to_json()}
+
+
+def _timed_out_collective(
+    settings: dict[str, Any],
+    ranks: list[dict[str, Any]],
+    waiting: list[dict[str, Any]],
+    recorder: RecorderReading | None,
+) -> tuple[CollectiveDiagnosis, list[dict[str, Any]], dict[str, Any]]:
+    """The collective the waiting ranks gave up in, who did not arrive and the kind of hang (classify_timeout's),
+    with the ranks that waited in it."""
+    waited = waiting[0]["diagnosis"]["collective_timeout"]
+    missing = [r["rank"] for r in ranks if r not in waiting]
+    # every rank logged the watchdog's line (each waited, on NCCL): the recorder names who did not arrive
+    missing_from = "logs" if missing or recorder is None or not recorder.suspect_ranks else "flight_recorder"
+    missing = missing or (recorder.suspect_ranks if recorder is not None else [])
+    waiting = [r for r in waiting if r["rank"] not in missing] or waiting
+    found = STEP_RE.search(waited["waiting_in"])
+    step = int(found.group(1)) if found else None
+    timeout_s = settings["collective_timeout_s"]
+    kind = classify_timeout(
+        ranks, missing, step, timeout_s, settings["straggler_factor"], recorder, settings["straggler_min_lag_s"]
+    )
+    collective = CollectiveDiagnosis(
+        op=_collective_op(waited),
+        waiting_ranks=[r["rank"] for r in waiting],
+        missing_ranks=missing,
+        missing_from=missing_from,
+        timeout_s=timeout_s,
+        step=step,
+        seq=waited.get("seq"),  # NCCL's watchdog names it; gloo does not report one
+        last_step_per_rank=_last_steps(ranks),
+        last_heartbeat_per_rank={r["rank"]: r["last_heartbeat"] for r in ranks},
+        message=waited["message"],
+        flight_recorder=recorder,
+        kind=kind["kind"],
+        evidence=kind,
+    )
+    collective, waiting = _on_the_main_path(collective, kind, ranks, waiting)
+    return collective, waiting, kind
+
+
+def _early_warning(
+    run_dir: Path,
+    ranks: list[dict[str, Any]],
+    result: dict[str, Any],
+    capabilities: dict[str, Any],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """For a cell no rank stopped: a straggler slow on most steps, not (yet) slow enough to time out, or, with
+    every rank at pace, collectives slower than the probe's link (tunegrid.run.link_check)."""
+    warning = find_straggler(
+        {r["rank"]: r["local_times"] for r in ranks},
+        settings["straggler_factor"],
+        settings["straggler_min_lag_s"],
+    )
+    if warning is not None:
+        return {"straggler": warning}
+    link = _slow_link(run_dir, ranks, result, capabilities, settings["straggler_min_lag_s"])
+    return {} if link is None else {"slow_link": link}
+
+
+def _decided_by_peer(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The outcome of the rank whose decision the others stopped with; nothing where none says it decided."""
+    decider = next((r for r in ranks if r["outcome"] and "stopped_by_peer" not in r["diagnosis"]), None)
+    if decider is None:
+        return {}
+    return {
+        "outcome": decider["outcome"],
+        "reason": f"rank {decider['rank']}: {decider['reason']}; the other ranks stopped with it",
+        "diagnosis": {**decider["diagnosis"], "decided_by_rank": decider["rank"]},
+    }
