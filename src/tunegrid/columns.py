@@ -320,7 +320,7 @@ COLUMNS: tuple[Column, ...] = (
 # summary.csv's columns after the table's, read from each cell's metrics.jsonl (review/summary.py, review/quality.py)
 QUALITY_SOURCED = ("step_time_noise", "loss_fall", "quality", "loss_deviation", "quality_note")
 # the tags a run gets besides the table's: the axes and the effective batch (the axis table's, track/tags.py), the
-# verdict (track/diagnosis.py's outcome_tags), the live run's count of attempts (run/supervisor.py: the sync has
+# verdict (track/diagnosis.py's outcome_tags), the live run's count of attempts (run/cell_record.py: the sync has
 # no such count to add), and the families named per package or source (track/tags.py)
 TAGS_OUTSIDE = ("diagnosis", "mlflow.note.content", "failed", "fault.injected", "effective_batch", "attempts")
 TAG_FAMILIES_OUTSIDE = ("stack.", "model.revision", "model.pinned", "data.revision", "data.pinned")

@@ -35,7 +35,7 @@ PLANNING: dict[str, set[str]] = {
     "training_device": {f"{PLAN}:plan_cell"},
     # the GPUs a cluster job was granted are known only once it runs: the supervisor asks then (a plan made on
     # the submitting host could not), nothing else
-    "gpu_shortfall": {f"{PLAN}:_estimate", "tunegrid.run.supervisor:run_cell"},
+    "gpu_shortfall": {f"{PLAN}:_estimate", "tunegrid.run.supervisor:_start"},
     "needs_cuda": {f"{PLAN}:_estimate"},
 }
 

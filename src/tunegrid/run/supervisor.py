@@ -7,50 +7,46 @@ so training never blocks on the store; and whatever happens to the child, it wri
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shlex
-import shutil
 import signal
 import subprocess
-import sys
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract, LivenessLimits
-from tunegrid.outcome import CellResult, compose_result, infrastructure_fault
+from tunegrid.outcome import compose_result, infrastructure_fault
 from tunegrid.prepare.environment import light_env
+from tunegrid.run.cell_record import open_cell_run, record_result
 from tunegrid.run.hang_watch import EarlyVerdict, HangWatch
 from tunegrid.run.launch import launch_ranks, stop_group, wait_any
 from tunegrid.run.nodes import nodes_shortfall
-from tunegrid.run.recorder_read import dump_files
 from tunegrid.runtime.devices import cell_devices
-from tunegrid.runtime.files import read_json, read_jsonl, write_json
+from tunegrid.runtime.files import read_json
 from tunegrid.runtime.rundir import MetricsTail, clear_run_files, last_activity
 from tunegrid.runtime.workers import FORKED, SPAWNED, WARM_SOCKET_ENV
-from tunegrid.study.paths import StudyPaths
 from tunegrid.study.sources import fetched_env
 from tunegrid.targets import gpu_shortfall
-from tunegrid.track.diagnosis import diagnosis_line, result_metrics
-from tunegrid.track.tags import (
-    ARTIFACT_FILES,
-    axis_tags,
-    dataset_input,
-    env_tags,
-    rerun_tags,
-    result_params,
-    run_name,
-    run_tags,
-    spec_id,
-    study_cell_ids,
-)
 from tunegrid.track.tracking import NullRun
 from tunegrid.vocabulary import Outcome
 
 POLL_S = 0.5
 FLUSH_EVERY_S = 2.0
+
+
+@dataclass
+class RanksLeft:
+    """What one attempt's ranks left: an exit code per rank (none where no rank ran), the supervisor's verdict
+    (a timeout), metrics not yet sent, the ranks it stopped, and a hang the watch named early."""
+
+    returncodes: list[int | None]
+    verdict: tuple[str, str] | None
+    pending: list[dict[str, Any]]
+    stopped: list[int]
+    named: EarlyVerdict | None
 
 
 class Liveness:
@@ -87,10 +83,8 @@ def _supervise(
     tail: MetricsTail,
     procs: list[subprocess.Popen[bytes]] | None = None,
     visible_devices: str | None = None,
-) -> tuple[list[int | None], tuple[str, str] | None, list[dict[str, Any]], list[int], EarlyVerdict | None]:
-    """Run the rank(s) to their end, a timeout, a stall or a lost rank.
-
-    Returns (exit code per rank, verdict, unsent metrics, ranks this supervisor stopped, a hang named early)."""
+) -> RanksLeft:
+    """Run the rank(s) to their end, a timeout, a stall or a lost rank."""
     spec, run_dir = contract.spec, contract.job.run
     grace = spec.distributed.exit_grace_s
     started = time.time()
@@ -143,20 +137,46 @@ def _supervise(
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
         stop_all()
-    return [proc.returncode for proc in procs], verdict, pending, stopped, watch.verdict if watch else None
+    return RanksLeft([proc.returncode for proc in procs], verdict, pending, stopped, watch.verdict if watch else None)
+
+
+@dataclass
+class CellStart:
+    """The cell as this job starts it: its contract and command, what the host offers (capabilities), the warm
+    worker's socket where one serves it, a verdict reached before any training, and result.json's cell."""
+
+    contract: CellContract
+    contract_path: Path
+    command: list[str]
+    started: float
+    spec_json: dict[str, Any]  # what the targets', nodes', devices' and ranks' rules and result.json read
+    capabilities: dict[str, Any]
+    warm_socket: str | None
+    verdict: tuple[str, str] | None
+    cell: dict[str, Any]  # the spec and plan as the cell ran them: result.json's cell
 
 
 def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     """The `finetune` job: the cell of this contract (tunegrid.contract, made by the `cell_plan` rule) trained
     under supervision, or decided without training where its plan says so; returns result.json's content."""
+    start = _start(contract_path, command)
+    hardware, world = start.cell["hardware"], start.contract.spec.axes.world_size
+    # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
+    with cell_devices(hardware, world, start.capabilities) if start.verdict is None else nullcontext() as visible:
+        tracker, early = _launch(start, visible)
+        result, unsent = _attempts(start, tracker, early, visible)  # each supervised, then composed
+        return record_result(start.contract, tracker, result, unsent, visible)
+
+
+def _start(contract_path: Path, command: list[str]) -> CellStart:
+    """The contract read, the run folder cleared, and what is settled before any rank runs: the worker's path
+    and a verdict that spares training (the plan's, the GPUs a cluster job was granted, the nodes)."""
     started = time.time()
     contract = CellContract.read(contract_path)
     spec, plan, job = contract.spec, contract.plan, contract.job
-    spec_json = spec.to_json()  # what the targets', nodes', devices' and ranks' rules and result.json read
-    run_dir, model_dir, data_path = job.run, Path(job.model_dir), Path(job.data_path)
-    result_path = Path(job.result_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    clear_run_files(run_dir)
+    spec_json = spec.to_json()
+    job.run.mkdir(parents=True, exist_ok=True)
+    clear_run_files(job.run)
     capabilities = read_json(job.capabilities_path) if job.capabilities_path else {}
     probe_run = Path(job.capabilities_path).parent / "mlflow.json" if job.capabilities_path else None
     if probe_run is not None and probe_run.exists():  # the probe's MLflow run, logged by probe_tracking
@@ -178,89 +198,92 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     if verdict is None and capabilities.get("cluster_job"):  # the GPUs granted to this job, known only now
         verdict = gpu_shortfall(spec_json, capabilities)
     verdict = verdict or nodes_shortfall(spec_json)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
-    cell = {**spec_json, "plan": plan.record(worker)}  # the spec and plan as the cell ran them: result.json's cell
+    cell = {**spec_json, "plan": plan.record(worker)}
+    return CellStart(contract, contract_path, command, started, spec_json, capabilities, warm_socket, verdict, cell)
 
-    # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
-    world = spec.axes.world_size
-    with (
-        cell_devices(cell["hardware"], world, capabilities) if verdict is None else contextlib.nullcontext() as visible
-    ):
-        # The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up below.
-        early = launch_ranks(contract, contract_path, warm_socket, visible) if verdict is None else None
-        tracker: Any = NullRun()
-        try:
-            if job.tracking_path is not None:
-                tracking = read_json(job.tracking_path)
-                tracker = _open_run(cell, capabilities, tracking, result_path, command, job.snakemake_job, started)
-        except BaseException:  # never leave a started worker behind
-            for proc in early or []:
-                stop_group(proc)
-            raise
-        tail = MetricsTail(run_dir / "metrics.jsonl")
-        attempts: list[dict[str, Any]] = []
-        feasible = verdict is None
-        while True:
-            returncodes: list[int | None] = [None]
-            pending: list[dict[str, Any]] = []
-            stopped: list[int] = []
-            named: EarlyVerdict | None = None
-            if feasible:
-                returncodes, verdict, pending, stopped, named = _supervise(
-                    contract, contract_path, tracker, tail, early, visible
-                )
-                early = None
-            env = cell_env(spec) | fetched_env(model_dir, data_path)  # where the model and data came from
-            result = compose_result(cell, run_dir, returncodes[0], verdict, started, command, env)
-            if world > 1 and returncodes != [None]:
-                from tunegrid.run.rank_diagnosis import diagnose_ranks
 
-                ranks = diagnose_ranks(spec_json, run_dir, result, returncodes, stopped, named, capabilities)
-                # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
-                ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
-                result.update(ranks)
-            attempts.append(
-                {
-                    "outcome": result["outcome"],
-                    "reason": result["reason"],
-                    "infrastructure": infrastructure_fault(result),
-                }
+def _launch(start: CellStart, visible: str | None) -> tuple[Any, list[subprocess.Popen[bytes]] | None]:
+    """The cell's MLflow run opened, and its ranks launched where it trains (none where a verdict spared it).
+
+    The worker starts first, so its torch/transformers imports (seconds) overlap the MLflow set-up."""
+    job = start.contract.job
+    early = (
+        launch_ranks(start.contract, start.contract_path, start.warm_socket, visible) if start.verdict is None else None
+    )
+    tracker: Any = NullRun()
+    try:
+        if job.tracking_path is not None:
+            tracking = read_json(job.tracking_path)
+            result_path = Path(job.result_path)
+            tracker = open_cell_run(
+                start.cell, start.capabilities, tracking, result_path, start.command, job.snakemake_job, start.started
             )
-            if not attempts[-1]["infrastructure"] or len(attempts) > spec.train.retries:
-                break
-            # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
-            print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
-            tracker.log_records(pending + tail.read_new())
-            clear_run_files(run_dir)
-            tail = MetricsTail(run_dir / "metrics.jsonl")
-            verdict = None
-        result["attempts"] = attempts
-        result["visible_devices"] = visible  # the job's own GPUs ("" none, null as the cluster granted)
-        tracker.log_records(pending + tail.read_new())
-        filled = tracker.reconcile(read_jsonl(run_dir / "metrics.jsonl"))
-        if tracker.enabled:
-            result["tracking"] = {
-                "run_id": tracker.run_id,
-                "points_sent_live": tracker.sent_points,
-                "points_filled": filled,
-                "errors": tracker.errors,
-            }
-        # the cell's log ends with how the cell ended (a failing cell's log would otherwise end mid-progress-bar)
-        print(f"tunegrid: {spec.cell_id} ended {diagnosis_line(result)}", flush=True)
-        # result.json is the job's declared output: it appears last, once everything the job owes (the
-        # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
-        # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
-        staged = run_dir / ".staged" / "result.json"
-        result = CellResult.from_json(result).to_json()  # the declared shape: a key no field holds is an error
-        write_json(staged, result)
-        if tracker.enabled:
-            _finish_run(tracker, result, staged, data_path, Path(job.log_path) if job.log_path else None)
-            from tunegrid.track.execution import cell_ended
+    except BaseException:  # never leave a started worker behind
+        for proc in early or []:
+            stop_group(proc)
+        raise
+    return tracker, early
 
-            cell_ended(tracker.uri, StudyPaths.of_result(result_path).study_dir, spec.cell_id, result["outcome"])
-        _kill_point("before_result")
-        write_json(result_path, result)
-        shutil.rmtree(staged.parent, ignore_errors=True)
-        return result
+
+def _attempts(
+    start: CellStart, tracker: Any, early: list[subprocess.Popen[bytes]] | None, visible: str | None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The cell's attempts, each supervised then composed; returns the last one's result (with the count of
+    attempts) and the metrics not yet sent."""
+    run_dir, retries = start.contract.job.run, start.contract.spec.train.retries
+    tail = MetricsTail(run_dir / "metrics.jsonl")
+    attempts: list[dict[str, Any]] = []
+    verdict = start.verdict
+    while True:
+        left = _supervise_ranks(start, tracker, tail, early, visible, verdict)
+        early = None
+        result = _compose(start, left)
+        attempts.append(
+            {"outcome": result["outcome"], "reason": result["reason"], "infrastructure": infrastructure_fault(result)}
+        )
+        if not attempts[-1]["infrastructure"] or len(attempts) > retries:
+            break
+        # a process died under us (signal, node loss): bounded retry from scratch; the count is recorded
+        print(f"attempt {len(attempts)} ended {result['outcome']} ({result['reason']}); retrying", flush=True)
+        tracker.log_records(left.pending + tail.read_new())
+        clear_run_files(run_dir)
+        tail = MetricsTail(run_dir / "metrics.jsonl")
+        verdict = None
+    result["attempts"] = attempts
+    return result, left.pending + tail.read_new()
+
+
+def _supervise_ranks(
+    start: CellStart,
+    tracker: Any,
+    tail: MetricsTail,
+    early: list[subprocess.Popen[bytes]] | None,
+    visible: str | None,
+    verdict: tuple[str, str] | None,
+) -> RanksLeft:
+    """One attempt's ranks launched (unless already), watched and stopped; a cell a verdict spared before
+    training left no rank (one exit code: none) and keeps that verdict."""
+    if start.verdict is not None:
+        return RanksLeft([None], verdict, [], [], None)
+    return _supervise(start.contract, start.contract_path, tracker, tail, early, visible)
+
+
+def _compose(start: CellStart, left: RanksLeft) -> dict[str, Any]:
+    """The attempt's result from what its ranks left: outcome and reason (tunegrid.outcome), and for a cell across
+    ranks the deciding rank and the diagnosis (run.rank_diagnosis)."""
+    spec, job = start.contract.spec, start.contract.job
+    env = cell_env(spec) | fetched_env(Path(job.model_dir), Path(job.data_path))  # where the model and data came from
+    result = compose_result(start.cell, job.run, left.returncodes[0], left.verdict, start.started, start.command, env)
+    if spec.axes.world_size > 1 and left.returncodes != [None]:
+        from tunegrid.run.rank_diagnosis import diagnose_ranks
+
+        ranks = diagnose_ranks(
+            start.spec_json, job.run, result, left.returncodes, left.stopped, left.named, start.capabilities
+        )
+        # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
+        ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
+        result.update(ranks)
+    return result
 
 
 def cell_env(spec: CellSpec) -> dict[str, Any]:
@@ -275,76 +298,3 @@ def cell_env(spec: CellSpec) -> dict[str, Any]:
         env["packages"] = {name: versions.get(name) or version for name, version in env["packages"].items()}
         env["stack"] = {**spec.stack.to_json(), "versions": versions}
     return env
-
-
-def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None) -> None:
-    """The cell's MLflow run at its end: the dataset input, outcome tags, params and artifacts."""
-    run_dir = staged.parent.parent  # <run_dir>/.staged/result.json
-    if data_path.is_file():
-        tracker.log_dataset(dataset_input(result, data_path))
-    artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
-    artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + [
-        path for _, path in sorted(dump_files(run_dir / "flight_recorder")[0].items())
-    ]
-    if log_path is not None:
-        artifacts.append(log_path)
-    tracker.finish(
-        {**run_tags(result), "attempts": str(len(result["attempts"]))},
-        artifacts,
-        failed=result["outcome"] != Outcome.OK,
-        params=result_params(result),
-        end_time=result["ended_at"],
-        metrics=result_metrics(result),
-        name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
-    )
-    if tracker.errors:  # the store was unreachable at the end: say so in the file too
-        result["tracking"]["errors"] = tracker.errors
-    if tracker.refused:  # keys MLflow would not take (named, never valued): the files hold them
-        result["tracking"]["refused"] = tracker.refused
-
-
-def _kill_point(name: str) -> None:
-    """TUNEGRID_KILL_AT=<name>: the supervisor SIGKILLs itself there (a test's `kill -9` of the job at its worst)."""
-    if os.environ.get("TUNEGRID_KILL_AT") == name:
-        sys.stdout.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _open_run(
-    spec: dict[str, Any],
-    capabilities: dict[str, Any],
-    tracking: dict[str, Any],
-    result_path: Path,
-    command: list[str],
-    snakemake_job: str,
-    started: float,
-) -> Any:
-    """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
-    from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
-    from tunegrid.track.params import split_params, study_specs
-    from tunegrid.track.store import tracking_uri_for_cells
-    from tunegrid.track.tracking import CellRun
-
-    tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
-    tags = axis_tags(spec["axes"], spec.get("debug"))
-    tags.update(study=spec["study"], command=shlex.join(command), target=str(spec["plan"]["target"]))
-    tags.update(env_tags(capabilities))
-    tags.update(rerun_tags(result_path, snakemake_job))
-    probe_run = capabilities.get("mlflow_run_id") or ""
-    if probe_run:
-        tags["probe.run_id"] = probe_run
-    params, common = split_params(spec, study_specs(result_path.parent))
-    parent = parent_run_id(
-        tracker.uri,
-        tracking["experiment_id"],
-        spec["study"],
-        StudyPaths.of_result(result_path).study_dir,
-        probe_run,
-        spec["cell_id"],
-        params=common,
-    )
-    if parent:
-        tags[INVOCATION_TAG] = parent
-    tracker.start(spec["cell_id"], tags, params, start_time=started)
-    tracker.monitor_system(float(tracking.get("system_metrics_interval_s", 0)))
-    return tracker
