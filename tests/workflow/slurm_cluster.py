@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,12 +37,19 @@ ETC = Path("/etc/slurm")
 FAKE_GPUS = ("/dev/null", "/dev/zero", "/dev/full")  # character devices every Linux has
 
 
-def write_config(root: Path, cpus: int = 8, memory_mb: int = 16000, min_job_age_s: int = 60) -> Path:
+def short_spool() -> Path:
+    """A spool folder for slurmd with a short path. slurmstepd makes a Unix socket there per job step
+    (`<node>_<job>.<step>`), and a socket's path holds at most 108 bytes: under a pytest folder (its run number,
+    the xdist worker, the test's name) the path can be longer, and every job then fails to launch and is held."""
+    return Path(tempfile.mkdtemp(prefix="tgspool", dir="/tmp"))
+
+
+def write_config(root: Path, spool: Path, cpus: int = 8, memory_mb: int = 16000, min_job_age_s: int = 60) -> Path:
     """slurm.conf + gres.conf in /etc/slurm, the default path: the executor's job step strips every
     SLURM_* variable (SLURM_CONF included) before calling srun, so a config elsewhere is not found
     inside jobs. Refuses to touch a slurm.conf that this helper did not write."""
     host = socket.gethostname()
-    for sub in ("state", "spool", "log"):
+    for sub in ("state", "log"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     conf = ETC / "slurm.conf"
     if conf.exists() and MARKER not in conf.read_text():
@@ -58,7 +66,7 @@ CredType=cred/munge
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={spool}
 SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd.pid
 SlurmctldLogFile={root}/log/slurmctld.log
@@ -94,7 +102,8 @@ def remove_config() -> None:
 @contextmanager
 def slurm_cluster(root: Path, timeout_s: float = 30.0) -> Iterator[dict[str, str]]:
     """Start munged (if not running), slurmctld and slurmd; yield the env for sbatch/squeue; stop what we started."""
-    conf = write_config(root)
+    spool = short_spool()
+    conf = write_config(root, spool)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     started: list[subprocess.Popen[bytes]] = []
     munge_started = False
@@ -142,6 +151,7 @@ def slurm_cluster(root: Path, timeout_s: float = 30.0) -> Iterator[dict[str, str
                 proc.kill()
                 proc.wait()
         remove_config()
+        shutil.rmtree(spool, ignore_errors=True)
         if munge_started:
             pid_file = Path("/run/munge/munged.pid")
             if pid_file.exists():

@@ -87,8 +87,16 @@ def _wait(jobs: list[str], env: dict[str, str], timeout_s: float, root: Path) ->
         queued = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True).stdout.split()
         if not set(jobs) & set(queued):
             return
+        if _held(env):
+            break
         time.sleep(1)
-    raise AssertionError(f"jobs {jobs} still queued after {timeout_s} s\n{_cluster_state(env, root)}")
+    raise AssertionError(f"jobs {jobs} held or still queued after {timeout_s} s\n{_cluster_state(env, root)}")
+
+
+def _held(env: dict[str, str]) -> bool:
+    """A job SLURM could not launch on its node is requeued and held: it will never run, so waiting is over."""
+    reasons = subprocess.run(["squeue", "-h", "-o", "%r"], env=env, capture_output=True, text=True).stdout
+    return "launch failed" in reasons
 
 
 def _cluster_state(env: dict[str, str], root: Path) -> str:
@@ -182,14 +190,18 @@ def test_a_slow_link_through_the_slurm_profile(tmp_path):
                 stderr=subprocess.STDOUT,
             )
             try:
-                proc.wait(timeout=600)  # a stuck cluster fails, not hangs; a loaded host starts its jobs slowly
+                deadline = time.time() + 600  # a stuck cluster fails, not hangs; a loaded host starts jobs slowly
+                while proc.poll() is None:
+                    if time.time() > deadline or _held(slurm_env):
+                        raise subprocess.TimeoutExpired(proc.args, 600)
+                    time.sleep(2)
             except subprocess.TimeoutExpired:
                 steps = subprocess.run(["squeue", "-s"], env=slurm_env, capture_output=True, text=True).stdout
                 state = _cluster_state(slurm_env, tmp_path / "slurm")
                 proc.kill()
                 proc.wait()
                 raise AssertionError(
-                    f"running after 600 s; steps:\n{steps}\n{state}\n{output.read_text()[-5000:]}"
+                    f"held, or running after 600 s; steps:\n{steps}\n{state}\n{output.read_text()[-5000:]}"
                 ) from None
         assert proc.returncode == 0, output.read_text()[-6000:]
         left = {node: node_processes(node, "tunegrid") for node in NODES}

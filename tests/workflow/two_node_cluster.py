@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from slurm_cluster import ETC, MARKER, _free_port, remove_config
+from slurm_cluster import ETC, MARKER, _free_port, remove_config, short_spool
 
 BRIDGE = "tgbr0"
 HOST_ADDR = "10.77.0.1"
@@ -111,11 +111,11 @@ def node_processes(node: str, pattern: str) -> list[str]:
     return lines
 
 
-def write_config(root: Path, cpus: int = 2, memory_mb: int = 8000, min_job_age_s: int = 60) -> Path:
+def write_config(root: Path, spool: Path, cpus: int = 2, memory_mb: int = 8000, min_job_age_s: int = 60) -> Path:
     for sub in ("state", "log"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     for node in NODES:
-        (root / "spool" / node).mkdir(parents=True, exist_ok=True)
+        (spool / node).mkdir(parents=True, exist_ok=True)
     conf = ETC / "slurm.conf"
     if conf.exists() and MARKER not in conf.read_text():
         raise RuntimeError(f"{conf} exists and is not ours: not starting a test cluster over a real one")
@@ -139,7 +139,7 @@ CredType=cred/munge
 SlurmctldPort={_free_port()}
 SlurmdPort={_free_port()}
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool/%n
+SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={root}/slurmctld.pid
 SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
@@ -178,9 +178,10 @@ def two_node_cluster(root: Path, timeout_s: float = 40.0) -> Iterator[dict[str, 
     started: list[subprocess.Popen[bytes]] = []
     munge_started = False
     started_at = time.time()
+    spool = short_spool()
     try:
         make_network()
-        conf = write_config(root)
+        conf = write_config(root, spool)
         env = {**os.environ, "SLURM_CONF": str(conf)}
         munge_started = _munge_up()
         started.append(subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-f", str(conf)], env=env, **_quiet()))
@@ -215,6 +216,7 @@ def two_node_cluster(root: Path, timeout_s: float = 40.0) -> Iterator[dict[str, 
                     os.kill(int(pid), signal.SIGKILL)
         remove_network()
         remove_config()
+        shutil.rmtree(spool, ignore_errors=True)
         if munge_started:
             with suppress(ProcessLookupError, ValueError, FileNotFoundError):
                 os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
