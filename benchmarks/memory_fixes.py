@@ -73,8 +73,8 @@ def measure(setting: str, study_file: str, work: str, out: multiprocessing.Queue
     from tunegrid.prepare.cell_plan import make_contract
 
     spec = _spec(setting, study_file)
-    model = spec["model"]["name"]
-    run = Path(work) / f"{spec['cell_id']}-{len(list(Path(work).glob(spec['cell_id'] + '-*')))}"
+    model = spec.model.name
+    run = Path(work) / f"{spec.cell_id}-{len(list(Path(work).glob(spec.cell_id + '-*')))}"
     job = CellJob(
         model_dir=str(Path(work) / model), data_path=str(Path(work) / "train.jsonl"), run_dir=str(run), result_path=""
     )
@@ -84,7 +84,7 @@ def measure(setting: str, study_file: str, work: str, out: multiprocessing.Queue
     out.put(
         {
             "setting": setting,
-            "cell": spec["cell_id"],
+            "cell": spec.cell_id,
             "outcome": facts["outcome"],
             "peak_bytes": facts["memory"]["peak_bytes"],
             "tokens_per_s": statistics.median(line["tokens_per_s"] for line in lines[1:]),

@@ -38,6 +38,7 @@ if __name__ == "__main__":  # --device cpu must hide the GPUs before torch is im
 
 from machine import add_device_argument, describe, machine_facts, write_results  # noqa: E402
 
+from tunegrid.cell_spec import CellSpec  # noqa: E402
 from tunegrid.contract import CellJob  # noqa: E402
 from tunegrid.dataset import read_dataset  # noqa: E402
 from tunegrid.prepare.cell_plan import write_contract  # noqa: E402
@@ -55,7 +56,7 @@ WORKER = (
 MiB = 2**20
 
 
-def run_cell(spec: dict, model_dir: Path, data: Path, run_dir: Path) -> dict:
+def run_cell(spec: CellSpec, model_dir: Path, data: Path, run_dir: Path) -> dict:
     """One cell in a fresh process (its peak is its own); the worker's facts."""
     run_dir.mkdir(parents=True, exist_ok=True)
     job = CellJob(model_dir=str(model_dir), data_path=str(data), run_dir=str(run_dir), result_path="")

@@ -170,8 +170,9 @@ def test_the_default_studys_report_tables_are_its_summary(default_study_clone):
 @pytest.mark.slow
 def test_the_guides_figures_are_what_a_fresh_default_study_gives(default_study_clone):
     """Regenerated from a fresh run: the recommendations, their failing cells, each fix's evidence, how many hold
-    and its loss parity, on any host; the costs and the order of the fixes only on the host the block names
-    (a CPU of another make runs bf16 and fp16 at other speeds), within the run-to-run noise of shared cores."""
+    and its loss parity, on any host; what each cost is measured against only on the host the block names (a CPU
+    of another make runs bf16 and fp16 at other speeds). The tokens/s ratios are not compared: they move with
+    whatever else shares the cores."""
     fresh, shown = study_figures(default_study_clone / "results" / "default"), json.loads(SHOTS.read_text())
     redo = "re-run the default study and `python scripts/tunegrid.py screenshots --study-dir results/default ...`"
     assert (fresh["cells"], fresh["outcomes"]) == (shown["cells"], shown["outcomes"]), redo
@@ -186,8 +187,7 @@ def test_the_guides_figures_are_what_a_fresh_default_study_gives(default_study_c
             assert (fix["evidence"], fix["holds"]) == (was["evidence"], was["holds"]), redo
             assert (fix["parity"] is None) == (was["parity"] is None), redo
             assert fix["parity"] is None or abs(fix["parity"] - was["parity"]) < 0.005, redo
-            if same_host:
+            if same_host:  # what a cost is measured against; not the ratio itself: it is tokens/s of cells that
+                # shared the cores with whatever else ran (the suite's other worker once moved a 0.62 to 0.98)
                 assert fix["against"] == was["against"], redo
-                now_x = [float(x) for x in re.findall(r"(\d+\.\d\d)x tokens/s", fix["cost"])]
-                was_x = [float(x) for x in re.findall(r"(\d+\.\d\d)x tokens/s", was["cost"])]
-                assert len(now_x) == len(was_x) and all(abs(a - b) <= 0.5 * b for a, b in zip(now_x, was_x)), redo
+                assert ("x tokens/s" in fix["cost"]) == ("x tokens/s" in was["cost"]), redo
