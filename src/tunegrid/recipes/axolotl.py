@@ -15,6 +15,7 @@ from tunegrid.recipes.core import (
     AXIS_KEYS,
     Recipe,
     axis_keys,
+    epochs_not_carried,
     lora_targets,
     precision_flags,
     quant_of,
@@ -169,12 +170,7 @@ def _length_and_steps(recipe: Recipe, micro: int, steps: int | None, seq_len: in
     epochs = number(recipe, "num_epochs", raw.get("num_epochs"), integer=False, low=0, high=1e6, default=1.0)
     if not max_steps:
         effective = micro * recipe.settings["grid.grad_accum"]
-        recipe.not_carried["num_epochs"] = (
-            f"{epochs:g} epoch(s) of the recipe's data; tunegrid trains {total} steps per cell (--steps), "
-            f"{total * effective} sequences at the recipe's effective batch {effective} (the failures show in "
-            "the first steps; the recipe's epoch length depends on its dataset's size)"
-        )
-        recipe.accounted.add("num_epochs")
+        epochs_not_carried(recipe, "num_epochs", epochs, total, effective)
     return total
 
 

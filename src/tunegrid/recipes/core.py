@@ -323,3 +323,13 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
     if axis == "activation_checkpointing":  # at false a cell follows the recipe's own checkpointing key
         return {keys[0]: True} if value else {}
     return {keys[0]: value}
+
+
+def epochs_not_carried(recipe: Recipe, key: str, epochs: float, total: int, effective: int) -> None:
+    """The recipe's epochs as a row: a cell trains a number of steps, not passes over the recipe's data."""
+    recipe.not_carried[key] = (
+        f"{epochs:g} epoch(s) of the recipe's data; tunegrid trains {total} steps per cell (--steps), "
+        f"{total * effective} sequences at the recipe's effective batch {effective} (the failures show in the "
+        "first steps; the recipe's epoch length depends on its dataset's size)"
+    )
+    recipe.accounted.add(key)

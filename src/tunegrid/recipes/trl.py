@@ -16,6 +16,7 @@ from tunegrid.recipes.core import (
     AXIS_KEYS,
     Recipe,
     axis_keys,
+    epochs_not_carried,
     lora_targets,
     precision_flags,
     quantization,
@@ -204,12 +205,7 @@ def _steps(recipe: Recipe, effective: int, steps: int | None) -> int:
     if max_steps in (None, -1):
         epochs = number(recipe, "num_train_epochs", raw.get("num_train_epochs"), integer=False, low=0, high=1e6,
                         default=3.0)  # fmt: skip
-        recipe.not_carried["num_train_epochs"] = (
-            f"{epochs:g} epoch(s) of the recipe's data; tunegrid trains {total} steps per cell (--steps), "
-            f"{total * effective} sequences at the recipe's effective batch {effective} (the failures show in the "
-            "first steps; the recipe's epoch length depends on its dataset's size)"
-        )
-        recipe.accounted.add("num_train_epochs")
+        epochs_not_carried(recipe, "num_train_epochs", epochs, total, effective)
     return total
 
 
