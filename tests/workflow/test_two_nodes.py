@@ -75,6 +75,7 @@ def _submit(contract: Path, log: Path, env: dict[str, str]) -> str:
     command = [sys.executable, "-m", "tunegrid.cli", "finetune", "--contract", str(contract)]
     step = f"srun -n1 --cpu-bind=q --cpus-per-task=1 --nodes=2 {shlex.join(command)}"
     sbatch = ["sbatch", "--parsable", "--nodes=2", "--ntasks=2", "--cpus-per-task=1", "--mem=3000"]
+    sbatch += [f"--chdir={log.parent}"]  # the job's own folder: a cell's default MLflow store is its working folder
     sbatch += [f"--output={log}", f"--wrap={step}"]
     return subprocess.run(sbatch, env=env, capture_output=True, text=True, check=True).stdout.strip()
 
