@@ -41,7 +41,8 @@ def _tracking(tmp_path, sqlite_store):  # type: ignore[no-untyped-def]
 
     store = sqlite_store(tmp_path / "mlflow.db")
     path = tmp_path / "tracking.json"
-    write_json(path, {"tracking_uri": store, "experiment_id": init_experiment(store, "tunegrid/t", None)})
+    experiment_id = init_experiment(store, "tunegrid/t", tmp_path / "mlartifacts")  # not the checkout's ./mlruns
+    write_json(path, {"tracking_uri": store, "experiment_id": experiment_id})
     return path, store
 
 

@@ -222,7 +222,7 @@ def test_result_json_appears_only_after_the_mlflow_run_is_finished(checkpoints, 
     spec = cell_spec(study, expand_cells(study)[0]).to_json()
     run_dir = tmp_path / "runs" / spec["cell_id"]
     tracking = tmp_path / "tracking.json"
-    experiment_id = init_experiment(store, "tunegrid/t", None)
+    experiment_id = init_experiment(store, "tunegrid/t", tmp_path / "mlartifacts")
     write_json(tracking, {"tracking_uri": store, "experiment_id": experiment_id, "experiment_name": "tunegrid/t"})
     contract = cell_contract(spec, checkpoints, dataset_path, run_dir, tracking=tracking)
     code = (
