@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tunegrid.plans import precision_plan
+from tunegrid.meanings import precision_row
 from tunegrid.runtime import devices
 from tunegrid.vocabulary import Outcome
 
@@ -135,7 +135,7 @@ class StepWork:
         fp16-mixed's fp32 master weights), the forward reads them once, writes the cast copy and reads it, and the
         backward reads the copy autograd kept; the activations and the logits written in the forward and read in
         the backward; the adapters' parameters and gradients and the optimizer state read and written once."""
-        row = precision_plan(precision)
+        row = precision_row(precision)
         weights = float(components.get("weights", 0)) + widened_bytes
         cast = weights * _dtype_bytes(row.dtype) / _dtype_bytes(row.storage_dtype) if row.storage else 0.0
         moved = weights + 3 * cast if row.storage else 2 * weights
@@ -223,7 +223,7 @@ def feasibility(
     """(outcome, reason) for a cell that should not train here, or None when it should. `charge_bytes` is what its
     estimate charges the budget (contract.MemoryEstimate.charge_bytes: on a CPU, without the runtime already mapped
     when the budget starts)."""
-    support = target.precision.get(precision_plan(precision).arithmetic, "absent")
+    support = target.precision.get(precision_row(precision).arithmetic, "absent")
     if support == "absent":
         return Outcome.UNSUPPORTED, f"{precision} is absent on target {target.name}"
     if support == "emulated" and hardware["refuse_emulated"]:

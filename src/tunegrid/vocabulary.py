@@ -27,7 +27,7 @@ class Precision(StrEnum):
 
 class Quant(StrEnum):
     """Base-weight quantization of a cell; what each one loads, audits and estimates is its row of
-    tunegrid.plans.QUANT_PLANS."""
+    tunegrid.meanings.QUANT_ROWS."""
 
     NONE = "none"
     NF4 = "nf4"

@@ -167,7 +167,7 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
 
     from tunegrid.cell.adapters import REFERENCE_BATCH_FILE, load_adapter
     from tunegrid.cell.model import load_model
-    from tunegrid.cell.precision import plan_precision
+    from tunegrid.cell.precision import precision_setup
     from tunegrid.contract import CellKernels
 
     spec = one_cell(model="olmoe-tiny", quant="nf4-experts", lora=LORA, train={"steps": 4})
@@ -187,7 +187,7 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
 
     # the saved adapter, loaded onto the same NF4 base, gives the cell's reference loss
     model = load_model(
-        checkpoints["olmoe-tiny"], spec, plan_precision("fp32", "cpu"), CellKernels(), torch.device("cpu")
+        checkpoints["olmoe-tiny"], spec, precision_setup("fp32", "cpu"), CellKernels(), torch.device("cpu")
     )
     model = load_adapter(model, run_dir / "adapter")
     batch = load_file(str(run_dir / "adapter" / REFERENCE_BATCH_FILE))

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from tunegrid.cell.precision import plan_precision
+from tunegrid.cell.precision import precision_setup
 from tunegrid.review.precision_advice import residual_stream_notes
 
 
 def test_each_fix_stores_and_computes_what_its_row_says() -> None:
-    mixed, residual, plain = (plan_precision(p, "cpu") for p in ("fp16-mixed", "fp16-residual", "fp16"))
+    mixed, residual, plain = (precision_setup(p, "cpu") for p in ("fp16-mixed", "fp16-residual", "fp16"))
     assert (mixed.storage_dtype, mixed.compute_dtype, mixed.residual_fp32) == ("float32", "float16", False)
     assert (residual.storage_dtype, residual.compute_dtype, residual.residual_fp32) == ("float16", "float16", True)
     assert (plain.storage_dtype, plain.residual_fp32) == ("float16", False)
@@ -26,8 +26,8 @@ def test_fp16_residual_carries_the_stream_in_fp32_while_its_matmuls_stay_fp16(ch
     from tunegrid.contract import CellKernels
 
     spec = one_cell(precision=precision)
-    plan = plan_precision(precision, "cpu")
-    model = load_model(checkpoints["gemma3-hot"], spec, plan, CellKernels(), torch.device("cpu"))
+    setup = precision_setup(precision, "cpu")
+    model = load_model(checkpoints["gemma3-hot"], spec, setup, CellKernels(), torch.device("cpu"))
     seen: dict[str, torch.dtype] = {}
 
     def keep(name):

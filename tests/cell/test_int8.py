@@ -1,4 +1,4 @@
-"""bitsandbytes 8-bit (`int8`) as a quantization plan row: a cell trains end to end on it, the audit says
+"""bitsandbytes 8-bit (`int8`) as a quantization row: a cell trains end to end on it, the audit says
 8-bit, the estimate counts one byte per quantized weight, and the adapter's record rebuilds its base."""
 
 from __future__ import annotations

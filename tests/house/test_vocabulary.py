@@ -129,13 +129,13 @@ def _named_constants(node: ast.AST, names: set[str]) -> list[str]:
 
 
 def test_no_module_compares_quantization_or_precision_names():
-    """What a precision or quantization does is read from its row in tunegrid.plans, never decided by comparing
+    """What a precision or quantization does is read from its row in tunegrid.meanings, never decided by comparing
     its name (four places once read `quant != "none"` as "4-bit", so an int8 cell would have been audited,
     estimated and recorded as 4-bit)."""
     names = set(PRECISIONS) | set(QUANTS)
     offenders = []
     for path in (REPO / "src" / "tunegrid").rglob("*.py"):
-        if path.name in ("vocabulary.py", "plans.py"):
+        if path.name in ("vocabulary.py", "meanings.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             operands = []
@@ -149,7 +149,7 @@ def test_no_module_compares_quantization_or_precision_names():
                 found = []
             if found:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {found}")
-    assert not offenders, "names compared outside tunegrid.plans:\n" + "\n".join(offenders)
+    assert not offenders, "names compared outside tunegrid.meanings:\n" + "\n".join(offenders)
 
 
 # "Plan" means one thing: a cell's plan, the contract's (tunegrid.contract.CellPlan: one cell's target, budget,
@@ -167,16 +167,10 @@ CONTRACT_PLAN = {
     "_plan_row",
 }
 # Names that still say "plan" for something else, each with what it names. A name leaves this table when it is
-# renamed (a row of tunegrid.plans is a precision's or quantization's row, not a plan); none joins it.
+# renamed (a row of tunegrid.meanings is a precision's or quantization's row, not a plan); none joins it.
 OTHER_PLANS = {
-    "tunegrid/plans.py": "the table of what each precision and quantization means, a row per value",
-    "PRECISION_PLANS": "the precision rows",
-    "QUANT_PLANS": "the quantization rows",
-    "QuantPlan": "a quantization's row",
-    "precision_plan": "a precision's row by name; also result.json's key (a file format, kept)",
-    "quant_plan": "a quantization's row by name",
-    "PrecisionPlan": "a precision's row as the cell applies it on its device (tunegrid.cell.precision)",
-    "plan_precision": "makes a PrecisionPlan",
+    # the cell's PrecisionSetup as result.json records it: a file format, kept (tunegrid.outcome.CellResult)
+    "precision_plan": "result.json's key for the precision a cell applied on its device",
 }
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from conftest import meta_model_shapes
 
-from tunegrid.plans import precision_plan
+from tunegrid.meanings import precision_row
 from tunegrid.prepare.liveness import plan_liveness
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 from tunegrid.study.recorded import recorded_spec
@@ -84,7 +84,7 @@ def launch_bound_floor_s() -> float:
 
 def probe_share_of_peak(precision: str) -> float:
     """e: the probe's measured matmul rate over the data sheet's, for the arithmetic the cell's products run in."""
-    row = precision_plan(precision)
+    row = precision_row(precision)
     return PROBE["matmul_tflops"][str(row.dtype)] / H100.peak_tflops[str(row.arithmetic)]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tunegrid.plans import PRECISION_PLANS
+from tunegrid.meanings import PRECISION_ROWS
 from tunegrid.recipes.core import RecipeError, tool_value
 from tunegrid.recipes.importer import import_recipe
 from tunegrid.study.config import expand_cells, resolve_study
@@ -212,7 +212,7 @@ def test_the_grid_keeps_the_recipes_effective_batch_and_tries_every_fp16_fix(her
     study, _, _ = _import(here, {**AXOLOTL, "bf16": False, "fp16": True})
     cells = expand_cells(study)
     assert {c.batch_size * c.grad_accum for c in cells} == {8}
-    fp16_rows = {str(r.precision) for r in PRECISION_PLANS.values() if r.arithmetic == "fp16"}
+    fp16_rows = {str(r.precision) for r in PRECISION_ROWS.values() if r.arithmetic == "fp16"}
     assert fp16_rows <= {c.precision for c in cells} and len(fp16_rows) > 1
 
 

@@ -16,7 +16,7 @@ import yaml
 from conftest import REPO, snakemake_command, workflow_env
 
 from tunegrid.cli.main import main
-from tunegrid.plans import PRECISION_PLANS
+from tunegrid.meanings import PRECISION_ROWS
 from tunegrid.recipes.core import RecipeError
 from tunegrid.recipes.export import export_cell, exported_mapping, split_trl
 from tunegrid.recipes.importer import baseline_cell_id, expand_base, import_recipe
@@ -112,7 +112,7 @@ def test_a_held_out_recipe_imports_to_a_study_whose_baseline_is_the_recipe(workd
 
 def test_the_grid_varies_what_bears_on_the_failure(workdir):
     nan, _, _ = import_recipe({"recipe": "axolotl-qlora-hub.yaml", "failure": "nan"})
-    rows = sorted(PRECISION_PLANS.values(), key=lambda row: row.nan_fix_rank)  # every row, the fp16 fixes too
+    rows = sorted(PRECISION_ROWS.values(), key=lambda row: row.nan_fix_rank)  # every row, the fp16 fixes too
     assert nan["grid"]["precision"] == ["bf16", *(str(r.precision) for r in rows if r.precision != "bf16")]
     assert nan["grid"]["quant"] == ["nf4"]
     assert list(zip(nan["grid"]["batch_size"], nan["grid"]["grad_accum"])) == [(2, 4), (1, 8)]  # same effective
@@ -279,7 +279,7 @@ def test_export_refuses_what_the_tool_cannot_say(workdir):
         export_cell(study, "nope_fp32_bs1_none_s0", "trl")
 
 
-def test_quantization_is_read_and_written_through_the_plans_rows(workdir):
+def test_quantization_is_read_and_written_through_the_quant_rows(workdir):
     Path("eight.yaml").write_text(
         "model_name_or_path: models/local-gemma\nuse_peft: true\nload_in_8bit: true\ndataset_name: data/chat.jsonl\n"
     )

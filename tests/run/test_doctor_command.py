@@ -1,5 +1,5 @@
 """`tunegrid doctor` on a recipe: imported as a study whose baseline is the recipe's own cell and whose grid holds
-every precision of the plans beside it; the Snakemake line it runs names the doctor's target first (so --config
+every precision row beside it; the Snakemake line it runs names the doctor's target first (so --config
 cannot swallow it) and the study through `--config study=<file>`, and that target dry-runs; a --cell the study
 lacks is an error naming it."""
 
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from conftest import REPO, workflow_env
 
-from tunegrid.plans import PRECISION_PLANS
+from tunegrid.meanings import PRECISION_ROWS
 from tunegrid.run.doctor_workflow import command, run_doctor, study_of, target
 from tunegrid.study.config import ConfigError
 
@@ -46,7 +46,7 @@ def test_a_recipe_becomes_a_study_around_its_own_cell_with_every_precision(workd
     study, written = study_of(args)
     assert written == Path("results/doctor/trl-sft-chat.yaml") and written.is_file()
     assert study["grid"]["precision"][0] == "fp16"  # the recipe's own first: its cell is the baseline
-    assert set(study["grid"]["precision"]) == {str(p) for p in PRECISION_PLANS}
+    assert set(study["grid"]["precision"]) == {str(p) for p in PRECISION_ROWS}
     goal = target(study, "local-gemma_fp16_bs8_none_s3", first=True)
     assert goal == Path("results/trl-sft-chat/doctor/local-gemma_fp16_bs8_none_s3/first/doctor.json")
     line = command(args, written, goal)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import REPO, with_session_warm_processes, workflow_env
 
-from tunegrid.plans import PRECISION_PLANS
+from tunegrid.meanings import PRECISION_ROWS
 from tunegrid.recipes.core import tool_value
 from tunegrid.recipes.export import split_trl
 
@@ -28,7 +28,7 @@ def precision_keys(tool: str) -> set[str]:
     """The keys of `tool`'s config that say a precision tunegrid can export (axolotl's bf16/fp16 and its storage
     switches bfloat16/float16; TRL's bf16/fp16)."""
     keys: set[str] = set()
-    for precision in PRECISION_PLANS:
+    for precision in PRECISION_ROWS:
         try:
             keys |= set(tool_value(tool, "precision", precision))
         except ValueError:  # a tunegrid-only fix: no key of the tool says it

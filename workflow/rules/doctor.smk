@@ -1,8 +1,9 @@
 # `tunegrid doctor`: one cell reproduced, then only the fixes its diagnosis calls for. Two checkpoints decide the
 # waves from the cells' own results: doctor_reproduce (did the baseline fail: then its same-seed re-run) and
-# doctor_diagnose (deterministic or transient; the candidates, from the plans' tables and the estimate). Each
-# doctor_try runs a batch of candidates and says whether a fix of the baseline holds; `first` stops at the first
-# that does. Every cell is an ordinary `finetune` job, so the doctor runs on SLURM and resumes like any study.
+# doctor_diagnose (deterministic or transient; the candidates, from the precision and quantization rows and the
+# estimate). Each doctor_try runs a batch of candidates and says whether a fix of the baseline holds; `first` stops
+# at the first that does. Every cell is an ordinary `finetune` job, so the doctor runs on SLURM and resumes like
+# any study.
 # Target: results/<study>/doctor/<cell_id>/<all|first>/doctor.json (`snakemake doctor`: the first cell, all).
 
 

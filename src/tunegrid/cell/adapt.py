@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.cell.model import attach_lora
-from tunegrid.plans import quant_plan
+from tunegrid.meanings import quant_row
 from tunegrid.runtime.files import write_json
 
 
@@ -22,11 +22,11 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
 
     from tunegrid.cell import quant_audit
 
-    quant, lora = quant_plan(spec["axes"]["quant"]), spec["lora"]
+    quant, lora = quant_row(spec["axes"]["quant"]), spec["lora"]
     quantized = quant.quantizes  # any quantization: what it left in full precision is flagged
     report: dict[str, Any] = {
         "quant": quant.quant.value,
-        "bits": quant.bits,  # of a quantized base weight, as the plan says; the audit shows the storage
+        "bits": quant.bits,  # of a quantized base weight, as its row says; the audit shows the storage
         "after_load": quant_audit.audit_model(model, quantization_requested=quantized),
     }
     nf4_experts = quant.experts_quantized and not quant.experts_after_load

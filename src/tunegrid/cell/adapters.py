@@ -82,14 +82,14 @@ def base_record(
     arguments too, and that its 4-bit layers kept bitsandbytes' training layout (on a CPU with AVX512-BF16 a
     no-grad eval forward otherwise repacks them for another kernel, which rounds differently)."""
     from tunegrid.cell.model import bnb_settings
-    from tunegrid.plans import quant_plan
+    from tunegrid.meanings import quant_row
 
     load = {
         "storage_dtype": precision.storage_dtype,
         "compute_dtype": precision.compute_dtype,
         "quant": spec["axes"]["quant"],
     }
-    quant = quant_plan(spec["axes"]["quant"])
+    quant = quant_row(spec["axes"]["quant"])
     if quant.record_key:
         load[quant.record_key] = bnb_settings(spec, precision)
         load["cpu_inference_packing"] = False  # Linear4bit.support_avx512bf16_for_cpu = False on every layer

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.plans import quant_plan
+from tunegrid.meanings import quant_row
 
 # the packages whose missing APIs are this stack's, not tunegrid's (their import names)
 LIBRARIES = ("transformers", "peft", "bitsandbytes", "accelerate", "tokenizers", "huggingface_hub", "torch")
@@ -34,17 +34,17 @@ def _always(spec: dict[str, Any]) -> bool:
 
 
 def _quantizes(spec: dict[str, Any]) -> bool:
-    return quant_plan(spec["axes"]["quant"]).quantizes
+    return quant_row(spec["axes"]["quant"]).quantizes
 
 
 def _experts_quantized(spec: dict[str, Any]) -> bool:
     """nf4-experts: quantized inside transformers' loader."""
-    plan = quant_plan(spec["axes"]["quant"])
-    return plan.experts_quantized and not plan.experts_after_load
+    row = quant_row(spec["axes"]["quant"])
+    return row.experts_quantized and not row.experts_after_load
 
 
 def _experts_after_load(spec: dict[str, Any]) -> bool:
-    return quant_plan(spec["axes"]["quant"]).experts_after_load
+    return quant_row(spec["axes"]["quant"]).experts_after_load
 
 
 def _targets_parameters(spec: dict[str, Any]) -> bool:

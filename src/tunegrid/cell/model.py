@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.contract import CellKernels
-from tunegrid.plans import quant_plan
+from tunegrid.meanings import quant_row
 
 # transformers catches an exception raised while converting a checkpoint tensor, loads the rest, and then
 # raises a RuntimeError that only points at its logged report; the report holds the original exception
@@ -25,7 +25,7 @@ EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", 
 
 
 def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: CellKernels, device: Any) -> Any:
-    """The cell's model at its precision (a tunegrid.cell.precision.PrecisionPlan), with the kernels its plan chose."""
+    """The cell's model at its precision (a tunegrid.cell.precision.PrecisionSetup), with the kernels its plan chose."""
     from transformers import BitsAndBytesConfig
 
     use_cpu_kernels(kernels, device)
@@ -40,7 +40,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     attention = spec["axes"]["attention"]
     if attention != "sdpa" or spec["model"].get("attn_implementation"):
         kwargs["attn_implementation"] = attention if attention != "sdpa" else spec["model"]["attn_implementation"]
-    quant = quant_plan(spec["axes"]["quant"])
+    quant = quant_row(spec["axes"]["quant"])
     bnb = quant.bnb_settings(precision.torch_dtype("compute"))
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
@@ -48,7 +48,7 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
         from tunegrid.cell import expert_quant  # transformers v5's loader (cell.library_api checked it is there)
 
         kwargs["quantization_config"] = expert_quant.load_config(bnb)
-    elif quant.quantizes:  # bitsandbytes replaces nn.Linear (4-bit or 8-bit as the plan's settings say)
+    elif quant.quantizes:  # bitsandbytes replaces nn.Linear (4-bit or 8-bit as the row's settings say)
         kwargs["quantization_config"] = BitsAndBytesConfig(**bnb)
     # every quantization reads the checkpoint the same way (pread, no mapping), so what differs between
     # their load peaks is what each keeps in full precision
@@ -188,7 +188,7 @@ def use_cpu_kernels(kernels: CellKernels, device: Any) -> None:
 def bnb_settings(spec: dict[str, Any], precision: Any) -> dict[str, Any]:
     """BitsAndBytesConfig's arguments for the cell's quantization (its row of the quantization table), the compute
     dtype by name (as an adapter's record keeps them); empty for a cell without quantization."""
-    return quant_plan(spec["axes"]["quant"]).bnb_settings(precision.compute_dtype)
+    return quant_row(spec["axes"]["quant"]).bnb_settings(precision.compute_dtype)
 
 
 @contextlib.contextmanager

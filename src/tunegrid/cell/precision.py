@@ -1,9 +1,9 @@
 """The one place where dtype decisions live: precision name -> storage dtype, autocast, GradScaler.
 
-Why an explicit precision plan (PrecisionPlan: a row of tunegrid.plans applied to the device, recorded as
-result.json's `precision_plan`; not the cell's plan, tunegrid.contract): HF Trainer with fp16=True on CPU silently
-trains in fp32. Here the precision plan says what it chose and why, and the run records the dtypes actually seen so
-a mismatch is visible.
+Why an explicit precision setup (PrecisionSetup: a precision's row of tunegrid.meanings as the cell applies it on
+its device, recorded as result.json's `precision_plan`): HF Trainer with fp16=True on CPU silently trains in fp32.
+Here the precision setup says what it chose and why, and the run records the dtypes actually seen so a mismatch is
+visible.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.plans import PRECISION_PLANS
+from tunegrid.meanings import PRECISION_ROWS
 from tunegrid.vocabulary import PRECISIONS
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrecisionPlan:
+class PrecisionSetup:
     precision: str
     device_type: str
     compute_dtype: str  # what autocast computes matmuls in (bitsandbytes' compute dtype too)
@@ -44,11 +44,11 @@ class PrecisionPlan:
         )
 
 
-def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
+def precision_setup(precision: str, device_type: str) -> PrecisionSetup:
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose one of {sorted(PRECISIONS)}")
-    row = PRECISION_PLANS[precision]  # type: ignore[index]  # a StrEnum key equals its name
-    return PrecisionPlan(
+    row = PRECISION_ROWS[precision]  # type: ignore[index]  # a StrEnum key equals its name
+    return PrecisionSetup(
         precision=precision,
         device_type=device_type,
         compute_dtype=row.dtype,
@@ -62,7 +62,7 @@ def plan_precision(precision: str, device_type: str) -> PrecisionPlan:
     )
 
 
-def autocast_context(precision: PrecisionPlan) -> contextlib.AbstractContextManager[Any]:
+def autocast_context(precision: PrecisionSetup) -> contextlib.AbstractContextManager[Any]:
     import torch
 
     if not precision.autocast:
@@ -70,7 +70,7 @@ def autocast_context(precision: PrecisionPlan) -> contextlib.AbstractContextMana
     return torch.autocast(device_type=precision.device_type, dtype=precision.torch_dtype("compute"))
 
 
-def make_grad_scaler(precision: PrecisionPlan, init_scale: float = 65536.0) -> Any | None:
+def make_grad_scaler(precision: PrecisionSetup, init_scale: float = 65536.0) -> Any | None:
     import torch
 
     return torch.amp.GradScaler(precision.device_type, init_scale=init_scale) if precision.grad_scaler else None

@@ -16,7 +16,7 @@ from tunegrid.cell.chunked_loss import ChunkedLoss, chunked_loss_of
 from tunegrid.cell.injection import NonfiniteInjector
 from tunegrid.cell.offload import ActivationOffload, offload_of
 from tunegrid.cell.packing import IGNORE
-from tunegrid.cell.precision import PrecisionPlan
+from tunegrid.cell.precision import PrecisionSetup
 from tunegrid.cell.ranks import RankContext
 from tunegrid.runtime.memory import MemoryMeter
 
@@ -69,7 +69,7 @@ class OptimizerStep:
 
     model: Any
     trainable_named: list[tuple[str, Any]]
-    precision: PrecisionPlan
+    precision: PrecisionSetup
     meter: MemoryMeter
     ranks: RankContext
     optimizer: Any
@@ -90,7 +90,7 @@ class OptimizerStep:
         spec: dict[str, Any],
         model: Any,
         trainable_named: list[tuple[str, Any]],
-        precision: PrecisionPlan,
+        precision: PrecisionSetup,
         meter: MemoryMeter,
         ranks: RankContext,
     ) -> OptimizerStep:

@@ -77,7 +77,7 @@ class CellTrainer:
     def setup(self) -> None:
         import torch
 
-        from tunegrid.cell.precision import plan_precision
+        from tunegrid.cell.precision import precision_setup
 
         require_apis(self.spec)  # a library stack without an API this cell calls: unsupported, before any load
         train = self.spec["train"]
@@ -89,7 +89,7 @@ class CellTrainer:
         if self.ranks.distributed:
             self.facts["distributed"] = self.ranks.group_facts(self.spec["distributed"])
             self.ranks.init_process_group(self.spec["distributed"], self.facts["distributed"]["backend"])
-        self.precision = plan_precision(self.spec["axes"]["precision"], self.device.type)
+        self.precision = precision_setup(self.spec["axes"]["precision"], self.device.type)
         print(self.precision.describe(), flush=True)
         self.facts["precision_plan"] = self.precision.__dict__
         self.meter = MemoryMeter(self.device.type)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tunegrid.plans import precision_plan
+from tunegrid.meanings import precision_row
 
 
 def routed_experts(config: dict[str, Any]) -> int:
@@ -61,7 +61,7 @@ def cpu_onednn_off(
     Elsewhere torch's fp16 matmuls never reach oneDNN, and it stays on."""
     if device != "cpu" or not routed_experts(config):
         return None
-    dtype = precision_plan(spec["axes"]["precision"]).dtype
+    dtype = precision_row(spec["axes"]["precision"]).dtype
     if dtype == "bfloat16":
         return (
             "CPU bf16 with routed experts: oneDNN builds a kernel per token count an expert sees and keeps it, so "
@@ -83,7 +83,7 @@ def cpu_fp16_matmul(spec: dict[str, Any], device: str) -> str | None:
     On a CPU, torch's fp16 matrix products accumulate in fp32 as well, but where an operand is used transposed
     (every backward through a linear layer) they run 19-65x slower than fp32 sums in blocks
     (benchmarks/cpu_fp16_matmul.py); a real model's fp16 step spent 99 % of its time there."""
-    if device != "cpu" or precision_plan(spec["axes"]["precision"]).dtype != "float16":
+    if device != "cpu" or precision_row(spec["axes"]["precision"]).dtype != "float16":
         return None
     return (
         "CPU fp16: matmuls multiply and sum fp16 operands in fp32 and round each result to fp16 once, as a GPU's "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.contract import LivenessLimits
-from tunegrid.plans import precision_plan
+from tunegrid.meanings import precision_row
 from tunegrid.targets import FLOPS_PER_WEIGHT_TOKEN_BOUND, matmul_share
 
 # How many times the predicted (or measured) work a limit allows: room for a host shared with other jobs and for
@@ -61,7 +61,7 @@ def plan_liveness(
     axes, train = spec["axes"], spec["train"]
     tokens = axes["batch_size"] * axes["grad_accum"] * train["seq_len"]
     flops = FLOPS_PER_WEIGHT_TOKEN * matmul_weights(config, shapes) * tokens
-    dtype = precision_plan(axes["precision"]).dtype
+    dtype = precision_row(axes["precision"]).dtype
     rate = (capabilities.get("matmul_tflops") or {}).get(dtype)  # the probe's rate for the compute dtype
     heartbeat, limit = float(train["heartbeat_timeout_s"]), float(train["time_limit_s"])
     if not rate:
@@ -111,9 +111,9 @@ def step_floor_s(
     bound, never a prediction: the doctor stops trying fixes whose floor is slower than a fix it has measured
     (review/doctor_stop.py). None without a measured rate."""
     rates = {k: v for k, v in (capabilities.get("matmul_tflops") or {}).items() if v}
-    plan = precision_plan(precision)
-    dtype = str(plan.dtype)
-    support = (capabilities.get("precision") or {}).get(str(plan.arithmetic))
+    row = precision_row(precision)
+    dtype = str(row.dtype)
+    support = (capabilities.get("precision") or {}).get(str(row.arithmetic))
     emulated = support != "native"
     rate = max(rates.get(dtype, 0.0), rates.get("float32", 0.0)) if emulated else rates.get(dtype)
     if not rate or not step_flops:

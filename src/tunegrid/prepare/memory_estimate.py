@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from tunegrid.contract import MemoryComponents, MemoryEstimate
-from tunegrid.plans import QUANT_PLANS, PrecisionRow, QuantPlan, precision_plan, quant_plan
+from tunegrid.meanings import QUANT_ROWS, PrecisionRow, QuantRow, precision_row, quant_row
 from tunegrid.prepare.activation_peaks import saved_activations
 from tunegrid.prepare.checkpoint_headers import checkpoint_facts, numel_of, tensor_shapes  # noqa: F401 (re-exported)
 from tunegrid.prepare.cpu_kernels import routed_experts
@@ -41,7 +41,7 @@ EXPERTS_QUANTIZED_AT = "load"
 
 def nf4_bytes(numel: int) -> float:
     """An NF4 tensor of `numel` values: packed 4-bit + uint8 absmax + fp32 second level."""
-    return QUANT_PLANS[Quant.NF4].quantized_bytes([numel])
+    return QUANT_ROWS[Quant.NF4].quantized_bytes([numel])
 
 
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def device_constants(
     process before a model plus a small MLP step's framework overhead instead. On CUDA: the cuBLAS workspaces (0
     where the probe did not measure them). A probe measures its own device: a CPU cell beside a GPU the probe
     measured (gpus_per_rank 0) takes none of the GPU's constants."""
-    arithmetic = str(precision_plan(precision).arithmetic)
+    arithmetic = str(precision_row(precision).arithmetic)
     paths = capabilities.get("worker_runtime_bytes") or {}
     at_work = (paths.get(worker) if isinstance(paths.get(worker), dict) else {}).get(arithmetic)
     if capabilities.get("device", "cpu") != device:
@@ -137,7 +137,7 @@ def _step_tensors(
 
 
 def _dequantized_copies(
-    shapes: dict[str, list[int]], tensors: WeightInventory, quant: QuantPlan, act: int, checkpointed: bool, device: str
+    shapes: dict[str, list[int]], tensors: WeightInventory, quant: QuantRow, act: int, checkpointed: bool, device: str
 ) -> tuple[int, int]:
     """(full-width expert weights kept for backward, the dequantized copies alive at the step's peak), in bytes.
 
@@ -166,7 +166,7 @@ def _load_peak(
     config: dict[str, Any],
     shapes: dict[str, list[int]],
     tensors: WeightInventory,
-    quant: QuantPlan,
+    quant: QuantRow,
     storage: int,
     device: str,
     beside: tuple[int, int],
@@ -246,7 +246,7 @@ def estimate_from_shapes(
     # 511 MiB of fp16 weights, where the CPU's load model gives 1.3 GiB)
     if device != "cpu":
         tokenizer_bytes, largest_on_disk = 0, (0, 0)
-    row, quant = precision_plan(axes["precision"]), quant_plan(axes["quant"])
+    row, quant = precision_row(axes["precision"]), quant_row(axes["quant"])
     storage = row.bytes_per_value
     tensors = weight_inventory(config, shapes, quant, storage, spec["lora"])
     activations, offloaded, logits = _step_tensors(spec, config, device, row, tensors.cast_numel)

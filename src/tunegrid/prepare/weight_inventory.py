@@ -13,7 +13,7 @@ from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.plans import QuantPlan
+from tunegrid.meanings import QuantRow
 from tunegrid.prepare.checkpoint_headers import numel_of
 from tunegrid.prepare.cpu_kernels import routed_experts
 from tunegrid.prepare.load_peaks import fused_expert_parameters
@@ -85,7 +85,7 @@ def _expert_adapter_tensors(
 
 
 def weight_inventory(
-    config: dict[str, Any], shapes: dict[str, list[int]], quant: QuantPlan, storage: int, lora: dict[str, Any]
+    config: dict[str, Any], shapes: dict[str, list[int]], quant: QuantRow, storage: int, lora: dict[str, Any]
 ) -> WeightInventory:
     """The checkpoint's tensors (`shapes`, of a model whose text config is `config`) loaded with `quant` at
     `storage` bytes a value and adapted as `lora` says."""

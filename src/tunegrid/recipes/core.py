@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS
+from tunegrid.meanings import PRECISION_ROWS, QUANT_ROWS
 from tunegrid.study.errors import ConfigError
 from tunegrid.study.input_limits import read_study_yaml, study_file_problems
 
@@ -242,13 +242,13 @@ def built_linear_modules(folder: Path) -> list[str] | None:
 
 
 def precision_of(dtype: str) -> str:
-    """The precision whose row (tunegrid.plans) computes in this torch dtype."""
-    return str(next(row.precision for row in PRECISION_PLANS.values() if row.dtype == dtype))
+    """The precision whose row (tunegrid.meanings) computes in this torch dtype."""
+    return str(next(row.precision for row in PRECISION_ROWS.values() if row.dtype == dtype))
 
 
 def quant_of(bnb: dict[str, Any] | None, experts: bool = False) -> str | None:
     """The quantization whose row loads with these BitsAndBytesConfig settings (None: none does)."""
-    for row in QUANT_PLANS.values():
+    for row in QUANT_ROWS.values():
         if bnb is None and row.bits is None:
             return str(row.quant)
         if bnb and row.bnb and row.experts_quantized == experts and all(row.bnb.get(k) == v for k, v in bnb.items()):
@@ -295,7 +295,7 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
     """The keys of `tool`'s file that say a tunegrid axis value (for export): only what the axis sets."""
     keys = axis_keys(tool, axis)
     if axis == "precision":
-        row = PRECISION_PLANS[value]
+        row = PRECISION_ROWS[value]
         what = "fp32 islands" if row.fp32_islands else "an fp32 residual stream" if row.residual_fp32 else ""
         if what:  # tunegrid-only fixes: written as the tool's plain fp16, they would be the failing setting again
             raise ValueError(f"precision {value} ({what}) is not a setting of a {tool} config")
@@ -304,7 +304,7 @@ def tool_value(tool: str, axis: str, value: Any) -> dict[str, Any]:
             said.update({"bfloat16": row.dtype == "bfloat16", "float16": row.dtype == "float16"})
         return said
     if axis == "quant":
-        row = QUANT_PLANS[value]
+        row = QUANT_ROWS[value]
         if row.experts_quantized and "quantize_moe_experts" not in keys:
             raise ValueError(f"TRL's ModelConfig has no setting that quantizes MoE experts ({value})")
         bnb = row.bnb or {}

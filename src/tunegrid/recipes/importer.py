@@ -150,11 +150,11 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
     failures = {"nan", "oom", "timeout"} if failure == "all" else {failure}
     smaller = _smaller_micro_batch(s["grid.batch_size"])
     if "nan" in failures:  # every precision row tunegrid has, its fp16 fixes included, the recipe's first
-        from tunegrid.plans import PRECISION_PLANS
+        from tunegrid.meanings import PRECISION_ROWS
 
-        rows = sorted(PRECISION_PLANS.values(), key=lambda row: row.nan_fix_rank)
+        rows = sorted(PRECISION_ROWS.values(), key=lambda row: row.nan_fix_rank)
         grid["precision"] += [str(row.precision) for row in rows if row.precision != s["grid.precision"]]
-        own = PRECISION_PLANS[s["grid.precision"]].arithmetic  # the fixes that keep the recipe's arithmetic
+        own = PRECISION_ROWS[s["grid.precision"]].arithmetic  # the fixes that keep the recipe's arithmetic
         same = [str(r.precision) for r in rows if r.arithmetic == own and r.precision != s["grid.precision"]]
         why.append(f"nan: every precision tunegrid has ({', '.join(grid['precision'])}; in the recipe's own "
                    f"arithmetic: {', '.join(same) or 'none'})")  # fmt: skip
@@ -175,10 +175,10 @@ def grid_around(recipe: Recipe, failure: str) -> tuple[dict[str, list[Any]], lis
     if "oom" in failures and s.get("lora.loftq_bits"):
         why.append("oom: no quantization (LoftQ initializes over the recipe's unquantized base)")
     elif "oom" in failures:
-        from tunegrid.plans import QUANT_PLANS, memory_fix_quants
+        from tunegrid.meanings import QUANT_ROWS, memory_fix_quants
 
         moe = _is_moe(recipe)
-        quants = [str(q) for q in memory_fix_quants() if moe or not QUANT_PLANS[q].experts_quantized]
+        quants = [str(q) for q in memory_fix_quants() if moe or not QUANT_ROWS[q].experts_quantized]
         grid["quant"] += [q for q in quants if q not in grid["quant"]]
         why.append(f"oom: quantizations {quants}")
         if grid.get("optimizer", ["adamw"]) == ["adamw"]:  # an 8-bit recipe already keeps the smaller state

@@ -1,7 +1,7 @@
 """The doctor's decisions between its waves, each from files: was the failure reproduced, and is it
 deterministic (the same step and origin in a same-seed re-run) or transient; then which cells the second wave
 holds, chosen from the diagnosis through the tables (never by name): a non-finite failure gets the precisions
-of tunegrid.plans.PRECISION_PLANS that the target can run natively (or that keep the failing arithmetic, as
+of tunegrid.meanings.PRECISION_ROWS that the target can run natively (or that keep the failing arithmetic, as
 fp16's own fixes do), in their `nan_fix_rank` order, or on a named target that is not the machine cheapest
 first by the step time modelled on it from each twin's plan (tunegrid.targets.modelled_step); an out-of-memory
 one the memory settings the grid lists, ordered by the estimate's predicted saving, less those the estimate
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.plans import PRECISION_PLANS, QUANT_PLANS, precision_plan
+from tunegrid.meanings import PRECISION_ROWS, QUANT_ROWS, precision_row
 from tunegrid.review.precision_advice import support_of
 from tunegrid.review.summary import summary_row
 from tunegrid.runtime.files import read_json
@@ -155,12 +155,12 @@ def _precision_candidates(
     capabilities: dict[str, Any],
     plans: dict[str, dict[str, Any]],
 ) -> Choice:
-    failing = precision_plan(baseline.precision)
+    failing = precision_row(baseline.precision)
     target = row.get("target") or study["hardware"]["target"]
     choice = Choice("nan", ranked_by=BY_THROUGHPUT if target in (None, "native") else BY_MODEL)
     modelled = {cell: plan.get("modelled_step_s") for cell, plan in plans.items() if plan.get("modelled_step_s")}
-    for precision in sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank):
-        meaning = PRECISION_PLANS[precision]
+    for precision in sorted(PRECISION_ROWS, key=lambda p: PRECISION_ROWS[p].nan_fix_rank):
+        meaning = PRECISION_ROWS[precision]
         if precision == baseline.precision or (meaning.fp32_islands and meaning.arithmetic != failing.arithmetic):
             continue
         support = support_of(precision, target, capabilities)
@@ -177,7 +177,7 @@ def _precision_candidates(
         choice.candidates.append(
             _bounded(Candidate({"precision": str(precision)}, twin.cell_id, reference, why), plans)
         )
-    # stable: the plans' order among equals, and after those modelled (fp32 islands count as fp16 here: which
+    # stable: the precision rows' order among equals, and after those modelled (fp32 islands count as fp16 here: which
     # modules become islands is measured when the cell starts)
     choice.candidates.sort(key=lambda c: modelled.get(c.cell_id) or float("inf"))
     return choice
@@ -204,7 +204,7 @@ def _memory_candidates(
             continue
         if any(axes[a] != base_axes[a] for a in axis_names() if a not in MEMORY_AXES):
             continue
-        if QUANT_PLANS[cell.quant].quantizes is False and QUANT_PLANS[baseline.quant].quantizes:
+        if QUANT_ROWS[cell.quant].quantizes is False and QUANT_ROWS[baseline.quant].quantizes:
             continue  # dequantizing is never a memory fix
         change = {a: axes[a] for a in MEMORY_AXES if axes[a] != base_axes[a]}
         plan = plans.get(cell.cell_id) or {}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from tunegrid.plans import memory_fix_quants
+from tunegrid.meanings import memory_fix_quants
 from tunegrid.review.advice import (
     Fix,
     Recommendation,

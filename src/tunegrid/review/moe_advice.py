@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from tunegrid.plans import QUANT_PLANS
+from tunegrid.meanings import QUANT_ROWS
 from tunegrid.review.advice import (
     Fix,
     Recommendation,
@@ -24,8 +24,8 @@ from tunegrid.review.advice import (
 from tunegrid.units import human_bytes
 from tunegrid.vocabulary import Outcome, Quant
 
-# quantizations that quantize the fused experts too (nf4-experts, int8-experts), from their plans
-EXPERT_QUANTS = [p.quant for p in QUANT_PLANS.values() if p.experts_quantized]
+# quantizations that quantize the fused experts too (nf4-experts, int8-experts), from their rows
+EXPERT_QUANTS = [p.quant for p in QUANT_ROWS.values() if p.experts_quantized]
 EXPERT_GAP_SHARE = 0.2  # experts left unquantized worth more than this share of the weights is a gap
 
 
@@ -39,7 +39,7 @@ def expert_gap(frame: Any) -> list[Recommendation]:
 
 def _expert_pairs(frame: Any) -> dict[str, list[tuple[Any, Any]]]:
     """By model: each cell that left its experts unquantized, with its first ok twin that quantized them too."""
-    leaves_experts = [p.quant for p in QUANT_PLANS.values() if p.quantizes and not p.experts_quantized]
+    leaves_experts = [p.quant for p in QUANT_ROWS.values() if p.quantizes and not p.experts_quantized]
     gap = frame[
         frame["quant"].isin(leaves_experts)
         & (frame["flagged_share"].fillna(0) >= EXPERT_GAP_SHARE)
@@ -48,8 +48,8 @@ def _expert_pairs(frame: Any) -> dict[str, list[tuple[Any, Any]]]:
     pairs: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
     for _, row in gap.iterrows():
         fixed = siblings(frame, row, "quant")
-        bits = QUANT_PLANS[Quant(row["quant"])].bits  # nf4 -> nf4-experts, int8 -> int8-experts
-        twins = [q for q in EXPERT_QUANTS if QUANT_PLANS[q].bits == bits]
+        bits = QUANT_ROWS[Quant(row["quant"])].bits  # nf4 -> nf4-experts, int8 -> int8-experts
+        twins = [q for q in EXPERT_QUANTS if QUANT_ROWS[q].bits == bits]
         fixed = fixed[fixed["quant"].isin(twins) & (fixed["outcome"] == Outcome.OK)]
         if not fixed.empty:
             pairs[row["model"]].append((row, fixed.iloc[0]))
@@ -58,7 +58,7 @@ def _expert_pairs(frame: Any) -> dict[str, list[tuple[Any, Any]]]:
 
 def _recommendation(model: str, members: list[tuple[Any, Any]]) -> Recommendation:
     row, sib = members[0]
-    bits = QUANT_PLANS[Quant(row["quant"])].bits
+    bits = QUANT_ROWS[Quant(row["quant"])].bits
     failed = [r for r, _ in members if r["outcome"] != Outcome.OK]
     # the goal is memory: recommend only where the twins' peaks show it (or a plain-4-bit cell failed
     # and its twin ran)

@@ -14,7 +14,7 @@ over the fix's), and the fixes are ranked by it, the host's measured cost shown 
 say nothing of a card whose fp16 tensor cores run at eight times its fp32 rate. On the machine itself they are
 ranked by throughput: the fastest that holds first. Fixes whose throughput is within the fastest's measurement
 noise of it (the median absolute deviation of its step times, relative to their median: summary.step_time_noise)
-are equally fast as measured, and the plans' nan_fix_rank picks the first among them, so a host's jitter does not
+are equally fast as measured, and the rows' nan_fix_rank picks the first among them, so a host's jitter does not
 decide between two fixes it cannot tell apart, and the doctor, which runs fewer cells, names the same one.
 """
 
@@ -24,21 +24,21 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Any
 
-from tunegrid.plans import PRECISION_PLANS, precision_plan
+from tunegrid.meanings import PRECISION_ROWS, precision_row
 from tunegrid.review.advice import Fix, holds, ok_cells, siblings
 from tunegrid.sites import BLOCK_NAME, site_words
 from tunegrid.targets import TARGETS
 
-# the candidates in the plans' order (the order of equals in throughput)
-CANDIDATES = sorted(PRECISION_PLANS, key=lambda p: PRECISION_PLANS[p].nan_fix_rank)
+# the candidates in the rows' order (the order of equals in throughput)
+CANDIDATES = sorted(PRECISION_ROWS, key=lambda p: PRECISION_ROWS[p].nan_fix_rank)
 # what a fix's cost falls back to being measured against: the precision without autocast (full precision)
-FULL_PRECISION = next(p for p, row in PRECISION_PLANS.items() if not row.autocast)
+FULL_PRECISION = next(p for p, row in PRECISION_ROWS.items() if not row.autocast)
 
 
 def support_of(precision: str, target: str | None, capabilities: dict[str, Any]) -> str:
     """native | emulated | absent for a precision's arithmetic on the target and the probed device together:
     the weaker of the two (a named target's data sheet, and what the probe measured here)."""
-    arithmetic = precision_plan(precision).arithmetic
+    arithmetic = precision_row(precision).arithmetic
     rank = {"native": 2, "emulated": 1, "absent": 0}
     found = [(capabilities.get("precision") or {}).get(arithmetic)]
     if target and target in TARGETS and target != "native":
@@ -111,16 +111,16 @@ def baseline(frame: Any, row: Any) -> tuple[Any, str] | None:
     if _measured(row, "tokens_per_s") is not None:
         return row, row["precision"]
     twins = ok_cells(siblings(frame, row, "precision"))
-    twins = twins[twins["precision"].map(lambda p: p in PRECISION_PLANS and p == FULL_PRECISION)]
+    twins = twins[twins["precision"].map(lambda p: p in PRECISION_ROWS and p == FULL_PRECISION)]
     return (twins.iloc[0], str(FULL_PRECISION)) if not twins.empty else None
 
 
 def candidates(frame: Any, rows: list[Any], failing: str) -> list[Candidate]:
     out = []
     for precision in CANDIDATES:
-        meaning = PRECISION_PLANS[precision]
+        meaning = PRECISION_ROWS[precision]
         # a variant of an arithmetic (fp16-islands, fp16-mixed, fp16-residual) fixes the arithmetic it keeps
-        variant_elsewhere = meaning.arithmetic != precision and meaning.arithmetic != precision_plan(failing).arithmetic
+        variant_elsewhere = meaning.arithmetic != precision and meaning.arithmetic != precision_row(failing).arithmetic
         if precision == failing or variant_elsewhere:
             continue
         evidence, unproven, tokens, peaks, parity, islands, against = [], [], [], [], [], set(), set()
@@ -206,9 +206,9 @@ def precision_fixes(
         if not candidate.evidence:
             continue
         support = support_of(candidate.precision, target, capabilities)
-        arithmetic = precision_plan(candidate.precision).arithmetic
+        arithmetic = precision_row(candidate.precision).arithmetic
         # a fix runs natively, or keeps the arithmetic the failing setting already ran (fp16-islands on fp16)
-        if support != "native" and not (support == "emulated" and arithmetic == precision_plan(failing).arithmetic):
+        if support != "native" and not (support == "emulated" and arithmetic == precision_row(failing).arithmetic):
             notes.append(
                 f"The same cells in {candidate.precision} were ok, but {where} has {support} {arithmetic}"
                 f" ({'slow software path' if support == 'emulated' else 'not available'})."
@@ -221,11 +221,11 @@ def precision_fixes(
     # the baseline ranks as what it is, 1.00x of itself
     offered.sort(key=lambda c: -(c.speed if c.speed is not None else -1.0))
     tied = equally_fast(offered)
-    if tied:  # the plans' order among those the measurement cannot tell apart (min: the fastest among equal ranks)
-        first = min(tied, key=lambda c: PRECISION_PLANS[c.precision].nan_fix_rank)
+    if tied:  # the rows' order among those the measurement cannot tell apart (min: the fastest among equal ranks)
+        first = min(tied, key=lambda c: PRECISION_ROWS[c.precision].nan_fix_rank)
         offered.remove(first)
         offered.insert(0, first)
-    if by_model:  # stable: measured throughput, then the plans' order, among equals on the target
+    if by_model:  # stable: measured throughput, then the rows' order, among equals on the target
         offered.sort(key=lambda c: -(c.modelled_ratio if c.modelled_ratio is not None else -1.0))
     for candidate in offered:
         kept = f" (islands: {', '.join(short(i) for i in candidate.islands)})" if candidate.islands else ""
@@ -279,7 +279,7 @@ def _ranking_note(
             names = ", ".join(c.precision for c in tied)
             ties = (
                 f"; {names} within {fastest.noise or 0.0:.0%} of the fastest, its step times' noise: equally fast "
-                "as measured, the plans' nan_fix_rank first"
+                "as measured, the rows' nan_fix_rank first"
             )
         return (
             f"Ranked by throughput among the fixes that hold: {offered[0].precision} first ({measured}{where}"

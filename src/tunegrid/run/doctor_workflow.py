@@ -26,9 +26,9 @@ def _is_study(raw: dict[str, Any]) -> bool:
 
 
 def recipe_study(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
-    """A recipe as the doctor's study: imported for every failure, every precision of the plans beside its own,
+    """A recipe as the doctor's study: imported for every failure, every precision row beside its own,
     written where the doctor keeps it (the file Snakemake reads)."""
-    from tunegrid.plans import PRECISION_PLANS
+    from tunegrid.meanings import PRECISION_ROWS
     from tunegrid.recipes.importer import import_recipe
 
     base = {"recipe": args.source, "from": args.tool, "failure": "all", "ignore": list(args.ignore)}
@@ -38,7 +38,7 @@ def recipe_study(args: argparse.Namespace) -> tuple[dict[str, Any], Path]:
     if args.target:  # the user's card: a recipe names none
         study["hardware"] = {**(study.get("hardware") or {}), "target": args.target}
     own = study["grid"]["precision"][0]
-    study["grid"]["precision"] = [own, *(str(p) for p in PRECISION_PLANS if p != own)]
+    study["grid"]["precision"] = [own, *(str(p) for p in PRECISION_ROWS if p != own)]
     out = Path(args.study_out or f"results/doctor/{study['study']}.yaml")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(f"# tunegrid doctor's study for {args.source}\n" + yaml.safe_dump(study, sort_keys=False))

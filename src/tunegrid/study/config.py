@@ -176,15 +176,15 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             "config key 'lora.target_modules': empty, and so is lora.target_parameters: name the modules that get "
             "adapters (e.g. [q_proj, v_proj], or [all-linear])"
         )
-    from tunegrid.plans import QUANT_PLANS
+    from tunegrid.meanings import QUANT_ROWS
 
-    quantized = [q for q in config["grid"]["quant"] if QUANT_PLANS[q].quantizes]
+    quantized = [q for q in config["grid"]["quant"] if QUANT_ROWS[q].quantizes]
     if lora.get("loftq_bits") and quantized:
         problems.append(
             f"config key 'lora.loftq_bits': LoftQ replaces each adapted weight of an unquantized base by its "
             f"quantization round trip; grid.quant {quantized} loads a quantized one: keep quant none"
         )
-    after_load = [q for q in config["grid"]["quant"] if QUANT_PLANS[q].experts_after_load]
+    after_load = [q for q in config["grid"]["quant"] if QUANT_ROWS[q].experts_after_load]
     if after_load and lora["target_parameters"]:
         problems.append(
             f"config key 'lora.target_parameters': adapters on expert tensors train over an NF4 base "

@@ -1,13 +1,10 @@
-"""What each precision and each quantization means, one row per value: the loader, the adapter record,
-the audit, the memory estimate, the plots and the recommender read these rows and compare no names.
+"""What each precision and each quantization means, one row per value (PRECISION_ROWS, QUANT_ROWS): the loader,
+the adapter record, the audit, the memory estimate, the plots and the recommender read these rows and compare no
+names.
 
 A new precision or quantization is a member of its enum in tunegrid.vocabulary, a row here, and its
 effect where it acts (for a quantization: the loader's branch if bitsandbytes needs another config).
 
-A row is a precision's or a quantization's "plan" (PRECISION_PLANS, QUANT_PLANS, result.json's `precision_plan`):
-what that value means wherever it is used, the same for every cell. That is not a cell's plan (tunegrid.contract:
-one cell's target, budget, estimates, kernels and limits, made by the `cell_plan` rule); the names are kept because
-result.json, the report and the recipes export them.
 Light module: standard library only (the estimate and the report read it without torch).
 """
 
@@ -48,7 +45,7 @@ class PrecisionRow:
         return self.storage or self.dtype
 
 
-PRECISION_PLANS: dict[Precision, PrecisionRow] = {
+PRECISION_ROWS: dict[Precision, PrecisionRow] = {
     row.precision: row
     for row in (
         PrecisionRow(
@@ -131,7 +128,7 @@ DQ_BLOCK = 256  # double quantization: the block absmax values are themselves qu
 
 
 @dataclass(frozen=True, kw_only=True)
-class QuantPlan:
+class QuantRow:
     """One base-weight quantization.
 
     `bnb`: BitsAndBytesConfig's arguments (the compute dtype goes in `compute_dtype_arg`, by name); None: no
@@ -185,10 +182,10 @@ class QuantPlan:
 
 _NF4 = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
 
-QUANT_PLANS: dict[Quant, QuantPlan] = {
+QUANT_ROWS: dict[Quant, QuantRow] = {
     row.quant: row
     for row in (
-        QuantPlan(
+        QuantRow(
             quant=Quant.NONE,
             bits=None,
             bnb=None,
@@ -201,7 +198,7 @@ QUANT_PLANS: dict[Quant, QuantPlan] = {
             audit_dtype=None,
             memory_fix_rank=None,
         ),
-        QuantPlan(
+        QuantRow(
             quant=Quant.NF4,
             bits=4,
             bnb=_NF4,
@@ -214,7 +211,7 @@ QUANT_PLANS: dict[Quant, QuantPlan] = {
             audit_dtype="nf4",
             memory_fix_rank=1,
         ),
-        QuantPlan(
+        QuantRow(
             quant=Quant.NF4_EXPERTS,
             bits=4,
             bnb=_NF4,
@@ -227,7 +224,7 @@ QUANT_PLANS: dict[Quant, QuantPlan] = {
             audit_dtype="nf4",
             memory_fix_rank=0,
         ),
-        QuantPlan(
+        QuantRow(
             quant=Quant.INT8,
             bits=8,
             bnb={"load_in_8bit": True},  # LLM.int8: no compute dtype (matmuls in fp16 with outliers split)
@@ -240,7 +237,7 @@ QUANT_PLANS: dict[Quant, QuantPlan] = {
             audit_dtype="int8",
             memory_fix_rank=2,
         ),
-        QuantPlan(
+        QuantRow(
             quant=Quant.INT8_EXPERTS,
             bits=8,
             bnb={"load_in_8bit": True},
@@ -261,13 +258,13 @@ QUANT_PLANS: dict[Quant, QuantPlan] = {
 
 def memory_fix_quants() -> list[Quant]:
     """Quantizations the recommender offers an out-of-memory cell, most preferred first."""
-    ranked = [p for p in QUANT_PLANS.values() if p.memory_fix_rank is not None]
+    ranked = [p for p in QUANT_ROWS.values() if p.memory_fix_rank is not None]
     return [p.quant for p in sorted(ranked, key=lambda p: p.memory_fix_rank or 0)]
 
 
-def precision_plan(precision: str) -> PrecisionRow:
-    return PRECISION_PLANS[Precision(precision)]
+def precision_row(precision: str) -> PrecisionRow:
+    return PRECISION_ROWS[Precision(precision)]
 
 
-def quant_plan(quant: str) -> QuantPlan:
-    return QUANT_PLANS[Quant(quant)]
+def quant_row(quant: str) -> QuantRow:
+    return QUANT_ROWS[Quant(quant)]
