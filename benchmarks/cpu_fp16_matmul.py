@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""CPU fp16 matrix products: torch's own kernels against tunegrid's (src/tunegrid/cell/fp16_matmul.py: fp32 sums
-over fp16 operands in bounded blocks, rounded once), on the shapes of a linear layer's forward and of its
+"""CPU fp16 matrix products: torch's own kernels against tunegrid's (src/tunegrid/cell/nonfinite/fp16_matmul.py: fp32
+sums over fp16 operands in bounded blocks, rounded once), on the shapes of a linear layer's forward and of its
 backward (the gradient times the weight: the operand torch's fp16 kernels are slow with), at a real head's size
 (Gemma 3 270M: hidden 640, an eighth of its 262,144-token vocabulary per product) and an attention projection's.
 Each variant is timed in the same process, medians of --rounds, printed as a ratio (a CPU shares its cores);
@@ -56,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from tunegrid.cell import fp16_matmul
+    from tunegrid.cell.nonfinite import fp16_matmul
 
     torch.set_num_threads(args.threads)
     print(describe(machine_facts("cpu")))

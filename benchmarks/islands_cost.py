@@ -74,7 +74,7 @@ def measure(precision: str, work: str, device: str, out: multiprocessing.Queue) 
     trainer.place_fp32_islands()
     calibration_s = None
     if precision == "fp16-islands":
-        from tunegrid.cell.islands import calibrate
+        from tunegrid.cell.nonfinite.islands import calibrate
 
         started = time.perf_counter()
         calibrate(trainer.model, trainer.stream, trainer.device, False, study["train"]["island_calibration_batches"])

@@ -79,7 +79,7 @@ def bare_step(trainer: CellTrainer, batch: dict, anomaly: bool) -> None:
     it), so the two loops differ by tunegrid's instruments only."""
     import torch
 
-    from tunegrid.cell.precision import autocast_context
+    from tunegrid.cell.loop.precision import autocast_context
 
     context = torch.autograd.detect_anomaly(check_nan=True) if anomaly else torch.enable_grad()
     with context, autocast_context(trainer.optimizer_step.precision):

@@ -234,8 +234,9 @@ def _summary(path: Path, paragraph: int = 0) -> str:
 def layout_reference() -> str:
     package = SRC / "tunegrid"
     out = []
-    for folder in [package, *sorted(p for p in package.iterdir() if (p / "__init__.py").exists())]:
-        name = "tunegrid" if folder == package else f"tunegrid.{folder.name}"
+    # every room, and its sub-rooms after it (cell, cell/data, cell/experts, ...)
+    for folder in [package, *sorted(p.parent for p in package.glob("*/**/__init__.py"))]:
+        name = ".".join(folder.relative_to(SRC).parts)
         room = _summary(folder / "__init__.py", paragraph=1 if folder == package else 0)  # the root: its room
         out += [f"## `{name}`", "", room, "", "| module | what it holds |", "|---|---|"]
         for module in sorted(folder.glob("*.py")):

@@ -32,12 +32,12 @@ class PrecisionRow:
     # the hardware arithmetic its matmuls run in: what a target's native/emulated support and the probe's
     # per-precision constants are read for
     arithmetic: Precision
-    # the modules whose activations near fp16's range compute and return fp32 (cell/islands.py)
+    # the modules whose activations near fp16's range compute and return fp32 (cell/nonfinite/islands.py)
     fp32_islands: bool = False
     # the dtype weights that are not quantized are stored in; None: the compute dtype
     storage: str | None = None
     # the residual stream (the decoder layers' inputs and outputs) held in fp32 from the embeddings on: each
-    # block's additions are promoted to fp32 while its matmuls stay in the compute dtype (cell/model.py)
+    # block's additions are promoted to fp32 while its matmuls stay in the compute dtype (cell/load/model.py)
     residual_fp32: bool = False
 
     @property

@@ -69,7 +69,7 @@ class CellResult:
     data: dict[str, Any] = field(default_factory=_empty)
     fp16_headroom: dict[str, Any] = field(default_factory=_empty)
     # fp16-islands: the modules that computed in fp32 (mode, threshold, each island's calibration max-abs, the
-    # calibration's top modules); None for every other precision (cell/islands.py)
+    # calibration's top modules); None for every other precision (cell/nonfinite/islands.py)
     fp32_islands: dict[str, Any] | None = None
     quant_audit: dict[str, Any] = field(default_factory=_empty)
     optimizer: dict[str, Any] = field(default_factory=_empty)  # what the optimizer held: class, state bytes, paging

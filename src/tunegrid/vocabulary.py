@@ -20,7 +20,9 @@ class Precision(StrEnum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
-    FP16_ISLANDS = "fp16-islands"  # fp16 with the modules that overflow it computing in fp32 (cell/islands.py)
+    FP16_ISLANDS = (
+        "fp16-islands"  # fp16 with the modules that overflow it computing in fp32 (cell/nonfinite/islands.py)
+    )
     FP16_MIXED = "fp16-mixed"  # fp16 matmuls under autocast over fp32-stored weights (fp32 master weights)
     FP16_RESIDUAL = "fp16-residual"  # fp16 weights and matmuls, the residual stream kept in fp32
 
@@ -39,7 +41,10 @@ class Quant(StrEnum):
 PRECISIONS = tuple(p.value for p in Precision)
 QUANTS = tuple(q.value for q in Quant)
 OPTIMIZERS = ("adamw", "adamw-8bit", "paged-adamw-8bit")  # torch's AdamW; bitsandbytes' 8-bit, unpaged and paged
-LOSSES = ("full", "chunked")  # train.loss: the model's own loss over all logits, or chunked (cell/chunked_loss.py)
+LOSSES = (
+    "full",
+    "chunked",
+)  # train.loss: the model's own loss over all logits, or chunked (cell/memory/chunked_loss.py)
 # model config keys of a post-processing of the logits that the chunked loss does not reproduce (Cohere, Granite)
 SCALED_LOGIT_KEYS = ("logit_scale", "logits_scaling")
 ATTENTIONS = ("sdpa", "eager")  # transformers' attn_implementation: its default kernel (sdpa), or eager

@@ -56,8 +56,8 @@ def test_micro_batches_hold_different_numbers_of_loss_tokens(checkpoints, datase
     import torch
     from transformers import AutoTokenizer
 
-    from tunegrid.cell.packing import build_stream
-    from tunegrid.cell.step import loss_tokens
+    from tunegrid.cell.data.packing import build_stream
+    from tunegrid.cell.loop.step import loss_tokens
     from tunegrid.dataset import read_dataset
 
     class Plain:  # packing_mode reads only the config and the module of the model's class

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_study, run_supervised, work_cell
 
 from tunegrid.cell.adapters import BASE_FILE, REFERENCE_BATCH_FILE, base_model_identity
-from tunegrid.cell.resume import RESUME_DIR
+from tunegrid.cell.loop.resume import RESUME_DIR
 from tunegrid.manifest import verify_checkpoint
 from tunegrid.review.summary import summary_row
 from tunegrid.runtime.files import read_json, read_jsonl
@@ -83,7 +83,7 @@ def test_saved_nf4_adapter_reloads_onto_its_4bit_base_with_the_cells_loss(
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from tunegrid.cell.quant_audit import disable_cpu_inference_packing
+    from tunegrid.cell.load.quant_audit import disable_cpu_inference_packing
 
     grid = {"model": [MODEL], "precision": [precision], "batch_size": [2], "quant": ["nf4"], "seed": [0]}
     study = resolve_study(make_study(grid=grid, train={"steps": 4, "seq_len": 32, "lr": 0.01}, lora=LORA))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import one_cell, ready_trainer, run_in_process
 
-from tunegrid.cell.chunked_loss import ChunkedLoss, chunked_loss_of, chunked_token_loss, loss_positions
-from tunegrid.cell.packing import IGNORE
+from tunegrid.cell.data.packing import IGNORE
+from tunegrid.cell.memory.chunked_loss import ChunkedLoss, chunked_loss_of, chunked_token_loss, loss_positions
 from tunegrid.study.recorded import recorded_spec
 
 
@@ -98,7 +98,7 @@ def test_a_model_that_scales_its_logits_otherwise_is_refused(checkpoints, datase
 
 PEAKS = """
 import sys, torch
-from tunegrid.cell.chunked_loss import chunked_token_loss, loss_positions
+from tunegrid.cell.memory.chunked_loss import chunked_token_loss, loss_positions
 from tunegrid.runtime.memory import MemoryMeter
 
 torch.manual_seed(0)

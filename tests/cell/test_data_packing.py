@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import REPO, one_cell
 
-from tunegrid.cell.batches import tokenize_examples
-from tunegrid.cell.packing import IGNORE, build_stream, encode_record, pack, packing_mode
+from tunegrid.cell.data.batches import tokenize_examples
+from tunegrid.cell.data.packing import IGNORE, build_stream, encode_record, pack, packing_mode
 from tunegrid.prepare.data import generate_examples
 
 CHATS = [json.loads(line) for line in (REPO / "examples" / "chat.jsonl").read_text().splitlines()]
@@ -134,7 +134,7 @@ def test_packing_mode_follows_the_attention_implementation(checkpoints):
 
 def test_examples_whose_loss_tokens_lie_past_seq_len_are_dropped_and_none_left_is_refused_naming_the_key():
     """A row without a loss token makes a step's loss 0/0 (NaN): that would read as a precision failure."""
-    from tunegrid.cell.packing import IGNORE, pack
+    from tunegrid.cell.data.packing import IGNORE, pack
 
     long_prompt = (list(range(1, 11)), [IGNORE] * 8 + [9, 10])  # the response at tokens 8-9
     short = ([1, 2, 3], [IGNORE, 2, 3])

@@ -137,8 +137,8 @@ def test_every_expert_adapter_gets_a_gradient_and_the_base_stays_nf4(
 
 
 def test_plain_peft_over_nf4_experts_still_fails():
-    """The defect expert_lora works around, with peft's ParamWrapper left as it is: targets by suffix match
-    nothing on a parametrized module. If this starts to fail, peft matches them now: recheck expert_lora."""
+    """The defect cell/experts/lora.py works around, with peft's ParamWrapper left as it is: targets by suffix match
+    nothing on a parametrized module. If this starts to fail, peft matches them now: recheck cell/experts/lora.py."""
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -166,8 +166,8 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
     from transformers import AutoModelForCausalLM
 
     from tunegrid.cell.adapters import REFERENCE_BATCH_FILE, load_adapter
-    from tunegrid.cell.model import load_model
-    from tunegrid.cell.precision import precision_setup
+    from tunegrid.cell.load.model import load_model
+    from tunegrid.cell.loop.precision import precision_setup
     from tunegrid.contract import CellKernels
 
     spec = one_cell(model="olmoe-tiny", quant="nf4-experts", lora=LORA, train={"steps": 4})
@@ -212,8 +212,9 @@ def test_adapters_attached_before_the_post_load_quantization_train_the_same(chec
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from tunegrid.cell import expert_quant, quant_audit
-    from tunegrid.cell.model import attach_lora
+    from tunegrid.cell.experts import quant as expert_quant
+    from tunegrid.cell.load import quant_audit
+    from tunegrid.cell.load.model import attach_lora
 
     bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
     kwargs = {"dtype": torch.float32, "use_safetensors": True}

@@ -28,7 +28,8 @@ def test_load_time_experts_equal_post_load_quantization_bit_for_bit(checkpoints,
     from bitsandbytes.functional import dequantize_4bit
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from tunegrid.cell import expert_quant, quant_audit
+    from tunegrid.cell.experts import quant as expert_quant
+    from tunegrid.cell.load import quant_audit
 
     kwargs = {"dtype": torch.float32, "use_safetensors": True}
     post = AutoModelForCausalLM.from_pretrained(
@@ -60,7 +61,8 @@ sys.path.insert(0, sys.argv[2])
 import torch
 from tunegrid.runtime.memory import runtime_baseline_bytes
 from tunegrid.runtime.memory import MemoryMeter
-from tunegrid.cell import expert_quant, quant_audit
+from tunegrid.cell.experts import quant as expert_quant
+from tunegrid.cell.load import quant_audit
 
 baseline = runtime_baseline_bytes()  # the training stack imported, no model
 meter = MemoryMeter("cpu")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tunegrid.cell.precision import precision_setup
+from tunegrid.cell.loop.precision import precision_setup
 from tunegrid.review.precision_advice import residual_stream_notes
 
 
@@ -22,7 +22,7 @@ def test_fp16_residual_carries_the_stream_in_fp32_while_its_matmuls_stay_fp16(ch
     import torch
     from conftest import one_cell
 
-    from tunegrid.cell.model import load_model
+    from tunegrid.cell.load.model import load_model
     from tunegrid.contract import CellKernels
 
     spec = one_cell(precision=precision)

@@ -1,5 +1,5 @@
-"""A CPU fp16 cell's matmuls (cell/fp16_matmul.py): fp16 operands, fp32 products and sums, one rounding to fp16,
-in blocks that keep the fp32 copies small. Checked in a child process (the kernels are replaced for the whole
+"""A CPU fp16 cell's matmuls (cell/nonfinite/fp16_matmul.py): fp16 operands, fp32 products and sums, one rounding to
+fp16, in blocks that keep the fp32 copies small. Checked in a child process (the kernels are replaced for the whole
 process): every product, in each of its three block paths, is the fp64 product rounded to fp16 within the fp32
 sums' error, and within one fp16 step of torch's own fp16 kernels; other dtypes still run torch's kernels, to the
 bit; a linear layer's backward gives torch's gradients. The plan turns it on for CPU fp16 cells only."""
@@ -17,7 +17,7 @@ from tunegrid.prepare.cpu_kernels import cpu_fp16_matmul
 CHILD = textwrap.dedent(
     """
     import torch
-    from tunegrid.cell import fp16_matmul
+    from tunegrid.cell.nonfinite import fp16_matmul
 
     torch.manual_seed(0)
     H = torch.float16

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from conftest import one_cell, ready_trainer, work_cell
 
-from tunegrid.cell.step import OptimizerStep
+from tunegrid.cell.loop.step import OptimizerStep
 from tunegrid.cell.train import CellTrainer
 from tunegrid.runtime.files import read_json
 
@@ -74,7 +74,7 @@ def _dequantized_reference(trainer: CellTrainer, model_dir: Path) -> Any:
     from bitsandbytes.nn import Linear4bit
     from transformers import AutoModelForCausalLM
 
-    from tunegrid.cell.model import attach_lora
+    from tunegrid.cell.load.model import attach_lora
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True)
     reference = attach_lora(reference.to(trainer.device), trainer.spec)
@@ -147,7 +147,7 @@ def test_simulated_host_really_triggers_the_packing(avx512bf16_host):
 
 
 def test_packed_layout_is_refused(checkpoints, dataset_path, tmp_path):
-    from tunegrid.cell.quant_audit import inference_packed_layers, require_trainable_layout
+    from tunegrid.cell.load.quant_audit import inference_packed_layers, require_trainable_layout
 
     trainer = _trainer(checkpoints, dataset_path, tmp_path, "qwen3moe-tiny", "nf4")
     assert inference_packed_layers(trainer.model) == []
@@ -162,7 +162,7 @@ def test_packed_layout_is_refused(checkpoints, dataset_path, tmp_path):
 
 
 def test_census_counts_a_missing_grad():
-    from tunegrid.cell.instrument import DtypeCensus
+    from tunegrid.cell.loop.instrument import DtypeCensus
 
     census = DtypeCensus()
     census._on_grad(None)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import make_study, one_cell, ready_trainer
 
-from tunegrid.cell.int8_experts import Int8RowwiseParametrization
+from tunegrid.cell.experts.int8 import Int8RowwiseParametrization
 from tunegrid.contract import MemoryEstimate
 from tunegrid.study.config import resolve_study
 from tunegrid.study.errors import ConfigError

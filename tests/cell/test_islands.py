@@ -199,7 +199,7 @@ def test_a_matmul_fed_past_fp16s_range_by_an_island_computes_in_fp32_too() -> No
     output finite."""
     import torch
 
-    from tunegrid.cell.islands import IslandCalibration, islands_over, place_fp32_islands
+    from tunegrid.cell.nonfinite.islands import IslandCalibration, islands_over, place_fp32_islands
 
     class Chain(torch.nn.Module):
         def __init__(self) -> None:

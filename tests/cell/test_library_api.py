@@ -8,8 +8,8 @@ import importlib.metadata
 import pytest
 from conftest import cell_contract, one_cell
 
-from tunegrid.cell import library_api
-from tunegrid.cell.library_api import Api, missing_api, missing_api_of
+from tunegrid.cell.load import library_api
+from tunegrid.cell.load.library_api import Api, missing_api, missing_api_of
 from tunegrid.cell.train import CellTrainer
 from tunegrid.contract import CellContract
 from tunegrid.vocabulary import Outcome
@@ -66,7 +66,7 @@ def test_any_missing_api_of_the_table_names_package_version_and_api(checkpoints,
             ),
             "transformers.core_model_loading",
         ),
-        (ImportError("cannot import name 'x' from 'tunegrid.cell.model'"), None),  # tunegrid's own: a bug, error
+        (ImportError("cannot import name 'x' from 'tunegrid.cell.load.model'"), None),  # tunegrid's own: a bug, error
         (AttributeError("'NoneType' object has no attribute 'to'"), None),
     ],
 )

@@ -89,7 +89,7 @@ def test_a_forward_that_goes_nonfinite_ends_the_step_before_its_backward_and_is_
 def test_a_single_process_worker_beats_at_every_decoder_block(checkpoints, dataset_path, tmp_path) -> None:
     import torch
 
-    from tunegrid.cell.liveness import block_progress
+    from tunegrid.cell.loop.liveness import block_progress
     from tunegrid.runtime.rundir import Heartbeat
 
     class Recording(Heartbeat):
@@ -104,7 +104,7 @@ def test_a_single_process_worker_beats_at_every_decoder_block(checkpoints, datas
     beat = Recording(tmp_path / "heartbeat")
     ids = torch.randint(0, 512, (1, 8))
     with block_progress(model, beat), pytest.MonkeyPatch.context() as patch:
-        patch.setattr("tunegrid.cell.liveness.PULSE_EVERY_S", 0.0)
+        patch.setattr("tunegrid.cell.loop.liveness.PULSE_EVERY_S", 0.0)
         model(input_ids=ids, labels=ids).loss.backward()
     assert beat.pulses == [
         "model.layers.0 forward",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import REPO, make_study, one_cell
 
-from tunegrid.cell.model import loftq_arguments
+from tunegrid.cell.load.model import loftq_arguments
 from tunegrid.runtime.files import read_json
 from tunegrid.study.config import resolve_study
 from tunegrid.study.errors import ConfigError

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import one_cell, ready_trainer, run_in_process
 
-from tunegrid.cell.offload import ActivationOffload
+from tunegrid.cell.memory.activation_offload import ActivationOffload
 from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import MemoryComponents
 

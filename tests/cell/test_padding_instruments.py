@@ -22,7 +22,7 @@ def _positions(spec: dict, checkpoints: dict, dataset_path) -> tuple[int, tuple[
     a real (row, token)), from the cell's real-token masks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tunegrid.cell.packing import build_stream
+    from tunegrid.cell.data.packing import build_stream
     from tunegrid.dataset import read_dataset
 
     model_dir = checkpoints[MODEL]
@@ -91,8 +91,8 @@ def test_instruments_read_a_flattened_row_and_flattened_tokens_by_position():
     (batch, seq) into one dim. Poisoned directly: a padding value is padding in both layouts."""
     import torch
 
-    from tunegrid.cell.batches import BatchStream
-    from tunegrid.cell.instrument import HeadroomMeter, OriginTracer
+    from tunegrid.cell.data.batches import BatchStream
+    from tunegrid.cell.loop.instrument import HeadroomMeter, OriginTracer
 
     seq_len, hidden = 4, 3
     tensors = {"input_ids": torch.zeros(2, seq_len, dtype=torch.long), "labels": torch.zeros(2, seq_len)}
@@ -141,7 +141,7 @@ def test_a_tensor_without_token_positions_is_read_whole_and_marked_unlocated():
     non-finite values are the origin only when no real position went non-finite, marked unlocated."""
     import torch
 
-    from tunegrid.cell.instrument import OriginTracer
+    from tunegrid.cell.loop.instrument import OriginTracer
 
     class Routed(torch.nn.Module):
         def forward(self, x):  # type: ignore[no-untyped-def]

@@ -1,6 +1,6 @@
 import pytest
 
-from tunegrid.cell.precision import make_grad_scaler, precision_setup
+from tunegrid.cell.loop.precision import make_grad_scaler, precision_setup
 
 
 @pytest.mark.parametrize(

@@ -113,7 +113,7 @@ def test_audit_roles_name_the_router_not_the_shared_expert_gate(model_type):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from tunegrid.cell.quant_audit import audit_model
+    from tunegrid.cell.load.quant_audit import audit_model
 
     config = AutoConfig.for_model(
         model_type,

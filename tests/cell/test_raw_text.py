@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tunegrid.cell.packing import IGNORE, encode_record
+from tunegrid.cell.data.packing import IGNORE, encode_record
 from tunegrid.prepare.datasets_io import load_records
 from tunegrid.study.data_checks import config_problems
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from tunegrid.cell import fp16_matmul
+from tunegrid.cell.nonfinite import fp16_matmul
 from tunegrid.runtime.files import read_json
 from tunegrid.study.config import cell_spec, expand_cells, load_study, resolve_study
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import one_cell, ready_trainer
 
-from tunegrid.cell.origin import FailingStepReplay
-from tunegrid.cell.resume import rng_states, set_rng_states
+from tunegrid.cell.loop.resume import rng_states, set_rng_states
+from tunegrid.cell.nonfinite.origin import FailingStepReplay
 
 
 class StandInGenerator:

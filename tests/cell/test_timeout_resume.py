@@ -14,7 +14,7 @@ import pytest
 from conftest import one_cell, run_supervised
 
 import tunegrid.run.supervisor as supervisor
-from tunegrid.cell.resume import RESUME_DIR
+from tunegrid.cell.loop.resume import RESUME_DIR
 from tunegrid.runtime.files import read_json, read_jsonl, write_json
 
 LIMIT_S = 10_000  # never reached by the real clock of a test

@@ -244,7 +244,7 @@ def _replay_memory_budget(monkeypatch, forward_only_fits):
     OutOfMemoryError (and, with `forward_only_fits` False, a forward without them too)."""
     import torch
 
-    import tunegrid.cell.model as model_module
+    import tunegrid.cell.load.model as model_module
 
     real_switch, handles = model_module.set_activation_checkpointing, []
 
@@ -313,7 +313,7 @@ def test_a_step_where_no_adapter_gets_a_gradient_ends_unsupported_not_error(
 ):
     """The gradients of every adapter cut off after backward (what an op without an autograd kernel leaves):
     under fp16 GradScaler.step used to assert "No inf checks were recorded"; the cell must end unsupported."""
-    from tunegrid.cell.step import OptimizerStep
+    from tunegrid.cell.loop.step import OptimizerStep
 
     real = OptimizerStep.forward_backward
 

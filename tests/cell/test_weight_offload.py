@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import one_cell, ready_trainer, run_in_process
 
-from tunegrid.cell.weight_offload import WeightOffload, decoder_layers
+from tunegrid.cell.memory.weight_offload import WeightOffload, decoder_layers
 
 
 def _steps(checkpoints, dataset_path, tmp_path, offloaded: bool, checkpointing: bool, quant: str, steps: int = 2):

@@ -192,14 +192,16 @@ TWINS = {
 
 
 def test_module_names_say_what_they_hold():
-    """A module's name does not repeat its room's (recipes/recipe_trl.py says `recipe` twice), and a name is in
-    one room only, unless TWINS says why: `doctor.py` in three rooms told nobody which doctor it held."""
+    """A module's name does not repeat its room's or its sub-room's (recipes/recipe_trl.py says `recipe` twice,
+    cell/experts/expert_lora.py `expert`), and a name is in one room only, unless TWINS says why: `doctor.py` in
+    three rooms told nobody which doctor it held."""
     repeats, rooms_of = [], {}
     for module, path in MODULES.items():
         if path.name in ("__init__.py", "__main__.py"):
             continue
         name, where = path.stem, room(module)
-        if any(name == word or name.startswith(word + "_") for word in (where, where.removesuffix("s"))):
+        words = {w for place in (where, path.parent.name) for w in (place, place.removesuffix("s"))}
+        if any(name == word or name.startswith(word + "_") for word in words):
             repeats.append(module)
         rooms_of.setdefault(name, []).append(where)
     assert not repeats, f"module names that repeat their room's: {repeats}"

@@ -92,8 +92,8 @@ from typing import Protocol
 import torch.nn as nn
 from transformers.quantizers import Bnb4BitHfQuantizer
 
-from tunegrid.cell import step
-from tunegrid.cell.records import StepLog
+from tunegrid.cell.loop import step
+from tunegrid.cell.loop.records import StepLog
 from tunegrid.prepare.checkpoints import CheckpointError
 
 

@@ -63,7 +63,7 @@ AXIS_EFFECTS = {
     "review/doctor_choice.py": "the settings an out-of-memory fix may change (memory, quantization, micro-batch)",
     "study/grid_axes.py": "the axes that stand for a study setting, each beside its setting",
     "run/rank_diagnosis.py": "a distributed cell's facts: its world size and the timeout in effect",
-    "cell/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",
+    "cell/loop/ranks.py": "a distributed cell's facts: its world size and the timeout in effect",
     "recipes/importer.py": "recipe keys recorded, not study paths (its model name)",
     "recipes/core.py": "each axis beside the keys that say it in a tool's file (import and export)",
     "run/calibrate.py": "the probe's micro study: a study's grid as written in a study file",

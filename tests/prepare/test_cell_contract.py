@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import REPO, one_cell
 
-from tunegrid.cell.ranks import Ranks
+from tunegrid.cell.loop.ranks import Ranks
 from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract, CellJob
 from tunegrid.prepare.cell_plan import write_contract
@@ -83,7 +83,7 @@ def test_no_gpu_per_rank_on_a_cuda_host_plans_a_cpu_estimate_and_trains_on_the_c
     sight; the same cell with a GPU per rank plans and trains on CUDA."""
     import torch
 
-    from tunegrid.cell.library_api import require_apis
+    from tunegrid.cell.load.library_api import require_apis
     from tunegrid.cell.train import CellTrainer
     from tunegrid.prepare.memory_estimate import estimate_cell
     from tunegrid.runtime.files import read_json

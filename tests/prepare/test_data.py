@@ -1,4 +1,4 @@
-from tunegrid.cell.batches import BatchStream, tokenize_examples
+from tunegrid.cell.data.batches import BatchStream, tokenize_examples
 from tunegrid.prepare.data import generate_examples
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import make_study
 
-from tunegrid.cell.packing import IGNORE, encode_record
+from tunegrid.cell.data.packing import IGNORE, encode_record
 from tunegrid.dataset import read_dataset, template_turns
 from tunegrid.prepare.datasets_io import DataError, write_study_dataset
 from tunegrid.study.config import ConfigError, resolve_study

@@ -304,7 +304,7 @@ def _saved_expert_weights(trainer) -> dict[int, tuple[int, tuple[int, ...]]]:
     tensor ([experts, ...]) and are no parameter's: the full-width expert weights the forward built."""
     import torch
 
-    from tunegrid.cell.step import loss_tokens
+    from tunegrid.cell.loop.step import loss_tokens
 
     experts = trainer.model.get_base_model().config.num_experts
     parameters = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}

@@ -322,7 +322,7 @@ def _recipe_with(tool: str, optimizer: str, checkpointing: bool | None = None) -
 def test_the_tools_8bit_adamw_names_import_as_the_optimizer_axis_and_export_back(workdir, tool, name, tmp_path):
     from transformers import Trainer, TrainingArguments
 
-    from tunegrid.cell.optimizers import BNB_CLASSES
+    from tunegrid.cell.memory.optimizers import BNB_CLASSES
 
     axis = EIGHT_BIT[(tool, name)]
     recipe = _recipe_with(tool, name)
@@ -335,7 +335,7 @@ def test_the_tools_8bit_adamw_names_import_as_the_optimizer_axis_and_export_back
     # the bit, as the one tunegrid's axis value trains with (8-bit moments of a tensor over 4096 elements)
     import torch
 
-    from tunegrid.cell.optimizers import make_optimizer
+    from tunegrid.cell.memory.optimizers import make_optimizer
 
     cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(TrainingArguments(str(tmp_path), optim=name, use_cpu=True))
     theirs_p, ours_p = (torch.nn.Parameter(torch.linspace(-1, 1, 8192)) for _ in range(2))

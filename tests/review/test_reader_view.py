@@ -65,7 +65,7 @@ def test_the_reports_export_command_names_the_study_folder():
 
 def test_a_module_is_spelled_one_way_on_every_line_of_the_report():
     """peft's wrapper prefix goes; the model's own name stays (what a study's inject/islands keys are written in)."""
-    from tunegrid.cell.records import origin_text
+    from tunegrid.cell.loop.records import origin_text
     from tunegrid.outcome import module_name, origin_label
     from tunegrid.review.recommend import _short
 

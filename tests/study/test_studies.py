@@ -62,7 +62,7 @@ def test_gpu_studies_fill_every_row_they_draw(name, checkpoints):
     one pass over the set holds every row the steps draw (no step trains on a row twice)."""
     from transformers import AutoTokenizer
 
-    from tunegrid.cell.packing import build_stream
+    from tunegrid.cell.data.packing import build_stream
     from tunegrid.prepare.data import generate_examples
 
     class PackedModel:  # what packing_mode reads; packed either way (a test module builds no causal mask: EOS)
@@ -85,7 +85,7 @@ def test_gpu_studies_fill_every_row_they_draw(name, checkpoints):
 
 
 def test_a_packed_remainder_row_is_dropped_only_when_emptier_than_every_other_row_can_be():
-    from tunegrid.cell.packing import pack
+    from tunegrid.cell.data.packing import pack
 
     def examples(*lengths):
         return [([5] * n, [5] * n) for n in lengths]

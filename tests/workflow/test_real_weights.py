@@ -101,7 +101,7 @@ def failing_micro_batch(study_dir: Path, cell_id: str, model) -> tuple[dict, obj
     """The micro-batch the cell's step 0 trained on, drawn by the cell's own data stream, and its real positions."""
     from transformers import AutoTokenizer
 
-    from tunegrid.cell.packing import build_stream
+    from tunegrid.cell.data.packing import build_stream
     from tunegrid.dataset import read_dataset
 
     spec = read_json(study_dir / "plans" / f"{cell_id}.json")["spec"]  # the cell's contract
@@ -163,7 +163,7 @@ def test_real_gemma_fp16_fails_at_its_residual_stream_and_the_fixes_hold(real_st
 def test_the_headroom_meter_reads_what_an_independent_hook_reads_on_real_gemma(real_study: Path) -> None:
     import torch
 
-    from tunegrid.cell.instrument import HeadroomMeter
+    from tunegrid.cell.loop.instrument import HeadroomMeter
 
     model_dir = real_study / "models" / "gemma3-270m"
     batch = sample_batch(model_dir)

@@ -81,7 +81,7 @@ def base_record(
     """Everything needed to rebuild the base the adapter was trained on: for a 4-bit cell, BitsAndBytesConfig's
     arguments too, and that its 4-bit layers kept bitsandbytes' training layout (on a CPU with AVX512-BF16 a
     no-grad eval forward otherwise repacks them for another kernel, which rounds differently)."""
-    from tunegrid.cell.model import bnb_settings
+    from tunegrid.cell.load.model import bnb_settings
     from tunegrid.meanings import quant_row
 
     load = {
@@ -96,12 +96,14 @@ def base_record(
     import torch
 
     if not torch.backends.mkldnn.enabled:  # a CPU MoE cell (bf16; fp16 where oneDNN runs it) trained without oneDNN
-        load["cpu_onednn"] = False  # (cell.model.use_cpu_kernels): they round differently, so a reload matches
-    from tunegrid.cell.fp16_matmul import installed
+        load["cpu_onednn"] = False  # (cell.load.model.use_cpu_kernels): they round differently, so a reload matches
+    from tunegrid.cell.nonfinite.fp16_matmul import installed
 
-    if installed():  # a CPU fp16 cell's matmuls summed in fp32 (cell.fp16_matmul): a reload computes them alike
+    if (
+        installed()
+    ):  # a CPU fp16 cell's matmuls summed in fp32 (cell.nonfinite.fp16_matmul): a reload computes them alike
         load["cpu_fp16_matmul"] = "fp32-sums"
-    if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/islands.make_island)
+    if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/nonfinite/islands.make_island)
         load["fp32_islands"] = list(fp32_islands)
     if spec["lora"].get("loftq_bits"):  # the adapted weights were replaced by their LoftQ round trip
         load["loftq"] = {"bits": spec["lora"]["loftq_bits"], "iter": spec["lora"]["loftq_iter"]}
@@ -116,11 +118,11 @@ def base_record(
 def load_adapter(model: Any, adapter_dir: Path) -> Any:
     """The adapter saved under `adapter_dir`, put on `model` (the base as the cell loaded it, or in full
     precision) for evaluation, with its adapters on 4-bit expert tensors nested and run as in training
-    (cell/expert_lora.py; peft's from_pretrained nests them in another order on a 4-bit base)."""
+    (cell/experts/lora.py; peft's from_pretrained nests them in another order on a 4-bit base)."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from tunegrid.cell.expert_lora import adopt_quantized_experts, nest_in_declared_order
+    from tunegrid.cell.experts.lora import adopt_quantized_experts, nest_in_declared_order
 
     config = LoraConfig.from_pretrained(str(adapter_dir))
     config.inference_mode = True

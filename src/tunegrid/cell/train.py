@@ -5,15 +5,17 @@ the GradScaler. Models, tokenizers, peft and bitsandbytes are used through their
 ours.
 
 The recipe is built from components it constructs and passes what they need, each with a declared type:
-- `RankContext` (cell/ranks.py): this process's rank, its process group and DDP, the ranks' agreed stop, the
+- `RankContext` (cell/loop/ranks.py): this process's rank, its process group and DDP, the ranks' agreed stop, the
   injected rank faults;
-- `OptimizerStep` (cell/step.py): the model, optimizer, schedule and GradScaler, and one step over its
+- `OptimizerStep` (cell/loop/step.py): the model, optimizer, schedule and GradScaler, and one step over its
   micro-batches; each step leaves a `StepResult`;
-- `StepLog` and `StepFiles` (cell/records.py): what each step records, the running tallies and the summary that
+- `StepLog` and `StepFiles` (cell/loop/records.py): what each step records, the running tallies and the summary that
   decides the outcome;
-- `FailingStepReplay` (cell/origin.py): the failing step replayed with hooks, where a non-finite value came from;
-- `ResumeStore` / `ResumeState` (cell/resume.py): what a killed cell restarts from;
-- `audit_and_adapt` (cell/adapt.py) and `place_fp32_islands` (cell/islands.py): the model's set-up passes.
+- `FailingStepReplay` (cell/nonfinite/origin.py): the failing step replayed with hooks, where a non-finite value came
+  from;
+- `ResumeStore` / `ResumeState` (cell/loop/resume.py): what a killed cell restarts from;
+- `audit_and_adapt` (cell/load/adapt.py) and `place_fp32_islands` (cell/nonfinite/islands.py): the model's set-up
+  passes.
 
 This runs in the worker process the supervisor starts; it writes metrics.jsonl (one line per step),
 events.jsonl (non-finite events) and worker.json (the facts the supervisor turns into result.json).
@@ -29,18 +31,18 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.adapt import audit_and_adapt
-from tunegrid.cell.faults import classify_distributed, classify_exception, missing_autograd_fails
-from tunegrid.cell.islands import place_fp32_islands
-from tunegrid.cell.library_api import missing_api_of, require_apis
-from tunegrid.cell.liveness import block_progress
-from tunegrid.cell.model import load_model, load_tokenizer
-from tunegrid.cell.origin import FailingStepReplay
-from tunegrid.cell.ranks import RankContext, Ranks, lora_digest
-from tunegrid.cell.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
-from tunegrid.cell.resume import ResumeStore, training_key
-from tunegrid.cell.step import OptimizerStep
-from tunegrid.cell.weight_offload import WeightOffload, weight_offload_of
+from tunegrid.cell.load.adapt import audit_and_adapt
+from tunegrid.cell.load.library_api import missing_api_of, require_apis
+from tunegrid.cell.load.model import load_model, load_tokenizer
+from tunegrid.cell.loop.faults import classify_distributed, classify_exception, missing_autograd_fails
+from tunegrid.cell.loop.liveness import block_progress
+from tunegrid.cell.loop.ranks import RankContext, Ranks, lora_digest
+from tunegrid.cell.loop.records import StepFiles, StepLog, on_nonfinite, record_step, summarise
+from tunegrid.cell.loop.resume import ResumeStore, training_key
+from tunegrid.cell.loop.step import OptimizerStep
+from tunegrid.cell.memory.weight_offload import WeightOffload, weight_offload_of
+from tunegrid.cell.nonfinite.islands import place_fp32_islands
+from tunegrid.cell.nonfinite.origin import FailingStepReplay
 from tunegrid.contract import CellContract
 from tunegrid.diagnosis import Diagnosis, OomDiagnosis
 from tunegrid.runtime.files import write_json
@@ -77,7 +79,7 @@ class CellTrainer:
     def setup(self) -> None:
         import torch
 
-        from tunegrid.cell.precision import precision_setup
+        from tunegrid.cell.loop.precision import precision_setup
 
         require_apis(self.spec)  # a library stack without an API this cell calls: unsupported, before any load
         train = self.spec["train"]
@@ -127,7 +129,7 @@ class CellTrainer:
 
     # ---------------------------------------------------------------- data
     def build_data(self) -> None:
-        from tunegrid.cell.packing import build_stream
+        from tunegrid.cell.data.packing import build_stream
         from tunegrid.dataset import read_dataset
 
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
@@ -179,7 +181,7 @@ class CellTrainer:
         on the same batch and the loss after it is measured on the same next one (review/quality.py)."""
         from tqdm.auto import tqdm
 
-        from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
+        from tunegrid.cell.loop.instrument import DtypeCensus, HeadroomMeter
 
         train = self.spec["train"]
         steps, every = train["steps"], train["headroom_every"]
@@ -286,7 +288,7 @@ class CellTrainer:
     def finish_cell(self) -> None:
         """An `ok` cell's adapter is its product; any concluded cell's resume state has served its purpose."""
         from tunegrid.cell.adapters import base_record, reference_loss, save_adapter
-        from tunegrid.cell.precision import autocast_context
+        from tunegrid.cell.loop.precision import autocast_context
 
         if self.facts["outcome"] == Outcome.OK and self.ranks.rank == 0:
             self.facts["stage"] = "adapter"
@@ -300,7 +302,7 @@ class CellTrainer:
             self.resume_store.discard()
 
     def signs_of_life(self) -> contextlib.AbstractContextManager[None]:
-        """A single-process cell beats its heartbeat at every decoder block (cell/liveness.py), so a slow step is
+        """A single-process cell beats its heartbeat at every decoder block (cell/loop/liveness.py), so a slow step is
         never taken for a hang; distributed ranks beat at their collectives."""
         if self.ranks.distributed:
             return contextlib.nullcontext()
@@ -327,7 +329,7 @@ class CellTrainer:
 
                 enforcement["address_space_added_peak"] = address_space_added(enforcement)
             if self.optimizer_step is not None:
-                from tunegrid.cell.optimizers import optimizer_facts
+                from tunegrid.cell.memory.optimizers import optimizer_facts
 
                 o = self.optimizer_step
                 self.facts["optimizer"] = optimizer_facts(o.optimizer, o.optimizer_name, self.device.type)

@@ -41,7 +41,8 @@ def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str,
         activations = layers * tokens * hidden * act + per_layer * (2 if device == "cpu" else 1)
     else:
         activations = layers * per_layer
-    # offloaded (cell/offload.py): saved tensors live in host memory, the device holds one layer's; on CPU the same
+    # offloaded (cell/memory/activation_offload.py): saved tensors live in host memory, the device holds one layer's;
+    # on CPU the same
     kept = per_layer + tokens * hidden * act * bool(train["gradient_checkpointing"])
     offloaded = max(0, activations - kept) if train.get("activation_offloading") and device != "cpu" else 0
     activations -= offloaded

@@ -78,7 +78,7 @@ def cpu_onednn_off(
 
 def cpu_fp16_matmul(spec: dict[str, Any], device: str) -> str | None:
     """Why a cell's fp16 matmuls run as fp32 products and sums over fp16 operands, rounded to fp16 once (the
-    arithmetic of a GPU's fp16 GEMM; tunegrid.cell.fp16_matmul), or None where torch's own kernels run them.
+    arithmetic of a GPU's fp16 GEMM; tunegrid.cell.nonfinite.fp16_matmul), or None where torch's own kernels run them.
 
     On a CPU, torch's fp16 matrix products accumulate in fp32 as well, but where an operand is used transposed
     (every backward through a linear layer) they run 19-65x slower than fp32 sums in blocks

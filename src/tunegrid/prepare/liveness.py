@@ -7,7 +7,7 @@ measured for its precision's arithmetic (fp16 on a CPU without fp16 units runs m
 fp32's rate, and a real model's step takes minutes there). While the cell trains, the supervisor raises them again
 from the step times the cell itself reports (tunegrid.run.supervisor.Liveness), so a host that became slower than
 the probe saw is not mistaken for a hang either. A hang makes no progress at all: a single-process worker beats
-its heartbeat at every decoder block in forward and backward (tunegrid.cell.liveness), so the silence a hang
+its heartbeat at every decoder block in forward and backward (tunegrid.cell.loop.liveness), so the silence a hang
 leaves is seen within the heartbeat limit, however long a whole step takes.
 
 Light module: standard library only (the estimate's header reader is torch-free).
@@ -107,9 +107,9 @@ def step_floor_s(
     adapters' and every other operation's work left out) at the rate the probe measured for the arithmetic its
     products run in. Where the probed device only emulates that arithmetic, its products run either in the
     device's own kernel for the dtype (the probe's rate for it) or in fp32 (tunegrid's CPU fp16 products, in fp32
-    blocks: tunegrid.cell.fp16_matmul; a GPU without bf16 units), so the faster of the two rates is taken. A lower
-    bound, never a prediction: the doctor stops trying fixes whose floor is slower than a fix it has measured
-    (review/doctor_stop.py). None without a measured rate."""
+    blocks: tunegrid.cell.nonfinite.fp16_matmul; a GPU without bf16 units), so the faster of the two rates is taken.
+    A lower bound, never a prediction: the doctor stops trying fixes whose floor is slower than a fix it has
+    measured (review/doctor_stop.py). None without a measured rate."""
     rates = {k: v for k, v in (capabilities.get("matmul_tflops") or {}).items() if v}
     row = precision_row(precision)
     dtype = str(row.dtype)

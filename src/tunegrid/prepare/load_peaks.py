@@ -153,6 +153,6 @@ def offloaded_weight_bytes(weight_bytes: dict[str, float]) -> int:
 
 def int8_quantize_bytes(largest_expert_numel: int, device: str) -> int:
     """What quantizing the largest fused expert tensor row-wise to int8 holds beside the loaded weights
-    (int8-experts, cell/int8_experts.py): its fp16 copy and the int8 result; on CPU bitsandbytes' op also builds
+    (int8-experts, cell/experts/int8.py): its fp16 copy and the int8 result; on CPU bitsandbytes' op also builds
     the scaled product and its rounding in fp32 (2 + 4 + 4 bytes per value at once; its CUDA kernel, 2 + 1)."""
     return largest_expert_numel * (10 if device == "cpu" else 3)

@@ -107,8 +107,8 @@ def optimizer_state_bytes(numels: Iterable[int], optimizer: str) -> int:
 
 def _logits(train: dict[str, Any], tokens: int, vocab: int, hidden: int, act: int) -> int:
     """The logits' buffers: fp32 logits, their log-softmax and its gradient. With train.loss chunked
-    (cell/chunked_loss.py), one chunk's at a time (rebuilt in backward), beside the loss tokens' rows of the final
-    hidden states that the chunks are cut from."""
+    (cell/memory/chunked_loss.py), one chunk's at a time (rebuilt in backward), beside the loss tokens' rows of the
+    final hidden states that the chunks are cut from."""
     if train["loss"] != "chunked":
         return tokens * vocab * 4 * 3
     chunk = min(tokens, int(train["loss_chunk_tokens"]))
@@ -200,7 +200,7 @@ def _load_peak(
 
 def _weights_on_device(tensors: WeightInventory, train: dict[str, Any], device: str) -> tuple[int, int]:
     """(the weights on the device from the first step, the weights in host memory). Weight offloading
-    (cell/weight_offload.py): the load put every weight on the device; from the first step each decoder layer's
+    (cell/memory/weight_offload.py): the load put every weight on the device; from the first step each decoder layer's
     live in host memory and come to a GPU one layer at a time. On CPU nothing moves."""
     on = train.get("weight_offloading") and device != "cpu"
     offloaded = offloaded_weight_bytes(tensors.offloadable) if on else 0

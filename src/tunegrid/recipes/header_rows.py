@@ -12,7 +12,7 @@ from typing import Any
 from tunegrid.recipes.core import Recipe
 
 # why a recipe that pads each batch to its longest sequence runs differently: a cell pads every row to
-# train.seq_len (cell/packing.py), packed or not
+# train.seq_len (cell/data/packing.py), packed or not
 PADDED = (
     "a cell pads every row to train.seq_len, so the activation peak it measures is that of a batch whose longest "
     "sequence fills train.seq_len: the recipe's worst batch, above its typical one"

@@ -1,5 +1,5 @@
 """Recipe keys that take the loss without the full logits, carried as `train.loss: chunked` (the cell's loss
-over the loss tokens, a chunk of logits at a time, each rebuilt in backward: cell/chunked_loss.py). The same
+over the loss tokens, a chunk of logits at a time, each rebuilt in backward: cell/memory/chunked_loss.py). The same
 arithmetic per token and the same trade of one chunk's logits for one more pass of the output head as:
 
 - axolotl's CutCrossEntropyPlugin (Apple's Cut Cross Entropy; `cut_cross_entropy` is on by default once the

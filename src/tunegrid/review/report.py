@@ -53,8 +53,8 @@ MEMORY_SETTING_COLUMNS = [
     "estimate_over_measured",
     "final loss - plain",
 ]
-# the quality columns (loss_fall, quality, loss_deviation) and fp32_islands: review/quality.py, cell/islands.py
-# the quality columns (loss_fall, quality, loss_deviation) and fp32_islands: review/quality.py, cell/islands.py;
+# the quality columns (loss_fall, quality, loss_deviation) and fp32_islands: review/quality.py,
+# cell/nonfinite/islands.py;
 # the cell name links to its MLflow run, the figures to compare come first and the long reason last
 ALL_CELLS_COLUMNS = """cell_id outcome final_loss quality loss_deviation peak_bytes estimate_over_measured tokens_per_s
 loss_fall effective_batch steps_run resumed_from_step skipped_steps quality_note fp32_islands optimizer_state_bytes

@@ -46,8 +46,8 @@ PRELOAD = (
     "peft",
     "bitsandbytes",
     "tunegrid.cell.train",
-    "tunegrid.cell.instrument",
-    "tunegrid.cell.precision",
+    "tunegrid.cell.loop.instrument",
+    "tunegrid.cell.loop.precision",
 )
 # what a cell's supervisor and the tracking jobs import (no torch: they never train); MLflow's client and SQL store
 # (which import pandas too) are the cost

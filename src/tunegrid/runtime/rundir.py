@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-# The resume state's folder (checkpoint/, tunegrid.cell.resume) is deliberately not a run file: a re-run resumes
+# The resume state's folder (checkpoint/, tunegrid.cell.loop.resume) is deliberately not a run file: a re-run resumes
 # from it, and the worker itself removes one written for a different training spec.
 RUN_FILES = (
     "metrics.jsonl",

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.cell.packing import IGNORE
+from tunegrid.cell.data.packing import IGNORE
 from tunegrid.vocabulary import SCALED_LOGIT_KEYS
 
 FULL, CHUNKED = "full", "chunked"  # train.loss

@@ -21,7 +21,7 @@ from typing import Any
 from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose, WeightConverter
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from tunegrid.cell.nf4_experts import BLOCKSIZE, finish_state, install_quantized, quantize_expert_into
+from tunegrid.cell.experts.nf4 import BLOCKSIZE, finish_state, install_quantized, quantize_expert_into
 
 
 def _leaves_dim0(op: Any) -> bool:

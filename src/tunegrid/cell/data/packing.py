@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.cell.batches import BatchStream
+from tunegrid.cell.data.batches import BatchStream
 from tunegrid.dataset import template_turns
 
 IGNORE = -100

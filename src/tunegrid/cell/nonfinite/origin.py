@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.cell.step import OptimizerStep, StepResult
+from tunegrid.cell.loop.step import OptimizerStep, StepResult
 
 
 @dataclass
@@ -96,8 +96,8 @@ class FailingStepReplay:
     ) -> dict[str, Any]:
         import torch
 
-        from tunegrid.cell.instrument import OriginTracer
-        from tunegrid.cell.resume import set_rng_states
+        from tunegrid.cell.loop.instrument import OriginTracer
+        from tunegrid.cell.loop.resume import set_rng_states
 
         trained = self.step
         trained.optimizer.zero_grad(set_to_none=True)
@@ -120,7 +120,7 @@ class FailingStepReplay:
             if backward:
                 trained.forward_backward(batch, scale=result.scale, step_tokens=result.step_tokens)
             else:  # no graph: each layer's activations are freed as the next one runs
-                from tunegrid.cell.precision import autocast_context
+                from tunegrid.cell.loop.precision import autocast_context
 
                 with torch.no_grad(), autocast_context(trained.precision):
                     if trained.chunked is not None:  # train.loss: chunked: no full logits here either
@@ -139,7 +139,7 @@ def activation_checkpointing_off(model: Any) -> Iterator[None]:
     if not (on if on is not None else getattr(base, "is_gradient_checkpointing", False)):
         yield
         return
-    from tunegrid.cell.model import set_activation_checkpointing
+    from tunegrid.cell.load.model import set_activation_checkpointing
 
     set_activation_checkpointing(base, False)
     try:
@@ -150,7 +150,7 @@ def activation_checkpointing_off(model: Any) -> Iterator[None]:
 
 def out_of_memory_text(exc: BaseException, what: str) -> str:
     """Why a replay gave up; anything but out-of-memory is not the replay's to absorb and is re-raised."""
-    from tunegrid.cell.faults import classify_exception
+    from tunegrid.cell.loop.faults import classify_exception
     from tunegrid.vocabulary import Outcome
 
     if classify_exception(exc) != Outcome.OOM:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.instrument import DtypeCensus, HeadroomMeter
-from tunegrid.cell.origin import FailingStepReplay
-from tunegrid.cell.resume import ResumeState
-from tunegrid.cell.step import StepResult
+from tunegrid.cell.loop.instrument import DtypeCensus, HeadroomMeter
+from tunegrid.cell.loop.resume import ResumeState
+from tunegrid.cell.loop.step import StepResult
+from tunegrid.cell.nonfinite.origin import FailingStepReplay
 from tunegrid.diagnosis import Diagnosis, NanDiagnosis, NonfiniteKind
 from tunegrid.outcome import StepMetrics, module_name
 from tunegrid.runtime.files import JsonlAppender

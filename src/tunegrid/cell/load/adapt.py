@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tunegrid.cell.model import attach_lora
+from tunegrid.cell.load.model import attach_lora
 from tunegrid.meanings import quant_row
 from tunegrid.runtime.files import write_json
 
@@ -20,7 +20,7 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
     """
     from peft import prepare_model_for_kbit_training
 
-    from tunegrid.cell import quant_audit
+    from tunegrid.cell.load import quant_audit
 
     quant, lora = quant_row(spec["axes"]["quant"]), spec["lora"]
     quantized = quant.quantizes  # any quantization: what it left in full precision is flagged
@@ -31,11 +31,11 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
     }
     nf4_experts = quant.experts_quantized and not quant.experts_after_load
     if nf4_experts:
-        from tunegrid.cell.expert_quant import quantized_at_load
+        from tunegrid.cell.experts.quant import quantized_at_load
 
         at_load = quantized_at_load(model)
     elif quant.experts_quantized:  # int8-experts: the loader quantized them once the load was done
-        from tunegrid.cell.int8_experts import quantized_experts
+        from tunegrid.cell.experts.int8 import quantized_experts
 
         report["expert_quantization"] = {"order": "after_load", "changed": quantized_experts(model)}
     if quantized and lora["prepare_kbit_training"]:

@@ -12,12 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tunegrid.cell.chunked_loss import ChunkedLoss, chunked_loss_of
-from tunegrid.cell.injection import NonfiniteInjector
-from tunegrid.cell.offload import ActivationOffload, offload_of
-from tunegrid.cell.packing import IGNORE
-from tunegrid.cell.precision import PrecisionSetup
-from tunegrid.cell.ranks import RankContext
+from tunegrid.cell.data.packing import IGNORE
+from tunegrid.cell.loop.precision import PrecisionSetup
+from tunegrid.cell.loop.ranks import RankContext
+from tunegrid.cell.memory.activation_offload import ActivationOffload, offload_of
+from tunegrid.cell.memory.chunked_loss import ChunkedLoss, chunked_loss_of
+from tunegrid.cell.nonfinite.injection import NonfiniteInjector
 from tunegrid.runtime.memory import MemoryMeter
 
 
@@ -96,8 +96,8 @@ class OptimizerStep:
     ) -> OptimizerStep:
         from transformers import get_scheduler
 
-        from tunegrid.cell.optimizers import make_optimizer
-        from tunegrid.cell.precision import make_grad_scaler
+        from tunegrid.cell.loop.precision import make_grad_scaler
+        from tunegrid.cell.memory.optimizers import make_optimizer
 
         train = spec["train"]
         name = spec["axes"]["optimizer"]
@@ -157,7 +157,7 @@ class OptimizerStep:
         step (transformers' num_items_in_batch), so the micro-batches' losses and gradients add up to those of
         one batch holding them all, whatever their share of loss tokens.
         """
-        from tunegrid.cell.precision import autocast_context
+        from tunegrid.cell.loop.precision import autocast_context
 
         by_count = self.loss_by_count
         ddp = self.ranks.ddp
@@ -200,7 +200,7 @@ class OptimizerStep:
         """
         import torch
 
-        from tunegrid.cell.resume import rng_states
+        from tunegrid.cell.loop.resume import rng_states
 
         scaler = self.scaler
         if self.ranks.distributed:

@@ -25,7 +25,8 @@ EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", 
 
 
 def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: CellKernels, device: Any) -> Any:
-    """The cell's model at its precision (a tunegrid.cell.precision.PrecisionSetup), with the kernels its plan chose."""
+    """The cell's model at its precision (a tunegrid.cell.loop.precision.PrecisionSetup), with the kernels its plan
+    chose."""
     from transformers import BitsAndBytesConfig
 
     use_cpu_kernels(kernels, device)
@@ -45,7 +46,8 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
     if quant.experts_quantized and not quant.experts_after_load:  # quantized as read: never all at full width
-        from tunegrid.cell import expert_quant  # transformers v5's loader (cell.library_api checked it is there)
+        # transformers v5's loader (cell.load.library_api checked it is there)
+        from tunegrid.cell.experts import quant as expert_quant
 
         kwargs["quantization_config"] = expert_quant.load_config(bnb)
     elif quant.quantizes:  # bitsandbytes replaces nn.Linear (4-bit or 8-bit as the row's settings say)
@@ -55,11 +57,11 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     with conversion_errors_named():
         model = load_causal_lm(model_dir, kwargs)
     if quant.experts_after_load:  # int8-experts: the 8-bit load replaced nn.Linear; the experts now, where they are
-        from tunegrid.cell.int8_experts import quantize_experts
+        from tunegrid.cell.experts.int8 import quantize_experts
 
         quantize_experts(model)
     if quant.quantizes:
-        from tunegrid.cell.quant_audit import disable_cpu_inference_packing
+        from tunegrid.cell.load.quant_audit import disable_cpu_inference_packing
 
         # before any forward: an eval-mode no_grad forward on an AVX512-BF16 CPU would repack the
         # 4-bit weights into a layout without backward, for good (see disable_cpu_inference_packing)
@@ -73,14 +75,14 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
 
 
 def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:
-    """from_pretrained, on transformers v5 through expert_quant (the checkpoint read without a mapping,
-    cell.checkpoint_reader; the nf4-experts quantizer registered). On 4.x (a library stack) transformers' own
+    """from_pretrained, on transformers v5 through experts/quant.py (the checkpoint read without a mapping,
+    cell.load.checkpoint_reader; the nf4-experts quantizer registered). On 4.x (a library stack) transformers' own
     reader: 4.57 cannot take the unread tensors as a state_dict, so its load maps the safetensors files and their
     pages count in its load peak (not in its step peaks: the files are closed by then)."""
-    from tunegrid.cell.library_api import has_v5_loading
+    from tunegrid.cell.load.library_api import has_v5_loading
 
     if has_v5_loading():
-        from tunegrid.cell import expert_quant
+        from tunegrid.cell.experts import quant as expert_quant
 
         return expert_quant.load_causal_lm(model_dir, kwargs)
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -180,7 +182,7 @@ def use_cpu_kernels(kernels: CellKernels, device: Any) -> None:
     if device.type == "cpu":
         torch.backends.mkldnn.enabled = kernels.cpu_onednn_off is None
     if device.type == "cpu" and kernels.cpu_fp16_matmul:
-        from tunegrid.cell.fp16_matmul import install
+        from tunegrid.cell.nonfinite.fp16_matmul import install
 
         install()
 
@@ -227,11 +229,11 @@ def loftq_arguments(lora: dict[str, Any], model: Any) -> dict[str, Any]:
 
 
 def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
-    """peft's LoRA; adapters on 4-bit (nf4-experts) expert tensors train over the NF4 base (cell/expert_lora.py)."""
+    """peft's LoRA; adapters on 4-bit (nf4-experts) expert tensors train over the NF4 base (cell/experts/lora.py)."""
     from peft import LoraConfig, get_peft_model
 
-    from tunegrid.cell.expert_lora import adopt_quantized_experts, expand_targets, nest_in_declared_order
-    from tunegrid.cell.library_api import has_v5_loading
+    from tunegrid.cell.experts.lora import adopt_quantized_experts, expand_targets, nest_in_declared_order
+    from tunegrid.cell.load.library_api import has_v5_loading
 
     lora = spec["lora"]
     if spec["train"]["gradient_checkpointing"]:

@@ -17,7 +17,7 @@ FOUR_BIT_TYPES = frozenset({"nf4", "fp4"})  # bitsandbytes' QuantState.quant_typ
 def _int8_scale(module: Any, storage: Any) -> Any | None:
     """The per-row scale (SCB) of a bitsandbytes 8-bit weight, None for any other tensor. Structural: an
     Int8Params storage, its scale on the parameter or, once a forward has run, on the layer's state; or the
-    row statistics of an int8 tensor held under a row-wise parametrization (int8-experts, cell/int8_experts.py)."""
+    row statistics of an int8 tensor held under a row-wise parametrization (int8-experts, cell/experts/int8.py)."""
     if type(storage).__name__ != "Int8Params":
         for plist in getattr(module, "parametrizations", {}).values():
             if plist.original is storage and getattr(plist[0], "row_stats", None) is not None:
@@ -240,14 +240,14 @@ def quantize_experts_post_load(model: Any) -> dict[str, Any]:
     """NF4-quantize every ≥3-D parameter a 4-bit load left in full precision, with bitsandbytes' own API.
 
     After a plain 4-bit load this is the whole expert quantization (the load peak then holds the experts in
-    full precision); after expert_quant's load it finds nothing left. Trainable parameters are never
+    full precision); after experts/quant.py's load it finds nothing left. Trainable parameters are never
     touched. A tensor that already carries a LoRA adapter (peft's ParamWrapper) is quantized too, and its
-    wrapper made to train over the 4-bit base (expert_lora); `kept_for_lora` lists any adapted expert
+    wrapper made to train over the 4-bit base (experts/lora.py); `kept_for_lora` lists any adapted expert
     tensor still in full precision afterwards, so that memory cost would be visible.
     """
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
-    from tunegrid.cell.expert_lora import adopt_quantized_experts
+    from tunegrid.cell.experts.lora import adopt_quantized_experts
 
     changed = []
     for module_name, module in list(model.named_modules()):

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from tunegrid.cell.instrument import FP16_MAX, HeadroomMeter
+from tunegrid.cell.loop.instrument import FP16_MAX, HeadroomMeter
 from tunegrid.outcome import PEFT_PREFIX, module_name
 
 # A peft LoRA layer's own parts: an island among them is the LoRA layer itself (its output is what flows on)

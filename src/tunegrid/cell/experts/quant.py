@@ -6,12 +6,12 @@ still needs the full-precision model once, at the load peak. Here the quantizer 
 calls per target tensor (right after its weight conversion has fused the per-expert checkpoint
 tensors into one parameter) also quantizes every ≥3-D parameter, on the target device, and the
 full-precision tensor is dropped before the next one is read; where the checkpoint stores experts apart,
-the fusing itself runs one expert at a time (expert_stream), so not even one fused full-precision
+the fusing itself runs one expert at a time (experts/stream.py), so not even one fused full-precision
 tensor exists. Experts are found by rank, not by name:
 any MoE family, stored [E, out, in] or [E, in, out], with or without biases (biases are < 3-D and stay).
 
 Every expert tensor is quantized, those that will carry a LoRA adapter too: the adapters train over the
-NF4 base (cell/expert_lora.py).
+NF4 base (cell/experts/lora.py).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name
 
-from tunegrid.cell.checkpoint_reader import unread_state_dict
-from tunegrid.cell.expert_stream import stream_expert_merges
-from tunegrid.cell.nf4_experts import install_quantized, quantize_per_expert
+from tunegrid.cell.experts.nf4 import install_quantized, quantize_per_expert
+from tunegrid.cell.experts.stream import stream_expert_merges
+from tunegrid.cell.load.checkpoint_reader import unread_state_dict
 
 QUANT_METHOD = "bitsandbytes_nf4_experts"
 
@@ -131,7 +131,7 @@ def load_causal_lm(model_dir: Path, kwargs: dict[str, Any]) -> Any:
 
 def quantized_at_load(model: Any) -> list[dict[str, Any]]:
     """The ≥3-D parameters held NF4 under a bitsandbytes parametrization, with their stored bytes."""
-    from tunegrid.cell.quant_audit import quant_state_bytes
+    from tunegrid.cell.load.quant_audit import quant_state_bytes
 
     found = []
     for module_name, module in model.named_modules():

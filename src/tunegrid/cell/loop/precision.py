@@ -26,8 +26,8 @@ class PrecisionSetup:
     autocast: bool
     grad_scaler: bool
     reason: str
-    fp32_islands: bool = False  # the modules that overflow fp16 compute and return fp32 (cell/islands.py)
-    residual_fp32: bool = False  # the residual stream held in fp32 from the embeddings on (cell/model.py)
+    fp32_islands: bool = False  # the modules that overflow fp16 compute and return fp32 (cell/nonfinite/islands.py)
+    residual_fp32: bool = False  # the residual stream held in fp32 from the embeddings on (cell/load/model.py)
 
     def torch_dtype(self, which: str = "compute") -> Any:
         import torch

@@ -1,5 +1,5 @@
 """A cell's batches: the data set tokenized to fixed-length rows (tokenize_examples) and drawn, epoch by epoch,
-as micro-batches in a seeded order (BatchStream); cell/packing.py builds the stream a cell trains on.
+as micro-batches in a seeded order (BatchStream); cell/data/packing.py builds the stream a cell trains on.
 """
 
 from __future__ import annotations
