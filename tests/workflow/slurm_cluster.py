@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -44,21 +44,13 @@ def short_spool() -> Path:
     return Path(tempfile.mkdtemp(prefix="tgspool", dir="/tmp"))
 
 
-def write_config(root: Path, spool: Path, cpus: int = 8, memory_mb: int = 16000, min_job_age_s: int = 60) -> Path:
-    """slurm.conf + gres.conf in /etc/slurm, the default path: the executor's job step strips every
-    SLURM_* variable (SLURM_CONF included) before calling srun, so a config elsewhere is not found
-    inside jobs. Refuses to touch a slurm.conf that this helper did not write."""
-    host = socket.gethostname()
-    for sub in ("state", "log"):
-        (root / sub).mkdir(parents=True, exist_ok=True)
-    conf = ETC / "slurm.conf"
-    if conf.exists() and MARKER not in conf.read_text():
-        raise RuntimeError(f"{conf} exists and is not ours: not starting a test cluster over a real one")
-    ETC.mkdir(parents=True, exist_ok=True)
-    conf.write_text(f"""\
+def conf_text(cluster: str, controller: str, root: Path, spool: str | Path, min_job_age_s: int, nodes: str) -> str:
+    """slurm.conf for a test cluster: its controller, its `nodes` lines (a slurmd per node: `%n` in a path is the
+    node's name), the state, logs and pid files under root, slurmd's spool `spool` (a short path: short_spool)."""
+    return f"""\
 {MARKER}
-ClusterName=tunegrid-ci
-SlurmctldHost={host}
+ClusterName={cluster}
+SlurmctldHost={controller}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -68,9 +60,9 @@ SlurmdPort={_free_port()}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={spool}
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd.log
+SlurmdLogFile={root}/log/slurmd-%n.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -83,10 +75,53 @@ ReturnToService=2
 MinJobAge={min_job_age_s}
 InactiveLimit=0
 KillWait=5
-GresTypes=gpu
-NodeName={host} CPUs={cpus} RealMemory={memory_mb} Gres=gpu:{len(FAKE_GPUS)} State=UNKNOWN
-PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-""")
+{nodes}PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+"""
+
+
+def munge_up() -> bool:
+    """Start munged if no munged answers; True when this call started it (stop_daemons then stops it)."""
+    if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
+        return False
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
+    return True
+
+
+def stop_daemons(started: list[subprocess.Popen[bytes]], munge_started: bool) -> None:
+    """Cancel every job, stop the daemons started (last first), and munged where munge_up started it."""
+    with suppress(Exception):
+        subprocess.run(["scancel", "--full", "-u", "root"], capture_output=True, timeout=10)
+    for proc in reversed(started):
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if munge_started:
+        with suppress(ProcessLookupError, ValueError, FileNotFoundError):
+            os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
+
+
+def quiet() -> dict[str, int]:
+    return {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
+
+
+def write_config(root: Path, spool: Path, cpus: int = 8, memory_mb: int = 16000, min_job_age_s: int = 60) -> Path:
+    """slurm.conf + gres.conf in /etc/slurm, the default path: the executor's job step strips every
+    SLURM_* variable (SLURM_CONF included) before calling srun, so a config elsewhere is not found
+    inside jobs. Refuses to touch a slurm.conf that this helper did not write."""
+    host = socket.gethostname()
+    for sub in ("state", "log"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    conf = ETC / "slurm.conf"
+    if conf.exists() and MARKER not in conf.read_text():
+        raise RuntimeError(f"{conf} exists and is not ours: not starting a test cluster over a real one")
+    ETC.mkdir(parents=True, exist_ok=True)
+    nodes = f"NodeName={host} CPUs={cpus} RealMemory={memory_mb} Gres=gpu:{len(FAKE_GPUS)} State=UNKNOWN\n"
+    conf.write_text(conf_text("tunegrid-ci", host, root, spool, min_job_age_s, "GresTypes=gpu\n" + nodes))
     gres = "".join(f"NodeName={host} Name=gpu File={device}\n" for device in FAKE_GPUS)
     (ETC / "gres.conf").write_text(f"{MARKER}\n{gres}")
     return conf
@@ -106,30 +141,11 @@ def slurm_cluster(root: Path, timeout_s: float = 30.0) -> Iterator[dict[str, str
     conf = write_config(root, spool)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     started: list[subprocess.Popen[bytes]] = []
-    munge_started = False
     started_at = time.time()
-    if subprocess.run(["munge", "-n"], capture_output=True).returncode != 0:
-        Path("/run/munge").mkdir(parents=True, exist_ok=True)
-        shutil.chown("/run/munge", "munge", "munge")
-        subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
-        munge_started = True
+    munge_started = munge_up()
     try:
-        started.append(
-            subprocess.Popen(
-                ["/usr/sbin/slurmctld", "-D", "-f", str(conf)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.STDOUT,
-            )
-        )
-        started.append(
-            subprocess.Popen(
-                ["/usr/sbin/slurmd", "-D", "-f", str(conf)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.STDOUT,
-            )
-        )
+        started.append(subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-f", str(conf)], env=env, **quiet()))
+        started.append(subprocess.Popen(["/usr/sbin/slurmd", "-D", "-f", str(conf)], env=env, **quiet()))
         deadline = time.time() + timeout_s
         while True:
             state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
@@ -142,20 +158,6 @@ def slurm_cluster(root: Path, timeout_s: float = 30.0) -> Iterator[dict[str, str
         env["TUNEGRID_SLURM_STARTUP_S"] = f"{time.time() - started_at:.1f}"
         yield env
     finally:
-        subprocess.run(["scancel", "--full", "-u", "root"], env=env, capture_output=True)
-        for proc in reversed(started):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_daemons(started, munge_started)
         remove_config()
         shutil.rmtree(spool, ignore_errors=True)
-        if munge_started:
-            pid_file = Path("/run/munge/munged.pid")
-            if pid_file.exists():
-                try:
-                    os.kill(int(pid_file.read_text().strip()), signal.SIGTERM)
-                except (ProcessLookupError, ValueError):
-                    pass

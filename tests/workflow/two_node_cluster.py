@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from slurm_cluster import ETC, MARKER, _free_port, remove_config, short_spool
+from slurm_cluster import ETC, MARKER, conf_text, munge_up, quiet, remove_config, short_spool, stop_daemons
 
 BRIDGE = "tgbr0"
 HOST_ADDR = "10.77.0.1"
@@ -128,47 +128,8 @@ def write_config(root: Path, spool: Path, cpus: int = 2, memory_mb: int = 8000, 
         f"NodeName={node} NodeAddr={addr} CPUs={cpus} RealMemory={memory_mb} State=UNKNOWN\n"
         for node, addr in NODES.items()
     )
-    conf.write_text(f"""\
-{MARKER}
-ClusterName=tunegrid-2node
-SlurmctldHost={host}({HOST_ADDR})
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
-StateSaveLocation={root}/state
-SlurmdSpoolDir={spool}/%n
-SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd-%n.pid
-SlurmctldLogFile={root}/log/slurmctld.log
-SlurmdLogFile={root}/log/slurmd-%n.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core_Memory
-SlurmdParameters=config_overrides
-ReturnToService=2
-MinJobAge={min_job_age_s}
-InactiveLimit=0
-KillWait=5
-{nodes}PartitionName=ci Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-""")
+    conf.write_text(conf_text("tunegrid-2node", f"{host}({HOST_ADDR})", root, f"{spool}/%n", min_job_age_s, nodes))
     return conf
-
-
-def _munge_up() -> bool:
-    """Start munged if no munged answers; True when this call started it."""
-    if subprocess.run(["munge", "-n"], capture_output=True).returncode == 0:
-        return False
-    Path("/run/munge").mkdir(parents=True, exist_ok=True)
-    shutil.chown("/run/munge", "munge", "munge")
-    subprocess.run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"], check=True)
-    return True
 
 
 @contextmanager
@@ -183,11 +144,11 @@ def two_node_cluster(root: Path, timeout_s: float = 40.0) -> Iterator[dict[str, 
         make_network()
         conf = write_config(root, spool)
         env = {**os.environ, "SLURM_CONF": str(conf)}
-        munge_started = _munge_up()
-        started.append(subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-f", str(conf)], env=env, **_quiet()))
+        munge_started = munge_up()
+        started.append(subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-f", str(conf)], env=env, **quiet()))
         for node in NODES:
             command = ["nsenter", f"--net=/run/netns/{node}", "/usr/sbin/slurmd", "-D", "-N", node, "-f", str(conf)]
-            started.append(subprocess.Popen(command, env=env, **_quiet()))
+            started.append(subprocess.Popen(command, env=env, **quiet()))
         deadline = time.time() + timeout_s
         while True:
             state = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True)
@@ -201,15 +162,7 @@ def two_node_cluster(root: Path, timeout_s: float = 40.0) -> Iterator[dict[str, 
         env["TUNEGRID_SLURM_STARTUP_S"] = f"{time.time() - started_at:.1f}"
         yield env
     finally:
-        with suppress(Exception):
-            subprocess.run(["scancel", "--full", "-u", "root"], capture_output=True, timeout=10)
-        for proc in reversed(started):
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_daemons(started, munge_started)
         for node in NODES:  # a step a slurmd left behind dies with its namespace's processes
             for pid in _ip("netns", "pids", node, check=False).stdout.split():
                 with suppress(ProcessLookupError, ValueError):
@@ -217,10 +170,3 @@ def two_node_cluster(root: Path, timeout_s: float = 40.0) -> Iterator[dict[str, 
         remove_network()
         remove_config()
         shutil.rmtree(spool, ignore_errors=True)
-        if munge_started:
-            with suppress(ProcessLookupError, ValueError, FileNotFoundError):
-                os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
-
-
-def _quiet() -> dict[str, int]:
-    return {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
