@@ -20,12 +20,12 @@ def test_each_fix_stores_and_computes_what_its_row_says() -> None:
 @pytest.mark.parametrize(("precision", "stream"), [("fp16", "float16"), ("fp16-residual", "float32")])
 def test_fp16_residual_carries_the_stream_in_fp32_while_its_matmuls_stay_fp16(checkpoints, precision, stream) -> None:
     import torch
-    from conftest import one_cell
+    from conftest import one_cell_spec
 
     from tunegrid.cell.load.model import load_model
     from tunegrid.contract import CellKernels
 
-    spec = one_cell(precision=precision)
+    spec = one_cell_spec(precision=precision)
     setup = precision_setup(precision, "cpu")
     model = load_model(checkpoints["gemma3-hot"], spec, setup, CellKernels(), torch.device("cpu"))
     seen: dict[str, torch.dtype] = {}

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, make_study, one_cell
+from conftest import REPO, make_study, one_cell, one_cell_spec
 
 from tunegrid.cell.load.model import loftq_arguments
 from tunegrid.runtime.files import read_json
@@ -27,12 +27,13 @@ def _on(device: str) -> SimpleNamespace:
 def test_peft_gets_loftqs_arguments_on_a_gpu_and_a_cpu_cell_never_starts():
     from peft import LoraConfig
 
-    arguments = loftq_arguments(LOFTQ, _on("cuda"))
+    loftq = one_cell_spec(lora={"target_modules": ["q_proj"], **LOFTQ}).lora
+    arguments = loftq_arguments(loftq, _on("cuda"))
     config = LoraConfig(r=8, target_modules=["q_proj"], **arguments)
     assert config.init_lora_weights == "loftq" and config.loftq_config == {"loftq_bits": 4, "loftq_iter": 1}
-    assert loftq_arguments({"loftq_bits": 0}, _on("cpu")) == {}
+    assert loftq_arguments(one_cell_spec().lora, _on("cpu")) == {}  # loftq_bits 0
     with pytest.raises(RuntimeError, match="LoftQ initialization runs on CUDA only"):
-        loftq_arguments(LOFTQ, _on("cpu"))
+        loftq_arguments(loftq, _on("cpu"))
 
 
 def test_the_plan_says_unsupported_where_the_cell_would_train_on_the_cpu():
