@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_study, one_cell
+from conftest import make_study, one_cell, one_cell_spec
 
 from tunegrid.run.link_check import find_slow_link, predicted_allreduce
 from tunegrid.run.nodes import RankStep, nodes_shortfall, step_env
@@ -63,7 +63,7 @@ def test_the_grid_refuses_nodes_that_do_not_divide_the_world_size():
 
 
 def test_a_partition_must_hold_the_nodes_and_each_nodes_share():
-    spec = one_cell(model="qwen3moe-tiny", world=4, axes={"nodes": 2}, train={"threads": 2})
+    spec = one_cell_spec(model="qwen3moe-tiny", world=4, axes={"nodes": 2}, train={"threads": 2})
     partition = {"name": "ci", "up": True, "cpus_per_node": 4, "gpus_per_node": 0}
     assert cluster_shortfall(spec, {"cluster": {"partitions": [{**partition, "nodes": 2}]}}) is None
     outcome, reason = cluster_shortfall(spec, {"cluster": {"partitions": [{**partition, "nodes": 1}]}})

@@ -160,9 +160,10 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     """The `finetune` job: the cell of this contract (tunegrid.contract, made by the `cell_plan` rule) trained
     under supervision, or decided without training where its plan says so; returns result.json's content."""
     start = _start(contract_path, command)
-    hardware, world = start.cell["hardware"], start.contract.spec.axes.world_size
+    spec = start.contract.spec
+    per_rank, world = spec.hardware.gpus_per_rank, spec.axes.world_size
     # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
-    with cell_devices(hardware, world, start.capabilities) if start.verdict is None else nullcontext() as visible:
+    with cell_devices(per_rank, world, start.capabilities) if start.verdict is None else nullcontext() as visible:
         tracker, early = _launch(start, visible)
         result, unsent = _attempts(start, tracker, early, visible)  # each supervised, then composed
         return record_result(start.contract, tracker, result, unsent, visible)
@@ -196,7 +197,7 @@ def _start(contract_path: Path, command: list[str]) -> CellStart:
     estimate = plan.estimate(worker)
     verdict = None if estimate.verdict == "run" else (estimate.verdict, estimate.reason)
     if verdict is None and capabilities.get("cluster_job"):  # the GPUs granted to this job, known only now
-        verdict = gpu_shortfall(spec_json, capabilities)
+        verdict = gpu_shortfall(spec, capabilities)
     verdict = verdict or nodes_shortfall(spec_json)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
     cell = {**spec_json, "plan": plan.record(worker)}
     return CellStart(contract, contract_path, command, started, spec_json, capabilities, warm_socket, verdict, cell)
