@@ -10,8 +10,6 @@ Light module: standard library only (the Snakefile and the plan rules read it).
 
 from __future__ import annotations
 
-from typing import Any
-
 SPAWNED = "spawned"
 FORKED = "forked"
 WORKERS = (SPAWNED, FORKED)
@@ -32,8 +30,3 @@ def planned_worker(device: str, warm_worker: bool, nodes: int, stack_python: str
     CellSpec)."""
     forkable = warm_worker and device == "cpu" and not stack_python and nodes <= 1
     return FORKED if forkable else SPAWNED
-
-
-def stack_python(spec: dict[str, Any]) -> str:
-    """The interpreter of the cell's library stack (tunegrid.study.stacks); "" on the base stack."""
-    return (spec.get("stack") or {}).get("python", "")
