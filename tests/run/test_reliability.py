@@ -210,6 +210,8 @@ def test_tracking_server_stopped_mid_run_training_goes_on_and_sync_fills(checkpo
         history = client(url).get_metric_history(synced["run_id"], "loss")
     assert synced["points_filled"] > 0
     assert len({m.step for m in history}) == 400
+    # the artifacts went through the server to the folder beside its store, not the folder it was started in
+    assert list((tmp_path / "mlartifacts" / experiment_id).glob("*/artifacts/result.json"))
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import tunegrid.cli.commands as commands
 import tunegrid.cli.doctor as doctor
@@ -19,7 +20,16 @@ from tunegrid.study.config import ConfigError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tunegrid", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_preparation_parsers, _cell_parsers, _record_parsers, _contract_parsers, _review_parsers):
+        add(sub)  # in this order: the reference pages list the commands as the parser holds them
+    recipes.add_parsers(sub)
+    doctor.add_parsers(sub)
+    pin.add_parser(sub)
+    return parser
 
+
+def _preparation_parsers(sub: Any) -> None:
+    """The study's inputs: data set, checkpoints, environments, stacks, probe, tracking store."""
     p = sub.add_parser("dataset", help="write the training records (generated, or the study's own data)")
     p.add_argument("--data-spec", help="the study's data section as JSON (default: generated pairs)")
     p.add_argument("--examples", type=int, help="(synthetic) generated pairs")
@@ -60,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(func=commands.tracking_init)
 
+
+def _cell_parsers(sub: Any) -> None:
+    """A cell's job and the training process it supervises."""
     p = sub.add_parser("finetune", help="run one grid cell under supervision; always writes result.json")
     p.add_argument("--contract", required=True, help="the cell's contract (results/<study>/plans/<cell_id>.json)")
     p.set_defaults(func=commands.finetune)
@@ -68,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--contract", required=True)
     p.set_defaults(func=commands.worker)
 
+
+def _record_parsers(sub: Any) -> None:
+    """What the cells leave, gathered: the summary, MLflow filled after the fact, the runs page."""
     p = sub.add_parser("summary", help="one row per cell as CSV")
     p.add_argument("--out", required=True)
     p.add_argument("--sync", default="", help="tracking-sync.json: run ids of runs created after the fact")
@@ -89,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("results", nargs="+")
     p.set_defaults(func=commands.mlflow_review)
 
+
+def _contract_parsers(sub: Any) -> None:
+    """The cells' contracts and the study's plan table."""
     p = sub.add_parser("plan", help="plan.csv: per cell, the target, the memory estimate and the verdict")
     p.add_argument("--study-file", required=True, help="the resolved study (results/<study>/study.json)")
     p.add_argument("--plans", required=True, help="the folder of the cells' contracts (results/<study>/plans)")
@@ -115,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warm-worker", action="store_true", help="the run keeps no warm worker (all spawned)")
     p.set_defaults(func=commands.cell_plan)
 
+
+def _review_parsers(sub: Any) -> None:
+    """The report and its views: HTML, screenshots, the MLflow UI, the study's check."""
     p = sub.add_parser("report", help="the comparison report: HTML, PNGs and recommendations")
     p.add_argument("--summary", required=True, help="summary.parquet")
     p.add_argument("--capabilities", required=True)
@@ -156,10 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("validate", help="check a study config and count its cells")
     p.add_argument("config")
     p.set_defaults(func=commands.validate)
-    recipes.add_parsers(sub)
-    doctor.add_parsers(sub)
-    pin.add_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

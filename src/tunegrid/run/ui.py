@@ -83,6 +83,11 @@ def mlflow_server(
     ]
     if allowed_hosts:
         command += ["--allowed-hosts", allowed_hosts]
+    if store_uri.startswith("sqlite:///"):
+        # runs made through the server (an experiment without an artifact location of its own) keep their artifacts
+        # beside the store: MLflow's default is ./mlartifacts under whatever folder the server was started in
+        store = Path(store_uri.removeprefix("sqlite:///"))
+        command += ["--artifacts-destination", str(store.parent.resolve() / "mlartifacts")]
     proc = subprocess.Popen(
         command,
         stdout=log,

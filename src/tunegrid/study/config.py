@@ -126,25 +126,49 @@ def probe_world_sizes(study: dict[str, Any]) -> list[int]:
 
 
 def _semantic_problems(config: dict[str, Any]) -> list[str]:
-    problems: list[str] = []
-    models = config["models"]
-    for name, spec in models.items():
-        if spec["source"] == "synthetic" and not known_architecture(spec["architecture"]):
-            problems.append(
-                f"config key 'models.{name}.architecture': {spec['architecture']!r} is not a model type this "
-                "transformers knows (a config.json `model_type`, e.g. gemma3_text, qwen3_moe, olmoe, llama)"
-            )
+    """What the schema cannot say of a study: models, grid, stacks, adapters, data, debug and tracking checked
+    against each other and against this installation."""
+    problems = _architecture_problems(config["models"])
     problems += exclusion_problems(config["grid"])
     from tunegrid.study.stacks import stack_problems
 
     problems += stack_problems(config)
     if not problems and not expand_cells(config):
         problems.append("config key 'grid.exclude': leaves no cell of the grid; remove an entry")
-    for name in config["grid"]["model"]:
-        if name not in models:
-            problems.append(
-                f"config key 'grid.model': {name!r} is not defined under 'models'; defined: {sorted(models)}"
-            )
+    problems += _model_problems(config["models"], config["grid"]["model"])
+    problems += _adapter_problems(config["lora"], config["grid"]["quant"])
+    from tunegrid.study.data_checks import config_problems
+
+    problems += config_problems(config["data"])
+    from tunegrid.study.grid_axes import debug_problems
+
+    problems += debug_problems(config)
+    tracking = config["tracking"]
+    if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:
+        problems.append(
+            f"config key 'tracking.ui_host': {tracking['ui_host']!r} exposes the MLflow server beyond this machine; "
+            "also set 'tracking.ui_allowed_hosts' (MLflow's --allowed-hosts), or keep 127.0.0.1"
+        )
+    return problems
+
+
+def _architecture_problems(models: dict[str, Any]) -> list[str]:
+    return [
+        f"config key 'models.{name}.architecture': {spec['architecture']!r} is not a model type this "
+        "transformers knows (a config.json `model_type`, e.g. gemma3_text, qwen3_moe, olmoe, llama)"
+        for name, spec in models.items()
+        if spec["source"] == "synthetic" and not known_architecture(spec["architecture"])
+    ]
+
+
+def _model_problems(models: dict[str, Any], grid_models: list[str]) -> list[str]:
+    """The grid's models defined, and each model's source complete: where it is read from, and no remote code
+    outside a pinned hub source."""
+    problems = [
+        f"config key 'grid.model': {name!r} is not defined under 'models'; defined: {sorted(models)}"
+        for name in grid_models
+        if name not in models
+    ]
     for name, spec in models.items():
         key = f"models.{name}"
         if spec["trust_remote_code"] and spec["source"] != "hub":
@@ -170,37 +194,30 @@ def _semantic_problems(config: dict[str, Any]) -> list[str]:
             from tunegrid.study.gguf_files import gguf_spec_problems
 
             problems += gguf_spec_problems(spec, key)
-    lora = config["lora"]
+    return problems
+
+
+def _adapter_problems(lora: dict[str, Any], quants: list[str]) -> list[str]:
+    """Adapters that name something to attach to, and LoRA settings the grid's quantizations can train."""
+    from tunegrid.meanings import QUANT_ROWS
+
+    problems = []
     if not lora["target_modules"] and not lora["target_parameters"] and not lora.get("target_regex"):
         problems.append(
             "config key 'lora.target_modules': empty, and so is lora.target_parameters: name the modules that get "
             "adapters (e.g. [q_proj, v_proj], or [all-linear])"
         )
-    from tunegrid.meanings import QUANT_ROWS
-
-    quantized = [q for q in config["grid"]["quant"] if QUANT_ROWS[q].quantizes]
+    quantized = [q for q in quants if QUANT_ROWS[q].quantizes]
     if lora.get("loftq_bits") and quantized:
         problems.append(
             f"config key 'lora.loftq_bits': LoftQ replaces each adapted weight of an unquantized base by its "
             f"quantization round trip; grid.quant {quantized} loads a quantized one: keep quant none"
         )
-    after_load = [q for q in config["grid"]["quant"] if QUANT_ROWS[q].experts_after_load]
+    after_load = [q for q in quants if QUANT_ROWS[q].experts_after_load]
     if after_load and lora["target_parameters"]:
         problems.append(
             f"config key 'lora.target_parameters': adapters on expert tensors train over an NF4 base "
             f"(quant nf4-experts), not over the row-wise int8 experts of {after_load}; drop one of the two"
-        )
-    from tunegrid.study.data_checks import config_problems
-
-    problems += config_problems(config["data"])
-    from tunegrid.study.grid_axes import debug_problems
-
-    problems += debug_problems(config)
-    tracking = config["tracking"]
-    if tracking["ui_host"] not in LOOPBACK_HOSTS and not tracking["ui_allowed_hosts"]:
-        problems.append(
-            f"config key 'tracking.ui_host': {tracking['ui_host']!r} exposes the MLflow server beyond this machine; "
-            "also set 'tracking.ui_allowed_hosts' (MLflow's --allowed-hosts), or keep 127.0.0.1"
         )
     return problems
 

@@ -26,8 +26,6 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
     validation then names the key and what is allowed, as for a study file.
     """
     schema = load_schema() if schema is None else schema
-    types = schema.get("type")
-    types = set(types) if isinstance(types, list) else {types} if types else set()
     if isinstance(values, dict):
         props = schema.get("properties") or {}
         extra = schema.get("additionalProperties")
@@ -37,18 +35,24 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
         }
     if isinstance(values, list):
         return [coerce_overrides(v, schema.get("items") or {}) for v in values]
-    if not isinstance(values, str):
-        return values
-    text = values.strip()
+    return _coerce_string(values, schema) if isinstance(values, str) else values
+
+
+def _coerce_string(value: str, schema: dict[str, Any]) -> Any:
+    """One string at a key of the schema, as the first type it declares that the text reads as (the string as it
+    is where none does)."""
+    types = schema.get("type")
+    types = set(types) if isinstance(types, list) else {types} if types else set()
+    text = value.strip()
     enum = schema.get("enum") or []
-    if values not in enum and any(text == str(v) for v in enum):  # `gpus_per_rank: 0` arrives as "0"
+    if value not in enum and any(text == str(v) for v in enum):  # `gpus_per_rank: 0` arrives as "0"
         return next(v for v in enum if text == str(v))
     if "array" in types and text.startswith("["):
         try:
             parsed = yaml.safe_load(text)
         except yaml.YAMLError:
-            return values
-        return coerce_overrides(parsed, schema) if isinstance(parsed, list) else values
+            return value
+        return coerce_overrides(parsed, schema) if isinstance(parsed, list) else value
     if "boolean" in types and text.lower() in _TRUE | _FALSE:
         return text.lower() in _TRUE
     if "integer" in types and re.fullmatch(r"[-+]?\d+", text):
@@ -57,10 +61,10 @@ def coerce_overrides(values: Any, schema: dict[str, Any] | None = None) -> Any:
         try:
             return float(text)
         except ValueError:
-            return values
+            return value
     if "null" in types and text.lower() in {"null", "none", "~"}:
         return None
-    return values
+    return value
 
 
 STUDY_PATH_KEY = "study_path"  # `--config study_path=<file>`: a study file only tunegrid reads (docs/guide/security.md)

@@ -133,19 +133,8 @@ def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, 
     emptier than that is dropped, as a chunked stream drops its last partial chunk, so that no step the
     stream draws it into trains on a mostly padded row.
     """
-    import torch
-
     examples = [(ids[:seq_len], labels[:seq_len]) for ids, labels in encoded if ids]
-    # An example whose loss tokens all lie past seq_len trains nothing: a step of such rows has a loss of 0/0
-    # (NaN), which would read as a precision failure. Dropped, and refused when none is left.
-    kept = [(ids, labels) for ids, labels in examples if any(t != IGNORE for t in labels)]
-    if not kept and examples:
-        starts = sorted(next((i for i, t in enumerate(lb) if t != IGNORE), len(lb)) for _, lb in encoded if lb)
-        first = starts[len(starts) // 2] if starts else seq_len
-        raise ValueError(
-            f"train.seq_len {seq_len} leaves no loss token in any example: with this tokenizer's template the "
-            f"response starts at token {first} (the median example); raise train.seq_len above {first}"
-        )
+    kept = _with_loss_tokens(examples, encoded, seq_len)
     cut, examples = len(examples) - len(kept), kept
     if mode == "eos_separated":
         examples = [_ends_with_eos(ids, labels, eos_id, seq_len) for ids, labels in examples]
@@ -155,6 +144,30 @@ def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, 
         guaranteed = seq_len - max(len(ids) for ids, _ in examples)
         if sum(len(ids) for ids, _ in rows[-1]) < guaranteed:
             dropped = len(rows.pop())
+    tensors, counts = _row_tensors(rows, seq_len, pad_id, mode)
+    return Rows(tensors, counts, len(examples) - dropped, dropped, cut)
+
+
+def _with_loss_tokens(examples: list[Encoded], encoded: list[Encoded], seq_len: int) -> list[Encoded]:
+    """The examples with a loss token within seq_len. One whose loss tokens all lie past it trains nothing: a step
+    of such rows has a loss of 0/0 (NaN), which would read as a precision failure. Dropped, and refused when none
+    is left."""
+    kept = [(ids, labels) for ids, labels in examples if any(t != IGNORE for t in labels)]
+    if not kept and examples:
+        starts = sorted(next((i for i, t in enumerate(lb) if t != IGNORE), len(lb)) for _, lb in encoded if lb)
+        first = starts[len(starts) // 2] if starts else seq_len
+        raise ValueError(
+            f"train.seq_len {seq_len} leaves no loss token in any example: with this tokenizer's template the "
+            f"response starts at token {first} (the median example); raise train.seq_len above {first}"
+        )
+    return kept
+
+
+def _row_tensors(rows: list[list[Encoded]], seq_len: int, pad_id: int, mode: str) -> tuple[dict[str, Any], Any]:
+    """The rows padded to seq_len as the model's inputs (ids, labels, and the attention mask or, packed by
+    position, the position ids), and each row's real tokens."""
+    import torch
+
     ids_rows, label_rows, extra_rows, counts = [], [], [], []
     for row in rows:
         ids = [t for ex_ids, _ in row for t in ex_ids]
@@ -173,7 +186,7 @@ def pack(encoded: list[Encoded], seq_len: int, pad_id: int, eos_id: int | None, 
         extra: torch.tensor(extra_rows, dtype=torch.long),
         "labels": torch.tensor(label_rows, dtype=torch.long),
     }
-    return Rows(tensors, torch.tensor(counts, dtype=torch.long), len(examples) - dropped, dropped, cut)
+    return tensors, torch.tensor(counts, dtype=torch.long)
 
 
 def _ends_with_eos(ids: list[int], labels: list[int], eos_id: int | None, seq_len: int) -> Encoded:
