@@ -42,6 +42,7 @@ from tunegrid.run.supervisor import run_cell  # noqa: E402
 from tunegrid.runtime.files import read_json, write_json  # noqa: E402
 from tunegrid.runtime.workers import FORKED, WARM_SOCKET_ENV, WORKERS  # noqa: E402
 from tunegrid.study.config import cell_spec, expand_cells, load_study  # noqa: E402
+from tunegrid.study.recorded import recorded_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -122,8 +123,9 @@ def main() -> None:
         # worker path each cell took: its runtime constant differs, forked or spawned)
         worker = result["memory"].get("estimate_worker") or "spawned"
         device = result["memory"].get("device") or "cpu"  # the device the cell trained on
-        constants = device_constants(capabilities, result["cell"]["axes"]["precision"], worker, device=device)
-        estimate = estimate_cell(result["cell"], study_dir / "models" / result["cell"]["model"]["name"], **constants)
+        spec = recorded_spec(result["cell"])  # result.json's cell: the spec (with its plan) as that run recorded it
+        constants = device_constants(capabilities, spec.axes.precision, worker, device=device)
+        estimate = estimate_cell(spec, study_dir / "models" / spec.model.name, **constants)
         result["memory"]["estimate_bytes"] = estimate.estimate_bytes
         result["memory"]["estimate_over_measured"] = estimate.estimate_bytes / result["memory"]["peak_bytes"]
         rows.append(row(result, study_dir.name))

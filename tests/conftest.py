@@ -14,7 +14,7 @@ import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cpu_times
 import pytest
@@ -26,6 +26,9 @@ from cpu_times import (  # noqa: F401 — CPU seconds per test (--cpu-durations)
     pytest_terminal_summary,
 )
 from xdist_groups import pytest_collection_modifyitems  # noqa: F401 — which tests share a pytest-xdist worker
+
+if TYPE_CHECKING:  # for the annotations only: src goes on the path below, and tunegrid is imported where needed
+    from tunegrid.cell_spec import CellSpec
 
 if importlib.util.find_spec("xdist") is not None:
     from xdist_groups import pytest_xdist_make_scheduler  # noqa: F401
@@ -287,9 +290,37 @@ def one_cell(
     axes: dict[str, Any] | None = None,
     **sections: Any,
 ) -> dict[str, Any]:
-    """The resolved spec of a one-cell study: these axes (and any other axis's one value in `axes`), `train`
-    merged over the small default, and any other section (debug, lora, hardware, distributed, data) replacing
-    make_study's."""
+    """The resolved spec of a one-cell study as its JSON (specs/<cell>.json's dict): one_cell_spec's."""
+    return one_cell_spec(
+        model=model,
+        precision=precision,
+        batch=batch,
+        quant=quant,
+        seed=seed,
+        world=world,
+        accum=accum,
+        train=train,
+        axes=axes,
+        **sections,
+    ).to_json()
+
+
+def one_cell_spec(
+    *,
+    model: str = "gemma3-hot",
+    precision: str = "fp32",
+    batch: int = 2,
+    quant: str = "none",
+    seed: int = 0,
+    world: int = 1,
+    accum: int = 1,
+    train: dict[str, Any] | None = None,
+    axes: dict[str, Any] | None = None,
+    **sections: Any,
+) -> CellSpec:
+    """The resolved spec (a CellSpec) of a one-cell study: these axes (and any other axis's one value in `axes`),
+    `train` merged over the small default, and any other section (debug, lora, hardware, distributed, data)
+    replacing make_study's."""
     from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 
     grid = {
@@ -305,7 +336,7 @@ def one_cell(
     study = resolve_study(
         make_study(grid=grid, train={"steps": 3, "seq_len": 32, "lr": 0.01, **(train or {})}, **sections)
     )
-    return cell_spec(study, expand_cells(study)[0]).to_json()
+    return cell_spec(study, expand_cells(study)[0])
 
 
 def cell_contract(

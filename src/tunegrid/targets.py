@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec, HardwareSpec
 from tunegrid.meanings import precision_row
 from tunegrid.runtime import devices
 from tunegrid.vocabulary import Outcome
@@ -86,9 +87,9 @@ TARGETS: dict[str, Target] = {
 }
 
 
-def resolve_target(hardware: dict[str, Any], capabilities: dict[str, Any]) -> Target:
+def resolve_target(hardware: HardwareSpec, capabilities: dict[str, Any]) -> Target:
     """The study's target, with an explicit memory_budget_gb overriding the target's memory."""
-    if hardware["target"] == "native":
+    if hardware.target == "native":
         gpus = capabilities.get("gpus") or []
         memory = gpus[0]["total_bytes"] if gpus else None
         target = Target(
@@ -98,9 +99,9 @@ def resolve_target(hardware: dict[str, Any], capabilities: dict[str, Any]) -> Ta
             precision=dict(capabilities["precision"]),
         )
     else:
-        target = TARGETS[hardware["target"]]
-    if hardware["memory_budget_gb"]:
-        target = replace(target, memory_bytes=int(hardware["memory_budget_gb"] * GIB))
+        target = TARGETS[hardware.target]
+    if hardware.memory_budget_gb:
+        target = replace(target, memory_bytes=int(hardware.memory_budget_gb * GIB))
     return target
 
 
@@ -218,7 +219,7 @@ def _dtype_bytes(dtype: str) -> int:
 
 
 def feasibility(
-    precision: str, target: Target, hardware: dict[str, Any], charge_bytes: int | None
+    precision: str, target: Target, hardware: HardwareSpec, charge_bytes: int | None
 ) -> tuple[str, str] | None:
     """(outcome, reason) for a cell that should not train here, or None when it should. `charge_bytes` is what its
     estimate charges the budget (contract.MemoryEstimate.charge_bytes: on a CPU, without the runtime already mapped
@@ -226,25 +227,25 @@ def feasibility(
     support = target.precision.get(precision_row(precision).arithmetic, "absent")
     if support == "absent":
         return Outcome.UNSUPPORTED, f"{precision} is absent on target {target.name}"
-    if support == "emulated" and hardware["refuse_emulated"]:
+    if support == "emulated" and hardware.refuse_emulated:
         return Outcome.UNSUPPORTED, (
             f"{precision} is only emulated on target {target.name} (compute capability "
             f"{target.compute_capability or 'n/a'}); hardware.refuse_emulated is on"
         )
     if (
-        hardware["predicted_oom"] == "skip"
+        hardware.predicted_oom == "skip"
         and charge_bytes is not None
         and target.memory_bytes is not None
-        and charge_bytes > target.memory_bytes * hardware["oom_margin"]
+        and charge_bytes > target.memory_bytes * hardware.oom_margin
     ):
         return Outcome.PREDICTED_OOM, (
             f"estimated charge {charge_bytes / GIB:.2f} GiB exceeds the {target.memory_bytes / GIB:.2f} GiB "
-            f"budget of {target.name} x margin {hardware['oom_margin']}"
+            f"budget of {target.name} x margin {hardware.oom_margin}"
         )
     return None
 
 
-def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
+def cluster_shortfall(spec: CellSpec, capabilities: dict[str, Any]) -> tuple[str, str] | None:
     """`unsupported` before submission when no partition of the cluster has a node with the cores and GPUs the
     cell's job asks for: every rank of a cell runs on one node, inside one job (world_size x train.threads
     cores, world_size x gpus_per_rank GPUs). Submitted, such a job would wait in the queue for ever
@@ -253,9 +254,9 @@ def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tup
     if not recorded:
         return None
     partitions = [p for p in recorded if p.get("up")]
-    world, nodes = int(spec["axes"]["world_size"]), int(spec["axes"]["nodes"])
-    cpus = world // nodes * int(spec["train"]["threads"])  # on each node: its share of the ranks
-    gpus = devices.cell_gpus(spec["hardware"], world // nodes, capabilities)
+    world, nodes = spec.axes.world_size, spec.axes.nodes
+    cpus = world // nodes * spec.train.threads  # on each node: its share of the ranks
+    gpus = devices.cell_gpus(spec.hardware.gpus_per_rank, world // nodes, capabilities)
     if any(p["cpus_per_node"] >= cpus and p["gpus_per_node"] >= gpus and p["nodes"] >= nodes for p in partitions):
         return None
     offered = "; ".join(
@@ -265,15 +266,15 @@ def cluster_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tup
     return (
         Outcome.UNSUPPORTED,
         f"needs {cpus} CPUs and {gpus} GPUs {where} (all {world} ranks of a cell run in one job, "
-        f"train.threads {spec['train']['threads']} each); no partition that is up has such "
+        f"train.threads {spec.train.threads} each); no partition that is up has such "
         f"{'a node' if nodes == 1 else 'nodes'} ({offered or 'none is up'})",
     )
 
 
-def needs_cuda(spec: dict[str, Any], device: str) -> tuple[str, str] | None:
+def needs_cuda(spec: CellSpec, device: str) -> tuple[str, str] | None:
     """`unsupported` before launch for a cell that trains on the CPU (`device`, the plan's) with a setting that runs
     on CUDA only: peft's LoftQ initialization (lora.loftq_bits), whose loftq_init moves each weight to "cuda"."""
-    if not spec["lora"]["loftq_bits"] or device == "cuda":
+    if not spec.lora.loftq_bits or device == "cuda":
         return None
     return (
         Outcome.UNSUPPORTED,
@@ -281,7 +282,7 @@ def needs_cuda(spec: dict[str, Any], device: str) -> tuple[str, str] | None:
     )
 
 
-def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[str, str] | None:
+def gpu_shortfall(spec: CellSpec, capabilities: dict[str, Any]) -> tuple[str, str] | None:
     """`unsupported` before launch when the cell needs more GPUs than it has (a rank without its own GPU fails
     at set-up with "invalid device ordinal"; a launch would only prove it).
 
@@ -289,8 +290,8 @@ def gpu_shortfall(spec: dict[str, Any], capabilities: dict[str, Any]) -> tuple[s
     GPUs granted to its own job (one rank's): there the count is what the cell's own job was granted, known only
     once that job runs (the supervisor asks then), and outside a cluster job (the `cell_plan` rule on the
     submitting host) nothing is decided."""
-    world = spec["axes"]["world_size"]
-    per_rank = devices.gpus_per_rank(spec["hardware"], capabilities)
+    world = spec.axes.world_size
+    per_rank = devices.gpus_per_rank(spec.hardware.gpus_per_rank, capabilities)
     needed = world * per_rank
     if capabilities.get("device") != "cuda":
         return None

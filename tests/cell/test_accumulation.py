@@ -9,7 +9,7 @@ step, and the origin replay finds it in that micro-batch.
 from __future__ import annotations
 
 import pytest
-from conftest import one_cell, run_in_process, run_supervised
+from conftest import one_cell, one_cell_spec, run_in_process, run_supervised
 
 from tunegrid.runtime.files import read_jsonl
 
@@ -65,7 +65,7 @@ def test_micro_batches_hold_different_numbers_of_loss_tokens(checkpoints, datase
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoints[MODEL])
     records = read_dataset(dataset_path)
-    data = one_cell(data={"examples": 64, "loss_on": "response"})["data"]
+    data = one_cell_spec(data={"examples": 64, "loss_on": "response"}).data
     split, _ = build_stream(records, tokenizer, Plain(), data, 32, 2, 0, accum=2)
     whole, _ = build_stream(records, tokenizer, Plain(), data, 32, 4, 0)
     for step in range(6):

@@ -11,6 +11,7 @@ from conftest import one_cell, ready_trainer, run_in_process
 
 from tunegrid.cell.data.packing import IGNORE
 from tunegrid.cell.memory.chunked_loss import ChunkedLoss, chunked_loss_of, chunked_token_loss, loss_positions
+from tunegrid.cell_spec import CellSpec
 from tunegrid.study.recorded import recorded_spec
 
 
@@ -81,10 +82,10 @@ def test_olmoe_with_its_router_loss_trains_the_same_loss_and_gradients(checkpoin
 
 def test_a_spec_without_the_setting_takes_the_full_loss(checkpoints, dataset_path, tmp_path):
     spec = one_cell()
-    assert spec["train"]["loss"] == "full" and chunked_loss_of(spec, None) is None
+    assert spec["train"]["loss"] == "full" and chunked_loss_of(CellSpec.from_json(spec), None) is None
     del spec["train"]["loss"]  # a spec written before the setting, read with today's keys
     del spec["axes"]["loss"]
-    assert chunked_loss_of(recorded_spec(spec).to_json(), None) is None
+    assert chunked_loss_of(recorded_spec(spec), None) is None
     chunked = one_cell(axes={"loss": "chunked"})
     assert chunked["train"]["loss"] == "chunked" and chunked["cell_id"].endswith("_loss-chunked")
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, one_cell
+from conftest import REPO, one_cell_spec
 
 from tunegrid.cell.data.batches import tokenize_examples
 from tunegrid.cell.data.packing import IGNORE, build_stream, encode_record, pack, packing_mode
@@ -101,7 +101,7 @@ def test_packed_loss_of_each_example_equals_its_loss_alone(checkpoints, model_na
     tok = _tokenizer(checkpoints, model_name)
     model = AutoModelForCausalLM.from_pretrained(checkpoints[model_name], dtype=torch.float32).eval()
     assert packing_mode(model, True) == "position_ids"
-    data = one_cell(data={"examples": 64, "packing": True})["data"]
+    data = one_cell_spec(data={"examples": 64, "packing": True}).data
     _, facts = build_stream(CHATS[:8], tok, model, data, 128, 2, 0)  # the trainer's own setup
     assert facts["packing"] == "position_ids" and model.config.use_cache is False
     (a_ids, a_labels), (b_ids, b_labels) = (encode_record(r, tok, "response") for r in CHATS[3:5])

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import test_gradients
-from conftest import QWEN_MOE, one_cell, ready_trainer, run_in_process
+from conftest import QWEN_MOE, one_cell, one_cell_spec, ready_trainer, run_in_process
 from test_gradients import RELATIVE_TOLERANCE, _dequantized_reference
 
 from tunegrid.runtime.files import read_json, read_jsonl
@@ -168,6 +168,7 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
     from tunegrid.cell.adapters import REFERENCE_BATCH_FILE, load_adapter
     from tunegrid.cell.load.model import load_model
     from tunegrid.cell.loop.precision import precision_setup
+    from tunegrid.cell_spec import CellSpec
     from tunegrid.contract import CellKernels
 
     spec = one_cell(model="olmoe-tiny", quant="nf4-experts", lora=LORA, train={"steps": 4})
@@ -186,8 +187,9 @@ def test_nf4_experts_cell_with_expert_adapters_ends_ok_and_its_adapter_reloads(
     assert audit["after_adapters"]["flagged"] == [] and audit["expert_quantization"]["kept_for_lora"] == []
 
     # the saved adapter, loaded onto the same NF4 base, gives the cell's reference loss
+    typed = CellSpec.from_json(spec)
     model = load_model(
-        checkpoints["olmoe-tiny"], spec, precision_setup("fp32", "cpu"), CellKernels(), torch.device("cpu")
+        checkpoints["olmoe-tiny"], typed, precision_setup("fp32", "cpu"), CellKernels(), torch.device("cpu")
     )
     model = load_adapter(model, run_dir / "adapter")
     batch = load_file(str(run_dir / "adapter" / REFERENCE_BATCH_FILE))
@@ -218,7 +220,8 @@ def test_adapters_attached_before_the_post_load_quantization_train_the_same(chec
 
     bnb = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True}
     kwargs = {"dtype": torch.float32, "use_safetensors": True}
-    spec = {"lora": {"r": 4, "alpha": 8, **LORA}, "train": {"gradient_checkpointing": False}}
+    spec = one_cell_spec(model=model, lora={"r": 4, "alpha": 8, **LORA})
+    assert not spec.train.gradient_checkpointing
     at_load = expert_quant.load_causal_lm(
         checkpoints[model], {**kwargs, "quantization_config": expert_quant.ExpertNF4Config(**bnb)}
     )

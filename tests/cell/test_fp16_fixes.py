@@ -20,12 +20,12 @@ def test_each_fix_stores_and_computes_what_its_row_says() -> None:
 @pytest.mark.parametrize(("precision", "stream"), [("fp16", "float16"), ("fp16-residual", "float32")])
 def test_fp16_residual_carries_the_stream_in_fp32_while_its_matmuls_stay_fp16(checkpoints, precision, stream) -> None:
     import torch
-    from conftest import one_cell
+    from conftest import one_cell_spec
 
     from tunegrid.cell.load.model import load_model
     from tunegrid.contract import CellKernels
 
-    spec = one_cell(precision=precision)
+    spec = one_cell_spec(precision=precision)
     setup = precision_setup(precision, "cpu")
     model = load_model(checkpoints["gemma3-hot"], spec, setup, CellKernels(), torch.device("cpu"))
     seen: dict[str, torch.dtype] = {}
@@ -58,7 +58,7 @@ def test_the_estimate_holds_autocasts_copies_of_weights_stored_wider_than_it_com
     """fp16-mixed keeps fp32 weights; each matmul's fp16 copy (the head's too) is saved for the backward."""
     import json
 
-    from conftest import one_cell
+    from conftest import one_cell_spec
 
     from tunegrid.prepare.checkpoint_headers import tensor_shapes
     from tunegrid.prepare.memory_estimate import estimate_from_shapes
@@ -66,7 +66,7 @@ def test_the_estimate_holds_autocasts_copies_of_weights_stored_wider_than_it_com
     folder = checkpoints["gemma3-hot"]
     config, shapes = json.loads((folder / "config.json").read_text()), tensor_shapes(folder)
     mixed, fp32 = (
-        estimate_from_shapes(one_cell(precision=p), config, shapes, 0).components.activations
+        estimate_from_shapes(one_cell_spec(precision=p), config, shapes, 0).components.activations
         for p in ("fp16-mixed", "fp32")
     )
     vocab, hidden = config["vocab_size"], config["hidden_size"]

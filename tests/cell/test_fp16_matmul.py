@@ -86,5 +86,7 @@ def test_fp16_products_sum_in_fp32_round_once_and_leave_other_dtypes_alone():
     [("fp16", "cpu", True), ("fp16-residual", "cpu", True), ("fp16", "cuda", False), ("bf16", "cpu", False)],
 )
 def test_the_plan_sums_fp16_matmuls_in_fp32_on_a_cpu_only(precision, device, on):
-    reason = cpu_fp16_matmul({"axes": {"precision": precision}}, device)
+    from conftest import one_cell_spec
+
+    reason = cpu_fp16_matmul(one_cell_spec(precision=precision), device)
     assert (reason is not None) == on

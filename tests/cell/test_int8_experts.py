@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_study, one_cell, ready_trainer
+from conftest import make_study, one_cell, one_cell_spec, ready_trainer
 
 from tunegrid.cell.experts.int8 import Int8RowwiseParametrization
 from tunegrid.contract import MemoryEstimate
@@ -62,7 +62,8 @@ def test_the_estimate_stores_int8_experts_at_a_byte_and_a_row_scale_and_loads_th
     from tunegrid.prepare.memory_estimate import estimate_cell, tensor_shapes
 
     def estimate(quant: str) -> MemoryEstimate:
-        return estimate_cell(one_cell(model="olmoe-tiny", quant=quant, lora=ATTENTION_ONLY), checkpoints["olmoe-tiny"])
+        spec = one_cell_spec(model="olmoe-tiny", quant=quant, lora=ATTENTION_ONLY)
+        return estimate_cell(spec, checkpoints["olmoe-tiny"])
 
     int8, experts = estimate("int8"), estimate("int8-experts")
     shapes = tensor_shapes(checkpoints["olmoe-tiny"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from conftest import GEMMA_HOT, make_study, one_cell, ready_trainer, run_in_process, run_supervised
+from conftest import GEMMA_HOT, make_study, one_cell, one_cell_spec, ready_trainer, run_in_process, run_supervised
 
 from tunegrid.review.quality import default_review, loss_deviation, loss_fall, trained_curve
 from tunegrid.runtime.files import read_jsonl
@@ -225,7 +225,8 @@ def test_a_matmul_fed_past_fp16s_range_by_an_island_computes_in_fp32_too() -> No
     assert islands_over(IslandCalibration(batches=1, maxima={"up": 8e4, "down": 64.0}), 0.5 * 65504) == ["up"]
 
     model = Chain()
-    train = {"fp32_islands": "auto", "island_threshold": 0.5, "island_calibration_batches": 1}
+    calibrated = {"fp32_islands": "auto", "island_threshold": 0.5, "island_calibration_batches": 1}
+    train = one_cell_spec(train=calibrated).train
     record = place_fp32_islands(model, Stream(), torch.device("cpu"), False, train)
     assert [island["module"] for island in record["modules"]] == ["down", "up"]
     with torch.autocast("cpu", dtype=torch.float16):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 
 import pytest
-from conftest import cell_contract, one_cell
+from conftest import cell_contract, one_cell, one_cell_spec
 
 from tunegrid.cell.load import library_api
 from tunegrid.cell.load.library_api import Api, missing_api, missing_api_of
@@ -37,7 +37,7 @@ def test_nf4_experts_on_a_transformers_without_v5_loading_ends_unsupported(
     )
     assert "nf4-experts" in facts["reason"] and facts["stage"] == "setup"  # refused before any load
     # plain nf4 does not need it: the same libraries run it
-    assert missing_api(one_cell(model="qwen3moe-tiny", quant="nf4")) is None
+    assert missing_api(one_cell_spec(model="qwen3moe-tiny", quant="nf4")) is None
 
 
 def test_any_missing_api_of_the_table_names_package_version_and_api(checkpoints, dataset_path, tmp_path, monkeypatch):

@@ -8,7 +8,7 @@ import dataclasses
 import json
 
 import pytest
-from conftest import one_cell, run_in_process, run_supervised
+from conftest import one_cell, one_cell_spec, run_in_process, run_supervised
 
 from tunegrid.prepare.liveness import LIVENESS_MARGIN, matmul_weights, plan_liveness
 from tunegrid.run.supervisor import Liveness
@@ -16,7 +16,7 @@ from tunegrid.runtime.files import read_jsonl
 
 
 def test_the_plan_raises_the_limits_to_the_predicted_work_and_keeps_the_study_floor() -> None:
-    spec = one_cell(train={"heartbeat_timeout_s": 30, "time_limit_s": 60, "steps": 5, "seq_len": 128})
+    spec = one_cell_spec(train={"heartbeat_timeout_s": 30, "time_limit_s": 60, "steps": 5, "seq_len": 128})
     config = {"vocab_size": 1000, "hidden_size": 100}
     shapes = {"model.embed_tokens.weight": [1000, 100], "model.layers.0.mlp.up_proj.weight": [400, 100]}
     assert matmul_weights(config, shapes) == 1000 * 100 + 400 * 100  # the tied LM head counted, the lookup not
@@ -32,7 +32,7 @@ def test_the_plan_raises_the_limits_to_the_predicted_work_and_keeps_the_study_fl
 
 
 def test_reported_step_times_raise_the_limits_while_the_cell_trains() -> None:
-    spec = one_cell(train={"heartbeat_timeout_s": 10, "time_limit_s": 20, "steps": 4})
+    spec = one_cell_spec(train={"heartbeat_timeout_s": 10, "time_limit_s": 20, "steps": 4})
     unprobed = plan_liveness(spec, {"vocab_size": 10, "hidden_size": 10}, {}, {})
     unplanned = Liveness(unprobed, steps=4)  # no probed rate: the study's wall-clock limit is the budget as written
     unplanned.observe([{"step": 0, "step_time_s": 30.0}], elapsed=45.0)

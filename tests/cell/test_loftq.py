@@ -4,13 +4,15 @@ refuses to start it; on a GPU the cell hands peft exactly LoftQ's arguments. Lof
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, make_study, one_cell
+from conftest import REPO, make_study, one_cell, one_cell_spec
 
 from tunegrid.cell.load.model import loftq_arguments
+from tunegrid.cell_spec import CellSpec
 from tunegrid.runtime.files import read_json
 from tunegrid.study.config import resolve_study
 from tunegrid.study.errors import ConfigError
@@ -27,26 +29,27 @@ def _on(device: str) -> SimpleNamespace:
 def test_peft_gets_loftqs_arguments_on_a_gpu_and_a_cpu_cell_never_starts():
     from peft import LoraConfig
 
-    arguments = loftq_arguments(LOFTQ, _on("cuda"))
+    loftq = one_cell_spec(lora={"target_modules": ["q_proj"], **LOFTQ}).lora
+    arguments = loftq_arguments(loftq, _on("cuda"))
     config = LoraConfig(r=8, target_modules=["q_proj"], **arguments)
     assert config.init_lora_weights == "loftq" and config.loftq_config == {"loftq_bits": 4, "loftq_iter": 1}
-    assert loftq_arguments({"loftq_bits": 0}, _on("cpu")) == {}
+    assert loftq_arguments(one_cell_spec().lora, _on("cpu")) == {}  # loftq_bits 0
     with pytest.raises(RuntimeError, match="LoftQ initialization runs on CUDA only"):
-        loftq_arguments(LOFTQ, _on("cpu"))
+        loftq_arguments(loftq, _on("cpu"))
 
 
 def test_the_plan_says_unsupported_where_the_cell_would_train_on_the_cpu():
     from tunegrid.runtime.devices import training_device
 
-    def planned(spec: dict, capabilities: dict) -> tuple[str, str] | None:  # as the plan asks, for its device
-        return needs_cuda(spec, training_device(spec["hardware"], capabilities))
+    def planned(spec: CellSpec, capabilities: dict) -> tuple[str, str] | None:  # as the plan asks, for its device
+        return needs_cuda(spec, training_device(spec.hardware.gpus_per_rank, capabilities))
 
-    spec = one_cell(lora={"target_modules": ["q_proj"], **LOFTQ})
+    spec = one_cell_spec(lora={"target_modules": ["q_proj"], **LOFTQ})
     verdict = planned(spec, {"device": "cpu", "gpus": []})
     assert verdict is not None and verdict[0] == "unsupported" and "CUDA only" in verdict[1]
     assert planned(spec, H100) is None
-    assert planned({**spec, "hardware": {**spec["hardware"], "gpus_per_rank": 0}}, H100) is not None
-    assert planned(one_cell(), {"device": "cpu"}) is None
+    assert planned(replace(spec, hardware=replace(spec.hardware, gpus_per_rank=0)), H100) is not None
+    assert planned(one_cell_spec(), {"device": "cpu"}) is None
 
 
 def test_a_study_with_loftq_over_a_quantized_base_is_refused():

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import re
 
-from conftest import one_cell, ready_trainer
+from conftest import one_cell, one_cell_spec, ready_trainer
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.prepare.memory_estimate import estimate_cell
 
 REGEX = r"model\.layers\.[\d]+\.mlp\.(up|down)_proj"
@@ -19,6 +20,6 @@ def test_the_cell_attaches_adapters_where_the_regex_matches_the_whole_name(check
     adapted = [n for n, m in trainer.model.named_modules() if len(getattr(m, "lora_A", {}))]
     assert adapted and all(re.fullmatch(REGEX, n.removeprefix("base_model.model.")) for n in adapted), adapted
     assert {n.rsplit(".", 1)[-1] for n in adapted} == {"up_proj", "down_proj"}
-    suffixes = one_cell(lora={"target_modules": ["up_proj", "down_proj"]})
-    by_regex = estimate_cell(spec, checkpoints["gemma3-hot"], 0).components.lora_params_grads
+    suffixes = one_cell_spec(lora={"target_modules": ["up_proj", "down_proj"]})
+    by_regex = estimate_cell(CellSpec.from_json(spec), checkpoints["gemma3-hot"], 0).components.lora_params_grads
     assert by_regex == estimate_cell(suffixes, checkpoints["gemma3-hot"], 0).components.lora_params_grads > 0

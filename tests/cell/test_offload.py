@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import one_cell, ready_trainer, run_in_process
+from conftest import one_cell, one_cell_spec, ready_trainer, run_in_process
 
 from tunegrid.cell.memory.activation_offload import ActivationOffload
 from tunegrid.cell_spec import CellSpec
@@ -52,7 +52,8 @@ def test_the_estimate_keeps_one_layers_activations_on_cuda_and_all_of_them_on_cp
     from tunegrid.prepare.memory_estimate import estimate_cell
 
     def parts(offloading: bool, device: str) -> MemoryComponents:
-        spec = one_cell(batch=8, train={"activation_offloading": offloading, "gradient_checkpointing": checkpointing})
+        train = {"activation_offloading": offloading, "gradient_checkpointing": checkpointing}
+        spec = one_cell_spec(batch=8, train=train)
         return estimate_cell(spec, checkpoints["gemma3-hot"], 0, device=device).components
 
     assert parts(True, "cpu") == parts(False, "cpu")

@@ -23,6 +23,7 @@ def _positions(spec: dict, checkpoints: dict, dataset_path) -> tuple[int, tuple[
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tunegrid.cell.data.packing import build_stream
+    from tunegrid.cell_spec import CellSpec
     from tunegrid.dataset import read_dataset
 
     model_dir = checkpoints[MODEL]
@@ -30,7 +31,7 @@ def _positions(spec: dict, checkpoints: dict, dataset_path) -> tuple[int, tuple[
         read_dataset(dataset_path),
         AutoTokenizer.from_pretrained(model_dir),
         AutoModelForCausalLM.from_pretrained(model_dir),
-        spec["data"],
+        CellSpec.from_json(spec).data,
         spec["train"]["seq_len"],
         spec["axes"]["batch_size"],
         spec["axes"]["seed"],

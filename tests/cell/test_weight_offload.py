@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import one_cell, ready_trainer, run_in_process
+from conftest import one_cell, one_cell_spec, ready_trainer, run_in_process
 
 from tunegrid.cell.memory.weight_offload import WeightOffload, decoder_layers
 
@@ -67,7 +67,8 @@ def test_the_estimate_keeps_one_layers_weights_on_cuda_and_all_of_them_on_cpu(ch
     from tunegrid.prepare.memory_estimate import estimate_cell
 
     def parts(offloading: bool, device: str, quant: str = "none") -> dict[str, int]:
-        spec = one_cell(quant=quant, train={"weight_offloading": offloading, "gradient_checkpointing": checkpointing})
+        train = {"weight_offloading": offloading, "gradient_checkpointing": checkpointing}
+        spec = one_cell_spec(quant=quant, train=train)
         return estimate_cell(spec, checkpoints["gemma3-hot"], 0, device=device).components.as_dict()
 
     assert parts(True, "cpu") == parts(False, "cpu")

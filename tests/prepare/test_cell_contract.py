@@ -96,11 +96,11 @@ def test_no_gpu_per_rank_on_a_cuda_host_plans_a_cpu_estimate_and_trains_on_the_c
     assert (on_cpu.plan.device, on_gpu.plan.device) == ("cpu", "cuda")
     model_dir = checkpoints[spec["model"]["name"]]
     for worker, estimate in on_cpu.plan.estimates.items():
-        assert estimate == estimate_cell(beside, model_dir, 0, "cpu", 0, worker)
+        assert estimate == estimate_cell(on_cpu.spec, model_dir, 0, "cpu", 0, worker)
     assert on_cpu.plan.estimate().components.runtime == 0 < on_gpu.plan.estimate().components.runtime
     assert on_cpu.plan.kernels.cpu_fp16_matmul and on_gpu.plan.kernels.cpu_fp16_matmul is None
 
-    require_apis(on_cpu.spec.to_json())  # the libraries' lazy modules imported first, as the host's torch sees it
+    require_apis(on_cpu.spec)  # the libraries' lazy modules imported first, as the host's torch sees it
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # then a GPU in sight of the worker
     trainer = CellTrainer(on_cpu, tmp_path / "run")
     trainer.setup()

@@ -6,11 +6,13 @@ experts. Against a measured CPU peak: test_memory.py (slow)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import meta_model_shapes, one_cell
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import MemoryEstimate
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 from tunegrid.study.recorded import recorded_spec
@@ -20,7 +22,7 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 def _parts(spec: dict, device: str = "cuda") -> MemoryEstimate:
     config, shapes = meta_model_shapes(spec["model"])
-    return estimate_from_shapes(spec, config, shapes, 0, device)
+    return estimate_from_shapes(CellSpec.from_json(spec), config, shapes, 0, device)
 
 
 def test_the_logits_are_one_chunks_worth():
@@ -49,12 +51,12 @@ def test_at_olmoe_width_the_transient_becomes_the_dequantized_experts():
     evidence = json.loads((DATA / "evidence-h100-memory.json").read_text())
     probe = json.loads((DATA / "capabilities-h100.json").read_text())
     cell = next(c for c in evidence["studies"]["olmoe-full"]["cells"] if c["spec"]["axes"]["quant"] == "nf4-experts")
-    spec = recorded_spec(cell["spec"], "olmoe-full").to_json()  # the keys it predates at the values it ran at
-    spec["train"]["seq_len"] = 2048
-    config, shapes = meta_model_shapes(spec["model"])
+    recorded = recorded_spec(cell["spec"], "olmoe-full")  # the keys it predates at the values it ran at
+    spec = replace(recorded, train=replace(recorded.train, seq_len=2048))
+    config, shapes = meta_model_shapes(spec.to_json()["model"])
     constants = device_constants({**probe, "step_overhead_bytes": {"bf16": 2 * 32 * 2**20}}, "bf16", device="cuda")
     full = estimate_from_shapes(spec, config, shapes, **constants)
-    spec["train"] |= {"loss": "chunked", "loss_chunk_tokens": 256}
+    spec = replace(spec, train=replace(spec.train, loss="chunked", loss_chunk_tokens=256))
     chunked = estimate_from_shapes(spec, config, shapes, **constants)
     parts, full_parts = chunked.components, full.components
     assert full_parts.logits == pytest.approx(1.236e9, rel=1e-3) and parts.logits < 0.17e9

@@ -7,6 +7,7 @@ import copy
 
 from conftest import make_study
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.prepare.cluster import parse_sinfo
 from tunegrid.study.config import cell_spec, expand_cells, resolve_study
 from tunegrid.targets import cluster_shortfall
@@ -32,11 +33,11 @@ def test_sinfo_lines_become_partitions():
     assert parts[2].memory_mb_per_node == 500000
 
 
-def _spec(world: int, threads: int, gpus_per_rank: int) -> dict:
+def _spec(world: int, threads: int, gpus_per_rank: int) -> CellSpec:
     raw = make_study(train={"steps": 3, "seq_len": 32, "threads": threads}, hardware={"gpus_per_rank": gpus_per_rank})
     raw["grid"]["world_size"] = [world]
     study = resolve_study(raw)
-    return cell_spec(study, next(iter(expand_cells(study)))).to_json()
+    return cell_spec(study, next(iter(expand_cells(study))))
 
 
 def _capabilities(sinfo: str) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import meta_model_shapes
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 from tunegrid.study.recorded import recorded_spec
 
@@ -48,7 +49,7 @@ def _ratios(run: dict) -> dict[str, float]:
         spec = cell["spec"]
         config, shapes = meta_model_shapes(run["models"][spec["axes"]["model"]])
         constants = device_constants(run["probe"], spec["axes"]["precision"], cell["estimate_worker"], device="cpu")
-        estimate = estimate_from_shapes(spec, config, shapes, **constants)
+        estimate = estimate_from_shapes(CellSpec.from_json(spec), config, shapes, **constants)
         ratios[spec["cell_id"]] = estimate.estimate_bytes / cell["peak_bytes"]
     return ratios
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import meta_model_shapes
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import MemoryEstimate
 from tunegrid.prepare.cpu_kernels import cpu_onednn_matmul, cpu_onednn_off
 from tunegrid.prepare.environment import cpu_onednn_matmul as asked_torch
@@ -51,7 +52,7 @@ def _estimate(run: dict, cell: dict) -> MemoryEstimate:
     spec = cell["spec"]
     config, shapes = meta_model_shapes(run["models"][spec["axes"]["model"]])
     constants = device_constants(run["probe"], spec["axes"]["precision"], cell["estimate_worker"], device="cpu")
-    return estimate_from_shapes(spec, config, shapes, **constants)
+    return estimate_from_shapes(CellSpec.from_json(spec), config, shapes, **constants)
 
 
 def _grew(cell: dict) -> bool:
@@ -94,7 +95,7 @@ def test_the_six_fp16_moe_cells_now_train_without_onednn_and_their_first_step_wa
     for cell in _ok(XEON):
         spec = cell["spec"]
         config = XEON["models"][spec["axes"]["model"]]["config"]
-        decision = cpu_onednn_off(spec, config, "cpu", cpu_onednn_matmul(XEON["probe"]))
+        decision = cpu_onednn_off(CellSpec.from_json(spec), config, "cpu", cpu_onednn_matmul(XEON["probe"]))
         if _grew(cell):
             assert decision and "fp16" in decision and cell["cpu_onednn_off"] is None, spec["cell_id"]
         else:
@@ -132,6 +133,7 @@ def test_the_amd_recordings_keep_their_decisions(host):
     for cell in run["cells"]:
         spec = cell["spec"]
         config = run["models"][spec["axes"]["model"]]["config"]
-        assert cpu_onednn_off(spec, config, "cpu", cpu_onednn_matmul(run["probe"])) == cell["cpu_onednn_off"]
+        decision = cpu_onednn_off(CellSpec.from_json(spec), config, "cpu", cpu_onednn_matmul(run["probe"]))
+        assert decision == cell["cpu_onednn_off"]
         fp16_moe += _grew(cell)
     assert fp16_moe > 0  # the cells the new decision is about are among them, and keep oneDNN

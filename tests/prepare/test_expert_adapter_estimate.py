@@ -11,6 +11,7 @@ import copy
 import pytest
 from conftest import OLMOE, QWEN_MOE, SESSION_MODELS, one_cell, ready_trainer
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.prepare.memory_estimate import estimate_cell
 
 SMALL = {"vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "seed": 0}
@@ -80,6 +81,6 @@ def test_the_estimate_counts_the_expert_adapters_the_loader_attaches(
     expert_adapters = [p for n, p in trainer.trainable_named if ".experts." in n]
     assert expert_adapters, "the loader attached adapters to the experts"
     measured = sum(p.numel() * p.element_size() for _, p in trainer.trainable_named)
-    estimate = estimate_cell(spec, family_checkpoints[family]).components
+    estimate = estimate_cell(CellSpec.from_json(spec), family_checkpoints[family]).components
     assert estimate.lora_params_grads == 2 * measured  # params and their grads, fp32
     assert estimate.optimizer_state == 2 * measured  # AdamW's two fp32 moments per adapter element

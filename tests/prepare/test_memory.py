@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import REPO, make_study, one_cell, run_supervised
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.prepare.memory_estimate import estimate_cell, estimate_from_shapes, nf4_bytes, tensor_shapes
 from tunegrid.targets import TARGETS, cuda_precision_support, feasibility, resolve_target
 
@@ -78,16 +80,11 @@ def test_t4_has_no_native_bf16_whatever_the_flag_says():
         and t4.precision["bf16"] == "emulated"
         and t4.precision["tf32"] == "absent"
     )
-    hardware = {
-        "target": "t4",
-        "memory_budget_gb": 0,
-        "refuse_emulated": True,
-        "predicted_oom": "run",
-        "oom_margin": 1.0,
-    }
+    hardware = _cell_spec(hardware={"target": "t4", "refuse_emulated": True, "oom_margin": 1.0}).hardware
+    assert hardware.memory_budget_gb == 0 and hardware.predicted_oom == "run"
     assert feasibility("bf16", resolve_target(hardware, {}), hardware, 1)[0] == "unsupported"
     assert feasibility("fp16", resolve_target(hardware, {}), hardware, 1) is None
-    skip = {**hardware, "predicted_oom": "skip"}
+    skip = replace(hardware, predicted_oom="skip")
     assert feasibility("fp16", resolve_target(skip, {}), skip, 17 * 2**30)[0] == "predicted_oom"
 
 
@@ -98,7 +95,7 @@ def test_a_cpu_cells_predicted_oom_weighs_what_its_budget_charges_not_the_runtim
     from tunegrid.contract import MemoryComponents, MemoryEstimate
 
     hardware = {"target": "native", "memory_budget_gb": 0.5, "refuse_emulated": False, "oom_margin": 1.0}
-    skip = {**hardware, "predicted_oom": "skip"}
+    skip = _cell_spec(hardware={**hardware, "predicted_oom": "skip"}).hardware
     target = resolve_target(skip, {"precision": {"fp32": "native"}})
     tensors, runtime = 400 * 2**20, 300 * 2**20  # 700 MiB in all against 512 MiB
     components = MemoryComponents(weights=tensors, runtime=runtime)
@@ -130,6 +127,11 @@ def _spec(model="gemma3-hot", batch=2, precision="fp32", quant="none", hardware=
     )
 
 
+def _cell_spec(**settings) -> CellSpec:
+    """_spec's cell, typed: what the plan reads."""
+    return CellSpec.from_json(_spec(**settings))
+
+
 def _run(spec, checkpoints, dataset_path, tmp_path, capabilities):
     """Spawned, as on a cluster: the estimate's constants for a fresh process (the forked path's: test_warm.py)."""
     run_dir = tmp_path / spec["cell_id"]
@@ -137,12 +139,12 @@ def _run(spec, checkpoints, dataset_path, tmp_path, capabilities):
 
 
 def test_estimate_grows_with_batch_and_shrinks_with_nf4(checkpoints):
-    small = estimate_cell(_spec(batch=2), checkpoints["qwen3moe-tiny"], 0)
-    large = estimate_cell(_spec(batch=64), checkpoints["qwen3moe-tiny"], 0)
+    small = estimate_cell(_cell_spec(batch=2), checkpoints["qwen3moe-tiny"], 0)
+    large = estimate_cell(_cell_spec(batch=64), checkpoints["qwen3moe-tiny"], 0)
     assert large.components.activations > 10 * small.components.activations
-    plain = estimate_cell(_spec(quant="nf4"), checkpoints["qwen3moe-tiny"], 0).components.weights
-    experts = estimate_cell(_spec(quant="nf4-experts"), checkpoints["qwen3moe-tiny"], 0).components.weights
-    full = estimate_cell(_spec(quant="none"), checkpoints["qwen3moe-tiny"], 0).components.weights
+    plain = estimate_cell(_cell_spec(quant="nf4"), checkpoints["qwen3moe-tiny"], 0).components.weights
+    experts = estimate_cell(_cell_spec(quant="nf4-experts"), checkpoints["qwen3moe-tiny"], 0).components.weights
+    full = estimate_cell(_cell_spec(quant="none"), checkpoints["qwen3moe-tiny"], 0).components.weights
     assert full > plain > experts  # the experts are what plain nf4 leaves in full precision
 
 
@@ -293,10 +295,11 @@ def test_cpu_bf16_with_routed_experts_and_only_that_trains_without_onednn(checkp
         for device in ("cpu", "cuda")
     ]
     config = {model: json.loads((checkpoints[model] / "config.json").read_text()) for model, _, _ in cells}
-    off = {(m, p, d): cpu_onednn_off(_spec(model=m, precision=p), config[m], d) for m, p, d in cells}
+    off = {(m, p, d): cpu_onednn_off(_cell_spec(model=m, precision=p), config[m], d) for m, p, d in cells}
     assert "oneDNN" in off[("qwen3moe-tiny", "bf16", "cpu")]
     assert [cell for cell, why in off.items() if why] == [("qwen3moe-tiny", "bf16", "cpu")]
-    assert not any(estimate_cell(_spec(model=m, precision=p), checkpoints[m], 0, d).not_modelled for m, p, d in cells)
+    estimates = [estimate_cell(_cell_spec(model=m, precision=p), checkpoints[m], 0, d) for m, p, d in cells]
+    assert not any(estimate.not_modelled for estimate in estimates)
 
 
 def _saved_expert_weights(trainer) -> dict[int, tuple[int, tuple[int, ...]]]:
@@ -353,16 +356,17 @@ def test_cuda_estimate_counts_every_layers_expert_weights_kept_for_backward(
     measured = sum(nbytes for nbytes, _ in weights)
     layers = trainer.model.get_base_model().config.num_hidden_layers
     assert len(full_width) == 2 and measured == layers * sum(full_width.values())  # every layer's, both tensors
-    estimate = estimate_cell(spec, checkpoints["qwen3moe-tiny"], device="cuda")
+    estimate = estimate_cell(CellSpec.from_json(spec), checkpoints["qwen3moe-tiny"], device="cuda")
     assert estimate.components.experts_kept_for_backward == measured, estimate.components
     if target_parameters:  # and the expert adapters themselves: r x experts x (in + out) per adapted tensor
         adapters = sum(p.numel() for n, p in trainer.trainable_named if ".experts." in n)
         assert adapters > 0
-        plain = estimate_cell({**spec, "lora": {**lora, "target_parameters": []}}, checkpoints["qwen3moe-tiny"])
+        without = CellSpec.from_json({**spec, "lora": {**spec["lora"], "target_parameters": []}})
+        plain = estimate_cell(without, checkpoints["qwen3moe-tiny"])
         lora_bytes = [e.components.lora_params_grads + e.components.optimizer_state for e in (estimate, plain)]
         assert lora_bytes[0] - lora_bytes[1] == adapters * 4 * 4  # fp32 params, grads and AdamW's two moments
     checkpointed = estimate_cell(
-        {**spec, "train": {**spec["train"], "gradient_checkpointing": True}},
+        CellSpec.from_json({**spec, "train": {**spec["train"], "gradient_checkpointing": True}}),
         checkpoints["qwen3moe-tiny"],
         device="cuda",
     )
@@ -418,9 +422,9 @@ def test_the_manifest_measures_the_tokenizer_in_memory_and_the_estimate_holds_it
     write_manifest(copy, json.loads((folder / "manifest.json").read_text())["source"])
     recorded = json.loads((copy / "manifest.json").read_text())["tokenizer_resident_bytes"]
     assert recorded > 0
-    estimate = estimate_cell(_spec(), copy, 0)
+    estimate = estimate_cell(_cell_spec(), copy, 0)
     assert estimate.components.tokenizer == recorded
-    without = estimate_from_shapes(_spec(), json.loads((copy / "config.json").read_text()), tensor_shapes(copy), 0)
+    without = estimate_from_shapes(_cell_spec(), json.loads((copy / "config.json").read_text()), tensor_shapes(copy), 0)
     assert estimate.estimate_bytes - without.estimate_bytes == recorded
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from conftest import meta_model_shapes
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import MemoryEstimate
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 from tunegrid.study.recorded import recorded_spec
@@ -57,7 +58,9 @@ def test_estimate_matches_the_recorded_gpu_peak(study, cell):
     constants = device_constants(CAPABILITIES, spec["axes"]["precision"], device=CAPABILITIES["device"])
     assert constants["device"] == "cuda" and constants["step_overhead"] > 0
     # these cells quantized their experts after the load (the path before load-time quantization)
-    estimate = estimate_from_shapes(spec, config, shapes, **constants, experts_quantized_at="post_load")
+    estimate = estimate_from_shapes(
+        CellSpec.from_json(spec), config, shapes, **constants, experts_quantized_at="post_load"
+    )
     ratio = estimate.estimate_bytes / cell["peak_bytes"]
     assert 0.9 <= ratio <= 1.1, (
         f"{spec['cell_id']}: estimate/measured {ratio:.3f} ({estimate.stage}: {estimate.components})"
@@ -91,7 +94,7 @@ def _recorded_estimate(cell: dict) -> MemoryEstimate:
     probe = RECORDED["capabilities"]
     constants = device_constants(probe, spec["axes"]["precision"], device=probe["device"])
     assert constants["device"] == "cuda" and constants["step_overhead"] > 0  # measured by that run's probe
-    return estimate_from_shapes(spec, config, shapes, **constants, **facts)
+    return estimate_from_shapes(CellSpec.from_json(spec), config, shapes, **constants, **facts)
 
 
 def test_the_second_recording_holds_real_weights_and_the_full_width_moe_case():

@@ -50,7 +50,7 @@ _SPECS = {
 }
 # each recorded spec read with today's keys: those it predates at the values the cells ran at
 CELLS = [
-    (entry, recorded_spec(entry.get("spec") or _SPECS[entry["study"], entry["cell_id"]], entry["study"]).to_json())
+    (entry, recorded_spec(entry.get("spec") or _SPECS[entry["study"], entry["cell_id"]], entry["study"]))
     for entry in RECORD["cells"]
 ]
 IDS = [f"{entry['study']}/{entry['cell_id']}" for entry, _ in CELLS]
@@ -60,11 +60,11 @@ IDS = [f"{entry['study']}/{entry['cell_id']}" for entry, _ in CELLS]
 def _replayed(index: int) -> tuple[StepWork, ModelledStep]:
     """The cell's plan as tunegrid makes it, and its step modelled on the H100 card."""
     spec = CELLS[index][1]
-    config, shapes = meta_model_shapes(spec["model"])
-    precision = spec["axes"]["precision"]
+    config, shapes = meta_model_shapes(spec.to_json()["model"])
+    precision = spec.axes.precision
     estimate = estimate_from_shapes(spec, config, shapes, **device_constants(PROBE, precision, device=PROBE["device"]))
     flops = plan_liveness(spec, config, shapes, PROBE).step_flops
-    checkpointing = spec["train"]["gradient_checkpointing"]  # the axis, written into the spec where it is set
+    checkpointing = spec.train.gradient_checkpointing  # the axis, written into the spec where it is set
     work = StepWork.of(precision, flops, estimate.components.as_dict(), checkpointing=checkpointing)
     modelled = modelled_step(H100, work)
     assert modelled is not None, f"{IDS[index]}: {precision} has no data-sheet rate on {H100.name}"
@@ -115,7 +115,7 @@ def test_the_modelled_step_is_within_its_band_of_the_recorded_one(index):
     ratio = _ratio(index)
     assert ratio <= 1.0, f"the model counts work the step did not do: {_detail(index)}"
     if _replayed(index)[1].seconds >= launch_bound_floor_s():
-        e = probe_share_of_peak(CELLS[index][1]["axes"]["precision"])
+        e = probe_share_of_peak(CELLS[index][1].axes.precision)
         assert ratio >= e / (1 + e), (
             f"below e/(1+e) = {e / (1 + e):.3f} (e = {e:.3f}) with the modelled step above the launch-bound floor "
             f"{launch_bound_floor_s() * 1e3:.3g} ms: {_detail(index)}"

@@ -61,12 +61,12 @@ def test_each_path_and_arithmetic_takes_its_own_measured_constant():
 
 
 def test_only_a_local_cpu_cell_with_a_warm_worker_is_forked_each_of_its_ranks_too():
-    one, two = one_cell(), one_cell(world=2)
-    assert planned_worker(one, "cpu", warm_worker=True) == FORKED
-    assert planned_worker(one, "cpu", warm_worker=False) == SPAWNED  # execution.warm_worker off, or a cluster job
-    assert planned_worker(two, "cpu", warm_worker=True) == FORKED  # one child of the warm worker per rank
-    assert planned_worker(two, "cpu", warm_worker=False) == SPAWNED
-    assert planned_worker(one, "cuda", warm_worker=True) == SPAWNED  # the warm worker never serves beside a GPU
+    # (device, warm_worker, nodes, the stack's interpreter): a cell's ranks, however many, on one node, base stack
+    assert planned_worker("cpu", True, 1, "") == FORKED  # one child of the warm worker per rank
+    assert planned_worker("cpu", False, 1, "") == SPAWNED  # execution.warm_worker off, or a cluster job
+    assert planned_worker("cuda", True, 1, "") == SPAWNED  # the warm worker never serves beside a GPU
+    assert planned_worker("cpu", True, 2, "") == SPAWNED  # each rank a SLURM step on its node
+    assert planned_worker("cpu", True, 1, "results/stacks/k/bin/python") == SPAWNED  # the warm worker has the base's
 
 
 def test_the_plan_names_the_path_and_holds_the_estimate_of_each_path_the_worker_may_take(checkpoints, tmp_path):

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import one_cell, processes_mentioning, run_supervised
+from conftest import one_cell, one_cell_spec, processes_mentioning, run_supervised
 
+from tunegrid.cell_spec import CellSpec, StackRef
 from tunegrid.run.collective import find_straggler
 from tunegrid.run.rank_diagnosis import diagnose_ranks
 from tunegrid.runtime.files import write_json
@@ -23,15 +25,10 @@ TIMEOUT_S = 5
 ALL_REDUCE = "step {} forward+backward (DDP all-reduce of gradients)"
 
 
-def _spec(**distributed):
-    return {
-        "distributed": {
-            "collective_timeout_s": TIMEOUT_S,
-            "straggler_factor": 1.5,
-            "straggler_min_lag_s": 0.1,
-            **distributed,
-        }
-    }
+def _spec(**distributed) -> CellSpec:
+    spec = one_cell_spec()
+    settings = {"collective_timeout_s": TIMEOUT_S, "straggler_factor": 1.5, "straggler_min_lag_s": 0.1, **distributed}
+    return replace(spec, distributed=replace(spec.distributed, **settings))
 
 
 def _rank(
@@ -438,7 +435,8 @@ def test_a_reading_that_failed_is_marked_never_stored_as_a_verdict(tmp_path, mak
         for path in folder.iterdir():
             path.unlink()
     elif make == "reader_prints_nothing":
-        spec["stack"] = {"python": shutil.which("true")}
+        silent = StackRef(name="silent", pins={}, key="silent", folder="", python=shutil.which("true"))
+        spec = replace(spec, stack=silent)  # a stack whose interpreter reads no dump and prints nothing
     update = (
         _diagnose(tmp_path) if make == "gloo" else diagnose_ranks(spec, tmp_path, {"outcome": "timeout"}, [0, -9], [1])
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from conftest import REPO, one_cell
+from conftest import REPO, one_cell_spec
 
 from tunegrid.run.launch import child_env
 from tunegrid.runtime.devices import cell_devices, cell_gpus, claimed_devices, gpus_per_rank, visible_gpu_count
@@ -19,9 +19,9 @@ CPU = {"device": "cpu", "gpus": []}
 def test_a_study_that_does_not_set_gpus_per_rank_asks_for_one_per_rank_where_the_probe_found_cuda(tmp_path):
     from tunegrid.targets import gpu_shortfall
 
-    spec = one_cell(world=2)
-    assert spec["hardware"]["gpus_per_rank"] == "auto"
-    assert cell_gpus(spec["hardware"], 2, H100) == 2 and cell_gpus(spec["hardware"], 2, CPU) == 0
+    spec = one_cell_spec(world=2)
+    assert spec.hardware.gpus_per_rank == "auto"
+    assert cell_gpus("auto", 2, H100) == 2 and cell_gpus("auto", 2, CPU) == 0
     # and so "more ranks than GPUs" holds without the study saying gpus_per_rank: 1
     verdict = gpu_shortfall(spec, H100)
     assert verdict is not None and verdict[0] == "unsupported", verdict
@@ -37,7 +37,7 @@ def test_auto_before_the_probe_counts_the_driver_devices_narrowed_by_cuda_visibl
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": ""}, driver) == 0
     assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": "-1"}, driver) == 0
     assert visible_gpu_count({}, tmp_path / "no-driver") == 0
-    assert gpus_per_rank({"gpus_per_rank": 0}, H100) == 0 and gpus_per_rank({"gpus_per_rank": 1}, CPU) == 1
+    assert gpus_per_rank(0, H100) == 0 and gpus_per_rank(1, CPU) == 1
 
 
 def test_jobs_side_by_side_claim_different_gpus_and_a_third_waits_for_one(tmp_path):
@@ -63,16 +63,15 @@ def test_a_cell_trains_on_its_own_claimed_gpu_or_on_the_cpu_when_it_asks_for_non
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     two_gpus = {**H100, "gpus": H100["gpus"] * 2}
-    auto = {"gpus_per_rank": "auto"}
-    with cell_devices(auto, 1, two_gpus, tmp_path) as first, cell_devices(auto, 1, two_gpus, tmp_path) as second:
+    with cell_devices("auto", 1, two_gpus, tmp_path) as first, cell_devices("auto", 1, two_gpus, tmp_path) as second:
         assert {first, second} == {"0", "1"}
         assert child_env(first)["CUDA_VISIBLE_DEVICES"] == first
-    with cell_devices(auto, 2, two_gpus, tmp_path) as both:
+    with cell_devices("auto", 2, two_gpus, tmp_path) as both:
         assert both == "0,1"  # rank r trains on the r-th of them
-    with cell_devices({"gpus_per_rank": 0}, 1, two_gpus, tmp_path) as none:
+    with cell_devices(0, 1, two_gpus, tmp_path) as none:
         assert none == "" and child_env(none)["CUDA_VISIBLE_DEVICES"] == ""  # the worker sees no CUDA device
     monkeypatch.setenv("SLURM_JOB_ID", "7")
-    with cell_devices(auto, 2, two_gpus, tmp_path) as granted:
+    with cell_devices("auto", 2, two_gpus, tmp_path) as granted:
         assert granted is None  # the cluster granted this job its GPUs: nothing to claim
 
 
@@ -83,7 +82,7 @@ def test_on_slurm_a_two_rank_cell_is_judged_by_the_gpus_its_own_job_was_granted(
     from tunegrid.targets import gpu_shortfall
 
     probe_job = {**H100, "cluster_job": True}  # the record as a SLURM probe job writes it: 1 GPU, its own
-    spec = one_cell(world=2)
+    spec = one_cell_spec(world=2)
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     monkeypatch.setattr(tunegrid.runtime.devices, "visible_gpu_count", lambda: 2)  # the cell's job: --gpus=2
     assert gpu_shortfall(spec, probe_job) is None

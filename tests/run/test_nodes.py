@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_study, one_cell
+from conftest import make_study, one_cell_spec
 
 from tunegrid.run.link_check import find_slow_link, predicted_allreduce
 from tunegrid.run.nodes import RankStep, nodes_shortfall, step_env
@@ -44,15 +44,15 @@ def test_a_rank_step_environment_keeps_the_job_not_the_supervisors_step():
 
 def test_a_cell_across_nodes_needs_a_job_that_holds_them(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    two = one_cell(model="qwen3moe-tiny", world=2, axes={"nodes": 2})
-    assert two["cell_id"].endswith("_ws2_nodes2")
-    assert parse_cell_id(two["cell_id"])["nodes"] == 2
+    two = one_cell_spec(model="qwen3moe-tiny", world=2, axes={"nodes": 2})
+    assert two.cell_id.endswith("_ws2_nodes2")
+    assert parse_cell_id(two.cell_id)["nodes"] == 2
     outcome, reason = nodes_shortfall(two)
     assert outcome == "unsupported" and "not inside a SLURM job" in reason
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     assert "holds 1" in nodes_shortfall(two, nodes=[("a", "10.0.0.1")])[1]
     assert nodes_shortfall(two, nodes=[("a", "10.0.0.1"), ("b", "10.0.0.2")]) is None
-    assert nodes_shortfall(one_cell(world=2)) is None
+    assert nodes_shortfall(one_cell_spec(world=2)) is None
 
 
 def test_the_grid_refuses_nodes_that_do_not_divide_the_world_size():
@@ -63,7 +63,7 @@ def test_the_grid_refuses_nodes_that_do_not_divide_the_world_size():
 
 
 def test_a_partition_must_hold_the_nodes_and_each_nodes_share():
-    spec = one_cell(model="qwen3moe-tiny", world=4, axes={"nodes": 2}, train={"threads": 2})
+    spec = one_cell_spec(model="qwen3moe-tiny", world=4, axes={"nodes": 2}, train={"threads": 2})
     partition = {"name": "ci", "up": True, "cpus_per_node": 4, "gpus_per_node": 0}
     assert cluster_shortfall(spec, {"cluster": {"partitions": [{**partition, "nodes": 2}]}}) is None
     outcome, reason = cluster_shortfall(spec, {"cluster": {"partitions": [{**partition, "nodes": 1}]}})

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import REPO, make_study, snakemake_command
+from conftest import REPO, make_study, one_cell_spec, snakemake_command
 
 from tunegrid.study.config import ConfigError, cell_spec, expand_cells, load_study, resolve_study, spec_json
 from tunegrid.vocabulary import PRECISIONS
@@ -302,7 +302,7 @@ def test_the_t4_study_plans_fp16_islands_and_its_target_runs_it_as_fp16(tmp_path
     """fp16-islands runs on fp16 arithmetic: planned on a T4 target (native fp16), where bf16 is refused."""
     from tunegrid.targets import TARGETS, feasibility
 
-    hardware = {"refuse_emulated": True, "predicted_oom": "run", "oom_margin": 1.0}
+    hardware = one_cell_spec(hardware={"refuse_emulated": True, "predicted_oom": "run", "oom_margin": 1.0}).hardware
     assert feasibility("fp16-islands", TARGETS["t4"], hardware, None) is None
     assert feasibility("bf16", TARGETS["t4"], hardware, None)[0] == "unsupported"
     assert _dry_run(tmp_path, "--configfile", str(REPO / "configs" / "gemma3-4b-t4-synthetic.yaml"))["finetune"] == 12

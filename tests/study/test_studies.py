@@ -73,9 +73,10 @@ def test_gpu_studies_fill_every_row_they_draw(name, checkpoints):
     assert train["seq_len"] == 2048 and data["packing"]
     tokenizer = AutoTokenizer.from_pretrained(checkpoints["gemma3-hot"])
     records = generate_examples(data["examples"], data["seed"])
+    cell_data = cell_spec(study, expand_cells(study)[0]).data  # every cell's: the study's data section
     for batch in grid["batch_size"]:
         stream, facts = build_stream(
-            records, tokenizer, PackedModel(), data, train["seq_len"], batch, 0, accum=max(grid["grad_accum"])
+            records, tokenizer, PackedModel(), cell_data, train["seq_len"], batch, 0, accum=max(grid["grad_accum"])
         )
         assert facts["packing"] != "off"
         assert facts["rows"] >= train["steps"] * stream.rows_per_step, (batch, facts["rows"])

@@ -102,19 +102,20 @@ def failing_micro_batch(study_dir: Path, cell_id: str, model) -> tuple[dict, obj
     from transformers import AutoTokenizer
 
     from tunegrid.cell.data.packing import build_stream
+    from tunegrid.contract import CellContract
     from tunegrid.dataset import read_dataset
 
-    spec = read_json(study_dir / "plans" / f"{cell_id}.json")["spec"]  # the cell's contract
-    tokenizer = AutoTokenizer.from_pretrained(study_dir / "models" / spec["model"]["name"])
+    spec = CellContract.read(study_dir / "plans" / f"{cell_id}.json").spec  # the cell's contract
+    tokenizer = AutoTokenizer.from_pretrained(study_dir / "models" / spec.model.name)
     stream, _ = build_stream(
         read_dataset(study_dir / "data" / "train.jsonl"),
         tokenizer,
         model,
-        spec.get("data") or {},
-        spec["train"]["seq_len"],
-        spec["axes"]["batch_size"],
-        spec["axes"]["seed"],
-        spec["axes"].get("grad_accum", 1),
+        spec.data,
+        spec.train.seq_len,
+        spec.axes.batch_size,
+        spec.axes.seed,
+        spec.axes.grad_accum,
     )
     batch = {k: v for k, v in stream.micro_batches(0)[0].items() if k != "labels"}
     return batch, stream.real_positions(0)[0]

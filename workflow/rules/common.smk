@@ -138,12 +138,12 @@ def get_cell_model_dir(wildcards):
 
 
 def get_cell_gpus(wildcards):
-    return cell_gpus(STUDY["hardware"], get_cell(wildcards).world_size)
+    return cell_gpus(STUDY["hardware"]["gpus_per_rank"], get_cell(wildcards).world_size)
 
 
 def get_probe_gpus(wildcards):
     """The probe measures the devices the cells will train on, so it asks for what one rank asks for."""
-    return gpus_per_rank(STUDY["hardware"])
+    return gpus_per_rank(STUDY["hardware"]["gpus_per_rank"])
 
 
 def get_cell_cpus(wildcards):

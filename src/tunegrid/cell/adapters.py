@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.runtime.files import open_to_umask, write_json
 
 ADAPTER_DIR = "adapter"
@@ -76,7 +77,7 @@ def save_adapter(run_dir: Path, model: Any, batch: dict[str, Any], loss: float, 
 
 
 def base_record(
-    spec: dict[str, Any], manifest: dict[str, Any], precision: Any, fp32_islands: list[str] | None = None
+    spec: CellSpec, manifest: dict[str, Any], precision: Any, fp32_islands: list[str] | None = None
 ) -> dict[str, Any]:
     """Everything needed to rebuild the base the adapter was trained on: for a 4-bit cell, BitsAndBytesConfig's
     arguments too, and that its 4-bit layers kept bitsandbytes' training layout (on a CPU with AVX512-BF16 a
@@ -87,9 +88,9 @@ def base_record(
     load = {
         "storage_dtype": precision.storage_dtype,
         "compute_dtype": precision.compute_dtype,
-        "quant": spec["axes"]["quant"],
+        "quant": spec.axes.quant,
     }
-    quant = quant_row(spec["axes"]["quant"])
+    quant = quant_row(spec.axes.quant)
     if quant.record_key:
         load[quant.record_key] = bnb_settings(spec, precision)
         load["cpu_inference_packing"] = False  # Linear4bit.support_avx512bf16_for_cpu = False on every layer
@@ -105,12 +106,12 @@ def base_record(
         load["cpu_fp16_matmul"] = "fp32-sums"
     if fp32_islands:  # fp16-islands: these modules computed and returned fp32 (cell/nonfinite/islands.make_island)
         load["fp32_islands"] = list(fp32_islands)
-    if spec["lora"].get("loftq_bits"):  # the adapted weights were replaced by their LoftQ round trip
-        load["loftq"] = {"bits": spec["lora"]["loftq_bits"], "iter": spec["lora"]["loftq_iter"]}
+    if spec.lora.loftq_bits:  # the adapted weights were replaced by their LoftQ round trip
+        load["loftq"] = {"bits": spec.lora.loftq_bits, "iter": spec.lora.loftq_iter}
     return {
         "base_model": base_model_identity(manifest),
-        "model_name": spec["model"]["name"],
-        "cell_id": spec["cell_id"],
+        "model_name": spec.model.name,
+        "cell_id": spec.cell_id,
         "load": load,
     }
 

@@ -67,7 +67,7 @@ class CellTrainer:
 
     def __init__(self, contract: CellContract, run_dir: Path) -> None:
         self.contract = contract  # the spec, the plan and the job, as the cell_plan rule made them (tunegrid.contract)
-        self.spec = contract.spec.to_json()  # the cell stage reads the spec as its JSON
+        self.spec = contract.spec  # what the cell trains with, section by section (tunegrid.cell_spec)
         self.model_dir = Path(contract.job.model_dir)
         self.data_path = Path(contract.job.data_path)
         self.run_dir = run_dir
@@ -82,16 +82,15 @@ class CellTrainer:
         from tunegrid.cell.loop.precision import precision_setup
 
         require_apis(self.spec)  # a library stack without an API this cell calls: unsupported, before any load
-        train = self.spec["train"]
-        torch.set_num_threads(train["threads"])
-        torch.manual_seed(self.spec["axes"]["seed"])  # the same on every rank: identical LoRA init
+        torch.set_num_threads(self.spec.train.threads)
+        torch.manual_seed(self.spec.axes.seed)  # the same on every rank: identical LoRA init
         ranks = Ranks.from_env()
         self.device = ranks.device(self.contract.plan.device)  # the plan's (tunegrid.runtime.devices.training_device)
-        self.ranks = RankContext(ranks, self.device, self.heartbeat, self.spec["debug"])
+        self.ranks = RankContext(ranks, self.device, self.heartbeat, self.spec.debug)
         if self.ranks.distributed:
-            self.facts["distributed"] = self.ranks.group_facts(self.spec["distributed"])
-            self.ranks.init_process_group(self.spec["distributed"], self.facts["distributed"]["backend"])
-        self.precision = precision_setup(self.spec["axes"]["precision"], self.device.type)
+            self.facts["distributed"] = self.ranks.group_facts(self.spec.distributed)
+            self.ranks.init_process_group(self.spec.distributed, self.facts["distributed"]["backend"])
+        self.precision = precision_setup(self.spec.axes.precision, self.device.type)
         print(self.precision.describe(), flush=True)
         self.facts["precision_plan"] = self.precision.__dict__
         self.meter = MemoryMeter(self.device.type)
@@ -112,7 +111,7 @@ class CellTrainer:
         if budget:
             self.memory["budget_enforcement"] = apply_memory_budget(self.device.type, budget, self.device.index)
         self.meter.reset()
-        self.tokenizer = load_tokenizer(self.model_dir, bool(self.spec["model"].get("trust_remote_code")))
+        self.tokenizer = load_tokenizer(self.model_dir, self.spec.model.trust_remote_code)
         self.model = load_model(self.model_dir, self.spec, self.precision, self.contract.plan.kernels, self.device)
         self.model, self.facts["quant_audit"] = audit_and_adapt(self.model, self.spec, self.run_dir)
         self.model.train()
@@ -133,16 +132,16 @@ class CellTrainer:
         from tunegrid.dataset import read_dataset
 
         # each rank draws its own batches (batch_size is per rank); rank 0 sees what a 1-process cell sees
-        seed = self.spec["axes"]["seed"] + 7919 * self.ranks.rank
+        seed = self.spec.axes.seed + 7919 * self.ranks.rank
         self.stream, self.facts["data"] = build_stream(
             read_dataset(self.data_path),
             self.tokenizer,
             self.model,
-            self.spec["data"],
-            self.spec["train"]["seq_len"],
-            self.spec["axes"]["batch_size"],
+            self.spec.data,
+            self.spec.train.seq_len,
+            self.spec.axes.batch_size,
             seed,
-            self.spec["axes"]["grad_accum"],
+            self.spec.axes.grad_accum,
         )
 
     # ---------------------------------------------------------------- fp32 islands (fp16-islands only)
@@ -153,7 +152,7 @@ class CellTrainer:
         self.facts["stage"] = "islands"
         self.heartbeat.beat("fp32 island calibration")
         self.facts["fp32_islands"] = place_fp32_islands(
-            self.model, self.stream, self.device, self.ranks.distributed, self.spec["train"]
+            self.model, self.stream, self.device, self.ranks.distributed, self.spec.train
         )
         self.facts["precision_in_effect"]["base_weight_dtypes"] = weight_dtypes(self.model, trainable=False)
 
@@ -167,7 +166,7 @@ class CellTrainer:
             self.ranks.wrap(self.model)
         # after DDP, whose construction broadcasts every parameter: from here each layer's base weights sit on the host
         self.weight_offload = weight_offload_of(self.spec, self.model, self.device)
-        if self.spec["train"].get("weight_offloading"):  # 0 on a CPU cell: nothing moves
+        if self.spec.train.weight_offloading:  # 0 on a CPU cell: nothing moves
             self.memory["weights_offloaded_bytes"] = getattr(self.weight_offload, "offloaded_bytes", 0)
         return self.optimizer_step
 
@@ -183,8 +182,8 @@ class CellTrainer:
 
         from tunegrid.cell.loop.instrument import DtypeCensus, HeadroomMeter
 
-        train = self.spec["train"]
-        steps, every = train["steps"], train["headroom_every"]
+        train = self.spec.train
+        steps, every = train.steps, train.headroom_every
         optimizer_step = self.build_optimizer()
         log = StepLog(census=DtypeCensus(), headroom=HeadroomMeter())
         self.resume(optimizer_step, log)  # before the files open: a resume puts them back as they were at its step
@@ -192,10 +191,10 @@ class CellTrainer:
         files = StepFiles.open(self.run_dir)
         replay = FailingStepReplay(optimizer_step)
         scaled = optimizer_step.scaler is not None
-        last = steps + (train["max_skipped_steps"] if scaled else 0)  # the most steps the loop runs
+        last = steps + (train.max_skipped_steps if scaled else 0)  # the most steps the loop runs
         self.facts["stage"] = "step"
         progress = tqdm(
-            total=steps, initial=log.start, desc=self.spec["cell_id"], unit="step", mininterval=2.0, file=sys.stderr
+            total=steps, initial=log.start, desc=self.spec.cell_id, unit="step", mininterval=2.0, file=sys.stderr
         )
         try:
             for step in range(log.start, last):
@@ -262,7 +261,7 @@ class CellTrainer:
         distributed cell's ranks would each need their own, so it starts afresh."""
         from tunegrid.cell.adapters import base_model_identity
 
-        every = self.spec["train"]["checkpoint_every"]
+        every = self.spec.train.checkpoint_every
         self.facts["checkpoint"] = {"every": every, "applied": not self.ranks.distributed}  # result.json's key
         if self.ranks.distributed:
             return
@@ -354,7 +353,7 @@ class CellTrainer:
                 collective: {
                     "rank": self.facts["rank"],
                     "waiting_in": self.heartbeat.last,
-                    "timeout_s": self.spec["distributed"]["collective_timeout_s"],
+                    "timeout_s": self.spec.distributed.collective_timeout_s,
                     "message": str(exc)[:400],
                 }
             }

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 
-def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str, act: int) -> tuple[float, float]:
+
+def saved_activations(spec: CellSpec, config: dict[str, Any], device: str, act: int) -> tuple[float, float]:
     """(activations kept on the device at the step's peak, activations offloaded to host memory), in bytes;
     `act` is the bytes of one stored activation value."""
-    axes, train = spec["axes"], spec["train"]
+    axes, train = spec.axes, spec.train
     hidden = int(config["hidden_size"])
-    batch, seq = axes["batch_size"], train["seq_len"]  # the micro-batch: accumulated ones hold no activations
+    batch, seq = axes.batch_size, train.seq_len  # the micro-batch: accumulated ones hold no activations
     tokens = batch * seq
     layers = int(config.get("num_hidden_layers", 1))
     heads = int(config.get("num_attention_heads", 1))
@@ -26,12 +28,12 @@ def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str,
     # Attention: the CPU kernels keep the seq x seq probabilities (and their dropout mask); CUDA's SDPA kernels
     # (flash, memory-efficient) keep only an fp32 log-sum-exp per query (torch's meta registrations of
     # _scaled_dot_product_{flash,efficient}_attention); eager attention keeps the probabilities on any device
-    kernel = axes["attention"]
-    kernel = kernel if kernel != "sdpa" else (spec.get("model") or {}).get("attn_implementation") or "sdpa"
+    kernel = axes.attention
+    kernel = kernel if kernel != "sdpa" else spec.model.attn_implementation or "sdpa"  # "": transformers' default, sdpa
     probabilities = device == "cpu" or kernel == "eager"
     attention = batch * heads * seq * seq * act * 2 if probabilities else batch * heads * seq * 4
     per_layer = tokens * (per_hidden * hidden + per_intermediate * intermediate * experts_per_token) * act + attention
-    if train["gradient_checkpointing"]:
+    if train.gradient_checkpointing:
         # Each checkpointed layer keeps its input (torch's non-reentrant checkpoint, as the cell enables it); at
         # backward one layer's activations are rebuilt. On CPU the forward's working set of a layer (the same
         # tensors, built and freed without being saved) stays in the process's heap beside the rebuilt ones:
@@ -43,7 +45,7 @@ def saved_activations(spec: dict[str, Any], config: dict[str, Any], device: str,
         activations = layers * per_layer
     # offloaded (cell/memory/activation_offload.py): saved tensors live in host memory, the device holds one layer's;
     # on CPU the same
-    kept = per_layer + tokens * hidden * act * bool(train["gradient_checkpointing"])
-    offloaded = max(0, activations - kept) if train.get("activation_offloading") and device != "cpu" else 0
+    kept = per_layer + tokens * hidden * act * train.gradient_checkpointing
+    offloaded = max(0, activations - kept) if train.activation_offloading and device != "cpu" else 0
     activations -= offloaded
     return activations, offloaded

@@ -76,21 +76,21 @@ def mem_mb_for_job(contract_file: str | Path | None, hardware: dict[str, Any], w
 
 
 def _estimate(
-    spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], device: str, worker: str, target: Any
+    spec: CellSpec, model_dir: Path, capabilities: dict[str, Any], device: str, worker: str, target: Any
 ) -> MemoryEstimate:
     """One path's estimate, for the device the cell trains on, with the verdict it leads to."""
     from tunegrid.prepare.memory_estimate import device_constants, estimate_cell
     from tunegrid.targets import cluster_shortfall, feasibility, gpu_shortfall, needs_cuda
 
-    hardware, precision = spec["hardware"], spec["axes"]["precision"]
+    precision = spec.axes.precision
     estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker, device=device))
-    verdict = feasibility(precision, target, hardware, estimate.charge_bytes(device)) if target else None
+    verdict = feasibility(precision, target, spec.hardware, estimate.charge_bytes(device)) if target else None
     verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, device)
     verdict = verdict or cluster_shortfall(spec, capabilities)
     return replace(estimate, verdict=str(verdict[0]), reason=str(verdict[1])) if verdict else estimate
 
 
-def _kernels(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any], device: str) -> CellKernels:
+def _kernels(spec: CellSpec, model_dir: Path, capabilities: dict[str, Any], device: str) -> CellKernels:
     """The kernels the cell's ranks train with, on the device they train on."""
     from tunegrid.prepare.cpu_kernels import cpu_fp16_matmul, cpu_onednn_matmul, cpu_onednn_off
 
@@ -110,15 +110,15 @@ def plan_cell(cell: CellSpec, model_dir: Path, capabilities: dict[str, Any], war
     from tunegrid.runtime.devices import training_device
     from tunegrid.targets import resolve_target
 
-    spec = cell.to_json()  # the estimate's, the targets' and the workers' rules read the spec as its JSON
-    hardware = spec["hardware"]
-    device = training_device(hardware, capabilities)
+    hardware = cell.hardware
+    device = training_device(hardware.gpus_per_rank, capabilities)
     target = resolve_target(hardware, capabilities) if capabilities else None
-    enforced = bool(target) and (target.name != "native" or bool(cell.hardware.memory_budget_gb))
-    worker = planned_worker(spec, device, warm_worker)
+    enforced = bool(target) and (target.name != "native" or bool(hardware.memory_budget_gb))
+    stack_python = cell.stack.python if cell.stack is not None else ""  # "": the base stack
+    worker = planned_worker(device, warm_worker, cell.axes.nodes, stack_python)
     # every path the worker may take: the planned one, spawned, and forked wherever a warm worker could fork it
-    paths = dict.fromkeys([worker, SPAWNED, planned_worker(spec, device, True)])
-    estimates = {path: _estimate(spec, model_dir, capabilities, device, path, target) for path in paths}
+    paths = dict.fromkeys([worker, SPAWNED, planned_worker(device, True, cell.axes.nodes, stack_python)])
+    estimates = {path: _estimate(cell, model_dir, capabilities, device, path, target) for path in paths}
     world = cell.axes.world_size
     return CellPlan(
         cell_id=cell.cell_id,
@@ -128,8 +128,8 @@ def plan_cell(cell: CellSpec, model_dir: Path, capabilities: dict[str, Any], war
         device=device,
         worker=worker,
         estimates=estimates,
-        kernels=_kernels(spec, model_dir, capabilities, device),
-        liveness=cell_liveness(spec, model_dir, capabilities),
+        kernels=_kernels(cell, model_dir, capabilities, device),
+        liveness=cell_liveness(cell, model_dir, capabilities),
         mem_mb=host_mem_mb(estimates[worker], world // cell.axes.nodes),  # a node's ranks
     )
 

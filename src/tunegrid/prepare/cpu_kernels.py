@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.meanings import precision_row
 
 
@@ -39,7 +40,7 @@ def cpu_onednn_matmul(capabilities: dict[str, Any]) -> dict[str, bool]:
 
 
 def cpu_onednn_off(
-    spec: dict[str, Any], config: dict[str, Any], device: str, onednn_matmul: dict[str, bool] | None = None
+    spec: CellSpec, config: dict[str, Any], device: str, onednn_matmul: dict[str, bool] | None = None
 ) -> str | None:
     """Why a cell trains with torch's oneDNN (mkldnn) kernels off, or None where it keeps them. `onednn_matmul`:
     the dtypes whose CPU matmuls torch hands to oneDNN on the host (cpu_onednn_matmul of its probe record; None:
@@ -61,7 +62,7 @@ def cpu_onednn_off(
     Elsewhere torch's fp16 matmuls never reach oneDNN, and it stays on."""
     if device != "cpu" or not routed_experts(config):
         return None
-    dtype = precision_row(spec["axes"]["precision"]).dtype
+    dtype = precision_row(spec.axes.precision).dtype
     if dtype == "bfloat16":
         return (
             "CPU bf16 with routed experts: oneDNN builds a kernel per token count an expert sees and keeps it, so "
@@ -76,14 +77,14 @@ def cpu_onednn_off(
     return None
 
 
-def cpu_fp16_matmul(spec: dict[str, Any], device: str) -> str | None:
+def cpu_fp16_matmul(spec: CellSpec, device: str) -> str | None:
     """Why a cell's fp16 matmuls run as fp32 products and sums over fp16 operands, rounded to fp16 once (the
     arithmetic of a GPU's fp16 GEMM; tunegrid.cell.nonfinite.fp16_matmul), or None where torch's own kernels run them.
 
     On a CPU, torch's fp16 matrix products accumulate in fp32 as well, but where an operand is used transposed
     (every backward through a linear layer) they run 19-65x slower than fp32 sums in blocks
     (benchmarks/cpu_fp16_matmul.py); a real model's fp16 step spent 99 % of its time there."""
-    if device != "cpu" or precision_row(spec["axes"]["precision"]).dtype != "float16":
+    if device != "cpu" or precision_row(spec.axes.precision).dtype != "float16":
         return None
     return (
         "CPU fp16: matmuls multiply and sum fp16 operands in fp32 and round each result to fp16 once, as a GPU's "

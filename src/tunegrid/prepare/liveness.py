@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import LivenessLimits
 from tunegrid.meanings import precision_row
 from tunegrid.targets import FLOPS_PER_WEIGHT_TOKEN_BOUND, matmul_share
@@ -55,15 +56,15 @@ def matmul_weights(config: dict[str, Any], shapes: dict[str, list[int]]) -> floa
 
 
 def plan_liveness(
-    spec: dict[str, Any], config: dict[str, Any], shapes: dict[str, list[int]], capabilities: dict[str, Any]
+    spec: CellSpec, config: dict[str, Any], shapes: dict[str, list[int]], capabilities: dict[str, Any]
 ) -> LivenessLimits:
     """The cell's limits: the study's, raised to LIVENESS_MARGIN x the predicted work where that is longer."""
-    axes, train = spec["axes"], spec["train"]
-    tokens = axes["batch_size"] * axes["grad_accum"] * train["seq_len"]
+    axes, train = spec.axes, spec.train
+    tokens = axes.batch_size * axes.grad_accum * train.seq_len
     flops = FLOPS_PER_WEIGHT_TOKEN * matmul_weights(config, shapes) * tokens
-    dtype = precision_row(axes["precision"]).dtype
+    dtype = precision_row(axes.precision).dtype
     rate = (capabilities.get("matmul_tflops") or {}).get(dtype)  # the probe's rate for the compute dtype
-    heartbeat, limit = float(train["heartbeat_timeout_s"]), float(train["time_limit_s"])
+    heartbeat, limit = float(train.heartbeat_timeout_s), float(train.time_limit_s)
     if not rate:
         return LivenessLimits(
             heartbeat_timeout_s=heartbeat,
@@ -78,7 +79,7 @@ def plan_liveness(
     step_s = flops / (rate * 1e12)
     return LivenessLimits(
         heartbeat_timeout_s=max(heartbeat, LIVENESS_MARGIN * step_s),
-        time_limit_s=max(limit, LIVENESS_MARGIN * step_s * (train["steps"] + EXTRA_STEPS)),
+        time_limit_s=max(limit, LIVENESS_MARGIN * step_s * (train.steps + EXTRA_STEPS)),
         predicted_step_s=step_s,
         step_flops=flops,
         rate_tflops=rate,
@@ -91,7 +92,7 @@ def plan_liveness(
     )
 
 
-def cell_liveness(spec: dict[str, Any], model_dir: Path, capabilities: dict[str, Any]) -> LivenessLimits:
+def cell_liveness(spec: CellSpec, model_dir: Path, capabilities: dict[str, Any]) -> LivenessLimits:
     """plan_liveness for a cell whose checkpoint is on disk (its config and safetensors headers)."""
     from tunegrid.prepare.checkpoint_headers import tensor_shapes
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypedDict
 
+from tunegrid.cell_spec import CellSpec, LoraSpec, TrainSpec
 from tunegrid.contract import MemoryComponents, MemoryEstimate
 from tunegrid.meanings import QUANT_ROWS, PrecisionRow, QuantRow, precision_row, quant_row
 from tunegrid.prepare.activation_peaks import saved_activations
@@ -80,7 +81,7 @@ def device_constants(
 
 
 def estimate_cell(
-    spec: dict[str, Any],
+    spec: CellSpec,
     model_dir: str | Path,
     runtime: int = 0,
     device: str = "cpu",
@@ -105,28 +106,28 @@ def optimizer_state_bytes(numels: Iterable[int], optimizer: str) -> int:
     return sum(2 * (n + 4 * -(-n // BLOCKWISE)) if n >= MIN_8BIT_SIZE else 8 * n for n in numels)
 
 
-def _logits(train: dict[str, Any], tokens: int, vocab: int, hidden: int, act: int) -> int:
+def _logits(train: TrainSpec, tokens: int, vocab: int, hidden: int, act: int) -> int:
     """The logits' buffers: fp32 logits, their log-softmax and its gradient. With train.loss chunked
     (cell/memory/chunked_loss.py), one chunk's at a time (rebuilt in backward), beside the loss tokens' rows of the
     final hidden states that the chunks are cut from."""
-    if train["loss"] != "chunked":
+    if train.loss != "chunked":
         return tokens * vocab * 4 * 3
-    chunk = min(tokens, int(train["loss_chunk_tokens"]))
+    chunk = min(tokens, train.loss_chunk_tokens)
     return chunk * vocab * 4 * 3 + tokens * hidden * act
 
 
 def _step_tensors(
-    spec: dict[str, Any], config: dict[str, Any], device: str, row: PrecisionRow, cast_numel: int
+    spec: CellSpec, config: dict[str, Any], device: str, row: PrecisionRow, cast_numel: int
 ) -> tuple[float, float, int]:
     """(activations kept for backward on the device, activations offloaded to host memory, the logits' buffers).
     `cast_numel`: elements of the frozen matmul weights autocast casts to the compute dtype (the head aside)."""
-    train = spec["train"]
+    train = spec.train
     vocab, hidden = int(config["vocab_size"]), int(config["hidden_size"])
-    tokens = spec["axes"]["batch_size"] * train["seq_len"]  # the micro-batch: accumulated ones hold no activations
+    tokens = spec.axes.batch_size * train.seq_len  # the micro-batch: accumulated ones hold no activations
     act = row.bytes_per_value
     activations, offloaded = saved_activations(spec, config, device, act)
     logits = _logits(train, tokens, vocab, hidden, act)
-    chunked = train["loss"] == "chunked"
+    chunked = train.loss == "chunked"
     # Weights stored wider than autocast computes (fp16-mixed): autograd keeps each matmul's cast copy, the head's
     # too, for the input's gradient until the backward (Gemma 3 270M: 268M values, 536 MB in fp16); a chunked
     # loss casts the head afresh for each chunk and keeps none of them
@@ -198,16 +199,16 @@ def _load_peak(
     return runtime + tokenizer_bytes + weights_at_load
 
 
-def _weights_on_device(tensors: WeightInventory, train: dict[str, Any], device: str) -> tuple[int, int]:
+def _weights_on_device(tensors: WeightInventory, train: TrainSpec, device: str) -> tuple[int, int]:
     """(the weights on the device from the first step, the weights in host memory). Weight offloading
     (cell/memory/weight_offload.py): the load put every weight on the device; from the first step each decoder layer's
     live in host memory and come to a GPU one layer at a time. On CPU nothing moves."""
-    on = train.get("weight_offloading") and device != "cpu"
+    on = train.weight_offloading and device != "cpu"
     offloaded = offloaded_weight_bytes(tensors.offloadable) if on else 0
     return int(tensors.weights) - offloaded, offloaded
 
 
-def _not_modelled(row: PrecisionRow, lora: dict[str, Any], device: str) -> str | None:
+def _not_modelled(row: PrecisionRow, lora: LoraSpec, device: str) -> str | None:
     """What this model leaves out, said where it applies rather than fitted. (The cases that grew step by step,
     CPU bf16 with routed experts and CPU fp16 with them where oneDNN runs fp16, train without oneDNN: the plan's
     kernels, prepare.cpu_kernels.cpu_onednn_off; the estimate is of a cell that trains with them.)"""
@@ -217,13 +218,13 @@ def _not_modelled(row: PrecisionRow, lora: dict[str, Any], device: str) -> str |
         # weights grow to fp32 and its activations are fp32 (H100, Gemma 3 270M, 8 of 18 layers: +146 MiB, 0.86 of
         # the peak without them). On a CPU the checkpoint's cast load is the peak and covers them.
         left_out.append("fp32 islands: their fp32 weights and activations (chosen when the cell starts)")
-    if lora.get("loftq_bits"):  # peft's, after the load, one weight at a time: transient, not measured here
+    if lora.loftq_bits:  # peft's, after the load, one weight at a time: transient, not measured here
         left_out.append("LoftQ's initialization (an adapted weight's fp32 copies, its round trip and SVD, in turn)")
     return "; ".join(left_out) or None
 
 
 def estimate_from_shapes(
-    spec: dict[str, Any],
+    spec: CellSpec,
     config: dict[str, Any],
     shapes: dict[str, list[int]],
     runtime: int,
@@ -240,24 +241,24 @@ def estimate_from_shapes(
     checkpoint's largest tensor; where its disk dtype is not the storage dtype, every tensor is taken to be cast
     as it loads (`load_peaks.cast_load_peak`)."""
     config = _text_config(config)
-    axes, train = spec["axes"], spec["train"]
+    axes, train = spec.axes, spec.train
     # The tokenizer and a checkpoint's read and cast copies live in host memory: they are part of a CPU cell's
     # peak, never of a GPU's (measured on an H100, Gemma 3 270M from GGUF, fp16-residual: load peak 514 MiB for
     # 511 MiB of fp16 weights, where the CPU's load model gives 1.3 GiB)
     if device != "cpu":
         tokenizer_bytes, largest_on_disk = 0, (0, 0)
-    row, quant = precision_row(axes["precision"]), quant_row(axes["quant"])
+    row, quant = precision_row(axes.precision), quant_row(axes.quant)
     storage = row.bytes_per_value
-    tensors = weight_inventory(config, shapes, quant, storage, spec["lora"])
+    tensors = weight_inventory(config, shapes, quant, storage, spec.lora)
     activations, offloaded, logits = _step_tensors(spec, config, device, row, tensors.cast_numel)
-    checkpointed = bool(train["gradient_checkpointing"])
+    checkpointed = train.gradient_checkpointing
     kept_experts, dequant = _dequantized_copies(shapes, tensors, quant, storage, checkpointed, device)
     beside = (runtime, tokenizer_bytes)
     load = _load_peak(config, shapes, tensors, quant, storage, device, beside, experts_quantized_at, largest_on_disk)
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     weights, weights_offloaded = _weights_on_device(tensors, train, device)
     lora_bytes = tensors.adapter_params * 4 * 2  # fp32 params and their grads
-    optimizer_bytes = optimizer_state_bytes(tensors.adapter_tensors, axes["optimizer"])
+    optimizer_bytes = optimizer_state_bytes(tensors.adapter_tensors, axes.optimizer)
     held = (runtime, step_overhead, tokenizer_bytes, weights, lora_bytes, optimizer_bytes, activations, kept_experts)
     step = sum(held) + transient
     return MemoryEstimate(
@@ -279,5 +280,5 @@ def estimate_from_shapes(
             logits=int(logits),
             dequant_buffer=int(dequant),
         ),
-        not_modelled=_not_modelled(row, spec["lora"], device),
+        not_modelled=_not_modelled(row, spec.lora, device),
     )

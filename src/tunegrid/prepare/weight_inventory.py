@@ -13,6 +13,7 @@ from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any
 
+from tunegrid.cell_spec import LoraSpec
 from tunegrid.meanings import QuantRow
 from tunegrid.prepare.checkpoint_headers import numel_of
 from tunegrid.prepare.cpu_kernels import routed_experts
@@ -51,47 +52,45 @@ def _tensor_kind(name: str, shape: list[int], vocab: int, moe: bool) -> tuple[bo
     return embedding, len(shape) >= 3 or (moe and indices >= 2)
 
 
-def _adapter_tensors(
-    name: str, shape: list[int], lora: dict[str, Any], regex: re.Pattern[str], linear: bool
-) -> list[int]:
+def _adapter_tensors(name: str, shape: list[int], lora: LoraSpec, regex: re.Pattern[str], linear: bool) -> list[int]:
     """Elements of each tensor LoRA trains for one checkpoint tensor: A and B where the adapter targets its
     module (a linear layer's 2-D weight outside the embeddings and experts), and the whole, in fp32, where
     modules_to_save trains it in full."""
     module = name.removesuffix(".weight")
-    all_linear = list(lora["target_modules"]) == ["all-linear"]  # peft resolves it: every linear but the head
-    targeted = all_linear or any(module.endswith("." + t) for t in lora["target_modules"]) or regex.fullmatch(module)
+    all_linear = list(lora.target_modules) == ["all-linear"]  # peft resolves it: every linear but the head
+    targeted = all_linear or any(module.endswith("." + t) for t in lora.target_modules) or regex.fullmatch(module)
     found = []
     if linear and targeted and not (all_linear and module.endswith("lm_head")):  # all-linear leaves the head
-        found += [lora["r"] * shape[1], shape[0] * lora["r"]]  # lora_A, lora_B
-    if any(module == m or module.endswith("." + m) for m in lora.get("modules_to_save") or []):
+        found += [lora.r * shape[1], shape[0] * lora.r]  # lora_A, lora_B
+    if any(module == m or module.endswith("." + m) for m in lora.modules_to_save):
         found.append(numel_of(shape))
     return found
 
 
 def _expert_adapter_tensors(
-    shapes: dict[str, list[int]], expert_names: Set[str], lora: dict[str, Any]
+    shapes: dict[str, list[int]], expert_names: Set[str], lora: LoraSpec
 ) -> tuple[list[int], int]:
     """LoRA on fused expert parameters (lora.target_parameters): peft's ParamWrapper over an [experts, in, out]
     parameter, r x experts rows of A and columns of B. Returns their tensors' elements and the elements of the
     parameters they adapt."""
-    targets = lora.get("target_parameters") or []
+    targets = lora.target_parameters
     found: list[int] = []
     adapted = 0
     for name, shape in fused_expert_parameters(shapes, expert_names).items():
         if any(name == t or name.endswith("." + t) for t in targets):
-            found += [lora["r"] * shape[0] * shape[1], lora["r"] * shape[0] * shape[2]]
+            found += [lora.r * shape[0] * shape[1], lora.r * shape[0] * shape[2]]
             adapted += numel_of(shape)
     return found, adapted
 
 
 def weight_inventory(
-    config: dict[str, Any], shapes: dict[str, list[int]], quant: QuantRow, storage: int, lora: dict[str, Any]
+    config: dict[str, Any], shapes: dict[str, list[int]], quant: QuantRow, storage: int, lora: LoraSpec
 ) -> WeightInventory:
     """The checkpoint's tensors (`shapes`, of a model whose text config is `config`) loaded with `quant` at
     `storage` bytes a value and adapted as `lora` says."""
     vocab = int(config["vocab_size"])
     moe = routed_experts(config) > 0
-    regex = re.compile(lora.get("target_regex") or "(?!)")  # peft full-matches a string against module names
+    regex = re.compile(lora.target_regex or "(?!)")  # peft full-matches a string against module names
     weights, experts_full, experts_final = 0.0, 0.0, 0.0
     cast_numel, largest_quantized = 0, 0
     expert_names: set[str] = set()

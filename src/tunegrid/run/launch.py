@@ -68,7 +68,7 @@ def launch_ranks(
         from tunegrid.run.nodes import launch_on_nodes
 
         env = {**child_env(visible_devices), **flight_recorder_env(spec.distributed, run_dir)}
-        return launch_on_nodes(spec.to_json(), run_dir, command, env)  # the nodes' rules read the spec's JSON
+        return launch_on_nodes(spec, run_dir, command, env)
     if world == 1:
         if warm_socket:  # this invocation's warm worker forks it with the imports done (tunegrid.run.warm)
             from tunegrid.run.warm_client import fork_worker

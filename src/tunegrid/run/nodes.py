@@ -20,18 +20,14 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.runtime.netif import NODE_ADDR_ENV, interface_of
 from tunegrid.vocabulary import Outcome
 
 # the allocation's identity: every other SLURM_* variable of the supervisor's own step (its task count, its node
 # list, its CPU binding) would shape the rank's step instead of the flags given here
 KEEP_SLURM = {"SLURM_JOB_ID", "SLURM_JOBID", "SLURM_CLUSTER_NAME", "SLURM_CONF", "SLURM_SUBMIT_DIR"}
-
-
-def cell_nodes(spec: dict[str, Any]) -> int:
-    return int(spec["axes"]["nodes"])
 
 
 class RankStep(subprocess.Popen[bytes]):
@@ -82,9 +78,9 @@ def allocation_nodes(env: dict[str, str] | None = None) -> list[tuple[str, str]]
     return nodes
 
 
-def nodes_shortfall(spec: dict[str, Any], nodes: list[tuple[str, str]] | None = None) -> tuple[str, str] | None:
+def nodes_shortfall(spec: CellSpec, nodes: list[tuple[str, str]] | None = None) -> tuple[str, str] | None:
     """`unsupported` before launch for a cell across nodes outside a SLURM job that holds that many nodes."""
-    wanted = cell_nodes(spec)
+    wanted = spec.axes.nodes
     if wanted == 1:
         return None
     try:
@@ -110,18 +106,18 @@ def step_env(env: dict[str, str]) -> dict[str, str]:
     return kept
 
 
-def launch_on_nodes(spec: dict[str, Any], run_dir: Path, command: list[str], env: dict[str, str]) -> list[RankStep]:
+def launch_on_nodes(spec: CellSpec, run_dir: Path, command: list[str], env: dict[str, str]) -> list[RankStep]:
     """One srun step per rank on its node; each rank's output in ranks/rank<r>.log."""
     from tunegrid.run.ui import free_port
 
-    world, wanted = int(spec["axes"]["world_size"]), cell_nodes(spec)
+    world, wanted = spec.axes.world_size, spec.axes.nodes
     nodes = allocation_nodes(env)[:wanted]
     per_node = world // wanted
     master = nodes[0][1]
     base = step_env(env)
     base.update(MASTER_ADDR=master, MASTER_PORT=str(free_port("0.0.0.0")), WORLD_SIZE=str(world))
-    threads = str(spec["train"]["threads"])
-    slow = spec.get("debug", {}).get("slow_link") or {}
+    threads = str(spec.train.threads)
+    slow = spec.debug.slow_link  # free-form: the fault's request, as the study wrote it (rank -1: none)
     steps: list[RankStep] = []
     for rank in range(world):
         name, addr = nodes[rank // per_node]

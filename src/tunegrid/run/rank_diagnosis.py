@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec, DistributedSpec
 from tunegrid.diagnosis import CollectiveDiagnosis, Diagnosis, RankCrash, RecorderReading
 from tunegrid.run.collective import classify_timeout, describe, find_straggler
 from tunegrid.run.hang_watch import EarlyVerdict, compared, ended_on_hang
@@ -41,19 +42,19 @@ def _collective_op(waiting: dict[str, Any]) -> str:
     return "unknown"
 
 
-def analyze_flight_recorder(run_dir: Path, spec: dict[str, Any], world: int) -> RecorderReading | None:
+def analyze_flight_recorder(run_dir: Path, spec: CellSpec, world: int) -> RecorderReading | None:
     """On NCCL timeouts PyTorch dumps each rank's ring buffer; tunegrid.run.recorder_read reads them with the cell's
     Python, in a process of its own (PyTorch's reader imports torch), into one typed reading. None when the cell
     keeps no flight_recorder folder; a reader that crashes, hangs or prints nothing is a `failed` reading."""
     from tunegrid.run.launch import child_env
-    from tunegrid.runtime.workers import stack_python
 
     folder = run_dir / "flight_recorder"
     if not folder.is_dir():
         return None
     if not dump_files(folder)[0]:  # a gloo cell's (CPU), or a timeout no rank dumped for: nothing to start a reader on
         return RecorderReading.from_json({"status": "no_dumps", "note": f"no dump file in {folder}"})
-    command = [stack_python(spec) or sys.executable, "-m", "tunegrid.run.recorder_read", str(folder)]
+    python = spec.stack.python if spec.stack is not None else ""  # "": the base stack, this interpreter
+    command = [python or sys.executable, "-m", "tunegrid.run.recorder_read", str(folder)]
     try:
         proc = subprocess.run(
             [*command, "--world", str(world)], capture_output=True, text=True, timeout=180, env=child_env()
@@ -103,7 +104,7 @@ def _slow_link(
 
 
 def diagnose_ranks(
-    spec: dict[str, Any],
+    spec: CellSpec,
     run_dir: Path,
     result: dict[str, Any],
     codes: list[int | None],
@@ -126,8 +127,7 @@ def diagnose_ranks(
     if decided is not None:
         update.update(decided)
         return update
-    settings = spec["distributed"]
-    update["distributed"].update(_early_warning(run_dir, ranks, result, capabilities or {}, settings))
+    update["distributed"].update(_early_warning(run_dir, ranks, result, capabilities or {}, spec.distributed))
     if "stopped_by_peer" in (result.get("diagnosis") or {}):  # rank 0 stopped because another rank decided to
         update.update(_decided_by_peer(ranks))
     elif result["outcome"] == Outcome.OK:
@@ -140,11 +140,9 @@ def diagnose_ranks(
     return update
 
 
-def _cell_facts(
-    spec: dict[str, Any], run_dir: Path, result: dict[str, Any], ranks: list[dict[str, Any]]
-) -> dict[str, Any]:
+def _cell_facts(spec: CellSpec, run_dir: Path, result: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     """What result.json says of every distributed cell, whatever its outcome: the ranks, the world, throughput."""
-    settings = {"world_size": len(ranks), "collective_timeout_s": spec["distributed"]["collective_timeout_s"]}
+    settings = {"world_size": len(ranks), "collective_timeout_s": spec.distributed.collective_timeout_s}
     update: dict[str, Any] = {"ranks": ranks, "distributed": settings}
     throughput = cell_throughput({r: step_records(rank_dir(run_dir, r) / "metrics.jsonl") for r in range(len(ranks))})
     if throughput:  # rank 0's own figure (what its worker wrote) is one of the per-rank ones
@@ -212,13 +210,13 @@ def _rank_failure(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def _collective_timeout(
-    spec: dict[str, Any], ranks: list[dict[str, Any]], recorder: RecorderReading | None, early: EarlyVerdict | None
+    spec: CellSpec, ranks: list[dict[str, Any]], recorder: RecorderReading | None, early: EarlyVerdict | None
 ) -> dict[str, Any] | None:
     """The ranks that reported a collective timeout waited, the others never arrived; or, where the study ends a
     cell on a named hang and no rank has timed out yet, the hang named while the ranks ran."""
-    timeout_s = spec["distributed"]["collective_timeout_s"]
+    timeout_s = spec.distributed.collective_timeout_s
     waiting = [r for r in ranks if "collective_timeout" in r["diagnosis"]]
-    if early is not None and not waiting and spec["distributed"]["end_on_hang"]:
+    if early is not None and not waiting and spec.distributed.end_on_hang:
         return {
             "outcome": Outcome.TIMEOUT,
             "reason": early.reason(timeout_s),
@@ -226,7 +224,7 @@ def _collective_timeout(
         }
     if not waiting:
         return None
-    collective, waiting, kind = _timed_out_collective(spec["distributed"], ranks, waiting, recorder)
+    collective, waiting, kind = _timed_out_collective(spec.distributed, ranks, waiting, recorder)
     if early is not None:
         collective = collective.replace(early=compared(early, collective.kind, collective.missing_ranks))
     who = ", ".join(map(str, collective.missing_ranks)) or "none identified"
@@ -241,7 +239,7 @@ def _collective_timeout(
 
 
 def _timed_out_collective(
-    settings: dict[str, Any],
+    settings: DistributedSpec,
     ranks: list[dict[str, Any]],
     waiting: list[dict[str, Any]],
     recorder: RecorderReading | None,
@@ -256,10 +254,12 @@ def _timed_out_collective(
     waiting = [r for r in waiting if r["rank"] not in missing] or waiting
     found = STEP_RE.search(waited["waiting_in"])
     step = int(found.group(1)) if found else None
-    timeout_s = settings["collective_timeout_s"]
-    kind = classify_timeout(
-        ranks, missing, step, timeout_s, settings["straggler_factor"], recorder, settings["straggler_min_lag_s"]
+    timeout_s, factor, min_lag_s = (
+        settings.collective_timeout_s,
+        settings.straggler_factor,
+        settings.straggler_min_lag_s,
     )
+    kind = classify_timeout(ranks, missing, step, timeout_s, factor, recorder, min_lag_s)
     collective = CollectiveDiagnosis(
         op=_collective_op(waited),
         waiting_ranks=[r["rank"] for r in waiting],
@@ -284,18 +284,18 @@ def _early_warning(
     ranks: list[dict[str, Any]],
     result: dict[str, Any],
     capabilities: dict[str, Any],
-    settings: dict[str, Any],
+    settings: DistributedSpec,
 ) -> dict[str, Any]:
     """For a cell no rank stopped: a straggler slow on most steps, not (yet) slow enough to time out, or, with
     every rank at pace, collectives slower than the probe's link (tunegrid.run.link_check)."""
     warning = find_straggler(
         {r["rank"]: r["local_times"] for r in ranks},
-        settings["straggler_factor"],
-        settings["straggler_min_lag_s"],
+        settings.straggler_factor,
+        settings.straggler_min_lag_s,
     )
     if warning is not None:
         return {"straggler": warning}
-    link = _slow_link(run_dir, ranks, result, capabilities, settings["straggler_min_lag_s"])
+    link = _slow_link(run_dir, ranks, result, capabilities, settings.straggler_min_lag_s)
     return {} if link is None else {"slow_link": link}
 
 

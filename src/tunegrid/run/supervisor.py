@@ -149,7 +149,6 @@ class CellStart:
     contract_path: Path
     command: list[str]
     started: float
-    spec_json: dict[str, Any]  # what the targets', nodes', devices' and ranks' rules and result.json read
     capabilities: dict[str, Any]
     warm_socket: str | None
     verdict: tuple[str, str] | None
@@ -160,9 +159,10 @@ def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
     """The `finetune` job: the cell of this contract (tunegrid.contract, made by the `cell_plan` rule) trained
     under supervision, or decided without training where its plan says so; returns result.json's content."""
     start = _start(contract_path, command)
-    hardware, world = start.cell["hardware"], start.contract.spec.axes.world_size
+    spec = start.contract.spec
+    per_rank, world = spec.hardware.gpus_per_rank, spec.axes.world_size
     # the job's own GPUs (none on CPU) from launch to result.json: cells side by side never share a device
-    with cell_devices(hardware, world, start.capabilities) if start.verdict is None else nullcontext() as visible:
+    with cell_devices(per_rank, world, start.capabilities) if start.verdict is None else nullcontext() as visible:
         tracker, early = _launch(start, visible)
         result, unsent = _attempts(start, tracker, early, visible)  # each supervised, then composed
         return record_result(start.contract, tracker, result, unsent, visible)
@@ -174,7 +174,6 @@ def _start(contract_path: Path, command: list[str]) -> CellStart:
     started = time.time()
     contract = CellContract.read(contract_path)
     spec, plan, job = contract.spec, contract.plan, contract.job
-    spec_json = spec.to_json()
     job.run.mkdir(parents=True, exist_ok=True)
     clear_run_files(job.run)
     capabilities = read_json(job.capabilities_path) if job.capabilities_path else {}
@@ -196,10 +195,10 @@ def _start(contract_path: Path, command: list[str]) -> CellStart:
     estimate = plan.estimate(worker)
     verdict = None if estimate.verdict == "run" else (estimate.verdict, estimate.reason)
     if verdict is None and capabilities.get("cluster_job"):  # the GPUs granted to this job, known only now
-        verdict = gpu_shortfall(spec_json, capabilities)
-    verdict = verdict or nodes_shortfall(spec_json)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
-    cell = {**spec_json, "plan": plan.record(worker)}
-    return CellStart(contract, contract_path, command, started, spec_json, capabilities, warm_socket, verdict, cell)
+        verdict = gpu_shortfall(spec, capabilities)
+    verdict = verdict or nodes_shortfall(spec)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
+    cell = {**spec.to_json(), "plan": plan.record(worker)}  # result.json's cell: the spec's JSON, key for key
+    return CellStart(contract, contract_path, command, started, capabilities, warm_socket, verdict, cell)
 
 
 def _launch(start: CellStart, visible: str | None) -> tuple[Any, list[subprocess.Popen[bytes]] | None]:
@@ -277,9 +276,7 @@ def _compose(start: CellStart, left: RanksLeft) -> dict[str, Any]:
     if spec.axes.world_size > 1 and left.returncodes != [None]:
         from tunegrid.run.rank_diagnosis import diagnose_ranks
 
-        ranks = diagnose_ranks(
-            start.spec_json, job.run, result, left.returncodes, left.stopped, left.named, start.capabilities
-        )
+        ranks = diagnose_ranks(spec, job.run, result, left.returncodes, left.stopped, left.named, start.capabilities)
         # the supervisor's view of the ranks completes the worker's (its DDP backend stays)
         ranks["distributed"] = {**result.get("distributed", {}), **ranks.get("distributed", {})}
         result.update(ranks)

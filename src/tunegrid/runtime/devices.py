@@ -44,10 +44,9 @@ def device_list(listed: str) -> list[str]:
     return devices
 
 
-def gpus_per_rank(hardware: dict[str, Any], capabilities: dict[str, Any] | None = None) -> int:
-    """hardware.gpus_per_rank resolved: `auto` is 1 where the probe recorded CUDA (or, before the probe, where
-    this machine shows a GPU), else 0."""
-    setting = hardware["gpus_per_rank"]
+def gpus_per_rank(setting: str | int, capabilities: dict[str, Any] | None = None) -> int:
+    """hardware.gpus_per_rank (`setting`: auto, 0 or 1) resolved: `auto` is 1 where the probe recorded CUDA (or,
+    before the probe, where this machine shows a GPU), else 0."""
     if setting != "auto":
         return int(setting)
     if capabilities:
@@ -55,20 +54,22 @@ def gpus_per_rank(hardware: dict[str, Any], capabilities: dict[str, Any] | None 
     return 1 if visible_gpu_count() > 0 else 0
 
 
-def training_device(hardware: dict[str, Any], capabilities: dict[str, Any]) -> str:
+def training_device(setting: str | int, capabilities: dict[str, Any]) -> str:
     """The device a cell's ranks train on, "cuda" or "cpu": CUDA where each rank gets a GPU (gpus_per_rank) and
     there is CUDA to give (the probe recorded it; without a probe record, this machine shows a GPU), else the CPU
     (`gpus_per_rank: 0` trains on the CPU beside a GPU). The plan records it (tunegrid.contract.CellPlan.device);
-    its estimate, kernels and verdicts are of that device, and the worker trains on it."""
-    if gpus_per_rank(hardware, capabilities) == 0:
+    its estimate, kernels and verdicts are of that device, and the worker trains on it. `setting`:
+    hardware.gpus_per_rank."""
+    if gpus_per_rank(setting, capabilities) == 0:
         return "cpu"
     cuda = capabilities.get("device") == "cuda" if capabilities else visible_gpu_count() > 0
     return "cuda" if cuda else "cpu"
 
 
-def cell_gpus(hardware: dict[str, Any], world_size: int, capabilities: dict[str, Any] | None = None) -> int:
-    """The GPUs a cell's job asks for: every rank of a distributed cell is a process of the one job."""
-    return world_size * gpus_per_rank(hardware, capabilities)
+def cell_gpus(setting: str | int, world_size: int, capabilities: dict[str, Any] | None = None) -> int:
+    """The GPUs a cell's job asks for (`setting`: hardware.gpus_per_rank): every rank of a distributed cell is a
+    process of the one job."""
+    return world_size * gpus_per_rank(setting, capabilities)
 
 
 def placed_by_cluster(env: dict[str, str] | None = None) -> bool:
@@ -125,11 +126,12 @@ def claimed_devices(
 
 @contextmanager
 def cell_devices(
-    hardware: dict[str, Any], world_size: int, capabilities: dict[str, Any], lock_dir: Path | None = None
+    setting: str | int, world_size: int, capabilities: dict[str, Any], lock_dir: Path | None = None
 ) -> Iterator[str | None]:
-    """CUDA_VISIBLE_DEVICES for a cell's ranks while it trains: "" (CPU) where it asks for no GPU, its own
-    claimed devices on a local machine, None (as granted) in a cluster job or on a machine without CUDA."""
-    count = cell_gpus(hardware, world_size, capabilities)
+    """CUDA_VISIBLE_DEVICES for a cell's ranks while it trains (`setting`: hardware.gpus_per_rank): "" (CPU) where it
+    asks for no GPU, its own claimed devices on a local machine, None (as granted) in a cluster job or on a machine
+    without CUDA."""
+    count = cell_gpus(setting, world_size, capabilities)
     if count == 0:
         yield ""
         return

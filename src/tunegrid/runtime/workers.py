@@ -10,8 +10,6 @@ Light module: standard library only (the Snakefile and the plan rules read it).
 
 from __future__ import annotations
 
-from typing import Any
-
 SPAWNED = "spawned"
 FORKED = "forked"
 WORKERS = (SPAWNED, FORKED)
@@ -21,18 +19,14 @@ WARM_SOCKET_ENV = "TUNEGRID_WARM_SOCKET"
 WARM_SUPERVISOR_SOCKET_ENV = "TUNEGRID_WARM_SUPERVISOR_SOCKET"
 
 
-def planned_worker(spec: dict[str, Any], device: str, warm_worker: bool) -> str:
+def planned_worker(device: str, warm_worker: bool, nodes: int, stack_python: str) -> str:
     """The path a cell's workers will take: forked where the run has a warm worker (`warm_worker`: a local run of
     a study with `execution.warm_worker`) and the cell trains on the CPU, each of its ranks a child of the warm
     worker (which never serves where a GPU is visible); spawned otherwise. The supervisor spawns if the warm
-    worker does not answer; result.json records the path taken. A cell on a library stack of its own is always
-    spawned, by its stack's interpreter: the warm worker has the base's libraries imported. A cell across nodes is
-    spawned: each rank is a SLURM step on its node (tunegrid.run.nodes)."""
-    across_nodes = int(spec["axes"]["nodes"]) > 1
-    forkable = warm_worker and device == "cpu" and not stack_python(spec) and not across_nodes
+    worker does not answer; result.json records the path taken. A cell on a library stack of its own
+    (`stack_python`: its interpreter, "" on the base stack) is always spawned, by that interpreter: the warm worker
+    has the base's libraries imported. A cell across nodes (`nodes` > 1) is spawned: each rank is a SLURM step on
+    its node (tunegrid.run.nodes). The cell's facts come as values: the runtime knows no word of a study (no
+    CellSpec)."""
+    forkable = warm_worker and device == "cpu" and not stack_python and nodes <= 1
     return FORKED if forkable else SPAWNED
-
-
-def stack_python(spec: dict[str, Any]) -> str:
-    """The interpreter of the cell's library stack (tunegrid.study.stacks); "" on the base stack."""
-    return (spec.get("stack") or {}).get("python", "")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.cell.data.batches import BatchStream
+from tunegrid.cell_spec import DataSpec
 from tunegrid.dataset import template_turns
 
 IGNORE = -100
@@ -221,15 +222,15 @@ def build_stream(
     records: list[dict[str, Any]],
     tokenizer: Any,
     model: Any,
-    data: dict[str, Any],
+    data: DataSpec,
     seq_len: int,
     batch_size: int,
     seed: int,
     accum: int = 1,
 ) -> tuple[BatchStream, dict[str, Any]]:
     """The cell's batches and the facts about them (result["data"])."""
-    mode = packing_mode(model, data["packing"])
-    loss_on = data["loss_on"]
+    mode = packing_mode(model, data.packing)
+    loss_on = data.loss_on
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rows = pack([encode_record(r, tokenizer, loss_on) for r in records], seq_len, pad, tokenizer.eos_token_id, mode)
     if mode == "position_ids":
@@ -238,7 +239,7 @@ def build_stream(
     stream = BatchStream(rows.tensors, batch_size, seed, rows.row_tokens, accum, flat=flat)
     n_rows = int(rows.row_tokens.numel())
     facts = {
-        "source": data["source"],
+        "source": data.source,
         "packing": mode,
         "flattened": flat,
         "template": "chat_template" if has_chat_template(tokenizer) else "prompt_template",

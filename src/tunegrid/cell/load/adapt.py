@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from tunegrid.cell.load.model import attach_lora
+from tunegrid.cell_spec import CellSpec
 from tunegrid.meanings import quant_row
 from tunegrid.runtime.files import write_json
 
 
-def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[Any, dict[str, Any]]:
+def audit_and_adapt(model: Any, spec: CellSpec, run_dir: Path) -> tuple[Any, dict[str, Any]]:
     """Quantization audit after load, optional kbit preparation, LoRA, the expert post-load pass, audit again: the
     step between loading the model and building the data.
 
@@ -22,7 +23,7 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
 
     from tunegrid.cell.load import quant_audit
 
-    quant, lora = quant_row(spec["axes"]["quant"]), spec["lora"]
+    quant, lora = quant_row(spec.axes.quant), spec.lora
     quantized = quant.quantizes  # any quantization: what it left in full precision is flagged
     report: dict[str, Any] = {
         "quant": quant.quant.value,
@@ -38,11 +39,9 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
         from tunegrid.cell.experts.int8 import quantized_experts
 
         report["expert_quantization"] = {"order": "after_load", "changed": quantized_experts(model)}
-    if quantized and lora["prepare_kbit_training"]:
+    if quantized and lora.prepare_kbit_training:
         before = quant_audit.audit_model(model, quantization_requested=quantized)
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=spec["train"]["gradient_checkpointing"]
-        )
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=spec.train.gradient_checkpointing)
         report["prepare_kbit_training"] = quant_audit.growth(
             before, quant_audit.audit_model(model, quantization_requested=quantized)
         )
@@ -57,11 +56,11 @@ def audit_and_adapt(model: Any, spec: dict[str, Any], run_dir: Path) -> tuple[An
             "kept_for_lora": after_load["kept_for_lora"],
         }
     report["after_adapters"] = quant_audit.audit_model(model, quantization_requested=quantized)
-    targets = list(lora["target_modules"])
-    if targets == ["all-linear"] or lora.get("target_regex"):  # peft resolved it: audit the suffixes it attached to
+    targets = list(lora.target_modules)
+    if targets == ["all-linear"] or lora.target_regex:  # peft resolved it: audit the suffixes it attached to
         targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if len(getattr(m, "lora_A", {}))})
-        targets = targets or [lora.get("target_regex") or "all-linear"]  # none attached: say what matched nothing
-    report["lora"] = quant_audit.lora_attachment(model, targets, lora["target_parameters"])
+        targets = targets or [lora.target_regex or "all-linear"]  # none attached: say what matched nothing
+    report["lora"] = quant_audit.lora_attachment(model, targets, lora.target_parameters)
     if report["lora"]["unmatched"]:
         print(
             f"WARNING: LoRA targets matched nothing: {report['lora']['unmatched']} (peft does not warn)",

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.meanings import quant_row
 
 # the packages whose missing APIs are this stack's, not tunegrid's (their import names)
@@ -29,30 +30,30 @@ class MissingLibraryApi(Exception):
     """The library version this cell runs on lacks an API the cell needs."""
 
 
-def _always(spec: dict[str, Any]) -> bool:
+def _always(spec: CellSpec) -> bool:
     return True
 
 
-def _quantizes(spec: dict[str, Any]) -> bool:
-    return quant_row(spec["axes"]["quant"]).quantizes
+def _quantizes(spec: CellSpec) -> bool:
+    return quant_row(spec.axes.quant).quantizes
 
 
-def _experts_quantized(spec: dict[str, Any]) -> bool:
+def _experts_quantized(spec: CellSpec) -> bool:
     """nf4-experts: quantized inside transformers' loader."""
-    row = quant_row(spec["axes"]["quant"])
+    row = quant_row(spec.axes.quant)
     return row.experts_quantized and not row.experts_after_load
 
 
-def _experts_after_load(spec: dict[str, Any]) -> bool:
-    return quant_row(spec["axes"]["quant"]).experts_after_load
+def _experts_after_load(spec: CellSpec) -> bool:
+    return quant_row(spec.axes.quant).experts_after_load
 
 
-def _targets_parameters(spec: dict[str, Any]) -> bool:
-    return bool(spec["lora"].get("target_parameters"))
+def _targets_parameters(spec: CellSpec) -> bool:
+    return bool(spec.lora.target_parameters)
 
 
-def _offloads_weights(spec: dict[str, Any]) -> bool:
-    return bool(spec["train"].get("weight_offloading"))
+def _offloads_weights(spec: CellSpec) -> bool:
+    return spec.train.weight_offloading
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Api:
     module: str
     attribute: str  # dotted below the module ("" for the module itself)
     needed_for: str
-    applies: Callable[[dict[str, Any]], bool] = _always
+    applies: Callable[[CellSpec], bool] = _always
 
 
 APIS: tuple[Api, ...] = (
@@ -119,7 +120,7 @@ def _found(api: Api) -> bool:
     return True
 
 
-def missing_api(spec: dict[str, Any]) -> str | None:
+def missing_api(spec: CellSpec) -> str | None:
     """One sentence naming the first API this cell needs that its libraries lack; None when all are there."""
     for api in APIS:
         if api.applies(spec) and not _found(api):
@@ -129,7 +130,7 @@ def missing_api(spec: dict[str, Any]) -> str | None:
     return None
 
 
-def require_apis(spec: dict[str, Any]) -> None:
+def require_apis(spec: CellSpec) -> None:
     missing = missing_api(spec)
     if missing is not None:
         raise MissingLibraryApi(missing)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec, LoraSpec
 from tunegrid.contract import CellKernels
 from tunegrid.meanings import quant_row
 
@@ -24,7 +25,7 @@ REPORT_LOGGER = "transformers"  # the library logger its modules log through (th
 EXCEPTION_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$", re.MULTILINE)
 
 
-def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: CellKernels, device: Any) -> Any:
+def load_model(model_dir: Path, spec: CellSpec, precision: Any, kernels: CellKernels, device: Any) -> Any:
     """The cell's model at its precision (a tunegrid.cell.loop.precision.PrecisionSetup), with the kernels its plan
     chose."""
     from transformers import BitsAndBytesConfig
@@ -34,14 +35,14 @@ def load_model(model_dir: Path, spec: dict[str, Any], precision: Any, kernels: C
     kwargs: dict[str, Any] = {
         "dtype": precision.torch_dtype("storage"),
         "use_safetensors": True,  # never a pickle
-        "trust_remote_code": bool(spec["model"].get("trust_remote_code")),  # off unless pinned hub + opt-in
+        "trust_remote_code": spec.model.trust_remote_code,  # off unless pinned hub + opt-in
     }
-    kwargs.update(spec["model"].get("config_overrides") or {})  # the recipe's model_config (config.json values)
+    kwargs.update(spec.model.config_overrides)  # the recipe's model_config (config.json values)
     # the attention kernel: the grid's attention axis where it leaves the default, else the recipe's own
-    attention = spec["axes"]["attention"]
-    if attention != "sdpa" or spec["model"].get("attn_implementation"):
-        kwargs["attn_implementation"] = attention if attention != "sdpa" else spec["model"]["attn_implementation"]
-    quant = quant_row(spec["axes"]["quant"])
+    attention = spec.axes.attention
+    if attention != "sdpa" or spec.model.attn_implementation:
+        kwargs["attn_implementation"] = attention if attention != "sdpa" else spec.model.attn_implementation
+    quant = quant_row(spec.axes.quant)
     bnb = quant.bnb_settings(precision.torch_dtype("compute"))
     if device.type == "cuda":
         kwargs["device_map"] = {"": device.index or 0}
@@ -187,10 +188,10 @@ def use_cpu_kernels(kernels: CellKernels, device: Any) -> None:
         install()
 
 
-def bnb_settings(spec: dict[str, Any], precision: Any) -> dict[str, Any]:
+def bnb_settings(spec: CellSpec, precision: Any) -> dict[str, Any]:
     """BitsAndBytesConfig's arguments for the cell's quantization (its row of the quantization table), the compute
     dtype by name (as an adapter's record keeps them); empty for a cell without quantization."""
-    return quant_row(spec["axes"]["quant"]).bnb_settings(precision.compute_dtype)
+    return quant_row(spec.axes.quant).bnb_settings(precision.compute_dtype)
 
 
 @contextlib.contextmanager
@@ -217,39 +218,39 @@ def conversion_errors_named() -> Iterator[None]:
         report.removeHandler(handler)
 
 
-def loftq_arguments(lora: dict[str, Any], model: Any) -> dict[str, Any]:
+def loftq_arguments(lora: LoraSpec, model: Any) -> dict[str, Any]:
     """LoraConfig's LoftQ arguments where lora.loftq_bits asks for it (peft's loftq_init computes on CUDA only)."""
-    if not lora.get("loftq_bits"):
+    if not lora.loftq_bits:
         return {}
     from peft import LoftQConfig
 
     if next(model.parameters()).device.type != "cuda":
         raise RuntimeError("peft's LoftQ initialization runs on CUDA only (its loftq_init moves each weight there)")
-    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(lora["loftq_bits"], lora["loftq_iter"])}
+    return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(lora.loftq_bits, lora.loftq_iter)}
 
 
-def attach_lora(model: Any, spec: dict[str, Any]) -> Any:
+def attach_lora(model: Any, spec: CellSpec) -> Any:
     """peft's LoRA; adapters on 4-bit (nf4-experts) expert tensors train over the NF4 base (cell/experts/lora.py)."""
     from peft import LoraConfig, get_peft_model
 
     from tunegrid.cell.experts.lora import adopt_quantized_experts, expand_targets, nest_in_declared_order
     from tunegrid.cell.load.library_api import has_v5_loading
 
-    lora = spec["lora"]
-    if spec["train"]["gradient_checkpointing"]:
+    lora = spec.lora
+    if spec.train.gradient_checkpointing:
         set_activation_checkpointing(model, True)
     config = LoraConfig(
-        r=lora["r"],
-        lora_alpha=lora["alpha"],
-        lora_dropout=lora["dropout"],
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
         # peft's own all-linear (every linear layer but the output head) when the import could not resolve it
         # a string is a regex peft full-matches against each module's name (lora.target_regex)
-        target_modules=lora.get("target_regex")
-        or ("all-linear" if list(lora["target_modules"]) == ["all-linear"] else list(lora["target_modules"]) or None),
-        target_parameters=list(lora["target_parameters"]) or None,
-        modules_to_save=list(lora.get("modules_to_save") or []) or None,
-        use_rslora=bool(lora.get("use_rslora")),
-        use_dora=bool(lora.get("use_dora")),
+        target_modules=lora.target_regex
+        or ("all-linear" if list(lora.target_modules) == ["all-linear"] else list(lora.target_modules) or None),
+        target_parameters=list(lora.target_parameters) or None,
+        modules_to_save=list(lora.modules_to_save) or None,
+        use_rslora=lora.use_rslora,
+        use_dora=lora.use_dora,
         task_type="CAUSAL_LM",
         **loftq_arguments(lora, model),
     )

@@ -9,9 +9,10 @@ import contextlib
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from tunegrid.cell_spec import DebugSpec, DistributedSpec
 from tunegrid.runtime.rundir import Heartbeat
 
 
@@ -50,7 +51,7 @@ class RankContext:
     ranks: Ranks
     device: Any  # torch.device this rank trains on
     heartbeat: Heartbeat
-    debug: dict[str, Any] = field(default_factory=dict)  # the study's debug section: the rank faults
+    debug: DebugSpec  # the cell's debug section: the rank faults
     ddp: Any = None  # DistributedDataParallel around the model, once wrapped (distributed cells only)
     inner_forward_at: float = 0.0  # when DDP last handed over to the model (perf_counter)
 
@@ -62,18 +63,16 @@ class RankContext:
     def rank(self) -> int:
         return self.ranks.rank
 
-    def group_facts(self, settings: dict[str, Any]) -> dict[str, Any]:
+    def group_facts(self, settings: DistributedSpec) -> dict[str, Any]:
         """What result.json keeps of the process group (recorded before joining it: a join can time out)."""
-        backend = (
-            settings["backend"] if settings["backend"] != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
-        )
+        backend = settings.backend if settings.backend != "auto" else ("nccl" if self.device.type == "cuda" else "gloo")
         return {
             "backend": backend,
             "world_size": self.ranks.world,
-            "collective_timeout_s": settings["collective_timeout_s"],
+            "collective_timeout_s": settings.collective_timeout_s,
         }
 
-    def init_process_group(self, settings: dict[str, Any], backend: str) -> None:
+    def init_process_group(self, settings: DistributedSpec, backend: str) -> None:
         """Join the cell's process group (on a node of a multi-node cell, over the interface of its node's address)."""
         import datetime
 
@@ -90,7 +89,7 @@ class RankContext:
             backend,
             rank=self.ranks.rank,
             world_size=self.ranks.world,
-            timeout=datetime.timedelta(seconds=settings["collective_timeout_s"]),
+            timeout=datetime.timedelta(seconds=settings.collective_timeout_s),
             device_id=self.device if backend == "nccl" else None,
         )
 
@@ -129,8 +128,8 @@ class RankContext:
         crashed rank, on purpose. Called inside the step's local time (what a straggler shows)."""
         import signal
 
-        stall, kill = self.debug.get("stall_rank") or {}, self.debug.get("kill_rank") or {}
-        slow = self.debug.get("slow_rank") or {}
+        # each fault a free-form request, as the study wrote it (rank -1: none)
+        stall, kill, slow = self.debug.stall_rank, self.debug.kill_rank, self.debug.slow_rank
         if stall.get("rank") == self.ranks.rank and stall.get("step") == step and stall.get("seconds", 0) > 0:
             self.heartbeat.beat(f"step {step} stalled (injected, {stall['seconds']} s)")
             time.sleep(stall["seconds"])
@@ -144,7 +143,7 @@ class RankContext:
     def leaves_loop(self, step: int) -> bool:
         """debug.skip_collective: this rank takes another path before `step` (as if its data ran out) and never
         joins that step's all-reduce."""
-        skip = self.debug.get("skip_collective") or {}
+        skip = self.debug.skip_collective
         return self.ranks.distributed and skip.get("rank") == self.ranks.rank and skip.get("step") == step
 
     def agree_finished(self, last_step: int) -> None:

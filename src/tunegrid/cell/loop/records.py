@@ -17,6 +17,7 @@ from tunegrid.cell.loop.instrument import DtypeCensus, HeadroomMeter
 from tunegrid.cell.loop.resume import ResumeState
 from tunegrid.cell.loop.step import StepResult
 from tunegrid.cell.nonfinite.origin import FailingStepReplay
+from tunegrid.cell_spec import CellSpec, TrainSpec
 from tunegrid.diagnosis import Diagnosis, NanDiagnosis, NonfiniteKind
 from tunegrid.outcome import StepMetrics, module_name
 from tunegrid.runtime.files import JsonlAppender
@@ -154,7 +155,7 @@ def on_nonfinite(
     micro_batches: list[dict[str, Any]],
     result: StepResult,
     replay: FailingStepReplay,
-    train: dict[str, Any],
+    train: TrainSpec,
     scaled: bool,
 ) -> bool:
     """A step whose loss or gradient is not finite becomes an event with its origin; True ends the loop."""
@@ -165,11 +166,11 @@ def on_nonfinite(
         return False
     kind = NonfiniteKind.LOSS if not loss_finite else (NonfiniteKind.SCALER_SKIP if scaled else NonfiniteKind.GRADIENT)
     event = NanDiagnosis(step=step, kind=kind, loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.scale)
-    policy = train["on_nonfinite"]
+    policy = train.on_nonfinite
     stop = (
         policy == "stop"
         or (policy == "stop_after_skips" and kind != NonfiniteKind.SCALER_SKIP)
-        or (policy == "stop_after_skips" and log.consecutive_skips >= train["max_consecutive_skips"])
+        or (policy == "stop_after_skips" and log.consecutive_skips >= train.max_consecutive_skips)
     )
     # Every event that ends the cell or is the first of its kind gets its origin (a replay of that
     # step); repeats of a kind already traced under `continue` are recorded without one.
@@ -188,7 +189,7 @@ def on_nonfinite(
     return stop
 
 
-def summarise(log: StepLog, spec: dict[str, Any], facts: dict[str, Any], memory: dict[str, Any]) -> None:
+def summarise(log: StepLog, spec: CellSpec, facts: dict[str, Any], memory: dict[str, Any]) -> None:
     """The cell's facts from the step log: peaks, dtypes seen, headroom, throughput, and the outcome."""
     steps_run = log.last_step + 1
     memory["steady_peak_bytes"] = max(log.steady_peaks) if log.steady_peaks else None
@@ -200,7 +201,7 @@ def summarise(log: StepLog, spec: dict[str, Any], facts: dict[str, Any], memory:
     facts["precision_in_effect"].update(log.census.as_dict())
     facts["fp16_headroom"] = {
         **log.headroom.summary(),
-        "sampled_every": spec["train"]["headroom_every"],  # the worst is over these samples plus the failing steps
+        "sampled_every": spec.train.headroom_every,  # the worst is over these samples plus the failing steps
         "failing_steps_measured": log.headroom_steps,
     }
     facts["throughput"] = {
@@ -244,7 +245,7 @@ def summarise(log: StepLog, spec: dict[str, Any], facts: dict[str, Any], memory:
 
 
 def conclude(
-    spec: dict[str, Any],
+    spec: CellSpec,
     events: list[dict[str, Any]],
     stop_event: dict[str, Any] | None,
     consecutive_skips: int,
@@ -259,14 +260,14 @@ def conclude(
     from are listed, not failures. A step the GradScaler skipped does not count toward train.steps: the
     loop ran one more for each, up to train.max_skipped_steps more.
     """
-    train = spec["train"]
-    steps = train["steps"]
+    train = spec.train
+    steps = train.steps
     counted = steps_run - scaler_skips  # the steps that count: all but the GradScaler's skips
-    allowance = train.get("max_skipped_steps", 0) if scaler_skips else 0
+    allowance = train.max_skipped_steps if scaler_skips else 0
     more = f" ({scaler_skips} more skipped by the GradScaler)" if scaler_skips else ""
     hard = [e for e in events if e["kind"] != NonfiniteKind.SCALER_SKIP]
     unrecovered_skips = bool(events) and (
-        train["on_nonfinite"] == "stop" or consecutive_skips >= train["max_consecutive_skips"]
+        train.on_nonfinite == "stop" or consecutive_skips >= train.max_consecutive_skips
     )
     deciding = stop_event or (hard[0] if hard else None) or (events[0] if unrecovered_skips else None)
     recovered = [e for e in events if e["kind"] == NonfiniteKind.SCALER_SKIP and e is not deciding]
@@ -276,7 +277,7 @@ def conclude(
         traced = origin.get("forward") or origin.get("backward")
         where = origin_text(traced) if traced or not origin.get("unlocated") else f"? ({origin['unlocated']})"
         stopped = f"; stopped after {counted} of {steps} steps{more}" if counted < steps else ""
-        accum = spec["axes"]["grad_accum"]
+        accum = spec.axes.grad_accum
         micro = (
             f" (micro-batch {deciding['micro_batch']} of {accum})"
             if accum > 1 and deciding.get("micro_batch") is not None

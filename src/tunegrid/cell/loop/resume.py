@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.runtime.files import open_to_umask, read_json, write_json
 
 RESUME_DIR = "checkpoint"  # the folder's name on disk, as earlier versions wrote it
@@ -38,10 +39,11 @@ NON_TRAINING: dict[str, tuple[str, ...] | None] = {
 }
 
 
-def training_key(spec: dict[str, Any], base_model: dict[str, Any]) -> str:
-    """sha256 of the spec minus NON_TRAINING, plus the base model's identity (a rebuilt base is new)."""
+def training_key(spec: CellSpec, base_model: dict[str, Any]) -> str:
+    """sha256 of the spec minus NON_TRAINING, plus the base model's identity (a rebuilt base is new). Taken over the
+    spec's JSON, key for key: the key a resume state written by an earlier run holds stays the same."""
     kept: dict[str, Any] = {}
-    for section, value in spec.items():
+    for section, value in spec.to_json().items():
         dropped = NON_TRAINING.get(section, ())
         if dropped is None:
             continue

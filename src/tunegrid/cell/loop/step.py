@@ -18,6 +18,7 @@ from tunegrid.cell.loop.ranks import RankContext
 from tunegrid.cell.memory.activation_offload import ActivationOffload, offload_of
 from tunegrid.cell.memory.chunked_loss import ChunkedLoss, chunked_loss_of
 from tunegrid.cell.nonfinite.injection import NonfiniteInjector
+from tunegrid.cell_spec import CellSpec
 from tunegrid.runtime.memory import MemoryMeter
 
 
@@ -87,7 +88,7 @@ class OptimizerStep:
     @classmethod
     def build(
         cls,
-        spec: dict[str, Any],
+        spec: CellSpec,
         model: Any,
         trainable_named: list[tuple[str, Any]],
         precision: PrecisionSetup,
@@ -99,25 +100,23 @@ class OptimizerStep:
         from tunegrid.cell.loop.precision import make_grad_scaler
         from tunegrid.cell.memory.optimizers import make_optimizer
 
-        train = spec["train"]
-        name = spec["axes"]["optimizer"]
-        optimizer = make_optimizer([p for _, p in trainable_named], name, train["lr"], train["weight_decay"])
+        train = spec.train
+        name = spec.axes.optimizer
+        optimizer = make_optimizer([p for _, p in trainable_named], name, train.lr, train.weight_decay)
         # transformers' own schedules; the default: linear warm-up from 0, cosine decay to min_lr_rate of the peak
-        schedule = train["lr_scheduler"]
+        schedule = train.lr_scheduler
         scheduler = get_scheduler(
             schedule,
             optimizer,
-            num_warmup_steps=train["warmup_steps"],
-            num_training_steps=train["steps"],
-            scheduler_specific_kwargs={"min_lr_rate": train["min_lr_rate"]}
-            if schedule == "cosine_with_min_lr"
-            else None,
+            num_warmup_steps=train.warmup_steps,
+            num_training_steps=train.steps,
+            scheduler_specific_kwargs={"min_lr_rate": train.min_lr_rate} if schedule == "cosine_with_min_lr" else None,
         )
-        scaler = make_grad_scaler(precision, float(train["loss_scale_init"]))
+        scaler = make_grad_scaler(precision, float(train.loss_scale_init))
         loss_by_count = accepts_loss_kwargs(model)
-        injection = (spec.get("debug") or {}).get("inject_nonfinite")
+        injection = spec.debug.inject_nonfinite  # free-form: the fault's request, as the study wrote it
         injector = (
-            NonfiniteInjector(model, injection, train["seq_len"])
+            NonfiniteInjector(model, injection, train.seq_len)
             if injection and injection.get("module") and injection.get("rank", ranks.rank) == ranks.rank
             else None
         )
@@ -133,7 +132,7 @@ class OptimizerStep:
             scaler=scaler,
             injector=injector,
             loss_by_count=loss_by_count,
-            max_grad_norm=train["max_grad_norm"],
+            max_grad_norm=train.max_grad_norm,
             offload=offload_of(spec, ranks.device),
             chunked=chunked_loss_of(spec, model),
         )

@@ -16,6 +16,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
+
 MIN_BYTES = 1024  # torchtune's min_offload_size
 
 
@@ -55,7 +57,6 @@ class ActivationOffload:
         return packed
 
 
-def offload_of(spec: dict[str, Any], device: Any) -> ActivationOffload | None:
-    """The cell's offloading hooks where `train.activation_offloading` is on (a spec written before the setting
-    existed has none)."""
-    return ActivationOffload(device) if spec["train"].get("activation_offloading") else None
+def offload_of(spec: CellSpec, device: Any) -> ActivationOffload | None:
+    """The cell's offloading hooks where `train.activation_offloading` is on."""
+    return ActivationOffload(device) if spec.train.activation_offloading else None

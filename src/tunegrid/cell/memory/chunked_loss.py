@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.cell.data.packing import IGNORE
+from tunegrid.cell_spec import CellSpec
 from tunegrid.vocabulary import SCALED_LOGIT_KEYS
 
 FULL, CHUNKED = "full", "chunked"  # train.loss
@@ -146,9 +147,8 @@ class ChunkedLoss:
         return loss
 
 
-def chunked_loss_of(spec: dict[str, Any], model: Any) -> ChunkedLoss | None:
+def chunked_loss_of(spec: CellSpec, model: Any) -> ChunkedLoss | None:
     """The cell's chunked loss where `train.loss` is chunked."""
-    train = spec["train"]
-    if train["loss"] != CHUNKED:
+    if spec.train.loss != CHUNKED:
         return None
-    return ChunkedLoss.of(model, int(train["loss_chunk_tokens"]))
+    return ChunkedLoss.of(model, spec.train.loss_chunk_tokens)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.sites import BLOCK_NAME
 
 
@@ -199,9 +200,9 @@ def _bytes(storage: Any) -> Any:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
-def weight_offload_of(spec: dict[str, Any], model: Any, device: Any) -> WeightOffload | None:
+def weight_offload_of(spec: CellSpec, model: Any, device: Any) -> WeightOffload | None:
     """The cell's weight offloading where `train.weight_offloading` is on and the cell trains on a GPU (on CPU the
     weights already live in host memory); None otherwise."""
-    if not spec["train"].get("weight_offloading") or getattr(device, "type", str(device)) == "cpu":
+    if not spec.train.weight_offloading or getattr(device, "type", str(device)) == "cpu":
         return None
     return WeightOffload(model, device).install()

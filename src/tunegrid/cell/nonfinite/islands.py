@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tunegrid.cell.loop.instrument import FP16_MAX, HeadroomMeter
+from tunegrid.cell_spec import TrainSpec
 from tunegrid.outcome import PEFT_PREFIX, module_name
 
 # A peft LoRA layer's own parts: an island among them is the LoRA layer itself (its output is what flows on)
@@ -228,23 +229,21 @@ def all_ranks_max(maxima: dict[str, float], device: Any) -> dict[str, float]:
     return dict(zip(names, values.tolist(), strict=True))
 
 
-def place_fp32_islands(
-    model: Any, stream: Any, device: Any, distributed: bool, train: dict[str, Any]
-) -> dict[str, Any]:
+def place_fp32_islands(model: Any, stream: Any, device: Any, distributed: bool, train: TrainSpec) -> dict[str, Any]:
     """Choose the islands (measured by a calibration, or named by patterns) and make them, before the first step.
     Returns the record result.json keeps (`fp32_islands`)."""
-    wanted = train["fp32_islands"]
-    threshold = train["island_threshold"] * FP16_MAX
+    wanted = train.fp32_islands
+    threshold = train.island_threshold * FP16_MAX
     record: dict[str, Any] = {"mode": "auto" if wanted == "auto" else "patterns"}
     if wanted == "auto":
-        calibration = calibrate(model, stream, device, distributed, train["island_calibration_batches"])
+        calibration = calibrate(model, stream, device, distributed, train.island_calibration_batches)
         maxima = {**calibration.maxima}
         for name, value in calibration.input_maxima.items():  # an island fed past the threshold shows its input
             if value > maxima.get(name, 0.0):
                 maxima[name] = value
         chosen = islands_over(calibration, threshold)
         record.update(
-            threshold=train["island_threshold"],
+            threshold=train.island_threshold,
             threshold_abs=threshold,
             calibration={"batches": calibration.batches, "compute": "float32", "positions": "real"},
             measured_top=[
