@@ -7,6 +7,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -277,32 +278,40 @@ def make_study(**overrides: Any) -> dict[str, Any]:
     return study
 
 
-def one_cell(
-    *,
-    model: str = "gemma3-hot",
-    precision: str = "fp32",
-    batch: int = 2,
-    quant: str = "none",
-    seed: int = 0,
-    world: int = 1,
-    accum: int = 1,
-    train: dict[str, Any] | None = None,
-    axes: dict[str, Any] | None = None,
-    **sections: Any,
-) -> dict[str, Any]:
-    """The resolved spec of a one-cell study as its JSON (specs/<cell>.json's dict): one_cell_spec's."""
-    return one_cell_spec(
-        model=model,
-        precision=precision,
-        batch=batch,
-        quant=quant,
-        seed=seed,
-        world=world,
-        accum=accum,
-        train=train,
-        axes=axes,
-        **sections,
-    ).to_json()
+def slurm_dry_run_finetune_jobs(workdir: Path, config: Path) -> dict[str, dict[str, int]]:
+    """cell id -> the resources (`nodes`, `tasks`, `cpus_per_task`, `mem_mb`, ...) `snakemake --profile slurm -n`
+    shows for its finetune job, the study `config` run in `workdir`."""
+    proc = subprocess.run(
+        snakemake_command(workdir, "--profile", "slurm", "-n", "--configfile", str(config)),
+        cwd=REPO,  # Snakemake finds the `slurm` profile in the folder it is started from
+        env=workflow_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = {}
+    for job in re.findall(r"rule finetune:\n(.*?)\n\n", proc.stdout + proc.stderr, flags=re.S):
+        cell = re.search(r"runs/([^/]+)/result\.json", job).group(1)
+        jobs[cell] = {key: int(value) for key, value in re.findall(r"\b(\w+)=(\d+)\b", job)}
+    return jobs
+
+
+def recorded_run(run: dict[str, Any]) -> dict[str, Any]:
+    """A recorded run of tests/data, each cell's spec read with today's keys (its model the run's `models` entry):
+    the keys it predates at the values the cells ran at."""
+    from tunegrid.study.recorded import recorded_spec
+
+    for cell in run["cells"]:
+        model = run["models"][cell["spec"]["axes"]["model"]]
+        cell["spec"] = recorded_spec({**cell["spec"], "model": model}).to_json()
+    return run
+
+
+def one_cell(**axes_and_sections: Any) -> dict[str, Any]:
+    """The resolved spec of a one-cell study as its JSON (specs/<cell>.json's dict): one_cell_spec's, with its
+    arguments."""
+    return one_cell_spec(**axes_and_sections).to_json()
 
 
 def one_cell_spec(

@@ -94,11 +94,12 @@ def test_offloading_lowers_the_measured_step_peak_on_cuda():
     torch.testing.assert_close(offloaded_grad, grad, rtol=1e-5, atol=1e-7)
 
 
-def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path, checkpoints):
+@pytest.mark.parametrize("offloaded", ["activations_offloaded_to_host", "weights_offloaded_to_host"])
+def test_the_plan_asks_the_host_for_what_is_offloaded(offloaded):
     from dataclasses import replace
 
-    from tunegrid.contract import CellContract, CellJob, MemoryEstimate
-    from tunegrid.prepare.cell_plan import host_mem_mb, mem_mb_for_job, write_contract
+    from tunegrid.contract import MemoryEstimate
+    from tunegrid.prepare.cell_plan import host_mem_mb
 
     plain = MemoryEstimate(
         worker="spawned",
@@ -108,8 +109,14 @@ def test_the_plan_asks_the_host_for_the_offloaded_activations_too(tmp_path, chec
         step_bytes=4 * 2**30,
         components=MemoryComponents(),
     )
-    offloaded = replace(plain, components=MemoryComponents(activations_offloaded_to_host=2 * 2**30))
-    assert host_mem_mb(offloaded, 1) == host_mem_mb(plain, 1) + 3 * 1024  # the safety factor 1.5 over 2 GiB
+    with_offload = replace(plain, components=MemoryComponents(**{offloaded: 2 * 2**30}))
+    assert host_mem_mb(with_offload, 1) == host_mem_mb(plain, 1) + 3 * 1024  # the safety factor 1.5 over 2 GiB
+
+
+def test_the_contract_of_an_offloading_cell_asks_the_host_for_its_plan(tmp_path, checkpoints):
+    from tunegrid.contract import CellContract, CellJob
+    from tunegrid.prepare.cell_plan import host_mem_mb, mem_mb_for_job, write_contract
+
     spec = one_cell(train={"activation_offloading": True})
     job = CellJob(model_dir=str(checkpoints[spec["model"]["name"]]), data_path="d", run_dir="r", result_path="r/x")
     contract = write_contract(CellSpec.from_json(spec), job, tmp_path / "contract.json", False, capabilities={})

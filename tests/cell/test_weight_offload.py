@@ -81,24 +81,6 @@ def test_the_estimate_keeps_one_layers_weights_on_cuda_and_all_of_them_on_cpu(ch
         }
 
 
-def test_the_plan_asks_the_host_for_the_offloaded_weights_too():
-    from dataclasses import replace
-
-    from tunegrid.contract import MemoryComponents, MemoryEstimate
-    from tunegrid.prepare.cell_plan import host_mem_mb
-
-    plain = MemoryEstimate(
-        worker="spawned",
-        estimate_bytes=4 * 2**30,
-        stage="step",
-        load_bytes=0,
-        step_bytes=4 * 2**30,
-        components=MemoryComponents(),
-    )
-    offloaded = replace(plain, components=MemoryComponents(weights_offloaded_to_host=2 * 2**30))
-    assert host_mem_mb(offloaded, 1) == host_mem_mb(plain, 1) + 3 * 1024  # the safety factor 1.5 over 2 GiB
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_offloading_lowers_the_measured_step_peak_on_cuda():

@@ -17,27 +17,21 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import meta_model_shapes
+from conftest import meta_model_shapes, recorded_run
 
 from tunegrid.cell_spec import CellSpec
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
-from tunegrid.study.recorded import recorded_spec
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
-def _read(run: dict) -> dict:
-    """A recorded run, each cell's spec read with today's keys (its model the run's `models` entry): the keys it
-    predates at the values the cells ran at."""
-    for cell in run["cells"]:
-        model = run["models"][cell["spec"]["axes"]["model"]]
-        cell["spec"] = recorded_spec({**cell["spec"], "model": model}).to_json()
-    return run
+def _runs(name: str) -> dict[str, dict]:
+    return {run["host"]: recorded_run(run) for run in json.loads((DATA / name).read_text())["runs"]}
 
 
-DEFAULT = {r["host"]: _read(r) for r in json.loads((DATA / "evidence-cpu-default-study.json").read_text())["runs"]}
+DEFAULT = _runs("evidence-cpu-default-study.json")
 # configs/memory-fixes-cpu.yaml: torch/8-bit AdamW x activation checkpointing at a width where both matter
-FIXES = {run["host"]: _read(run) for run in json.loads((DATA / "evidence-cpu-memory-fixes.json").read_text())["runs"]}
+FIXES = _runs("evidence-cpu-memory-fixes.json")
 RUNS = {f"default: {host}": run for host, run in DEFAULT.items()} | {f"memory-fixes: {h}": r for h, r in FIXES.items()}
 
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import meta_model_shapes
+from conftest import meta_model_shapes, recorded_run
 
 from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import MemoryEstimate
@@ -24,23 +24,13 @@ from tunegrid.prepare.cpu_kernels import cpu_onednn_matmul, cpu_onednn_off
 from tunegrid.prepare.environment import cpu_onednn_matmul as asked_torch
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
 from tunegrid.prepare.probes import cpu_inventory, cpu_precision_support
-from tunegrid.study.recorded import recorded_spec
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MIB = 2**20
 
 
-def _read(run: dict) -> dict:
-    """A recorded run, each cell's spec read with today's keys (its model the run's `models` entry): the keys it
-    predates at the values the cells ran at."""
-    for cell in run["cells"]:
-        model = run["models"][cell["spec"]["axes"]["model"]]
-        cell["spec"] = recorded_spec({**cell["spec"], "model": model}).to_json()
-    return run
-
-
-XEON = _read(json.loads((DATA / "evidence-cpu-xeon-avx512fp16.json").read_text())["runs"][0])
-AMD = [_read(run) for run in json.loads((DATA / "evidence-cpu-default-study.json").read_text())["runs"]]
+XEON = recorded_run(json.loads((DATA / "evidence-cpu-xeon-avx512fp16.json").read_text())["runs"][0])
+AMD = [recorded_run(run) for run in json.loads((DATA / "evidence-cpu-default-study.json").read_text())["runs"]]
 
 
 def _ok(run: dict) -> list[dict]:

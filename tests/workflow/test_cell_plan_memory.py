@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import re
-import subprocess
-
-from conftest import REPO, snakemake_command, stub_contract, workflow_env
+from conftest import REPO, slurm_dry_run_finetune_jobs, stub_contract
 
 from tunegrid.prepare.cell_plan import MEM_FLOOR_MB_PER_RANK, job_mem_mb
 from tunegrid.study.config import expand_cells, resolve_study
@@ -17,21 +14,7 @@ STUDY = REPO / "configs" / "moe-qlora-memory.yaml"
 
 def finetune_mem_mb(workdir) -> dict[str, int]:
     """cell id -> the mem_mb `snakemake --profile slurm -n` shows for its finetune job."""
-    proc = subprocess.run(
-        [*snakemake_command(workdir, "--profile", "slurm", "-n", "--configfile", str(STUDY))],
-        cwd=REPO,  # Snakemake finds the `slurm` profile in the folder it is started from
-        env=workflow_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    jobs = re.findall(r"rule finetune:\n(.*?)\n\n", proc.stdout + proc.stderr, flags=re.S)
-    found = {}
-    for job in jobs:
-        cell = re.search(r"runs/([^/]+)/result\.json", job).group(1)
-        found[cell] = int(re.search(r"mem_mb=(\d+)", job).group(1))
-    return found
+    return {cell: job["mem_mb"] for cell, job in slurm_dry_run_finetune_jobs(workdir, STUDY).items()}
 
 
 def test_slurm_dry_run_asks_each_cell_for_its_plans_memory(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, snakemake_command, with_session_warm_processes, workflow_env
+from conftest import GEMMA_HOT, REPO, snakemake_command, with_session_warm_processes, workflow_env
 
 from tunegrid.review.doctor_verdict import baseline_fixes
 from tunegrid.runtime.files import read_json
@@ -29,16 +29,7 @@ STUDY = {
             "architecture": "gemma3_text",
             "seed": 0,
             "init_scale": {"*.mlp.*": 10},  # its MLP down projections pass fp16's 65504, as Gemma 3's do
-            "config": {
-                "vocab_size": 512,
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                "initializer_range": 0.3,
-            },
+            "config": {**GEMMA_HOT["config"], "initializer_range": 0.3},
         }
     },
     "grid": {"model": ["gemma3-tiny"], "precision": ["fp16", "bf16", "fp32"], "batch_size": [2], "quant": ["none"]},
