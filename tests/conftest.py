@@ -209,6 +209,9 @@ def default_study_clone(tmp_path_factory) -> Path:
     return root
 
 
+# the grid of one fp32 cell of the tiny MoE, the cell most tests of the run and the workflow train
+MOE_TINY_CELL = {"model": ["qwen3moe-tiny"], "precision": ["fp32"], "batch_size": [2], "quant": ["none"], "seed": [0]}
+
 GEMMA_HOT = {
     "source": "synthetic",
     "architecture": "gemma3_text",

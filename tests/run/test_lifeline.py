@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cell_contract, make_study, processes_mentioning
+from conftest import MOE_TINY_CELL, REPO, cell_contract, make_study, processes_mentioning
 
 from tunegrid.run import warm
 from tunegrid.study.config import cell_spec, expand_cells, resolve_study
@@ -24,14 +24,7 @@ def _start_supervisor(
 ) -> tuple[subprocess.Popen, Path]:
     """A supervisor training a long cell, once it trains; `as_job`: the `finetune` job's command line, as the
     rule runs it (forked by the warm supervisor where `env` names one), else run_cell in a process of its own."""
-    grid = {
-        "model": ["qwen3moe-tiny"],
-        "precision": ["fp32"],
-        "batch_size": [2],
-        "quant": ["none"],
-        "seed": [0],
-        "world_size": [world],
-    }
+    grid = {**MOE_TINY_CELL, "world_size": [world]}
     study = resolve_study(
         make_study(grid=grid, train={"steps": 100000, "seq_len": 32, "threads": 1, "time_limit_s": 600})
     )

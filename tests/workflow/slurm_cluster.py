@@ -105,6 +105,22 @@ def stop_daemons(started: list[subprocess.Popen[bytes]], munge_started: bool) ->
             os.kill(int(Path("/run/munge/munged.pid").read_text().strip()), signal.SIGTERM)
 
 
+def wait_for_nodes(
+    env: dict[str, str], root: Path, started: list[subprocess.Popen[bytes]], nodes: list[str], deadline: float
+) -> None:
+    """Until sinfo shows every node idle (or mixed); past the deadline, or once a daemon has died, the daemons'
+    logs in the error."""
+    while True:
+        state = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True)
+        states = dict(line.split() for line in state.stdout.splitlines() if len(line.split()) == 2)
+        if state.returncode == 0 and all(states.get(node) in ("idle", "mixed") for node in nodes):
+            return
+        if time.time() > deadline or any(p.poll() is not None for p in started):
+            logs = "".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in (root / "log").glob("*.log"))
+            raise RuntimeError(f"SLURM did not come up (sinfo: {state.stdout!r} {state.stderr!r}):\n{logs}")
+        time.sleep(0.5)
+
+
 def quiet() -> dict[str, int]:
     return {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT}
 
@@ -146,15 +162,7 @@ def slurm_cluster(root: Path, timeout_s: float = 30.0) -> Iterator[dict[str, str
     try:
         started.append(subprocess.Popen(["/usr/sbin/slurmctld", "-D", "-f", str(conf)], env=env, **quiet()))
         started.append(subprocess.Popen(["/usr/sbin/slurmd", "-D", "-f", str(conf)], env=env, **quiet()))
-        deadline = time.time() + timeout_s
-        while True:
-            state = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True)
-            if state.returncode == 0 and state.stdout.strip() in ("idle", "mixed"):
-                break
-            if time.time() > deadline or any(p.poll() is not None for p in started):
-                logs = "".join(p.read_text()[-1500:] for p in (root / "log").glob("*.log"))
-                raise RuntimeError(f"SLURM did not come up (sinfo: {state.stdout!r} {state.stderr!r}):\n{logs}")
-            time.sleep(0.5)
+        wait_for_nodes(env, root, started, [socket.gethostname()], started_at + timeout_s)
         env["TUNEGRID_SLURM_STARTUP_S"] = f"{time.time() - started_at:.1f}"
         yield env
     finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
-from conftest import REPO, make_study, workflow_env
+from conftest import MOE_TINY_CELL, REPO, make_study, workflow_env
 from slurm_cluster import available, slurm_cluster
 
 from tunegrid.runtime.files import read_json
@@ -35,14 +35,8 @@ pytestmark = [
 
 
 def test_study_through_the_slurm_profile(tmp_path):
-    grid = {
-        "model": ["qwen3moe-tiny"],
-        "precision": ["fp32"],
-        "batch_size": [2],
-        "quant": ["none"],
-        "seed": [0],
-        "world_size": [1, 2, 4],  # 4 ranks x 1 GPU: more than the node's 3, unsupported before submission
-    }
+    # 4 ranks x 1 GPU: more than the node's 3, unsupported before submission
+    grid = {**MOE_TINY_CELL, "world_size": [1, 2, 4]}
     study = make_study(
         study="slurm",
         grid=grid,

@@ -23,7 +23,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from slurm_cluster import ETC, MARKER, conf_text, munge_up, quiet, remove_config, short_spool, stop_daemons
+from slurm_cluster import (
+    ETC,
+    MARKER,
+    conf_text,
+    munge_up,
+    quiet,
+    remove_config,
+    short_spool,
+    stop_daemons,
+    wait_for_nodes,
+)
 
 BRIDGE = "tgbr0"
 HOST_ADDR = "10.77.0.1"
@@ -149,16 +159,7 @@ def two_node_cluster(root: Path, timeout_s: float = 40.0) -> Iterator[dict[str, 
         for node in NODES:
             command = ["nsenter", f"--net=/run/netns/{node}", "/usr/sbin/slurmd", "-D", "-N", node, "-f", str(conf)]
             started.append(subprocess.Popen(command, env=env, **quiet()))
-        deadline = time.time() + timeout_s
-        while True:
-            state = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True)
-            states = dict(line.split() for line in state.stdout.splitlines() if len(line.split()) == 2)
-            if state.returncode == 0 and all(states.get(node) in ("idle", "mixed") for node in NODES):
-                break
-            if time.time() > deadline or any(p.poll() is not None for p in started):
-                logs = "".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in (root / "log").glob("*.log"))
-                raise RuntimeError(f"SLURM did not come up (sinfo: {state.stdout!r} {state.stderr!r}):\n{logs}")
-            time.sleep(0.5)
+        wait_for_nodes(env, root, started, list(NODES), started_at + timeout_s)
         env["TUNEGRID_SLURM_STARTUP_S"] = f"{time.time() - started_at:.1f}"
         yield env
     finally:
