@@ -32,6 +32,7 @@ from widths import GEMMA3_25M  # noqa: E402
 
 from tunegrid.contract import CellJob  # noqa: E402
 from tunegrid.dataset import read_dataset  # noqa: E402
+from tunegrid.outcome import CellResult  # noqa: E402
 from tunegrid.prepare.cell_plan import write_contract  # noqa: E402
 from tunegrid.prepare.checkpoints import produce_checkpoint  # noqa: E402
 from tunegrid.prepare.data import corpus_texts, write_dataset  # noqa: E402
@@ -42,7 +43,6 @@ from tunegrid.run.supervisor import run_cell  # noqa: E402
 from tunegrid.runtime.files import read_json, write_json  # noqa: E402
 from tunegrid.runtime.workers import FORKED, WARM_SOCKET_ENV, WORKERS  # noqa: E402
 from tunegrid.study.config import cell_spec, expand_cells, load_study  # noqa: E402
-from tunegrid.study.recorded import recorded_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -123,7 +123,7 @@ def main() -> None:
         # worker path each cell took: its runtime constant differs, forked or spawned)
         worker = result["memory"].get("estimate_worker") or "spawned"
         device = result["memory"].get("device") or "cpu"  # the device the cell trained on
-        spec = recorded_spec(result["cell"])  # result.json's cell: the spec (with its plan) as that run recorded it
+        spec = CellResult.from_json(result).cell  # the spec that run recorded, read with today's keys
         constants = device_constants(capabilities, spec.axes.precision, worker, device=device)
         estimate = estimate_cell(spec, study_dir / "models" / spec.model.name, **constants)
         result["memory"]["estimate_bytes"] = estimate.estimate_bytes

@@ -81,11 +81,10 @@ def modelled_step_s(result: CellResult, precision: str, checkpointing: bool) -> 
     """The cell's step time on its named target as the data sheet models it (tunegrid.targets.modelled_step), from
     the FLOPs and the memory estimate its plan recorded and the bytes its fp32 islands grew by; None on the machine
     itself (its cells are measured), or where the plan holds neither."""
-    plan = result.cell.get("plan") or {}
-    flops = (plan.get("liveness") or {}).get("step_flops")
-    components = (plan.get("estimate") or {}).get("components")
+    flops = (result.plan.get("liveness") or {}).get("step_flops")
+    components = (result.plan.get("estimate") or {}).get("components")
     widened = int((result.fp32_islands or {}).get("weights_widened_bytes") or 0)
-    return target_step_s(plan.get("target"), precision, flops, components, widened, checkpointing=checkpointing)
+    return target_step_s(result.plan.get("target"), precision, flops, components, widened, checkpointing=checkpointing)
 
 
 def stack_packages(env: dict[str, Any]) -> str | None:

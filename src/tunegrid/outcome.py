@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from tunegrid.cell_spec import CellAxes, CellSpec, SpecKeyError
 from tunegrid.diagnosis import Diagnosis, TimeoutDiagnosis
 from tunegrid.runtime.files import read_json
 from tunegrid.runtime.rundir import heartbeat_stage
@@ -54,10 +55,17 @@ def _empty() -> dict[str, Any]:
 @dataclass(kw_only=True)
 class CellResult:
     """result.json: what every consumer reads. Sections are the worker's facts as it wrote them; a file
-    written before a field existed reads with that field's default."""
+    written before a field existed reads with that field's default.
+
+    The file's `cell` holds two fields: the spec's JSON (`cell`, typed here) with the plan as a key beside its
+    sections (`plan`), the shape specs had before the contract carried the plan. A spec an earlier version recorded
+    reads with today's keys, those it predates at the values the cell ran at (tunegrid.study.recorded)."""
 
     cell_id: str
-    cell: dict[str, Any]  # the resolved spec: axes, model, train, lora, data, debug, hardware, plan
+    cell: CellSpec  # the resolved spec the cell trained with
+    # result.json's `cell.plan`: the plan as the cell ran it (CellPlan.record for its worker's path: target, budget,
+    # estimate, liveness); a dict, not a CellPlan: the one path's record, and earlier versions wrote other keys in it
+    plan: dict[str, Any] = field(default_factory=_empty)
     outcome: Outcome
     reason: str
     env: dict[str, Any] = field(default_factory=_empty)
@@ -93,18 +101,27 @@ class CellResult:
     attempts: list[dict[str, Any]] | None = None
     visible_devices: str | None = None  # the job's own GPUs ("" none, None as the cluster granted)
     tracking: dict[str, Any] | None = None
+    # no key of its own: the file's `cell` where writing the completed spec back would change it (an earlier
+    # version's, lacking keys), written back as it was, so reading and writing a result keeps what the run recorded
+    recorded_cell: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+
+    # the fields result.json's `cell` holds, not keys of their own
+    IN_CELL: ClassVar[frozenset[str]] = frozenset({"plan", "recorded_cell"})
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CellResult:
         """A result.json as written by any version: missing fields take their defaults; a key no field
         holds is an error (nothing is dropped silently)."""
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in fields(cls)} - cls.IN_CELL
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"result.json has keys no CellResult field holds: {unknown}")
         values = dict(data)
         values["outcome"] = Outcome(values["outcome"])
         values["diagnosis"] = Diagnosis.from_json(values.get("diagnosis"))
+        values["cell"], values["plan"] = _read_cell(data["cell"])
+        if {**values["cell"].to_json(), "plan": values["plan"]} != data["cell"]:
+            values["recorded_cell"] = data["cell"]
         return cls(**values)
 
     # what a worker's facts (worker.json) fill directly; `rank` names the writer, `outcome`/`reason`/`wall_s`
@@ -140,14 +157,33 @@ class CellResult:
     }
 
     def to_json(self) -> dict[str, Any]:
-        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        record = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.IN_CELL}
+        record["cell"] = self.cell_json()
         record["outcome"] = str(self.outcome)
         record["diagnosis"] = self.diagnosis.to_json()
         return record
 
+    def cell_json(self) -> dict[str, Any]:
+        """result.json's `cell`: the spec's JSON, key for key, with the plan (an earlier version's as it wrote it)."""
+        if self.recorded_cell is not None:
+            return self.recorded_cell
+        return {**self.cell.to_json(), "plan": self.plan}
+
     @property
-    def axes(self) -> dict[str, Any]:
-        return self.cell["axes"]
+    def axes(self) -> CellAxes:
+        return self.cell.axes
+
+
+def _read_cell(raw: dict[str, Any]) -> tuple[CellSpec, dict[str, Any]]:
+    """The spec and the plan of result.json's `cell`."""
+    try:
+        spec = CellSpec.from_json({k: v for k, v in raw.items() if k != "plan"})
+    except SpecKeyError:  # an earlier version's spec, completed in the one place a spec is
+        # imported here: the schema's defaults bring jsonschema, which a supervisor reading its own result never needs
+        from tunegrid.study.recorded import recorded_spec
+
+        spec = recorded_spec(raw)
+    return spec, raw.get("plan") or {}
 
 
 PEFT_PREFIX = "base_model.model."  # what peft's wrapper puts before each of the model's own module names
@@ -182,7 +218,8 @@ def infrastructure_fault(result: dict[str, Any]) -> bool:
 
 
 def compose_result(
-    spec: dict[str, Any],
+    spec: CellSpec,
+    plan: dict[str, Any],
     run_dir: Path,
     returncode: int | None,
     verdict: tuple[str, str] | None,
@@ -190,7 +227,8 @@ def compose_result(
     command: list[str],
     env: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """result.json for one attempt; `env` is the supervisor's light environment record."""
+    """result.json for one attempt of the cell `spec` planned as `plan` (the plan as it ran: result.json's
+    `cell.plan`); `env` is the supervisor's light environment record."""
     worker_path = run_dir / "worker.json"
     facts: dict[str, Any] = read_json(worker_path) if worker_path.exists() else {}
     if verdict is not None:  # decided by the supervisor: infeasible before training, or a timeout
@@ -198,10 +236,10 @@ def compose_result(
         if outcome == Outcome.TIMEOUT:
             timeout = TimeoutDiagnosis(
                 stage=facts.get("stage") or heartbeat_stage(run_dir),
-                limit_s=spec["train"]["time_limit_s"],
-                heartbeat_timeout_s=spec["train"]["heartbeat_timeout_s"],
+                limit_s=spec.train.time_limit_s,
+                heartbeat_timeout_s=spec.train.heartbeat_timeout_s,
                 # the limits in effect: the study's raised to the cell's predicted work (see the reason)
-                liveness=(spec.get("plan") or {}).get("liveness"),
+                liveness=plan.get("liveness"),
             )
             facts["diagnosis"] = Diagnosis(timeout=timeout).to_json()
     elif facts:
@@ -222,13 +260,14 @@ def compose_result(
     taken = {k: v for k, v in facts.items() if k in CellResult.FROM_WORKER and v is not None}
     return CellResult(
         **taken,
-        cell_id=spec["cell_id"],
+        cell_id=spec.cell_id,
         cell=spec,
+        plan=plan,
         env=env,
         outcome=Outcome(outcome),
         reason=reason,
         diagnosis=Diagnosis.from_json(facts.get("diagnosis")),
-        memory=_memory(spec, facts.get("memory") or {}),
+        memory=_memory(plan, facts.get("memory") or {}),
         worker_exit_code=returncode,
         wall_s=time.time() - started,
         started_at=started,
@@ -237,9 +276,8 @@ def compose_result(
     ).to_json()
 
 
-def _memory(spec: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+def _memory(plan: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
     """Measured peaks by stage beside the estimate made before training (the tracker's accuracy)."""
-    plan = spec["plan"]
     memory = {
         **measured,
         "estimate_bytes": plan["estimate"]["estimate_bytes"],

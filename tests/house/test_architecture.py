@@ -34,6 +34,8 @@ MAY_IMPORT: dict[str, set[str]] = {
 # The imports across a line of the table, each with why it is there.
 CROSSINGS = {
     ("tunegrid.run.warm", "tunegrid.cell.entry"): "the warm worker forks, and the child runs the cell's worker",
+    ("tunegrid.outcome", "tunegrid.study.recorded"): "an earlier version's result.json reads with its spec completed, "
+    "in the one place a spec is (from the schema's defaults: the study's)",
 }
 # Where the heavy dependencies may be imported, and why the exceptions are there.
 ALLOWED = {

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import one_cell_spec
 
 from tunegrid.cli.main import main
 from tunegrid.outcome import CellResult
@@ -114,7 +115,7 @@ def test_the_result_mlflow_tags_and_report_header_say_not_pinned_fetched_at(stan
     (study_dir / "data" / "train.jsonl").write_text(json.dumps(CHAT) + "\n")
     env = fetched_env(study_dir / "models" / "m", study_dir / "data" / "train.jsonl")
     assert env == {"model_source": {"repo_id": "org/m", "revision": COMMIT, "pinned": False}}
-    tags = run_tags(CellResult(cell_id="c", cell={}, outcome="ok", reason="", env=env))
+    tags = run_tags(CellResult(cell_id="c", cell=one_cell_spec(), outcome="ok", reason="", env=env))
     assert tags["model.revision"] == COMMIT and tags["model.pinned"] == "false"
     assert fetched_sources(study_dir) == [f"model m: org/m: not pinned; fetched at {COMMIT} ('main')"]
 

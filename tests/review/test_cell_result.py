@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO
+from conftest import REPO, one_cell_spec
 
 from tunegrid.outcome import CellResult, Diagnosis, compose_result
 from tunegrid.review.summary import summary_row
+from tunegrid.runtime.files import dumps
 from tunegrid.track.tags import run_tags
 from tunegrid.vocabulary import Outcome
 
@@ -23,6 +24,9 @@ def test_a_result_json_from_before_the_type_still_reads():
     assert result.distributed == {} and result.lora_sha256 is None  # fields it predates take their defaults
     assert CellResult.from_json(result.to_json()) == result
     assert {k: v for k, v in result.to_json().items() if k in raw} == {**raw, "diagnosis": raw["diagnosis"]}
+    # its spec reads typed, the keys it predates at the values it ran at; its cell is written back as recorded
+    assert "loss" not in raw["cell"]["train"] and result.cell.train.loss == "full" and result.axes.quant == "nf4"
+    assert result.plan == raw["cell"]["plan"] and result.to_json()["cell"] == raw["cell"]
 
     row = summary_row(raw)
     assert row["outcome"] == "nan" and row["nan_step"] == 0 and row["nan_kind"] == "loss_nonfinite"
@@ -46,9 +50,13 @@ def test_a_key_no_field_holds_is_an_error_not_a_silent_drop():
         Diagnosis.from_json({"hunch": {}})
 
 
-def _spec():
-    raw = json.loads(OLD.read_text())
-    return raw["cell"]
+def test_a_result_of_today_writes_its_cell_as_the_spec_s_json_with_the_plan(tmp_path):
+    spec, plan = one_cell_spec(), json.loads(OLD.read_text())["cell"]["plan"]
+    result = compose_result(spec, plan, tmp_path, -9, None, 0.0, ["tunegrid", "finetune"])
+    assert result["cell"] == {**spec.to_json(), "plan": plan}
+    read = CellResult.from_json(json.loads(dumps(result)))
+    assert read.cell == spec and read.plan == plan and read.recorded_cell is None
+    assert dumps(read.to_json()) == dumps(result)  # the same file, byte for byte
 
 
 def test_composing_keeps_every_fact_the_worker_wrote(tmp_path):
@@ -63,13 +71,14 @@ def test_composing_keeps_every_fact_the_worker_wrote(tmp_path):
         "wall_s": 1.0,
     }
     (tmp_path / "worker.json").write_text(json.dumps(facts))
-    result = compose_result(_spec(), tmp_path, 0, None, 0.0, ["tunegrid", "finetune"])
+    old = CellResult.from_json(json.loads(OLD.read_text()))  # its spec and plan, as a supervisor has them
+    result = compose_result(old.cell, old.plan, tmp_path, 0, None, 0.0, ["tunegrid", "finetune"])
     assert result["distributed"]["backend"] == "gloo"  # once dropped by a whitelist of keys
     assert result["lora_sha256"] == "ab" * 32 and result["stage"] == "adapter"
     assert CellResult.from_json(result).training == {"steps_run": 3}
     (tmp_path / "worker.json").write_text(json.dumps({**facts, "new_fact": 1}))
     with pytest.raises(ValueError, match="new_fact"):
-        compose_result(_spec(), tmp_path, 0, None, 0.0, ["tunegrid", "finetune"])
+        compose_result(old.cell, old.plan, tmp_path, 0, None, 0.0, ["tunegrid", "finetune"])
 
 
 def test_each_part_of_a_diagnosis_reads_typed_and_writes_back_as_it_was():

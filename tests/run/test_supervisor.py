@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import one_cell, processes_mentioning, run_supervised
+from conftest import one_cell, one_cell_spec, processes_mentioning, run_supervised
 
 from tunegrid.run.supervisor import compose_result
 from tunegrid.runtime.files import read_json, read_jsonl, write_json
@@ -97,11 +97,9 @@ def test_wall_clock_limit_ends_as_timeout_without_orphans(checkpoints, dataset_p
 
 
 def test_killed_worker_is_an_error_with_the_signal(tmp_path):
-    spec = {
-        **_spec(),
-        "plan": {"estimate": {"estimate_bytes": 1, "components": {}}, "budget_bytes": None, "target": None},
-    }
-    result = compose_result(spec, tmp_path, -9, None, time.time(), ["x"])
+    spec = one_cell_spec(model="qwen3moe-tiny", quant="nf4", train={"steps": 4})
+    plan = {"estimate": {"estimate_bytes": 1, "components": {}}, "budget_bytes": None, "target": None}
+    result = compose_result(spec, plan, tmp_path, -9, None, time.time(), ["x"])
     assert result["outcome"] == "error"
     assert "SIGKILL" in result["reason"]
 

@@ -15,7 +15,7 @@ def test_islands_and_their_measured_maxima_are_run_tags():
     }
     result = {
         "cell_id": "g_fp16-islands_bs2_none_s0",
-        "cell": {"axes": {}},
+        "cell": {"axes": {"model": "g", "precision": "fp16-islands", "batch_size": 2, "quant": "none", "seed": 0}},
         "outcome": "ok",
         "reason": "trained",
         "env": {"device": "cpu"},

@@ -35,7 +35,8 @@ def _result(outcome: str) -> dict:
     result["outcome"] = outcome
     result.pop("tracking", None)
     result["cell"] = copy.deepcopy(result["cell"])
-    result["cell"]["data"]["note"] = SECRET + "x" * 7000  # over MLflow's MAX_PARAM_VAL_LENGTH (6000)
+    # over MLflow's MAX_PARAM_VAL_LENGTH (6000), in a key the spec holds (one it holds not is refused on reading)
+    result["cell"]["data"]["path"] = SECRET + "x" * 7000
     result["quant_audit"]["after_load"]["by_role"][BAD_ROLE] = 123
     return result
 
@@ -48,13 +49,13 @@ def _check(uri: str, run_id: str, result: dict, capsys) -> None:
     assert run.info.run_name == f"{result['outcome']} · {cell_id}"
     assert run.data.tags["outcome"] == result["outcome"] and run.data.tags["tunegrid.status"] == "done"
     params = run.data.params
-    assert "data.note" not in params and f"audit.after_load.role.{BAD_ROLE}_bytes" not in params
+    assert "data.path" not in params and f"audit.after_load.role.{BAD_ROLE}_bytes" not in params
     assert params["lora.r"] == str(result["cell"]["lora"]["r"]), "the batch's other params landed"
     assert params["audit.after_load.total_bytes"] == str(result["quant_audit"]["after_load"]["total_bytes"])
     refused = run.data.tags[REFUSED_TAG]
-    assert "param data.note" in refused and f"param audit.after_load.role.{BAD_ROLE}_bytes" in refused
+    assert "param data.path" in refused and f"param audit.after_load.role.{BAD_ROLE}_bytes" in refused
     out = capsys.readouterr().out
-    assert "MLflow refused 'param data.note'" in out, "the cell's log names what was refused"
+    assert "MLflow refused 'param data.path'" in out, "the cell's log names what was refused"
     assert SECRET not in refused and SECRET not in out, "a refusal never shows the value"
 
 
@@ -86,7 +87,7 @@ def test_sync_creates_the_run_with_its_verdict_when_mlflow_refuses_params(store,
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0, "time": 1.0, "loss": 2.5}) + "\n")
     synced = sync_cell(uri, experiment_id, result, run_dir, None)
     assert synced["created"] and synced["errors"] == [] and synced["points_filled"] == 1
-    assert "param data.note" in synced["refused"]
+    assert "param data.path" in synced["refused"]
     _check(uri, synced["run_id"], result, capsys)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 
+from tunegrid.outcome import CellResult
 from tunegrid.track.diagnosis import (
     DIAGNOSIS_TAG,
     FAILED_TAG,
@@ -111,7 +112,9 @@ def test_a_failing_cell_links_to_its_twin_that_proves_the_fix():
 
 
 def test_the_description_says_why_and_links_the_fix():
-    text = description(CELLS["m_fp16_bs2_nf4_s0"], "7", [("precision fp32", "abc", "ok · fp32_bs2")])
+    text = description(
+        CellResult.from_json(CELLS["m_fp16_bs2_nf4_s0"]), "7", [("precision fp32", "abc", "ok · fp32_bs2")]
+    )
     assert text.startswith("**nan**: loss_nonfinite at step 0")
     assert "`model.layers.0.mlp.down_proj`" in text and "step 0, loss_nonfinite" in text
     assert "[ok · fp32_bs2](#/experiments/7/runs/abc?workflowType=machine_learning)" in text

@@ -13,19 +13,18 @@ from tunegrid.outcome import CellResult
 from tunegrid.review.quality import default_review, quality_columns, trained_curve
 from tunegrid.runtime.files import read_json, read_jsonl
 from tunegrid.study.grid_axes import SETTING_AXES
-from tunegrid.vocabulary import axis_names, with_neutrals
+from tunegrid.vocabulary import axis_names
 
 
 def summary_row(record: dict[str, Any] | CellResult) -> dict[str, Any]:
     """A cell's row, from its result (a CellResult, or result.json as written by any version): its id, its axes,
     then the column table's columns (tunegrid.columns)."""
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
-    # results written before an axis existed ran at its neutral value, or at the study setting it stands for
-    cell = result.cell
-    settings = {axis: (cell.get(section) or {}).get(key) for axis, (section, key) in SETTING_AXES.items()}
-    # the axes that stand for a setting read as trained: the cell's own train/distributed values
-    recorded = {**with_neutrals(result.axes), **{k: v for k, v in settings.items() if v is not None}}
-    axes = {name: recorded.get(name) for name in axis_names()}
+    # the axes that stand for a setting read as trained: the cell's own train/distributed values (a result written
+    # before an axis or a setting existed reads at its neutral value and the schema's default: CellResult.from_json)
+    settings = {axis: getattr(getattr(result.cell, section), key) for axis, (section, key) in SETTING_AXES.items()}
+    recorded = {**result.axes.axes(), **settings}
+    axes = {name: recorded[name] for name in axis_names()}
     return {"cell_id": result.cell_id, **axes, **summary_columns(CellView(result, axes))}
 
 

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract
 from tunegrid.outcome import CellResult
 from tunegrid.run.recorder_read import dump_files
@@ -19,14 +20,13 @@ from tunegrid.study.paths import StudyPaths
 from tunegrid.track.diagnosis import diagnosis_line, result_metrics
 from tunegrid.track.tags import (
     ARTIFACT_FILES,
-    axis_tags,
+    cell_tags,
     dataset_input,
     env_tags,
     rerun_tags,
     result_params,
     run_name,
     run_tags,
-    spec_id,
     study_cell_ids,
 )
 from tunegrid.vocabulary import Outcome
@@ -53,16 +53,18 @@ def record_result(
             "points_filled": filled,
             "errors": tracker.errors,
         }
+    record = CellResult.from_json(result)  # the declared shape: a key no field holds is an error
+    result = record.to_json()
     # the cell's log ends with how the cell ended (a failing cell's log would otherwise end mid-progress-bar)
-    print(f"tunegrid: {spec.cell_id} ended {diagnosis_line(result)}", flush=True)
+    print(f"tunegrid: {spec.cell_id} ended {diagnosis_line(record)}", flush=True)
     # result.json is the job's declared output: it appears last, once everything the job owes (the
     # MLflow run finished, the parent's counts) is done, so a kill before it re-runs the cell and a
     # kill after it finds nothing left to do. The copy MLflow keeps is staged beside it.
     staged = run_dir / ".staged" / "result.json"
-    result = CellResult.from_json(result).to_json()  # the declared shape: a key no field holds is an error
     write_json(staged, result)
     if tracker.enabled:
-        _finish_run(tracker, result, staged, Path(job.data_path), Path(job.log_path) if job.log_path else None)
+        log_path = Path(job.log_path) if job.log_path else None
+        _finish_run(tracker, record, result, staged, Path(job.data_path), log_path)
         from tunegrid.track.execution import cell_ended
 
         cell_ended(tracker.uri, StudyPaths.of_result(result_path).study_dir, spec.cell_id, result["outcome"])
@@ -72,11 +74,14 @@ def record_result(
     return result
 
 
-def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None) -> None:
-    """The cell's MLflow run at its end: the dataset input, outcome tags, params and artifacts."""
+def _finish_run(
+    tracker: Any, record: CellResult, result: dict[str, Any], staged: Path, data_path: Path, log_path: Path | None
+) -> None:
+    """The cell's MLflow run at its end: the dataset input, outcome tags, params and artifacts. `result` is
+    `record`'s JSON, where the run's end notes what the store refused."""
     run_dir = staged.parent.parent  # <run_dir>/.staged/result.json
     if data_path.is_file():
-        tracker.log_dataset(dataset_input(result, data_path))
+        tracker.log_dataset(dataset_input(record, data_path))
     artifacts = [staged] + [run_dir / name for name in ARTIFACT_FILES if name != "result.json"]
     artifacts += sorted((run_dir / "ranks").glob("rank*.log")) + [
         path for _, path in sorted(dump_files(run_dir / "flight_recorder")[0].items())
@@ -84,13 +89,13 @@ def _finish_run(tracker: Any, result: dict[str, Any], staged: Path, data_path: P
     if log_path is not None:
         artifacts.append(log_path)
     tracker.finish(
-        {**run_tags(result), "attempts": str(len(result["attempts"]))},
+        {**run_tags(record), "attempts": str(len(result["attempts"]))},
         artifacts,
-        failed=result["outcome"] != Outcome.OK,
+        failed=record.outcome != Outcome.OK,
         params=result_params(result),
-        end_time=result["ended_at"],
+        end_time=record.ended_at,
         metrics=result_metrics(result),
-        name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
+        name=run_name(record.outcome, record.cell.cell_id, study_cell_ids(run_dir)),
     )
     if tracker.errors:  # the store was unreachable at the end: say so in the file too
         result["tracking"]["errors"] = tracker.errors
@@ -106,7 +111,8 @@ def _kill_point(name: str) -> None:
 
 
 def open_cell_run(
-    spec: dict[str, Any],
+    spec: CellSpec,
+    plan: dict[str, Any],
     capabilities: dict[str, Any],
     tracking: dict[str, Any],
     result_path: Path,
@@ -114,32 +120,33 @@ def open_cell_run(
     snakemake_job: str,
     started: float,
 ) -> Any:
-    """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links."""
+    """The cell's MLflow run: axes, env and re-run tags, params, the parent (invocation) and probe links. `plan`:
+    the plan as the cell runs it (result.json's `cell.plan`)."""
     from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
     from tunegrid.track.params import split_params, study_specs
     from tunegrid.track.store import tracking_uri_for_cells
     from tunegrid.track.tracking import CellRun
 
     tracker = CellRun(tracking_uri_for_cells(tracking), tracking["experiment_id"])
-    tags = axis_tags(spec["axes"], spec.get("debug"))
-    tags.update(study=spec["study"], command=shlex.join(command), target=str(spec["plan"]["target"]))
+    tags = {**cell_tags(spec), "command": shlex.join(command), "target": str(plan["target"])}
     tags.update(env_tags(capabilities))
     tags.update(rerun_tags(result_path, snakemake_job))
     probe_run = capabilities.get("mlflow_run_id") or ""
     if probe_run:
         tags["probe.run_id"] = probe_run
-    params, common = split_params(spec, study_specs(result_path.parent))
+    # the params flatten result.json's cell (the spec's JSON and the plan), as the sync does from the file
+    params, common = split_params({**spec.to_json(), "plan": plan}, study_specs(result_path.parent))
     parent = parent_run_id(
         tracker.uri,
         tracking["experiment_id"],
-        spec["study"],
+        spec.study,
         StudyPaths.of_result(result_path).study_dir,
         probe_run,
-        spec["cell_id"],
+        spec.cell_id,
         params=common,
     )
     if parent:
         tags[INVOCATION_TAG] = parent
-    tracker.start(spec["cell_id"], tags, params, start_time=started)
+    tracker.start(spec.cell_id, tags, params, start_time=started)
     tracker.monitor_system(float(tracking.get("system_metrics_interval_s", 0)))
     return tracker

@@ -143,7 +143,7 @@ def _supervise(
 @dataclass
 class CellStart:
     """The cell as this job starts it: its contract and command, what the host offers (capabilities), the warm
-    worker's socket where one serves it, a verdict reached before any training, and result.json's cell."""
+    worker's socket where one serves it, a verdict reached before any training, and the plan as the cell runs it."""
 
     contract: CellContract
     contract_path: Path
@@ -152,7 +152,7 @@ class CellStart:
     capabilities: dict[str, Any]
     warm_socket: str | None
     verdict: tuple[str, str] | None
-    cell: dict[str, Any]  # the spec and plan as the cell ran them: result.json's cell
+    plan: dict[str, Any]  # the contract's plan for the worker's path (CellPlan.record): result.json's cell.plan
 
 
 def run_cell(contract_path: Path, command: list[str]) -> dict[str, Any]:
@@ -197,8 +197,7 @@ def _start(contract_path: Path, command: list[str]) -> CellStart:
     if verdict is None and capabilities.get("cluster_job"):  # the GPUs granted to this job, known only now
         verdict = gpu_shortfall(spec, capabilities)
     verdict = verdict or nodes_shortfall(spec)  # a cell across nodes: in a SLURM job that holds them (run.nodes)
-    cell = {**spec.to_json(), "plan": plan.record(worker)}  # result.json's cell: the spec's JSON, key for key
-    return CellStart(contract, contract_path, command, started, capabilities, warm_socket, verdict, cell)
+    return CellStart(contract, contract_path, command, started, capabilities, warm_socket, verdict, plan.record(worker))
 
 
 def _launch(start: CellStart, visible: str | None) -> tuple[Any, list[subprocess.Popen[bytes]] | None]:
@@ -215,7 +214,14 @@ def _launch(start: CellStart, visible: str | None) -> tuple[Any, list[subprocess
             tracking = read_json(job.tracking_path)
             result_path = Path(job.result_path)
             tracker = open_cell_run(
-                start.cell, start.capabilities, tracking, result_path, start.command, job.snakemake_job, start.started
+                start.contract.spec,
+                start.plan,
+                start.capabilities,
+                tracking,
+                result_path,
+                start.command,
+                job.snakemake_job,
+                start.started,
             )
     except BaseException:  # never leave a started worker behind
         for proc in early or []:
@@ -272,7 +278,8 @@ def _compose(start: CellStart, left: RanksLeft) -> dict[str, Any]:
     ranks the deciding rank and the diagnosis (run.rank_diagnosis)."""
     spec, job = start.contract.spec, start.contract.job
     env = cell_env(spec) | fetched_env(Path(job.model_dir), Path(job.data_path))  # where the model and data came from
-    result = compose_result(start.cell, job.run, left.returncodes[0], left.verdict, start.started, start.command, env)
+    returncode, verdict = left.returncodes[0], left.verdict
+    result = compose_result(spec, start.plan, job.run, returncode, verdict, start.started, start.command, env)
     if spec.axes.world_size > 1 and left.returncodes != [None]:
         from tunegrid.run.rank_diagnosis import diagnose_ranks
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import quote
 
-from tunegrid.outcome import origin_label
+from tunegrid.outcome import CellResult, origin_label
 from tunegrid.vocabulary import Outcome
 
 DIAGNOSIS_TAG = "diagnosis"  # the run's first tag: `<outcome>: <reason>` ("running" until the cell ends)
@@ -24,9 +24,9 @@ RUNNING = "running"
 FAILED_TAG = "failed"  # yes | no: the study's view sorts by it, failures first
 
 
-def diagnosis_line(result: dict[str, Any]) -> str:
+def diagnosis_line(result: CellResult) -> str:
     """One line: the outcome, then the reason the cell gave (what failed, where, after how many steps)."""
-    return f"{result['outcome']}: {result.get('reason') or 'no reason recorded'}"
+    return f"{result.outcome}: {result.reason or 'no reason recorded'}"
 
 
 def _finite(value: Any) -> float | None:
@@ -65,23 +65,22 @@ def compare_link(experiment_id: str, run_ids: list[str]) -> str:
     return f"#/compare-runs?runs={runs}&experiments={quote(json.dumps([experiment_id]))}"
 
 
-def _facts(result: dict[str, Any], axes: list[str]) -> list[tuple[str, str]]:
-    spec = result.get("cell") or {}
-    rows = [("cell", f"`{result.get('cell_id') or spec.get('cell_id', '')}`")]
-    values = spec.get("axes") or {}
+def _facts(result: CellResult, axes: list[str]) -> list[tuple[str, str]]:
+    rows = [("cell", f"`{result.cell_id or result.cell.cell_id}`")]
+    values = result.axes.axes()
     if axes:
         rows += [("axes that vary", ", ".join(f"{axis} {values.get(axis)}" for axis in axes))]
-    nan = (result.get("diagnosis") or {}).get("nan") or {}
+    nan = result.diagnosis.nan
     if nan:
-        forward = origin_label((nan.get("origin") or {}).get("forward")) or "not traced"
-        backward = origin_label((nan.get("origin") or {}).get("backward")) or "not traced"
-        rows += [("first non-finite", f"step {nan.get('step')}, {nan.get('kind')}")]
+        forward = origin_label(nan.forward_origin) or "not traced"
+        backward = origin_label(nan.backward_origin) or "not traced"
+        rows += [("first non-finite", f"step {nan.step}, {nan.kind}")]
         rows += [("origin", f"forward: `{forward}`; backward: `{backward}`")]
     return rows
 
 
 def description(
-    result: dict[str, Any],
+    result: CellResult,
     experiment_id: str = "",
     fixes: Iterable[tuple[str, str, str]] = (),
     proves: Iterable[tuple[str, str, str]] = (),
@@ -92,7 +91,7 @@ def description(
     `axes`), then the links. `fixes` are (what changes, run id, run name) of the runs that prove a failing cell's
     fix; `proves` the same for the failing runs a cell proves the fix of. With the run's own `run_id`, a failing
     run's description links to MLflow's comparison of it with those runs."""
-    lines = [f"**{result['outcome']}**: {result.get('reason') or 'no reason recorded'}", ""]
+    lines = [f"**{result.outcome}**: {result.reason or 'no reason recorded'}", ""]
     lines += ["| | |", "|---|---|"] + [f"| {key} | {value} |" for key, value in _facts(result, axes or [])]
     fixes, proves = list(fixes), list(proves)
     if fixes:
@@ -134,11 +133,11 @@ def fix_links(
     return links
 
 
-def outcome_tags(result: dict[str, Any]) -> dict[str, str]:
+def outcome_tags(result: CellResult) -> dict[str, str]:
     """The diagnosis, the description (without links: those come once the report has found the fixes) and
     whether the cell failed."""
     return {
         DIAGNOSIS_TAG: diagnosis_line(result),
         NOTE_TAG: description(result),
-        FAILED_TAG: "no" if result["outcome"] == Outcome.OK else "yes",
+        FAILED_TAG: "no" if result.outcome == Outcome.OK else "yes",
     }

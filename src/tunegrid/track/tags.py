@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tunegrid.cell_spec import CellSpec
 from tunegrid.cell_view import CellView
 from tunegrid.columns import table_tags
 from tunegrid.outcome import CellResult
@@ -51,10 +53,6 @@ def study_cell_ids(run_dir: Path) -> list[str]:
     return [spec["cell_id"] for spec in study_specs(run_dir)]  # none: a cell run by hand (its whole id is its name)
 
 
-def spec_id(result: dict[str, Any]) -> str:
-    return str(result["cell"]["cell_id"])
-
-
 def axis_tags(axes: dict[str, Any], debug: dict[str, Any] | None = None) -> dict[str, str]:
     """The cell's axes as tags, and the effective batch they make (micro-batch x accumulation x ranks).
 
@@ -74,6 +72,11 @@ def axis_tags(axes: dict[str, Any], debug: dict[str, Any] | None = None) -> dict
     return tags
 
 
+def cell_tags(spec: CellSpec) -> dict[str, str]:
+    """The tags a cell run starts with: its axes (axis_tags, with what its debug section injects) and its study."""
+    return {**axis_tags(spec.axes.axes(), asdict(spec.debug)), "study": spec.study}
+
+
 def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     """A cell run's tags, from its result (a CellResult, or result.json as written by any version): the verdict
     (track/diagnosis.py), the column table's tags (tunegrid.columns), and the families named per package or
@@ -81,7 +84,7 @@ def run_tags(record: dict[str, Any] | CellResult) -> dict[str, str]:
     from tunegrid.track.diagnosis import outcome_tags
 
     result = record if isinstance(record, CellResult) else CellResult.from_json(record)
-    tags = outcome_tags(result.to_json())
+    tags = outcome_tags(result)
     tags.update(table_tags(CellView(result, {})))  # no table tag reads the axes: they are tags of their own
     for package, version in ((result.env.get("stack") or {}).get("versions") or {}).items():
         if package in ((result.env.get("stack") or {}).get("pins") or {}):
@@ -139,7 +142,7 @@ def result_params(result: dict[str, Any]) -> dict[str, str]:
     return params
 
 
-def dataset_input(result: dict[str, Any], data_path: Path) -> dict[str, Any]:
+def dataset_input(result: CellResult, data_path: Path) -> dict[str, Any]:
     """The cell's training set as an MLflow dataset input: what it is, its digest, and its size."""
     import hashlib
 
@@ -147,16 +150,15 @@ def dataset_input(result: dict[str, Any], data_path: Path) -> dict[str, Any]:
     with open(data_path, "rb") as handle:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
-    data = result.get("data") or {}
-    spec = result["cell"].get("data") or {}
-    origin = spec.get("repo_id") or spec.get("path") or "generated"
+    data, spec = result.data or {}, result.cell.data  # what the worker made of the records, and what the study named
+    origin = spec.repo_id or spec.path or "generated"
     return {
-        "name": f"{data.get('source') or spec.get('source', 'synthetic')}:{Path(str(origin)).name}",
+        "name": f"{data.get('source') or spec.source}:{Path(str(origin)).name}",
         "digest": digest.hexdigest()[:16],
         "source": {
             "uri": str(Path(data_path).resolve()),
             "origin": str(origin),
-            "revision": spec.get("revision") or "",
+            "revision": spec.revision or "",
         },
         "profile": {k: data[k] for k in ("examples", "tokens", "rows", "packing", "fill") if k in data},
     }

@@ -289,21 +289,14 @@ def sync_cell(
     For cells whose store was down or locked while they trained: the run is created (or completed)
     from the files, which are the source of truth.
     """
+    from tunegrid.outcome import CellResult
     from tunegrid.runtime.files import read_jsonl
     from tunegrid.track.diagnosis import result_metrics
-    from tunegrid.track.tags import (
-        ARTIFACT_FILES,
-        axis_tags,
-        result_params,
-        run_name,
-        run_tags,
-        spec_id,
-        study_cell_ids,
-    )
+    from tunegrid.track.tags import ARTIFACT_FILES, cell_tags, result_params, run_name, run_tags, study_cell_ids
 
     records = read_jsonl(run_dir / "metrics.jsonl")
-    run = CellRun(uri, experiment_id)
-    run_id = (result.get("tracking") or {}).get("run_id")
+    record, run = CellResult.from_json(result), CellRun(uri, experiment_id)
+    spec, run_id = record.cell, (record.tracking or {}).get("run_id")
     created = unfinished = False
     existing = active_run(run.client, run_id)
     if existing is not None:  # left open, or without its verdict (the store failed at the cell's end): end it now
@@ -311,30 +304,28 @@ def sync_cell(
         unfinished = existing.info.status == "RUNNING" or "outcome" not in existing.data.tags
     else:
         from tunegrid.track.execution import INVOCATION_TAG, parent_run_id
-
-        spec = result["cell"]
-        tags = axis_tags(spec["axes"], spec.get("debug"))
-        tags.update(study=spec["study"], command=result.get("command", ""), **{"tunegrid.created_by": "mlflow_sync"})
         from tunegrid.track.params import split_params, study_specs
 
-        params, common = split_params(spec, study_specs(run_dir))
+        tags = {**cell_tags(spec), "command": record.command, "tunegrid.created_by": "mlflow_sync"}
+        # the params flatten result.json's cell as the run recorded it (the spec's JSON and the plan)
+        params, common = split_params(record.cell_json(), study_specs(run_dir))
         study_dir = StudyPaths.of_run_dir(run_dir).study_dir
-        parent = parent_run_id(uri, experiment_id, spec["study"], study_dir, params=common)
+        parent = parent_run_id(uri, experiment_id, spec.study, study_dir, params=common)
         if parent:
             tags[INVOCATION_TAG] = parent
-        run.start(spec["cell_id"], tags, params, start_time=result.get("started_at"))
+        run.start(spec.cell_id, tags, params, start_time=record.started_at)
         created = run.run_id is not None
     filled = run.reconcile(records)
     if created or unfinished:
         artifacts = [run_dir / name for name in ARTIFACT_FILES]
         run.finish(
-            run_tags(result),
+            run_tags(record),
             artifacts + ([log_path] if log_path else []),
-            failed=result["outcome"] != Outcome.OK,
+            failed=record.outcome != Outcome.OK,
             params=result_params(result),
-            end_time=result.get("ended_at"),
+            end_time=record.ended_at,
             metrics=result_metrics(result),
-            name=run_name(result["outcome"], spec_id(result), study_cell_ids(run_dir)),
+            name=run_name(record.outcome, spec.cell_id, study_cell_ids(run_dir)),
         )
     return {
         "run_id": run.run_id,

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tunegrid.outcome import CellResult
 from tunegrid.track.current import CURRENT_TAG
 from tunegrid.track.diagnosis import (
     DIAGNOSIS_TAG,
@@ -112,8 +113,8 @@ def publish_review(
 
     c = client(uri)
     runs = {run.data.tags.get(CELL_TAG): run for run in current_runs(c, experiment_id)}
-    by_cell = {result["cell_id"]: result for result in results}
-    links = fix_links(recommendations, {cell: (r.get("cell") or {}).get("axes") or {} for cell, r in by_cell.items()})
+    by_cell = {result.cell_id: result for result in map(CellResult.from_json, results)}
+    links = fix_links(recommendations, {cell: result.axes.axes() for cell, result in by_cell.items()})
     proves: dict[str, list[tuple[str, str]]] = {}
     for failing, fixes in links.items():
         for change, cell in fixes:
