@@ -99,13 +99,19 @@ class CellTrainer:
     # ---------------------------------------------------------------- model
     def build_model(self) -> None:
         from tunegrid.manifest import verify_checkpoint
-        from tunegrid.runtime.memory import apply_memory_budget, map_large_blocks, runtime_baseline_bytes
+        from tunegrid.runtime.memory import (
+            apply_memory_budget,
+            map_large_blocks,
+            read_checkpoint_in_order,
+            runtime_baseline_bytes,
+        )
 
         self.facts["stage"] = "load"
         self.heartbeat.beat("load")
         self.manifest = verify_checkpoint(self.model_dir)
         if self.device.type == "cpu":  # memory that follows the tensors alive; the runtime constant's measure
             self.memory["large_blocks"] = map_large_blocks()
+            self.memory["checkpoint_read"] = read_checkpoint_in_order()
             self.memory["runtime_bytes_measured"] = runtime_baseline_bytes()
         budget = self.contract.plan.budget_bytes
         if budget:

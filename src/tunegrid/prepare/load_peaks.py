@@ -122,19 +122,16 @@ def load_order_key(name: str) -> tuple[tuple[int, int | str, int], ...]:
     return tuple(parts)
 
 
-def cast_load_peak(kept_at_storage: dict[str, int], on_disk: int, storage: int, in_order: bool = False) -> int:
-    """The weights' peak while a checkpoint stored in another dtype loads: each tensor is read whole at its
-    disk dtype and cast (the cast becomes its parameter), while the parameters loaded before it are held and
-    those after it are not allocated yet (the model is built empty). transformers reads tensors ahead in worker
-    threads (4), so the next tensor's copies exist beside the one being set: measured, Gemma 3 270M fp32 on disk
-    into fp16 on the 2-core EPYC, the load peaks 1,407 MB above the tokenizer as the embedding (167.8M values,
-    loaded first) arrives: 671 read + 336 cast + 336 in flight, the rest of the load's bookkeeping 64. A load
-    that quantizes on the fly (`in_order`: bitsandbytes') reads one tensor at a time, in the loading thread:
-    read + cast only (Gemma 3 270M nf4, fp32 into bf16: 948 MiB above runtime and tokenizer, this 960)."""
+def cast_load_peak(kept_at_storage: dict[str, int], on_disk: int, storage: int) -> int:
+    """The weights' peak while a checkpoint stored in another dtype loads on a CPU: each tensor is read whole at
+    its disk dtype and cast (the cast becomes its parameter), one at a time in the loading thread
+    (tunegrid.runtime.memory.read_checkpoint_in_order), while the parameters loaded before it are held and those
+    after it are not allocated yet (the model is built empty). Gemma 3 270M nf4, fp32 into bf16, on the 2-core
+    EPYC: 948 MiB above runtime and tokenizer as the embedding (167.8M values, loaded first) arrives, this 960."""
     peak = loaded = 0
     for name in sorted(kept_at_storage, key=load_order_key):
         at_storage = kept_at_storage[name]
-        peak = max(peak, loaded + at_storage // storage * on_disk + (1 if in_order else 2) * at_storage)
+        peak = max(peak, loaded + at_storage // storage * on_disk + at_storage)
         loaded += at_storage
     return max(peak, loaded)
 

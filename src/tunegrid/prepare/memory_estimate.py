@@ -194,7 +194,7 @@ def _load_peak(
         weights_at_load = max(weights_at_load, at_load + int8_quantize_bytes(fused, device))
     _, on_disk = largest_on_disk
     if on_disk and on_disk != storage:
-        cast = cast_load_peak(tensors.kept_at_storage, on_disk, storage, quant.quantizes)
+        cast = cast_load_peak(tensors.kept_at_storage, on_disk, storage)
         weights_at_load = max(weights_at_load, cast)
     return runtime + tokenizer_bytes + weights_at_load
 

@@ -153,6 +153,24 @@ def map_large_blocks() -> str:
     return f"M_MMAP_THRESHOLD={LARGE_BLOCK_BYTES}"
 
 
+# transformers' switch for its checkpoint reader's worker threads (core_model_loading): set, the loading thread reads
+# one tensor at a time
+SYNC_LOAD_ENV = "HF_DEACTIVATE_ASYNC_LOAD"
+
+
+def read_checkpoint_in_order() -> str:
+    """Set by every CPU cell before its load: transformers otherwise reads tensors ahead in up to 4 worker threads,
+    and whether the next tensors' read and cast copies exist beside the one being set at the load's peak depends
+    on thread timing (Gemma 3 270M, fp32 on disk into fp16, read while the 336 MB embedding is set: load peaks
+    between 1.81 and 2.09 GB over runs of the same cell on one host). Read in order, the load's peak is what the
+    estimate counts (tunegrid.prepare.load_peaks.cast_load_peak): the weights loaded so far, one tensor's read and
+    its cast. A load that quantizes on the fly reads so already (transformers' own rule)."""
+    import os
+
+    os.environ[SYNC_LOAD_ENV] = "1"
+    return f"{SYNC_LOAD_ENV}=1"
+
+
 def _keep_malloc_arenas() -> str:
     """Under an address-space budget, no new glibc malloc arenas: each reserves 64 MiB of address space at once,
     and whether a thread gets one depends on lock contention at that moment (thread timing, host load), so the
