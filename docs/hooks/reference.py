@@ -152,6 +152,8 @@ def _fields_table(cls: type) -> list[str]:
     notes = _comments(cls)
     rows = ["| field | type | default | note |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
+        if field.name in getattr(cls, "IN_CELL", ()):
+            continue  # held inside another field's key in the file (result.json's `cell`), not a key of its own
         if field.default is not dataclasses.MISSING:
             default = _cell(field.default if not hasattr(field.default, "value") else field.default.value)
         elif field.default_factory is not dataclasses.MISSING:
