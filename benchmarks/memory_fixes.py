@@ -48,7 +48,7 @@ SETTINGS = {
     "paged-adamw-8bit": {"optimizer": "paged-adamw-8bit"},
     "activation checkpointing": {"activation_checkpointing": True},
     "adamw-8bit + activation checkpointing": {"optimizer": "adamw-8bit", "activation_checkpointing": True},
-    "half micro-batch, grad_accum 2": {"half_batch": True},
+    "half micro-batch with grad_accum 2": {"half_batch": True},
 }
 
 
@@ -60,8 +60,9 @@ def _spec(setting: str, study_file: str) -> dict:
     change = dict(SETTINGS[setting])
     grid = study["grid"]
     batch = grid["batch_size"][0]
-    if change.pop("half_batch", False):
-        grid.update(batch_size=[batch // 2], grad_accum=[2])
+    half = change.pop("half_batch", False)
+    # the study's first micro-batch, unaccumulated; or half of it, accumulated twice (the same effective batch)
+    grid.update(batch_size=[batch // 2], grad_accum=[2]) if half else grid.update(batch_size=[batch], grad_accum=[1])
     grid.update({"optimizer": ["adamw"], "activation_checkpointing": [False]} | {k: [v] for k, v in change.items()})
     return cell_spec(study, expand_cells(study)[0])
 

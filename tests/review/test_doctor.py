@@ -176,6 +176,32 @@ def test_an_oom_gets_the_memory_settings_the_estimate_allows_one_change_at_a_tim
     }
 
 
+def test_a_smaller_micro_batch_is_one_setting_and_among_as_many_settings_the_cheapest_bound_comes_first():
+    """Checkpointing saves more than a micro-batch of 1 with grad_accum 2, but recomputes the forward: its plan
+    bounds it at fewer tokens/s, so the micro-batch is tried first (`--first` stops at the likelier first fix of the
+    report, which ranks by throughput); a candidate without a bound comes after those with one. Checkpointing
+    with the micro-batch is two settings: last."""
+    grid = {"model": ["gemma3-hot"], "precision": ["fp32"], "quant": ["none"], "batch_size": [2, 1]}
+    grid.update(grad_accum=[1, 2], activation_checkpointing=[False, True])
+    grid["exclude"] = [{"batch_size": 2, "grad_accum": 2}, {"batch_size": 1, "grad_accum": 1}]
+    study = resolve_study(make_study(grid=grid))
+    baseline = baseline_cell(study)
+    micro = baseline.cell_id.replace("_bs2_", "_bs1_") + "_ga2"
+    plans = _runnable(baseline, {"": 500, "_ac": 300})
+    plans[micro] = {"estimate_bytes": 400 * 2**20, "verdict": "run", "ceiling_tokens_per_s": 900.0}
+    plans[f"{micro}_ac"] = {"estimate_bytes": 250 * 2**20, "verdict": "run", "ceiling_tokens_per_s": 600.0}
+    oom = {"outcome": "oom", "oom_stage": "step"}
+    order = [c.cell_id for c in choose(study, baseline, oom, CAPABILITIES, plans).candidates]
+    assert order == [micro, f"{baseline.cell_id}_ac", f"{micro}_ac"]  # checkpointing, unbounded: after it
+    plans[f"{baseline.cell_id}_ac"]["ceiling_tokens_per_s"] = 600.0
+    order = [c.cell_id for c in choose(study, baseline, oom, CAPABILITIES, plans).candidates]
+    assert order == [micro, f"{baseline.cell_id}_ac", f"{micro}_ac"]
+    for plan in plans.values():  # no bounds at all: the larger predicted saving first, as before
+        plan.pop("ceiling_tokens_per_s", None)
+    order = [c.cell_id for c in choose(study, baseline, oom, CAPABILITIES, plans).candidates]
+    assert order == [f"{baseline.cell_id}_ac", micro, f"{micro}_ac"]
+
+
 def test_a_memory_setting_its_plan_charges_clearly_over_the_budget_is_ruled_out():
     """What a plan's estimate charges the budget (on a CPU, the estimate less the runtime mapped before the budget
     is set) at 1.2x the budget or more rules a candidate out; nearer the budget the estimate does not decide and it

@@ -4,10 +4,9 @@ holds, chosen from the diagnosis through the tables (never by name): a non-finit
 of tunegrid.meanings.PRECISION_ROWS that the target can run natively (or that keep the failing arithmetic, as
 fp16's own fixes do), in their `nan_fix_rank` order, or on a named target that is not the machine cheapest
 first by the step time modelled on it from each twin's plan (tunegrid.targets.modelled_step); an out-of-memory
-one the memory settings the grid lists, ordered by the estimate's predicted saving, less those the estimate
-says will still not fit (their plan's verdict, a charge of `CLEAR_MISS` times the budget or more, no saving); a
-collective timeout its class's fixes (tunegrid.review.timeout_advice). Each candidate comes with the reference
-twin its loss parity is judged against (review.reference), where that is another cell.
+one the memory settings the grid lists, fewest settings and cheapest by their plans first, less those the estimate
+says will still not fit; a collective timeout its class's fixes (tunegrid.review.timeout_advice). Each candidate
+comes with the reference twin its loss parity is judged against (review.reference), where that is another cell.
 
 Every candidate also carries what its plan says of its rank before it runs, in the terms the recommender ranks
 fixes by: on a named target its modelled step time; on the machine itself the most tokens/s it could reach, its
@@ -28,7 +27,7 @@ from typing import Any
 from tunegrid.meanings import PRECISION_ROWS, QUANT_ROWS, precision_row
 from tunegrid.review.precision_advice import support_of
 from tunegrid.review.summary import summary_row
-from tunegrid.runtime.files import read_json
+from tunegrid.runtime.files import read_json, read_jsonl
 from tunegrid.study.config import Cell, cells_by_id
 from tunegrid.vocabulary import Outcome, axis_names
 
@@ -86,8 +85,6 @@ def result_row(path: str | Path) -> dict[str, Any]:
 
 def tokens_run(run_dir: Path) -> int:
     """The real tokens a cell trained on, from its metrics.jsonl (tokens/s x step time per step)."""
-    from tunegrid.runtime.files import read_jsonl
-
     metrics = run_dir / "metrics.jsonl"
     lines = read_jsonl(metrics) if metrics.is_file() else []
     return int(sum(line.get("tokens_per_s", 0) * line.get("step_time_s", 0) for line in lines))
@@ -191,8 +188,10 @@ def _memory_candidates(
     (`hardware.predicted_oom: skip`), a setting whose plan charges its budget `CLEAR_MISS` times over or more
     (`_clear_miss`), and a setting the estimate says saves nothing against the baseline, which did not fit. Nearer
     the budget the estimate does not decide: the baseline's own failure is the measurement. Ordered one setting at
-    a time first (the least change to the recipe), and among as many changes by the predicted saving, largest
-    first (the likeliest to fit)."""
+    a time first (the least change to the recipe; a smaller micro-batch with the accumulation that keeps the
+    effective batch is one setting), and among as many settings by what each plan bounds its cost at, cheapest
+    first (`_cost_order`: the report ranks fixes by throughput, so `--first` stops at the likeliest first one),
+    then by the predicted saving, largest first (the likeliest to fit)."""
     choice = Choice("oom", ranked_by=BY_THROUGHPUT)
     base_axes = baseline.axes()
     effective = baseline.batch_size * baseline.grad_accum
@@ -223,11 +222,25 @@ def _memory_candidates(
             continue
         why = f"predicted to save {saving / 2**20:.0f} MiB" if saving else "no estimate of its saving"
         saving = saving or 0
-        ranked.append((len(change), -saving, _bounded(Candidate(change, cell.cell_id, None, why), plans)))
-    for _, _, candidate in sorted(ranked, key=lambda item: item[:2]):
+        candidate = _bounded(Candidate(change, cell.cell_id, None, why), plans)
+        ranked.append((_settings_changed(change), _cost_order(candidate), -saving, candidate))
+    for *_, candidate in sorted(ranked, key=lambda item: item[:3]):
         candidate.reference = _reference(study, cells, cells[candidate.cell_id], baseline)
         choice.candidates.append(candidate)
     return choice
+
+
+def _settings_changed(change: dict[str, Any]) -> int:
+    """How many settings a memory change makes: batch_size and grad_accum changed together are one (the micro-batch)."""
+    return len(change) - (1 if {"batch_size", "grad_accum"} <= set(change) else 0)
+
+
+def _cost_order(candidate: Candidate) -> tuple[int, float]:
+    """A candidate's place by what its plan bounds its cost at, cheapest first: its step time modelled on a named
+    target, then the most tokens/s it could reach here, largest first; unbounded last."""
+    if candidate.modelled_step_s:
+        return 0, candidate.modelled_step_s
+    return (1, -candidate.ceiling_tokens_per_s) if candidate.ceiling_tokens_per_s else (2, 0.0)
 
 
 def _clear_miss(plan: dict[str, Any]) -> str:
