@@ -63,6 +63,29 @@ def step_peaks(run_dir: Path) -> list[int] | None:
     return [int(row["mem_peak_bytes"]) for row in rows if row.get("mem_peak_bytes") is not None]
 
 
+def checkpoint_record(folder: Path) -> dict:
+    """A model's checkpoint, where it is still there: the tensors' shapes as its headers hold them (a MoE's experts
+    one tensor per expert, as transformers 4.x loads them) and the files' size (what a 4.x load maps)."""
+    from tunegrid.prepare.checkpoint_headers import checkpoint_facts
+
+    if not list(folder.glob("*.safetensors")):
+        return {}
+    _, shapes, facts = checkpoint_facts(folder)
+    return {"shapes": shapes, "bytes": facts["checkpoint_bytes"]}
+
+
+def stack_record(spec: dict, study: Path) -> dict:
+    """For a cell on a library stack, what the stack changed in its estimate (tunegrid.study.stacks.StackMemory),
+    from the stack's record beside the study."""
+    from dataclasses import asdict
+
+    from tunegrid.study.stacks import read_stack_record, stack_memory
+
+    if not spec.get("stack"):
+        return {}
+    return {"stack_memory": asdict(stack_memory(read_stack_record(study / "stacks" / spec["stack"]["name"])))}
+
+
 def record(study: Path, host: str) -> dict:
     from tunegrid.runtime.files import read_json
 
@@ -73,11 +96,12 @@ def record(study: Path, host: str) -> dict:
         if plan_csv.exists()
         else {}
     )
-    cells, models = [], {}
+    cells, models, checkpoints = [], {}, {}
     for path in sorted(study.glob("runs/*/result.json")):
         result = read_json(path)
         spec, memory = result["cell"], result["memory"]
         models[spec["model"]["name"]] = {key: spec["model"][key] for key in ("architecture", "config")}
+        checkpoints[spec["model"]["name"]] = checkpoint_record(study / "models" / spec["model"]["name"])
         plan_file = study / "plans" / f"{result['cell_id']}.json"
         cells.append(
             {
@@ -85,6 +109,7 @@ def record(study: Path, host: str) -> dict:
                     **{key: spec[key] for key in SPEC_KEYS},
                     "train": {key: spec["train"][key] for key in TRAIN_KEYS},
                 },
+                **stack_record(spec, study),
                 "outcome": result["outcome"],
                 **{
                     key: memory.get(key)
@@ -117,6 +142,7 @@ def record(study: Path, host: str) -> dict:
         "environment": {name: os.environ[name] for name in SIMULATION_ENV if name in os.environ},
         "probe": {key: probe[key] for key in PROBE_KEYS if key in probe},  # a key the probe did not record: absent
         "models": models,  # the cells' models (by the name in their axes): architecture and config
+        "checkpoints": {name: found for name, found in checkpoints.items() if found},  # by model, where still there
         "cells": cells,
     }
 

@@ -21,6 +21,7 @@ from conftest import meta_model_shapes, recorded_run
 
 from tunegrid.cell_spec import CellSpec
 from tunegrid.prepare.memory_estimate import device_constants, estimate_from_shapes
+from tunegrid.study.stacks import BASE_STACK_MEMORY, StackMemory
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -32,7 +33,13 @@ def _runs(name: str) -> dict[str, dict]:
 DEFAULT = _runs("evidence-cpu-default-study.json")
 # configs/memory-fixes-cpu.yaml: torch/8-bit AdamW x activation checkpointing at a width where both matter
 FIXES = _runs("evidence-cpu-memory-fixes.json")
-RUNS = {f"default: {host}": run for host, run in DEFAULT.items()} | {f"memory-fixes: {h}": r for h, r in FIXES.items()}
+# configs/moe-stacks-cpu.yaml: a MoE on transformers 5.23 and, through a library stack, on 4.57.6
+STACKS = _runs("evidence-cpu-moe-stacks.json")
+RUNS = (
+    {f"default: {host}": run for host, run in DEFAULT.items()}
+    | {f"memory-fixes: {h}": r for h, r in FIXES.items()}
+    | {f"moe-stacks: {h}": r for h, r in STACKS.items()}
+)
 
 
 def _ratios(run: dict) -> dict[str, float]:
@@ -40,10 +47,21 @@ def _ratios(run: dict) -> dict[str, float]:
     for cell in run["cells"]:
         if cell["outcome"] != "ok":
             continue
-        spec = cell["spec"]
-        config, shapes = meta_model_shapes(run["models"][spec["axes"]["model"]])
+        spec, name = cell["spec"], cell["spec"]["axes"]["model"]
+        config, shapes = meta_model_shapes(run["models"][name])
+        # the checkpoint's own headers where recorded (a MoE's experts one tensor each, as 4.x loads them)
+        checkpoint = (run.get("checkpoints") or {}).get(name) or {}
+        shapes = checkpoint.get("shapes") or shapes
         constants = device_constants(run["probe"], spec["axes"]["precision"], cell["estimate_worker"], device="cpu")
-        estimate = estimate_from_shapes(CellSpec.from_json(spec), config, shapes, **constants)
+        stack = StackMemory(**cell["stack_memory"]) if "stack_memory" in cell else BASE_STACK_MEMORY
+        estimate = estimate_from_shapes(
+            CellSpec.from_json(spec),
+            config,
+            shapes,
+            **constants,
+            checkpoint_bytes=checkpoint.get("bytes", 0),
+            stack=stack,
+        )
         ratios[spec["cell_id"]] = estimate.estimate_bytes / cell["peak_bytes"]
     return ratios
 
@@ -98,3 +116,24 @@ def test_no_cell_grows_step_by_step():
             if cell["outcome"] == "ok" and cell["cpu_onednn_off"]:
                 assert cell["spec"]["axes"]["precision"] == "bf16"
                 assert cell["steady_peak_bytes"] <= 1.05 * cell["first_step_peak_bytes"], cell["spec"]["cell_id"]
+
+
+def test_a_stack_on_transformers_4_is_estimated_with_its_loader_and_its_imports():
+    """transformers 4.57.6 through a library stack: its load maps the checkpoint's files (their pages at the load's
+    peak beside the parameters) and bitsandbytes quantizes each expert's nn.Linear; its imports hold more than the
+    base's. Without those, the 4.x cells read 0.79 (none) and 0.85 (nf4) of their peak."""
+    for run in STACKS.values():
+        ratios = _ratios(run)
+        on_v4 = {cell: ratio for cell, ratio in ratios.items() if cell.endswith("_stack-transformers-v4")}
+        assert len(on_v4) == 2 and all(0.9 <= ratio <= 1.1 for ratio in on_v4.values()), on_v4
+        for cell in run["cells"]:
+            if cell["spec"]["cell_id"] in on_v4:
+                assert cell["stack_memory"]["mapped_load"] and not cell["stack_memory"]["fused_experts"]
+                assert cell["stack_memory"]["runtime_extra_bytes"] > 0
+        # the same cells as the base estimated them (the stack's record not read): the miss the issue measured
+        plain = {}
+        for cell in run["cells"]:
+            if cell["spec"]["cell_id"] in on_v4:
+                base_cell = {key: value for key, value in cell.items() if key != "stack_memory"}
+                plain.update(_ratios({**run, "cells": [base_cell]}))
+        assert all(ratio < 0.9 for cell, ratio in plain.items() if "_none_" in cell), plain

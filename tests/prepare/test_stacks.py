@@ -19,7 +19,15 @@ from conftest import make_study, snakemake_command, workflow_env
 
 from tunegrid.prepare.stacks import StackError, build_stack
 from tunegrid.study.config import ConfigError, cell_spec, cells_by_id, resolve_study
-from tunegrid.study.stacks import requirement, stack_dir, stack_key, stack_ref
+from tunegrid.study.stacks import (
+    BASE_STACK_MEMORY,
+    StackMemory,
+    requirement,
+    stack_dir,
+    stack_key,
+    stack_memory,
+    stack_ref,
+)
 
 BASE = {"python": "3.11.7", "prefix": "/opt/base", "platform": "linux"}
 
@@ -120,9 +128,25 @@ def test_a_stack_is_built_once_and_reused(local_index, tmp_path):
     assert seen.stdout.strip() == "0.5", seen.stderr
     freeze = (stack_dir(results, pins) / "pip-freeze.txt").read_text()
     assert "tg-stack-a==1.0" in freeze and "tg-stack-b==0.5" in freeze
+    # the runtime baselines of both interpreters, measured at the build: stacks of hand-made wheels import what the
+    # base does, so the two hold within a tenth of each other
+    baselines = record["runtime_baseline_bytes"]
+    assert baselines["stack"] > 2**27 and abs(baselines["stack"] - baselines["base"]) < 0.1 * baselines["base"]
     os.environ["PIP_FIND_LINKS"] = str(tmp_path / "gone")  # a second build would fail: it must not happen
     again = build_stack("ab-again", pins, results)
     assert again["reused"] is True and again["key"] == record["key"] and again["name"] == "ab-again"
+    assert again["runtime_baseline_bytes"] == baselines  # kept with the build, not measured again
+
+
+def test_what_a_stack_changes_in_the_estimate_follows_its_transformers_and_its_measured_imports():
+    v4 = {"versions": {"transformers": "4.57.6"}, "runtime_baseline_bytes": {"stack": 544 * 2**20, "base": 448 * 2**20}}
+    assert stack_memory(v4) == StackMemory(fused_experts=False, mapped_load=True, runtime_extra_bytes=96 * 2**20)
+    v5 = {**v4, "versions": {"transformers": "5.23.0"}}
+    assert stack_memory(v5) == StackMemory(runtime_extra_bytes=96 * 2**20)
+    # built by an earlier version (no baselines), a baseline that failed, or never built: nothing added
+    assert stack_memory({"versions": {"transformers": "4.57.6"}}).runtime_extra_bytes == 0
+    assert stack_memory({**v4, "runtime_baseline_bytes": {"stack": None, "base": 1}}).runtime_extra_bytes == 0
+    assert stack_memory({}) == BASE_STACK_MEMORY
 
 
 def test_pins_pip_cannot_resolve_are_refused_naming_the_conflict(local_index, tmp_path):

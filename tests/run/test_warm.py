@@ -111,7 +111,7 @@ def test_the_probe_forked_by_the_warm_worker_records_a_fresh_processs_baseline(w
     assert "runtime_baseline_bytes" not in miss["worker_runtime_bytes"]  # a cache entry's, not the record's
     # a fresh process's, as this test measures one (a fork of the warm worker holds ~20 % less: it maps its
     # parent's pages lazily), and the hit takes the miss's measurement
-    from tunegrid.run.calibration_cache import fresh_runtime_baseline_bytes
+    from tunegrid.prepare.stacks import fresh_runtime_baseline_bytes
 
     baseline, fresh = miss["runtime_baseline_bytes"], fresh_runtime_baseline_bytes()
     assert fresh and abs(baseline - fresh) < 0.05 * fresh, (baseline, fresh)

@@ -207,6 +207,13 @@ def get_stack_records(wildcards):
     return [str(PATHS.stack_record(name)) for name in STUDY["grid"]["stack"] if name in STUDY["stacks"]]
 
 
+def get_cell_stack_record(wildcards):
+    """The cell's library stack, built before its plan: the estimate reads what the stack changes (its imports'
+    memory, its transformers' loader) from the stack's record. None for a cell on the base stack."""
+    stack = get_cell(wildcards).stack
+    return [str(PATHS.stack_record(stack))] if stack in STUDY["stacks"] else []
+
+
 def get_tracking_file(wildcards):
     return [str(PATHS.tracking)] if TRACKING else []
 

@@ -40,6 +40,7 @@ rule cell_plan:
         spec=rules.cell_config.output.spec,  # re-made when the cell's spec changes, and the contract with it
         model=get_cell_model_dir,
         capabilities=rules.probe.output.capabilities,
+        stack=get_cell_stack_record,  # what the cell's library stack changes in its estimate
     output:
         plan=str(PATHS.cell_plan("{cell_id}")),
     log:

@@ -24,6 +24,7 @@ from tunegrid.cell_spec import CellSpec
 from tunegrid.contract import CellContract, CellJob, CellKernels, CellPlan, MemoryEstimate
 from tunegrid.runtime.files import read_json
 from tunegrid.runtime.workers import SPAWNED, planned_worker
+from tunegrid.study.stacks import BASE_STACK_MEMORY, StackMemory, read_stack_record, stack_memory
 
 # The job's request is the estimate with room to spare: the estimate models the tensors and the probe's
 # measured constants, not the allocator's fragmentation or the loader's transient copies.
@@ -83,11 +84,19 @@ def _estimate(
     from tunegrid.targets import cluster_shortfall, feasibility, gpu_shortfall, needs_cuda
 
     precision = spec.axes.precision
-    estimate = estimate_cell(spec, model_dir, **device_constants(capabilities, precision, worker, device=device))
+    constants = device_constants(capabilities, precision, worker, device=device)
+    estimate = estimate_cell(spec, model_dir, **constants, stack=_stack_memory(spec))
     verdict = feasibility(precision, target, spec.hardware, estimate.charge_bytes(device)) if target else None
     verdict = verdict or gpu_shortfall(spec, capabilities) or needs_cuda(spec, device)
     verdict = verdict or cluster_shortfall(spec, capabilities)
     return replace(estimate, verdict=str(verdict[0]), reason=str(verdict[1])) if verdict else estimate
+
+
+def _stack_memory(spec: CellSpec) -> StackMemory:
+    """What the cell's library stack changes in its estimate, from the stack's record (the base: nothing)."""
+    if spec.stack is None or not spec.stack.folder:
+        return BASE_STACK_MEMORY
+    return stack_memory(read_stack_record(spec.stack.folder))
 
 
 def _kernels(spec: CellSpec, model_dir: Path, capabilities: dict[str, Any], device: str) -> CellKernels:

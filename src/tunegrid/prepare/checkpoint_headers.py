@@ -49,10 +49,15 @@ def largest_tensor_on_disk(model_dir: str | Path) -> tuple[int, int]:
 
 
 def checkpoint_facts(model_dir: str | Path) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, Any]]:
-    """(config.json, tensor shapes, the estimate's checkpoint keywords: tokenizer_bytes and largest_on_disk)."""
+    """(config.json, tensor shapes, the estimate's checkpoint keywords: tokenizer_bytes, largest_on_disk and
+    checkpoint_bytes, the safetensors files' size)."""
     folder = Path(model_dir)
     config = json.loads((folder / "config.json").read_text())
     manifest = folder / "manifest.json"
     tokenizer = (json.loads(manifest.read_text()).get("tokenizer_resident_bytes") or 0) if manifest.exists() else 0
-    facts = {"tokenizer_bytes": int(tokenizer), "largest_on_disk": largest_tensor_on_disk(folder)}
+    facts = {
+        "tokenizer_bytes": int(tokenizer),
+        "largest_on_disk": largest_tensor_on_disk(folder),
+        "checkpoint_bytes": sum(path.stat().st_size for path in folder.glob("*.safetensors")),
+    }
     return config, tensor_shapes(folder), facts

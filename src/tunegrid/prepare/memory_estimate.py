@@ -31,6 +31,7 @@ from tunegrid.prepare.load_peaks import (
 )
 from tunegrid.prepare.weight_inventory import WeightInventory, weight_inventory
 from tunegrid.runtime.workers import SPAWNED
+from tunegrid.study.stacks import BASE_STACK_MEMORY, StackMemory
 from tunegrid.vocabulary import Quant
 
 # How nf4-experts quantizes the expert parameters. "load": each is quantized as it is read, one expert at
@@ -87,9 +88,10 @@ def estimate_cell(
     device: str = "cpu",
     step_overhead: int = 0,
     worker: str = SPAWNED,
+    stack: StackMemory = BASE_STACK_MEMORY,
 ) -> MemoryEstimate:
     config, shapes, facts = checkpoint_facts(model_dir)
-    return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, worker, **facts)
+    return estimate_from_shapes(spec, config, shapes, runtime, device, step_overhead, worker, stack=stack, **facts)
 
 
 # bitsandbytes' 8-bit optimizers keep fp32 states for tensors under min_8bit_size elements (its default)
@@ -234,27 +236,37 @@ def estimate_from_shapes(
     experts_quantized_at: str = EXPERTS_QUANTIZED_AT,
     tokenizer_bytes: int = 0,
     largest_on_disk: tuple[int, int] = (0, 0),
+    checkpoint_bytes: int = 0,
+    stack: StackMemory = BASE_STACK_MEMORY,
 ) -> MemoryEstimate:
     """The peak of one rank that trains on `device`, its worker on `worker`'s path (`runtime`, `step_overhead`:
     device_constants'). `tokenizer_bytes`: the model's tokenizer in memory (the checkpoint's manifest measured it),
     held beside everything else from the load on. `largest_on_disk`: elements and bytes per element of the
     checkpoint's largest tensor; where its disk dtype is not the storage dtype, every tensor is taken to be cast
-    as it loads (`load_peaks.cast_load_peak`)."""
+    as it loads (`load_peaks.cast_load_peak`). `checkpoint_bytes`: the safetensors files' size. `stack`: what the
+    cell's library stack changes (tunegrid.study.stacks.StackMemory): its imports' runtime, experts as nn.Linear
+    and a load through a mapping of the files on transformers 4.x."""
     config = _text_config(config)
     axes, train = spec.axes, spec.train
     # The tokenizer and a checkpoint's read and cast copies live in host memory: they are part of a CPU cell's
     # peak, never of a GPU's (measured on an H100, Gemma 3 270M from GGUF, fp16-residual: load peak 514 MiB for
     # 511 MiB of fp16 weights, where the CPU's load model gives 1.3 GiB)
     if device != "cpu":
-        tokenizer_bytes, largest_on_disk = 0, (0, 0)
+        tokenizer_bytes, largest_on_disk, checkpoint_bytes = 0, (0, 0), 0
+    else:
+        runtime += stack.runtime_extra_bytes
     row, quant = precision_row(axes.precision), quant_row(axes.quant)
     storage = row.bytes_per_value
-    tensors = weight_inventory(config, shapes, quant, storage, spec.lora)
+    tensors = weight_inventory(config, shapes, quant, storage, spec.lora, stack.fused_experts)
     activations, offloaded, logits = _step_tensors(spec, config, device, row, tensors.cast_numel)
     checkpointed = train.gradient_checkpointing
     kept_experts, dequant = _dequantized_copies(shapes, tensors, quant, storage, checkpointed, device)
     beside = (runtime, tokenizer_bytes)
     load = _load_peak(config, shapes, tensors, quant, storage, device, beside, experts_quantized_at, largest_on_disk)
+    if stack.mapped_load and device == "cpu":
+        # transformers 4.x reads through a mapping of the files: every page it read stays resident beside the
+        # parameters made from it until the load ends (cell.load.model.own_memory copies them out, then it closes)
+        load = runtime + tokenizer_bytes + tensors.weights + checkpoint_bytes
     transient = logits + dequant if device == "cpu" else max(logits, dequant)
     weights, weights_offloaded = _weights_on_device(tensors, train, device)
     lora_bytes = tensors.adapter_params * 4 * 2  # fp32 params and their grads

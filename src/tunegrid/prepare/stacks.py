@@ -135,6 +135,9 @@ def build_stack(
         if record_path.exists():
             record = json.loads(record_path.read_text())
             print(f"stack {name!r}: reusing {folder} (built {record['built_at']}, {record['build_s']:.0f} s)", file=log)
+            if "runtime_baseline_bytes" not in record:  # built by an earlier version: measured once, kept
+                record["runtime_baseline_bytes"] = runtime_baselines(stack_python(folder))
+                _write_record(record_path, record)
             return {**record, "name": name, "reused": True}
         started = time.time()
         venv = folder / "venv"
@@ -171,11 +174,39 @@ def build_stack(
             "build_s": round(time.time() - started, 1),
             "disk_bytes": _disk_bytes(venv),
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "runtime_baseline_bytes": runtime_baselines(python),
         }
-        tmp = record_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, record_path)  # written last: its presence is what "built" means
+        _write_record(record_path, record)  # written last: its presence is what "built" means
         return {**record, "reused": False}
+
+
+FRESH_BASELINE = "from tunegrid.runtime.memory import runtime_baseline_bytes\nprint(runtime_baseline_bytes())"
+SOURCE = Path(__file__).resolve().parent.parent.parent  # the folder tunegrid is imported from
+
+
+def fresh_runtime_baseline_bytes(python: str = "") -> int | None:
+    """The runtime baseline (tunegrid.runtime.memory.runtime_baseline_bytes) of a fresh process of `python` (a
+    library stack's interpreter; default this process's), tunegrid imported from where this process imports it;
+    None if it fails."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE), os.environ.get("PYTHONPATH")]))}
+    line = [python or sys.executable, "-c", FRESH_BASELINE]
+    done = subprocess.run(line, capture_output=True, text=True, env=env, timeout=900, check=False)
+    lines = done.stdout.strip().splitlines()
+    return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else None
+
+
+def runtime_baselines(python: Path) -> dict[str, int | None]:
+    """What a fresh process holds with the training stack imported (tunegrid.runtime.memory.runtime_baseline_bytes),
+    in the stack's interpreter and in the base's, one after the other: the memory estimate adds the difference to a
+    stack cell's runtime (tunegrid.study.stacks.stack_memory; transformers 4.57's imports hold ~90 MiB more than
+    5.23's on a CPU)."""
+    return {"stack": fresh_runtime_baseline_bytes(str(python)), "base": fresh_runtime_baseline_bytes()}
+
+
+def _write_record(path: Path, record: dict[str, Any]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def write_stack(name: str, pins: dict[str, str], results: str | Path, record_out: Path, freeze_out: Path) -> None:

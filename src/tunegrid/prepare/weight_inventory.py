@@ -84,12 +84,18 @@ def _expert_adapter_tensors(
 
 
 def weight_inventory(
-    config: dict[str, Any], shapes: dict[str, list[int]], quant: QuantRow, storage: int, lora: LoraSpec
+    config: dict[str, Any],
+    shapes: dict[str, list[int]],
+    quant: QuantRow,
+    storage: int,
+    lora: LoraSpec,
+    fused_experts: bool = True,
 ) -> WeightInventory:
     """The checkpoint's tensors (`shapes`, of a model whose text config is `config`) loaded with `quant` at
-    `storage` bytes a value and adapted as `lora` says."""
+    `storage` bytes a value and adapted as `lora` says. `fused_experts`: transformers builds a MoE layer's experts as
+    fused 3-D parameters (5.x); else (4.x) each expert is an nn.Linear, quantized and adapted as any linear layer."""
     vocab = int(config["vocab_size"])
-    moe = routed_experts(config) > 0
+    moe = routed_experts(config) > 0 and fused_experts
     regex = re.compile(lora.target_regex or "(?!)")  # peft full-matches a string against module names
     weights, experts_full, experts_final = 0.0, 0.0, 0.0
     cast_numel, largest_quantized = 0, 0

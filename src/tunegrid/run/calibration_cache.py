@@ -24,13 +24,13 @@ import importlib.metadata
 import json
 import os
 import platform
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import tunegrid
+from tunegrid.prepare.stacks import fresh_runtime_baseline_bytes
 from tunegrid.run.calibrate import ARITHMETICS
 from tunegrid.runtime.cache import cache_root, warn
 from tunegrid.runtime.files import write_json
@@ -159,15 +159,3 @@ def probe_record(budget_s: float, world_sizes: list[int]) -> dict[str, Any]:
     if measured_here is None:
         record[BASELINE] = baseline or fresh_runtime_baseline_bytes()
     return record
-
-
-FRESH_BASELINE = "from tunegrid.runtime.memory import runtime_baseline_bytes\nprint(runtime_baseline_bytes())"
-
-
-def fresh_runtime_baseline_bytes() -> int | None:
-    """The runtime baseline (tunegrid.runtime.memory.runtime_baseline_bytes) of a fresh process; None if it fails."""
-    source = str(PACKAGE_DIR.parent)  # the folder tunegrid is imported from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", FRESH_BASELINE], capture_output=True, text=True, env=env, timeout=900)
-    lines = done.stdout.strip().splitlines()
-    return int(lines[-1]) if done.returncode == 0 and lines and lines[-1].isdigit() else None

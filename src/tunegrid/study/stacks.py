@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +92,33 @@ def read_stack_record(folder: str | Path) -> dict[str, Any]:
     """The built stack's record, from its folder (results/stacks/<key>); empty where it was never built."""
     path = Path(folder) / RECORD_FILE
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+@dataclass(frozen=True)
+class StackMemory:
+    """What a cell's library stack changes in its memory estimate (tunegrid.prepare.memory_estimate), from the
+    stack's record. transformers 5 builds a MoE layer's experts as fused 3-D parameters, and tunegrid reads its
+    checkpoint into private memory; 4.x keeps one nn.Linear per expert (bitsandbytes quantizes each as any linear
+    layer) and reads through a mapping of the safetensors files, whose pages stay resident until the load ends
+    (tunegrid.cell.load.model.load_causal_lm). The stack's own imports hold more or less than the base's: the
+    difference of the two interpreters' runtime baselines, measured one after the other when the stack was built
+    (tunegrid.prepare.stacks)."""
+
+    fused_experts: bool = True
+    mapped_load: bool = False
+    runtime_extra_bytes: int = 0
+
+
+BASE_STACK_MEMORY = StackMemory()
+
+
+def stack_memory(record: dict[str, Any]) -> StackMemory:
+    """The stack's memory facts from its record (read_stack_record); the base's where it was never built."""
+    version = str((record.get("versions") or {}).get("transformers") or "")
+    if not version[:1].isdigit():
+        return BASE_STACK_MEMORY
+    major = int(version.split(".")[0])
+    baselines = record.get("runtime_baseline_bytes") or {}
+    stack, base = baselines.get("stack"), baselines.get("base")
+    extra = int(stack - base) if isinstance(stack, int) and isinstance(base, int) else 0
+    return StackMemory(fused_experts=major >= 5, mapped_load=major < 5, runtime_extra_bytes=extra)
