@@ -315,6 +315,26 @@ def test_study_names_a_file_or_renames_the_study(tmp_path, monkeypatch):
         study_config({}, {"study_path": str(study), "study": str(study)}, [])
 
 
+def test_an_override_that_narrows_an_axis_drops_the_files_exclusions_it_made_moot(tmp_path):
+    """`--config "grid={batch_size: [2]}"` on a study whose file excludes pairs of other batch sizes: those entries
+    exclude nothing any more and are dropped; an entry the override leaves in reach stays, and one the override
+    writes itself is checked as a file's is."""
+    grid = {"model": ["gemma3-hot"], "batch_size": [4, 1], "grad_accum": [1, 4], "quant": ["none", "nf4"]}
+    grid["exclude"] = [{"batch_size": 4, "grad_accum": 4}, {"batch_size": 1, "grad_accum": 1}, {"quant": "nf4"}]
+    study = tmp_path / "s.yaml"
+    study.write_text(yaml.safe_dump(make_study(grid=grid)))
+    narrowed = study_config({}, {"study": str(study), "grid": {"batch_size": "[2]"}}, [])
+    assert narrowed["grid"]["batch_size"] == [2] and narrowed["grid"]["exclude"] == [{"quant": "nf4"}]
+    load_study_from = tmp_path / "narrowed.yaml"
+    load_study_from.write_text(yaml.safe_dump(narrowed))
+    assert load_study(load_study_from)["grid"]["exclude"] == [{"quant": "nf4"}]  # valid as it stands
+    own = study_config({}, {"study": str(study), "grid": {"batch_size": "[2]", "exclude": "[{batch_size: 4}]"}}, [])
+    own_file = tmp_path / "own.yaml"
+    own_file.write_text(yaml.safe_dump(own))
+    with pytest.raises(ConfigError, match="'grid.exclude.0.batch_size': 4 is not a value of grid.batch_size"):
+        load_study(own_file)
+
+
 @pytest.mark.parametrize("shape", sorted(SNAKEMAKE_BOMBS))
 def test_snakemake_refuses_a_bomb_by_the_shown_study_form(tmp_path, shape):
     """Through Snakemake as README shows it: `--config study=<file>`. Refused naming the key, no traceback; the

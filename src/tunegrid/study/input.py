@@ -110,5 +110,24 @@ def study_config(config: dict[str, Any], overrides: Any, study_files: list[Any])
     problems = size_problems(config)  # what snakemake made of it all, overrides included
     if problems:
         raise ConfigError("invalid study config:\n  - " + "\n  - ".join(problems))
-    update_config(base, coerce_overrides(copy.deepcopy(overrides)))
-    return base
+    overrides = coerce_overrides(copy.deepcopy(overrides))
+    update_config(base, overrides)
+    return without_moot_exclusions(base, overrides.get("grid"))
+
+
+def without_moot_exclusions(study: dict[str, Any], grid_overrides: Any) -> dict[str, Any]:
+    """The study without the `grid.exclude` entries its files wrote for values a command-line override took out of
+    the grid (`--config "grid={batch_size: [2]}"` on a study that excludes batch_size 4 with grad_accum 4): such an
+    entry excludes nothing any more. An override that writes `grid.exclude` itself is checked as the file's is."""
+    grid = study.get("grid")
+    if not isinstance(grid_overrides, dict) or "exclude" in grid_overrides or not isinstance(grid, dict):
+        return study
+    listed = {axis: values for axis, values in grid_overrides.items() if isinstance(values, list)}
+    exclude = grid.get("exclude")
+    if isinstance(exclude, list):
+        grid["exclude"] = [
+            entry
+            for entry in exclude
+            if not isinstance(entry, dict) or all(value in listed.get(axis, [value]) for axis, value in entry.items())
+        ]
+    return study
