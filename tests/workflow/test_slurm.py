@@ -144,7 +144,13 @@ def test_one_interrupt_stops_the_workflow_and_cancels_its_jobs(tmp_path):
         line += ["--seconds-between-status-checks", "3", "--slurm-no-account"]
         with out.open("w") as sink:
             proc = subprocess.Popen(
-                line, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+                line,
+                cwd=REPO,
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_interruptible,
             )
         try:
             deadline = time.time() + 300
@@ -164,6 +170,13 @@ def test_one_interrupt_stops_the_workflow_and_cancels_its_jobs(tmp_path):
         assert queue.strip() == "", f"jobs left in the queue after one interrupt: {queue}"
         assert "Terminating processes on user request" in out.read_text()
     assert subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True).stdout == b"", "no processes left behind"
+
+
+def _interruptible() -> None:
+    """Snakemake with Ctrl-C's default action, as at a terminal: a process started in the background of a shell
+    without job control (`cmd &` in a script) inherits SIGINT ignored, and Python then never turns it into
+    KeyboardInterrupt, so the workflow would not see the interrupt at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _a_cell_job_runs(out: Path, env: dict[str, str]) -> bool:
